@@ -1,0 +1,33 @@
+"""influkit: trace a (finetuned) model's predictions back to the training and pretraining data that shaped them."""
+
+from .errors import (
+    ConvergenceWarning,
+    InfluenceError,
+    InputError,
+    LossError,
+    ModelModeError,
+    NumericalError,
+    ParameterError,
+)
+from .influence import influence, self_influence
+from .results import InfluenceResult, load
+from .solvers import Solution, solve
+from .stage import Stage
+
+__all__ = [
+    "ConvergenceWarning",
+    "InfluenceError",
+    "InfluenceResult",
+    "InputError",
+    "LossError",
+    "ModelModeError",
+    "NumericalError",
+    "ParameterError",
+    "Solution",
+    "Stage",
+    "influence",
+    "load",
+    "self_influence",
+    "solve",
+]
+__version__ = "0.1.0"

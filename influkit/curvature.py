@@ -1,0 +1,221 @@
+"""Gradients and Hessian-vector products of a stage objective by double backprop with ``torch.func``.
+
+For the objective L(θ) = (1/n) Σ_i ℓ_i(θ) + R(θ) of a :class:`~influkit.stage.Stage`,
+``hvp`` returns H·v = ∇²L(θ)·v without forming H: forward-over-reverse ``jvp(grad(L))`` by default
+(one forward-mode pass through the backward graph), or reverse-over-reverse ``vjp(grad(L))``. The data
+are streamed in batches and the products summed, so memory does not grow with n.
+
+Mixed second derivatives are the same product taken over the union of two parameter blocks: with the
+tangent non-zero only in block B, the A-part of the result is ∂²L/∂A∂B · v_B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch.func import grad, jvp, vjp, vmap
+
+from .errors import InputError, NumericalError
+from .stage import Params, Stage
+
+HVP_MODES = ("fwd-rev", "rev-rev")
+
+
+class ParamSpace:
+    """Flattening of a named parameter block to vectors: dict ↔ (p,) and batched dict (k, ...) ↔ (p, k)."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor]):
+        self.names = list(params)
+        self.shapes = [params[n].shape for n in self.names]
+        self.sizes = [params[n].numel() for n in self.names]
+        first = params[self.names[0]]
+        self.dtype, self.device = first.dtype, first.device
+
+    @property
+    def dim(self) -> int:
+        return sum(self.sizes)
+
+    def flatten(self, tensors: Mapping[str, torch.Tensor], batched: bool = False) -> torch.Tensor:
+        """(p,) from a dict; with ``batched`` a dict of (k, *shape) gives (p, k)."""
+        if batched:
+            return torch.cat([tensors[n].reshape(tensors[n].shape[0], -1) for n in self.names], dim=1).T
+        return torch.cat([tensors[n].reshape(-1) for n in self.names])
+
+    def unflatten(self, vec: torch.Tensor) -> Params:
+        """A dict from (p,), or a dict of (k, *shape) from (p, k)."""
+        if vec.shape[0] != self.dim:
+            raise InputError(f"vector has {vec.shape[0]} entries, the parameter block has {self.dim}.")
+        parts = torch.split(vec, self.sizes, dim=0)
+        if vec.dim() == 1:
+            return {n: part.reshape(shape) for n, part, shape in zip(self.names, parts, self.shapes)}
+        k = vec.shape[1]
+        return {n: part.T.reshape(k, *shape) for n, part, shape in zip(self.names, parts, self.shapes)}
+
+    def zeros(self, k: int | None = None) -> torch.Tensor:
+        shape = (self.dim,) if k is None else (self.dim, k)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+
+def sample_indices(n: int, samples: int | None, seed: int = 0) -> torch.Tensor | None:
+    """A seeded random subset of ``samples`` of ``range(n)``, or None for all of it."""
+    if samples is None or samples >= n:
+        return None
+    if samples <= 0:
+        raise InputError(f"hessian_samples must be positive, got {samples}.")
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(n, generator=gen)[:samples].sort().values
+
+
+def _batch_objective(stage: Stage, extra=None):
+    """f(p; x, y, scale, with_reg) = scale·Σ_batch ℓ + [R(p) + extra(p)]: one batch's share of the objective."""
+
+    def term(params: Params, inputs, targets, scale: float, with_reg: bool):
+        value = stage.losses(params, inputs, targets).sum() * scale
+        if with_reg:
+            reg = stage.regularization(params)
+            if reg is not None:
+                value = value + reg
+            if extra is not None:
+                value = value + extra(params)
+        return value
+
+    return term
+
+
+def gradient(
+    stage: Stage,
+    names: Sequence[str],
+    indices: torch.Tensor | None = None,
+    at: Params | None = None,
+    extra=None,
+) -> Params:
+    """∇ over ``names`` of the objective mean loss + R (+ ``extra``), over ``indices`` (default: all data)."""
+    params = _point(stage, names, at)
+    n = len(stage) if indices is None else len(indices)
+    term = _batch_objective(stage, extra)
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    for b, (x, y) in enumerate(stage.batches(indices)):
+        g = grad(term)(params, x, y, 1.0 / n, b == 0)
+        for k in total:
+            total[k] += g[k]
+    return total
+
+
+def hvp(
+    stage: Stage,
+    tangents: Mapping[str, torch.Tensor],
+    *,
+    indices: torch.Tensor | None = None,
+    at: Params | None = None,
+    batched: bool = False,
+    mode: str = "fwd-rev",
+    extra=None,
+) -> Params:
+    """H·v over the parameter block named by ``tangents``' keys, for the objective over ``indices``.
+
+    tangents: dict name -> v (same shape as the parameter), or (k, *shape) with ``batched`` for k products.
+    at: parameter values to differentiate at (default: the model's current values).
+    extra: an additional term extra(params) -> scalar in the objective (e.g. a proximal penalty).
+    """
+    if mode not in HVP_MODES:
+        raise InputError(f"unknown HVP mode {mode!r}; use one of {HVP_MODES}.")
+    names = list(tangents)
+    params = _point(stage, names, at)
+    n = len(stage) if indices is None else len(indices)
+    term = _batch_objective(stage, extra)
+
+    def product(p, v, x, y, with_reg):
+        g = lambda q: grad(term)(q, x, y, 1.0 / n, with_reg)  # noqa: E731
+        if mode == "fwd-rev":
+            return jvp(g, (p,), (v,))[1]
+        return vjp(g, p)[1](v)[0]
+
+    apply = vmap(product, in_dims=(None, 0, None, None, None)) if batched else product
+    total = {k: torch.zeros_like(v) for k, v in tangents.items()}
+    for b, (x, y) in enumerate(stage.batches(indices)):
+        out = apply(params, dict(tangents), x, y, b == 0)
+        for k in total:
+            total[k] += out[k]
+    for k, v in total.items():
+        if not torch.isfinite(v).all():
+            raise NumericalError(
+                f"the Hessian-vector product is not finite in {k!r}; check the model for overflow "
+                "(e.g. train in float64) and the inputs for extreme values."
+            )
+    return total
+
+
+def _point(stage: Stage, names: Sequence[str], at: Params | None) -> Params:
+    state = stage.state()
+    unknown = [n for n in names if n not in state]
+    if unknown:
+        from .errors import ParameterError
+
+        raise ParameterError(f"unknown parameter names {unknown}; the model has {list(state)[:8]}...")
+    return {n: (at[n] if at is not None and n in at else state[n]) for n in names}
+
+
+class HessianOperator:
+    """The Hessian of a stage objective over a parameter block, as a linear operator on flat vectors.
+
+    H = ∇²_θ [(1/s) Σ_{i∈S} ℓ_i(θ) + R(θ) + extra(θ)], with S all data or a seeded sample of ``samples``
+    examples (``hessian_samples``). ``matvec`` takes (p,) or (p, k); ``dense`` builds the p×p matrix.
+    """
+
+    def __init__(
+        self,
+        stage: Stage,
+        names: Sequence[str] | None = None,
+        *,
+        samples: int | None = None,
+        seed: int = 0,
+        mode: str = "fwd-rev",
+        extra=None,
+        at: Params | None = None,
+    ):
+        self.stage = stage
+        self.names = list(stage.param_names if names is None else names)
+        self.at = at
+        self.space = ParamSpace(_point(stage, self.names, at))
+        self.indices = sample_indices(len(stage), samples, seed)
+        self.mode = mode
+        self.extra = extra
+        self.products = 0
+
+    @property
+    def dim(self) -> int:
+        return self.space.dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.space.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.space.device
+
+    def matvec(self, vec: torch.Tensor) -> torch.Tensor:
+        """H·vec for vec of shape (p,) or (p, k)."""
+        batched = vec.dim() == 2
+        out = hvp(
+            self.stage,
+            self.space.unflatten(vec),
+            indices=self.indices,
+            at=self.at,
+            batched=batched,
+            mode=self.mode,
+            extra=self.extra,
+        )
+        self.products += vec.shape[1] if batched else 1
+        return self.space.flatten(out, batched=batched)
+
+    __call__ = matvec
+
+    def dense(self, chunk: int = 256) -> torch.Tensor:
+        """The explicit p×p Hessian, built from products with blocks of unit vectors (O(p) HVPs)."""
+        p = self.dim
+        eye = torch.eye(p, dtype=self.dtype, device=self.device)
+        cols = [self.matvec(eye[:, s : s + chunk]) for s in range(0, p, chunk)]
+        h = torch.cat(cols, dim=1)
+        return 0.5 * (h + h.T)

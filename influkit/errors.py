@@ -1,0 +1,32 @@
+"""Errors and warnings raised by influkit; every message says what to change."""
+
+
+class InfluenceError(Exception):
+    """Base class of every error influkit raises on purpose."""
+
+
+class InputError(InfluenceError, ValueError):
+    """Data or arguments of the wrong shape, type, size or content (NaN, empty)."""
+
+
+class ParameterError(InfluenceError, KeyError):
+    """A parameter name or prefix that does not match the model, or mismatched parameter shapes."""
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class LossError(InfluenceError, ValueError):
+    """A loss function that does not return one finite value per example."""
+
+
+class ModelModeError(InfluenceError, RuntimeError):
+    """A model left in train mode with dropout or batch-norm layers."""
+
+
+class NumericalError(InfluenceError, FloatingPointError):
+    """NaN or Inf appeared in a gradient, Hessian-vector product or solver iterate."""
+
+
+class ConvergenceWarning(UserWarning):
+    """An iterative solver stopped before reaching its tolerance; the message gives the residual."""

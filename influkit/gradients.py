@@ -1,0 +1,111 @@
+"""Per-example gradients ∇_θ ℓ(z_i; θ) by ``vmap(grad(...))`` in bounded-memory chunks.
+
+``per_example_grads`` returns the (N, p) matrix; ``project_per_example_grads`` streams it and returns only
+G·S for a (p, k) matrix S, so memory stays O(chunk·p) however many examples are scored. The serial
+autograd loop ``per_example_grads_serial`` is the reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.func import grad, vmap
+from tqdm.auto import tqdm
+
+from .curvature import ParamSpace, _point
+from .stage import Params, Stage, check_finite
+
+
+def _single_loss(stage: Stage):
+    def loss(params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return stage.losses(params, x.unsqueeze(0), y.unsqueeze(0)).squeeze(0)
+
+    return loss
+
+
+def _chunks(inputs: torch.Tensor, targets: torch.Tensor, chunk_size: int, progress: bool, desc: str):
+    starts = range(0, inputs.shape[0], chunk_size)
+    for s in tqdm(starts, desc=desc, disable=not progress, leave=False):
+        yield inputs[s : s + chunk_size], targets[s : s + chunk_size]
+
+
+def per_example_grads(
+    stage: Stage,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    names: Sequence[str] | None = None,
+    *,
+    at: Params | None = None,
+    chunk_size: int = 128,
+    progress: bool = False,
+) -> torch.Tensor:
+    """(N, p): row i is ∇ ℓ(x_i, y_i) over the parameters ``names`` (default: the trained ones), flattened."""
+    names = stage.param_names if names is None else list(names)
+    params = _point(stage, names, at)
+    space = ParamSpace(params)
+    per_grad = vmap(grad(_single_loss(stage)), in_dims=(None, 0, 0))
+    check_finite(inputs, "inputs")
+    rows = []
+    for x, y in _chunks(inputs, targets, chunk_size, progress, "per-example gradients"):
+        rows.append(space.flatten(per_grad(params, x, y), batched=True).T)
+    return torch.cat(rows, dim=0)
+
+
+def project_per_example_grads(
+    stage: Stage,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    directions: torch.Tensor,
+    names: Sequence[str] | None = None,
+    *,
+    at: Params | None = None,
+    chunk_size: int = 128,
+    progress: bool = False,
+) -> torch.Tensor:
+    """(N, k) = G · directions, with G the (N, p) per-example gradients, never holding more than a chunk of G."""
+    names = stage.param_names if names is None else list(names)
+    params = _point(stage, names, at)
+    space = ParamSpace(params)
+    per_grad = vmap(grad(_single_loss(stage)), in_dims=(None, 0, 0))
+    check_finite(inputs, "inputs")
+    cols = directions.reshape(space.dim, -1)
+    rows = []
+    for x, y in _chunks(inputs, targets, chunk_size, progress, "per-example gradients"):
+        rows.append(space.flatten(per_grad(params, x, y), batched=True).T @ cols)
+    return torch.cat(rows, dim=0)
+
+
+def per_example_grads_serial(
+    stage: Stage, inputs: torch.Tensor, targets: torch.Tensor, names: Sequence[str] | None = None
+) -> torch.Tensor:
+    """(N, p) by one ``torch.autograd.grad`` call per example: slow, the reference for tests."""
+    names = stage.param_names if names is None else list(names)
+    params = {n: t.clone().requires_grad_(True) for n, t in _point(stage, names, None).items()}
+    rows = []
+    for i in range(inputs.shape[0]):
+        loss = stage.losses(params, inputs[i : i + 1], targets[i : i + 1]).sum()
+        grads = torch.autograd.grad(loss, [params[n] for n in names])
+        rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    return torch.stack(rows)
+
+
+def total_grad(
+    stage: Stage,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    names: Sequence[str] | None = None,
+    *,
+    at: Params | None = None,
+    chunk_size: int = 512,
+) -> torch.Tensor:
+    """(p,) = Σ_i ∇ ℓ(x_i, y_i) over ``names``: the gradient of the summed loss, streamed in chunks."""
+    names = stage.param_names if names is None else list(names)
+    params = _point(stage, names, at)
+    space = ParamSpace(params)
+    check_finite(inputs, "inputs")
+    summed = grad(lambda p, x, y: stage.losses(p, x, y).sum())
+    total = space.zeros()
+    for x, y in _chunks(inputs, targets, chunk_size, False, ""):
+        total += space.flatten(summed(params, x, y))
+    return total

@@ -1,0 +1,179 @@
+"""``Stage``: one training stage — model, per-example loss, data, trained parameters, regularizer.
+
+The stage's objective is the mean loss over its data plus the regularizer (DESIGN §1):
+
+    L(θ) = (1/n) Σ_i loss(model(x_i; θ), y_i) + R(θ).
+
+Everything influkit differentiates goes through :meth:`Stage.losses`, a pure function of a parameter dict
+(``torch.func.functional_call``), so the model's own parameters are never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from .data import Batch, ExampleSource
+from .errors import InputError, LossError, ModelModeError, ParameterError
+
+Params = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Regularizer = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
+
+_STOCHASTIC_LAYERS = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
+
+
+def check_eval_mode(model: nn.Module) -> None:
+    """Raise :class:`ModelModeError` if a dropout or batch-norm layer of ``model`` is in train mode."""
+    offending = [
+        name or type(model).__name__
+        for name, module in model.named_modules()
+        if isinstance(module, _STOCHASTIC_LAYERS) and module.training
+    ]
+    if offending:
+        raise ModelModeError(
+            f"layers {offending[:5]} are in train mode, so the loss is random (dropout) or depends on the "
+            "batch (batch-norm) and has no well-defined Hessian; call model.eval() before computing influence."
+        )
+
+
+def resolve_names(model: nn.Module, selectors: str | Iterable[str] | None) -> list[str]:
+    """Parameter names of ``model`` selected by exact names or module prefixes (default: all requiring grad)."""
+    all_names = [name for name, _ in model.named_parameters()]
+    if selectors is None:
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        if not names:
+            raise ParameterError("the model has no parameter that requires grad; pass params= explicitly.")
+        return names
+    if isinstance(selectors, str):
+        selectors = [selectors]
+    chosen: list[str] = []
+    for sel in selectors:
+        hits = [n for n in all_names if n == sel or n.startswith(sel.rstrip(".") + ".")]
+        if not hits:
+            raise ParameterError(
+                f"{sel!r} matches no parameter of {type(model).__name__}; "
+                f"known names start with: {sorted({n.split('.')[0] for n in all_names})}."
+            )
+        chosen.extend(h for h in hits if h not in chosen)
+    return [n for n in all_names if n in chosen]
+
+
+class Stage:
+    """A training stage whose objective is ``mean_i loss(model(x_i), y_i) + regularizer(params)``.
+
+    model: an ``nn.Module`` in eval mode (dropout and batch-norm would make the objective random).
+    loss: ``loss(outputs, targets) -> (B,)`` per-example losses (``reduction='none'``).
+    data: (inputs, targets) tensors, a map-style Dataset or a DataLoader — the set the objective averages over.
+    params: names or module prefixes of the trained parameters (default: every parameter requiring grad).
+    regularizer: ``regularizer(dict name -> tensor of the trained params) -> scalar`` added to the mean loss.
+    batch_size: examples per streamed batch for gradients and Hessian-vector products.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: LossFn,
+        data,
+        params: str | Iterable[str] | None = None,
+        regularizer: Regularizer | None = None,
+        *,
+        batch_size: int | None = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        if not callable(loss):
+            raise InputError("loss must be callable as loss(outputs, targets) -> per-example losses (B,).")
+        check_eval_mode(model)
+        self.model = model
+        self.loss = loss
+        self.regularizer = regularizer
+        self.device = next(iter(model.parameters())).device
+        self.data = ExampleSource(data, device=self.device, batch_size=batch_size)
+        self.param_names = resolve_names(model, params)
+        self._check_loss()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __repr__(self) -> str:
+        return (
+            f"Stage({type(self.model).__name__}, n={len(self)}, "
+            f"trained={len(self.param_names)} tensors / {self.num_trained} values)"
+        )
+
+    @property
+    def num_trained(self) -> int:
+        """Number of scalar trained parameters."""
+        named = dict(self.model.named_parameters())
+        return sum(named[n].numel() for n in self.param_names)
+
+    def state(self) -> Params:
+        """Current values of every parameter and buffer of the model, detached."""
+        tensors = {n: p.detach() for n, p in self.model.named_parameters()}
+        tensors.update({n: b.detach() for n, b in self.model.named_buffers()})
+        return tensors
+
+    def trained(self) -> Params:
+        """Current values of the trained parameters, detached."""
+        state = self.state()
+        return {n: state[n] for n in self.param_names}
+
+    def select(self, selectors: str | Iterable[str] | None) -> list[str]:
+        """Parameter names selected by names/prefixes (default: the trained parameters)."""
+        return list(self.param_names) if selectors is None else resolve_names(self.model, selectors)
+
+    def outputs(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
+        """Model outputs with ``params`` overriding the model's own parameters (a pure function)."""
+        merged = self.state()
+        merged.update(params)
+        return functional_call(self.model, merged, (inputs,))
+
+    def losses(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-example losses (B,) at ``params``."""
+        return self.loss(self.outputs(params, inputs), targets)
+
+    def regularization(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """R at ``params`` (the trained parameters, with ``params`` overriding current values), or None."""
+        if self.regularizer is None:
+            return None
+        state = self.state()
+        trained = {n: params[n] if n in params else state[n] for n in self.param_names}
+        return self.regularizer(trained)
+
+    def batches(self, indices: torch.Tensor | None = None, batch_size: int | None = None) -> Iterator[Batch]:
+        """Stream (inputs, targets) batches, refusing inputs with NaN or Inf."""
+        for inputs, targets in self.data.batches(indices, batch_size):
+            check_finite(inputs, "inputs")
+            yield inputs, targets
+
+    def objective(self, params: Mapping[str, torch.Tensor] | None = None, indices: torch.Tensor | None = None) -> torch.Tensor:
+        """The stage objective mean loss + R at ``params`` (default: current values), over ``indices``."""
+        params = self.trained() if params is None else params
+        n = len(self) if indices is None else len(indices)
+        total = sum(self.losses(params, x, y).sum() for x, y in self.batches(indices))
+        reg = self.regularization(params)
+        return total / n + (reg if reg is not None else 0.0)
+
+    def _check_loss(self) -> None:
+        inputs, targets = self.data.take(torch.arange(min(2, len(self))))
+        check_finite(inputs, "inputs")
+        with torch.no_grad():
+            out = self.losses(self.trained(), inputs, targets)
+        if not torch.is_tensor(out) or out.shape != (inputs.shape[0],):
+            shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+            raise LossError(
+                f"loss returned {shape} for a batch of {inputs.shape[0]} examples; it must return one "
+                "value per example, shape (B,): use reduction='none' (e.g. nn.CrossEntropyLoss(reduction='none'))."
+            )
+        if not torch.isfinite(out).all():
+            raise LossError("loss returned NaN or Inf on the first examples; check the targets and the model.")
+
+
+def check_finite(tensor: torch.Tensor, what: str) -> None:
+    """Raise :class:`InputError` if a floating tensor holds NaN or Inf."""
+    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        raise InputError(f"{what} contain NaN or Inf; clean or impute them before computing influence.")

@@ -1,0 +1,111 @@
+"""Training a stage to its optimum: full-batch L-BFGS (convex or small problems) and seeded mini-batch Adam.
+
+Influence functions assume θ̂ minimizes the stage objective; these trainers update the model's trained
+parameters in place and report how close to stationarity they got (‖∇L‖).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from .curvature import HessianOperator, gradient
+from .solvers import solve
+from .stage import Stage
+
+
+def fit_lbfgs(
+    stage: Stage, *, max_iter: int = 500, tol: float = 1e-10, history: int = 50, restarts: int = 5
+) -> float:
+    """Minimize the stage objective over its trained parameters with full-batch L-BFGS; return ‖∇L‖ at the end.
+
+    L-BFGS may stall on its change tolerance before ‖∇L‖ ≤ tol; it is then restarted (fresh curvature
+    memory) up to ``restarts`` times.
+    """
+    named = dict(stage.model.named_parameters())
+    params = [named[n] for n in stage.param_names]
+    opt = torch.optim.LBFGS(
+        params,
+        lr=1.0,
+        max_iter=max_iter,
+        tolerance_grad=tol,
+        tolerance_change=1e-14,
+        history_size=history,
+        line_search_fn="strong_wolfe",
+    )
+
+    def closure():
+        opt.zero_grad()
+        value = stage.objective({n: named[n] for n in stage.param_names})
+        value.backward()
+        return value
+
+    norm = math.inf
+    for _ in range(restarts + 1):
+        opt.step(closure)
+        norm = gradient_norm(stage)
+        if norm <= tol:
+            break
+        opt.state.clear()
+    return norm
+
+
+def gradient_norm(stage: Stage) -> float:
+    """‖∇L(θ)‖ over the trained parameters at their current values (0 at an exact optimum)."""
+    g = gradient(stage, stage.param_names)
+    return float(torch.sqrt(sum((v**2).sum() for v in g.values())))
+
+
+def train_adam(
+    stage: Stage,
+    *,
+    steps: int,
+    lr: float = 1e-3,
+    batch_size: int = 128,
+    seed: int = 0,
+    exclude: torch.Tensor | None = None,
+    progress: bool = False,
+) -> None:
+    """``steps`` Adam steps on the stage objective with seeded mini-batches, in place.
+
+    exclude: example indices left out; the remaining examples keep the order they would have had, so a
+    leave-one-out run sees the same batches minus the removed example.
+    """
+    named = dict(stage.model.named_parameters())
+    trained = {n: named[n] for n in stage.param_names}
+    opt = torch.optim.Adam(trained.values(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    n = len(stage)
+    keep = torch.ones(n, dtype=torch.bool)
+    if exclude is not None:
+        keep[torch.as_tensor(exclude)] = False
+    order = torch.empty(0, dtype=torch.long)
+    for _ in tqdm(range(steps), desc="adam", disable=not progress, leave=False):
+        if order.numel() < batch_size:
+            perm = torch.randperm(n, generator=gen)
+            order = torch.cat([order, perm[keep[perm]]])
+        idx, order = order[:batch_size], order[batch_size:]
+        x, y = stage.data.take(idx)
+        opt.zero_grad()
+        loss = stage.losses(trained, x, y).mean()
+        reg = stage.regularization(trained)
+        (loss + (reg if reg is not None else 0.0)).backward()
+        opt.step()
+
+
+def newton_refine(stage: Stage, *, steps: int = 3, damping: float = 0.0) -> float:
+    """Newton steps θ ← θ − (H + λI)⁻¹∇L with the dense Hessian (small p); return ‖∇L‖ at the end.
+
+    Polishes an L-BFGS solution below the gradient norm that line searches on float64 loss values reach.
+    """
+    named = dict(stage.model.named_parameters())
+    operator = HessianOperator(stage)
+    for _ in range(steps):
+        g = operator.space.flatten(gradient(stage, stage.param_names))
+        step = solve(operator, g, "direct", damping=damping).x
+        with torch.no_grad():
+            for name, delta in operator.space.unflatten(step).items():
+                named[name].sub_(delta)
+    return gradient_norm(stage)

@@ -1,0 +1,178 @@
+"""Turn-over dropout influence (Kobayashi et al. 2020) from forward passes only.
+
+Sign convention (influkit's, DESIGN §1: positive = harmful): for training example i and test point x,
+
+    values[i] = L(x; m_i) − L(x; 1 − m_i)
+
+the loss of the sub-network trained on i minus the loss of the sub-network that never saw i. Positive means
+training on i raised the loss on x. The paper reports the opposite sign (L(1 − m_i) − L(m_i), positive =
+helpful). Results carry ``n_train=1``, so ``result.removal = −values = L(x; 1 − m_i) − L(x; m_i)``: the
+estimated change of the test loss when i is removed (loss without i minus loss with i).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+from ..errors import InputError, LossError
+from ..results import InfluenceResult
+from .layers import model_with_ids, turnover_layers
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _as_ids(ids: Sequence[int] | torch.Tensor, n: int | None = None) -> torch.Tensor:
+    ids = torch.as_tensor(ids)
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise InputError(f"train_ids must be a non-empty 1-D sequence of example ids, got shape {tuple(ids.shape)}.")
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        raise InputError(f"train_ids must be integers, got dtype {ids.dtype}.")
+    ids = ids.to(torch.int64)
+    if int(ids.min()) < 0 or (n is not None and int(ids.max()) >= n):
+        raise InputError(f"train_ids must lie in [0, {n if n is not None else 'n'}), got {int(ids.min())}..{int(ids.max())}.")
+    return ids
+
+
+def _as_pair(data: tuple[torch.Tensor, torch.Tensor] | Dataset, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(data, Dataset):
+        items = [data[i] for i in range(len(data))]
+        if not items:
+            raise InputError(f"{name} is empty.")
+        data = (torch.stack([torch.as_tensor(x) for x, _ in items]), torch.stack([torch.as_tensor(y) for _, y in items]))
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        raise InputError(f"{name} must be a pair (inputs, targets) of tensors or a Dataset of such pairs.")
+    inputs, targets = (torch.as_tensor(t) for t in data)
+    if inputs.dim() == 0 or targets.dim() == 0 or inputs.shape[0] != targets.shape[0]:
+        raise InputError(
+            f"{name}: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} need the same first dimension."
+        )
+    if inputs.shape[0] == 0:
+        raise InputError(f"{name} is empty.")
+    for tensor in (inputs, targets):
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise InputError(f"{name} contains NaN or Inf; clean or impute it first.")
+    return inputs, targets
+
+
+def _losses(model: nn.Module, loss: LossFn, ids: torch.Tensor, x: torch.Tensor, y: torch.Tensor, flip: bool) -> torch.Tensor:
+    with model_with_ids(model, ids, flip=flip):
+        out = loss(model(x), y)
+    if out.shape != (x.shape[0],):
+        raise LossError(
+            f"loss returned shape {tuple(out.shape)}; it must return one loss per example, shape ({x.shape[0]},)."
+        )
+    if not torch.isfinite(out).all():
+        raise LossError("loss returned NaN or Inf on a sub-network; check the model and the inputs.")
+    return out
+
+
+class _EvalMode:
+    """Puts a model in eval mode (TurnOverDropout is driven by routed ids, not by the mode) and restores it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.modes = {m: m.training for m in model.modules()}
+
+    def __enter__(self) -> nn.Module:
+        self.model.eval()
+        return self.model
+
+    def __exit__(self, *exc: object) -> None:
+        for module, mode in self.modes.items():
+            module.training = mode
+
+
+def influence(
+    model: nn.Module,
+    loss: LossFn,
+    train_ids: Sequence[int] | torch.Tensor,
+    x_test: tuple[torch.Tensor, torch.Tensor] | Dataset,
+    *,
+    per_test: bool = False,
+    batch_size: int = 1024,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+) -> InfluenceResult:
+    """Returns the turn-over influence of each training example in ``train_ids`` on the test points ``x_test``.
+
+    values[i, t] = L(x_t; m_i) − L(x_t; 1 − m_i) (positive = training on i raised the loss on x_t), summed
+    over t unless ``per_test``; ``removal = −values`` (n_train=1) is the estimated change of the test loss
+    when i is removed. Uses 2·len(train_ids)·len(x_test) example-forward passes under ``torch.no_grad()``,
+    grouped into batches of about ``batch_size`` (train id, test point) pairs; the model is evaluated in eval
+    mode and its modes are restored afterwards. loss(outputs, targets) returns per-example losses (B,).
+    """
+    turnover_layers(model)
+    ids = _as_ids(train_ids)
+    inputs, targets = _as_pair(x_test, "x_test")
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    inputs, targets = inputs.to(device), targets.to(device)
+    n_test = inputs.shape[0]
+    test_chunk = min(n_test, batch_size)
+    train_chunk = max(1, batch_size // test_chunk)
+    values = torch.empty(ids.shape[0], n_test, dtype=torch.float64)
+    start = time.perf_counter()
+    with torch.no_grad(), _EvalMode(model.to(device)):
+        for first in tqdm(range(0, ids.shape[0], train_chunk), desc="turn-over influence", disable=not progress):
+            chunk = ids[first : first + train_chunk].to(device)
+            for t0 in range(0, n_test, test_chunk):
+                x, y = inputs[t0 : t0 + test_chunk], targets[t0 : t0 + test_chunk]
+                pair_ids = chunk.repeat_interleave(x.shape[0])
+                xs = x.repeat(chunk.shape[0], *([1] * (x.dim() - 1)))
+                ys = y.repeat(chunk.shape[0], *([1] * (y.dim() - 1)))
+                diff = _losses(model, loss, pair_ids, xs, ys, False) - _losses(model, loss, pair_ids, xs, ys, True)
+                values[first : first + chunk.shape[0], t0 : t0 + x.shape[0]] = diff.reshape(chunk.shape[0], -1).double().cpu()
+    return InfluenceResult(
+        values=values if per_test else values.sum(dim=1),
+        n_train=1,
+        index=ids,
+        method="turn-over dropout",
+        diagnostics={
+            "seconds": time.perf_counter() - start,
+            "forward_examples": 2 * ids.shape[0] * n_test,
+            "removal": "loss without i minus loss with i",
+        },
+    )
+
+
+def self_influence(
+    model: nn.Module,
+    loss: LossFn,
+    train_data: tuple[torch.Tensor, torch.Tensor] | Dataset,
+    ids: Sequence[int] | torch.Tensor | None = None,
+    *,
+    batch_size: int = 1024,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+) -> InfluenceResult:
+    """Returns each training example's turn-over influence on itself: values[i] = L(z_i; m_i) − L(z_i; 1 − m_i).
+
+    Negative = training on z_i lowered its own loss (the usual case; the paper, with the opposite sign,
+    reports most self-influences positive). Strongly negative values flag examples the model had to
+    memorize (mislabeled or atypical). ``ids`` index ``train_data`` (default: all of it);
+    ``removal = −values``.
+    """
+    turnover_layers(model)
+    inputs, targets = _as_pair(train_data, "train_data")
+    ids = _as_ids(torch.arange(inputs.shape[0]) if ids is None else ids, inputs.shape[0])
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    values = torch.empty(ids.shape[0], dtype=torch.float64)
+    start = time.perf_counter()
+    with torch.no_grad(), _EvalMode(model.to(device)):
+        for first in tqdm(range(0, ids.shape[0], batch_size), desc="turn-over self-influence", disable=not progress):
+            chunk = ids[first : first + batch_size]
+            x, y, dev_ids = inputs[chunk].to(device), targets[chunk].to(device), chunk.to(device)
+            diff = _losses(model, loss, dev_ids, x, y, False) - _losses(model, loss, dev_ids, x, y, True)
+            values[first : first + chunk.shape[0]] = diff.double().cpu()
+    return InfluenceResult(
+        values=values,
+        n_train=1,
+        index=ids,
+        method="turn-over self-influence",
+        diagnostics={"seconds": time.perf_counter() - start, "removal": "loss without i minus loss with i"},
+    )

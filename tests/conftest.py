@@ -1,0 +1,69 @@
+"""Small float64 problems with explicit-Hessian ground truth, shared by the tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+
+import influkit as ik
+from influkit.curvature import ParamSpace
+from influkit.training import fit_lbfgs, newton_refine
+
+torch.set_default_dtype(torch.float64)
+
+
+def cross_entropy(outputs, targets):
+    return nn.functional.cross_entropy(outputs, targets, reduction="none")
+
+
+def l2(weight: float):
+    return lambda params: 0.5 * weight * sum((p**2).sum() for p in params.values())
+
+
+def digits(n: int | None = None, seed: int = 0):
+    """Real scikit-learn digits, scaled to [0, 1], float64; a seeded subset of n if given."""
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float64) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    if n is not None:
+        idx = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))[:n]
+        x, y = x[idx], y[idx]
+    return x, y
+
+
+def tanh_mlp(d_in: int = 8, hidden: int = 6, d_out: int = 3, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out)).double()
+
+
+def explicit_hessian(stage: ik.Stage, names=None, indices=None) -> torch.Tensor:
+    """The dense Hessian of the stage objective by torch.func.hessian on the flattened parameters."""
+    names = stage.param_names if names is None else names
+    params = {n: stage.state()[n] for n in names}
+    space = ParamSpace(params)
+    flat = space.flatten(params)
+    return torch.func.hessian(lambda v: stage.objective(space.unflatten(v), indices))(flat)
+
+
+@pytest.fixture
+def mlp_stage():
+    """A tanh MLP on 40 generated points, 3 classes, light L2: a small indefinite-capable problem."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 8, generator=gen)
+    y = torch.randint(0, 3, (40,), generator=gen)
+    return ik.Stage(tanh_mlp(), cross_entropy, (x, y), regularizer=l2(1e-3), batch_size=16)
+
+
+@pytest.fixture(scope="session")
+def logreg_digits():
+    """L2-regularized multinomial logistic regression on 300 real digits, trained to convergence."""
+    x, y = digits()
+    train_x, train_y, test_x, test_y = x[:300], y[:300], x[300:400], y[300:400]
+    torch.manual_seed(0)
+    model = nn.Linear(64, 10).double()
+    stage = ik.Stage(model, cross_entropy, (train_x, train_y), regularizer=l2(1e-2))
+    fit_lbfgs(stage, max_iter=1000)
+    assert newton_refine(stage) < 1e-12
+    return stage, (test_x, test_y)

@@ -1,0 +1,133 @@
+import warnings
+
+import pytest
+import torch
+
+import influkit as ik
+from influkit.curvature import HessianOperator
+from influkit.solvers import METHODS, solve
+from conftest import explicit_hessian
+
+
+def spd_matrix(p=30, cond=1e3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(p, p, generator=gen))
+    evals = torch.logspace(0, torch.log10(torch.tensor(cond)), p)
+    return q @ torch.diag(evals) @ q.T, evals
+
+
+def indefinite_matrix(p=30, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(p, p, generator=gen))
+    evals = torch.linspace(1.0, 10.0, p) * torch.where(torch.arange(p) % 3 == 0, -1.0, 1.0)
+    return q @ torch.diag(evals) @ q.T
+
+
+@pytest.mark.parametrize("method,rtol", [("direct", 1e-8), ("cg", 1e-6), ("cg_spd", 1e-6), ("minres", 1e-6)])
+def test_solvers_match_linalg_solve_on_real_hessian(mlp_stage, method, rtol):
+    h = explicit_hessian(mlp_stage)
+    op = HessianOperator(mlp_stage)
+    b = torch.randn(op.dim, 3, generator=torch.Generator().manual_seed(0))
+    # cg damps H²; plain CG needs H + λI positive definite (this untrained MLP's H is indefinite)
+    damping = {"cg": 1e-4, "cg_spd": 1e-2 - min(0.0, float(torch.linalg.eigvalsh(h)[0]))}.get(method, 1e-2)
+    system = h @ h + damping * torch.eye(op.dim) if method == "cg" else h + damping * torch.eye(op.dim)
+    target = h @ b if method == "cg" else b
+    expected = torch.linalg.solve(system, target)
+    sol = solve(op, b, method, damping=damping, tol=1e-10, max_iter=3000)
+    assert sol.converged
+    assert (sol.x - expected).norm() / expected.norm() <= rtol
+
+
+@pytest.mark.parametrize("method", ["direct", "cg", "cg_spd", "minres", "lissa"])
+def test_undamped_solvers_agree_on_spd_matrix(method):
+    h, _ = spd_matrix(cond=1e2)
+    b = torch.randn(30, 4, generator=torch.Generator().manual_seed(1))
+    expected = torch.linalg.solve(h, b)
+    sol = solve(h, b, method, tol=1e-12, max_iter=5000)
+    assert sol.converged and sol.residual <= 1e-12 or method == "direct"
+    assert (sol.x - expected).norm() / expected.norm() <= 1e-8
+
+
+def test_cg_on_h_squared_solves_indefinite_where_plain_cg_fails():
+    h = indefinite_matrix()
+    b = torch.randn(30, generator=torch.Generator().manual_seed(2))
+    expected = torch.linalg.solve(h, b)
+    good = solve(h, b, "cg", tol=1e-12)
+    assert good.converged
+    assert (good.x - expected).norm() / expected.norm() <= 1e-8
+    with pytest.warns(ik.ConvergenceWarning):
+        bad = solve(h, b, "cg_spd", tol=1e-12)
+    assert not bad.converged
+    assert (bad.x - expected).norm() / expected.norm() > 1e-2
+    minres = solve(h, b, "minres", tol=1e-12)
+    assert minres.converged and (minres.x - expected).norm() / expected.norm() <= 1e-8
+
+
+def test_minres_needs_fewer_products_than_cg_on_h_squared():
+    h, _ = spd_matrix(p=200, cond=1e3)
+    b = torch.randn(200, generator=torch.Generator().manual_seed(3))
+    cg = solve(h, b, "cg", tol=1e-8, max_iter=5000)
+    mr = solve(h, b, "minres", tol=1e-8, max_iter=5000)
+    assert mr.converged and cg.converged
+    assert mr.products < cg.products
+
+
+def test_multiple_right_hand_sides_equal_one_at_a_time():
+    h, _ = spd_matrix()
+    b = torch.randn(30, 5, generator=torch.Generator().manual_seed(4))
+    for method in ("cg", "minres", "cg_spd"):
+        together = solve(h, b, method, tol=1e-12).x
+        apart = torch.stack([solve(h, b[:, j], method, tol=1e-12).x for j in range(5)], dim=1)
+        assert torch.allclose(together, apart, atol=1e-10)
+
+
+def test_non_convergence_warns_with_residual():
+    h, _ = spd_matrix(cond=1e6)
+    b = torch.ones(30)
+    with pytest.warns(ik.ConvergenceWarning, match="relative residual"):
+        sol = solve(h, b, "cg", max_iter=3, tol=1e-12)
+    assert not sol.converged and sol.iterations == 3 and sol.residual > 1e-12
+
+
+def test_nan_right_hand_side_raises():
+    h, _ = spd_matrix()
+    b = torch.ones(30)
+    b[3] = float("nan")
+    with pytest.raises(ik.NumericalError):
+        solve(h, b, "cg")
+
+
+def test_bad_arguments_raise():
+    h, _ = spd_matrix()
+    with pytest.raises(ik.InputError, match="unknown solver"):
+        solve(h, torch.ones(30), "newton")
+    with pytest.raises(ik.InputError, match="rows"):
+        solve(h, torch.ones(29), "cg")
+    with pytest.raises(ik.InputError, match="damping"):
+        solve(h, torch.ones(30), "cg", damping=-1.0)
+
+
+def test_identity_returns_the_right_hand_side():
+    h, _ = spd_matrix()
+    b = torch.randn(30)
+    sol = solve(h, b, "identity")
+    assert torch.equal(sol.x, b) and sol.products == 0
+
+
+def test_direct_pseudo_inverse_on_singular_hessian_warns():
+    h = torch.diag(torch.tensor([2.0, 1.0, 0.0]))
+    with pytest.warns(ik.ConvergenceWarning, match="singular"):
+        sol = solve(h, torch.tensor([2.0, 1.0, 5.0]), "direct")
+    assert torch.allclose(sol.x, torch.tensor([1.0, 1.0, 0.0]))
+
+
+def test_diagnostics_are_reported():
+    h, _ = spd_matrix()
+    sol = solve(h, torch.ones(30), "cg", tol=1e-10)
+    info = sol.summary()
+    assert set(info) == {"method", "iterations", "residual", "converged", "seconds", "products", "damping"}
+    assert info["products"] == 2 * info["iterations"] + 2 + 1  # 2 per step, H·b, final residual check
+
+
+def test_all_methods_listed():
+    assert set(METHODS) == {"direct", "cg", "cg_spd", "minres", "lissa", "identity"}
