@@ -10,6 +10,7 @@ from .errors import (
     ParameterError,
 )
 from .influence import influence, self_influence
+from .multistage import score
 from .results import InfluenceResult, load
 from .solvers import Solution, solve
 from .stage import Stage
@@ -27,6 +28,7 @@ __all__ = [
     "Stage",
     "influence",
     "load",
+    "score",
     "self_influence",
     "solve",
 ]
