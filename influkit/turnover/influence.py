@@ -106,6 +106,10 @@ def influence(
     when i is removed. Uses 2·len(train_ids)·len(x_test) example-forward passes under ``torch.no_grad()``,
     grouped into batches of about ``batch_size`` (train id, test point) pairs; the model is evaluated in eval
     mode and its modes are restored afterwards. loss(outputs, targets) returns per-example losses (B,).
+    train_ids: the training examples' ids (as routed during :func:`train_turnover`); x_test: (inputs,
+    targets) or a Dataset of pairs; device: where to compute (default: the model's; the model is moved there).
+    Scores are noisy: even an id never trained on gets L(x; m) − L(x; 1 − m) ≠ 0 from the two random
+    sub-networks; compare with such ids (e.g. ids ≥ n) to see how much of the spread is signal.
     """
     turnover_layers(model)
     ids = _as_ids(train_ids)
