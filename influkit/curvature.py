@@ -1,9 +1,11 @@
 """Gradients and Hessian-vector products of a stage objective by double backprop with ``torch.func``.
 
 For the objective L(θ) = (1/n) Σ_i ℓ_i(θ) + R(θ) of a :class:`~influkit.stage.Stage`,
-``hvp`` returns H·v = ∇²L(θ)·v without forming H: forward-over-reverse ``jvp(grad(L))`` by default
-(one forward-mode pass through the backward graph), or reverse-over-reverse ``vjp(grad(L))``. The data
-are streamed in batches and the products summed, so memory does not grow with n.
+``hvp`` returns H·v = ∇²L(θ)·v without forming H: reverse-over-reverse ``vjp(grad(L))`` by default, or
+forward-over-reverse ``jvp(grad(L))`` (``mode="fwd-rev"``; on CPU with torch 2.13 its forward-mode rules
+run through Python decompositions and measured 2–2.5× slower for small models, about equal for a CNN —
+``benchmarks/bench_core.py``). The data are streamed in batches and the products summed, so memory does not
+grow with n.
 
 Mixed second derivatives are the same product taken over the union of two parameter blocks: with the
 tangent non-zero only in block B, the A-part of the result is ∂²L/∂A∂B · v_B.
@@ -109,7 +111,7 @@ def hvp(
     indices: torch.Tensor | None = None,
     at: Params | None = None,
     batched: bool = False,
-    mode: str = "fwd-rev",
+    mode: str = "rev-rev",
     extra=None,
 ) -> Params:
     """H·v over the parameter block named by ``tangents``' keys, for the objective over ``indices``.
@@ -161,6 +163,12 @@ class HessianOperator:
 
     H = ∇²_θ [(1/s) Σ_{i∈S} ℓ_i(θ) + R(θ) + extra(θ)], with S all data or a seeded sample of ``samples``
     examples (``hessian_samples``). ``matvec`` takes (p,) or (p, k); ``dense`` builds the p×p matrix.
+
+    With ``cache_graph`` (default: when len(S) ≤ max(stage batch size, 2048)), the gradient graph ∇L(θ) over S
+    is built once and every product is a single backward pass through it (H·v = ∂(∇Lᵀv)/∂θ);
+    larger data are streamed batch by batch with ``torch.func`` (``mode``: reverse-over-reverse
+    ``vjp(grad)``, measured fastest on CPU, or forward-over-reverse ``jvp(grad)``). Either way H is
+    taken at the parameter values of the first product.
     """
 
     def __init__(
@@ -170,9 +178,10 @@ class HessianOperator:
         *,
         samples: int | None = None,
         seed: int = 0,
-        mode: str = "fwd-rev",
+        mode: str = "rev-rev",
         extra=None,
         at: Params | None = None,
+        cache_graph: bool | None = None,
     ):
         self.stage = stage
         self.names = list(stage.param_names if names is None else names)
@@ -182,6 +191,9 @@ class HessianOperator:
         self.mode = mode
         self.extra = extra
         self.products = 0
+        n_used = len(stage) if self.indices is None else len(self.indices)
+        self._use_graph = n_used <= max(stage.data.batch_size, 2048) if cache_graph is None else cache_graph
+        self._graph: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def dim(self) -> int:
@@ -195,9 +207,42 @@ class HessianOperator:
     def device(self) -> torch.device:
         return self.space.device
 
+    def _gradient_graph(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(leaf parameters, flat ∇L(θ) with its graph kept) over the whole (sampled) data, built once."""
+        if self._graph is None:
+            leaves = {n: t.detach().clone().requires_grad_(True) for n, t in _point(self.stage, self.names, self.at).items()}
+            n = len(self.stage) if self.indices is None else len(self.indices)
+            (x, y), = self.stage.batches(self.indices, batch_size=n)
+            with torch.enable_grad():
+                value = _batch_objective(self.stage, self.extra)(leaves, x, y, 1.0 / n, True)
+                grads = torch.autograd.grad(value, list(leaves.values()), create_graph=True, allow_unused=True)
+            flat = torch.cat([(g if g is not None else torch.zeros_like(t)).reshape(-1) for g, t in zip(grads, leaves.values())])
+            self._graph = (list(leaves.values()), flat)
+        return self._graph
+
+    def _graph_product(self, vec: torch.Tensor) -> torch.Tensor:
+        leaves, flat = self._gradient_graph()
+        if not flat.requires_grad:  # the gradient does not depend on θ: H = 0
+            return torch.zeros_like(vec)
+        batched = vec.dim() == 2
+        grads = torch.autograd.grad(
+            flat, leaves, grad_outputs=vec.T if batched else vec, retain_graph=True,
+            allow_unused=True, is_grads_batched=batched,
+        )
+        shape = (vec.shape[1],) if batched else ()
+        parts = [(g if g is not None else torch.zeros(*shape, *t.shape, dtype=t.dtype, device=t.device)) for g, t in zip(grads, leaves)]
+        out = torch.cat([g.reshape(*shape, -1) for g in parts], dim=-1).detach()
+        return out.T if batched else out
+
     def matvec(self, vec: torch.Tensor) -> torch.Tensor:
         """H·vec for vec of shape (p,) or (p, k)."""
         batched = vec.dim() == 2
+        self.products += vec.shape[1] if batched else 1
+        if self._use_graph:
+            out = self._graph_product(vec)
+            if not torch.isfinite(out).all():
+                raise NumericalError("the Hessian-vector product is not finite; check the model for overflow.")
+            return out
         out = hvp(
             self.stage,
             self.space.unflatten(vec),
@@ -207,7 +252,6 @@ class HessianOperator:
             mode=self.mode,
             extra=self.extra,
         )
-        self.products += vec.shape[1] if batched else 1
         return self.space.flatten(out, batched=batched)
 
     __call__ = matvec

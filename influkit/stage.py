@@ -92,12 +92,33 @@ class Stage:
         self.loss = loss
         self.regularizer = regularizer
         self.device = next(iter(model.parameters())).device
+        self._data = data
         self.data = ExampleSource(data, device=self.device, batch_size=batch_size)
         self.param_names = resolve_names(model, params)
         self._check_loss()
 
     def __len__(self) -> int:
         return len(self.data)
+
+    def with_(self, *, model: nn.Module | None = None, data=None, regularizer: Regularizer | None = None) -> "Stage":
+        """A new stage with the same loss and trained parameter names and some parts replaced."""
+        return Stage(
+            self.model if model is None else model,
+            self.loss,
+            self._data if data is None else data,
+            params=self.param_names,
+            regularizer=self.regularizer if regularizer is None else regularizer,
+            batch_size=self.data.batch_size,
+        )
+
+    def without(self, exclude: torch.Tensor | None) -> "Stage":
+        """This stage with the examples at ``exclude`` left out of its data (a leave-out objective)."""
+        if exclude is None or len(exclude) == 0:
+            return self
+        keep = torch.ones(len(self), dtype=torch.bool)
+        keep[torch.as_tensor(exclude)] = False
+        inputs, targets = self.data.take(keep.nonzero().reshape(-1))
+        return self.with_(data=(inputs, targets))
 
     def __repr__(self) -> str:
         return (
@@ -128,7 +149,7 @@ class Stage:
 
     def outputs(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
         """Model outputs with ``params`` overriding the model's own parameters (a pure function)."""
-        merged = self.state()
+        merged = self.state()  # detached: parameters not in ``params`` are constants, not autograd leaves
         merged.update(params)
         return functional_call(self.model, merged, (inputs,))
 
@@ -140,9 +161,8 @@ class Stage:
         """R at ``params`` (the trained parameters, with ``params`` overriding current values), or None."""
         if self.regularizer is None:
             return None
-        state = self.state()
-        trained = {n: params[n] if n in params else state[n] for n in self.param_names}
-        return self.regularizer(trained)
+        trained = dict(params) if all(n in params for n in self.param_names) else self.state() | dict(params)
+        return self.regularizer({n: trained[n] for n in self.param_names})
 
     def batches(self, indices: torch.Tensor | None = None, batch_size: int | None = None) -> Iterator[Batch]:
         """Stream (inputs, targets) batches, refusing inputs with NaN or Inf."""

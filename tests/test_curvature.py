@@ -5,10 +5,11 @@ from influkit.curvature import HessianOperator, ParamSpace, gradient, hvp
 from conftest import explicit_hessian
 
 
-@pytest.mark.parametrize("mode", ["fwd-rev", "rev-rev"])
-def test_hvp_matches_explicit_hessian(mlp_stage, mode):
+@pytest.mark.parametrize("mode,cache_graph", [("fwd-rev", False), ("rev-rev", False), ("rev-rev", True)])
+def test_hvp_matches_explicit_hessian(mlp_stage, mode, cache_graph):
     h = explicit_hessian(mlp_stage)
-    op = HessianOperator(mlp_stage, mode=mode)
+    op = HessianOperator(mlp_stage, mode=mode, cache_graph=cache_graph)
+    assert op._use_graph == cache_graph
     v = torch.randn(op.dim, 5, generator=torch.Generator().manual_seed(0))
     assert torch.allclose(op.matvec(v), h @ v, rtol=0, atol=1e-10 * h.abs().max())
     assert torch.allclose(op.matvec(v[:, 0]), h @ v[:, 0], rtol=0, atol=1e-10 * h.abs().max())

@@ -23,11 +23,14 @@ class EmbedHead(nn.Module):
         return self.head(self.embedding(x))
 
 
-def _data(n, n_classes, seed):
+def _data(n, n_classes, seed, teacher=False):
+    """n points in 5-d; labels random, or from a fixed random tanh teacher (structure to learn)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 5, generator=gen)
-    y = torch.randint(0, n_classes, (n,), generator=gen)
-    return x, y
+    if teacher:
+        w = torch.randn(5, n_classes, generator=torch.Generator().manual_seed(100 + n_classes))
+        return x, torch.tanh(x @ w).argmax(1)
+    return x, torch.randint(0, n_classes, (n,), generator=gen)
 
 
 def _fit(stage):
@@ -39,23 +42,23 @@ def _proximal(centre):
     return lambda p: ALPHA * sum(((p[n] - centre[n]) ** 2).sum() for n in centre)
 
 
-def build(case: int):
+def build(case: int, n_pretrain: int = 60, teacher: bool = False):
     """Pretrain on 3 classes, finetune a new 2-class head (Case 1) or the whole model (Case 2), to optimality."""
     torch.manual_seed(0)
     pre_model = EmbedHead(n_out=3).double()
-    pre = ik.Stage(pre_model, cross_entropy, _data(60, 3, 1), regularizer=l2(1e-2), batch_size=25)
+    pre = ik.Stage(pre_model, cross_entropy, _data(n_pretrain, 3, 1, teacher), regularizer=l2(1e-2), batch_size=25)
     _fit(pre)
     fin_model = EmbedHead(n_out=2).double()
     fin_model.embedding.load_state_dict(pre_model.embedding.state_dict())
     if case == 1:
-        fin = ik.Stage(fin_model, cross_entropy, _data(40, 2, 2), params="head", regularizer=l2(1e-2))
+        fin = ik.Stage(fin_model, cross_entropy, _data(40, 2, 2, teacher), params="head", regularizer=l2(1e-2))
         _fit(fin)
     else:
-        fin = ik.Stage(fin_model, cross_entropy, _data(40, 2, 2), regularizer=l2(1e-2))
+        fin = ik.Stage(fin_model, cross_entropy, _data(40, 2, 2, teacher), regularizer=l2(1e-2))
         centre = {n: t.clone() for n, t in pre.state().items() if n.startswith("embedding")}
         reoptimize = ik.Stage(fin_model, cross_entropy, fin.data._tensors, regularizer=_with(l2(1e-2), _proximal(centre)))
         _fit(reoptimize)
-    test = _data(15, 2, 3)
+    test = _data(15, 2, 3, teacher)
     return pre, fin, test
 
 

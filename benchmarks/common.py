@@ -1,0 +1,231 @@
+"""Shared helpers of the influkit benchmarks: data, models, training, reference quantities, timing, output.
+
+Every benchmark runs single-threaded (``setup()`` calls ``torch.set_num_threads(1)``) so that timings are
+comparable on a shared 2-core machine; the number of threads is printed in the header of every run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+
+import influkit as ik
+from influkit.curvature import HessianOperator, ParamSpace, gradient
+from influkit.gradients import per_example_grads_serial
+from influkit.training import fit_lbfgs, gradient_norm, newton_refine
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# --------------------------------------------------------------------------------------------- environment
+def setup(threads: int = 1) -> None:
+    """Fix the number of torch CPU threads (intra- and inter-op) for the whole run."""
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:  # already set once in this process
+        pass
+
+
+def machine_info() -> str:
+    """One line: date, CPU model, core count, python/torch versions and the torch thread count."""
+    cpu = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} | {cpu} | {os.cpu_count()} cores | "
+        f"python {platform.python_version()} | torch {torch.__version__} | torch threads {torch.get_num_threads()}"
+    )
+
+
+class Tee:
+    """Print to stdout and keep a copy, written to ``benchmarks/results/<name>.txt`` by :meth:`save`."""
+
+    def __init__(self):
+        self.buffer = io.StringIO()
+
+    def __call__(self, *args) -> None:
+        text = " ".join(str(a) for a in args)
+        print(text, flush=True)
+        self.buffer.write(text + "\n")
+
+    def table(self, frame: pd.DataFrame, floatfmt: str = "{:.3g}") -> None:
+        self(frame.to_string(index=False, float_format=lambda v: floatfmt.format(v)))
+
+    def save(self, name: str) -> Path:
+        RESULTS.mkdir(exist_ok=True)
+        path = RESULTS / f"{name}.txt"
+        path.write_text(self.buffer.getvalue())
+        return path
+
+
+def timed(fn: Callable, repeat: int = 1, warmup: int = 0):
+    """(best wall-clock seconds over ``repeat`` calls after ``warmup`` untimed calls, the last result)."""
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+# --------------------------------------------------------------------------------------------- data, models
+def digits(dtype: torch.dtype = torch.float64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1,797 real scikit-learn digits, pixels scaled to [0, 1], in a seeded random order."""
+    data = load_digits()
+    order = np.random.default_rng(seed).permutation(len(data.target))
+    x = torch.tensor(data.data[order] / 16.0, dtype=dtype)
+    y = torch.tensor(data.target[order], dtype=torch.long)
+    return x, y
+
+
+def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-example cross-entropy (reduction='none'), influkit's loss convention."""
+    return nn.functional.cross_entropy(outputs, targets, reduction="none")
+
+
+def l2(weight: float):
+    """The regularizer R(θ) = (weight/2)·‖θ‖² (its Hessian is weight·I)."""
+    return lambda params: 0.5 * weight * sum((p**2).sum() for p in params.values())
+
+
+def logreg(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """Multinomial logistic regression on 8×8 digits: 64·10 + 10 = 650 parameters."""
+    torch.manual_seed(seed)
+    return nn.Linear(64, 10).to(dtype)
+
+
+def tanh_mlp(seed: int = 0, dtype: torch.dtype = torch.float64, hidden: int = 32) -> nn.Module:
+    """The 64→hidden→10 tanh MLP (hidden=32: 2,410 parameters)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10)).to(dtype)
+
+
+def mnist_cnn(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The multi-stage paper's MNIST CNN (Table A): CONV 32 5×5 tanh, MAX-POOL 2×2, CONV 64 5×5 tanh,
+    MAX-POOL 2×2, FC 10, on 1×28×28 inputs (28→24→12→8→4, so FC 1024→10; 62,346 parameters)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 5), nn.Tanh(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5), nn.Tanh(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 4 * 4, 10),
+    ).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------- problems
+PROBLEMS = {
+    # name: (model factory, L2 weight). The MLP's small L2 makes the optimum isolated (H ≻ 0) yet ill-conditioned.
+    "logreg": (logreg, 1e-2),
+    "mlp": (tanh_mlp, 1e-4),
+}
+
+
+def newton_polish(stage: ik.Stage, steps: int = 4, target: float = 1e-12) -> float:
+    """Newton steps θ ← θ − H⁻¹∇L with the dense Hessian (HessianOperator.dense) and an LU solve, until
+    ‖∇L‖ ≤ target; returns ‖∇L‖. Same as influkit's newton_refine, but with LU instead of eigh (faster)."""
+    named = dict(stage.model.named_parameters())
+    norm = gradient_norm(stage)
+    for _ in range(steps):
+        if norm <= target:
+            break
+        op = HessianOperator(stage)
+        g = op.space.flatten(gradient(stage, stage.param_names))
+        step = torch.linalg.solve(op.dense(), g)
+        with torch.no_grad():
+            for name, delta in op.space.unflatten(step).items():
+                named[name].sub_(delta)
+        norm = gradient_norm(stage)
+    return norm
+
+
+def trained_stage(name: str, n_train: int = 1000, n_test: int = 100, hidden: int = 32, log=print):
+    """(stage, test batch, ‖∇L‖) for problem ``name`` on the first ``n_train`` digits, trained to convergence.
+
+    logreg: fit_lbfgs + newton_refine (convex; Newton from the L-BFGS point reaches machine precision).
+    mlp: fit_lbfgs (L-BFGS with restarts) from a seeded init, then Newton steps on the dense Hessian, which the
+    small L2 makes positive definite at the optimum; ‖∇L‖ is checked and reported.
+    """
+    factory, weight = PROBLEMS[name]
+    x, y = digits()
+    train, test = (x[:n_train], y[:n_train]), (x[n_train : n_train + n_test], y[n_train : n_train + n_test])
+    model = (factory(hidden=hidden) if name == "mlp" else factory()).eval()
+    stage = ik.Stage(model, cross_entropy, train, regularizer=l2(weight), batch_size=n_train)
+    start = time.perf_counter()
+    if name == "logreg":
+        fit_lbfgs(stage, max_iter=500, tol=1e-10)
+        norm = newton_refine(stage, steps=3)
+    else:
+        fit_lbfgs(stage, max_iter=1500, tol=1e-7, restarts=1)
+        norm = newton_polish(stage, steps=5)
+    log(
+        f"[{name}] p={stage.num_trained}, n_train={n_train}, n_test={n_test}, L2={weight:g}: trained in "
+        f"{time.perf_counter() - start:.1f}s, ‖∇L‖ = {norm:.1e}"
+    )
+    if norm > 1e-8:
+        raise RuntimeError(f"{name}: not at an optimum (‖∇L‖ = {norm:.1e}); influence would be meaningless.")
+    return stage, test, norm
+
+
+def explicit_hessian(stage: ik.Stage, chunk: int = 100) -> torch.Tensor:
+    """The dense Hessian of the stage objective by ``torch.func.hessian`` on the flattened trained parameters."""
+    params = stage.trained()
+    space = ParamSpace(params)
+    flat = space.flatten(params)
+    n = len(stage)
+    x, y = stage.data.take(torch.arange(n))
+
+    def part(v, xb, yb):
+        return stage.losses(space.unflatten(v), xb, yb).sum() / n
+
+    h = torch.zeros(flat.numel(), flat.numel(), dtype=flat.dtype)
+    if stage.regularizer is not None:
+        h += torch.func.hessian(lambda v: stage.regularization(space.unflatten(v)))(flat)
+    for s in range(0, n, chunk):  # chunks of the data keep the vmapped tangents' activations small
+        h += torch.func.hessian(part)(flat, x[s : s + chunk], y[s : s + chunk])
+    return h
+
+
+def reference_removal(stage: ik.Stage, test) -> tuple[torch.Tensor, torch.Tensor]:
+    """(removal effects (n,), dense H): Δ_i = ∇f(T)ᵀ H⁻¹ ∇ℓ(z_i) / n from the explicit Hessian, serial gradients
+    and a float64 LU solve — the explicit-Hessian ground truth every method is compared against."""
+    h = explicit_hessian(stage)
+    x, y = stage.data.take(torch.arange(len(stage)))
+    g_train = per_example_grads_serial(stage, x, y)
+    g_test = per_example_grads_serial(stage, *test).sum(0)
+    return g_train @ torch.linalg.solve(h, g_test) / len(stage), h
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖a − ref‖ / ‖ref‖ (float64)."""
+    a, ref = a.detach().double().reshape(-1), ref.detach().double().reshape(-1)
+    return float((a - ref).norm() / ref.norm())
+
+
+def grad_norm(stage: ik.Stage) -> float:
+    return gradient_norm(stage)
+
+
+def banner(log, title: str, argv: list[str] | None = None) -> None:
+    log(f"# {title}")
+    log(f"# {machine_info()}")
+    log(f"# command: python {' '.join(argv if argv is not None else sys.argv)}")
