@@ -57,7 +57,7 @@ def image_gallery(
     """A grid of grey-scale images (rows of ``images`` reshaped to ``shape``) with a caption under each."""
     images = np.asarray(images, float).reshape(len(captions), *shape)
     rows = int(np.ceil(len(captions) / columns))
-    fig, axes = plt.subplots(rows, columns, figsize=(1.3 * columns, 1.5 * rows + 0.4), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(1.3 * columns, 1.9 * rows + 0.5), squeeze=False)
     for ax in axes.ravel():
         ax.axis("off")
     for ax, image, caption in zip(axes.ravel(), images, captions):
