@@ -14,6 +14,7 @@ from .multistage import score
 from .results import InfluenceResult, load
 from .solvers import Solution, solve
 from .stage import Stage
+from . import elmo, ssl, turnover, validation  # noqa: E402  (method packages: ik.ssl, ik.turnover, ...)
 
 __all__ = [
     "ConvergenceWarning",
@@ -26,10 +27,14 @@ __all__ = [
     "ParameterError",
     "Solution",
     "Stage",
+    "elmo",
     "influence",
     "load",
     "score",
     "self_influence",
     "solve",
+    "ssl",
+    "turnover",
+    "validation",
 ]
 __version__ = "0.1.0"

@@ -30,6 +30,17 @@ def _chunks(inputs: torch.Tensor, targets: torch.Tensor, chunk_size: int, progre
         yield inputs[s : s + chunk_size], targets[s : s + chunk_size]
 
 
+def _grad_rows(stage: Stage, inputs, targets, names, at, chunk_size: int, progress: bool):
+    """Yield (chunk, p) blocks of per-example gradients over ``names``, one vmap call per chunk."""
+    names = stage.param_names if names is None else list(names)
+    params = _point(stage, names, at)
+    space = ParamSpace(params)
+    per_grad = vmap(grad(_single_loss(stage)), in_dims=(None, 0, 0))
+    check_finite(inputs, "inputs")
+    for x, y in _chunks(inputs, targets, chunk_size, progress, "per-example gradients"):
+        yield space.flatten(per_grad(params, x, y), batched=True).T
+
+
 def per_example_grads(
     stage: Stage,
     inputs: torch.Tensor,
@@ -41,15 +52,7 @@ def per_example_grads(
     progress: bool = False,
 ) -> torch.Tensor:
     """(N, p): row i is ∇ ℓ(x_i, y_i) over the parameters ``names`` (default: the trained ones), flattened."""
-    names = stage.param_names if names is None else list(names)
-    params = _point(stage, names, at)
-    space = ParamSpace(params)
-    per_grad = vmap(grad(_single_loss(stage)), in_dims=(None, 0, 0))
-    check_finite(inputs, "inputs")
-    rows = []
-    for x, y in _chunks(inputs, targets, chunk_size, progress, "per-example gradients"):
-        rows.append(space.flatten(per_grad(params, x, y), batched=True).T)
-    return torch.cat(rows, dim=0)
+    return torch.cat(list(_grad_rows(stage, inputs, targets, names, at, chunk_size, progress)), dim=0)
 
 
 def project_per_example_grads(
@@ -64,16 +67,9 @@ def project_per_example_grads(
     progress: bool = False,
 ) -> torch.Tensor:
     """(N, k) = G · directions, with G the (N, p) per-example gradients, never holding more than a chunk of G."""
-    names = stage.param_names if names is None else list(names)
-    params = _point(stage, names, at)
-    space = ParamSpace(params)
-    per_grad = vmap(grad(_single_loss(stage)), in_dims=(None, 0, 0))
-    check_finite(inputs, "inputs")
-    cols = directions.reshape(space.dim, -1)
-    rows = []
-    for x, y in _chunks(inputs, targets, chunk_size, progress, "per-example gradients"):
-        rows.append(space.flatten(per_grad(params, x, y), batched=True).T @ cols)
-    return torch.cat(rows, dim=0)
+    cols = directions.reshape(directions.shape[0], -1)
+    rows = _grad_rows(stage, inputs, targets, names, at, chunk_size, progress)
+    return torch.cat([block @ cols for block in rows], dim=0)
 
 
 def per_example_grads_serial(

@@ -14,6 +14,15 @@ from influkit.training import fit_lbfgs, newton_refine
 torch.set_default_dtype(torch.float64)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """The tests' models are tiny: intra-op threads only add overhead and contention on a 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def cross_entropy(outputs, targets):
     return nn.functional.cross_entropy(outputs, targets, reduction="none")
 

@@ -61,15 +61,6 @@ TINY = ElmoOptions(
 SENTENCES = [["The", "cat", "sat", "."], ["Dogs", "bark"], ["A", "naïve", "cat", "barks", "loudly", "."]]
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """The biLM runs many tiny matmuls in sequence; intra-op threads only add contention on 2 cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def fixture_bilm():
     if not (FIXTURE / "lm_weights.hdf5").is_file():

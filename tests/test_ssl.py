@@ -29,15 +29,6 @@ from influkit.ssl import (
 from influkit.training import fit_lbfgs, newton_refine
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny kernels run far faster (and more predictably on a shared machine) on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Teacher(UnsupervisedLoss):
     """Soft targets from a fixed linear teacher: the unsupervised targets do not move when θ is re-optimized."""
 

@@ -28,15 +28,6 @@ from influkit.turnover import (
 M32 = 0xFFFFFFFF
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small int64 kernels run faster (and far more predictably on a shared machine) on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def ce(outputs, targets):
     return nn.functional.cross_entropy(outputs, targets, reduction="none")
 
