@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 
 import influkit as ik
-from common import Tee, banner, cross_entropy, explicit_hessian, l2, mnist_cnn, setup, timed, trained_stage
+from common import Tee, banner, cross_entropy, explicit_hessian, mnist_cnn, setup, timed, trained_stage
 from influkit.curvature import HessianOperator, gradient, hvp
 from influkit.gradients import per_example_grads, per_example_grads_serial, total_grad
 

@@ -19,7 +19,6 @@ to a temporary directory unless ``--out`` is given). Results: CSV + PNG under ex
 from __future__ import annotations
 
 import argparse
-import copy
 import tempfile
 import time
 from pathlib import Path
