@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import influkit.cli
 from influkit.cleansing import cleansing_table, mislabel_detection
