@@ -28,10 +28,10 @@ from .stage import Stage
 from .training import fit_lbfgs, newton_refine
 
 
-def _retrained_metrics(pre: Stage, fin: Stage, setup: DigitsSetup, exclude, test) -> tuple[float, float]:
+def _retrained_metrics(pre: Stage, fin: Stage, recipe, exclude, test) -> tuple[float, float]:
     pre_copy = pre.with_(model=copy.deepcopy(pre.model))
     fin_copy = fin.with_(model=copy.deepcopy(fin.model))
-    setup.recipe()(pre_copy, fin_copy, exclude)
+    recipe(pre_copy, fin_copy, exclude)
     with torch.no_grad():
         loss = float(fin_copy.losses(fin_copy.trained(), *test).mean())
     return accuracy(fin_copy, test), loss
@@ -47,7 +47,8 @@ def cleansing_table(
         run = replace(setup, seed=seed, timings={})
         split = run.split()
         pre, fin = train_stages(run, split)
-        test = split.test
+        test = tuple(t.to(run.device) for t in split.test)
+        recipe = run.recipe()  # one Hessian factorization per seed, shared by its three retrainings
         res = score(pre, fin, torch.arange(len(pre)), test, shared="embedding", case=run.case, alpha=run.alpha,
                     solver=solver, damping=(0.0, 0.0), progress=False)
         k = int(round(fraction * len(pre)))
@@ -55,7 +56,7 @@ def cleansing_table(
         rng = np.random.default_rng(seed)
         random = torch.as_tensor(rng.choice(len(pre), k, replace=False))
         for name, exclude in (("none", None), (f"top {fraction:.0%} harmful", harmful), (f"random {fraction:.0%}", random)):
-            acc, loss = _retrained_metrics(pre, fin, run, exclude, test)
+            acc, loss = _retrained_metrics(pre, fin, recipe, exclude, test)
             rows.append({"removed": name, "seed": seed, "test_accuracy": acc, "test_loss": loss})
     frame = pd.DataFrame(rows)
     return frame.groupby("removed", sort=False)[["test_accuracy", "test_loss"]].agg(["mean", "std"])
@@ -116,7 +117,7 @@ def mislabel_detection(
     fixed[found] = clean[found]  # a human checks the flagged examples and restores their true labels
     accuracies = {
         "clean labels": accuracy(fit(clean), (x[test], y[test])),
-        "10% flipped": accuracy(stage, (x[test], y[test])),
+        f"{flip_fraction:.0%} flipped": accuracy(stage, (x[test], y[test])),
         f"after fixing top {checks[-1]:.0%} by self-influence": accuracy(fit(fixed), (x[test], y[test])),
     }
     return table, accuracies
