@@ -18,7 +18,6 @@ Run: ``python benchmarks/bench_ssl.py`` (about a minute; ``--threads`` sets torc
 from __future__ import annotations
 
 import argparse
-import time
 
 import pandas as pd
 import torch
@@ -26,22 +25,11 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import influkit as ik
+from common import cross_entropy as ce, timed
 from influkit.gradients import per_example_grads, per_example_grads_serial
 from influkit.ssl import PseudoLabel, hypergradient, last_layer_grads
 
 
-def ce(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(outputs, targets, reduction="none")
-
-
-def timed(fn, repeat: int = 3) -> tuple[float, object]:
-    """Returns (the best wall-clock seconds over ``repeat`` calls, the last result)."""
-    best, result = float("inf"), None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
 
 
 def peak_memory_mb(fn) -> float:

@@ -15,7 +15,6 @@ Run: ``python benchmarks/bench_turnover.py`` (about a minute; ``--threads`` sets
 from __future__ import annotations
 
 import argparse
-import time
 import warnings
 
 import numpy as np
@@ -25,22 +24,11 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import influkit as ik
+from common import cross_entropy as ce, timed
 from influkit.errors import ConvergenceWarning
 from influkit.turnover import HashedMasks, TurnOverDropout, VolatileMasks, influence, train_turnover
 
 
-def ce(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(outputs, targets, reduction="none")
-
-
-def timed(fn, repeat: int = 1) -> tuple[float, object]:
-    """Returns (the best wall-clock seconds over ``repeat`` calls, the last result)."""
-    best, result = float("inf"), None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - start)
-    return best, result
 
 
 def bench_influence(sizes: list[int]) -> pd.DataFrame:
