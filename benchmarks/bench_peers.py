@@ -54,7 +54,7 @@ def run_influkit(stage, test, solver: str, tol: float | None = None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         res = ik.influence(stage, torch.arange(n), test, solver=solver, tol=tol, progress=False)
-    d = res.diagnostics["solve"]
+    d = res.diagnostics["solves"][0]
     return res.removal, f"{d['iterations']} it, {d['products']} HVPs"
 
 

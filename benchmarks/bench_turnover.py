@@ -50,7 +50,7 @@ def bench_influence(sizes: list[int]) -> pd.DataFrame:
             t_kl, kl = timed(
                 lambda: ik.influence(stage, torch.arange(n), test, solver="cg", damping=1e-2, tol=1e-3, max_iter=100, progress=False)
             )
-        solve = kl.diagnostics["solve"]
+        solve = kl.diagnostics["solves"][0]
         rows.append(
             {
                 "N": n,

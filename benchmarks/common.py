@@ -22,7 +22,8 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import influkit as ik
-from influkit.curvature import HessianOperator, ParamSpace, gradient
+from influkit.curvature import HessianOperator, gradient
+from influkit.params import ParamSpace
 from influkit.gradients import per_example_grads_serial
 from influkit.training import fit_lbfgs, gradient_norm, newton_refine
 

@@ -1,7 +1,9 @@
 """influkit: trace a (finetuned) model's predictions back to the training and pretraining data that shaped them."""
 
+from .chain import Chain, Link, Query, load_query
 from .errors import (
     ConvergenceWarning,
+    FileFormatError,
     InfluenceError,
     InputError,
     LossError,
@@ -12,24 +14,33 @@ from .errors import (
 from .influence import influence, self_influence
 from .multistage import score
 from .results import InfluenceResult, load
-from .solvers import Solution, solve
+from .operators import DenseOperator, Operator
+from .solvers import Solution, SolveConfig, solve
 from .stage import Stage
 from . import elmo, ssl, turnover, validation  # noqa: E402  (method packages: ik.ssl, ik.turnover, ...)
 
 __all__ = [
+    "Chain",
     "ConvergenceWarning",
+    "DenseOperator",
+    "FileFormatError",
     "InfluenceError",
     "InfluenceResult",
     "InputError",
+    "Link",
     "LossError",
     "ModelModeError",
     "NumericalError",
+    "Operator",
     "ParameterError",
+    "Query",
     "Solution",
+    "SolveConfig",
     "Stage",
     "elmo",
     "influence",
     "load",
+    "load_query",
     "score",
     "self_influence",
     "solve",

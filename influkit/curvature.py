@@ -19,44 +19,10 @@ import torch
 from torch.func import grad, jvp, vjp, vmap
 
 from .errors import InputError, NumericalError
-from .stage import Params, Stage
+from .params import Params, ParamSpace, point
+from .stage import Stage
 
 HVP_MODES = ("fwd-rev", "rev-rev")
-
-
-class ParamSpace:
-    """Flattening of a named parameter block to vectors: dict ↔ (p,) and batched dict (k, ...) ↔ (p, k)."""
-
-    def __init__(self, params: Mapping[str, torch.Tensor]):
-        self.names = list(params)
-        self.shapes = [params[n].shape for n in self.names]
-        self.sizes = [params[n].numel() for n in self.names]
-        first = params[self.names[0]]
-        self.dtype, self.device = first.dtype, first.device
-
-    @property
-    def dim(self) -> int:
-        return sum(self.sizes)
-
-    def flatten(self, tensors: Mapping[str, torch.Tensor], batched: bool = False) -> torch.Tensor:
-        """(p,) from a dict; with ``batched`` a dict of (k, *shape) gives (p, k)."""
-        if batched:
-            return torch.cat([tensors[n].reshape(tensors[n].shape[0], -1) for n in self.names], dim=1).T
-        return torch.cat([tensors[n].reshape(-1) for n in self.names])
-
-    def unflatten(self, vec: torch.Tensor) -> Params:
-        """A dict from (p,), or a dict of (k, *shape) from (p, k)."""
-        if vec.shape[0] != self.dim:
-            raise InputError(f"vector has {vec.shape[0]} entries, the parameter block has {self.dim}.")
-        parts = torch.split(vec, self.sizes, dim=0)
-        if vec.dim() == 1:
-            return {n: part.reshape(shape) for n, part, shape in zip(self.names, parts, self.shapes)}
-        k = vec.shape[1]
-        return {n: part.T.reshape(k, *shape) for n, part, shape in zip(self.names, parts, self.shapes)}
-
-    def zeros(self, k: int | None = None) -> torch.Tensor:
-        shape = (self.dim,) if k is None else (self.dim, k)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
 
 def sample_indices(n: int, samples: int | None, seed: int = 0) -> torch.Tensor | None:
@@ -93,7 +59,7 @@ def gradient(
     extra=None,
 ) -> Params:
     """∇ over ``names`` of the objective mean loss + R (+ ``extra``), over ``indices`` (default: all data)."""
-    params = _point(stage, names, at)
+    params = point(stage.state(), names, at)
     n = len(stage) if indices is None else len(indices)
     term = _batch_objective(stage, extra)
     total = {k: torch.zeros_like(v) for k, v in params.items()}
@@ -123,7 +89,7 @@ def hvp(
     if mode not in HVP_MODES:
         raise InputError(f"unknown HVP mode {mode!r}; use one of {HVP_MODES}.")
     names = list(tangents)
-    params = _point(stage, names, at)
+    params = point(stage.state(), names, at)
     n = len(stage) if indices is None else len(indices)
     term = _batch_objective(stage, extra)
 
@@ -146,16 +112,6 @@ def hvp(
                 "(e.g. train in float64) and the inputs for extreme values."
             )
     return total
-
-
-def _point(stage: Stage, names: Sequence[str], at: Params | None) -> Params:
-    state = stage.state()
-    unknown = [n for n in names if n not in state]
-    if unknown:
-        from .errors import ParameterError
-
-        raise ParameterError(f"unknown parameter names {unknown}; the model has {list(state)[:8]}...")
-    return {n: (at[n] if at is not None and n in at else state[n]) for n in names}
 
 
 class HessianOperator:
@@ -186,7 +142,7 @@ class HessianOperator:
         self.stage = stage
         self.names = list(stage.param_names if names is None else names)
         self.at = at
-        self.space = ParamSpace(_point(stage, self.names, at))
+        self.space = ParamSpace(point(stage.state(), self.names, at))
         self.indices = sample_indices(len(stage), samples, seed)
         self.mode = mode
         self.extra = extra
@@ -210,7 +166,7 @@ class HessianOperator:
     def _gradient_graph(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(leaf parameters, flat ∇L(θ) with its graph kept) over the whole (sampled) data, built once."""
         if self._graph is None:
-            leaves = {n: t.detach().clone().requires_grad_(True) for n, t in _point(self.stage, self.names, self.at).items()}
+            leaves = {n: t.detach().clone().requires_grad_(True) for n, t in point(self.stage.state(), self.names, self.at).items()}
             n = len(self.stage) if self.indices is None else len(self.indices)
             (x, y), = self.stage.batches(self.indices, batch_size=n)
             with torch.enable_grad():

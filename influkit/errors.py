@@ -30,3 +30,7 @@ class NumericalError(InfluenceError, FloatingPointError):
 
 class ConvergenceWarning(UserWarning):
     """An iterative solver stopped before reaching its tolerance; the message gives the residual."""
+
+
+class FileFormatError(InfluenceError, ValueError):
+    """A file that is not an influkit file of the expected kind, or that was modified after it was written."""

@@ -13,8 +13,8 @@ import torch
 from torch.func import grad, vmap
 from tqdm.auto import tqdm
 
-from .curvature import ParamSpace, _point
-from .stage import Params, Stage, check_finite
+from .params import Params, ParamSpace, point
+from .stage import Stage, check_finite
 
 
 def _single_loss(stage: Stage):
@@ -33,7 +33,7 @@ def _chunks(inputs: torch.Tensor, targets: torch.Tensor, chunk_size: int, progre
 def _grad_rows(stage: Stage, inputs, targets, names, at, chunk_size: int, progress: bool):
     """Yield (chunk, p) blocks of per-example gradients over ``names``, one vmap call per chunk."""
     names = stage.param_names if names is None else list(names)
-    params = _point(stage, names, at)
+    params = point(stage.state(), names, at)
     space = ParamSpace(params)
     per_grad = vmap(grad(_single_loss(stage)), in_dims=(None, 0, 0))
     check_finite(inputs, "inputs")
@@ -77,7 +77,7 @@ def per_example_grads_serial(
 ) -> torch.Tensor:
     """(N, p) by one ``torch.autograd.grad`` call per example: slow, the reference for tests."""
     names = stage.param_names if names is None else list(names)
-    params = {n: t.clone().requires_grad_(True) for n, t in _point(stage, names, None).items()}
+    params = {n: t.clone().requires_grad_(True) for n, t in point(stage.state(), names).items()}
     rows = []
     for i in range(inputs.shape[0]):
         loss = stage.losses(params, inputs[i : i + 1], targets[i : i + 1]).sum()
@@ -97,7 +97,7 @@ def total_grad(
 ) -> torch.Tensor:
     """(p,) = Σ_i ∇ ℓ(x_i, y_i) over ``names``: the gradient of the summed loss, streamed in chunks."""
     names = stage.param_names if names is None else list(names)
-    params = _point(stage, names, at)
+    params = point(stage.state(), names, at)
     space = ParamSpace(params)
     check_finite(inputs, "inputs")
     summed = grad(lambda p, x, y: stage.losses(p, x, y).sum())

@@ -11,28 +11,18 @@ the scores are then the batched dot products −∇ℓ(z)ᵀ s.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 import torch
 
+from .chain import Chain
 from .curvature import HessianOperator
 from .data import as_examples
-from .errors import InputError
-from .gradients import per_example_grads, project_per_example_grads, total_grad
+from .gradients import per_example_grads
+from .operators import DenseOperator
 from .results import InfluenceResult
-from .solvers import DenseOperator, solve
-from .stage import Stage
-
-
-def check_example_shape(stage: Stage, inputs: torch.Tensor, name: str) -> None:
-    """Raise :class:`InputError` if ``inputs`` rows do not have the shape of the stage's data rows."""
-    expected = stage.data.take(torch.arange(1))[0].shape[1:]
-    if inputs.shape[1:] != expected:
-        raise InputError(
-            f"{name} has examples of shape {tuple(inputs.shape[1:])}, the stage's data has {tuple(expected)}; "
-            "pass (inputs, targets) with one row per example, or indices into the stage's data."
-        )
+from .solvers import SolveConfig
+from .stage import Stage, check_example_shape
 
 
 def influence(
@@ -51,44 +41,20 @@ def influence(
     seed: int = 0,
     progress: bool = True,
 ) -> InfluenceResult:
-    """Influence I(z, T) = −∇f(T)ᵀ H⁻¹ ∇ℓ(z) of each training example z on the test loss.
+    """Influence I(z, T) = −∇f(T)ᵀ H⁻¹ ∇ℓ(z) of each training example z on the test loss: ``Chain([stage])``.
 
     z, x_test: (inputs, targets) tensors, or 1-D indices into the stage's data.
     params: names/prefixes of the parameters the Hessian is taken over (default: the stage's trained ones).
-    solver, damping, tol, max_iter: see :func:`influkit.solvers.solve`. The default ``minres`` converges
-    with κ(H), needs one HVP per step and tolerates indefinite H; ``benchmarks/bench_core.py`` measured
-    ``cg`` (on H²) 2–4× slower and failing at κ ≈ 1e5, and ``direct`` fastest for p ≲ 3,000 with large κ.
-    hessian_samples: estimate H on a seeded random sample of this many training examples.
+    solver, damping, tol, max_iter, hessian_samples, seed: a :class:`~influkit.solvers.SolveConfig`. The default
+    ``minres`` converges with κ(H), needs one HVP per step and tolerates indefinite H;
+    ``benchmarks/bench_core.py`` measured ``cg`` (on H²) 2–4× slower and failing at κ ≈ 1e5.
     per_test: return the (len(z), len(x_test)) matrix (one batched solve with len(x_test) right-hand sides).
     """
-    names = stage.select(params)
-    (zx, zy), z_ids = as_examples(z, stage.data, "z")
-    (tx, ty), _ = as_examples(x_test, stage.data, "x_test")
-    check_example_shape(stage, zx, "z")
-    check_example_shape(stage, tx, "x_test")
-    timings = {}
-
-    start = time.perf_counter()
-    if per_test:
-        rhs = per_example_grads(stage, tx, ty, names, chunk_size=chunk_size).T
-    else:
-        rhs = total_grad(stage, tx, ty, names)
-    timings["test_gradient"] = time.perf_counter() - start
-
-    operator = HessianOperator(stage, names, samples=hessian_samples, seed=seed)
-    sol = solve(operator, rhs, solver, damping=damping, tol=tol, max_iter=max_iter, progress=progress)
-
-    start = time.perf_counter()
-    values = -project_per_example_grads(stage, zx, zy, sol.x, names, chunk_size=chunk_size, progress=progress)
-    timings["train_gradients"] = time.perf_counter() - start
-    timings["solve"] = sol.seconds
-    return InfluenceResult(
-        values=values if per_test else values.reshape(-1),
-        n_train=len(stage),
-        index=z_ids,
-        method="single-stage",
-        diagnostics={"solve": sol.summary(), "seconds": timings, "hessian_samples": hessian_samples},
-    )
+    config = SolveConfig(solver=solver, damping=damping, tol=tol, max_iter=max_iter,
+                         hessian_samples=hessian_samples, seed=seed)
+    chain = Chain([stage if params is None else stage.with_(params=params)], solve=config)
+    query = chain.query(x_test, per_test=per_test, chunk_size=chunk_size, progress=progress)
+    return query.scores(z, chunk_size=chunk_size, progress=progress)
 
 
 def self_influence(
@@ -117,20 +83,22 @@ def self_influence(
     (zx, zy), z_ids = as_examples(z, stage.data, "z")
     check_example_shape(stage, zx, "z")
     grads = per_example_grads(stage, zx, zy, names, chunk_size=chunk_size, progress=progress)
+    config = SolveConfig(solver=solver, damping=damping, tol=tol, max_iter=max_iter,
+                         hessian_samples=hessian_samples, seed=seed)
     operator = HessianOperator(stage, names, samples=hessian_samples, seed=seed)
-    if solver == "direct":
+    if config.method(operator.dim)[0] == "direct":
         operator = DenseOperator(operator.dense())
         rhs_chunk = grads.shape[0]
     values, summaries = [], []
     for s in range(0, grads.shape[0], rhs_chunk):
         block = grads[s : s + rhs_chunk]
-        sol = solve(operator, block.T, solver, damping=damping, tol=tol, max_iter=max_iter)
+        sol = config.solve(operator, block.T)
         values.append(-(block * sol.x.T).sum(dim=1))
-        summaries.append(sol.summary())
+        summaries.append({"stage": 0, "examples": [s, s + block.shape[0]], **sol.summary()})
     return InfluenceResult(
         values=torch.cat(values),
         n_train=len(stage),
         index=z_ids,
         method="self-influence",
-        diagnostics={"solves": summaries},
+        diagnostics={"solves": summaries, "settings": config.summary()},
     )

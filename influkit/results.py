@@ -1,8 +1,15 @@
 """The result type shared by every influence method in influkit.
 
-Sign convention (DESIGN §1): ``values[i]`` is I(z_i, T) = d/dε of the summed test loss when the training
-objective gains ε·ℓ(z_i). Positive = up-weighting z_i raises the test loss (harmful). Removing z_i is
-ε = −1/n, so the predicted change of the summed test loss is ``removal = −values / n``.
+Sign convention: ``values[i]`` is I(z_i, T) = d/dε of the summed test loss when the training objective
+gains ε·ℓ(z_i). Positive = up-weighting z_i raises the test loss (harmful). The predicted change when z_i is
+removed is ``removal = removal_eps · values``, with ``removal_eps`` the ε that removes z_i:
+
+- −1/n for objectives that *average* over n examples (influence, multi-stage, the default);
+- −λ_u for the SSL weight hypergradient (values are ∂L_S/∂λ_u; removing u sets its weight λ_u to 0);
+- −1 for turn-over dropout, whose values are already whole-removal differences L(with i) − L(without i).
+
+``diagnostics`` has one shape everywhere: ``{"solves": [Solution summaries, each with a "stage" key],
+"seconds": {phase: seconds}, "settings": {...}}`` (empty lists/dicts where a method has none).
 """
 
 from __future__ import annotations
@@ -14,7 +21,11 @@ from typing import Any
 import pandas as pd
 import torch
 
+from . import files
 from .errors import InputError
+
+
+KIND = "influence-result"
 
 
 @dataclass
@@ -22,10 +33,11 @@ class InfluenceResult:
     """Influence scores of training examples on a test set, with the diagnostics of their computation.
 
     values: (len(z),) summed over the test set, or (len(z), len(x_test)) when computed per test point.
-    n_train: number of examples the training objective averages over (m or n), used for ``removal``.
+    n_train: number of examples of the training objective (m or n).
     index: the example ids of ``values``' rows (indices into the training data, or 0..len(z)-1).
     method: a short name of how the scores were computed ("single-stage", "multi-stage case 1", ...).
-    diagnostics: solver iterations, residuals, timings and settings.
+    diagnostics: ``{"solves": [...], "seconds": {...}, "settings": {...}}`` (module docstring).
+    removal_eps: the ε removing each example, a number or one per row (default −1/n_train).
     """
 
     values: torch.Tensor
@@ -33,6 +45,7 @@ class InfluenceResult:
     index: torch.Tensor | None = None
     method: str = ""
     diagnostics: dict[str, Any] = field(default_factory=dict)
+    removal_eps: float | torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.values = self.values.detach()
@@ -44,6 +57,13 @@ class InfluenceResult:
                 f"index has {self.index.shape[0]} entries but values has {self.values.shape[0]} rows; "
                 "pass one example id per row of values."
             )
+        if self.removal_eps is None:
+            self.removal_eps = -1.0 / self.n_train
+        if torch.is_tensor(self.removal_eps):
+            self.removal_eps = self.removal_eps.detach().to(self.values.device, self.values.dtype).reshape(-1)
+            if self.removal_eps.shape[0] != self.values.shape[0]:
+                raise InputError("removal_eps needs one value per row of values (or one number for all).")
+        self.diagnostics = {"solves": [], "seconds": {}, "settings": {}} | dict(self.diagnostics)
 
     @property
     def per_test(self) -> bool:
@@ -52,8 +72,9 @@ class InfluenceResult:
 
     @property
     def removal(self) -> torch.Tensor:
-        """Predicted change of the (summed) test loss when each example is removed: −values / n_train."""
-        return -self.values / self.n_train
+        """Predicted change of the (summed) test loss when each example is removed: removal_eps · values."""
+        eps = self.removal_eps
+        return eps.reshape(-1, *([1] * (self.values.dim() - 1))) * self.values if torch.is_tensor(eps) else eps * self.values
 
     @property
     def total(self) -> torch.Tensor:
@@ -65,9 +86,10 @@ class InfluenceResult:
 
         With per-test values, the columns ``score_t{j}`` hold each test point's score as well.
         """
-        total = self.total.cpu().double().numpy()
+        total = self.total.cpu().double()
+        eps = self.removal_eps.cpu().double() if torch.is_tensor(self.removal_eps) else self.removal_eps
         frame = pd.DataFrame(
-            {"example": self.index.numpy(), "score": total, "removal": -total / self.n_train}
+            {"example": self.index.numpy(), "score": total.numpy(), "removal": (eps * total).numpy()}
         )
         if self.per_test:
             per = self.values.cpu().double().numpy()
@@ -80,18 +102,15 @@ class InfluenceResult:
         frame = self.to_frame()[["example", "score", "removal"]]
         return frame.sort_values("score", ascending=not harmful).head(k).reset_index(drop=True)
 
-    def save(self, path: str | Path) -> None:
-        """Write the result to ``path`` (a torch file); read it back with :func:`load`."""
-        torch.save(
-            {
-                "values": self.values.cpu(),
-                "n_train": self.n_train,
-                "index": self.index,
-                "method": self.method,
-                "diagnostics": self.diagnostics,
-            },
-            Path(path),
-        )
+    def save(self, path: str | Path) -> Path:
+        """Write the result to ``path`` (safetensors + JSON header, any file name); read it with :func:`load`."""
+        tensors = {"values": self.values, "index": self.index}
+        if torch.is_tensor(self.removal_eps):
+            tensors["removal_eps"] = self.removal_eps
+        meta = {"n_train": self.n_train, "method": self.method, "diagnostics": self.diagnostics}
+        if not torch.is_tensor(self.removal_eps):
+            meta["removal_eps"] = self.removal_eps
+        return files.write(path, KIND, tensors, meta)
 
     def __repr__(self) -> str:
         shape = tuple(self.values.shape)
@@ -99,6 +118,12 @@ class InfluenceResult:
 
 
 def load(path: str | Path) -> InfluenceResult:
-    """Read an :class:`InfluenceResult` written by :meth:`InfluenceResult.save`."""
-    state = torch.load(Path(path), weights_only=False)
-    return InfluenceResult(**state)
+    """Read an :class:`InfluenceResult` written by :meth:`InfluenceResult.save` (never unpickles).
+
+    Raises :class:`~influkit.errors.FileFormatError` for a file that is not one, or was modified.
+    """
+    tensors, meta = files.read(path, KIND)
+    return InfluenceResult(
+        values=tensors["values"], index=tensors["index"], n_train=meta["n_train"], method=meta["method"],
+        diagnostics=meta["diagnostics"], removal_eps=tensors.get("removal_eps", meta.get("removal_eps")),
+    )

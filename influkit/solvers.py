@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .errors import ConvergenceWarning, InputError, NumericalError
+from .operators import DenseOperator, Operator, SymmetricFactor
 
 METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "identity")
 
@@ -39,6 +40,7 @@ class Solution:
 
     residual: the largest relative residual ‖A x − c‖ / ‖c‖ over the columns, for the system A x = c the
     method solves (see the module table); NaN for ``identity``, which solves nothing.
+    choice: why this method ran (set when :class:`SolveConfig` chose it with ``solver="auto"``).
     """
 
     x: torch.Tensor
@@ -49,6 +51,7 @@ class Solution:
     seconds: float
     products: int
     damping: float
+    choice: str = ""
 
     def summary(self) -> dict:
         """The diagnostics without the solution vector."""
@@ -57,25 +60,67 @@ class Solution:
         return out
 
 
-class DenseOperator:
-    """A dense symmetric matrix seen as a linear operator (used in tests and for small problems)."""
+# ``solver="auto"`` factors the dense Hessian up to this many parameters and runs MINRES above it.
+# benchmarks/bench_auto.py: direct (p HVPs to build H, one Cholesky) beats MINRES to float64 tolerance on the
+# trained digits MLPs/CNNs measured there up to a few thousand parameters, and its factor is reused by every
+# later query of a fitted Chain; above it the O(p²) memory and p HVPs grow faster than MINRES' iterations.
+AUTO_DIRECT_MAX = 3000
 
-    def __init__(self, matrix: torch.Tensor):
-        if matrix.dim() != 2 or matrix.shape[0] != matrix.shape[1]:
-            raise InputError(f"a Hessian must be a square matrix, got shape {tuple(matrix.shape)}.")
-        self.matrix = matrix
-        self.products = 0
 
-    @property
-    def dim(self) -> int:
-        return self.matrix.shape[0]
+@dataclass(frozen=True)
+class SolveConfig:
+    """How one inverse-Hessian system (H + λI) x = b is solved: the settings every influence method shares.
 
-    def matvec(self, vec: torch.Tensor) -> torch.Tensor:
-        self.products += vec.shape[1] if vec.dim() == 2 else 1
-        return self.matrix @ vec
+    solver: one of ``METHODS`` or ``"auto"`` (``direct`` for p ≤ ``AUTO_DIRECT_MAX``, else ``minres``; the
+    choice and its reason are recorded in :attr:`Solution.choice`).
+    damping: λ ≥ 0 added to H (to H² for ``cg``). tol, max_iter: stopping rule of iterative solvers
+    (defaults: :func:`default_tol`, min(10·p, 2,000)). hessian_samples: estimate H on a seeded random
+    sample of this many examples (seed ``seed``). preconditioner: for ``cg_spd``, M⁻¹ as a callable on
+    (p, k) residuals, M ≈ H + λI positive definite.
+    """
 
-    def dense(self) -> torch.Tensor:
-        return self.matrix
+    solver: str = "auto"
+    damping: float = 0.0
+    tol: float | None = None
+    max_iter: int | None = None
+    hessian_samples: int | None = None
+    preconditioner: Callable[[torch.Tensor], torch.Tensor] | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.solver not in METHODS + ("auto",):
+            raise InputError(f"unknown solver {self.solver!r}; choose 'auto' or one of {METHODS}.")
+        if not self.damping >= 0:
+            raise InputError(f"damping must be ≥ 0, got {self.damping}.")
+        if self.hessian_samples is not None and self.hessian_samples <= 0:
+            raise InputError(f"hessian_samples must be positive, got {self.hessian_samples}.")
+        if self.preconditioner is not None and not callable(self.preconditioner):
+            raise InputError("preconditioner must be a callable applying M⁻¹ to (p, k) vectors.")
+
+    def method(self, dim: int) -> tuple[str, str]:
+        """(the method to run on a p = ``dim`` system, why)."""
+        if self.solver != "auto":
+            return self.solver, ""
+        if dim <= AUTO_DIRECT_MAX:
+            return "direct", f"auto: p = {dim} ≤ {AUTO_DIRECT_MAX}, a dense factorization is fastest"
+        return "minres", f"auto: p = {dim} > {AUTO_DIRECT_MAX}, MINRES (indefinite-safe, one HVP per step)"
+
+    def solve(self, operator: Operator, b: torch.Tensor, *, progress: bool = False, warn: bool = True) -> "Solution":
+        """:func:`solve` with these settings (``auto`` resolved for ``operator.dim``)."""
+        method, why = self.method(operator.dim)
+        sol = solve(
+            operator, b, method, damping=self.damping, tol=self.tol, max_iter=self.max_iter,
+            preconditioner=self.preconditioner, progress=progress, warn=warn,
+        )
+        sol.choice = why
+        return sol
+
+    def summary(self) -> dict:
+        """The settings as JSON-friendly values (a callable preconditioner is named by its type)."""
+        out = asdict(self)
+        if self.preconditioner is not None:
+            out["preconditioner"] = getattr(self.preconditioner, "__qualname__", type(self.preconditioner).__name__)
+        return out
 
 
 def default_tol(dtype: torch.dtype) -> float:
@@ -98,8 +143,8 @@ def solve(
 ) -> Solution:
     """Approximately x = H⁻¹ b (with damping λ as in the module table), for b of shape (p,) or (p, k).
 
-    operator: an object with ``matvec((p,) or (p, k))`` and ``dim`` (e.g. :class:`HessianOperator`), or a
-    dense symmetric (p, p) tensor. ``direct`` also needs ``operator.dense()``.
+    operator: an :class:`~influkit.operators.Operator` (e.g. :class:`~influkit.curvature.HessianOperator`), or
+    a dense symmetric (p, p) tensor. ``direct`` also needs ``operator.dense()`` (or a cached ``factor``).
     tol: relative residual to stop at (default :func:`default_tol`); max_iter: cap on iterations
     (default min(10·p, 2,000)); scale: LiSSA's step 1/scale (default 1.05·|λ_max| by power iteration).
     preconditioner: for ``cg_spd``, M⁻¹ applied to (p, k) residuals, M ≈ H + λI positive definite
@@ -183,34 +228,15 @@ def _relative_residual(apply: Callable, x: torch.Tensor, target: torch.Tensor) -
 
 
 def _direct(operator, rhs: torch.Tensor, damping: float):
-    """x = (H + λI)⁻¹ b by Cholesky when H + λI is positive definite, else from the eigendecomposition
-    H = V diag(e) Vᵀ as V diag(1/(e + λ)) Vᵀ b, treating near-zero e + λ as zero (pseudo-inverse)."""
-    if not hasattr(operator, "dense"):
-        raise InputError("solver='direct' needs an operator with a dense() Hessian; use 'cg' or 'minres'.")
-    h = operator.dense()
-    if not torch.isfinite(h).all():
-        raise NumericalError("the dense Hessian holds NaN/Inf; compute it in float64 or add damping.")
-    shifted_h = h + damping * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-    factor, info = torch.linalg.cholesky_ex(shifted_h)
-    if int(info) == 0:
-        x = torch.cholesky_solve(rhs, factor)
+    """x = (H + λI)⁻¹ b from the operator's cached factorization, or from a factorization of its dense()."""
+    if hasattr(operator, "factor"):
+        factor = operator.factor(damping)
+    elif hasattr(operator, "dense"):
+        factor = SymmetricFactor(operator.dense(), damping)
     else:
-        evals, evecs = torch.linalg.eigh(h)
-        if not torch.isfinite(evals).all():
-            raise NumericalError("the Hessian's eigendecomposition failed (NaN); use float64 or add damping.")
-        shifted = evals + damping
-        cutoff = shifted.abs().max() * h.shape[0] * torch.finfo(h.dtype).eps
-        keep = shifted.abs() > cutoff
-        if not keep.all():
-            warnings.warn(
-                f"the Hessian is singular: {int((~keep).sum())} eigenvalues below {float(cutoff):.1e} were "
-                "treated as zero (pseudo-inverse); add damping or a regularizer for a unique answer.",
-                ConvergenceWarning,
-                stacklevel=3,
-            )
-        inv = torch.where(keep, 1.0 / torch.where(keep, shifted, torch.ones_like(shifted)), torch.zeros_like(shifted))
-        x = evecs @ (inv[:, None] * (evecs.T @ rhs))
-    residual = float(((shifted_h @ x - rhs).norm(dim=0) / rhs.norm(dim=0).clamp_min(1e-300)).max())
+        raise InputError("solver='direct' needs an operator with a dense() Hessian; use 'minres' or 'cg'.")
+    x = factor.solve(rhs)
+    residual = float(((factor.shifted @ x - rhs).norm(dim=0) / rhs.norm(dim=0).clamp_min(1e-300)).max())
     return x, 1, residual
 
 

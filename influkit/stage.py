@@ -17,9 +17,9 @@ from torch import nn
 from torch.func import functional_call
 
 from .data import Batch, ExampleSource
-from .errors import InputError, LossError, ModelModeError, ParameterError
+from .errors import InputError, LossError, ModelModeError
+from .params import Params, resolve_names
 
-Params = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Regularizer = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
@@ -38,28 +38,6 @@ def check_eval_mode(model: nn.Module) -> None:
             f"layers {offending[:5]} are in train mode, so the loss is random (dropout) or depends on the "
             "batch (batch-norm) and has no well-defined Hessian; call model.eval() before computing influence."
         )
-
-
-def resolve_names(model: nn.Module, selectors: str | Iterable[str] | None) -> list[str]:
-    """Parameter names of ``model`` selected by exact names or module prefixes (default: all requiring grad)."""
-    all_names = [name for name, _ in model.named_parameters()]
-    if selectors is None:
-        names = [name for name, p in model.named_parameters() if p.requires_grad]
-        if not names:
-            raise ParameterError("the model has no parameter that requires grad; pass params= explicitly.")
-        return names
-    if isinstance(selectors, str):
-        selectors = [selectors]
-    chosen: list[str] = []
-    for sel in selectors:
-        hits = [n for n in all_names if n == sel or n.startswith(sel.rstrip(".") + ".")]
-        if not hits:
-            raise ParameterError(
-                f"{sel!r} matches no parameter of {type(model).__name__}; "
-                f"known names start with: {sorted({n.split('.')[0] for n in all_names})}."
-            )
-        chosen.extend(h for h in hits if h not in chosen)
-    return [n for n in all_names if n in chosen]
 
 
 class Stage:
@@ -100,13 +78,16 @@ class Stage:
     def __len__(self) -> int:
         return len(self.data)
 
-    def with_(self, *, model: nn.Module | None = None, data=None, regularizer: Regularizer | None = None) -> "Stage":
-        """A new stage with the same loss and trained parameter names and some parts replaced."""
+    def with_(
+        self, *, model: nn.Module | None = None, data=None, regularizer: Regularizer | None = None,
+        params: str | Iterable[str] | None = None,
+    ) -> "Stage":
+        """A new stage with the same loss (and, unless replaced, trained parameter names) and some parts replaced."""
         return Stage(
             self.model if model is None else model,
             self.loss,
             self._data if data is None else data,
-            params=self.param_names,
+            params=self.param_names if params is None else self.select(params),
             regularizer=self.regularizer if regularizer is None else regularizer,
             batch_size=self.data.batch_size,
         )
@@ -197,3 +178,13 @@ def check_finite(tensor: torch.Tensor, what: str) -> None:
     """Raise :class:`InputError` if a floating tensor holds NaN or Inf."""
     if tensor.is_floating_point() and not torch.isfinite(tensor).all():
         raise InputError(f"{what} contain NaN or Inf; clean or impute them before computing influence.")
+
+
+def check_example_shape(stage: Stage, inputs: torch.Tensor, name: str) -> None:
+    """Raise :class:`InputError` if ``inputs`` rows do not have the shape of the stage's data rows."""
+    expected = stage.data.take(torch.arange(1))[0].shape[1:]
+    if inputs.shape[1:] != expected:
+        raise InputError(
+            f"{name} has examples of shape {tuple(inputs.shape[1:])}, the stage's data has {tuple(expected)}; "
+            "pass (inputs, targets) with one row per example, or indices into the stage's data."
+        )

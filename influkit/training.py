@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from .curvature import HessianOperator, gradient
 from .errors import InputError
+from .operators import DenseOperator
 from .solvers import solve
 from .stage import Stage
 
@@ -112,9 +113,10 @@ def newton_refine(stage: Stage, *, steps: int = 3, damping: float = 0.0) -> floa
     return gradient_norm(stage)
 
 
-class HessianFactor:
-    """A Cholesky factor of the dense H + μI of a stage objective, for repeated Newton-type steps.
+class HessianFactor(DenseOperator):
+    """The dense H + μI of a stage objective with its Cholesky factor, for repeated Newton-type steps.
 
+    An :class:`~influkit.operators.Operator` (``matvec`` applies H + μI); ``solve`` applies (H + μI)⁻¹.
     μ = ``damping``; if H + μI is not positive definite (a saddle region), μ is raised to 2|λ_min(H)| so that
     −(H + μI)⁻¹∇L is a descent direction (Levenberg's damping).
     """
@@ -125,15 +127,15 @@ class HessianFactor:
         self.names = list(stage.param_names)
         dense = operator.dense()
         eye = torch.eye(dense.shape[0], dtype=dense.dtype, device=dense.device)
-        self.cholesky, info = torch.linalg.cholesky_ex(dense + damping * eye)
         self.damping = damping
-        if int(info) != 0:
+        if int(torch.linalg.cholesky_ex(dense + damping * eye)[1]) != 0:
             self.damping = 2 * abs(float(torch.linalg.eigvalsh(dense)[0])) + damping
-            self.cholesky = torch.linalg.cholesky(dense + self.damping * eye)
+        super().__init__(dense + self.damping * eye)
+        self.factor(0.0)
 
     def solve(self, vec: torch.Tensor) -> torch.Tensor:
         """(H + μI)⁻¹ vec for vec of shape (p,) or (p, k)."""
-        return torch.cholesky_solve(vec.reshape(vec.shape[0], -1), self.cholesky).reshape(vec.shape)
+        return self.factor(0.0).solve(vec.reshape(vec.shape[0], -1)).reshape(vec.shape)
 
 
 def newton_fit(

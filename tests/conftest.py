@@ -8,7 +8,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import influkit as ik
-from influkit.curvature import ParamSpace
+from influkit.params import ParamSpace
 from influkit.training import fit_lbfgs, newton_refine
 
 torch.set_default_dtype(torch.float64)

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from influkit.curvature import HessianOperator, ParamSpace, gradient, hvp
+from influkit.curvature import HessianOperator, gradient, hvp
+from influkit.params import ParamSpace
 from conftest import explicit_hessian
 
 

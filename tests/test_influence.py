@@ -94,4 +94,4 @@ def test_result_frame_top_and_save(tmp_path, logreg_digits):
     res.save(tmp_path / "r.pt")
     back = ik.load(tmp_path / "r.pt")
     assert torch.equal(back.values, res.values) and back.n_train == 300 and back.method == res.method
-    assert back.diagnostics["solve"]["method"] == "direct"
+    assert back.diagnostics["solves"][0]["method"] == "direct"

@@ -124,7 +124,7 @@ def test_diagnostics_are_reported():
     h, _ = spd_matrix()
     sol = solve(h, torch.ones(30), "cg", tol=1e-10)
     info = sol.summary()
-    assert set(info) == {"method", "iterations", "residual", "converged", "seconds", "products", "damping"}
+    assert set(info) == {"method", "iterations", "residual", "converged", "seconds", "products", "damping", "choice"}
     assert info["products"] == 2 * info["iterations"] + 2 + 1  # 2 per step, H·b, final residual check
 
 

@@ -8,7 +8,7 @@
 - :mod:`.trainer` — Algorithm 1
 """
 
-from .hypergradient import SOLVERS, Hypergradient, SumOperator, hypergradient, weight_hypergradient
+from .hypergradient import SOLVERS, Hypergradient, hypergradient, weight_hypergradient
 from .losses import Consistency, PseudoLabel, ShiftNoise, UnsupervisedLoss, confident_targets, soft_cross_entropy
 from .madam import MaskedAdam
 from .per_example import (
@@ -32,7 +32,6 @@ __all__ = [
     "PseudoLabel",
     "SSLRun",
     "ShiftNoise",
-    "SumOperator",
     "UnsupervisedLoss",
     "confident_targets",
     "final_linear",

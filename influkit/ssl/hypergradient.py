@@ -30,11 +30,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..curvature import HessianOperator, ParamSpace, gradient
+from ..curvature import HessianOperator, gradient
+from ..operators import LazyDenseOperator, SumOperator
+from ..params import ParamSpace, resolve_names
 from ..errors import InputError
 from ..gradients import project_per_example_grads
 from ..solvers import METHODS, Solution, solve
-from ..stage import Regularizer, Stage, resolve_names
+from ..stage import Regularizer, Stage
 from .losses import UnsupervisedLoss
 from .per_example import (
     final_linear,
@@ -47,49 +49,6 @@ from .per_example import (
 )
 
 SOLVERS = METHODS + ("neumann",)
-
-
-class SumOperator:
-    """The sum H = Σ_k H_k of Hessian operators over one parameter block (same flattening), as one operator."""
-
-    def __init__(self, operators: list[HessianOperator]):
-        self.operators = operators
-        self.space = operators[0].space
-
-    @property
-    def dim(self) -> int:
-        return self.space.dim
-
-    @property
-    def products(self) -> int:
-        return sum(op.products for op in self.operators)
-
-    def matvec(self, vec: torch.Tensor) -> torch.Tensor:
-        """H·vec for vec of shape (p,) or (p, k)."""
-        return sum(op.matvec(vec) for op in self.operators)
-
-    def dense(self) -> torch.Tensor:
-        """The explicit p×p Hessian (sum of the parts' dense Hessians)."""
-        return sum(op.dense() for op in self.operators)
-
-
-class _LazyDense:
-    """A dense symmetric operator whose matrix is built on first use (the identity baseline never needs it)."""
-
-    def __init__(self, dim: int, build: Callable[[], torch.Tensor]):
-        self.dim = dim
-        self.products = 0
-        self._build = build
-        self._matrix: torch.Tensor | None = None
-
-    def dense(self) -> torch.Tensor:
-        if self._matrix is None:
-            self._matrix = self._build()
-        return self._matrix
-
-    def matvec(self, vec: torch.Tensor) -> torch.Tensor:
-        self.products += vec.shape[1] if vec.dim() == 2 else 1
-        return self.dense() @ vec
 
 
 @dataclass
@@ -169,8 +128,9 @@ def _functional_problem(model, sup_loss, unsup_loss, labeled, unlabeled, val, we
             return w.to(unlabeled.dtype)
 
     unsup = Stage(unsup_model, loss, (inputs, targets(weights)), unsup_names)
-    operator = SumOperator([HessianOperator(sup, names), HessianOperator(unsup, unsup_names)])
-    g_val = operator.space.flatten(gradient(val_stage, names))
+    sup_hessian = HessianOperator(sup, names)
+    operator = SumOperator([sup_hessian, HessianOperator(unsup, unsup_names)])
+    g_val = sup_hessian.space.flatten(gradient(val_stage, names))
     ones = torch.ones_like(weights)
 
     def scores(s: torch.Tensor) -> torch.Tensor:
@@ -209,7 +169,7 @@ def _cached_problem(model, head_name, sup_loss, unsup_loss, labeled, unlabeled, 
             )(flat)
         return hessian
 
-    operator = _LazyDense(space.dim, build)
+    operator = LazyDenseOperator(space.dim, build, space.dtype, space.device)
     g_val = linear_per_example_grads(feats_v, output_gradients(sup_loss, out_v, val[1]), bias=has_bias).mean(0)
     deltas_u = output_gradients(unsup_loss.on_outputs, out_u, t)
 

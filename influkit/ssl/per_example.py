@@ -4,7 +4,7 @@ For logits h_i = W a_i + b, with a_i the layer's input (the features) and δ_i =
 example i's loss is ∇_W ℓ_i = δ_i a_iᵀ and ∇_b ℓ_i = δ_i. Because the batch loss Σ_i ℓ_i is a sum,
 its gradient with respect to the logits is exactly the stack of the δ_i: one backward pass gives them all
 (Ren et al. 2020, §3.1). Rows are flattened in parameter order (weight row-major, then bias), the layout of
-:class:`influkit.curvature.ParamSpace` over ``[head.weight, head.bias]``. Other layers: use
+:class:`influkit.params.ParamSpace` over ``[head.weight, head.bias]``. Other layers: use
 :func:`influkit.gradients.per_example_grads` (vmap).
 
 Because h is linear in (W, b), the Hessian of Σ_i c_i ℓ_i over (W, b) is exactly Σ_i c_i J_iᵀ G_i J_i with

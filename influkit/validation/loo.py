@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import InputError
-from ..multistage import shared_parameters
+from ..params import shared_parameters
 from ..results import InfluenceResult
 from ..stage import Stage
 from ..training import HessianFactor, fit_lbfgs, newton_fit, train_adam
@@ -65,7 +65,7 @@ class TwoStageRecipe:
             raise InputError(f"unknown optimizer {self.optimizer!r}; use 'newton', 'lbfgs' or 'adam'.")
 
     def __call__(self, pretrain: Stage, finetune: Stage, exclude: torch.Tensor | None) -> None:
-        mapping = shared_parameters(pretrain, finetune, self.shared)
+        mapping = shared_parameters(pretrain.model, finetune.model, self.shared)
         before = {p: t.clone() for p, t in pretrain.state().items()}
         self._train(pretrain, self.pretrain_steps, exclude, "pretrain")
         after = pretrain.state()

@@ -1,0 +1,367 @@
+"""``Chain``: influence through N training stages — fit once, query a test set, score examples in chunks.
+
+Stage k minimizes F_k(θ_k; c_k) = (1/n_k) Σ_i ℓ_k(x_i; θ_k, c_k) + R_k(θ_k) [+ α‖S_k − c_k‖²], where c_k are
+the values stage k inherits from stage k−1 through its incoming :class:`Link` (stage 1 inherits nothing):
+
+- Case 1: the shared block S_k is *fixed* at c_k (S_k is part of the model, not of θ_k);
+- Case 2: S_k ⊂ θ_k is finetuned, pulled towards c_k by the proximal term α‖S_k − c_k‖², which the chain adds.
+
+Up-weighting a stage-1 example z (F_1 → F_1 + ε·ℓ_1(z)) moves every optimum; the score of z on the summed
+test loss f(T) of the last stage is I(z, T) = df(T)/dε (positive = harmful; removing z is ε = −1/n_1).
+
+Derivation (adjoint propagated backwards, one solve per stage). Stationarity ∇_θk F_k(θ_k*, c_k) = 0 gives
+dθ_k*/dc_k = −H_k⁻¹ ∂²F_k/∂θ_k∂c_k, H_k = ∇²_θk F_k. Let a_k = df/dθ_k* (the adjoint on what stage k trains)
+and b_k = the direct derivative of f with respect to c_k through the fixed block (Case 1 only). Then
+
+    a_N = ∇_θN f(T),  b_N = ∇_SN f(T);     v_k = H_k⁻¹ a_k;
+    g_k = df/dc_k = b_k − H_{S,θ_k} v_k      (Case 1: the cross block ∂²F_k/∂S_k∂θ_k, one mixed HVP)
+    g_k = df/dc_k = 2α·v_k[S_k]              (Case 2: ∂²F_k/∂θ_k∂c_k = −2α on the S_k rows)
+
+and g_k, which lives on stage k's names of the shared block, is mapped onto stage k−1's names: the part on
+parameters stage k−1 trains becomes a_{k−1}, the part on parameters stage k−1 itself inherited through a Case 1
+link becomes b_{k−1}. Finally s = v_1 = H_1⁻¹ a_1 and, since dθ_1*/dε = −H_1⁻¹∇ℓ_1(z),
+
+    I(z, T) = −∇ℓ_1(z)ᵀ s     for every z at once (a batched per-example gradient dot product).
+
+With N = 1 this is Koh & Liang's −∇f(T)ᵀ H⁻¹ ∇ℓ(z); with N = 2 the multi-stage paper's Case 1 and Case 2.
+Everything that does not depend on T (dense Hessians and their factors) is built by :meth:`Chain.fit` and kept;
+the N solves live in a :class:`Query`, which scores any examples without solving again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import files
+from .curvature import HessianOperator, hvp
+from .data import as_examples
+from .errors import FileFormatError, InputError, ParameterError
+from .gradients import per_example_grads, project_per_example_grads, total_grad
+from .operators import DenseOperator, Operator
+from .params import ParamSpace, shared_parameters
+from .results import InfluenceResult
+from .solvers import Solution, SolveConfig
+from .stage import Stage, check_example_shape
+
+QUERY_KIND = "query"
+FIT_KIND = "chain-fit"
+
+
+@dataclass(frozen=True)
+class Link:
+    """How a stage inherits the shared block S from the previous stage.
+
+    shared: a module prefix present in both models, or {this_stage_name: previous_stage_name} (names or prefixes).
+    case: 1 keeps S fixed at the previous stage's values; 2 finetunes S with the proximal term α‖S − S̄‖².
+    alpha: the proximal weight α > 0 of Case 2 (the multi-stage paper uses 0.01).
+    """
+
+    shared: str | Mapping[str, str]
+    case: int = 1
+    alpha: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.case not in (1, 2):
+            raise InputError(f"case must be 1 (shared block fixed) or 2 (finetuned), got {self.case!r}.")
+        if self.case == 2 and not self.alpha > 0:
+            raise InputError(
+                f"Case 2 needs a proximal weight alpha > 0 (the paper uses 0.01), got {self.alpha!r}; with alpha = 0 "
+                "the later stage does not depend on the earlier stage's shared block at all."
+            )
+        if not self.shared:
+            raise ParameterError("shared is empty: name the shared block (a module prefix or a name mapping).")
+
+
+class _StagePlan:
+    """What the chain needs of one stage: trained names θ, inherited names S ({name: previous name}), proximal term."""
+
+    def __init__(self, stage: Stage, link: Link | None, previous: "_StagePlan | None"):
+        self.stage = stage
+        self.link = link
+        self.inherited: dict[str, str] = {}
+        if link is not None:
+            self.inherited = shared_parameters(previous.stage.model, stage.model, link.shared)
+            live = set(previous.trained) | set(previous.inherited)
+            dead = [p for p in self.inherited.values() if p not in live]
+            if dead:
+                raise ParameterError(
+                    f"shared parameters {dead} are neither trained in the previous stage nor inherited by it, so "
+                    "they cannot carry influence; include them in that stage's params."
+                )
+        order = [n for n, _ in stage.model.named_parameters()]
+        if link is not None and link.case == 1:
+            self.trained = [n for n in stage.param_names if n not in self.inherited]
+            if not self.trained:
+                raise ParameterError(
+                    f"stage {type(stage.model).__name__} trains nothing besides the shared block; a Case 1 link needs "
+                    "parameters the stage trains on top of it."
+                )
+        elif link is not None:
+            chosen = set(stage.param_names) | set(self.inherited)
+            self.trained = [n for n in order if n in chosen]
+        else:
+            self.trained = list(stage.param_names)
+        self.fixed = list(self.inherited) if link is not None and link.case == 1 else []
+        self.proximal = None
+        if link is not None and link.case == 2:
+            previous_state = previous.stage.state()
+            centre = {n: previous_state[p].detach() for n, p in self.inherited.items()}
+            alpha = link.alpha
+            self.proximal = lambda params: alpha * sum(((params[n] - c) ** 2).sum() for n, c in centre.items())
+        if link is not None and link.case == 1:
+            state, previous_state = stage.state(), previous.stage.state()
+            drift = max(float((state[n] - previous_state[p]).abs().max()) for n, p in self.inherited.items())
+            if drift > 0:
+                warnings.warn(
+                    f"a Case 1 link assumes the stage keeps the previous stage's shared block, but they differ by up "
+                    f"to {drift:.2e}: the block was not fixed. Use Link(..., case=2) if it was finetuned.",
+                    UserWarning,
+                    stacklevel=4,
+                )
+
+
+class Chain:
+    """N training stages joined by N − 1 links; influence of stage-1 examples on the last stage's test loss.
+
+    ``Chain([stage])`` is single-stage influence (Koh & Liang); ``Chain([pre, fin], [Link("embedding")])`` the
+    multi-stage paper's Case 1; longer chains (pretrain → adapt → finetune) follow the same adjoint recursion
+    (module docstring). ``solve`` is one :class:`SolveConfig` for every stage or one per stage.
+    """
+
+    def __init__(self, stages: Sequence[Stage], links: Sequence[Link] = (), solve: SolveConfig | Sequence[SolveConfig] = SolveConfig()):
+        stages, links = list(stages), list(links)
+        if not stages:
+            raise InputError("a Chain needs at least one Stage.")
+        bad = [type(s).__name__ for s in stages if not isinstance(s, Stage)]
+        if bad:
+            raise InputError(f"Chain stages must be influkit.Stage objects, got {bad}.")
+        if len(links) != len(stages) - 1:
+            raise InputError(f"{len(stages)} stages need {len(stages) - 1} links, got {len(links)}.")
+        bad = [type(link).__name__ for link in links if not isinstance(link, Link)]
+        if bad:
+            raise InputError(f"Chain links must be influkit.Link objects, got {bad}.")
+        configs = [solve] * len(stages) if isinstance(solve, SolveConfig) else list(solve)
+        if len(configs) != len(stages) or not all(isinstance(c, SolveConfig) for c in configs):
+            raise InputError(f"solve must be one SolveConfig or one per stage ({len(stages)}).")
+        self.stages, self.links, self.configs = stages, links, configs
+        self.plans: list[_StagePlan] = []
+        for k, stage in enumerate(stages):
+            self.plans.append(_StagePlan(stage, links[k - 1] if k else None, self.plans[-1] if k else None))
+        self._operators: list[Operator] | None = None
+        self.fit_seconds: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def __repr__(self) -> str:
+        cases = "-".join(str(link.case) for link in self.links) or "single"
+        return f"Chain({len(self)} stages, links {cases}, trained {self.dims})"
+
+    @property
+    def dims(self) -> list[int]:
+        """Number of trained parameters of each stage."""
+        return [ParamSpace({n: p.stage.state()[n] for n in p.trained}).dim for p in self.plans]
+
+    @property
+    def method(self) -> str:
+        if len(self) == 1:
+            return "single-stage"
+        if len(self) == 2:
+            return f"multi-stage case {self.links[0].case}"
+        return "chain case " + "-".join(str(link.case) for link in self.links)
+
+    def operator(self, k: int) -> Operator:
+        """The Hessian of stage k's objective (with its proximal term) over what it trains, as fitted."""
+        return self.fit()._operators[k]
+
+    def fit(self) -> "Chain":
+        """Build what does not depend on the test set: each stage's Hessian operator, dense (and factored) where
+        its solver is ``direct``. Cached; :meth:`query` calls it when needed. Returns self."""
+        if self._operators is not None:
+            return self
+        start = time.perf_counter()
+        operators: list[Operator] = []
+        for plan, config in zip(self.plans, self.configs):
+            op = HessianOperator(
+                plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed, extra=plan.proximal
+            )
+            method, _ = config.method(op.dim)
+            if method == "direct":
+                dense = DenseOperator(op.dense())
+                dense.factor(config.damping)
+                dense.indices = op.indices
+                op = dense
+            operators.append(op)
+        self._operators = operators
+        self.fit_seconds = time.perf_counter() - start
+        return self
+
+    def fingerprint(self) -> str:
+        """A digest of what the scores depend on: every stage's model, parameters, data size, trained names,
+        the links and the solve settings. A saved Query or fit is only loaded into a chain with the same digest."""
+        digest = hashlib.sha256()
+        for plan, config in zip(self.plans, self.configs):
+            stage = plan.stage
+            digest.update(f"{type(stage.model).__name__}|{len(stage)}|{plan.trained}|{plan.inherited}".encode())
+            for name, tensor in sorted(stage.state().items()):
+                t = tensor.detach().cpu().contiguous()
+                digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+                digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            digest.update(repr(sorted(config.summary().items())).encode())
+        for link in self.links:
+            digest.update(repr((dict(link.shared) if isinstance(link.shared, Mapping) else link.shared, link.case, link.alpha)).encode())
+        return digest.hexdigest()
+
+    def save(self, path: str | Path) -> Path:
+        """Write the fitted state (dense Hessians of ``direct`` stages) to ``path``; :meth:`load` restores it."""
+        self.fit()
+        tensors = {f"stage{k}.hessian": op.matrix for k, op in enumerate(self._operators) if isinstance(op, DenseOperator)}
+        return files.write(path, FIT_KIND, tensors, {"fingerprint": self.fingerprint(), "fit_seconds": self.fit_seconds})
+
+    def load(self, path: str | Path) -> "Chain":
+        """Restore a fit written by :meth:`save` for this same chain (refused otherwise). Returns self."""
+        tensors, meta = files.read(path, FIT_KIND)
+        if meta["fingerprint"] != self.fingerprint():
+            raise FileFormatError(f"{path} was fitted for another chain (models, data sizes or solve settings differ).")
+        operators: list[Operator] = []
+        for k, (plan, config) in enumerate(zip(self.plans, self.configs)):
+            op = HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed, extra=plan.proximal)
+            if f"stage{k}.hessian" in tensors:
+                dense = DenseOperator(tensors[f"stage{k}.hessian"].to(op.device))
+                dense.factor(config.damping)
+                dense.indices = op.indices
+                op = dense
+            operators.append(op)
+        self._operators, self.fit_seconds = operators, meta["fit_seconds"]
+        return self
+
+    def query(self, x_test, *, per_test: bool = False, chunk_size: int = 128, progress: bool = False) -> "Query":
+        """The N solves for the summed test loss f(T) of the last stage (per test point with ``per_test``).
+
+        x_test: (inputs, targets) tensors, or 1-D indices into the last stage's data.
+        """
+        self.fit()
+        last = self.plans[-1]
+        (tx, ty), _ = as_examples(x_test, last.stage.data, "x_test")
+        check_example_shape(last.stage, tx, "x_test")
+        start = time.perf_counter()
+        names = last.trained + last.fixed
+        if per_test:
+            flat = per_example_grads(last.stage, tx, ty, names, chunk_size=chunk_size).T
+        else:
+            flat = total_grad(last.stage, tx, ty, names)
+        grads = ParamSpace(_values(last.stage, names)).unflatten(flat)
+        a = {n: grads[n] for n in last.trained}
+        b = {n: grads[n] for n in last.fixed}
+        seconds = {"test_gradient": time.perf_counter() - start, "cross_products": 0.0}
+        solutions: list[Solution] = [None] * len(self)  # type: ignore[list-item]
+        for k in range(len(self) - 1, -1, -1):
+            plan, op, config = self.plans[k], self._operators[k], self.configs[k]
+            space = ParamSpace(_values(plan.stage, plan.trained))
+            solutions[k] = config.solve(op, space.flatten(a, batched=per_test), progress=progress)
+            v = space.unflatten(solutions[k].x)
+            if k == 0:
+                break
+            start = time.perf_counter()
+            if plan.link.case == 1:
+                tangent = {n: torch.zeros_like(b[n]) for n in plan.fixed} | v
+                cross = hvp(plan.stage, tangent, indices=op.indices, batched=per_test)
+                g = {n: b[n] - cross[n] for n in plan.fixed}
+            else:
+                g = {n: 2 * plan.link.alpha * v[n] for n in plan.inherited}
+            seconds["cross_products"] += time.perf_counter() - start
+            a, b = self._pull_back(k, g, per_test, flat.shape[1] if per_test else None)
+        seconds.update({f"solve_stage{k}": sol.seconds for k, sol in enumerate(solutions)})
+        return Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds)
+
+    def _pull_back(self, k: int, g: dict[str, torch.Tensor], per_test: bool, n_rhs: int | None):
+        """Map df/dc_k (stage k's names) onto stage k−1: (a on what it trains, b on what it inherited fixed)."""
+        previous = self.plans[k - 1]
+        values = _values(previous.stage, previous.trained + previous.fixed)
+        lead = () if n_rhs is None else (n_rhs,)
+        total = {n: torch.zeros(*lead, *t.shape, dtype=t.dtype, device=t.device) for n, t in values.items()}
+        for name, earlier in self.plans[k].inherited.items():
+            total[earlier] = total[earlier] + g[name]
+        return {n: total[n] for n in previous.trained}, {n: total[n] for n in previous.fixed}
+
+
+def _values(stage: Stage, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    state = stage.state()
+    return {n: state[n] for n in names}
+
+
+class Query:
+    """The solves of one test set: s = H_1⁻¹ a_1 on stage 1's trained parameters, with every solve's diagnostics.
+
+    ``scores(z)`` turns s into influence scores of any stage-1 examples, in chunks, without solving again.
+    """
+
+    def __init__(self, chain: Chain, s: torch.Tensor, per_test: bool, n_test: int, solutions, seconds: dict):
+        self.chain, self.s, self.per_test, self.n_test = chain, s.contiguous(), per_test, n_test
+        self.solves = [
+            {"stage": k, **(sol.summary() if isinstance(sol, Solution) else sol)} for k, sol in enumerate(solutions)
+        ]
+        self.seconds = dict(seconds)
+
+    def __repr__(self) -> str:
+        return f"Query({self.chain.method}, n_test={self.n_test}, per_test={self.per_test}, s{tuple(self.s.shape)})"
+
+    def scores(self, z=None, *, chunk_size: int = 128, progress: bool = False) -> InfluenceResult:
+        """Influence I(z, T) = −∇ℓ_1(z)ᵀ s of stage-1 examples ``z`` (indices or (inputs, targets); default all).
+
+        Per-example gradients are streamed ``chunk_size`` at a time, so memory is O(chunk_size · p); scoring z in
+        parts gives the same numbers as scoring it whole.
+        """
+        plan = self.chain.plans[0]
+        stage = plan.stage
+        z = torch.arange(len(stage)) if z is None else z
+        (zx, zy), ids = as_examples(z, stage.data, "z")
+        check_example_shape(stage, zx, "z")
+        start = time.perf_counter()
+        values = -project_per_example_grads(stage, zx, zy, self.s, plan.trained, chunk_size=chunk_size, progress=progress)
+        seconds = self.seconds | {"example_gradients": time.perf_counter() - start}
+        if self.chain.fit_seconds is not None:
+            seconds["fit"] = self.chain.fit_seconds
+        return InfluenceResult(
+            values=values if self.per_test else values.reshape(-1),
+            n_train=len(stage),
+            index=ids,
+            method=self.chain.method,
+            diagnostics={"solves": self.solves, "seconds": seconds, "settings": self.settings()},
+        )
+
+    def settings(self) -> dict:
+        """The chain's links and solve settings, JSON-friendly."""
+        return {
+            "links": [
+                {"shared": plan.inherited, "case": plan.link.case, "alpha": plan.link.alpha if plan.link.case == 2 else None}
+                for plan in self.chain.plans[1:]
+            ],
+            "solve": [config.summary() for config in self.chain.configs],
+            "per_test": self.per_test,
+            "n_test": self.n_test,
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write s and the diagnostics to ``path`` (safetensors + JSON); :func:`load_query` reads it back."""
+        meta = {"fingerprint": self.chain.fingerprint(), "per_test": self.per_test, "n_test": self.n_test,
+                "solves": self.solves, "seconds": self.seconds}
+        return files.write(path, QUERY_KIND, {"s": self.s}, meta)
+
+
+def load_query(path: str | Path, chain: Chain) -> Query:
+    """Read a :class:`Query` written by :meth:`Query.save`, for the same ``chain`` (refused otherwise; never unpickles)."""
+    tensors, meta = files.read(path, QUERY_KIND)
+    if meta["fingerprint"] != chain.fingerprint():
+        raise FileFormatError(
+            f"{path} was computed for another chain (models, parameters, data sizes, links or solve settings differ)."
+        )
+    s = tensors["s"].to(chain.plans[0].stage.device)
+    return Query(chain, s, meta["per_test"], meta["n_test"], meta["solves"], meta["seconds"])
