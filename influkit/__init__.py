@@ -10,6 +10,7 @@ from .errors import (
     ModelModeError,
     NumericalError,
     ParameterError,
+    VectorizationWarning,
 )
 from .influence import influence, self_influence
 from .multistage import score
@@ -35,6 +36,7 @@ __all__ = [
     "ParameterError",
     "Query",
     "Solution",
+    "VectorizationWarning",
     "SolveConfig",
     "Stage",
     "elmo",

@@ -16,11 +16,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch.func import grad, jvp, vjp, vmap
+from torch.func import grad, jvp, vjp
 
 from .errors import InputError, NumericalError
 from .params import Params, ParamSpace, point
 from .stage import Stage
+from .vectorize import vmap_or_loop
 
 HVP_MODES = ("fwd-rev", "rev-rev")
 
@@ -99,10 +100,10 @@ def hvp(
             return jvp(g, (p,), (v,))[1]
         return vjp(g, p)[1](v)[0]
 
-    apply = vmap(product, in_dims=(None, 0, None, None, None)) if batched else product
     total = {k: torch.zeros_like(v) for k, v in tangents.items()}
     for b, (x, y) in enumerate(stage.batches(indices)):
-        out = apply(params, dict(tangents), x, y, b == 0)
+        args = (params, dict(tangents), x, y, b == 0)
+        out = vmap_or_loop(product, (None, 0, None, None, None), stage, *args) if batched else product(*args)
         for k in total:
             total[k] += out[k]
     for k, v in total.items():

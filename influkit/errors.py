@@ -32,5 +32,9 @@ class ConvergenceWarning(UserWarning):
     """An iterative solver stopped before reaching its tolerance; the message gives the residual."""
 
 
+class VectorizationWarning(UserWarning):
+    """A loss could not be vectorized with ``torch.func.vmap`` and runs in a (slower) per-example loop instead."""
+
+
 class FileFormatError(InfluenceError, ValueError):
     """A file that is not an influkit file of the expected kind, or that was modified after it was written."""

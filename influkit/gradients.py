@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.func import grad, vmap
+from torch.func import grad
 from tqdm.auto import tqdm
 
 from .params import Params, ParamSpace, point
 from .stage import Stage, check_finite
+from .vectorize import vmap_or_loop
 
 
 def _single_loss(stage: Stage):
@@ -35,10 +36,10 @@ def _grad_rows(stage: Stage, inputs, targets, names, at, chunk_size: int, progre
     names = stage.param_names if names is None else list(names)
     params = point(stage.state(), names, at)
     space = ParamSpace(params)
-    per_grad = vmap(grad(_single_loss(stage)), in_dims=(None, 0, 0))
+    per_grad = grad(_single_loss(stage))
     check_finite(inputs, "inputs")
     for x, y in _chunks(inputs, targets, chunk_size, progress, "per-example gradients"):
-        yield space.flatten(per_grad(params, x, y), batched=True).T
+        yield space.flatten(vmap_or_loop(per_grad, (None, 0, 0), stage, params, x, y), batched=True).T
 
 
 def per_example_grads(

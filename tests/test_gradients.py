@@ -1,4 +1,10 @@
+import warnings
+
+import pytest
 import torch
+from torch import nn
+
+import influkit as ik
 
 from influkit.gradients import per_example_grads, per_example_grads_serial, project_per_example_grads, total_grad
 
@@ -24,3 +30,29 @@ def test_gradients_over_a_parameter_subset(mlp_stage):
     serial = per_example_grads_serial(mlp_stage, x, y, names)
     assert serial.shape == (10, 6 * 3 + 3)
     assert torch.allclose(per_example_grads(mlp_stage, x, y, names), serial, atol=1e-14)
+
+
+def _item_loss(outputs, targets):
+    """A loss vmap cannot trace: it reads a Python float out of a tensor."""
+    scale = 1.0 + 0.0 * outputs.detach().abs().max().item()
+    return nn.functional.cross_entropy(outputs * scale, targets, reduction="none")
+
+
+def _tolist_loss(outputs, targets):
+    """A loss vmap cannot trace: it rebuilds the targets from a Python list."""
+    labels = torch.tensor(targets.tolist(), device=outputs.device)
+    return nn.functional.cross_entropy(outputs, labels, reduction="none")
+
+
+@pytest.mark.parametrize("loss", [_item_loss, _tolist_loss])
+def test_unvectorizable_loss_falls_back_to_a_loop_and_warns_once(mlp_stage, loss):
+    stage = mlp_stage.with_(regularizer=None)
+    stage = ik.Stage(stage.model, loss, stage._data)
+    x, y = stage.data.take(torch.arange(12))
+    with pytest.warns(ik.VectorizationWarning, match="cannot run under torch.func.vmap"):
+        fast = per_example_grads(stage, x, y, chunk_size=5)
+    torch.testing.assert_close(fast, per_example_grads_serial(stage, x, y), rtol=1e-12, atol=1e-14)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ik.VectorizationWarning)  # once per stage
+        again = per_example_grads(stage, x, y, chunk_size=5)
+    assert torch.equal(again, fast)
