@@ -39,14 +39,15 @@ from pathlib import Path
 
 import torch
 
-from . import files
+from . import distributed, files
 from .curvature import HessianOperator, hvp
 from .data import as_examples
 from .errors import FileFormatError, InputError, ParameterError
-from .gradients import per_example_grads, project_per_example_grads, total_grad
+from .gradients import per_example_grads, total_grad
 from .operators import DenseOperator, Operator
 from .params import ParamSpace, shared_parameters
 from .results import InfluenceResult
+from .scoring import Rows, score_rows, stream_rows
 from .solvers import Solution, SolveConfig
 from .stage import Stage, check_example_shape
 
@@ -279,7 +280,7 @@ class Chain:
             seconds["cross_products"] += time.perf_counter() - start
             a, b = self._pull_back(k, g, per_test, flat.shape[1] if per_test else None)
         seconds.update({f"solve_stage{k}": sol.seconds for k, sol in enumerate(solutions)})
-        return Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds)
+        return Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds, Rows(last.stage, torch.arange(tx.shape[0]), (tx, ty)).digest())
 
     def _pull_back(self, k: int, g: dict[str, torch.Tensor], per_test: bool, n_rhs: int | None):
         """Map df/dc_k (stage k's names) onto stage k−1: (a on what it trains, b on what it inherited fixed)."""
@@ -303,8 +304,9 @@ class Query:
     ``scores(z)`` turns s into influence scores of any stage-1 examples, in chunks, without solving again.
     """
 
-    def __init__(self, chain: Chain, s: torch.Tensor, per_test: bool, n_test: int, solutions, seconds: dict):
+    def __init__(self, chain: Chain, s: torch.Tensor, per_test: bool, n_test: int, solutions, seconds: dict, test_digest: str):
         self.chain, self.s, self.per_test, self.n_test = chain, s.contiguous(), per_test, n_test
+        self.test_digest = test_digest
         self.solves = [
             {"stage": k, **(sol.summary() if isinstance(sol, Solution) else sol)} for k, sol in enumerate(solutions)
         ]
@@ -313,28 +315,37 @@ class Query:
     def __repr__(self) -> str:
         return f"Query({self.chain.method}, n_test={self.n_test}, per_test={self.per_test}, s{tuple(self.s.shape)})"
 
-    def scores(self, z=None, *, chunk_size: int = 128, progress: bool = False) -> InfluenceResult:
+    def fingerprint(self) -> str:
+        """The chain's fingerprint combined with the test set's and ``per_test``: what the scores depend on."""
+        return hashlib.sha256(f"{self.chain.fingerprint()}|{self.test_digest}|{self.per_test}".encode()).hexdigest()
+
+    def scores(self, z=None, *, chunk_size: int = 128, out: str | Path | None = None, progress: bool = False) -> InfluenceResult:
         """Influence I(z, T) = −∇ℓ_1(z)ᵀ s of stage-1 examples ``z`` (indices or (inputs, targets); default all).
 
-        Per-example gradients are streamed ``chunk_size`` at a time, so memory is O(chunk_size · p); scoring z in
-        parts gives the same numbers as scoring it whole.
+        Per-example gradients are computed ``chunk_size`` rows at a time (memory O(chunk_size · p)); scoring z
+        in parts gives the same numbers as scoring it whole. Under ``torch.distributed`` the chunks are split
+        over the ranks and every rank returns the whole result. ``out``: a directory to stream the scores to,
+        chunk by chunk, resumable after a crash (:mod:`influkit.scoring`); the result is memory-mapped from it.
         """
         plan = self.chain.plans[0]
-        stage = plan.stage
-        z = torch.arange(len(stage)) if z is None else z
-        (zx, zy), ids = as_examples(z, stage.data, "z")
-        check_example_shape(stage, zx, "z")
+        rows = Rows.of(plan.stage, z)
         start = time.perf_counter()
-        values = -project_per_example_grads(stage, zx, zy, self.s, plan.trained, chunk_size=chunk_size, progress=progress)
+        if out is None:
+            values, counts = score_rows(self.s, plan.trained, rows, chunk_size=chunk_size, progress=progress)
+            index = rows.ids
+        else:
+            values, index, counts = stream_rows(self.fingerprint(), self.s, plan.trained, rows, chunk_size=chunk_size,
+                                                out=out, progress=progress)
         seconds = self.seconds | {"example_gradients": time.perf_counter() - start}
         if self.chain.fit_seconds is not None:
             seconds["fit"] = self.chain.fit_seconds
         return InfluenceResult(
             values=values if self.per_test else values.reshape(-1),
-            n_train=len(stage),
-            index=ids,
+            n_train=len(plan.stage),
+            index=index,
             method=self.chain.method,
-            diagnostics={"solves": self.solves, "seconds": seconds, "settings": self.settings()},
+            diagnostics={"solves": self.solves, "seconds": seconds, "settings": self.settings(),
+                         "chunks": counts | {"chunk_size": chunk_size, "ranks": distributed.world_size()}},
         )
 
     def settings(self) -> dict:
@@ -352,7 +363,7 @@ class Query:
     def save(self, path: str | Path) -> Path:
         """Write s and the diagnostics to ``path`` (safetensors + JSON); :func:`load_query` reads it back."""
         meta = {"fingerprint": self.chain.fingerprint(), "per_test": self.per_test, "n_test": self.n_test,
-                "solves": self.solves, "seconds": self.seconds}
+                "solves": self.solves, "seconds": self.seconds, "test_digest": self.test_digest}
         return files.write(path, QUERY_KIND, {"s": self.s}, meta)
 
 
@@ -364,4 +375,4 @@ def load_query(path: str | Path, chain: Chain) -> Query:
             f"{path} was computed for another chain (models, parameters, data sizes, links or solve settings differ)."
         )
     s = tensors["s"].to(chain.plans[0].stage.device)
-    return Query(chain, s, meta["per_test"], meta["n_test"], meta["solves"], meta["seconds"])
+    return Query(chain, s, meta["per_test"], meta["n_test"], meta["solves"], meta["seconds"], meta["test_digest"])

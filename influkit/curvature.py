@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.func import grad, jvp, vjp
 
+from . import distributed
 from .errors import InputError, NumericalError
 from .params import Params, ParamSpace, point
 from .stage import Stage
@@ -52,6 +53,18 @@ def _batch_objective(stage: Stage, extra=None):
     return term
 
 
+def _share(stage: Stage, indices: torch.Tensor | None) -> tuple[torch.Tensor | None, int, bool]:
+    """(this process's example indices, n of the whole objective, whether this process adds the regularizer).
+
+    On one process: all of ``indices``. Under ``torch.distributed``: this rank's contiguous slice; rank 0 adds R.
+    """
+    n = len(stage) if indices is None else len(indices)
+    if not distributed.active():
+        return indices, n, True
+    local = distributed.shard(torch.arange(len(stage)) if indices is None else torch.as_tensor(indices))
+    return local, n, distributed.rank() == 0
+
+
 def gradient(
     stage: Stage,
     names: Sequence[str],
@@ -61,14 +74,14 @@ def gradient(
 ) -> Params:
     """∇ over ``names`` of the objective mean loss + R (+ ``extra``), over ``indices`` (default: all data)."""
     params = point(stage.state(), names, at)
-    n = len(stage) if indices is None else len(indices)
+    local, n, owns_regularizer = _share(stage, indices)
     term = _batch_objective(stage, extra)
     total = {k: torch.zeros_like(v) for k, v in params.items()}
-    for b, (x, y) in enumerate(stage.batches(indices)):
-        g = grad(term)(params, x, y, 1.0 / n, b == 0)
+    for b, (x, y) in enumerate(stage.batches(local)):
+        g = grad(term)(params, x, y, 1.0 / n, owns_regularizer and b == 0)
         for k in total:
             total[k] += g[k]
-    return total
+    return {k: distributed.all_reduce_(v) for k, v in total.items()}
 
 
 def hvp(
@@ -91,7 +104,7 @@ def hvp(
         raise InputError(f"unknown HVP mode {mode!r}; use one of {HVP_MODES}.")
     names = list(tangents)
     params = point(stage.state(), names, at)
-    n = len(stage) if indices is None else len(indices)
+    local, n, owns_regularizer = _share(stage, indices)
     term = _batch_objective(stage, extra)
 
     def product(p, v, x, y, with_reg):
@@ -101,12 +114,13 @@ def hvp(
         return vjp(g, p)[1](v)[0]
 
     total = {k: torch.zeros_like(v) for k, v in tangents.items()}
-    for b, (x, y) in enumerate(stage.batches(indices)):
-        args = (params, dict(tangents), x, y, b == 0)
+    for b, (x, y) in enumerate(stage.batches(local)):
+        args = (params, dict(tangents), x, y, owns_regularizer and b == 0)
         out = vmap_or_loop(product, (None, 0, None, None, None), stage, *args) if batched else product(*args)
         for k in total:
             total[k] += out[k]
     for k, v in total.items():
+        distributed.all_reduce_(v)
         if not torch.isfinite(v).all():
             raise NumericalError(
                 f"the Hessian-vector product is not finite in {k!r}; check the model for overflow "
@@ -123,6 +137,7 @@ class HessianOperator:
 
     With ``cache_graph`` (default: when len(S) ≤ max(stage batch size, 2048)), the gradient graph ∇L(θ) over S
     is built once and every product is a single backward pass through it (H·v = ∂(∇Lᵀv)/∂θ);
+    under ``torch.distributed`` each rank holds the graph of its slice of S and the products are all-reduced;
     larger data are streamed batch by batch with ``torch.func`` (``mode``: reverse-over-reverse
     ``vjp(grad)``, measured fastest on CPU, or forward-over-reverse ``jvp(grad)``). Either way H is
     taken at the parameter values of the first product.
@@ -149,7 +164,8 @@ class HessianOperator:
         self.extra = extra
         self.products = 0
         n_used = len(stage) if self.indices is None else len(self.indices)
-        self._use_graph = n_used <= max(stage.data.batch_size, 2048) if cache_graph is None else cache_graph
+        n_local = -(-n_used // distributed.world_size())
+        self._use_graph = n_local <= max(stage.data.batch_size, 2048) if cache_graph is None else cache_graph
         self._graph: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
     @property
@@ -168,10 +184,15 @@ class HessianOperator:
         """(leaf parameters, flat ∇L(θ) with its graph kept) over the whole (sampled) data, built once."""
         if self._graph is None:
             leaves = {n: t.detach().clone().requires_grad_(True) for n, t in point(self.stage.state(), self.names, self.at).items()}
-            n = len(self.stage) if self.indices is None else len(self.indices)
-            (x, y), = self.stage.batches(self.indices, batch_size=n)
+            local, n, owns_regularizer = _share(self.stage, self.indices)
+            n_local = n if local is None else len(local)
+            batches = list(self.stage.batches(local, batch_size=max(n_local, 1)))
             with torch.enable_grad():
-                value = _batch_objective(self.stage, self.extra)(leaves, x, y, 1.0 / n, True)
+                term = _batch_objective(self.stage, self.extra)
+                if batches:
+                    value = term(leaves, *batches[0], 1.0 / n, owns_regularizer)
+                else:  # a rank with no examples of its own (fewer examples than ranks)
+                    value = sum((t * 0.0).sum() for t in leaves.values())
                 grads = torch.autograd.grad(value, list(leaves.values()), create_graph=True, allow_unused=True)
             flat = torch.cat([(g if g is not None else torch.zeros_like(t)).reshape(-1) for g, t in zip(grads, leaves.values())])
             self._graph = (list(leaves.values()), flat)
@@ -196,7 +217,7 @@ class HessianOperator:
         batched = vec.dim() == 2
         self.products += vec.shape[1] if batched else 1
         if self._use_graph:
-            out = self._graph_product(vec)
+            out = distributed.all_reduce_(self._graph_product(vec))
             if not torch.isfinite(out).all():
                 raise NumericalError("the Hessian-vector product is not finite; check the model for overflow.")
             return out

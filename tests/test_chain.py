@@ -62,7 +62,8 @@ HEAD = ["head.weight", "head.bias"]
 class ThreeStages:
     """Pretrain (all) → adapt (link 1 shares enc) → finetune (link 2 shares enc + adapter), solved exactly."""
 
-    def __init__(self, case1: int, case2: int):
+    def __init__(self, case1: int, case2: int, solution: torch.Tensor | None = None):
+        """solution: the stacked optimum x of an earlier instance with the same cases (skips the Newton solves)."""
         self.cases = (case1, case2)
         self.models = [Net(seed) for seed in (0, 1, 2)]
         self.data = [data(10), data(11), data(12)]
@@ -75,9 +76,9 @@ class ThreeStages:
         ]
         self.inherited = [[], ENC, ENC + ADAPTER]
         self.spaces = [ParamSpace({n: dict(self.models[k].named_parameters())[n].detach() for n in self.trained[k]}) for k in range(3)]
-        x = self.solve_all(0.0)
+        x = self.solve_all(0.0) if solution is None else solution
         self.x = x
-        for k, theta in enumerate(self.split(x)):
+        for k in range(3):
             with torch.no_grad():
                 full = self.full_params(k, self.split(x))
                 for name, p in self.models[k].named_parameters():

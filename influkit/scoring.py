@@ -1,0 +1,189 @@
+"""Scoring stage-1 examples against a query's solution s: I(z, T) = −∇ℓ_1(z)ᵀ s, chunk by chunk.
+
+Rows are split into chunks of ``chunk_size``; under ``torch.distributed`` rank r of R scores the r-th
+contiguous range of chunks and the rows are gathered in order, so every rank returns the whole result.
+
+With ``out=DIR`` the scores are *streamed*: every finished chunk is written to ``DIR/chunk-NNNNNN.safetensors``
+(atomic rename; the rank that wrote it is recorded inside), next to ``DIR/manifest.json``, which holds the
+query's fingerprint (chain, parameters, stage data sizes, links, solve settings, test set), the rows' digest
+and the chunk size. Re-running the same call skips every chunk already on disk and computes only the rest,
+so a process killed at any moment loses at most the chunks in flight; a run against a different query or
+different rows is refused. At the end the chunks are copied into ``DIR/values.npy`` and ``DIR/index.npy``
+and the result's tensors are memory-mapped from them: memory stays O(chunk_size · p) however many rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from . import distributed, files
+from .data import as_examples
+from .errors import FileFormatError, InputError
+from .gradients import project_per_example_grads
+from .stage import Stage, check_example_shape
+
+CHUNK_KIND = "score-chunk"
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class Rows:
+    """The examples to score: indices into the stage's data (taken chunk by chunk) or explicit tensors."""
+
+    stage: Stage
+    ids: torch.Tensor
+    tensors: tuple[torch.Tensor, torch.Tensor] | None
+
+    @classmethod
+    def of(cls, stage: Stage, z) -> "Rows":
+        if z is None:
+            return cls(stage, torch.arange(len(stage)), None)
+        if isinstance(z, (tuple, list)) and len(z) == 2 and all(torch.is_tensor(t) for t in z):
+            (x, y), ids = as_examples(z, stage.data, "z")
+            check_example_shape(stage, x, "z")
+            return cls(stage, ids, (x, y))
+        ids = torch.as_tensor(z)
+        if ids.dtype == torch.bool:
+            ids = ids.nonzero().reshape(-1)
+        if ids.dim() != 1 or ids.is_floating_point():
+            raise InputError(f"z must be (inputs, targets) tensors or 1-D integer indices, got shape {tuple(ids.shape)}.")
+        if ids.numel() == 0:
+            raise InputError("z is empty: give at least one example.")
+        stage.data.take(ids[[0, -1]])  # range check, message from the data source
+        return cls(stage, ids.long().cpu(), None)
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
+
+    def take(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tensors is None:
+            x, y = self.stage.data.take(self.ids[start:stop])
+            check_example_shape(self.stage, x, "z")
+            return x, y
+        return self.tensors[0][start:stop], self.tensors[1][start:stop]
+
+    def digest(self) -> str:
+        """Identifies the rows: the indices, or the bytes of explicit inputs and targets."""
+        h = hashlib.sha256(self.ids.numpy().tobytes())
+        for t in self.tensors or ():
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+
+def _my_chunks(n_rows: int, chunk_size: int) -> tuple[range, list[int]]:
+    """(this rank's contiguous range of chunk numbers, rows held by each rank)."""
+    if chunk_size < 1:
+        raise InputError(f"chunk_size must be ≥ 1, got {chunk_size}.")
+    n_chunks = -(-n_rows // chunk_size)
+    size, rank = distributed.world_size(), distributed.rank()
+    bounds = [min(n_rows, ((n_chunks * r) // size) * chunk_size) for r in range(size + 1)]
+    return range((n_chunks * rank) // size, (n_chunks * (rank + 1)) // size), [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+def _chunk_scores(s: torch.Tensor, names, rows: Rows, c: int, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of chunk ``c``: −∇ℓ(z)ᵀ s for its rows."""
+    start, stop = c * chunk_size, min((c + 1) * chunk_size, len(rows))
+    x, y = rows.take(start, stop)
+    return -project_per_example_grads(rows.stage, x, y, s, names, chunk_size=chunk_size), rows.ids[start:stop]
+
+
+def score_rows(s: torch.Tensor, names, rows: Rows, *, chunk_size: int, progress: bool) -> tuple[torch.Tensor, dict]:
+    """(values (len(rows), k), chunk counts) of −∇ℓ(z)ᵀ s, sharded over ranks and gathered in order."""
+    s = s.reshape(s.shape[0], -1)
+    mine, counts = _my_chunks(len(rows), chunk_size)
+    bar = tqdm(mine, desc="scoring", disable=not progress or distributed.rank() != 0, leave=False)
+    blocks = [_chunk_scores(s, names, rows, c, chunk_size)[0] for c in bar]
+    local = torch.cat(blocks) if blocks else s.new_zeros(0, s.shape[1])
+    return distributed.gather_rows(local, counts), {"computed": len(mine), "reused": 0}
+
+
+def stream_rows(query_fingerprint: str, s: torch.Tensor, names, rows: Rows, *, chunk_size: int, out: str | Path,
+                progress: bool):
+    """Streamed, resumable :func:`score_rows` into the directory ``out`` (module docstring)."""
+    out = Path(out)
+    s = s.reshape(s.shape[0], -1)
+    manifest = {"format": "influkit-scores", "version": files.VERSION, "query": query_fingerprint,
+                "rows": rows.digest(), "n_rows": len(rows), "chunk_size": chunk_size, "columns": s.shape[1]}
+    if distributed.rank() == 0:
+        _claim(out, manifest)
+    distributed.barrier()
+    if distributed.rank() != 0:
+        _claim(out, manifest)
+    mine, _ = _my_chunks(len(rows), chunk_size)
+    rank = distributed.rank()
+    counts = {"computed": 0, "reused": 0}
+    for c in tqdm(mine, desc="scoring", disable=not progress or rank != 0, leave=False):
+        path = out / f"chunk-{c:06d}.safetensors"
+        if _finished(path, query_fingerprint):
+            counts["reused"] += 1
+            continue
+        values, ids = _chunk_scores(s, names, rows, c, chunk_size)
+        files.write(path, CHUNK_KIND, {"values": values, "index": ids}, {"query": query_fingerprint, "chunk": c, "rank": rank})
+        counts["computed"] += 1
+    distributed.barrier()
+    if rank == 0:
+        _assemble(out, -(-len(rows) // chunk_size), len(rows), s.shape[1], s.dtype)
+    distributed.barrier()
+    values = torch.from_numpy(np.load(out / "values.npy", mmap_mode="c"))
+    index = torch.from_numpy(np.load(out / "index.npy", mmap_mode="c"))
+    return values, index, counts
+
+
+def _claim(out: Path, manifest: dict) -> None:
+    """Create ``out`` with ``manifest``, or check that the manifest already there describes the same job."""
+    path = out / MANIFEST
+    if path.exists():
+        try:
+            existing = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise FileFormatError(f"{path} is not an influkit scores manifest; use another directory.") from exc
+        if existing != manifest:
+            changed = sorted(k for k in manifest if existing.get(k) != manifest[k])
+            raise InputError(
+                f"{out} holds scores of another job (different {', '.join(changed)}: the chain, its parameters, "
+                "data sizes, links, solve settings, test set, rows or chunk size changed); refusing to resume into "
+                "it — pass a new directory or delete this one."
+            )
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / (MANIFEST + ".partial")
+    partial.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    os.replace(partial, path)
+
+
+def _finished(path: Path, fingerprint: str) -> bool:
+    if not path.exists():
+        return False
+    try:
+        _, meta = files.read(path, CHUNK_KIND)
+    except FileFormatError:
+        return False  # torn or foreign: recompute it
+    return meta.get("query") == fingerprint
+
+
+def _assemble(out: Path, n_chunks: int, n_rows: int, columns: int, dtype: torch.dtype) -> None:
+    """Copy the chunks in order into memory-mapped ``values.npy`` (n_rows, columns) and ``index.npy``."""
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    values = np.lib.format.open_memmap(out / "values.npy.partial", mode="w+", dtype=np_dtype, shape=(n_rows, columns))
+    index = np.lib.format.open_memmap(out / "index.npy.partial", mode="w+", dtype=np.int64, shape=(n_rows,))
+    row = 0
+    for c in range(n_chunks):
+        tensors, _ = files.read(out / f"chunk-{c:06d}.safetensors", CHUNK_KIND)
+        k = tensors["values"].shape[0]
+        values[row : row + k] = tensors["values"].reshape(k, columns).numpy()
+        index[row : row + k] = tensors["index"].numpy()
+        row += k
+    values.flush()
+    index.flush()
+    del values, index
+    os.replace(out / "values.npy.partial", out / "values.npy")
+    os.replace(out / "index.npy.partial", out / "index.npy")
