@@ -90,7 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_common(clean, removals=0)
     clean.add_argument("--fraction", type=float, default=0.1)
     clean.add_argument("--seeds", type=int, default=5)
+    score = sub.add_parser("score", help="run a scoring job from a TOML/YAML config (works under torchrun)")
+    score.add_argument("config", type=Path, help="the job's config file (see influkit.jobs)")
+    score.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    if args.command == "score":
+        from .jobs import main as score_main
+
+        return score_main(args.config, quiet=args.quiet)
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()

@@ -70,6 +70,12 @@ def initialize(timeout_seconds: float = 600.0) -> bool:
     return active()
 
 
+def shutdown() -> None:
+    """Leave the process group (after a job; harmless when there is none)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _collective(what: str, fn, *args):
     try:
         return fn(*args)

@@ -1,0 +1,7 @@
+"""``python -m influkit`` (and ``torchrun -m influkit score CONFIG``): the command-line interface."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
