@@ -1,6 +1,6 @@
 """``Stage``: one training stage — model, per-example loss, data, trained parameters, regularizer.
 
-The stage's objective is the mean loss over its data plus the regularizer (DESIGN §1):
+The stage's objective is the mean loss over its data plus the regularizer (docs/conventions.md §1):
 
     L(θ) = (1/n) Σ_i loss(model(x_i; θ), y_i) + R(θ).
 

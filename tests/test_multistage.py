@@ -1,4 +1,4 @@
-"""Multi-stage influence against explicit-Hessian formulas (DESIGN §1) and re-optimization."""
+"""Multi-stage influence against explicit-Hessian formulas (docs/conventions.md §1) and re-optimization."""
 
 import pytest
 import torch
