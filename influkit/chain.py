@@ -44,7 +44,7 @@ from .curvature import HessianOperator, hvp
 from .data import as_examples
 from .errors import FileFormatError, InputError, ParameterError
 from .gradients import per_example_grads, total_grad
-from .operators import DenseOperator, Operator
+from .operators import Operator
 from .params import ParamSpace, shared_parameters
 from .results import InfluenceResult
 from .scoring import Rows, score_rows, stream_rows
@@ -184,7 +184,8 @@ class Chain:
 
     def fit(self) -> "Chain":
         """Build what does not depend on the test set: each stage's Hessian operator, dense (and factored) where
-        its solver is ``direct``. Cached; :meth:`query` calls it when needed. Returns self."""
+        its solver is ``direct``, and the factored curvature (K-FAC/EK-FAC/diagonal) or Lanczos eigenpairs where
+        its SolveConfig asks for them (kept on the operator). Cached; :meth:`query` calls it when needed. Returns self."""
         if self._operators is not None:
             return self
         start = time.perf_counter()
@@ -193,12 +194,9 @@ class Chain:
             op = HessianOperator(
                 plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed, extra=plan.proximal
             )
-            method, _ = config.method(op.dim)
-            if method == "direct":
-                dense = DenseOperator(op.dense())
-                dense.factor(config.damping)
-                dense.indices = op.indices
-                op = dense
+            if config.method(op.dim)[0] == "direct":
+                op.factor(config.damping)
+            config.prepare(op)  # factors / eigenpairs this stage's config asks for (approximate inverse, preconditioner)
             operators.append(op)
         self._operators = operators
         self.fit_seconds = time.perf_counter() - start
@@ -221,10 +219,16 @@ class Chain:
         return digest.hexdigest()
 
     def save(self, path: str | Path) -> Path:
-        """Write the fitted state (dense Hessians of ``direct`` stages) to ``path``; :meth:`load` restores it."""
+        """Write the fitted state (dense Hessians of ``direct`` stages, factored curvature and eigenpairs) to ``path``;
+        :meth:`load` restores it bit for bit."""
         self.fit()
-        tensors = {f"stage{k}.hessian": op.matrix for k, op in enumerate(self._operators) if isinstance(op, DenseOperator)}
-        return files.write(path, FIT_KIND, tensors, {"fingerprint": self.fingerprint(), "fit_seconds": self.fit_seconds})
+        tensors = {f"stage{k}.hessian": op.dense() for k, op in enumerate(self._operators) if op.has_dense}
+        fitted = {}
+        for k, (op, config) in enumerate(zip(self._operators, self.configs)):
+            extra, fitted[str(k)] = config.fitted_state(op, f"stage{k}.")
+            tensors.update(extra)
+        return files.write(path, FIT_KIND, tensors, {"fingerprint": self.fingerprint(), "fit_seconds": self.fit_seconds,
+                                                     "fitted": fitted})
 
     def load(self, path: str | Path) -> "Chain":
         """Restore a fit written by :meth:`save` for this same chain (refused otherwise). Returns self."""
@@ -235,10 +239,10 @@ class Chain:
         for k, (plan, config) in enumerate(zip(self.plans, self.configs)):
             op = HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed, extra=plan.proximal)
             if f"stage{k}.hessian" in tensors:
-                dense = DenseOperator(tensors[f"stage{k}.hessian"].to(op.device))
-                dense.factor(config.damping)
-                dense.indices = op.indices
-                op = dense
+                op.restore_dense(tensors[f"stage{k}.hessian"])
+                op.factor(config.damping)
+            if str(k) in meta.get("fitted", {}):
+                config.restore(op, tensors, meta["fitted"][str(k)], f"stage{k}.")
             operators.append(op)
         self._operators, self.fit_seconds = operators, meta["fit_seconds"]
         return self

@@ -20,6 +20,7 @@ from torch.func import grad, jvp, vjp
 
 from . import distributed
 from .errors import InputError, NumericalError
+from .operators import DenseOperator, SymmetricFactor
 from .params import Params, ParamSpace, point
 from .stage import Stage
 from .vectorize import vmap_or_loop
@@ -167,6 +168,7 @@ class HessianOperator:
         n_local = -(-n_used // distributed.world_size())
         self._use_graph = n_local <= max(stage.data.batch_size, 2048) if cache_graph is None else cache_graph
         self._graph: tuple[list[torch.Tensor], torch.Tensor] | None = None
+        self._dense: DenseOperator | None = None
 
     @property
     def dim(self) -> int:
@@ -235,9 +237,27 @@ class HessianOperator:
     __call__ = matvec
 
     def dense(self, chunk: int = 256) -> torch.Tensor:
-        """The explicit p×p Hessian, built from products with blocks of unit vectors (O(p) HVPs)."""
-        p = self.dim
-        eye = torch.eye(p, dtype=self.dtype, device=self.device)
-        cols = [self.matvec(eye[:, s : s + chunk]) for s in range(0, p, chunk)]
-        h = torch.cat(cols, dim=1)
-        return 0.5 * (h + h.T)
+        """The explicit p×p Hessian, built once from products with blocks of unit vectors (O(p) HVPs), then kept."""
+        if self._dense is None:
+            p = self.dim
+            eye = torch.eye(p, dtype=self.dtype, device=self.device)
+            cols = [self.matvec(eye[:, s : s + chunk]) for s in range(0, p, chunk)]
+            h = torch.cat(cols, dim=1)
+            self._dense = DenseOperator(0.5 * (h + h.T))
+        return self._dense.matrix
+
+    def factor(self, damping: float = 0.0) -> SymmetricFactor:
+        """The factorization of the dense H + λI (built and kept on first use), for repeated ``direct`` solves."""
+        self.dense()
+        return self._dense.factor(damping)
+
+    def restore_dense(self, matrix: torch.Tensor) -> None:
+        """Use ``matrix`` (a saved :meth:`dense` of this same operator) instead of building it again."""
+        if matrix.shape != (self.dim, self.dim):
+            raise InputError(f"a saved Hessian of shape {tuple(matrix.shape)} does not fit this {self.dim}×{self.dim} operator.")
+        self._dense = DenseOperator(matrix.to(self.device, self.dtype))
+
+    @property
+    def has_dense(self) -> bool:
+        """True once :meth:`dense` has been built (or restored)."""
+        return self._dense is not None

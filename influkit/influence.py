@@ -19,7 +19,6 @@ from .chain import Chain
 from .curvature import HessianOperator
 from .data import as_examples
 from .gradients import per_example_grads
-from .operators import DenseOperator
 from .results import InfluenceResult
 from .solvers import SolveConfig
 from .stage import Stage, check_example_shape
@@ -86,8 +85,7 @@ def self_influence(
     config = SolveConfig(solver=solver, damping=damping, tol=tol, max_iter=max_iter,
                          hessian_samples=hessian_samples, seed=seed)
     operator = HessianOperator(stage, names, samples=hessian_samples, seed=seed)
-    if config.method(operator.dim)[0] == "direct":
-        operator = DenseOperator(operator.dense())
+    if config.method(operator.dim)[0] == "direct":  # one factorization serves every right-hand side at once
         rhs_chunk = grads.shape[0]
     values, summaries = [], []
     for s in range(0, grads.shape[0], rhs_chunk):
