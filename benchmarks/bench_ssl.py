@@ -118,7 +118,7 @@ def bench_hypergradient(batch_u: int) -> pd.DataFrame:
         rows.append(dict(part="hypergradient", method=name, batch_u=batch_u,
                          params=n_last if "last" in name else n_all, seconds=seconds,
                          peak_mb=peak_memory_mb(lambda: hypergradient(*args, **kw)),
-                         hessian_products=result.solution.products))
+                         hessian_products=result.diagnostics["solves"][0]["products"]))
     out = pd.DataFrame(rows)
     out["ratio_to_ours"] = out.seconds / out.seconds.iloc[0]
     out["memory_ratio_to_ours"] = out.peak_mb / out.peak_mb.iloc[0]

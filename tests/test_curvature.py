@@ -53,10 +53,3 @@ def test_gradient_matches_autograd(mlp_stage):
     got = gradient(mlp_stage, mlp_stage.param_names)
     for e, n in zip(expected, params):
         assert torch.allclose(got[n], e, atol=1e-14)
-
-
-def test_param_space_round_trip(mlp_stage):
-    space = ParamSpace(mlp_stage.trained())
-    v = torch.randn(space.dim, 3)
-    assert torch.equal(space.flatten(space.unflatten(v), batched=True), v)
-    assert torch.equal(space.flatten(space.unflatten(v[:, 0])), v[:, 0])

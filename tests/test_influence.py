@@ -81,17 +81,3 @@ def test_loo_retraining_agrees_on_real_digits(logreg_digits):
     assert pearson >= 0.95, pearson
     assert spearman >= 0.9, spearman
 
-
-def test_result_frame_top_and_save(tmp_path, logreg_digits):
-    stage, test = logreg_digits
-    res = ik.influence(stage, torch.arange(50), test, solver="direct", progress=False)
-    frame = res.to_frame()
-    assert list(frame.columns) == ["example", "score", "removal"] and len(frame) == 50
-    harmful = res.top(5)
-    assert harmful["score"].is_monotonic_decreasing and harmful["score"].iloc[0] == frame["score"].max()
-    helpful = res.top(5, harmful=False)
-    assert helpful["score"].iloc[0] == frame["score"].min()
-    res.save(tmp_path / "r.pt")
-    back = ik.load(tmp_path / "r.pt")
-    assert torch.equal(back.values, res.values) and back.n_train == 300 and back.method == res.method
-    assert back.diagnostics["solves"][0]["method"] == "direct"

@@ -3,6 +3,8 @@ gradients, M-Adam, losses, the Algorithm 1 trainer and input errors."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import cross_entropy, l2, tanh_mlp
@@ -24,7 +26,6 @@ from influkit.ssl import (
     linear_grad_dot,
     soft_cross_entropy,
     train_ssl,
-    weight_hypergradient,
 )
 from influkit.training import fit_lbfgs, newton_refine
 
@@ -56,16 +57,21 @@ def weighted_stage(model, names, labeled, unlabeled, teacher, weights, reg):
     return ik.Stage(model, weighted_soft_ce, data, params=names, regularizer=reg)
 
 
-@pytest.fixture(scope="module")
-def problem():
-    gen = torch.Generator().manual_seed(3)
+def make_problem(n_u: int = 20, seed: int = 3):
+    """(labeled, unlabeled, val, weights, teacher): 24 labeled, n_u unlabeled, 15 validation points, 3 classes."""
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(24, 4, generator=gen, dtype=torch.float64)
     y = torch.randint(0, 3, (24,), generator=gen)
-    u = torch.randn(20, 4, generator=gen, dtype=torch.float64)
+    u = torch.randn(n_u, 4, generator=gen, dtype=torch.float64)
     xv = torch.randn(15, 4, generator=gen, dtype=torch.float64)
     yv = torch.randint(0, 3, (15,), generator=gen)
-    w = 0.5 + torch.rand(20, generator=gen, dtype=torch.float64)
+    w = 0.5 + torch.rand(n_u, generator=gen, dtype=torch.float64)
     return (x, y), u, (xv, yv), w, Teacher(4, 3)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return make_problem()
 
 
 def fit(model, names, labeled, u, teacher, w, reg):
@@ -75,26 +81,28 @@ def fit(model, names, labeled, u, teacher, w, reg):
     return stage
 
 
+def reoptimized_val_loss(model, names, labeled, u, val, teacher, w, reg):
+    """L_S(V, θ*(Λ = w)) with θ* re-solved by Newton from the model's current θ to ‖∇L‖ < 1e-12; θ is restored."""
+    named = dict(model.named_parameters())
+    start = {n: named[n].detach().clone() for n in names}
+    assert newton_refine(weighted_stage(model, names, labeled, u, teacher, w, reg), steps=8) < 1e-12
+    with torch.no_grad():
+        value = float(cross_entropy(model(val[0]), val[1]).mean())
+        for n in names:
+            named[n].copy_(start[n])
+    return value
+
+
 def finite_difference(model, names, labeled, u, val, teacher, w, reg, which, eps=1e-4):
     """Central difference of L_S(V, θ*(Λ)) in λ_u, re-solving θ* by Newton to ‖∇L‖ < 1e-12."""
-    named = dict(model.named_parameters())
-    optimum = {n: named[n].detach().clone() for n in names}
     out = []
     for u_idx in which:
         values = []
         for sign in (1.0, -1.0):
-            with torch.no_grad():
-                for n in names:
-                    named[n].copy_(optimum[n])
             shifted = w.clone()
             shifted[u_idx] += sign * eps
-            assert newton_refine(weighted_stage(model, names, labeled, u, teacher, shifted, reg), steps=6) < 1e-12
-            with torch.no_grad():
-                values.append(float(cross_entropy(model(val[0]), val[1]).mean()))
+            values.append(reoptimized_val_loss(model, names, labeled, u, val, teacher, shifted, reg))
         out.append((values[0] - values[1]) / (2 * eps))
-    with torch.no_grad():
-        for n in names:
-            named[n].copy_(optimum[n])
     return torch.tensor(out)
 
 
@@ -112,10 +120,57 @@ def test_hypergradient_matches_finite_differences(problem, params):
         res = hypergradient(
             model, cross_entropy, teacher, labeled, u, val, w, params=params, regularizer=reg, solver=solver, tol=1e-13
         )
-        assert res.cached_features == (params == "2")
-        assert res.solution.converged
+        assert res.diagnostics["settings"]["cached_features"] == (params == "2")
+        assert res.diagnostics["solves"][0]["converged"]
         err = float((res.values[which] - fd).norm() / fd.norm())
         assert err <= 1e-3, (solver, err)
+
+
+def test_removal_is_minus_weight_times_values_and_predicts_zeroing_a_weight():
+    """removal[u] = −λ_u·values[u] is the first-order change of L_S(V) when λ_u is set to 0 and θ re-optimized.
+
+    On a convex last-layer problem the remainder is second order in the weight change: setting λ_u to λ_u/2
+    instead of 0 must cut the prediction error about 4× (≥ 3× required).
+    """
+    labeled, u, val, w, teacher = make_problem(n_u=60, seed=5)
+    model = tanh_mlp(4, 6, 3, seed=1)
+    names, reg = ["2.weight", "2.bias"], l2(1e-2)
+    fit(model, names, labeled, u, teacher, w, reg)
+    res = hypergradient(model, cross_entropy, teacher, labeled, u, val, w, params="2", regularizer=reg)
+    assert res.n_train == 60 and torch.equal(res.index, torch.arange(60))
+    assert torch.equal(res.removal_eps, -w) and torch.equal(res.removal, -w * res.values)
+    assert torch.equal(torch.tensor(res.to_frame()["removal"].to_numpy()), res.removal)
+    base = reoptimized_val_loss(model, names, labeled, u, val, teacher, w, reg)
+    actual = {1.0: [], 0.5: []}
+    for k in range(60):
+        for fraction in actual:
+            changed = w.clone()
+            changed[k] *= 1.0 - fraction
+            actual[fraction].append(reoptimized_val_loss(model, names, labeled, u, val, teacher, changed, reg) - base)
+    removed = torch.tensor(actual[1.0])
+    error = float((removed - res.removal).norm())
+    assert error <= 0.15 * float(removed.norm()), error / float(removed.norm())
+    assert torch.corrcoef(torch.stack([removed, res.removal]))[0, 1] >= 0.99
+    assert error >= 3.0 * float((torch.tensor(actual[0.5]) - 0.5 * res.removal).norm())
+
+
+def test_result_diagnostics_and_round_trip_bit_identical(problem, tmp_path):
+    labeled, u, val, w, teacher = problem
+    model = tanh_mlp(4, 6, 3, seed=2)
+    ids = torch.arange(100, 120)
+    res = hypergradient(model, cross_entropy, teacher, labeled, u, val, w, index=ids, params="2", damping=1e-3)
+    assert set(res.diagnostics) == {"solves", "seconds", "settings"}
+    (solve,) = res.diagnostics["solves"]
+    assert solve["stage"] == 0 and solve["method"] == "direct" and solve["damping"] == 1e-3
+    settings = res.diagnostics["settings"]
+    assert settings["solver"] == "direct" and settings["damping"] == 1e-3 and settings["cached_features"]
+    assert set(res.diagnostics["seconds"]) == {"setup", "solve", "scores"}
+    assert torch.equal(res.index, ids) and res.n_train == 20
+    back = ik.load(res.save(tmp_path / "hypergradient.safetensors"))
+    assert torch.equal(back.values, res.values) and torch.equal(back.index, res.index)
+    assert torch.equal(back.removal_eps, res.removal_eps) and torch.equal(back.removal, res.removal)
+    assert (back.n_train, back.method) == (res.n_train, res.method)
+    assert json.dumps(back.diagnostics, sort_keys=True) == json.dumps(res.diagnostics, sort_keys=True)  # NaN-safe
 
 
 def test_paths_agree_and_baselines(problem):
@@ -123,9 +178,9 @@ def test_paths_agree_and_baselines(problem):
     model = tanh_mlp(4, 6, 3, seed=2)
     pl, reg = PseudoLabel(), l2(1e-2)
     args = (model, cross_entropy, pl, labeled, u, val, w)
-    cached = weight_hypergradient(*args, params="2", regularizer=reg)
-    vmapped = weight_hypergradient(*args, params="2", regularizer=reg, cache_features=False)
-    plain = weight_hypergradient(model, cross_entropy, lambda m, x: pl(m, x), labeled, u, val, w, params="2", regularizer=reg)
+    cached = hypergradient(*args, params="2", regularizer=reg).values
+    vmapped = hypergradient(*args, params="2", regularizer=reg, cache_features=False).values
+    plain = hypergradient(model, cross_entropy, lambda m, x: pl(m, x), labeled, u, val, w, params="2", regularizer=reg).values
     assert torch.allclose(cached, vmapped, rtol=1e-10, atol=1e-14)
     assert torch.allclose(cached, plain, rtol=1e-10, atol=1e-14)
 
@@ -137,11 +192,11 @@ def test_paths_agree_and_baselines(problem):
     alpha, terms, series, power = 0.3, 12, torch.zeros_like(g_val), g_val.clone()
     for _ in range(terms):
         series, power = series + alpha * power, power - alpha * (hessian @ power)
-    neumann = weight_hypergradient(*targs, params="2", regularizer=reg, solver="neumann", neumann_terms=terms, neumann_alpha=alpha)
+    neumann = hypergradient(*targs, params="2", regularizer=reg, solver="neumann", neumann_terms=terms, neumann_alpha=alpha).values
     assert torch.allclose(neumann, -(grads @ series) / u.shape[0], rtol=1e-10, atol=1e-15)
-    identity = weight_hypergradient(*targs, params="2", regularizer=reg, solver="identity")
+    identity = hypergradient(*targs, params="2", regularizer=reg, solver="identity").values
     assert torch.allclose(identity, -(grads @ g_val) / u.shape[0], rtol=1e-12, atol=1e-16)
-    exact = weight_hypergradient(*targs, params="2", regularizer=reg)
+    exact = hypergradient(*targs, params="2", regularizer=reg).values
     assert torch.allclose(exact, -(grads @ torch.linalg.solve(hessian, g_val)) / u.shape[0], rtol=1e-9, atol=1e-15)
 
 
@@ -259,19 +314,19 @@ def test_input_errors(problem):
     model = tanh_mlp(4, 6, 3)
     args = (model, cross_entropy, teacher)
     with pytest.raises(InputError, match="targets"):
-        weight_hypergradient(*args, (labeled[0], labeled[1][:-1]), u, val, w)
+        hypergradient(*args, (labeled[0], labeled[1][:-1]), u, val, w)
     with pytest.raises(InputError, match="≥ 0"):
-        weight_hypergradient(*args, labeled, u, val, -w)
+        hypergradient(*args, labeled, u, val, -w)
     with pytest.raises(InputError, match="shape"):
-        weight_hypergradient(*args, labeled, u, val, w[:-1])
+        hypergradient(*args, labeled, u, val, w[:-1])
     with pytest.raises(InputError, match="empty"):
-        weight_hypergradient(*args, labeled, u[:0], val, w[:0])
+        hypergradient(*args, labeled, u[:0], val, w[:0])
     with pytest.raises(InputError, match="shape"):
-        weight_hypergradient(*args, labeled, u[:, :3], val, w)
+        hypergradient(*args, labeled, u[:, :3], val, w)
     with pytest.raises(InputError, match="final"):
-        weight_hypergradient(*args, labeled, u, val, w, params="0", cache_features=True)
+        hypergradient(*args, labeled, u, val, w, params="0", cache_features=True)
     with pytest.raises(InputError, match="solver"):
-        weight_hypergradient(*args, labeled, u, val, w, solver="newton")
+        hypergradient(*args, labeled, u, val, w, solver="newton")
     with pytest.raises(InputError, match="empty"):
         train_ssl(model, cross_entropy, teacher, labeled, u[:0], val, progress=False)
     with pytest.raises(InputError, match="mode"):

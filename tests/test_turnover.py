@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 from scipy.stats import binomtest
+from conftest import cross_entropy as ce
 from torch import nn
 
+import influkit as ik
 from influkit.errors import InputError, LossError, ModelModeError
 from influkit.turnover import (
     HashedMasks,
@@ -26,10 +28,6 @@ from influkit.turnover import (
 )
 
 M32 = 0xFFFFFFFF
-
-
-def ce(outputs, targets):
-    return nn.functional.cross_entropy(outputs, targets, reduction="none")
 
 
 def mlp(p=0.5, masks=None, seed=0, d_in=5, hidden=16, classes=3):
@@ -260,14 +258,14 @@ def test_influence_equals_loss_difference_by_hand(masks):
     train_turnover(model, ce, (x_train, y_train), epochs=3, batch_size=8, progress=False)
     x_test, y_test = toy_data(n=6, seed=2)
     ids = torch.tensor([0, 5, 29, 11])
-    res = influence(model, ce, ids, (x_test, y_test), per_test=True, batch_size=5, progress=False)
-    assert res.values.shape == (4, 6) and res.n_train == 1
+    res = influence(model, ce, ids, (x_test, y_test), n_train=30, per_test=True, batch_size=5, progress=False)
+    assert res.values.shape == (4, 6) and res.n_train == 30
     with torch.no_grad():
         for row, i in enumerate(ids):
             keep = model[2].keep_mask(i.reshape(1), 16).expand(6, 16)
             want = hand_losses(model, x_test, y_test, keep, 0.4, False) - hand_losses(model, x_test, y_test, keep, 0.4, True)
             assert torch.allclose(res.values[row], want, atol=1e-12)
-    summed = influence(model, ce, ids, (x_test, y_test), batch_size=1000, progress=False)
+    summed = influence(model, ce, ids, (x_test, y_test), n_train=30, batch_size=1000, progress=False)
     assert torch.allclose(summed.values, res.values.sum(dim=1), atol=1e-12)  # batched == looped
     assert torch.allclose(summed.removal, -summed.values)
     assert torch.equal(summed.index, ids)
@@ -289,6 +287,35 @@ def test_self_influence_equals_loss_difference_by_hand():
     assert (every.values < 0).double().mean() > 0.5  # training on an example mostly lowers its own loss
 
 
+def test_removal_rule_diagnostics_and_round_trip_bit_identical(tmp_path):
+    """removal = −values = L(x; 1 − m_i) − L(x; m_i): the loss without i minus the loss with i (removal_eps = −1)."""
+    model = mlp(p=0.5)
+    data = toy_data(n=30)
+    train_turnover(model, ce, data, epochs=5, batch_size=6, progress=False)
+    x_test = toy_data(n=5, seed=2)
+    ids = torch.tensor([4, 0, 17])
+    results = [
+        influence(model, ce, ids, x_test, n_train=30, per_test=True, batch_size=7, progress=False),
+        influence(model, ce, ids, x_test, n_train=30, batch_size=7, progress=False),
+        self_influence(model, ce, data, ids, batch_size=2, progress=False),
+    ]
+    with torch.no_grad():
+        keep = model[2].keep_mask(ids, 16)
+        own = (data[0][ids], data[1][ids])
+        without_minus_with = hand_losses(model, *own, keep, 0.5, True) - hand_losses(model, *own, keep, 0.5, False)
+    assert torch.allclose(results[2].removal, without_minus_with, rtol=0, atol=1e-12)
+    for res, forwards in zip(results, [2 * 3 * 5, 2 * 3 * 5, 2 * 3]):
+        assert res.n_train == 30 and res.removal_eps == -1.0 and torch.equal(res.index, ids)
+        assert torch.equal(res.removal, -res.values)
+        assert torch.equal(torch.tensor(res.to_frame()["removal"].to_numpy()), -res.total)
+        assert res.diagnostics["solves"] == [] and set(res.diagnostics["seconds"]) == {"forward"}
+        assert res.diagnostics["settings"] == {"forward_examples": forwards, "batch_size": 7 if forwards > 6 else 2}
+        back = ik.load(res.save(tmp_path / "turnover.result"))
+        assert torch.equal(back.values, res.values) and torch.equal(back.index, res.index)
+        assert torch.equal(back.removal, res.removal) and back.removal_eps == res.removal_eps
+        assert (back.n_train, back.method, back.diagnostics) == (res.n_train, res.method, res.diagnostics)
+
+
 class IndexedDatasetPairs(torch.utils.data.Dataset):
     """A plain Dataset of (x, y) pairs, to check Dataset inputs."""
 
@@ -305,22 +332,28 @@ class IndexedDatasetPairs(torch.utils.data.Dataset):
 def test_influence_restores_model_mode_and_rejects_bad_input():
     model = mlp().train()
     x_test = toy_data(n=3, seed=5)
-    influence(model, ce, [0, 1], x_test, progress=False)
+    influence(model, ce, [0, 1], x_test, n_train=40, progress=False)
     assert model.training and model[2].training and model[2].ids is None
     with pytest.raises(InputError):
-        influence(model, ce, [], x_test, progress=False)
+        influence(model, ce, [], x_test, n_train=40, progress=False)
     with pytest.raises(InputError):
-        influence(model, ce, [0], (x_test[0], x_test[1][:2]), progress=False)
+        influence(model, ce, [0], (x_test[0], x_test[1][:2]), n_train=40, progress=False)
     bad = x_test[0].clone()
     bad[0, 0] = float("nan")
     with pytest.raises(InputError):
-        influence(model, ce, [0], (bad, x_test[1]), progress=False)
-    with pytest.raises(InputError):
+        influence(model, ce, [0], (bad, x_test[1]), n_train=40, progress=False)
+    with pytest.raises(InputError, match="index the training set"):
         self_influence(model, ce, x_test, [0, 3], progress=False)  # id out of range
+    with pytest.raises(InputError, match="index the training set"):
+        influence(model, ce, [0, 40], x_test, n_train=40, progress=False)
+    with pytest.raises(InputError, match="n_train"):
+        influence(model, ce, [0], x_test, n_train=0, progress=False)
+    with pytest.raises(TypeError):
+        influence(model, ce, [0], x_test, progress=False)  # n_train is required
     with pytest.raises(LossError):
-        influence(model, lambda o, t: ce(o, t).sum(), [0], x_test, progress=False)
+        influence(model, lambda o, t: ce(o, t).sum(), [0], x_test, n_train=40, progress=False)
     with pytest.raises(ModelModeError):
-        influence(nn.Linear(5, 3).double(), ce, [0], x_test, progress=False)
+        influence(nn.Linear(5, 3).double(), ce, [0], x_test, n_train=40, progress=False)
 
 
 # ---------------------------------------------------------------- training plumbing

@@ -1,14 +1,15 @@
 """SSL with a learned weight per unlabeled example (Ren, Yeh, Schwing, "Not All Unlabeled Data are Equal", NeurIPS 2020).
 
-- :mod:`.hypergradient` — ∂L_S(V, θ*(Λ))/∂λ_u by influence functions (last-layer exact, full network through
-  influkit's solvers, identity and Neumann baselines)
+- :mod:`.hypergradient` — :func:`hypergradient`, the one entry point: an InfluenceResult with values[u] =
+  ∂L_S(V, θ*(Λ))/∂λ_u by influence functions (last-layer exact, full network through influkit's solvers,
+  identity and Neumann baselines) and removal = −λ_u·values[u] (removing u sets its weight to 0)
 - :mod:`.per_example` — closed forms for a final linear layer: per-example gradients and the Hessian
 - :mod:`.madam` — M-Adam, the masked Adam for the weights
 - :mod:`.losses` — pseudo-labelling and consistency losses, image augmentation
 - :mod:`.trainer` — Algorithm 1
 """
 
-from .hypergradient import SOLVERS, Hypergradient, hypergradient, weight_hypergradient
+from .hypergradient import SOLVERS, hypergradient
 from .losses import Consistency, PseudoLabel, ShiftNoise, UnsupervisedLoss, confident_targets, soft_cross_entropy
 from .madam import MaskedAdam
 from .per_example import (
@@ -27,7 +28,6 @@ __all__ = [
     "MODES",
     "SOLVERS",
     "Consistency",
-    "Hypergradient",
     "MaskedAdam",
     "PseudoLabel",
     "SSLRun",
@@ -46,5 +46,4 @@ __all__ = [
     "output_gradients",
     "soft_cross_entropy",
     "train_ssl",
-    "weight_hypergradient",
 ]

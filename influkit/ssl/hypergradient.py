@@ -1,6 +1,6 @@
 """Hypergradient of the validation loss with respect to per-example weights of unlabeled data (Ren et al. 2020, eq. 6).
 
-Training objective and validation loss (DESIGN §1, means over each set):
+Training objective and validation loss (docs/conventions.md §1, means over each set):
 
     L(θ, Λ) = (1/|D|) Σ_{(x,y)∈D} ℓ_S(x, y; θ) + (1/|U|) Σ_{u∈U} λ_u ℓ_U(u; θ) + R(θ),
     L_S(V, θ) = (1/|V|) Σ_{(x,y)∈V} ℓ_S(x, y; θ).
@@ -19,13 +19,21 @@ graph, and its Hessian (formed explicitly, then inverted) and per-example gradie
 (:mod:`influkit.ssl.per_example`). The baselines
 of the paper's Table A1 are ``solver="identity"`` (Luketina et al.: H⁻¹ := I) and ``solver="neumann"``
 (Lorraine et al.: H⁻¹ ≈ α Σ_{j<K} (I − αH)^j).
+
+The result is an :class:`~influkit.results.InfluenceResult` over the unlabeled examples with
+``values[u] = ∂L_S(V)/∂λ_u`` and ``n_train = |U|``. Its removal rule is the one that fits a weight: removing u
+sets λ_u to 0, a change of −λ_u, so the first-order change of the validation loss is
+``removal[u] = −λ_u · values[u]`` (``removal_eps`` holds −λ, one entry per example; an example whose weight is
+already 0 has no effect to remove). :func:`hypergradient` is the one entry point (the former
+``weight_hypergradient(...)`` is ``hypergradient(...).values``); Algorithm 1
+(:func:`~influkit.ssl.trainer.train_ssl`) steps the weights along ``result.values``.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,7 +43,8 @@ from ..operators import LazyDenseOperator, SumOperator
 from ..params import ParamSpace, resolve_names
 from ..errors import InputError
 from ..gradients import project_per_example_grads
-from ..solvers import METHODS, Solution, solve
+from ..results import InfluenceResult
+from ..solvers import METHODS, solve
 from ..stage import Regularizer, Stage
 from .losses import UnsupervisedLoss
 from .per_example import (
@@ -49,15 +58,6 @@ from .per_example import (
 )
 
 SOLVERS = METHODS + ("neumann",)
-
-
-@dataclass
-class Hypergradient:
-    """The hypergradient of one batch: ``values`` (|U|,) = ∂L_S(V)/∂λ_u, with the inverse-Hessian solve's diagnostics."""
-
-    values: torch.Tensor
-    solution: Solution
-    cached_features: bool
 
 
 def _weighted(loss: Callable) -> Callable:
@@ -200,6 +200,7 @@ def hypergradient(
     val: tuple[torch.Tensor, torch.Tensor],
     weights: torch.Tensor,
     *,
+    index: torch.Tensor | None = None,
     params: str | Iterable[str] | None = None,
     regularizer: Regularizer | None = None,
     solver: str = "direct",
@@ -209,17 +210,39 @@ def hypergradient(
     neumann_alpha: float | None = None,
     tol: float | None = None,
     max_iter: int | None = None,
-) -> Hypergradient:
-    """Returns the :class:`Hypergradient` ∂L_S(V, θ*(Λ))/∂λ_u = −(1/|U|) ∇_θL_S(V)ᵀ H⁻¹ ∇_θℓ_U(u), u in ``unlabeled``.
+) -> InfluenceResult:
+    """Returns an InfluenceResult with values[u] = ∂L_S(V, θ*(Λ))/∂λ_u = −(1/|U|) ∇_θL_S(V)ᵀ H⁻¹ ∇_θℓ_U(u).
 
-    See :func:`weight_hypergradient` for the arguments; additionally ``tol``/``max_iter`` go to the iterative
-    solvers, and the :class:`~influkit.solvers.Solution` of the one solve is returned with the values.
+    H = ∇²_θ L(θ*, Λ), L = mean_D ℓ_S + (1/|U|) Σ_u λ_u ℓ_U(u) + R; positive values mean up-weighting u raises
+    the validation loss. ``n_train = |U|`` and ``removal = −λ_u · values`` (``removal_eps = −weights``): the
+    first-order change of L_S(V) when u is removed, i.e. its weight set to 0. ``diagnostics`` holds the one
+    solve (``"stage": 0``), the seconds of each phase and the settings (solver, damping, cached_features, ...).
+
+    model: in eval mode, at (approximately) θ*. sup_loss(outputs, targets) -> (B,).
+    unsup_loss(model, inputs) -> (B,) with its pseudo-labels detached; an influkit.ssl
+    :class:`~influkit.ssl.losses.UnsupervisedLoss` has its targets and augmentation drawn once, a plain callable
+    must be deterministic (it is re-evaluated for every Hessian-vector product).
+    labeled, val: (inputs, targets); unlabeled: inputs; weights: (len(unlabeled),) current λ ≥ 0.
+    index: the ids of the unlabeled rows in a larger unlabeled set (default 0..len(unlabeled)−1).
+    params: names/prefixes of θ (default: all parameters requiring grad), e.g. the final layer "fc".
+    regularizer: R(dict of the θ tensors) -> scalar. solver: any of influkit's solvers ("direct", "cg",
+    "cg_spd", "minres", "lissa", "identity") or "neumann" (K = ``neumann_terms`` terms of step
+    α = ``neumann_alpha``, default 1/(1.05 λ_max(H))); damping: ridge added to H; tol, max_iter: the stopping
+    rule of the iterative solvers.
+    cache_features: compute the final linear layer's input features once (the paper's fast variant); default:
+    whenever ``params`` names the final nn.Linear layer and ``unsup_loss`` is an UnsupervisedLoss.
     """
+    start = time.perf_counter()
     if solver not in SOLVERS:
         raise InputError(f"unknown solver {solver!r}; choose one of {SOLVERS}.")
     if not callable(unsup_loss):
         raise InputError("unsup_loss must be callable as unsup_loss(model, inputs) -> (B,) per-example losses.")
     weights = _check_inputs(labeled, unlabeled, val, weights)
+    if index is not None and torch.as_tensor(index).shape != (unlabeled.shape[0],):
+        raise InputError(
+            f"index must hold one id per unlabeled example, shape ({unlabeled.shape[0]},); "
+            f"got {tuple(torch.as_tensor(index).shape)}."
+        )
     names = resolve_names(model, params)
     eligible = isinstance(unsup_loss, UnsupervisedLoss) and _is_final_linear_block(model, params, names)
     if cache_features and not eligible:
@@ -236,6 +259,11 @@ def hypergradient(
         operator, g_val, scores = _functional_problem(
             model, sup_loss, unsup_loss, labeled, unlabeled, val, weights, names, regularizer
         )
+    settings = {
+        "solver": solver, "damping": float(damping), "cached_features": cached, "params": names,
+        "tol": tol, "max_iter": max_iter, "n_labeled": labeled[0].shape[0], "n_val": val[0].shape[0],
+    }
+    setup = time.perf_counter() - start
     if solver == "neumann":
         if neumann_terms < 1:
             raise InputError(f"neumann_terms must be ≥ 1, got {neumann_terms}.")
@@ -244,46 +272,20 @@ def hypergradient(
             operator, g_val, "lissa", damping=damping, tol=0.0, max_iter=neumann_terms - 1, scale=scale, warn=False
         )
         solution.method = "neumann"
+        settings |= {"neumann_terms": neumann_terms, "neumann_alpha": neumann_alpha}
     else:
         solution = solve(operator, g_val, solver, damping=damping, tol=tol, max_iter=max_iter)
+    start_scores = time.perf_counter()
     values = -scores(solution.x) / unlabeled.shape[0]
-    return Hypergradient(values=values.detach().to(unlabeled.dtype), solution=solution, cached_features=cached)
-
-
-def weight_hypergradient(
-    model: nn.Module,
-    sup_loss: Callable,
-    unsup_loss: Callable,
-    labeled: tuple[torch.Tensor, torch.Tensor],
-    unlabeled: torch.Tensor,
-    val: tuple[torch.Tensor, torch.Tensor],
-    weights: torch.Tensor,
-    *,
-    params: str | Iterable[str] | None = None,
-    regularizer: Regularizer | None = None,
-    solver: str = "direct",
-    damping: float = 0.0,
-    cache_features: bool | None = None,
-    neumann_terms: int = 20,
-    neumann_alpha: float | None = None,
-) -> torch.Tensor:
-    """Returns (len(unlabeled),): ∂L_S(V, θ*(Λ))/∂λ_u = −(1/|U|) ∇_θL_S(V)ᵀ H⁻¹ ∇_θℓ_U(u), H = ∇²_θ L(θ*, Λ).
-
-    L = mean_D ℓ_S + (1/|U|) Σ_u λ_u ℓ_U(u) + R; positive values mean up-weighting u raises the validation loss.
-    model: in eval mode, at (approximately) θ*. sup_loss(outputs, targets) -> (B,).
-    unsup_loss(model, inputs) -> (B,) with its pseudo-labels detached; an influkit.ssl
-    :class:`~influkit.ssl.losses.UnsupervisedLoss` has its targets and augmentation drawn once, a plain callable
-    must be deterministic (it is re-evaluated for every Hessian-vector product).
-    labeled, val: (inputs, targets); unlabeled: inputs; weights: (len(unlabeled),) current λ ≥ 0.
-    params: names/prefixes of θ (default: all parameters requiring grad), e.g. the final layer "fc".
-    regularizer: R(dict of the θ tensors) -> scalar. solver: any of influkit's solvers ("direct", "cg",
-    "cg_spd", "minres", "lissa", "identity") or "neumann" (K = ``neumann_terms`` terms of step
-    α = ``neumann_alpha``, default 1/(1.05 λ_max(H))); damping: ridge added to H.
-    cache_features: compute the final linear layer's input features once (the paper's fast variant); default:
-    whenever ``params`` names the final nn.Linear layer and ``unsup_loss`` is an UnsupervisedLoss.
-    """
-    return hypergradient(
-        model, sup_loss, unsup_loss, labeled, unlabeled, val, weights,
-        params=params, regularizer=regularizer, solver=solver, damping=damping,
-        cache_features=cache_features, neumann_terms=neumann_terms, neumann_alpha=neumann_alpha,
-    ).values
+    return InfluenceResult(
+        values=values.detach().to(unlabeled.dtype),
+        n_train=unlabeled.shape[0],
+        index=index,
+        method="ssl weight hypergradient",
+        diagnostics={
+            "solves": [{"stage": 0, **solution.summary()}],
+            "seconds": {"setup": setup, "solve": solution.seconds, "scores": time.perf_counter() - start_scores},
+            "settings": settings,
+        },
+        removal_eps=-weights,
+    )

@@ -5,7 +5,7 @@ Each θ step draws batches D' ⊆ D, U' ⊆ U and descends
     L(D', U'; θ, Λ) = mean_{D'} ℓ_S + mean_{u∈U'} λ_u ℓ_U(u) + R(θ);
 
 after ``warmup`` steps, every ``inner_steps`` θ steps draw fresh D', U', V' and update the weights of the U'
-examples with ∂L_S(V', θ*)/∂λ_u from :func:`influkit.ssl.hypergradient.hypergradient` (θ* := current θ),
+examples with ∂L_S(V', θ*)/∂λ_u, the ``values`` of :func:`influkit.ssl.hypergradient.hypergradient` (θ* := current θ),
 by M-Adam (default), Adam or SGD, keeping λ ≥ 0. Modes: ``"per-example"`` (one λ_u per unlabeled example),
 ``"single"`` (one λ shared by all, its hypergradient is the sum over U' — the paper's ablation),
 ``"uniform"`` (a fixed λ: plain SSL) and ``"supervised"`` (no unlabeled term).
@@ -182,7 +182,7 @@ def train_ssl(
             idx_l, idx_u, idx_v = draw(n_l, batch_size), draw(n_u, unlabeled_batch), draw(n_v, val_batch)
             result = hypergradient(
                 model, sup_loss, unsup_loss, (labeled[0][idx_l], labeled[1][idx_l]), unlabeled[idx_u],
-                (val[0][idx_v], val[1][idx_v]), weights_of(idx_u).detach(),
+                (val[0][idx_v], val[1][idx_v]), weights_of(idx_u).detach(), index=idx_u,
                 params=hyper_params, regularizer=regularizer, solver=solver, damping=damping,
             )
             grad = torch.zeros_like(weights)

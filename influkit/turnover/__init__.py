@@ -2,13 +2,14 @@
 
 Every training example trains only the sub-network picked by its own dropout mask m_i; the flipped mask
 1 − m_i picks a sub-network that never saw it. influkit's sign (positive = harmful):
-values[i] = L(x; m_i) − L(x; 1 − m_i), and ``removal = −values`` (results use n_train=1).
+values[i] = L(x; m_i) − L(x; 1 − m_i), already a whole-removal difference, so ``removal = −values``
+(results carry ``removal_eps = −1`` and ``n_train`` = the training set size).
 
 Typical use::
 
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), TurnOverDropout(0.5), nn.Linear(256, 10))
     train_turnover(model, loss, (X, y), epochs=30)
-    res = influence(model, loss, torch.arange(len(X)), (x_test, y_test))
+    res = influence(model, loss, torch.arange(len(X)), (x_test, y_test), n_train=len(X))
 """
 
 from .influence import influence, self_influence

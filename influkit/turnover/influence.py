@@ -1,17 +1,25 @@
 """Turn-over dropout influence (Kobayashi et al. 2020) from forward passes only.
 
-Sign convention (influkit's, DESIGN §1: positive = harmful): for training example i and test point x,
+Sign convention (influkit's, docs/conventions.md §1: positive = harmful): for training example i and test point x,
 
     values[i] = L(x; m_i) − L(x; 1 − m_i)
 
 the loss of the sub-network trained on i minus the loss of the sub-network that never saw i. Positive means
 training on i raised the loss on x. The paper reports the opposite sign (L(1 − m_i) − L(m_i), positive =
-helpful). Results carry ``n_train=1``, so ``result.removal = −values = L(x; 1 − m_i) − L(x; m_i)``: the
-estimated change of the test loss when i is removed (loss without i minus loss with i).
+helpful).
+
+Removal rule: the values are already whole-removal differences L(with i) − L(without i), not derivatives
+with respect to a weight, so results carry ``removal_eps = −1`` and
+``result.removal = −values = L(x; 1 − m_i) − L(x; m_i)``: the estimated change of the test loss when i is
+removed (loss without i minus loss with i). ``n_train`` is the size of the training set the model was
+trained on with :func:`~influkit.turnover.training.train_turnover`; the result's ``index`` holds the ids into
+it. Both functions run forward passes only: ``diagnostics`` has no solves, ``seconds = {"forward": ...}`` and
+``settings = {"forward_examples": ..., "batch_size": ...}``.
 """
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Sequence
 
@@ -27,16 +35,29 @@ from .layers import model_with_ids, turnover_layers
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _as_ids(ids: Sequence[int] | torch.Tensor, n: int | None = None) -> torch.Tensor:
+def _as_ids(ids: Sequence[int] | torch.Tensor, n: int) -> torch.Tensor:
     ids = torch.as_tensor(ids)
     if ids.dim() != 1 or ids.numel() == 0:
         raise InputError(f"train_ids must be a non-empty 1-D sequence of example ids, got shape {tuple(ids.shape)}.")
     if ids.is_floating_point() or ids.dtype == torch.bool:
         raise InputError(f"train_ids must be integers, got dtype {ids.dtype}.")
     ids = ids.to(torch.int64)
-    if int(ids.min()) < 0 or (n is not None and int(ids.max()) >= n):
-        raise InputError(f"train_ids must lie in [0, {n if n is not None else 'n'}), got {int(ids.min())}..{int(ids.max())}.")
+    if int(ids.min()) < 0 or int(ids.max()) >= n:
+        raise InputError(
+            f"train_ids must index the training set of {n} examples, [0, {n}), got {int(ids.min())}..{int(ids.max())}; "
+            "pass ids into the training set (and its size as n_train)."
+        )
     return ids
+
+
+def _as_size(n_train) -> int:
+    try:
+        n_train = operator.index(n_train)
+    except TypeError:
+        n_train = None
+    if n_train is None or n_train < 1:
+        raise InputError("n_train must be the size of the training set the ids index (a positive integer), e.g. len(X).")
+    return n_train
 
 
 def _as_pair(data: tuple[torch.Tensor, torch.Tensor] | Dataset, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,6 +115,7 @@ def influence(
     train_ids: Sequence[int] | torch.Tensor,
     x_test: tuple[torch.Tensor, torch.Tensor] | Dataset,
     *,
+    n_train: int,
     per_test: bool = False,
     batch_size: int = 1024,
     device: torch.device | str | None = None,
@@ -102,17 +124,21 @@ def influence(
     """Returns the turn-over influence of each training example in ``train_ids`` on the test points ``x_test``.
 
     values[i, t] = L(x_t; m_i) − L(x_t; 1 − m_i) (positive = training on i raised the loss on x_t), summed
-    over t unless ``per_test``; ``removal = −values`` (n_train=1) is the estimated change of the test loss
-    when i is removed. Uses 2·len(train_ids)·len(x_test) example-forward passes under ``torch.no_grad()``,
-    grouped into batches of about ``batch_size`` (train id, test point) pairs; the model is evaluated in eval
-    mode and its modes are restored afterwards. loss(outputs, targets) returns per-example losses (B,).
-    train_ids: the training examples' ids (as routed during :func:`train_turnover`); x_test: (inputs,
-    targets) or a Dataset of pairs; device: where to compute (default: the model's; the model is moved there).
+    over t unless ``per_test``; ``removal = −values`` (``removal_eps = −1``) is the estimated change of the
+    test loss when i is removed. Uses 2·len(train_ids)·len(x_test) example-forward passes under
+    ``torch.no_grad()``, grouped into batches of about ``batch_size`` (train id, test point) pairs; the model is
+    evaluated in eval mode and its modes are restored afterwards. loss(outputs, targets) returns per-example
+    losses (B,).
+    train_ids: the training examples' ids (as routed during :func:`train_turnover`), in [0, n_train);
+    n_train: the size of the training set they index; x_test: (inputs, targets) or a Dataset of pairs;
+    device: where to compute (default: the model's; the model is moved there).
     Scores are noisy: even an id never trained on gets L(x; m) − L(x; 1 − m) ≠ 0 from the two random
-    sub-networks; compare with such ids (e.g. ids ≥ n) to see how much of the spread is signal.
+    sub-networks. To see how much of the spread is signal, score ids n..2n−1 of a model trained on n examples
+    with ``n_train=2n`` (a set whose second half no example carried in training): their scores are pure noise.
     """
     turnover_layers(model)
-    ids = _as_ids(train_ids)
+    n_train = _as_size(n_train)
+    ids = _as_ids(train_ids, n_train)
     inputs, targets = _as_pair(x_test, "x_test")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     inputs, targets = inputs.to(device), targets.to(device)
@@ -133,14 +159,14 @@ def influence(
                 values[first : first + chunk.shape[0], t0 : t0 + x.shape[0]] = diff.reshape(chunk.shape[0], -1).double().cpu()
     return InfluenceResult(
         values=values if per_test else values.sum(dim=1),
-        n_train=1,
+        n_train=n_train,
         index=ids,
         method="turn-over dropout",
         diagnostics={
-            "seconds": time.perf_counter() - start,
-            "forward_examples": 2 * ids.shape[0] * n_test,
-            "removal": "loss without i minus loss with i",
+            "seconds": {"forward": time.perf_counter() - start},
+            "settings": {"forward_examples": 2 * ids.shape[0] * n_test, "batch_size": batch_size},
         },
+        removal_eps=-1.0,
     )
 
 
@@ -158,8 +184,9 @@ def self_influence(
 
     Negative = training on z_i lowered its own loss (the usual case; the paper, with the opposite sign,
     reports most self-influences positive). Strongly negative values flag examples the model had to
-    memorize (mislabeled or atypical). ``ids`` index ``train_data`` (default: all of it);
-    ``removal = −values``.
+    memorize (mislabeled or atypical). ``ids`` index ``train_data`` (default: all of it), whose size is the
+    result's ``n_train``; ``removal = −values`` (``removal_eps = −1``): how much z_i's own loss changes when
+    it is removed. Uses 2·len(ids) example-forward passes in batches of ``batch_size``.
     """
     turnover_layers(model)
     inputs, targets = _as_pair(train_data, "train_data")
@@ -175,8 +202,12 @@ def self_influence(
             values[first : first + chunk.shape[0]] = diff.double().cpu()
     return InfluenceResult(
         values=values,
-        n_train=1,
+        n_train=inputs.shape[0],
         index=ids,
         method="turn-over self-influence",
-        diagnostics={"seconds": time.perf_counter() - start, "removal": "loss without i minus loss with i"},
+        diagnostics={
+            "seconds": {"forward": time.perf_counter() - start},
+            "settings": {"forward_examples": 2 * ids.shape[0], "batch_size": batch_size},
+        },
+        removal_eps=-1.0,
     )
