@@ -44,7 +44,8 @@ def shared_parameters(earlier: nn.Module, later: nn.Module, shared: str | Mappin
     """The parameters ``later`` inherits from ``earlier`` as {later_name: earlier_name}, checked to agree in shape.
 
     ``shared`` is a module prefix present in both models, or a mapping whose keys/values are parameter
-    names or prefixes of the later/earlier model.
+    names or prefixes of the later/earlier model. Under a prefix, parameters that only the later model has
+    (e.g. the pooler a Hugging Face classification model adds under ``bert.``) are its own, not shared.
     """
     pre = dict(earlier.named_parameters())
     fin = dict(later.named_parameters())
@@ -58,6 +59,8 @@ def shared_parameters(earlier: nn.Module, later: nn.Module, shared: str | Mappin
         else:
             f_prefix, p_prefix = f_sel.rstrip(".") + ".", p_sel.rstrip(".") + "."
             hits = {n: p_prefix + n[len(f_prefix) :] for n in fin if n.startswith(f_prefix)}
+            if any(p in pre for p in hits.values()):  # parameters new in the later model are not shared
+                hits = {f: p for f, p in hits.items() if p in pre}
         if not hits:
             raise ParameterError(
                 f"shared={f_sel!r} matches no parameter of the later model "

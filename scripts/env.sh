@@ -7,7 +7,7 @@ if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   python3 -m venv "$venv"
   # the CPU wheel first, so that no dependency pulls the multi-GB CUDA build
   "$venv/bin/pip" install --quiet torch==2.13.0
-  "$venv/bin/pip" install --quiet -e "$root[dev]"
+  "$venv/bin/pip" install --quiet -e "$root[dev,hf]"  # hf: transformers + tokenizers (CPU torch kept)
   touch "$stamp"
 fi
 export PATH="$venv/bin:$PATH"

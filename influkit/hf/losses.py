@@ -1,0 +1,40 @@
+"""Per-example losses (B,) for transformers logits: masked-LM and sequence classification.
+
+Both are written with tensor operations only (no ``.item()``, no branching on values), so per-example
+gradients run under ``torch.func.vmap``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from ..errors import LossError
+from .masking import IGNORE
+
+
+def masked_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B,): per sentence, the mean over its predicted positions of −log p(original token).
+
+    g(z) = (1/|M_z|) Σ_{t∈M_z} −log softmax(logits[t])[labels[t]], M_z = {t : labels[t] ≠ −100}; a sentence
+    with no predicted position has loss 0.
+    """
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise LossError(
+            f"masked-LM logits must be (B, L, V) and labels (B, L), got {tuple(logits.shape)} and {tuple(labels.shape)}."
+        )
+    keep = labels != IGNORE
+    logp = torch.log_softmax(logits, dim=-1)
+    picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    count = keep.sum(dim=1).clamp(min=1).to(logits.dtype)
+    return -(picked * keep.to(logits.dtype)).sum(dim=1) / count
+
+
+def classification_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B,): cross-entropy −log softmax(logits)[label] of each sequence (single-label classification)."""
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise LossError(
+            f"classification logits must be (B, num_labels) and labels (B,), got {tuple(logits.shape)} and "
+            f"{tuple(labels.shape)}."
+        )
+    return F.cross_entropy(logits, labels.long(), reduction="none")

@@ -1,0 +1,36 @@
+"""A WordPiece tokenizer trained locally on a corpus (nothing downloaded), as a transformers tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def train_wordpiece(texts: Iterable[str], vocab_size: int = 2000, *, min_frequency: int = 2, lowercase: bool = True):
+    """A ``transformers.PreTrainedTokenizerFast`` with a BERT-style WordPiece vocabulary learned from ``texts``.
+
+    BERT normalization (``lowercase``, accents stripped) and pre-tokenization, at most ``vocab_size`` entries
+    including the specials ``[PAD] [UNK] [CLS] [SEP] [MASK]`` (ids 0–4), sub-words seen at least
+    ``min_frequency`` times; single sentences are encoded as ``[CLS] … [SEP]``. Calling it on a list of texts
+    with ``padding="max_length", truncation=True, max_length=L, return_tensors="pt"`` gives the dict batch the
+    stages take. Needs the ``hf`` extra (``pip install influkit[hf]``).
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase, strip_accents=lowercase)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                        special_tokens=list(SPECIAL_TOKENS), show_progress=False)  # fmt: skip
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]",
+    )  # fmt: skip
