@@ -23,9 +23,10 @@ from torch import nn
 
 import influkit as ik
 from influkit.curvature import HessianOperator, gradient
-from influkit.params import ParamSpace
+from influkit.models import digits_classifier
 from influkit.gradients import per_example_grads_serial
 from influkit.training import fit_lbfgs, gradient_norm, newton_refine
+from influkit.validation.reference import explicit_hessian  # the one explicit-Hessian truth (tests use it too)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -122,6 +123,13 @@ def tanh_mlp(seed: int = 0, dtype: torch.dtype = torch.float64, hidden: int = 32
     return nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10)).to(dtype)
 
 
+def digits_cnn(channels: tuple[int, int] = (4, 8), seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """The repo's digits CNN (``influkit.models.digits_classifier``, 10 classes) on flat 64-pixel digits:
+    channels (4, 8): 666 parameters, (16, 32): 6,090, (32, 64): 21,386."""
+    torch.manual_seed(seed)
+    return digits_classifier(10, channels).to(dtype)
+
+
 def mnist_cnn(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The multi-stage paper's MNIST CNN (Table A): CONV 32 5×5 tanh, MAX-POOL 2×2, CONV 64 5×5 tanh,
     MAX-POOL 2×2, FC 10, on 1×28×28 inputs (28→24→12→8→4, so FC 1024→10; 62,346 parameters)."""
@@ -185,25 +193,6 @@ def trained_stage(name: str, n_train: int = 1000, n_test: int = 100, hidden: int
     if norm > 1e-8:
         raise RuntimeError(f"{name}: not at an optimum (‖∇L‖ = {norm:.1e}); influence would be meaningless.")
     return stage, test, norm
-
-
-def explicit_hessian(stage: ik.Stage, chunk: int = 100) -> torch.Tensor:
-    """The dense Hessian of the stage objective by ``torch.func.hessian`` on the flattened trained parameters."""
-    params = stage.trained()
-    space = ParamSpace(params)
-    flat = space.flatten(params)
-    n = len(stage)
-    x, y = stage.data.take(torch.arange(n))
-
-    def part(v, xb, yb):
-        return stage.losses(space.unflatten(v), xb, yb).sum() / n
-
-    h = torch.zeros(flat.numel(), flat.numel(), dtype=flat.dtype)
-    if stage.regularizer is not None:
-        h += torch.func.hessian(lambda v: stage.regularization(space.unflatten(v)))(flat)
-    for s in range(0, n, chunk):  # chunks of the data keep the vmapped tangents' activations small
-        h += torch.func.hessian(part)(flat, x[s : s + chunk], y[s : s + chunk])
-    return h
 
 
 def reference_removal(stage: ik.Stage, test) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,8 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import influkit as ik
-from influkit.params import ParamSpace
 from influkit.training import fit_lbfgs, newton_refine
+from influkit.validation.reference import explicit_hessian  # noqa: F401  (the tests' explicit-Hessian truth)
 
 torch.set_default_dtype(torch.float64)
 
@@ -45,15 +45,6 @@ def digits(n: int | None = None, seed: int = 0):
 def tanh_mlp(d_in: int = 8, hidden: int = 6, d_out: int = 3, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out)).double()
-
-
-def explicit_hessian(stage: ik.Stage, names=None, indices=None) -> torch.Tensor:
-    """The dense Hessian of the stage objective by torch.func.hessian on the flattened parameters."""
-    names = stage.param_names if names is None else names
-    params = {n: stage.state()[n] for n in names}
-    space = ParamSpace(params)
-    flat = space.flatten(params)
-    return torch.func.hessian(lambda v: stage.objective(space.unflatten(v), indices))(flat)
 
 
 @pytest.fixture

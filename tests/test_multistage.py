@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import influkit as ik
-from influkit.params import ParamSpace
+from influkit.validation.reference import explicit_hessian
 from influkit.gradients import per_example_grads_serial
 from influkit.training import fit_lbfgs, newton_refine
 from conftest import cross_entropy, l2
@@ -67,19 +67,15 @@ def _with(*terms):
 
 
 def explicit_scores(pre, fin, z, test, case):
-    """(len(z), len(test)) from dense Hessians by torch.func.hessian, following Theorem 1 / eq. 14-15."""
-    pre_space = ParamSpace(pre.trained())
-    h_g = torch.func.hessian(lambda v: pre.objective(pre_space.unflatten(v)))(pre_space.flatten(pre.trained()))
+    """(len(z), len(test)) from explicit dense Hessians (torch.func.hessian), following Theorem 1 / eq. 14-15."""
+    h_g = explicit_hessian(pre)
     g_z = per_example_grads_serial(pre, *pre.data.take(z))  # (N, p_pre), W first (embedding.*)
     i_w_full = -torch.linalg.solve(h_g, g_z.T)  # (p_pre, N)
     w_names = [n for n in pre.param_names if n.startswith("embedding")]
     p_w = sum(pre.state()[n].numel() for n in w_names)
     i_w = i_w_full[:p_w]
     names = w_names + ["head.weight", "head.bias"]
-    state = fin.state()
-    space = ParamSpace({n: state[n] for n in names})
-    obj = lambda v: fin.objective(space.unflatten(v))  # noqa: E731
-    h_f = torch.func.hessian(obj)(space.flatten({n: state[n] for n in names}))
+    h_f = explicit_hessian(fin, names)
     g_t = per_example_grads_serial(fin, *test, names)  # (T, p_fin), W then Θ
     if case == 1:
         h_tt, h_tw = h_f[p_w:, p_w:], h_f[p_w:, :p_w]

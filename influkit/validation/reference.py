@@ -1,0 +1,62 @@
+"""Ground truth for checking curvature: the explicit Hessian of a stage objective by ``torch.func.hessian``.
+
+influkit never needs this matrix itself — ``HessianOperator`` applies H through Hessian-vector products and
+``HessianOperator.dense`` assembles it from them. This is the *independent* reference those are checked
+against in the tests and benchmarks: forward-over-reverse differentiation of the whole objective as one
+function of the flattened parameters, sharing no code with the product path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from ..errors import InputError
+from ..params import ParamSpace, point
+from ..stage import Stage
+
+
+def explicit_hessian(
+    stage: Stage,
+    names: Sequence[str] | None = None,
+    *,
+    indices: torch.Tensor | None = None,
+    extra: Callable[[Mapping[str, torch.Tensor]], torch.Tensor] | None = None,
+    chunk_size: int | None = 128,
+) -> torch.Tensor:
+    """(p, p): the dense Hessian of the stage objective over ``names``, by ``torch.func.hessian``.
+
+    H = ∇²_θ [(1/s) Σ_{i∈S} ℓ(x_i; θ) + R(θ) + extra(θ)], θ the parameters ``names`` (default: the trained ones)
+    flattened in :class:`~influkit.params.ParamSpace` order, every other parameter fixed at its current value;
+    S = ``indices`` (default: all s = n examples). ``extra`` takes the dict of ``names`` (e.g. a proximal term).
+
+    chunk_size: examples per ``torch.func.hessian`` call (None: all of S at once). Each call pushes p tangents
+    through the model together, so memory grows like p × chunk_size activations. Costs O(p) gradient
+    evaluations and O(p²) memory — small models only.
+    """
+    names = list(stage.param_names if names is None else names)
+    space = ParamSpace(point(stage.state(), names))
+    flat = space.flatten(point(stage.state(), names)).detach()
+    idx = torch.arange(len(stage)) if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+    if idx.numel() == 0:
+        raise InputError("the Hessian over no examples is undefined: pass indices=None or a non-empty index set.")
+    if chunk_size is not None and chunk_size <= 0:
+        raise InputError(f"chunk_size must be positive, got {chunk_size}.")
+    chunk = idx.numel() if chunk_size is None else chunk_size
+    scale = 1.0 / idx.numel()
+
+    def data_part(v: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return stage.losses(space.unflatten(v), inputs, targets).sum() * scale
+
+    def penalty(v: torch.Tensor) -> torch.Tensor:
+        params = space.unflatten(v)
+        reg = stage.regularization(params)
+        value = (v * 0).sum() if reg is None else reg
+        return value + extra(params) if extra is not None else value
+
+    h = torch.func.hessian(penalty)(flat)
+    for start in range(0, idx.numel(), chunk):
+        inputs, targets = stage.data.take(idx[start : start + chunk])
+        h = h + torch.func.hessian(data_part)(flat, inputs.to(flat.device), targets.to(flat.device))
+    return h
