@@ -27,6 +27,7 @@ pytest.importorskip("tokenizers")
 
 import influkit as ik  # noqa: E402
 from influkit import hf  # noqa: E402
+from influkit.curvature import HessianOperator  # noqa: E402
 from influkit.errors import VectorizationWarning  # noqa: E402
 from influkit.gradients import per_example_grads, per_example_grads_serial  # noqa: E402
 from influkit.params import ParamSpace  # noqa: E402
@@ -120,6 +121,20 @@ def test_wrapper_keeps_names_and_matches_the_model(attention):
     torch.testing.assert_close(wrapped(inputs[row : row + 1]), model(input_ids=short).logits, rtol=0, atol=1e-5)
     assert wrapped(inputs).dtype == torch.float32
     assert expected.std(0).min() > 1e-2  # the sentences' logits differ, so the comparisons above can fail
+
+
+def test_hessian_vector_products_run_with_default_attention():
+    """transformers' default sdpa attention gives the same Hessian-vector products as eager attention."""
+    products = []
+    for attention in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(tiny_config(attn_implementation=attention)).double().eval()
+        stage = hf.classification_stage(model, labelled(6, 2))
+        op = HessianOperator(stage, stage.param_names)
+        vec = torch.randn(op.dim, 2, generator=torch.Generator().manual_seed(1))
+        products.append(op.matvec(vec))
+    assert products[1].abs().max() > 1e-3
+    torch.testing.assert_close(products[0], products[1], rtol=1e-9, atol=1e-12)
 
 
 def test_tied_decoder_stays_tied_under_the_stage():

@@ -12,6 +12,11 @@ dtype's minimum where padded), which transformers ≥ 5 uses as given: its own 2
 ``mask.all()`` (a data-dependent branch ``torch.func.vmap`` cannot trace), the 4-D mask gives the same
 logits and lets per-example gradients be vectorized.
 
+Second derivatives: the fused CPU kernels of ``scaled_dot_product_attention`` (transformers' default
+``attn_implementation="sdpa"``) have neither a double-backward nor a forward-mode rule, so Hessian-vector
+products would fail; :class:`HFModel` runs the model with the composite ``MATH`` backend, which is
+differentiable to any order, gives the same values, and leaves the model's config untouched.
+
 Dropout: transformers models apply dropout when ``module.training`` is set (attention dropout is a
 probability read inside the attention function, not always an ``nn.Dropout`` layer), with the probabilities
 of the config (``hidden_dropout_prob``, ``attention_probs_dropout_prob``, ``classifier_dropout``, ...).
@@ -24,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import InputError, ModelModeError
 from .batches import unpack
@@ -100,7 +106,8 @@ class HFModel(nn.Module):
             dtype = self.hf_model.get_input_embeddings().weight.dtype
             keep = kwargs["attention_mask"][:, None, None, :].to(dtype)
             kwargs["attention_mask"] = (1.0 - keep) * torch.finfo(dtype).min
-        return self.hf_model(**kwargs).logits
+        with sdpa_kernel([SDPBackend.MATH]):  # differentiable twice (HVPs) and in forward mode
+            return self.hf_model(**kwargs).logits
 
     def extra_repr(self) -> str:
         return f"{type(self.hf_model).__name__}, fields={self.fields}"

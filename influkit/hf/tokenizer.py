@@ -14,7 +14,9 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int = 2000, *, min_frequen
     including the specials ``[PAD] [UNK] [CLS] [SEP] [MASK]`` (ids 0–4), sub-words seen at least
     ``min_frequency`` times; single sentences are encoded as ``[CLS] … [SEP]``. Calling it on a list of texts
     with ``padding="max_length", truncation=True, max_length=L, return_tensors="pt"`` gives the dict batch the
-    stages take. Needs the ``hf`` extra (``pip install influkit[hf]``).
+    stages take. ``tokenizers`` breaks ties between equally frequent merges arbitrarily, so two trainings on
+    the same texts can differ in a few entries: keep the tokenizer with the model (``save_pretrained``) rather
+    than retraining it. Needs the ``hf`` extra (``pip install influkit[hf]``).
     """
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
