@@ -4,7 +4,7 @@ import torch
 
 import influkit as ik
 from influkit.curvature import HessianOperator
-from influkit.solvers import METHODS, solve
+from influkit.solvers import METHODS, SOLVERS, default_tol, solve
 from conftest import explicit_hessian
 
 
@@ -124,9 +124,68 @@ def test_diagnostics_are_reported():
     h, _ = spd_matrix()
     sol = solve(h, torch.ones(30), "cg", tol=1e-10)
     info = sol.summary()
-    assert set(info) == {"method", "iterations", "residual", "converged", "seconds", "products", "damping", "choice"}
+    assert set(info) == {"method", "iterations", "residual", "converged", "seconds", "products", "damping", "choice",
+                         "preconditioner", "floor"}
     assert info["products"] == 2 * info["iterations"] + 2 + 1  # 2 per step, H·b, final residual check
 
 
 def test_all_methods_listed():
     assert set(METHODS) == {"direct", "cg", "cg_spd", "minres", "lissa", "identity"}
+    assert set(SOLVERS) == set(METHODS) | {"kfac", "ekfac", "arnoldi"}
+
+
+@pytest.mark.parametrize("method", ["minres", "cg_spd"])
+def test_exact_preconditioner_solves_in_one_step(method):
+    h, _ = spd_matrix(p=60, cond=1e6)
+    b = torch.randn(60, 3, generator=torch.Generator().manual_seed(5))
+    inverse = torch.linalg.inv(h)
+    sol = solve(h, b, method, tol=1e-10, preconditioner=lambda r: inverse @ r)
+    plain = solve(h, b, method, tol=1e-10, max_iter=5000, warn=False)
+    assert sol.converged and sol.iterations <= 2 < plain.iterations
+    assert (sol.x - torch.linalg.solve(h, b)).norm() / torch.linalg.solve(h, b).norm() <= 1e-8
+
+
+def test_preconditioned_minres_on_indefinite_system_with_spd_preconditioner():
+    """M = |H| (same eigenvectors, absolute eigenvalues) is SPD; M⁻¹H has eigenvalues ±1: MINRES needs 2 steps."""
+    h = indefinite_matrix(p=40)
+    evals, evecs = torch.linalg.eigh(h)
+    m_inv = evecs @ torch.diag(1 / evals.abs()) @ evecs.T
+    b = torch.randn(40, 2, generator=torch.Generator().manual_seed(6))
+    sol = solve(h, b, "minres", tol=1e-12, preconditioner=lambda r: m_inv @ r)
+    assert sol.converged and sol.iterations <= 3
+    assert (sol.x - torch.linalg.solve(h, b)).norm() / torch.linalg.solve(h, b).norm() <= 1e-10
+
+
+def test_columns_that_converge_early_stay_finite():
+    """One right-hand side is an eigenvector (converges at once), the other needs hundreds of steps: the converged
+    column's Lanczos vectors must not overflow into NaN (they are normalized although unused)."""
+    h, _ = spd_matrix(p=200, cond=1e5)
+    evals, evecs = torch.linalg.eigh(h)
+    b = torch.stack([evecs[:, -1], torch.randn(200, generator=torch.Generator().manual_seed(7))], dim=1)
+    scaled = 50.0 * h  # ‖A‖ ~ 5e6: an unnormalized Krylov vector overflows float64 within ~50 steps
+    for pre in (None, lambda r: r / 50.0):
+        sol = solve(scaled, b, "minres", tol=1e-11, max_iter=3000, preconditioner=pre, warn=False)
+        assert torch.isfinite(sol.x).all()
+        assert (sol.x - torch.linalg.solve(scaled, b)).norm() / torch.linalg.solve(scaled, b).norm() <= 1e-6
+
+
+def test_float32_default_tolerance_is_reached_and_an_unreachable_one_stops_at_the_floor():
+    h, _ = spd_matrix(p=100, cond=1e3)
+    h32 = h.float()
+    b = torch.randn(100, generator=torch.Generator().manual_seed(8)).float()
+    sol = solve(h32, b, "minres")
+    assert sol.converged and sol.residual <= default_tol(torch.float32) == 1e-4 and sol.x.dtype == torch.float32
+    assert sol.floor < 1e-4
+    with pytest.warns(ik.ConvergenceWarning, match="floor"):
+        stuck = solve(h32, b, "minres", tol=1e-12, max_iter=2000)
+    assert stuck.iterations < 500 and stuck.residual <= 10 * stuck.floor
+    expected = torch.linalg.solve(h, b.double())
+    assert (stuck.x.double() - expected).norm() / expected.norm() < 1e-3
+
+
+def test_preconditioner_arguments_are_checked():
+    h, _ = spd_matrix()
+    with pytest.raises(ik.InputError, match="preconditioner applies"):
+        solve(h, torch.ones(30), "cg", preconditioner=lambda r: r)
+    with pytest.raises(ik.NumericalError, match="not positive definite"):
+        solve(h, torch.ones(30), "minres", preconditioner=lambda r: -r)

@@ -1,0 +1,34 @@
+"""Factored and low-rank curvature: K-FAC, EK-FAC, diagonal Fisher, and Lanczos (Arnoldi) eigenpairs.
+
+Each is an :class:`~influkit.operators.Operator` over a stage's trained parameters (in its ParamSpace order)
+with an exact inverse application, used two ways by :mod:`influkit.solvers`:
+
+- as an **approximate inverse** (``SolveConfig(solver="ekfac" | "kfac" | "arnoldi")``): x = C⁻¹ b, like
+  kronfluence (EK-FAC/K-FAC) or Schioppa et al. (Arnoldi);
+- as a **preconditioner** of an exact solve (``SolveConfig(solver="minres" | "cg_spd", preconditioner="ekfac" |
+  "kfac" | "diagonal")``): MINRES/CG on the true H + λI with M = C + λI, so the answer is the exact one and the
+  factors only decide how fast it is reached.
+
+Modules: :mod:`.fisher` (pseudo output-gradients: sampled labels, empirical, exact), :mod:`.layers` (which
+parameters get Kronecker factors, hooks), :mod:`.curvature` (fitting, the operators, persistence),
+:mod:`.arnoldi` (Lanczos eigenpairs, the low-rank inverse, deflation).
+"""
+
+from .arnoldi import ArnoldiInverse, deflated, lanczos
+from .curvature import KINDS, FactoredCurvature, InverseOperator, fit_curvature, regularizer_diagonal
+from .fisher import FISHER, FactoredCurvatureError
+from .layers import plan_layers
+
+__all__ = [
+    "ArnoldiInverse",
+    "FISHER",
+    "FactoredCurvature",
+    "FactoredCurvatureError",
+    "InverseOperator",
+    "KINDS",
+    "deflated",
+    "fit_curvature",
+    "lanczos",
+    "plan_layers",
+    "regularizer_diagonal",
+]
