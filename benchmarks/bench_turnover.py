@@ -20,11 +20,11 @@ import warnings
 import numpy as np
 import pandas as pd
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 
 import influkit as ik
 from common import cross_entropy as ce, timed
+from influkit.apps.datasets import load_digits_tensors
 from influkit.errors import ConvergenceWarning
 from influkit.turnover import HashedMasks, TurnOverDropout, VolatileMasks, influence, train_turnover
 
@@ -33,9 +33,9 @@ from influkit.turnover import HashedMasks, TurnOverDropout, VolatileMasks, influ
 
 def bench_influence(sizes: list[int]) -> pd.DataFrame:
     """Returns one row per training-set size N: seconds of turn-over and CG Koh & Liang, and their ratio."""
-    x, y = load_digits(return_X_y=True)
-    order = np.random.default_rng(0).permutation(len(x))
-    x, y = torch.tensor(x[order] / 16.0, dtype=torch.float32), torch.tensor(y[order])
+    x, y = load_digits_tensors(torch.float32)
+    order = torch.as_tensor(np.random.default_rng(0).permutation(len(x)))
+    x, y = x[order], y[order]
     test = (x[-1:], y[-1:])
     rows = []
     for n in sizes:

@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 
 import influkit as ik
+from influkit.apps.datasets import load_digits_tensors
+from influkit.apps.models import digits_classifier
+from influkit.apps.objectives import cross_entropy, l2  # noqa: F401  (the one loss and regularizer; benchmarks import them from here)
 from influkit.curvature import HessianOperator, gradient
-from influkit.models import digits_classifier
 from influkit.gradients import per_example_grads_serial
 from influkit.training import fit_lbfgs, gradient_norm, newton_refine
 from influkit.validation.reference import explicit_hessian  # the one explicit-Hessian truth (tests use it too)
@@ -94,21 +95,9 @@ def timed(fn: Callable, repeat: int = 1, warmup: int = 0):
 # --------------------------------------------------------------------------------------------- data, models
 def digits(dtype: torch.dtype = torch.float64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """All 1,797 real scikit-learn digits, pixels scaled to [0, 1], in a seeded random order."""
-    data = load_digits()
-    order = np.random.default_rng(seed).permutation(len(data.target))
-    x = torch.tensor(data.data[order] / 16.0, dtype=dtype)
-    y = torch.tensor(data.target[order], dtype=torch.long)
-    return x, y
-
-
-def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-example cross-entropy (reduction='none'), influkit's loss convention."""
-    return nn.functional.cross_entropy(outputs, targets, reduction="none")
-
-
-def l2(weight: float):
-    """The regularizer R(θ) = (weight/2)·‖θ‖² (its Hessian is weight·I)."""
-    return lambda params: 0.5 * weight * sum((p**2).sum() for p in params.values())
+    x, y = load_digits_tensors(dtype)
+    order = torch.as_tensor(np.random.default_rng(seed).permutation(len(y)))
+    return x[order], y[order]
 
 
 def logreg(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
@@ -124,7 +113,7 @@ def tanh_mlp(seed: int = 0, dtype: torch.dtype = torch.float64, hidden: int = 32
 
 
 def digits_cnn(channels: tuple[int, int] = (4, 8), seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
-    """The repo's digits CNN (``influkit.models.digits_classifier``, 10 classes) on flat 64-pixel digits:
+    """The repo's digits CNN (``influkit.apps.models.digits_classifier``, 10 classes) on flat 64-pixel digits:
     channels (4, 8): 666 parameters, (16, 32): 6,090, (32, 64): 21,386."""
     torch.manual_seed(seed)
     return digits_classifier(10, channels).to(dtype)

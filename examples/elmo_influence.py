@@ -62,6 +62,7 @@ from scipy.stats import pearsonr, spearmanr  # noqa: E402
 from torch import nn  # noqa: E402
 
 import influkit as ik  # noqa: E402
+from influkit.apps.objectives import cross_entropy as ce, l2  # noqa: E402
 from influkit.elmo import (  # noqa: E402
     BiLMWithSoftmax,
     ElmoBiLM,
@@ -166,17 +167,6 @@ def load_tweets(cfg: Config):
 # ---------------------------------------------------------------------------------------------- models
 
 
-def ce(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(outputs, targets, reduction="none")
-
-
-def weight_decay(scale: float):
-    def reg(params):
-        return 0.5 * scale * sum((p**2).sum() for p in params.values())
-
-    return reg
-
-
 def elmo_options(cfg: Config) -> ElmoOptions:
     return ElmoOptions(
         char_embed_dim=cfg.char_dim, filters=cfg.filters, n_highway=1, projection_dim=cfg.proj,
@@ -200,7 +190,7 @@ def fit_head(clf: SentenceClassifier, feats, labels, cfg: Config, init: dict | N
     """Fit ``clf.head`` on precomputed features (from ``init`` if given) by L-BFGS; returns ‖∇‖."""
     if init is not None:
         clf.head.load_state_dict(init)
-    stage = ik.Stage(clf.head, ce, (feats, labels), regularizer=weight_decay(cfg.weight_decay))
+    stage = ik.Stage(clf.head, ce, (feats, labels), regularizer=l2(cfg.weight_decay))
     return fit_lbfgs(stage, max_iter=400, tol=1e-6, restarts=2)
 
 
@@ -319,7 +309,7 @@ def run(cfg: Config, out: Path, corpus: str = "vader", reuse: bool = False, log=
         "test_loss_sum": base_loss, "head_gradient_norm": head_grad,
     }  # fmt: skip
     log(f"finetuning: {summary['finetuning']}")
-    fin = ik.Stage(clf, ce, (c_tr, y_tr), params="head", regularizer=weight_decay(cfg.weight_decay),
+    fin = ik.Stage(clf, ce, (c_tr, y_tr), params="head", regularizer=l2(cfg.weight_decay),
                    batch_size=cfg.stage_batch)  # fmt: skip
 
     # -- influence of every pretraining sentence
@@ -336,8 +326,8 @@ def run(cfg: Config, out: Path, corpus: str = "vader", reuse: bool = False, log=
         d = res.diagnostics
         summary[f"influence_{name}"] = {
             "seconds_total": seconds, "seconds_per_pretraining_sentence": seconds / len(pre),
-            "seconds_per_sentence_gradients_only": d["seconds"]["pretrain_gradients"] / len(pre),
-            "seconds": d["seconds"], "pretrain_solve": d["pretrain_solve"], "finetune_solve": d["finetune_solve"],
+            "seconds_per_sentence_gradients_only": d["seconds"]["example_gradients"] / len(pre),
+            "seconds": d["seconds"], "pretrain_solve": d["solves"][0], "finetune_solve": d["solves"][1],
             "finite": bool(torch.isfinite(res.values).all()),
         }  # fmt: skip
         log(f"influence {name}: {summary[f'influence_{name}']}")

@@ -23,8 +23,8 @@ matplotlib.use("Agg")
 import torch
 
 import influkit
-from influkit import plotting
-from influkit.experiments import DigitsSetup, accuracy, train_stages
+from influkit.apps import plotting
+from influkit.apps.digits import DigitsSetup, accuracy, train_stages
 
 RESULTS = Path(__file__).parent / "results" / "digits"
 

@@ -31,11 +31,11 @@ import pandas as pd
 import torch
 
 import influkit
-from influkit import plotting
-from influkit.cleansing import cleansing_table, mislabel_detection
+from influkit.apps import plotting
+from influkit.apps.cleansing import cleansing_table, mislabel_detection
 from influkit.cli import _write_validation
-from influkit.datasets import load_digits_tensors
-from influkit.experiments import DigitsSetup, accuracy, train_stages, validate_digits
+from influkit.apps.datasets import load_digits_tensors
+from influkit.apps.digits import DigitsSetup, accuracy, train_stages, validate_digits
 
 RESULTS = Path(__file__).parent / "results" / "digits"
 DPI = 100

@@ -21,24 +21,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
 from torch import nn  # noqa: E402
 
+from influkit.apps.datasets import load_digits_tensors  # noqa: E402
+from influkit.apps.objectives import cross_entropy  # noqa: E402
 from influkit.ssl import Consistency, ShiftNoise, train_ssl  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "ssl"
 METHODS = ("supervised", "uniform", "single", "per-example")
 
 
-def cross_entropy(outputs, targets):
-    return nn.functional.cross_entropy(outputs, targets, reduction="none")
-
-
 def split_digits(seed: int, per_class: int = 5, n_test: int = 500) -> dict:
     """Returns float32 splits of the digits: labeled and val (``per_class`` each per class), test, unlabeled."""
-    data = load_digits()
-    x = torch.tensor(data.data / 16.0, dtype=torch.float32)
-    y = torch.tensor(data.target, dtype=torch.long)
+    x, y = load_digits_tensors(torch.float32)
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(y))
     test, pool = order[:n_test], order[n_test:]

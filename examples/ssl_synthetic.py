@@ -31,15 +31,12 @@ import torch  # noqa: E402
 from sklearn.datasets import make_circles, make_classification, make_moons  # noqa: E402
 from torch import nn  # noqa: E402
 
+from influkit.apps.objectives import cross_entropy  # noqa: E402
 from influkit.ssl import PseudoLabel, train_ssl  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "ssl"
 DATASETS = ("linear", "circles", "moons")
 METHODS = ("supervised", "uniform", "per-example")
-
-
-def cross_entropy(outputs, targets):
-    return nn.functional.cross_entropy(outputs, targets, reduction="none")
 
 
 def make_data(name: str, seed: int, n_labeled: int = 10, n_val: int = 30, n_unlabeled: int = 1000, n_test: int = 1000):

@@ -31,17 +31,14 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from scipy.stats import pearsonr, spearmanr  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
 from torch import nn  # noqa: E402
 
 import influkit as ik  # noqa: E402
+from influkit.apps.datasets import load_digits_tensors  # noqa: E402
+from influkit.apps.objectives import cross_entropy as ce  # noqa: E402
 from influkit.turnover import TurnOverDropout, influence, model_with_ids, self_influence, train_turnover  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "turnover"
-
-
-def ce(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(outputs, targets, reduction="none")
 
 
 def make_model(seed: int, hidden: int = 256, p: float = 0.5) -> nn.Sequential:
@@ -51,10 +48,9 @@ def make_model(seed: int, hidden: int = 256, p: float = 0.5) -> nn.Sequential:
 
 def split_digits(seed: int = 0, n_train: int = 1000, n_val: int = 300):
     """Returns (train, val, test) pairs of float32 inputs in [0, 1] and int64 labels, shuffled by ``seed``."""
-    x, y = load_digits(return_X_y=True)
-    order = np.random.default_rng(seed).permutation(len(x))
-    x = torch.tensor(x[order] / 16.0, dtype=torch.float32)
-    y = torch.tensor(y[order], dtype=torch.int64)
+    x, y = load_digits_tensors(torch.float32)
+    order = torch.as_tensor(np.random.default_rng(seed).permutation(len(x)))
+    x, y = x[order], y[order]
     cut = [n_train, n_train + n_val]
     return (x[: cut[0]], y[: cut[0]]), (x[cut[0] : cut[1]], y[cut[0] : cut[1]]), (x[cut[1] :], y[cut[1] :])
 

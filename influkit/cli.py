@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from . import plotting
-from .experiments import DigitsSetup, validate_digits
+from .apps import plotting
+from .apps.digits import DigitsSetup, validate_digits
 
 
 def _setup(args) -> DigitsSetup:
@@ -55,8 +55,9 @@ def _print_validation(run, name: str, out: Path) -> None:
     print(f"finetuned test accuracy {attrs['finetune_test_accuracy']:.3f}; pretraining ‖∇G‖ = {attrs['pretrain_grad_norm']:.1e}")
     print(run.summary.drop(columns="case").to_string(float_format=lambda v: f"{v:.3f}"))
     print("timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in attrs["timings"].items()))
-    for key, solve in attrs["solves"].items():
-        print(f"{key}: {solve['method']}, {solve['iterations']} it, residual {solve['residual']:.1e}, {solve['seconds']:.2f} s")
+    for solve in attrs["solves"]:
+        print(f"{('pretraining', 'finetuning')[solve['stage']]} solve: {solve['method']}, {solve['iterations']} it, "
+              f"residual {solve['residual']:.1e}, {solve['seconds']:.2f} s")
     print("most harmful pretraining examples:")
     print(run.scores.top(5).to_string(index=False))
     print("most helpful pretraining examples:")
@@ -64,10 +65,11 @@ def _print_validation(run, name: str, out: Path) -> None:
     print(f"wrote {out}/{name}_scatter.png, {name}_gallery.png and CSVs")
 
 
-def _add_common(p: argparse.ArgumentParser, removals: int) -> None:
+def _add_common(p: argparse.ArgumentParser, removals: int | None,
+                removals_help: str = "leave-out retrainings (half top-|score|, half random)") -> None:
     p.add_argument("--case", type=int, default=1, choices=(1, 2))
     p.add_argument("--alpha", type=float, default=0.01, help="Case 2 proximal weight")
-    p.add_argument("--removals", type=int, default=removals, help="leave-out retrainings (half top-|score|, half random)")
+    p.add_argument("--removals", type=int, default=removals, help=removals_help)
     p.add_argument("--n-test", type=int, default=300)
     p.add_argument("--n-pretrain", type=int, default=None, help="subsample the pretraining set")
     p.add_argument("--solver", default="direct", help="direct | cg | minres | ...")
@@ -87,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_common(validate, removals=60)
     validate.add_argument("--log", type=Path, default=None, help="CSV to append LOO rows to (resumable)")
     clean = sub.add_parser("clean", help="remove the most harmful pretraining examples, retrain, compare")
-    _add_common(clean, removals=0)
-    clean.add_argument("--fraction", type=float, default=0.1)
+    _add_common(clean, removals=None, removals_help="pretraining examples removed per seed (the top-k harmful "
+                "by score vs k at random); default: --fraction of the pretraining set")
+    clean.add_argument("--fraction", type=float, default=0.1, help="fraction removed when --removals is not given")
     clean.add_argument("--seeds", type=int, default=5)
     score = sub.add_parser("score", help="run a scoring job from a TOML/YAML config (works under torchrun)")
     score.add_argument("config", type=Path, help="the job's config file (see influkit.jobs)")
@@ -108,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         _write_validation(run, args.out, name)
         _print_validation(run, name, args.out)
     else:
-        from .cleansing import cleansing_table
+        from .apps.cleansing import cleansing_table
 
-        table = cleansing_table(_setup(args), fraction=args.fraction, seeds=args.seeds, progress=not args.quiet)
+        table = cleansing_table(_setup(args), fraction=args.fraction, removals=args.removals, seeds=args.seeds,
+                                solver=args.solver, progress=not args.quiet)
         args.out.mkdir(parents=True, exist_ok=True)
         table.to_csv(args.out / "cleansing.csv")
         print(table.to_string(float_format=lambda v: f"{v:.4f}"))

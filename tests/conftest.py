@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 
 import influkit as ik
+from influkit.apps.datasets import load_digits_tensors
+from influkit.apps.objectives import cross_entropy, l2  # noqa: F401  (the one loss and regularizer, shared by the tests)
 from influkit.training import fit_lbfgs, newton_refine
 from influkit.validation.reference import explicit_hessian  # noqa: F401  (the tests' explicit-Hessian truth)
 
@@ -23,19 +24,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def cross_entropy(outputs, targets):
-    return nn.functional.cross_entropy(outputs, targets, reduction="none")
-
-
-def l2(weight: float):
-    return lambda params: 0.5 * weight * sum((p**2).sum() for p in params.values())
-
-
 def digits(n: int | None = None, seed: int = 0):
     """Real scikit-learn digits, scaled to [0, 1], float64; a seeded subset of n if given."""
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float64) / 16.0
-    y = torch.tensor(data.target, dtype=torch.long)
+    x, y = load_digits_tensors(torch.float64)
     if n is not None:
         idx = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))[:n]
         x, y = x[idx], y[idx]

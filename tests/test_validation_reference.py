@@ -8,6 +8,7 @@ from torch import nn
 
 import influkit as ik
 from influkit.validation.reference import explicit_hessian
+from conftest import cross_entropy, l2
 
 LAMBDA = 0.3
 
@@ -23,8 +24,7 @@ def least_squares():
     x, y = torch.randn(23, 5, generator=gen), torch.randn(23, 3, generator=gen)
     torch.manual_seed(0)
     model = nn.Linear(5, 3).double()
-    reg = lambda p: 0.5 * LAMBDA * sum((t**2).sum() for t in p.values())  # noqa: E731
-    return ik.Stage(model, squared_error, (x, y), regularizer=reg, batch_size=4), x
+    return ik.Stage(model, squared_error, (x, y), regularizer=l2(LAMBDA), batch_size=4), x
 
 
 def closed_form(x: torch.Tensor, weight_only: bool = False) -> torch.Tensor:
@@ -67,8 +67,7 @@ def test_cross_entropy_hessian_is_the_softmax_kronecker_form():
     x, y = torch.randn(17, 4, generator=gen), torch.randint(0, 3, (17,), generator=gen)
     torch.manual_seed(1)
     model = nn.Linear(4, 3, bias=False).double()
-    ce = lambda out, t: nn.functional.cross_entropy(out, t, reduction="none")  # noqa: E731
-    stage = ik.Stage(model, ce, (x, y))
+    stage = ik.Stage(model, cross_entropy, (x, y))
     probs = torch.softmax(x @ model.weight.detach().T, dim=1)
     expected = sum(torch.kron(torch.diag(pi) - torch.outer(pi, pi), torch.outer(xi, xi)) for pi, xi in zip(probs, x)) / 17
     torch.testing.assert_close(explicit_hessian(stage), expected, rtol=1e-12, atol=1e-13)

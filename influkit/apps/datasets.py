@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from .validation.metrics import pearson, spearman
+from ..validation.metrics import pearson, spearman
 
 
 def _axes(ax):

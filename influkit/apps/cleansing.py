@@ -1,8 +1,8 @@
 """Acting on influence: remove harmful pretraining examples, and find mislabelled training examples.
 
-``cleansing_table``: remove the top-k% pretraining examples by multi-stage score (the most harmful:
-largest positive I(z, T)), retrain both stages, and compare test accuracy and loss with removing a random
-k% and removing nothing, over several seeds (the multi-stage paper's §4.2).
+``cleansing_table``: remove the k pretraining examples with the largest multi-stage score (the most harmful:
+largest positive I(z, T); k given as a count or a fraction), retrain both stages, and compare test accuracy
+and loss with removing k random ones and removing nothing, over several seeds (the multi-stage paper's §4.2).
 
 ``mislabel_detection``: flip a fraction of training labels, rank the examples by self-influence
 (−I(z, z)/n: how much removing z would raise its own loss), and report the fraction of flipped labels found
@@ -21,11 +21,14 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .experiments import DigitsSetup, accuracy, cross_entropy, l2, train_stages
-from .influence import self_influence
-from .multistage import score
-from .stage import Stage
-from .training import fit_lbfgs, newton_refine
+from ..errors import InputError
+from ..influence import self_influence
+from ..multistage import score
+from ..stage import Stage
+from ..training import fit_lbfgs, newton_refine
+from .datasets import load_digits_tensors
+from .digits import DigitsSetup, accuracy, train_stages
+from .objectives import cross_entropy, l2
 
 
 def _retrained_metrics(pre: Stage, fin: Stage, recipe, exclude, test) -> tuple[float, float]:
@@ -38,24 +41,39 @@ def _retrained_metrics(pre: Stage, fin: Stage, recipe, exclude, test) -> tuple[f
 
 
 def cleansing_table(
-    setup: DigitsSetup, *, fraction: float = 0.1, seeds: int = 5, solver: str = "direct", progress: bool = True
+    setup: DigitsSetup,
+    *,
+    fraction: float = 0.1,
+    removals: int | None = None,
+    seeds: int = 5,
+    solver: str = "direct",
+    progress: bool = True,
 ) -> pd.DataFrame:
-    """Test accuracy and mean test loss (mean ± std over seeds) after removing nothing, the top ``fraction``
-    most harmful pretraining examples, or a random ``fraction``; retraining starts from the original weights."""
+    """Test accuracy and mean test loss (mean ± std over seeds) after removing nothing, the k most harmful
+    pretraining examples (largest score), or k random ones; retraining starts from the original weights.
+
+    k = ``removals`` if given, else ``fraction`` of the pretraining set. ``solver`` is the inverse-Hessian
+    solver of the scores (``influkit.score``'s, for both stages).
+    """
     rows = []
     for seed in tqdm(range(seeds), desc="cleansing seeds", disable=not progress):
         run = replace(setup, seed=seed, timings={})
         split = run.split()
+        m = len(split.pretrain[1])
+        k = removals if removals is not None else int(round(fraction * m))
+        if not 0 < k < m:
+            raise InputError(f"cannot remove {k} of {m} pretraining examples; choose --removals (or --fraction) "
+                             f"so that 0 < k < {m}.")
+        size = f"{fraction:.0%}" if removals is None else str(k)
         pre, fin = train_stages(run, split)
         test = tuple(t.to(run.device) for t in split.test)
         recipe = run.recipe()  # one Hessian factorization per seed, shared by its three retrainings
         res = score(pre, fin, torch.arange(len(pre)), test, shared="embedding", case=run.case, alpha=run.alpha,
                     solver=solver, damping=(0.0, 0.0), progress=False)
-        k = int(round(fraction * len(pre)))
         harmful = torch.argsort(res.values, descending=True)[:k]
         rng = np.random.default_rng(seed)
         random = torch.as_tensor(rng.choice(len(pre), k, replace=False))
-        for name, exclude in (("none", None), (f"top {fraction:.0%} harmful", harmful), (f"random {fraction:.0%}", random)):
+        for name, exclude in (("none", None), (f"top {size} harmful", harmful), (f"random {size}", random)):
             acc, loss = _retrained_metrics(pre, fin, recipe, exclude, test)
             rows.append({"removed": name, "seed": seed, "test_accuracy": acc, "test_loss": loss})
     frame = pd.DataFrame(rows)
@@ -77,8 +95,6 @@ def mislabel_detection(
     the table (rows: ranking, columns: fraction checked) and test accuracies clean / noisy / after fixing
     the flipped labels found in the top ``checks[-1]`` by self-influence.
     """
-    from .datasets import load_digits_tensors
-
     x, y = load_digits_tensors(dtype)
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(x.shape[0], generator=gen)

@@ -14,26 +14,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 import torch
-from torch import nn
 
+from ..multistage import score
+from ..results import InfluenceResult
+from ..stage import Stage
+from ..training import fit_lbfgs, gradient_norm, newton_fit
+from ..validation import TwoStageRecipe, leave_out_retrain, loo_corr
+from ..validation.loo import proximal_stage
 from .datasets import TwoTaskSplit, load_digits_tensors, two_task_split
 from .models import digits_classifier
-from .multistage import score
-from .results import InfluenceResult
-from .stage import Stage
-from .training import fit_lbfgs, gradient_norm, newton_fit
-from .validation import TwoStageRecipe, leave_out_retrain, loo_corr
-from .validation.loo import proximal_stage
-
-
-def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-example cross-entropy (B,)."""
-    return nn.functional.cross_entropy(outputs, targets, reduction="none")
-
-
-def l2(weight: float):
-    """R(θ) = (weight/2)·‖θ‖² over the trained parameters."""
-    return lambda params: 0.5 * weight * sum((p**2).sum() for p in params.values())
+from .objectives import cross_entropy, l2
 
 
 @dataclass
@@ -163,7 +153,7 @@ def validate_digits(
             "pretrain_grad_norm": gradient_norm(pre),
             "finetune_test_accuracy": accuracy(fin, test),
             "timings": dict(setup.timings),
-            "solves": {k: scores.diagnostics[k] for k in ("finetune_solve", "pretrain_solve")},
+            "solves": scores.diagnostics["solves"],  # one per stage: 0 pretraining, 1 finetuning
         }
     )
     return ValidationRun(setup, split, pre, fin, scores, identity, loo, summary)
