@@ -30,7 +30,7 @@ from influkit import hf  # noqa: E402
 from influkit.curvature import HessianOperator  # noqa: E402
 from influkit.errors import VectorizationWarning  # noqa: E402
 from influkit.gradients import per_example_grads, per_example_grads_serial  # noqa: E402
-from influkit.params import ParamSpace  # noqa: E402
+from influkit.params import ParamSpace, shared_parameters  # noqa: E402
 from influkit.stage import check_eval_mode as generic_check_eval_mode  # noqa: E402
 
 BertConfig = transformers.BertConfig
@@ -171,6 +171,18 @@ def test_eval_mode_check_understands_transformers_dropout():
     assert not torch.equal(first, second)  # ... but the loss is random
     with pytest.raises(ik.ModelModeError, match="train mode"):
         hf.check_eval_mode(model)
+
+
+def test_shared_prefix_leaves_new_parameters_to_the_later_model():
+    pre = pretrain_stage()
+    fin_model = finetune_model(pre)
+    mapping = shared_parameters(pre.model, fin_model, "bert")
+    assert mapping and all(n.startswith(("bert.embeddings.", "bert.encoder.")) for n in mapping)
+    assert set(mapping) == {n for n in pre.param_names if n.startswith("bert.")}
+    with pytest.raises(ik.ParameterError, match="does not have"):
+        shared_parameters(pre.model, fin_model, "bert.pooler")  # only the later model has it: nothing is shared
+    with pytest.raises(ik.ParameterError, match="matches no parameter"):
+        shared_parameters(pre.model, fin_model, "encoder")
 
 
 # --- deterministic masking ------------------------------------------------------------------------------
