@@ -32,7 +32,7 @@ glue beyond naming the shared block (``shared="bert"``):
 Run (2 shared CPU cores, nice'd): ``python examples/bert_pretrain_finetune.py`` (~25 min: pretraining ~4,
 influence ~13, leave-out ~4; saves the model and tokenizer in ``--out``/pretrained); then, from that saved model
 and tokenizer, ``--reuse`` (skip pretraining), ``--reuse --leaveout-only`` (redo the leave-out check, step
-``--continue-lr``), ``--reuse --ablation`` (identity-H_G scores), ``--reuse --lds 24`` (LDS re-trainings,
+``--continue-lr``), ``--reuse --ablation identity|ekfac`` (other pretraining solves), ``--reuse --lds 24`` (LDS re-trainings,
 resumable; ~1.7 min each) and ``--reuse --lds 24 --lds-report --lds-noise 3`` (score them; re-training noise).
 ``--quick``: tiny sizes, ~2 min, to a temporary directory unless ``--out`` is given. If the sdist is absent and
 PyPI unreachable the script prints the pip command and exits with status 2. Needs ``pip install influkit[hf]``.
@@ -318,12 +318,18 @@ def train_chain(enc_pre, tweets, tokenizer, cfg: Config, *, keep: torch.Tensor |
     return Trained(pre, fin1, fin2, info)
 
 
+# other pretraining-stage solves (the finetuning solve unchanged): H_G = I, a gradient dot product with the
+# propagated test gradient; and influkit's EK-FAC approximate inverse (empirical Fisher; the tied decoder/word
+# embedding gets a diagonal block), no Hessian-vector products at all.
+ABLATIONS = {"identity": ("Iid", {"solver": "identity"}), "ekfac": ("Iekfac", {"solver": "ekfac", "fisher": "empirical"})}
+
+
 def chain_for(t: Trained, case: int, cfg: Config, pre_solver: str = "minres") -> ik.Chain:
-    """The Case ``case`` chain; ``pre_solver="identity"`` is the ablation H_G = I on the pretraining stage
-    (the finetuning solve unchanged): a gradient dot product with the propagated test gradient."""
+    """The Case ``case`` chain; ``pre_solver`` ``"minres"`` or one of :data:`ABLATIONS`."""
+    pre = ABLATIONS[pre_solver][1] if pre_solver in ABLATIONS else {"solver": pre_solver}
     solve = [
-        ik.SolveConfig(solver=pre_solver, damping=cfg.damping[0], hessian_samples=cfg.hessian_samples[0],
-                       max_iter=cfg.max_iter[0], seed=cfg.seed),
+        ik.SolveConfig(damping=cfg.damping[0], hessian_samples=cfg.hessian_samples[0],
+                       max_iter=cfg.max_iter[0], seed=cfg.seed, **pre),
         ik.SolveConfig(solver="minres", damping=cfg.damping[case], hessian_samples=cfg.hessian_samples[case],
                        max_iter=cfg.max_iter[case], seed=cfg.seed),
     ]  # fmt: skip
@@ -433,8 +439,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lds-noise", type=int, default=0,
                         help="re-train the first K LDS subsets with another seed: re-training noise vs subset effect")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--ablation", action="store_true",
-                        help="add identity-H_G scores to scores.csv and score them on the stored leave-out changes")
+    parser.add_argument("--ablation", choices=list(ABLATIONS), default=None,
+                        help="add scores with another pretraining solve to scores.csv, scored on the stored leave-out changes")
     parser.add_argument("--leaveout-only", action="store_true", help="reuse scores.csv, redo only the leave-out check")
     parser.add_argument("--continue-lr", type=float, default=0.005, help="SGD step of the leave-out continuation")
     args = parser.parse_args(argv)
@@ -481,7 +487,7 @@ def main(argv=None) -> int:
     log.info("trained: %s", t.info)
 
     if args.ablation:
-        return identity_ablation(cfg, out, t, test, queries, progress)
+        return ablation(args.ablation, cfg, out, t, test, queries, progress)
     if args.leaveout_only:
         summary = json.loads((out / "summary.json").read_text())
         scores = pd.read_csv(out / "scores.csv")
@@ -564,8 +570,10 @@ def validate_leave_out(args, cfg, out, t, corpus, scores, summary, test, progres
     return 0
 
 
-def identity_ablation(cfg, out, t, test, queries, progress) -> int:
-    """Scores with H_G replaced by I (columns ``Iid_*``), and their agreement with the stored leave-out changes."""
+def ablation(name: str, cfg, out, t, test, queries, progress) -> int:
+    """Scores with another pretraining solve (columns ``Iid_*`` / ``Iekfac_*``), and their agreement with the
+    stored leave-out changes."""
+    prefix = ABLATIONS[name][0]
     scores = pd.read_csv(out / "scores.csv")
     summary = json.loads((out / "summary.json").read_text())
     frame = pd.read_csv(out / "leaveout.csv")
@@ -573,19 +581,20 @@ def identity_ablation(cfg, out, t, test, queries, progress) -> int:
     groups = leave_out_groups(cfg, scores, m)
     noise = frame["size"] == 0
     for case in (1, 2):
-        r = influence(t, case, cfg, test, queries, progress, pre_solver="identity")
-        scores[f"Iid_set_case{case}"] = r["set"].values.numpy()
+        r = influence(t, case, cfg, test, queries, progress, pre_solver=name)
+        scores[f"{prefix}_set_case{case}"] = r["set"].values.numpy()
         removal = r["set"].removal.numpy()
         for j, qi in enumerate(queries.tolist()):
-            scores[f"Iid_tweet{qi}_case{case}"] = r["each"].values[:, j].numpy()
-        frame[f"predicted_identity_case{case}"] = [float(removal[idx.numpy()].sum()) for idx in groups.values()] + [0.0] * int(noise.sum())
-        a, p = frame.loc[~noise, f"actual_case{case}"], frame.loc[~noise, f"predicted_identity_case{case}"]
-        summary[f"identity_case{case}"] = {
+            scores[f"{prefix}_tweet{qi}_case{case}"] = r["each"].values[:, j].numpy()
+        frame[f"predicted_{name}_case{case}"] = [float(removal[idx.numpy()].sum()) for idx in groups.values()] + [0.0] * int(noise.sum())
+        a, p = frame.loc[~noise, f"actual_case{case}"], frame.loc[~noise, f"predicted_{name}_case{case}"]
+        summary[f"{name}_case{case}"] = {
             "leave_out_pearson": float(pearsonr(a, p)[0]), "leave_out_spearman": float(spearmanr(a, p)[0]),
-            "spearman_with_minres_scores_set": float(spearmanr(scores[f"Iid_set_case{case}"], scores[f"I_set_case{case}"])[0]),
+            "spearman_with_minres_scores_set": float(spearmanr(scores[f"{prefix}_set_case{case}"], scores[f"I_set_case{case}"])[0]),
+            "solves_set": solves_summary(r["set"]),
             "set_seconds": r["set_seconds"], "each_seconds": r["each_seconds"],
         }  # fmt: skip
-        log.info("identity ablation, case %d: %s", case, summary[f"identity_case{case}"])
+        log.info("%s ablation, case %d: %s", name, case, summary[f"{name}_case{case}"])
     scores.to_csv(out / "scores.csv", index=False)
     frame.to_csv(out / "leaveout.csv", index=False)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
@@ -641,7 +650,7 @@ def run_lds_phase(args, cfg, out, enc, train, tokenizer, test, queries, progress
     scores = pd.read_csv(out / "scores.csv")
     q = len(queries) + 1
     rows = []
-    methods = {"minres": "I"} | ({"identity H_G": "Iid"} if "Iid_set_case1" in scores else {})
+    methods = {"minres": "I"} | {f"{k} H_G": v[0] for k, v in ABLATIONS.items() if f"{v[0]}_set_case1" in scores}
     for method, prefix in methods.items():
         for case in (1, 2):
             cols = [f"{prefix}_tweet{qi}_case{case}" for qi in queries.tolist()] + [f"{prefix}_set_case{case}"]
