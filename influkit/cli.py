@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     validate = sub.add_parser("validate", help="the LOO harness on the digits two-stage experiment")
     _add_common(validate, removals=60)
     validate.add_argument("--log", type=Path, default=None, help="CSV to append LOO rows to (resumable)")
+    validate.add_argument("--lds", type=int, nargs="?", const=50, default=None, metavar="M",
+                          help="linear datamodeling score instead of LOO: M random halves of the pretraining set "
+                               "(default 50; --n-pretrain default 200), both stages re-trained from scratch with 2 "
+                               "seeds; --log is then the resumable run directory")
     clean = sub.add_parser("clean", help="remove the most harmful pretraining examples, retrain, compare")
     _add_common(clean, removals=None, removals_help="pretraining examples removed per seed (the top-k harmful "
                 "by score vs k at random); default: --fraction of the pretraining set")
@@ -104,7 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    if args.command in ("demo", "validate"):
+    if args.command == "validate" and args.lds:
+        from .validation.lds import digits_lds
+
+        result = digits_lds(args.case, directory=args.log or args.out / f"lds_case{args.case}_runs", alpha=args.alpha,
+                            n_pretrain=args.n_pretrain or 200, n_test=args.n_test, split_seed=args.seed,
+                            n_subsets=args.lds, methods=(args.solver, "identity", "gradient dot"), device=args.device,
+                            progress=not args.quiet)
+        print(result.table.to_string(float_format=lambda v: f"{v:.3f}"))
+        print(f"wrote {', '.join(str(p) for p in result.write(args.out, f'lds_case{args.case}'))}")
+    elif args.command in ("demo", "validate"):
         run = validate_digits(_setup(args), n_removals=args.removals, solver=args.solver,
                               log=getattr(args, "log", None), progress=not args.quiet)
         name = f"case{args.case}"

@@ -40,6 +40,8 @@ class DigitsSetup:
     channels: tuple[int, int] = (4, 8)
     weight_decay: float = 1e-2
     max_iter: int = 1000
+    lbfgs_tol: float = 1e-9
+    tol: float = 1e-10
     seed: int = 0
     device: str = "cpu"
     dtype: torch.dtype = torch.float64
@@ -56,7 +58,7 @@ class DigitsSetup:
         """Leave-out retraining from the original weights to the exact leave-out optimum (Newton, ‖∇‖ ≤ 1e-10)."""
         return TwoStageRecipe(
             shared="embedding", case=self.case, alpha=self.alpha, optimizer="newton",
-            pretrain_steps=100, finetune_steps=100, tol=1e-10,
+            pretrain_steps=100, finetune_steps=100, tol=self.tol,
         )
 
 
@@ -68,8 +70,8 @@ def train_stages(setup: DigitsSetup, split: TwoTaskSplit) -> tuple[Stage, Stage]
     to = lambda pair: (pair[0].to(device), pair[1].to(device))  # noqa: E731
     pre_model = digits_classifier(len(setup.pretrain_classes), setup.channels).to(device, setup.dtype)
     pre = Stage(pre_model, cross_entropy, to(split.pretrain), regularizer=l2(setup.weight_decay), batch_size=2048)
-    fit_lbfgs(pre, max_iter=setup.max_iter, tol=1e-9, restarts=0)
-    newton_fit(pre, tol=1e-10)
+    fit_lbfgs(pre, max_iter=setup.max_iter, tol=setup.lbfgs_tol, restarts=0)
+    newton_fit(pre, tol=setup.tol)
     fin_model = digits_classifier(len(setup.finetune_classes), setup.channels).to(device, setup.dtype)
     fin_model.embedding.load_state_dict(pre_model.embedding.state_dict())
     params = "head" if setup.case == 1 else None
@@ -78,8 +80,8 @@ def train_stages(setup: DigitsSetup, split: TwoTaskSplit) -> tuple[Stage, Stage]
     if setup.case == 2:
         centre = {n: t.clone() for n, t in pre.state().items() if n.startswith("embedding.")}
         objective = proximal_stage(fin, centre, setup.alpha)
-    fit_lbfgs(objective, max_iter=setup.max_iter, tol=1e-9, restarts=0)
-    newton_fit(objective, tol=1e-10)
+    fit_lbfgs(objective, max_iter=setup.max_iter, tol=setup.lbfgs_tol, restarts=0)
+    newton_fit(objective, tol=setup.tol)
     setup.timings["train"] = time.perf_counter() - start
     return pre, fin
 
