@@ -2,16 +2,11 @@
 BERT chain (masked-LM pretraining → classification finetuning) checked against the explicit-Hessian formula.
 
 Ground truth for the chain is DESIGN §1 computed directly: the Hessians of the pretraining objective over
-(W, U) and of the finetuning objective over (W, Θ) are built explicitly over flattened parameters with
-``torch.func.jacfwd(torch.func.grad(objective))`` (checked against central finite differences of the
-gradient) and inverted densely, and the Case 1 / Case 2 influence of every pretraining sentence is assembled
-from their blocks, without the chain's adjoint recursion.
-
-Not ``torch.func.hessian``: in torch 2.13 it is ``jacfwd(jacrev(f))``, and an inner ``jacrev`` of a scalar
-function differentiates wrongly through ``layer_norm`` whose input depends on the parameters (BERT's
-LayerNorm-weight rows come out asymmetric and off by O(1); ``jacfwd(grad(f))``, ``jacrev(grad(f))`` and
-double-backward autograd agree). The models use eager attention because forward-mode AD has no rule for CPU
-scaled-dot-product attention.
+(W, U) and of the finetuning objective over (W, Θ) are built explicitly over flattened parameters by
+``influkit.validation.reference.explicit_hessian`` (``jacfwd`` of ``grad``; checked here again against
+central finite differences of the gradient) and inverted densely, and the Case 1 / Case 2 influence of every
+pretraining sentence is assembled from their blocks, without the chain's adjoint recursion. The models use
+eager attention because forward-mode AD has no rule for CPU scaled-dot-product attention.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from torch.func import grad, jacfwd
+from torch.func import grad
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -38,6 +33,7 @@ from influkit.errors import VectorizationWarning  # noqa: E402
 from influkit.gradients import per_example_grads, per_example_grads_serial  # noqa: E402
 from influkit.params import ParamSpace, shared_parameters  # noqa: E402
 from influkit.stage import check_eval_mode as generic_check_eval_mode  # noqa: E402
+from influkit.validation.reference import explicit_hessian  # noqa: E402
 
 BertConfig = transformers.BertConfig
 BertForMaskedLM = transformers.BertForMaskedLM
@@ -278,7 +274,7 @@ def test_train_wordpiece_gives_a_bert_tokenizer():
 
 
 def flat_hessian(stage: ik.Stage, names: list[str], extra=None) -> torch.Tensor:
-    """∇² over ``names`` (flattened, in order) of the stage objective (+ ``extra``): jacfwd of grad, explicit."""
+    """∇² over ``names`` (flattened, in order) of the stage objective (+ ``extra``), explicit."""
     space = ParamSpace({n: stage.state()[n] for n in names})
 
     def objective(vec):
@@ -287,7 +283,7 @@ def flat_hessian(stage: ik.Stage, names: list[str], extra=None) -> torch.Tensor:
         return value + (extra(params) if extra is not None else 0.0)
 
     at = space.flatten({n: stage.state()[n] for n in names})
-    h = jacfwd(grad(objective))(at)
+    h = explicit_hessian(stage, names, extra=extra, chunk_size=None)
     # the ground truth itself is checked: symmetric, and H·v equals a central difference of the gradient
     v = torch.randn(at.shape, generator=torch.Generator().manual_seed(0), dtype=at.dtype)
     eps = 1e-5

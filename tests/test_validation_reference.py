@@ -73,6 +73,36 @@ def test_cross_entropy_hessian_is_the_softmax_kronecker_form():
     torch.testing.assert_close(explicit_hessian(stage), expected, rtol=1e-12, atol=1e-13)
 
 
+def test_layer_norm_network_matches_central_differences_of_the_gradient():
+    """Linear → LayerNorm → tanh → Linear, the LayerNorm's affine weights trained: the network where
+    ``torch.func.hessian`` (jacfwd of jacrev) is wrong in torch 2.13. Every column of the reference must equal
+    a central difference of the autograd gradient, and the matrix must be symmetric."""
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randn(10, 5, generator=gen), torch.randint(0, 3, (10,), generator=gen)
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3)).double()
+    with torch.no_grad():
+        model[1].weight.normal_()
+        model[1].bias.normal_()
+    stage = ik.Stage(model, cross_entropy, (x, y), regularizer=l2(LAMBDA))
+    h = explicit_hessian(stage)
+    names = list(stage.param_names)
+    shapes = [stage.state()[n].shape for n in names]
+    flat = torch.cat([stage.state()[n].reshape(-1) for n in names])
+
+    def gradient(v: torch.Tensor) -> torch.Tensor:
+        params = dict(zip(names, (t.reshape(s) for t, s in zip(torch.split(v, [s.numel() for s in shapes]), shapes))))
+        return torch.func.grad(stage.objective)(params)
+
+    def flat_gradient(v: torch.Tensor) -> torch.Tensor:
+        return torch.cat([gradient(v)[n].reshape(-1) for n in names])
+
+    eps = 1e-5
+    columns = [(flat_gradient(flat + eps * e) - flat_gradient(flat - eps * e)) / (2 * eps) for e in torch.eye(len(flat))]
+    torch.testing.assert_close(h, torch.stack(columns, 1), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(h, h.T, rtol=0, atol=1e-12)
+
+
 def test_refuses_bad_arguments(least_squares):
     stage, _ = least_squares
     with pytest.raises(ik.InputError, match="chunk_size"):

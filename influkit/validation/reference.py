@@ -1,9 +1,15 @@
-"""Ground truth for checking curvature: the explicit Hessian of a stage objective by ``torch.func.hessian``.
+"""Ground truth for checking curvature: the explicit Hessian of a stage objective, ``jacfwd`` of ``grad``.
 
 influkit never needs this matrix itself — ``HessianOperator`` applies H through Hessian-vector products and
 ``HessianOperator.dense`` assembles it from them. This is the *independent* reference those are checked
 against in the tests and benchmarks: forward-over-reverse differentiation of the whole objective as one
 function of the flattened parameters, sharing no code with the product path.
+
+Not ``torch.func.hessian``: in torch 2.13 it is ``jacfwd(jacrev(f))``, and its inner ``jacrev`` of a scalar
+function differentiates ``layer_norm`` wrongly when the normalized input depends on the parameters (a
+Linear → LayerNorm → Linear network gets an asymmetric Hessian, off by O(0.1)). ``jacfwd(grad(f))`` agrees
+with double-backward products and with central differences of the gradient; the tests check it on exactly
+that network.
 """
 
 from __future__ import annotations
@@ -25,13 +31,13 @@ def explicit_hessian(
     extra: Callable[[Mapping[str, torch.Tensor]], torch.Tensor] | None = None,
     chunk_size: int | None = 128,
 ) -> torch.Tensor:
-    """(p, p): the dense Hessian of the stage objective over ``names``, by ``torch.func.hessian``.
+    """(p, p): the dense Hessian of the stage objective over ``names``, by ``jacfwd(grad(objective))``.
 
     H = ∇²_θ [(1/s) Σ_{i∈S} ℓ(x_i; θ) + R(θ) + extra(θ)], θ the parameters ``names`` (default: the trained ones)
     flattened in :class:`~influkit.params.ParamSpace` order, every other parameter fixed at its current value;
     S = ``indices`` (default: all s = n examples). ``extra`` takes the dict of ``names`` (e.g. a proximal term).
 
-    chunk_size: examples per ``torch.func.hessian`` call (None: all of S at once). Each call pushes p tangents
+    chunk_size: examples per ``jacfwd`` call (None: all of S at once). Each call pushes p tangents
     through the model together, so memory grows like p × chunk_size activations. Costs O(p) gradient
     evaluations and O(p²) memory — small models only.
     """
@@ -55,8 +61,8 @@ def explicit_hessian(
         value = (v * 0).sum() if reg is None else reg
         return value + extra(params) if extra is not None else value
 
-    h = torch.func.hessian(penalty)(flat)
+    h = torch.func.jacfwd(torch.func.grad(penalty))(flat)
     for start in range(0, idx.numel(), chunk):
         inputs, targets = stage.data.take(idx[start : start + chunk])
-        h = h + torch.func.hessian(data_part)(flat, inputs.to(flat.device), targets.to(flat.device))
+        h = h + torch.func.jacfwd(torch.func.grad(data_part))(flat, inputs.to(flat.device), targets.to(flat.device))
     return h
