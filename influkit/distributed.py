@@ -107,6 +107,15 @@ def broadcast_object(value):
     return box[0]
 
 
+def gather_objects(value) -> list:
+    """Every rank's (picklable) ``value``, in rank order, on every rank (``[value]`` on one process)."""
+    if not active():
+        return [value]
+    out = [None] * world_size()
+    _collective("all_gather_object", dist.all_gather_object, out, value)
+    return out
+
+
 def gather_rows(block: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Concatenate every rank's ``block`` (rank r has ``counts[r]`` rows) in rank order, on every rank."""
     if not active():

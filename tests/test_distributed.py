@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+from torch import nn
 
 import influkit as ik
 from influkit import distributed
@@ -211,3 +212,107 @@ def test_resume_against_a_changed_query_is_refused(tmp_path, stream_solution):
         chain.query(test).scores(torch.arange(48), chunk_size=8, out=tmp_path)
     with pytest.raises(ik.InputError, match="test set|query"):
         chain.query((test[0][:3], test[1][:3])).scores(torch.arange(40), chunk_size=8, out=tmp_path)
+
+
+# ---- factored curvature (K-FAC, EK-FAC, diagonal Fisher) on sharded data ----
+
+
+class Scaled(nn.Module):
+    """Two linear layers (Kronecker blocks) and a free output scale (a diagonal block outside any layer)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.enc, self.head = nn.Linear(4, 3), nn.Linear(3, 2)
+        self.scale = nn.Parameter(torch.tensor([1.5, 0.7]))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.enc(x))) * self.scale
+
+
+FITS = {  # name -> fit_curvature arguments: several batches per rank, both EK-FAC paths, a subset of examples
+    "kfac": dict(kind="kfac"),
+    "ekfac": dict(kind="ekfac"),
+    "ekfac_two_passes": dict(kind="ekfac", cache_bytes=0),
+    "ekfac_subset": dict(kind="ekfac", indices=torch.tensor([0, 2, 3, 5, 8, 9, 13, 17, 18, 21, 22])),
+    "diagonal": dict(kind="diagonal"),
+}
+
+
+def factored_scenarios(solutions: dict) -> dict[str, torch.Tensor]:
+    """name -> tensor: every fitted factor, each curvature as a dense matrix, and Case 1 chain scores solved with
+    EK-FAC as the approximate inverse and as the preconditioner of MINRES (float64)."""
+    from influkit.factored import fit_curvature
+
+    out = {}
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(24, 4, generator=gen)
+    scaled = ik.Stage(Scaled(), ce, (x, (x[:, 0] > 0).long()), regularizer=l2)
+    streamed, batches = [], scaled.batches
+
+    def counted(indices=None, batch_size=None):  # the examples this process reads
+        for inputs, targets in batches(indices, batch_size):
+            streamed.append(inputs.shape[0])
+            yield inputs, targets
+
+    scaled.batches = counted
+    for name, args in FITS.items():
+        streamed.clear()
+        curvature = fit_curvature(scaled, batch_size=5, seed=3, **args)
+        out[f"{name}.streamed"] = torch.tensor(float(sum(streamed)))
+        tensors, meta = curvature.state(f"{name}.")
+        out |= {k: v for k, v in tensors.items() if not k.endswith((".left", ".right"))}  # eigenvectors: up to sign
+        out[f"{name}.dense"] = curvature.dense()
+        out[f"{name}.tokens"] = torch.tensor([layer["tokens_per_example"] for layer in meta["info"]["layers"]])
+        assert meta["info"]["diagonal"] == {"scale": meta["info"]["diagonal"]["scale"]}
+    problem = ThreeStages(1, 2, solutions["12"])
+    pre = ik.Stage(problem.models[0], ce, problem.data[0], regularizer=l2)
+    fin = ik.Stage(problem.models[1], ce, problem.data[1], params=problem.trained[1], regularizer=l2)
+    for name, solve in (("ekfac", ik.SolveConfig(solver="ekfac", damping=1e-3)),
+                        ("minres_ekfac", ik.SolveConfig(solver="minres", preconditioner="ekfac", tol=1e-13))):
+        chain = ik.Chain([pre, fin], [ik.Link("enc", case=1)], solve=solve)
+        chain.fit()
+        out[f"scores.{name}"] = chain.query(problem.test).scores(chunk_size=5).values
+    return out
+
+
+def _factored_worker(rank: int, world: int, init_file: str, out: str, solutions: dict) -> None:
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        save_file({k: v.contiguous() for k, v in factored_scenarios(solutions).items()}, str(Path(out) / f"factored.rank{rank}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_factored_curvature_is_the_same_on_every_rank_and_equals_one_process(solutions, tmp_path):
+    expected = factored_scenarios(solutions)
+    mp.start_processes(_factored_worker, args=(2, str(tmp_path / "init"), str(tmp_path), solutions), nprocs=2,
+                       start_method="spawn", join=True)
+    ranks = [load_file(str(tmp_path / f"factored.rank{rank}")) for rank in range(2)]
+    assert set(ranks[0]) == set(ranks[1]) == set(expected)
+    for name, args in FITS.items():  # each rank read half of the examples (twice for EK-FAC's second pass)
+        streamed = [float(ranks[r].pop(f"{name}.streamed")) for r in range(2)]
+        assert streamed[0] + streamed[1] == float(expected.pop(f"{name}.streamed"))
+        n, passes = len(args["indices"]) if "indices" in args else 24, 1 + ("cache_bytes" in args)
+        assert streamed == [passes * (n // 2), passes * (n - n // 2)], name
+    for name, value in expected.items():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name  # all-reduced sums: bit-identical factors
+        torch.testing.assert_close(ranks[0][name], value, rtol=1e-10, atol=1e-12 * float(value.abs().max()), msg=name)
+
+
+def test_sampled_labels_depend_on_the_example_index_only():
+    """The same factors whatever the batch size, so sharding cannot change the sampled labels."""
+    from influkit.factored import fit_curvature
+
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(30, 4, generator=gen)
+    stage = ik.Stage(Scaled(), ce, (x, (x[:, 1] > 0).long()))
+    for kind in ("kfac", "diagonal"):
+        whole = fit_curvature(stage, kind=kind, fisher="sampled", batch_size=30, seed=4).dense()
+        pieces = fit_curvature(stage, kind=kind, fisher="sampled", batch_size=7, seed=4).dense()
+        torch.testing.assert_close(pieces, whole, rtol=1e-12, atol=0)
+        other = fit_curvature(stage, kind=kind, fisher="sampled", batch_size=30, seed=5).dense()
+        assert not torch.allclose(other, whole)

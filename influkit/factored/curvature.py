@@ -20,6 +20,11 @@ batch's products run in the model's dtype and are accumulated across batches in 
 are float64; EK-FAC's Λ comes from the same pass's inputs and gradients, kept while they fit ``cache_bytes``
 (else from a second pass with the same sampled labels).
 
+Under ``torch.distributed`` each rank streams its contiguous shard of the examples (:func:`influkit.distributed.shard`)
+and the sums (covariances, token counts, squares; EK-FAC's corrections after the eigenbasis of the all-reduced
+covariances) are all-reduced, so every rank holds the same factors, equal to one process's up to summation
+order; sampled labels depend on (seed, example index) only (:mod:`.fisher`).
+
 ``matvec`` applies C, ``solve(rhs, damping)`` applies (C + λI)⁻¹ blockwise in the eigenbases (exactly, no
 iteration); ``inverse(λ)`` is that inverse as an Operator, the approximate inverse of ``solver="ekfac"``.
 """
@@ -29,11 +34,13 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.func import grad
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..errors import FileFormatError, InputError
 from ..operators import count_products
 from ..params import ParamSpace, point
@@ -435,6 +442,7 @@ def fit_curvature(
     space = ParamSpace(params)
     layers, reasons = plan_layers(stage.model, names)
     n = len(stage) if indices is None else len(indices)
+    local = distributed.shard(torch.arange(len(stage)) if indices is None else torch.as_tensor(indices).reshape(-1))
     batch_size = batch_size or min(stage.data.batch_size, 1024)
     leaves = {nm: t.detach().requires_grad_(True) for nm, t in params.items()}
     pseudo_holder: dict[str, PseudoGradients] = {}
@@ -453,23 +461,33 @@ def fit_curvature(
 
     cache: list | None = [] if kind == "ekfac" and cache_bytes > 0 else None
     cached_bytes = 0
-    batches = -(-n // batch_size)
+    batches = -(-len(local) // batch_size)
+    progress = progress and distributed.rank() == 0
+    dead_seen: dict[str, str] = {}
+
+    def drop(name: str, why: str) -> None:
+        nonlocal diag_names
+        layer = next(item for item in tracked if item.name == name)
+        tracked.remove(layer)
+        accumulators.pop(name)
+        dead_seen[name] = why
+        for pname in (layer.weight, layer.bias):
+            if pname is not None:
+                reasons[pname] = why
+        diag_names = [nm for nm in names if nm in reasons]
 
     def run_pass(label: str, consume, want_diagonal: bool, keep: bool = False):
         nonlocal diag_total, diag_names, cache, cached_bytes
         pseudo_holder.pop("p", None)  # same seed: the same labels in every pass
-        for x, y in tqdm(stage.batches(indices, batch_size), total=batches, desc=label, disable=not progress, leave=False):
-            data, u, dead = _forward_pass(stage, list(tracked), leaves, x, y, pseudo_factory)
+        for start in tqdm(range(0, len(local), batch_size), total=batches, desc=label, disable=not progress, leave=False):
+            index = local[start : start + batch_size]
+            x, y = next(iter(stage.batches(index, batch_size)))
+            labelled = lambda outputs, targets: partial(pseudo_factory(outputs, targets), index=index)  # noqa: E731
+            data, u, dead = _forward_pass(stage, list(tracked), leaves, x, y, labelled)
             for name, why in dead.items():  # found on the first batch: these layers fall back to diagonal blocks
-                layer = next(item for item in tracked if item.name == name)
-                tracked.remove(layer)
-                accumulators.pop(name)
-                for pname in (layer.weight, layer.bias):
-                    if pname is not None:
-                        reasons[pname] = why
-                        diag_names = [nm for nm in names if nm in reasons]
                 if diag_total is not None:
                     raise InputError(f"layer {name} stopped being usable after the first batch ({why}).")
+                drop(name, why)
             for layer in tracked:
                 consume(layer, *data[layer.name])
             if want_diagonal and diag_names:
@@ -484,8 +502,23 @@ def fit_curvature(
         run_pass("diagonal Fisher", lambda layer, a, g: accumulators[layer.name].squares.add_(example_squares(layer, a, g)), True)
     else:
         run_pass("K-FAC covariances", lambda layer, a, g: accumulators[layer.name].covariances(a, g), True, keep=True)
-    seconds["covariances" if kind != "diagonal" else "squares"] = time.perf_counter() - t0
     pseudo = pseudo_holder.get("p")
+    detail = pseudo.describe() if pseudo is not None else None
+    if distributed.active():  # every rank's sums over its shard, added up; same layers on every rank first
+        shared = distributed.gather_objects((len(local) > 0, sorted(dead_seen.items()), detail))
+        everywhere = dict(item for _, dead, _ in shared for item in dead)
+        if any(busy and dict(dead) != everywhere for busy, dead, _ in shared):
+            raise InputError(f"the layers usable for Kronecker factors differ between ranks' data ({everywhere}).")
+        for name, why in everywhere.items():
+            if name not in dead_seen:
+                drop(name, why)
+        detail = next((d for _, _, d in shared if d is not None), None)
+        _all_reduce_sums(accumulators, tracked, squares=kind == "diagonal")
+        if diag_names:
+            if diag_total is None:
+                diag_total = torch.zeros(sum(params[nm].numel() for nm in diag_names), dtype=torch.float64, device=space.device)
+            distributed.all_reduce_(diag_total)
+    seconds["covariances" if kind != "diagonal" else "squares"] = time.perf_counter() - t0
 
     eigen: dict[str, tuple] = {}
     if kind != "diagonal":
@@ -520,6 +553,8 @@ def fit_curvature(
         else:
             run_pass("EK-FAC eigenvalue correction", correct, False)
             passes += 1
+        for layer in tracked:
+            distributed.all_reduce_(accumulators[layer.name].squares)
         seconds["eigenvalue_correction"] = time.perf_counter() - t0
 
     reg = regularizer_diagonal(stage, names, extra, at, seed)
@@ -556,7 +591,7 @@ def fit_curvature(
     info = {
         "kind": kind,
         "fisher": fisher,
-        "fisher_detail": pseudo.describe() if pseudo is not None else fisher,
+        "fisher_detail": detail if detail is not None else fisher,
         "layers": layer_info,
         "diagonal": {nm: reasons[nm] for nm in diag_names},
         "examples": n,
@@ -565,6 +600,18 @@ def fit_curvature(
         "seconds": seconds,
     }
     return FactoredCurvature(space, kind, blocks, info)
+
+
+def _all_reduce_sums(accumulators: dict, tracked: list, squares: bool) -> None:
+    """Sum every tracked layer's covariances and token count (and ``squares``) over the ranks, in place."""
+    for layer in tracked:
+        acc = accumulators[layer.name]
+        distributed.all_reduce_(acc.inputs)
+        distributed.all_reduce_(acc.grads)
+        if squares:
+            distributed.all_reduce_(acc.squares)
+        tokens = distributed.all_reduce_(torch.tensor([float(acc.tokens)], dtype=torch.float64, device=acc.grads.device))
+        acc.tokens = int(tokens.item())
 
 
 def _layer_index(layer: Layer, offsets: dict[str, int], device) -> torch.Tensor:

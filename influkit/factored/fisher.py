@@ -14,6 +14,10 @@ expectation; this is all K-FAC, EK-FAC and the diagonal Fisher need. Three choic
   ℓ = c_i·Σ CE, sampled as u = √c_i (softmax(f) − onehot(ŷ)), ŷ ~ softmax(f); and squared error
   ℓ = c_i·‖f − y‖² (sum or mean), whose Gauss-Newton matrix 2c_i·I is sampled as u = √(2c_i)·ξ, ξ ~ N(0, I).
   Any other loss raises :class:`FactoredCurvatureError` (use ``"empirical"`` or ``"exact"`` there).
+  The draws of example i are a pure function of (seed, i) — counter-based Philox4x32-10 words
+  (:func:`influkit.turnover.masks.random_words`) — not of a generator stream consumed in batch order, so the
+  labels and hence the factors do not depend on the batch size, on which other examples are fitted
+  (``hessian_samples``), on repeated passes (EK-FAC) or on how ``torch.distributed`` shards the data.
 - ``"empirical"``: u = ∇_f ℓ(f, y) with the true labels — the empirical Fisher (1/n) Σ ∇ℓ_i ∇ℓ_iᵀ, any loss.
   Cheaper to reason about but a poor curvature model (Kunstner et al. 2019): it vanishes on well-fit examples and
   scales with the loss instead of the curvature.
@@ -28,10 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
+from ..turnover.masks import random_words
 
 FISHER = ("sampled", "empirical", "exact")
 EXACT_MAX_OUTPUTS = 256
 IGNORE_INDEX = -100
+_STREAM_CATEGORICAL, _STREAM_GAUSSIAN = 0, 1
 
 
 class FactoredCurvatureError(InputError):
@@ -124,15 +130,30 @@ class PseudoGradients:
                     f"example (limit {EXACT_MAX_OUTPUTS}); use fisher='sampled' (cross-entropy or squared error) or "
                     "'empirical'."
                 )
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.seed = int(seed)
+        self._next = 0  # example ids of batches given without ``index``: consecutive from 0
 
     def describe(self) -> str:
         if self.fisher == "sampled":
             return f"sampled labels ({'cross-entropy' if self.family == 'categorical' else 'squared error'})"
         return {"empirical": "empirical Fisher (true labels)", "exact": "exact Gauss-Newton (output Hessian)"}[self.fisher]
 
-    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """(k, *outputs.shape): k = 1 for sampled and empirical, the output dimension for exact."""
+    def _uniforms(self, index: torch.Tensor | None, batch: int, count: int, stream: int) -> torch.Tensor:
+        """(batch, count) float64 uniforms in (0, 1), row b a function of (seed, index[b]) only."""
+        if index is None:
+            index = torch.arange(self._next, self._next + batch)
+            self._next += batch
+        index = torch.as_tensor(index).reshape(-1).to("cpu", torch.int64)
+        if index.numel() != batch:
+            raise InputError(f"got {index.numel()} example indices for a batch of {batch}.")
+        words = random_words(index, count, seed=self.seed, stream=stream)
+        return (words.to(torch.float64) + 0.5) / 2.0**32
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        """(k, *outputs.shape): k = 1 for sampled and empirical, the output dimension for exact.
+
+        index: the batch's example ids (their sampled labels depend on them only); default consecutive ids.
+        """
         f = outputs.detach()
         if self.fisher == "empirical":
             return self._loss_gradient(f, targets)[None]
@@ -144,17 +165,23 @@ class PseudoGradients:
             scale = torch.where(ref > 1e-12, value / ref.clamp_min(1e-12), torch.zeros_like(ref)).clamp_min(0)
             shape = (-1,) + (1,) * (f.dim() - 1)
             if self.family == "categorical":
-                u = self._categorical_sample(f, targets)
+                u = self._categorical_sample(f, targets, index)
                 return (u * scale.sqrt().to(f.dtype).reshape(shape))[None]
-            noise = torch.randn(f.shape, generator=self.generator, dtype=f.dtype).to(f.device)
+            batch = f.shape[0]
+            size = f[0].numel() if batch else 0
+            uniforms = self._uniforms(index, batch, 2 * size, _STREAM_GAUSSIAN)  # Box-Muller
+            noise = (-2.0 * uniforms[:, :size].log()).sqrt() * torch.cos(2.0 * torch.pi * uniforms[:, size:])
+            noise = noise.reshape(f.shape).to(f.dtype).to(f.device)
             return (noise * (2 * scale).sqrt().to(f.dtype).reshape(shape))[None]
 
-    def _categorical_sample(self, f: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _categorical_sample(self, f: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(f) − onehot(ŷ), ŷ ~ softmax(f), zero where the target is ignored."""
         logits = f if self.class_dim == -1 else f.movedim(1, -1)
         probs = torch.softmax(logits.to(torch.float64), dim=-1)
         flat = probs.reshape(-1, probs.shape[-1])
-        uniform = torch.rand(flat.shape[0], 1, generator=self.generator, dtype=torch.float64).to(flat.device)
+        batch = f.shape[0]
+        positions = flat.shape[0] // batch if batch else 0
+        uniform = self._uniforms(index, batch, positions, _STREAM_CATEGORICAL).reshape(-1, 1).to(flat.device)
         sampled = (flat.cumsum(-1) < uniform).sum(-1).clamp_max(flat.shape[-1] - 1)
         u = flat - F.one_hot(sampled, flat.shape[-1]).to(flat.dtype)
         u = u.reshape(probs.shape) * (targets != IGNORE_INDEX).unsqueeze(-1).to(probs.dtype)
