@@ -526,9 +526,10 @@ def run_rss(args, log) -> None:
             f"{frame['m'].iloc[-1]:,} it changes by {frame['peak RSS MB'].iloc[-1] - frame['peak RSS MB'].iloc[0]:+.1f} MB "
             f"(RSS after scoring: {frame['RSS after MB'].iloc[0]:.0f} → {frame['RSS after MB'].iloc[-1]:.0f} MB). What is "
             "O(m) is held on disk: chunks, then values.npy/index.npy appended with plain writes and memory-mapped only "
-            "for the result (pages resident when read). The row indices (8 B/row) are hashed in 2²⁰-row pieces. The "
-            "peak above the baseline is one chunk's buffers (chunk_size · p gradient floats); influkit.scoring returns "
-            "freed heap pages after every chunk (glibc malloc_trim) — without it the heap fragmented by ~130 B/row.")
+            "for the result (pages resident when read); the row ids of all examples are ranges, hashed in 2²⁰-row "
+            "pieces, never an O(m) array. The peak above the baseline is one chunk's buffers (chunk_size · p gradient "
+            "floats); influkit.scoring returns freed heap pages after every chunk (glibc malloc_trim) — compare the "
+            "table without it (--rss-without-trim), where the fragmented heap grows by tens of MB with m.")
 
 
 # --------------------------------------------------------------------------------------------- part: cifar

@@ -13,8 +13,9 @@ different rows is refused. At the end the chunks are copied into ``DIR/values.np
 O(chunk_size · p) however many rows. After every chunk the C allocator's freed pages are returned to the
 system (glibc ``malloc_trim``): each chunk allocates and frees buffers of chunk_size · p floats, and once glibc
 has raised its mmap threshold past that size they come from the heap, whose freed pages otherwise stay resident
-and fragment — measured as +130 B per scored row (+33 MB anonymous memory over 3·10⁵ rows) without the trim,
-none with it (``benchmarks/bench_distributed.py --part rss``).
+and fragment — measured +30 MB of anonymous memory by 3·10⁵ rows without the trim, none with it
+(``benchmarks/bench_distributed.py --part rss --rss-without-trim``). Scoring all rows of a stage holds no
+O(m) index array (ids are ranges, hashed in pieces for the manifest).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,18 +60,29 @@ def release_freed_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-@dataclass
 class Rows:
-    """The examples to score: indices into the stage's data (taken chunk by chunk) or explicit tensors."""
+    """The examples to score: indices into the stage's data (taken chunk by chunk) or explicit tensors.
 
-    stage: Stage
-    ids: torch.Tensor
-    tensors: tuple[torch.Tensor, torch.Tensor] | None
+    ids: the row ids (a 1-D tensor), or an int m for all m examples of the stage in order — then no O(m) index
+    array is ever held unless :attr:`ids` is read.
+    """
+
+    def __init__(self, stage: Stage, ids: torch.Tensor | int, tensors: tuple[torch.Tensor, torch.Tensor] | None):
+        self.stage, self.tensors = stage, tensors
+        self._ids, self._count = (None, int(ids)) if isinstance(ids, int) else (ids, ids.shape[0])
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return torch.arange(self._count) if self._ids is None else self._ids
+
+    def id_range(self, start: int, stop: int) -> torch.Tensor:
+        """The ids of rows start..stop−1."""
+        return torch.arange(start, min(stop, self._count)) if self._ids is None else self._ids[start:stop]
 
     @classmethod
     def of(cls, stage: Stage, z) -> "Rows":
         if z is None:
-            return cls(stage, torch.arange(len(stage)), None)
+            return cls(stage, len(stage), None)
         if isinstance(z, (tuple, list)) and len(z) == 2 and all(torch.is_tensor(t) for t in z):
             (x, y), ids = as_examples(z, stage.data, "z")
             check_example_shape(stage, x, "z")
@@ -87,11 +98,11 @@ class Rows:
         return cls(stage, ids.long().cpu(), None)
 
     def __len__(self) -> int:
-        return self.ids.shape[0]
+        return self._count
 
     def take(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.tensors is None:
-            x, y = self.stage.data.take(self.ids[start:stop])
+            x, y = self.stage.data.take(self.id_range(start, stop))
             check_example_shape(self.stage, x, "z")
             return x, y
         return self.tensors[0][start:stop], self.tensors[1][start:stop]
@@ -99,9 +110,8 @@ class Rows:
     def digest(self) -> str:
         """Identifies the rows: the indices, or the bytes of explicit inputs and targets (hashed in pieces, no copy)."""
         h = hashlib.sha256()
-        ids = self.ids.numpy()
-        for start in range(0, ids.shape[0], _HASH_ROWS):
-            h.update(np.ascontiguousarray(ids[start : start + _HASH_ROWS]))
+        for start in range(0, self._count, _HASH_ROWS):
+            h.update(np.ascontiguousarray(self.id_range(start, start + _HASH_ROWS).numpy()))
         for t in self.tensors or ():
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         return h.hexdigest()
@@ -121,7 +131,7 @@ def _chunk_scores(s: torch.Tensor, names, rows: Rows, c: int, chunk_size: int) -
     """(values, ids) of chunk ``c``: −∇ℓ(z)ᵀ s for its rows."""
     start, stop = c * chunk_size, min((c + 1) * chunk_size, len(rows))
     x, y = rows.take(start, stop)
-    return -project_per_example_grads(rows.stage, x, y, s, names, chunk_size=chunk_size), rows.ids[start:stop]
+    return -project_per_example_grads(rows.stage, x, y, s, names, chunk_size=chunk_size), rows.id_range(start, stop)
 
 
 def score_rows(s: torch.Tensor, names, rows: Rows, *, chunk_size: int, progress: bool) -> tuple[torch.Tensor, dict]:
