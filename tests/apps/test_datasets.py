@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
+
+import numpy as np
 import pytest
 import torch
 
-from influkit.apps.datasets import load_digits_tensors, two_task_split
+from influkit.apps.datasets import load_digits_tensors, load_fashion_mnist, read_idx, two_task_split
 from influkit.errors import InputError
 
 
@@ -40,3 +43,32 @@ def test_asking_for_more_examples_than_exist_says_what_to_lower():
     x, y = load_digits_tensors()
     with pytest.raises(InputError, match="lower n_finetune/n_test"):
         two_task_split(x, y, (0,), (1,), n_finetune=150, n_test=150)
+
+
+def _write_idx(path, array: np.ndarray) -> None:
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    with gzip.open(path, "wb") as handle:
+        handle.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_fashion_mnist_loader_reads_idx_files(tmp_path):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(7, 28, 28))
+    labels = rng.integers(0, 10, size=7)
+    for prefix in ("train", "t10k"):
+        _write_idx(tmp_path / f"{prefix}-images-idx3-ubyte.gz", images)
+        _write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", labels)
+    x, y = load_fashion_mnist("test", root=tmp_path, dtype=torch.float64)
+    assert x.shape == (7, 1, 28, 28) and x.dtype == torch.float64
+    assert torch.equal(x[:, 0] * 255, torch.tensor(images, dtype=torch.float64))
+    assert y.tolist() == labels.tolist()
+    assert read_idx(tmp_path / "train-labels-idx1-ubyte.gz").shape == (7,)
+
+
+def test_fashion_mnist_loader_rejects_bad_files(tmp_path):
+    with gzip.open(tmp_path / "bad.gz", "wb") as handle:
+        handle.write(bytes([0, 0, 0x08, 1]) + (5).to_bytes(4, "big") + b"\x01\x02")
+    with pytest.raises(InputError, match="header says"):
+        read_idx(tmp_path / "bad.gz")
+    with pytest.raises(InputError, match="split must be"):
+        load_fashion_mnist("valid", root=tmp_path)
