@@ -89,7 +89,10 @@ class Solution:
 # benchmarks/bench_auto.py: direct (p HVPs to build H, one Cholesky) beats MINRES to float64 tolerance on the
 # trained digits MLPs/CNNs measured there up to a few thousand parameters, and its factor is reused by every
 # later query of a fitted Chain; above it the O(p²) memory and p HVPs grow faster than MINRES' iterations.
-# Above it MINRES is preconditioned by EK-FAC (benchmarks/bench_scale.py: 5-10x fewer HVPs on a trained CNN).
+# Above it MINRES runs unpreconditioned: on the trained networks measured, EK-FAC preconditioning costs HVPs
+# instead of saving them (benchmarks/bench_scale.py, Fashion-MNIST CNN p = 39,109, λ = 1: 35 vs 23 HVPs to the
+# same tolerance, shifts 1-16 tried; λ = 0.1: residual 0.19 vs 0.087 after 60; bench_auto.py MLPs: 2-2.6x the
+# iterations). ``preconditioner=`` still asks for it (or auto + an explicit preconditioner).
 AUTO_DIRECT_MAX = 3000
 
 
@@ -97,8 +100,8 @@ AUTO_DIRECT_MAX = 3000
 class SolveConfig:
     """How one inverse-Hessian system (H + λI) x = b is solved: the settings every influence method shares.
 
-    solver: one of ``SOLVERS`` or ``"auto"`` (``direct`` for p ≤ ``AUTO_DIRECT_MAX``, else ``minres``
-    preconditioned by EK-FAC; the choice and its reason are recorded in :attr:`Solution.choice`).
+    solver: one of ``SOLVERS`` or ``"auto"`` (``direct`` for p ≤ ``AUTO_DIRECT_MAX``, else ``minres``, with
+    ``preconditioner`` if one is given; the choice and its reason are recorded in :attr:`Solution.choice`).
     ``"kfac"``/``"ekfac"``/``"arnoldi"`` are approximate inverses (x = C⁻¹ b, no iteration).
     damping: λ ≥ 0 added to H (to H² for ``cg``). tol, max_iter: stopping rule of iterative solvers
     (defaults: :func:`default_tol`, min(10·p, 2,000)). hessian_samples: estimate H on a seeded random
@@ -159,8 +162,6 @@ class SolveConfig:
         """(method, preconditioner name or callable or None, whether Lanczos eigenpairs are needed)."""
         method, _ = self.method(dim)
         pre = self.preconditioner
-        if self.solver == "auto" and method == "minres" and pre is None:
-            pre = "ekfac"
         if method not in PRECONDITIONED:
             pre = None
         return method, pre, method == "arnoldi" or (self.deflate and method in PRECONDITIONED)
