@@ -21,18 +21,42 @@ def _axes(ax):
     return ax.figure, ax
 
 
-def scatter_with_r(predicted, actual, *, ax=None, title: str = "", label: str = "") -> plt.Figure:
-    """Predicted vs actual change of the test loss, the identity line, and Pearson r / Spearman ρ in the title."""
+def scatter_with_r(
+    predicted, actual, *, ax=None, title: str = "", label: str = "", own_scale: bool = False
+) -> plt.Figure:
+    """Predicted vs actual change of the test loss, the identity line, and Pearson r / Spearman ρ in the title.
+
+    own_scale: for predictions on another scale than the actual changes (e.g. the identity-Hessian ablation):
+    no y = x line — it would stretch the x-axis to the actual changes' range and squeeze the points onto a
+    vertical line — so the x-axis spans the predictions only; a least-squares line shows the trend instead.
+    """
     fig, ax = _axes(ax)
     p, a = np.asarray(predicted, float), np.asarray(actual, float)
     ax.scatter(p, a, s=16, alpha=0.8, label=label or None)
-    lo, hi = min(p.min(), a.min()), max(p.max(), a.max())
-    ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("predicted change of test loss (influence)")
+    if own_scale:
+        span = p.max() - p.min()
+        pad = 0.05 * span if span > 0 else max(abs(p.max()), 1e-12)
+        ax.set_xlim(p.min() - pad, p.max() + pad)
+        if span > 0:
+            slope, intercept = np.polyfit(p, a, 1)
+            xs = np.array([p.min(), p.max()])
+            ax.plot(xs, slope * xs + intercept, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("predicted change of test loss (own scale)")
+    else:
+        lo, hi = min(p.min(), a.min()), max(p.max(), a.max())
+        ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls="--")
+        ax.set_xlabel("predicted change of test loss (influence)")
     ax.set_ylabel("actual change (leave-out retraining)")
     stats = f"Pearson r = {pearson(p, a):.3f}, Spearman ρ = {spearman(p, a):.3f}"
     ax.set_title(f"{title}\n{stats}" if title else stats, fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def caption(fig: plt.Figure, text: str, *, fontsize: float = 8) -> plt.Figure:
+    """A caption line under the figure's axes (the axes are shrunk to make room)."""
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.text(0.5, 0.015, text, ha="center", va="bottom", fontsize=fontsize, wrap=True)
     return fig
 
 

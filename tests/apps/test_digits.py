@@ -17,3 +17,62 @@ def test_cli_demo_writes_outputs(tmp_path):
         assert (tmp_path / name).stat().st_size > 0, name
     loo = pd.read_csv(tmp_path / "case1_loo.csv")
     assert len(loo) == 6 and {"predicted", "actual", "identity"} <= set(loo.columns)
+
+
+def test_demo_setup_quick_and_full():
+    from influkit.apps.digits import DEMO_SETTINGS, DigitsSetup
+
+    full = DigitsSetup.demo(full=True, case=2, n_pretrain=None)
+    assert full == DigitsSetup(case=2)  # --full is the paper-size run; None overrides are ignored
+    quick = DigitsSetup.demo(n_pretrain=None)
+    assert {k: getattr(quick, k) for k in DEMO_SETTINGS} == DEMO_SETTINGS
+    assert quick.n_pretrain < 720 and quick.warmup > 0
+    assert DigitsSetup.demo(n_pretrain=100).n_pretrain == 100
+
+
+@pytest.mark.parametrize("extra, removals, n_pretrain", [([], 20, 240), (["--full"], 40, None), (["--removals", "8"], 8, 240)])
+def test_cli_demo_announces_and_chooses_size(monkeypatch, capsys, extra, removals, n_pretrain):
+    seen = {}
+
+    def fake_validate(setup, *, n_removals, report, **kw):
+        seen.update(setup=setup, n_removals=n_removals)
+        report("train", 1.25)
+        raise KeyboardInterrupt  # stop before any work
+
+    monkeypatch.setattr(influkit.cli, "validate_digits", fake_validate)
+    with pytest.raises(KeyboardInterrupt):
+        influkit.cli.main(["demo", "--quiet", *extra])
+    out = capsys.readouterr().out.splitlines()
+    assert seen["n_removals"] == removals and seen["setup"].n_pretrain == n_pretrain
+    assert out[0].startswith("influkit demo") and ("--full" in out[0])  # expected duration first
+    assert "[train] 1.2 s" in out
+
+
+def test_warm_newton_recipe_reaches_the_same_leave_out_optimum():
+    import copy
+    from dataclasses import replace
+
+    import torch
+
+    from influkit.apps.digits import DigitsSetup, train_stages
+    from influkit.training import gradient_norm
+    from influkit.validation.loo import _summed_test_loss
+
+    setup = DigitsSetup(n_pretrain=60, n_finetune=60, n_test=30, channels=(2, 4))
+    split = setup.split()
+    pre, fin = train_stages(setup, split)
+
+    def retrain(recipe, removed):
+        p, f = pre.with_(model=copy.deepcopy(pre.model)), fin.with_(model=copy.deepcopy(fin.model))
+        exclude = torch.tensor([removed])
+        recipe(p, f, exclude)
+        return gradient_norm(p.without(exclude)), _summed_test_loss(f, split.test)
+
+    plain, warm = setup.recipe(), replace(setup, warmup=30).recipe()
+    agreed = 0
+    for removed in range(4):
+        (g_plain, loss_plain), (g_warm, loss_warm) = retrain(plain, removed), retrain(warm, removed)
+        if g_plain <= setup.tol and g_warm <= setup.tol:  # both at a stationary point of the leave-out objective
+            assert abs(loss_plain - loss_warm) < 1e-7 * abs(loss_plain)
+            agreed += 1
+    assert agreed >= 2
