@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import influkit as ik
-from influkit.validation.reference import explicit_hessian
+from influkit.validation.reference import explicit_gauss_newton, explicit_hessian
 from conftest import cross_entropy, l2
 
 LAMBDA = 0.3
@@ -101,6 +101,14 @@ def test_layer_norm_network_matches_central_differences_of_the_gradient():
     columns = [(flat_gradient(flat + eps * e) - flat_gradient(flat - eps * e)) / (2 * eps) for e in torch.eye(len(flat))]
     torch.testing.assert_close(h, torch.stack(columns, 1), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(h, h.T, rtol=0, atol=1e-12)
+
+
+def test_gauss_newton_of_least_squares_is_the_closed_form(least_squares):
+    """A linear model under squared error: G = H, the closed form, on all examples and on a subset."""
+    stage, x = least_squares
+    torch.testing.assert_close(explicit_gauss_newton(stage), closed_form(x), rtol=1e-12, atol=1e-12)
+    idx = torch.tensor([0, 3, 4, 9, 17])
+    torch.testing.assert_close(explicit_gauss_newton(stage, indices=idx), closed_form(x[idx]), rtol=1e-12, atol=1e-12)
 
 
 def test_refuses_bad_arguments(least_squares):

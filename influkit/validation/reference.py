@@ -66,3 +66,41 @@ def explicit_hessian(
         inputs, targets = stage.data.take(idx[start : start + chunk])
         h = h + torch.func.jacfwd(torch.func.grad(data_part))(flat, inputs.to(flat.device), targets.to(flat.device))
     return h
+
+
+def explicit_gauss_newton(
+    stage: Stage,
+    names: Sequence[str] | None = None,
+    *,
+    indices: torch.Tensor | None = None,
+    extra: Callable[[Mapping[str, torch.Tensor]], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """(p, p): the generalized Gauss-Newton matrix of the stage objective over ``names``, explicitly.
+
+    G = (1/s) Σ_{i∈S} J_iᵀ ∇²_f ℓ(f_i, y_i) J_i + ∇²[R + extra], with J_i = ∂f(x_i; θ)/∂θ the Jacobian of the
+    model's outputs (``jacrev``) and ∇²_f ℓ the Hessian of the loss in the outputs (``jacfwd`` of ``grad``),
+    assembled example by example; shares no code with ``HessianOperator(curvature="gauss-newton")``.
+    """
+    names = list(stage.param_names if names is None else names)
+    space = ParamSpace(point(stage.state(), names))
+    flat = space.flatten(point(stage.state(), names)).detach()
+    idx = torch.arange(len(stage)) if indices is None else torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+    if idx.numel() == 0:
+        raise InputError("the Gauss-Newton matrix over no examples is undefined: pass indices=None or a non-empty index set.")
+
+    def penalty(v: torch.Tensor) -> torch.Tensor:
+        params = space.unflatten(v)
+        reg = stage.regularization(params)
+        value = (v * 0).sum() if reg is None else reg
+        return value + extra(params) if extra is not None else value
+
+    g = torch.func.jacfwd(torch.func.grad(penalty))(flat)
+    for i in idx.tolist():
+        inputs, targets = stage.data.take(torch.tensor([i]))
+        inputs, targets = inputs.to(flat.device), targets.to(flat.device)
+        outputs = stage.outputs(space.unflatten(flat), inputs).detach()
+        jac = torch.func.jacrev(lambda v: stage.outputs(space.unflatten(v), inputs).reshape(-1))(flat)  # (d, p)
+        curv = torch.func.jacfwd(torch.func.grad(lambda o: stage.loss(o.reshape(outputs.shape), targets).sum()))(
+            outputs.reshape(-1))  # (d, d)
+        g = g + jac.T @ curv @ jac / idx.numel()
+    return g
