@@ -191,9 +191,8 @@ class Chain:
         start = time.perf_counter()
         operators: list[Operator] = []
         for plan, config in zip(self.plans, self.configs):
-            op = HessianOperator(
-                plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed, extra=plan.proximal
-            )
+            op = HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed,
+                                 extra=plan.proximal, curvature=config.curvature)
             if config.method(op.dim)[0] == "direct":
                 op.factor(config.damping)
             config.prepare(op)  # factors / eigenpairs this stage's config asks for (approximate inverse, preconditioner)
@@ -237,7 +236,8 @@ class Chain:
             raise FileFormatError(f"{path} was fitted for another chain (models, data sizes or solve settings differ).")
         operators: list[Operator] = []
         for k, (plan, config) in enumerate(zip(self.plans, self.configs)):
-            op = HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed, extra=plan.proximal)
+            op = HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed,
+                                 extra=plan.proximal, curvature=config.curvature)
             if f"stage{k}.hessian" in tensors:
                 op.restore_dense(tensors[f"stage{k}.hessian"])
                 op.factor(config.damping)

@@ -112,6 +112,11 @@ class SolveConfig:
     cross-entropy or squared-error losses), ``"empirical"`` (true labels, any loss), ``"exact"``
     (:mod:`influkit.factored.fisher`). rank: eigenpairs of ``"arnoldi"`` and of ``deflate`` (Lanczos steps:
     max(2·rank, rank + 20)). deflate: also deflate the preconditioner with the top-``rank`` eigenpairs of H.
+    curvature: the matrix H of every solve, ``"hessian"`` (default: the exact Hessian of the stage objective) or
+    ``"gauss-newton"`` (the generalized Gauss-Newton matrix G ⪰ 0, :mod:`influkit.curvature`): G's damped system
+    is positive definite for convex losses, so MINRES/CG converge where an indefinite H + λI stalls, and it is
+    the matrix K-FAC/EK-FAC approximate, which makes them good preconditioners of it. The links between stages
+    (the Case 1/2 cross derivatives) stay exact Hessian products either way.
 
     Fitted factors and eigenpairs are kept on the operator (``operator.fitted``), so one fit serves every solve
     with it; :meth:`influkit.Chain.fit` fits them up front and :meth:`influkit.Chain.save` stores them.
@@ -127,6 +132,7 @@ class SolveConfig:
     fisher: str = "sampled"
     rank: int = 50
     deflate: bool = False
+    curvature: str = "hessian"
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS + ("auto",):
@@ -149,6 +155,10 @@ class SolveConfig:
             raise InputError(f"unknown fisher {self.fisher!r}; choose one of {FISHER}.")
         if self.rank <= 0:
             raise InputError(f"rank must be positive, got {self.rank}.")
+        from .curvature import CURVATURES
+
+        if self.curvature not in CURVATURES:
+            raise InputError(f"unknown curvature {self.curvature!r}; choose one of {CURVATURES}.")
 
     def method(self, dim: int) -> tuple[str, str]:
         """(the method to run on a p = ``dim`` system, why)."""
