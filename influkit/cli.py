@@ -20,8 +20,8 @@ from .apps import plotting
 from .apps.digits import DEMO_REMOVALS, DigitsSetup, validate_digits
 
 # what the demo announces at start, measured on this project's 2-core machine (README "Set-up"): the default run
-# took 57–75 s with the machine busy (load 4), the --full run 244 s on one idle core (longer when busy)
-DEMO_EXPECTED = {False: "~60–90 s on 2 busy CPU cores", True: "~4 min on an idle CPU core, longer when busy"}
+# took 57–81 s with the machine busy (load 4–5), the --full run 244 s on one idle core and 334 s at load 4.7
+DEMO_EXPECTED = {False: "~60–90 s on 2 busy CPU cores", True: "~4 min on an idle CPU core, ~6 min when busy"}
 
 
 def _setup(args) -> DigitsSetup:
