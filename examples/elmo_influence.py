@@ -23,20 +23,25 @@ script prints this command and exits 2 when they are missing).
 - Finetuning: the 4,200 rated tweets, label = sign of the mean rating, |rating| < 0.5 dropped, tokens
   truncated to 24; mean over tokens of the equal-weight mix of the three ELMo layers, standardized with
   fixed training-set statistics → Linear(32, 64)-tanh-Linear(64, 2), L2 1e-2, L-BFGS; ELMo fixed (Case 1).
-- Influence: ``influkit.score(..., shared="bilm", case=1)`` on the test set and on one test tweet (the one
-  with the largest test loss); pretraining Hessian on a seeded sample of 1,000 sentences, damping (1e-2,
-  1e-8). The finetune block (Θ, 2,242 values) is solved exactly (``direct``); the pretraining block with
-  ``minres`` (one HVP per iteration; ``cg`` squares the system and needs twice the products) capped at
-  15 iterations (``--max-iter``) — ~20 s per HVP here, so it stops unconverged; summary.json reports
-  its residual.
+- Influence: an ``influkit.Chain([pretrain, finetune], [Link("bilm", case=1)])``, fitted once, queried with the
+  test set (and, with ``tweet_query``, the test tweet with the largest loss). The finetune block (Θ, 2,242
+  values) is solved exactly (``direct``, damping 1e-8); the pretraining block by MINRES preconditioned with
+  EK-FAC (``SolveConfig(solver="minres", preconditioner="ekfac", fisher="empirical")``) on a seeded sample of
+  ``hessian_samples`` = 1,500 sentences, damping 1.0, to the float32 tolerance 1e-4 (``--max-iter`` caps it at
+  40). The biLM's only ``nn.Linear`` is the softmax, which gets Kronecker factors; the LSTM cells, char CNN,
+  highway and projection hold raw parameters and get diagonal blocks. The Fisher is the empirical one because
+  the biLM loss (a masked per-sentence mean of two directions' cross-entropies) is not a form the sampled-label
+  Fisher recognises. Damping 1e-2 (the earlier setting) and 0.1 did not converge within 30 preconditioned
+  iterations (README). ``--hessian-samples/--damping/--max-iter/--tol/--preconditioner`` override these. The
+  identity ablation (every H⁻¹ := I) is scored beside it.
 - Leave-one-out check: for half top-|score| and half random sentences, continue pretraining from the
   pretrained weights with seeded SGD (the same batches, the removed sentence dropped from its batch),
   refit the head from its fitted weights by L-BFGS, and compare the change of the summed test loss with
   ``res.removal``; a rerun without removal (same seed: determinism; another seed: batch-order noise) gives
   the noise floor.
 
-Run: ``python examples/elmo_influence.py`` (about 35 minutes on 2 busy cores: 10 pretraining, 13
-influence, 10 LOO; results in examples/results/elmo/) or ``--quick`` (tiny corpus/model, ~80 s; writes to
+Run: ``python examples/elmo_influence.py`` (about 35–45 minutes on 2 busy cores: 10 pretraining, ~15
+influence, ~12 LOO; results in examples/results/elmo/) or ``--quick`` (tiny corpus/model, ~80 s; writes to
 a temporary directory unless ``--out`` is given). ``--reuse`` skips pretraining when ``--out`` already holds the saved biLM.
 """
 
@@ -106,11 +111,15 @@ class Config:
     test_frac: float = 0.25
     hidden: int = 64
     weight_decay: float = 1e-2
-    hessian_samples: int = 1000
+    hessian_samples: int | None = 1500  # pretraining Hessian on this many seeded sentences (None: all 3,525)
     pre_solver: str = "minres"
     fin_solver: str = "direct"
-    damping: tuple = (1e-2, 1e-8)
-    max_iter: int = 15
+    pre_preconditioner: str | None = "ekfac"  # MINRES preconditioned by EK-FAC (None: unpreconditioned)
+    fisher: str = "empirical"  # the biLM loss is a masked per-sentence mean: no sampled-label Fisher for it
+    damping: tuple = (1.0, 1e-8)  # (pretraining, finetuning); see examples/results/elmo/README.md for 1e-2 and 0.1
+    tol: float | None = None  # pretraining solve: None = the float32 default (1e-4 relative residual)
+    max_iter: int = 40
+    tweet_query: bool = False  # also score the single test tweet (one more pretraining solve)
     n_loo_top: int = 10
     n_loo_random: int = 10
     loo_epochs: int = 1
@@ -124,7 +133,7 @@ class Config:
 QUICK = Config(
     max_len=10, n_corpus=240, vocab=150, filters=((1, 4), (2, 4), (3, 8)), proj=8, cell=16,
     adam_steps=(100, 30), adam_lr=1e-2, tweet_len=12, n_tweets=160, hessian_samples=64, max_iter=6,
-    n_loo_top=2, n_loo_random=2, k_table=5, stage_batch=128,
+    damping=(1e-2, 1e-8), tweet_query=True, n_loo_top=2, n_loo_random=2, k_table=5, stage_batch=128,
 )  # fmt: skip
 
 
@@ -312,20 +321,43 @@ def run(cfg: Config, out: Path, corpus: str = "vader", reuse: bool = False, log=
     fin = ik.Stage(clf, ce, (c_tr, y_tr), params="head", regularizer=l2(cfg.weight_decay),
                    batch_size=cfg.stage_batch)  # fmt: skip
 
-    # -- influence of every pretraining sentence
-    kwargs = dict(shared="bilm", case=1, solver=(cfg.pre_solver, cfg.fin_solver), damping=cfg.damping,
-                  hessian_samples=cfg.hessian_samples, max_iter=cfg.max_iter, progress=False)  # fmt: skip
+    # -- influence of every pretraining sentence: one Chain, fitted once (EK-FAC factors of the pretraining Hessian,
+    #    the dense finetuning Hessian), then one query (= one pretraining solve) per test set
+    pre_config = ik.SolveConfig(solver=cfg.pre_solver, damping=cfg.damping[0], hessian_samples=cfg.hessian_samples,
+                                tol=cfg.tol, max_iter=cfg.max_iter, preconditioner=cfg.pre_preconditioner,
+                                fisher=cfg.fisher, seed=cfg.seed)  # fmt: skip
+    fin_config = ik.SolveConfig(solver=cfg.fin_solver, damping=cfg.damping[1], seed=cfg.seed)
+    link = [ik.Link("bilm", case=1)]
+    chain = ik.Chain([pre, fin], link, solve=[pre_config, fin_config])
+    start = time.perf_counter()
+    chain.fit()
+    fit_seconds = time.perf_counter() - start
+    curvature = (getattr(chain.operator(0), "fitted", None) or {}).get("curvature")
+    summary["influence_fit"] = {"seconds": fit_seconds, "pretrain_solve_config": pre_config.summary(),
+                                "finetune_solve_config": fin_config.summary()}  # fmt: skip
+    if curvature is not None:
+        info = curvature.info
+        summary["influence_fit"]["preconditioner"] = {
+            "kind": info["kind"], "fisher": info["fisher"], "examples": info["examples"],
+            "kronecker_layers": [layer["module"] for layer in info["layers"]],
+            "diagonal_parameters": len(info.get("diagonal", {})), "seconds": info["seconds"],
+        }  # fmt: skip
+    log(f"chain fitted in {fit_seconds:.1f} s: {summary['influence_fit']}")
     z = torch.arange(len(pre))
     results, tables = {}, []
     one = int(losses_te.argmax())
-    for name, x_test in (("test_set", (c_te, y_te)), ("test_sentence", (c_te[one : one + 1], y_te[one : one + 1]))):
+    queries = [("test_set", (c_te, y_te))]
+    if cfg.tweet_query:
+        queries.append(("test_sentence", (c_te[one : one + 1], y_te[one : one + 1])))
+    for name, x_test in queries:
         start = time.perf_counter()
-        res = ik.score(pre, fin, z, x_test, **kwargs)
+        res = chain.query(x_test).scores(z)
         seconds = time.perf_counter() - start
         results[name] = res
         d = res.diagnostics
         summary[f"influence_{name}"] = {
-            "seconds_total": seconds, "seconds_per_pretraining_sentence": seconds / len(pre),
+            "seconds_total": seconds, "seconds_with_fit": seconds + fit_seconds,
+            "seconds_per_pretraining_sentence": (seconds + fit_seconds) / len(pre),
             "seconds_per_sentence_gradients_only": d["seconds"]["example_gradients"] / len(pre),
             "seconds": d["seconds"], "pretrain_solve": d["solves"][0], "finetune_solve": d["solves"][1],
             "finite": bool(torch.isfinite(res.values).all()),
@@ -333,14 +365,20 @@ def run(cfg: Config, out: Path, corpus: str = "vader", reuse: bool = False, log=
         log(f"influence {name}: {summary[f'influence_{name}']}")
         label = "test set" if name == "test_set" else f"tweet: {te_text[one]} (label {int(y_te[one])})"
         tables.append(table(res, train_tok, cfg.k_table, label))
+    # the paper's ablation: every inverse Hessian replaced by the identity (no solve, same gradients)
+    start = time.perf_counter()
+    identity = ik.Chain([pre, fin], link, solve=ik.SolveConfig(solver="identity")).query((c_te, y_te)).scores(z)
+    summary["influence_identity"] = {"seconds_total": time.perf_counter() - start}
     summary["test_sentence"] = {"text": te_text[one], "label": int(y_te[one]), "predicted": int(pred_te[one]),
                                 "loss": float(losses_te[one])}  # fmt: skip
     pd.concat(tables).to_csv(out / "table1_top_bottom.csv", index=False)
-    scores = pd.DataFrame({"index": z.numpy(), "sentence": [" ".join(s) for s in train_tok],
-                           "influence_test_set": results["test_set"].values.double().numpy(),
-                           "removal_test_set": results["test_set"].removal.double().numpy(),
-                           "influence_test_sentence": results["test_sentence"].values.double().numpy()})  # fmt: skip
-    scores.to_csv(out / "scores.csv", index=False, float_format="%.6g")
+    columns = {"index": z.numpy(), "sentence": [" ".join(s) for s in train_tok],
+               "influence_test_set": results["test_set"].values.double().numpy(),
+               "removal_test_set": results["test_set"].removal.double().numpy(),
+               "removal_test_set_identity": identity.removal.double().numpy()}  # fmt: skip
+    if "test_sentence" in results:
+        columns["influence_test_sentence"] = results["test_sentence"].values.double().numpy()
+    pd.DataFrame(columns).to_csv(out / "scores.csv", index=False, float_format="%.6g")
 
     # -- leave-one-out validation on the test-set scores
     res = results["test_set"]
@@ -371,7 +409,8 @@ def run(cfg: Config, out: Path, corpus: str = "vader", reuse: bool = False, log=
     for i, kind in picks:
         actual = retrain(i, loo_seed) - base
         rows.append({"index": i, "kind": kind, "predicted_removal": float(res.removal[i]), "actual_change": actual,
-                     "influence": float(res.values[i]), "sentence": " ".join(train_tok[i])})  # fmt: skip
+                     "predicted_identity": float(identity.removal[i]), "influence": float(res.values[i]),
+                     "sentence": " ".join(train_tok[i])})  # fmt: skip
         log(f"  LOO {i:5d} ({kind}): predicted {rows[-1]['predicted_removal']:+.3e} actual {actual:+.3e}")
     loo = pd.DataFrame(rows)
     loo.to_csv(out / "loo.csv", index=False, float_format="%.6g")
@@ -385,22 +424,31 @@ def run(cfg: Config, out: Path, corpus: str = "vader", reuse: bool = False, log=
         "noise_rerun_same_seed": rerun_same - base, "noise_rerun_other_order": rerun_order - base,
         "mean_abs_actual": float(np.abs(act).mean()), "mean_abs_predicted": float(np.abs(pred).mean()),
         "seconds_per_retrain": one_run,
+        "identity": {"pearson": stats(pearsonr, loo["predicted_identity"].to_numpy(), act),
+                     "spearman": stats(spearmanr, loo["predicted_identity"].to_numpy(), act)},
     }  # fmt: skip
     log(f"LOO: {summary['loo']}")
 
-    fig, ax = plt.subplots(figsize=(5.5, 5))
-    for kind, marker in (("top |score|", "o"), ("random", "s")):
-        sel = loo["kind"] == kind
-        ax.scatter(loo.loc[sel, "predicted_removal"], loo.loc[sel, "actual_change"], marker=marker, label=kind, alpha=0.8)
-    lim = float(max(np.abs(pred).max(), np.abs(act).max(), 1e-12)) * 1.1
-    ax.plot([-lim, lim], [-lim, lim], "k--", lw=0.8, label="y = x")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
     noise = abs(rerun_order - base)
-    ax.axhspan(-noise, noise, color="grey", alpha=0.2, label="batch-order noise (no removal)")
-    ax.set_xlabel("predicted change of the summed test loss (res.removal)")
-    ax.set_ylabel("actual change after leave-one-out continuation")
-    ax.set_title(f"ELMo pretraining sentences, LOO: Pearson r = {summary['loo']['pearson']:.2f}, "
-                 f"Spearman = {summary['loo']['spearman']:.2f}", fontsize=9)  # fmt: skip
-    ax.legend(fontsize=7)
+    panels = (("predicted_removal", f"{cfg.pre_solver}" + (f" + {cfg.pre_preconditioner}" if cfg.pre_preconditioner else ""),
+               summary["loo"]["pearson"], summary["loo"]["spearman"]),
+              ("predicted_identity", "identity (every H⁻¹ := I)", summary["loo"]["identity"]["pearson"],
+               summary["loo"]["identity"]["spearman"]))  # fmt: skip
+    for ax, (column, title, r, rho) in zip(axes, panels):
+        x = loo[column].to_numpy()
+        for kind, marker in (("top |score|", "o"), ("random", "s")):
+            sel = (loo["kind"] == kind).to_numpy()
+            ax.scatter(x[sel], act[sel], marker=marker, label=kind, alpha=0.8)
+        if column == "predicted_removal":
+            lim = float(max(np.abs(x).max(), np.abs(act).max(), 1e-12)) * 1.1
+            ax.plot([-lim, lim], [-lim, lim], "k--", lw=0.8, label="y = x")
+        ax.axhspan(-noise, noise, color="grey", alpha=0.2, label="batch-order noise (no removal)")
+        ax.set_xlabel(f"predicted change of the summed test loss ({title})")
+        ax.set_ylabel("actual change after leave-one-out continuation")
+        ax.set_title(f"{title}: Pearson r = {r:.2f}, Spearman = {rho:.2f}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"ELMo pretraining sentences, leave-one-out ({len(loo)} sentences)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "loo_scatter.png", dpi=120)
     plt.close(fig)
@@ -418,10 +466,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", action="store_true", help="reuse the pretrained biLM saved in --out")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on shared cores)")
     parser.add_argument("--max-iter", type=int, default=None, help="cap on the pretraining solver's iterations")
+    parser.add_argument("--hessian-samples", type=int, default=None,
+                        help="pretraining sentences the Hessian is estimated on (0: all)")
+    parser.add_argument("--damping", type=float, default=None, help="damping of the pretraining solve")
+    parser.add_argument("--tol", type=float, default=None, help="relative-residual tolerance of the pretraining solve")
+    parser.add_argument("--preconditioner", default=None, help="ekfac, kfac, diagonal or none")
+    parser.add_argument("--tweet", action="store_true", help="also score the single test tweet (one more pretraining solve)")
+    parser.add_argument("--no-tweet", action="store_true", help="skip the single-tweet query (one pretraining solve less)")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else Config()
     if args.max_iter is not None:
         cfg = replace(cfg, max_iter=args.max_iter)
+    if args.hessian_samples is not None:
+        cfg = replace(cfg, hessian_samples=args.hessian_samples or None)
+    if args.damping is not None:
+        cfg = replace(cfg, damping=(args.damping, cfg.damping[1]))
+    if args.tol is not None:
+        cfg = replace(cfg, tol=args.tol)
+    if args.preconditioner is not None:
+        cfg = replace(cfg, pre_preconditioner=None if args.preconditioner == "none" else args.preconditioner)
+    if args.tweet or args.no_tweet:
+        cfg = replace(cfg, tweet_query=args.tweet and not args.no_tweet)
     out = args.out or (Path(tempfile.mkdtemp(prefix="elmo_quick_")) if args.quick else RESULTS)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
