@@ -29,8 +29,9 @@ backtracking) to the same stationarity (‖∇‖ ≤ 1e-10, the reached norms a
 through :func:`influkit.validation.leave_out_retrain`, and the actual change of the summed test loss is
 compared with each method's predicted ``res.removal`` (Pearson, Spearman) — the same removals for all three.
 
-Run ``python examples/cnn_loo_fashion.py`` (≈ 15–20 min on 2 shared cores; results, plot and README in
-``examples/results/cnn_loo/``) or ``--quick`` (smaller sets, ~2 min; written to ``examples/results/cnn_loo/quick/``).
+Run ``python examples/cnn_loo_fashion.py`` (145 s at load average ~2 on 2 shared cores, longer on a busier
+machine; ``--pretrain-per-class 200`` for 1,000 pretraining images, 251 s; results, plot and README in
+``examples/results/cnn_loo/``) or ``--quick`` (smaller sets and net, 32 s; written to ``examples/results/cnn_loo/quick/``).
 """
 
 from __future__ import annotations
