@@ -63,6 +63,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 from scipy.stats import pearsonr, spearmanr  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -263,7 +264,7 @@ def run(cfg: Config, out: Path, corpus: str = "vader", reuse: bool = False, log=
 
     # -- pretraining, saved in the allennlp format and reloaded
     options_file, weight_file = out / "elmo_options.json", out / "elmo_weights.hdf5"
-    softmax_file, vocab_file = out / "softmax.pt", out / "vocab.txt"
+    softmax_file, vocab_file = out / "softmax.safetensors", out / "vocab.txt"  # safetensors: never pickle
     options = elmo_options(cfg)
     torch.manual_seed(cfg.seed)
     lm = BiLMWithSoftmax(ElmoBiLM(options, dtype=torch.float32), len(vocab)).eval()
@@ -273,14 +274,14 @@ def run(cfg: Config, out: Path, corpus: str = "vader", reuse: bool = False, log=
     reused = reuse and all(f.exists() for f in files) and vocab_file.read_text().split("\n") == vocab.tokens
     if reused:
         lm.bilm.load_state_dict(load_elmo(options_file, weight_file).state_dict())
-        lm.softmax.load_state_dict(torch.load(softmax_file))
+        lm.softmax.load_state_dict(load_file(softmax_file))
         log("reusing the saved pretrained biLM")
     else:
         for j, steps in enumerate(cfg.adam_steps):
             train_adam(pre, steps=steps, lr=cfg.adam_lr / 10**j, batch_size=cfg.adam_batch, seed=cfg.seed + j)
         write_options(options, options_file)
         save_weights(lm.bilm, weight_file)
-        torch.save(lm.softmax.state_dict(), softmax_file)
+        save_file({k: v.contiguous() for k, v in lm.softmax.state_dict().items()}, softmax_file)
         vocab_file.write_text("\n".join(vocab.tokens))
     pretrain_seconds = time.perf_counter() - start
     info_file = out / "pretraining_info.json"
