@@ -23,6 +23,18 @@ from ..params import ParamSpace, point
 from ..stage import Stage
 
 
+def _penalty(stage: Stage, space: ParamSpace, extra) -> Callable[[torch.Tensor], torch.Tensor]:
+    """v ↦ R(v) + extra(v) on flattened parameters (0 when the stage has neither)."""
+
+    def penalty(v: torch.Tensor) -> torch.Tensor:
+        params = space.unflatten(v)
+        reg = stage.regularization(params)
+        value = (v * 0).sum() if reg is None else reg
+        return value + extra(params) if extra is not None else value
+
+    return penalty
+
+
 def explicit_hessian(
     stage: Stage,
     names: Sequence[str] | None = None,
@@ -55,13 +67,7 @@ def explicit_hessian(
     def data_part(v: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return stage.losses(space.unflatten(v), inputs, targets).sum() * scale
 
-    def penalty(v: torch.Tensor) -> torch.Tensor:
-        params = space.unflatten(v)
-        reg = stage.regularization(params)
-        value = (v * 0).sum() if reg is None else reg
-        return value + extra(params) if extra is not None else value
-
-    h = torch.func.jacfwd(torch.func.grad(penalty))(flat)
+    h = torch.func.jacfwd(torch.func.grad(_penalty(stage, space, extra)))(flat)
     for start in range(0, idx.numel(), chunk):
         inputs, targets = stage.data.take(idx[start : start + chunk])
         h = h + torch.func.jacfwd(torch.func.grad(data_part))(flat, inputs.to(flat.device), targets.to(flat.device))
@@ -88,13 +94,7 @@ def explicit_gauss_newton(
     if idx.numel() == 0:
         raise InputError("the Gauss-Newton matrix over no examples is undefined: pass indices=None or a non-empty index set.")
 
-    def penalty(v: torch.Tensor) -> torch.Tensor:
-        params = space.unflatten(v)
-        reg = stage.regularization(params)
-        value = (v * 0).sum() if reg is None else reg
-        return value + extra(params) if extra is not None else value
-
-    g = torch.func.jacfwd(torch.func.grad(penalty))(flat)
+    g = torch.func.jacfwd(torch.func.grad(_penalty(stage, space, extra)))(flat)
     for i in idx.tolist():
         inputs, targets = stage.data.take(torch.tensor([i]))
         inputs, targets = inputs.to(flat.device), targets.to(flat.device)
