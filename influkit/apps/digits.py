@@ -78,26 +78,11 @@ class DigitsSetup:
 
     def recipe(self) -> TwoStageRecipe:
         """Leave-out retraining from the original weights to the exact leave-out optimum (Newton, ‖∇‖ ≤ 1e-10)."""
-        recipe = WarmNewtonRecipe(
+        return TwoStageRecipe(
             shared="embedding", case=self.case, alpha=self.alpha, optimizer="newton",
             pretrain_steps=100, finetune_steps=100, tol=self.tol, warmup=self.warmup,
+            factors=dict(self.factors),  # a preconditioner only: every run still goes to ‖∇‖ ≤ tol
         )
-        recipe._factors.update(self.factors)  # a preconditioner only: every run still goes to ‖∇‖ ≤ tol
-        return recipe
-
-
-@dataclass(frozen=True)
-class WarmNewtonRecipe(TwoStageRecipe):
-    """:class:`TwoStageRecipe` ("newton") whose Newton steps start after ``warmup`` full-batch L-BFGS iterations."""
-
-    warmup: int = 0
-
-    def _train(self, stage: Stage, steps: int, exclude, which: str) -> None:
-        if self.optimizer == "newton" and self.warmup:
-            if which not in self._factors:  # the preconditioner stays the Hessian at the original optimum
-                self._factors[which] = HessianFactor(stage)
-            fit_lbfgs(stage.without(exclude), max_iter=self.warmup, tol=self.tol, restarts=0)
-        super()._train(stage, steps, exclude, which)
 
 
 DEMO_SETTINGS = dict(n_pretrain=240, tol=1e-8, warmup=100)

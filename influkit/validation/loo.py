@@ -35,6 +35,10 @@ class TwoStageRecipe:
     reused by every run, to ‖∇‖ ≤ tol: the exact leave-out optimum nearest the original one), "lbfgs" (full
     batch, to ‖∇‖ ≤ tol or ``*_steps`` iterations) or "adam" (``*_steps`` seeded mini-batch steps, as the
     paper; its optimization noise adds to the measured changes, see :func:`noise_floor`).
+    warmup: "newton" only — full-batch L-BFGS iterations before the Newton steps of every run; they carry a
+    large removal's run out of the region where its Hessian is indefinite (which would cost a dense
+    refactorization) and end at the same ‖∇‖ ≤ tol optimum. factors: Hessian factors of the original optima by
+    stage ("pretrain", "finetune"), e.g. kept from training; missing ones are built on the first run.
     case 1 copies the retrained W into the finetune model and trains Θ. Case 2 shifts the finetuned W by the
     change of the pretrained W̄ and trains (W, Θ) with the proximal term α‖W − W̄‖² (the model the Case 2
     scores assume).
@@ -50,13 +54,16 @@ class TwoStageRecipe:
     batch_size: int = 128
     seed: int = 0
     tol: float = 1e-9
-    _factors: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    warmup: int = 0
+    factors: dict = field(default_factory=dict, compare=False, repr=False)
 
     def _train(self, stage: Stage, steps: int, exclude: torch.Tensor | None, which: str) -> None:
         if self.optimizer == "newton":
-            if which not in self._factors:  # the first call starts from the original optimum
-                self._factors[which] = HessianFactor(stage)
-            newton_fit(stage.without(exclude), factor=self._factors[which], tol=self.tol, max_steps=steps)
+            if which not in self.factors:  # the first call starts from the original optimum
+                self.factors[which] = HessianFactor(stage)
+            if self.warmup:
+                fit_lbfgs(stage.without(exclude), max_iter=self.warmup, tol=self.tol, restarts=0)
+            newton_fit(stage.without(exclude), factor=self.factors[which], tol=self.tol, max_steps=steps)
         elif self.optimizer == "lbfgs":
             fit_lbfgs(stage.without(exclude), max_iter=steps, tol=self.tol)
         elif self.optimizer == "adam":
