@@ -35,11 +35,14 @@ CURVATURES = ("hessian", "gauss-newton")
 
 
 def sample_indices(n: int, samples: int | None, seed: int = 0) -> torch.Tensor | None:
-    """A seeded random subset of ``samples`` of ``range(n)``, or None for all of it."""
-    if samples is None or samples >= n:
+    """A seeded random subset of ``samples`` of ``range(n)``, or None for all of it (``samples`` None or n)."""
+    if samples is None or samples == n:
         return None
     if samples <= 0:
         raise InputError(f"hessian_samples must be positive, got {samples}.")
+    if samples > n:
+        raise InputError(f"hessian_samples={samples} is larger than the stage's data (n = {n} examples): "
+                         f"pass hessian_samples <= {n}, or None to use all of them.")
     gen = torch.Generator().manual_seed(seed)
     return torch.randperm(n, generator=gen)[:samples].sort().values
 

@@ -135,8 +135,19 @@ class Stage:
         return functional_call(self.model, merged, (inputs,))
 
     def losses(self, params: Mapping[str, torch.Tensor], inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Per-example losses (B,) at ``params``."""
-        return self.loss(self.outputs(params, inputs), targets)
+        """Per-example losses (B,) at ``params``; a class target out of range raises :class:`InputError`."""
+        outputs = self.outputs(params, inputs)
+        try:
+            return self.loss(outputs, targets)
+        except (IndexError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and "out of bounds" not in str(exc):
+                raise
+            width = outputs.shape[-1] if outputs.ndim else 1
+            raise InputError(
+                f"the loss failed on these targets ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}): a class "
+                f"target lies outside the model's {width} outputs. Class indices must lie in [0, {width}) (or be the "
+                "loss's ignore_index); fix the labels, or give the model one output per class."
+            ) from exc
 
     def regularization(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         """R at ``params`` (the trained parameters, with ``params`` overriding current values), or None."""
@@ -163,6 +174,9 @@ class Stage:
         inputs, targets = self.data.take(torch.arange(min(2, len(self))))
         check_finite(inputs, "inputs")
         with torch.no_grad():
+            width = self.outputs(self.trained(), inputs[:1]).shape[-1]
+        self._check_class_targets(width)
+        with torch.no_grad():
             out = self.losses(self.trained(), inputs, targets)
         if not torch.is_tensor(out) or out.shape != (inputs.shape[0],):
             shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
@@ -172,6 +186,35 @@ class Stage:
             )
         if not torch.isfinite(out).all():
             raise LossError("loss returned NaN or Inf on the first examples; check the targets and the model.")
+
+    def _check_class_targets(self, width: int) -> None:
+        """Raise :class:`InputError` naming the bound if integer targets outside [0, width) make the loss fail.
+
+        width: the model's last output dimension (the classes of a cross-entropy-like loss). Only (inputs, targets)
+        tensors are scanned here (a Dataset's examples are checked where they are evaluated, in :meth:`losses`);
+        a target outside the range that the loss accepts (an ignore_index, a loss that does not index) is fine.
+        """
+        data = self._data
+        if not (isinstance(data, (tuple, list)) and len(data) == 2 and all(torch.is_tensor(t) for t in data)):
+            return
+        targets = data[1]
+        if targets.ndim == 0 or targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+            return
+        rows = [(flag.reshape(len(targets), -1).any(1)).nonzero().reshape(-1)[:8] for flag in (targets >= width, targets < 0)]
+        probe = torch.cat(rows)
+        if probe.numel() == 0:
+            return
+        try:
+            with torch.no_grad():
+                self.losses(self.trained(), *self.data.take(probe))
+        except InputError as exc:
+            values = targets[probe]
+            values = values[(values < 0) | (values >= width)]
+            raise InputError(
+                f"examples {probe.tolist()} have class targets outside [0, {width}) — the model has {width} outputs — "
+                f"(values {int(values.min())}..{int(values.max())}), and the loss fails on them. Class indices must lie "
+                f"in [0, {width}) (or be the loss's ignore_index): fix the labels, or give the model one output per class."
+            ) from exc.__cause__
 
 
 def check_finite(tensor: torch.Tensor, what: str) -> None:

@@ -97,3 +97,15 @@ def test_unknown_curvature_is_refused(mlp_stage):
 
     with pytest.raises(ik.InputError, match="curvature"):
         HessianOperator(mlp_stage, curvature="fisher")
+
+
+def test_more_hessian_samples_than_examples_is_refused(mlp_stage):
+    """40 examples: 40 samples is all of them; 41 names the bound instead of silently using all 40."""
+    import influkit as ik
+
+    assert HessianOperator(mlp_stage, samples=40).indices is None
+    with pytest.raises(ik.InputError, match=r"hessian_samples=41 .*n = 40.*<= 40"):
+        HessianOperator(mlp_stage, samples=41)
+    with pytest.raises(ik.InputError, match=r"n = 40"):
+        ik.influence(mlp_stage, torch.arange(3), torch.arange(2), solver="direct", hessian_samples=1000,
+                     progress=False)

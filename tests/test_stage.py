@@ -64,6 +64,42 @@ def test_bad_model_loss_or_data_are_refused():
         check_example_shape(stage, torch.zeros(2, 5), "z")
 
 
+def test_class_targets_out_of_range_name_the_bound():
+    """3 outputs, a target 3 at example 7: refused when the stage is built, naming [0, 3) and the example."""
+    x, y = toy()
+    y[7] = 3
+    with pytest.raises(ik.InputError, match=r"examples \[7\] .*outside \[0, 3\).*3\.\.3"):
+        ik.Stage(tanh_mlp(), cross_entropy, (x, y))
+    y[7], y[2] = 1, -4
+    with pytest.raises(ik.InputError, match=r"examples \[2\] .*-4\.\.-4"):
+        ik.Stage(tanh_mlp(), cross_entropy, (x, y))
+
+
+def test_targets_outside_the_outputs_that_the_loss_accepts_are_fine():
+    x, y = toy()
+    y[5] = -100  # cross-entropy's ignore_index (masked-LM labels)
+    stage = ik.Stage(tanh_mlp(), cross_entropy, (x, y))
+    assert stage.losses(stage.trained(), *stage.data.take([5]))[0] == 0
+    torch.manual_seed(0)
+    binary = nn.Linear(8, 1).double()  # one output, integer 0/1 labels: the loss does not index by them
+    bce = lambda out, t: nn.functional.binary_cross_entropy_with_logits(out[:, 0], t.double(), reduction="none")
+    assert len(ik.Stage(binary, bce, (x, (y > 0).long()))) == 12
+
+
+def test_class_targets_out_of_range_in_a_dataset_or_test_set_are_found_when_evaluated():
+    x, y = toy()
+    bad = y.clone()
+    bad[9] = 5
+    stage = ik.Stage(tanh_mlp(), cross_entropy, torch.utils.data.TensorDataset(x, bad))  # a Dataset: not scanned
+    with pytest.raises(ik.InputError, match=r"outside the model's 3 outputs.*\[0, 3\)"):
+        stage.objective()
+    stage = ik.Stage(tanh_mlp(), cross_entropy, (x, y), regularizer=l2(1e-2))
+    with pytest.raises(ik.InputError, match=r"\[0, 3\)"):  # the test set's summed gradient
+        ik.influence(stage, torch.arange(2), (x[:4], bad[6:10]), solver="direct", progress=False)
+    with pytest.raises(ik.InputError, match=r"\[0, 3\)"):  # per-example gradients of z, under vmap
+        ik.influence(stage, (x[:4], bad[6:10]), torch.arange(2), solver="direct", progress=False)
+
+
 # ---- the objective ----
 
 def test_objective_is_mean_loss_plus_regularizer_over_trained_parameters():

@@ -1,0 +1,70 @@
+"""The optional extras install together: each benchmark peer imports beside the CPU torch, and transformers
+still builds its models (a torchvision that fails to import takes ``transformers`` models down with it).
+
+A peer that is not installed is skipped, unless ``INFLUKIT_REQUIRE_PEERS=1`` (scripts/bench-env.sh sets it).
+The imports run in a fresh interpreter, so what other tests imported cannot hide a failure.
+"""
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+# distribution -> the statement the benchmarks (or influkit.hf) rely on
+PEERS = {
+    "transformers": "from transformers import BertConfig, BertForMaskedLM, PreTrainedTokenizerFast",
+    "peft": "from peft import LoraConfig, get_peft_model",
+    "kronfluence": "from kronfluence.analyzer import Analyzer; from kronfluence.task import Task",
+    "pyDVL": "from pydvl.influence.torch import CgInfluence, DirectInfluence",
+    "captum": "from captum.influence import TracInCP",
+    "traker": "from trak import TRAKer; from trak.projectors import BasicProjector",
+    "dattri": "from dattri.algorithm.influence_function import IFAttributorExplicit",
+}
+REQUIRED = os.environ.get("INFLUKIT_REQUIRE_PEERS") == "1"
+
+
+def installed(distribution):
+    try:
+        importlib.metadata.version(distribution)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def run_fresh(code):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("distribution", sorted(PEERS))
+def test_peer_imports(distribution):
+    if not installed(distribution):
+        if REQUIRED:
+            pytest.fail(f"{distribution} is not installed (INFLUKIT_REQUIRE_PEERS=1): pip install -e '.[bench,hf,dev]'")
+        pytest.skip(f"{distribution} not installed")
+    done = run_fresh(PEERS[distribution])
+    assert done.returncode == 0, f"{PEERS[distribution]!r} failed:\n{done.stderr[-3000:]}"
+
+
+def test_transformers_builds_bert_beside_installed_torchvision():
+    """The failure of issue 22: PyPI's torchvision for torch 2.13.0 next to the CPU wheel broke this import."""
+    if not installed("transformers"):
+        pytest.skip("transformers not installed")
+    code = ("import torch, transformers\n"
+            "from transformers import BertConfig, BertForMaskedLM\n"
+            "cfg = BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,"
+            " intermediate_size=8, max_position_embeddings=16)\n"
+            "out = BertForMaskedLM(cfg)(input_ids=torch.tensor([[1, 2, 3]])).logits\n"
+            "assert out.shape == (1, 3, 30), out.shape\n")
+    done = run_fresh(code)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_torchvision_imports_when_installed():
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("torchvision not installed (no extra needs it)")
+    done = run_fresh("import torchvision")
+    assert done.returncode == 0, (
+        "torchvision is installed but does not import beside this torch (a CUDA build next to the CPU wheel?); "
+        f"it breaks transformers: pip uninstall torchvision\n{done.stderr[-2000:]}")
