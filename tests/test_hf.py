@@ -229,6 +229,90 @@ def test_masking_follows_the_bert_recipe():
     assert abs(to_mask - 0.8) < 0.02 and abs(kept - 0.1) < 0.02  # the remaining ≈0.1 are random tokens
 
 
+def old_masks(batch: dict, seed: int) -> dict:
+    """The masks of the rule before issue 22: random replacements uniform over the whole vocabulary, [PAD] too.
+
+    The first replacement draw of each row is unchanged by the fix (specials are redrawn), so the old masked
+    batch is the new one with the first draw put back where it was special.
+    """
+    new = hf.masked_lm_batch(batch, mask_token_id=MASK_ID, vocab_size=VOCAB, special_token_ids=SPECIALS, seed=seed)
+    ids = new["input_ids"].clone()
+    for i in range(ids.shape[0]):
+        gen = torch.Generator().manual_seed(hf.example_seed(seed, i))
+        torch.rand(LENGTH, generator=gen, dtype=torch.float32)
+        action = torch.rand(LENGTH, generator=gen, dtype=torch.float32)
+        first = torch.randint(VOCAB, (LENGTH,), generator=gen)
+        at_random = (new["labels"][i] != -100) & (action >= 0.8) & (action < 0.9)
+        ids[i] = torch.where(at_random, first, ids[i])
+    return new | {"input_ids": ids}
+
+
+def test_random_replacements_never_draw_special_tokens():
+    """Mask seed 7 on the 10 test sentences (the stage of these tests) used to put [PAD] into sentence 7."""
+    batch = tokens(10, 0)
+    new = hf.masked_lm_batch(batch, mask_token_id=MASK_ID, vocab_size=VOCAB, special_token_ids=SPECIALS, seed=7)
+    old = old_masks(batch, seed=7)
+    picked = new["labels"] != -100
+    assert (old["input_ids"][picked] == 0).sum() == 1 and (old["input_ids"][7][picked[7]] == 0).any()
+    assert not torch.isin(new["input_ids"][picked], torch.tensor(SPECIALS[:MASK_ID])).any()
+    changed = new["input_ids"] != old["input_ids"]
+    assert changed.sum() == 1 and changed[7].any()  # only the special draw was redrawn; the rest is as before
+    # over many rows: replacements are uniform over the 15 non-special ids, never a special one
+    ids = torch.randint(5, VOCAB, (3000, LENGTH), generator=torch.Generator().manual_seed(0))
+    masked, labels = hf.mask_tokens(ids, None, torch.arange(3000), mask_token_id=MASK_ID, vocab_size=VOCAB,
+                                    special_token_ids=SPECIALS[:4], seed=0)  # [MASK] itself is never a replacement
+    replaced = masked[(labels != -100) & (masked != MASK_ID) & (masked != ids)]
+    assert replaced.numel() > 300 and replaced.min() >= 5
+    counts = torch.bincount(replaced - 5, minlength=VOCAB - 5).double()
+    assert counts.min() > 0.5 * counts.mean()
+    with pytest.raises(ik.InputError, match="special"):
+        hf.mask_tokens(ids[:2], None, [0, 1], mask_token_id=MASK_ID, vocab_size=5, special_token_ids=SPECIALS)
+
+
+def test_masks_do_not_depend_on_the_default_dtype():
+    """The tests run with a float64 default, examples with float32: the same example gets the same mask."""
+    batch = tokens(10, 0)
+    here = hf.masked_lm_batch(batch, mask_token_id=MASK_ID, vocab_size=VOCAB, special_token_ids=SPECIALS, seed=7)
+    torch.set_default_dtype(torch.float32)
+    try:
+        there = hf.masked_lm_batch(batch, mask_token_id=MASK_ID, vocab_size=VOCAB, special_token_ids=SPECIALS, seed=7)
+    finally:
+        torch.set_default_dtype(torch.float64)
+    assert torch.get_default_dtype() == torch.float64
+    assert torch.equal(here["input_ids"], there["input_ids"]) and torch.equal(here["labels"], there["labels"])
+
+
+@pytest.mark.parametrize("rule", ["new", "old"])
+def test_gradient_equals_central_differences_along_every_embedding_row(rule):
+    """float64 tiny BERT: ∂G/∂(word-embedding row r)·d = (G(θ + h·d) − G(θ − h·d)) / 2h for every row r.
+
+    Under the old masks [PAD] was an input at a predicted position; BERT's embedding drops the pad id's lookup
+    from the gradient (padding_idx), so the check fails on row 0 — and passes everywhere with the fix.
+    """
+    torch.manual_seed(0)
+    model = BertForMaskedLM(tiny_config()).double().eval()
+    batch = tokens(10, 0)
+    data = old_masks(batch, 7) if rule == "old" else hf.masked_lm_batch(
+        batch, mask_token_id=MASK_ID, vocab_size=VOCAB, special_token_ids=SPECIALS, seed=7)
+    stage = hf.masked_lm_stage(model, data, regularizer=l2)
+    (name,) = [n for n in stage.param_names if "word_embeddings" in n]
+    weight = stage.trained()[name].clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(stage.objective({name: weight}), weight)
+    gen, h = torch.Generator().manual_seed(1), 1e-5
+    errors = []
+    for r in range(VOCAB):
+        d = torch.zeros_like(weight)
+        d[r] = torch.randn(weight.shape[1], generator=gen)
+        with torch.no_grad():
+            diff = (stage.objective({name: weight + h * d}) - stage.objective({name: weight - h * d})) / (2 * h)
+        errors.append(float(abs((g * d).sum() - diff) / max(float(abs(diff)), 1e-3)))
+    errors = torch.tensor(errors)
+    if rule == "new":
+        assert errors.max() < 1e-7, errors
+    else:
+        assert errors[0] > 1e-2 and errors[1:].max() < 1e-7, errors  # only the [PAD] row is wrong
+
+
 def test_same_example_same_loss_twice_and_across_stage_builds():
     pre, again = pretrain_stage(), pretrain_stage()
     params = pre.trained()

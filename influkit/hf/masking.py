@@ -11,6 +11,13 @@ scores are those of the objective that was actually minimized only if pretrainin
 BERT's recipe per sentence: each non-special, non-padding token is chosen with probability ``mask_prob``
 (at least one per sentence); a chosen token becomes ``[MASK]`` with probability 0.8, a random token with 0.1,
 and stays itself with 0.1; the label is the original token at chosen positions and −100 elsewhere.
+
+The random token is uniform over the *non-special* ids (never ``[PAD]``, ``[MASK]``, ``[CLS]``…). A ``[PAD]``
+input would be wrong twice: BERT's word embedding treats the pad id as ``padding_idx``, so autograd drops that
+lookup from the gradient (the gradient along the [PAD] row is then not the derivative of the loss, training never
+reaches a stationary point of it, and influence, which assumes one, is off). It is drawn by rejection: a first
+draw that is not special is kept, so masks that never drew a special id are the same as before this rule.
+The uniforms are float32 whatever ``torch.get_default_dtype()`` is (a float64 default used to change every mask).
 """
 
 from __future__ import annotations
@@ -49,7 +56,9 @@ def mask_tokens(
 
     labels[b, t] = input_ids[b, t] where position t was chosen for prediction, −100 elsewhere. Padding
     (attention_mask 0) and ``special_token_ids`` are never chosen; every row with at least one eligible token
-    gets at least one chosen position (else its loss would be empty).
+    gets at least one chosen position (else its loss would be empty). Random replacements are drawn uniformly
+    from the ids in [0, vocab_size) other than ``special_token_ids`` and ``mask_token_id``: give every special
+    id of the tokenizer (``tokenizer.all_special_ids``), [PAD] above all.
     """
     ids = torch.as_tensor(input_ids)
     if ids.dim() != 2:
@@ -60,14 +69,18 @@ def mask_tokens(
     if idx.numel() != ids.shape[0]:
         raise InputError(f"got {idx.numel()} example indices for {ids.shape[0]} rows; give one index per row.")
     attend = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else torch.as_tensor(attention_mask).bool()
+    special = torch.as_tensor(sorted({int(i) for i in special_token_ids} | {int(mask_token_id)}), dtype=torch.long)
+    if (special < vocab_size).sum() >= vocab_size:
+        raise InputError(f"every id below vocab_size={vocab_size} is special: no token is left to draw as a random "
+                         "replacement; check vocab_size and special_token_ids.")
     eligible = attend & ~torch.isin(ids, torch.as_tensor(list(special_token_ids), dtype=ids.dtype))
     masked, labels = ids.clone(), torch.full_like(ids, IGNORE)
     length = ids.shape[1]
     for b in range(ids.shape[0]):
         gen = torch.Generator().manual_seed(example_seed(seed, int(idx[b])))
-        u = torch.rand(length, generator=gen)
-        action = torch.rand(length, generator=gen)
-        replacement = torch.randint(vocab_size, (length,), generator=gen)
+        u = torch.rand(length, generator=gen, dtype=torch.float32)  # float32 whatever the default dtype:
+        action = torch.rand(length, generator=gen, dtype=torch.float32)  # the draws consume the stream alike
+        replacement = _draw_non_special(vocab_size, special, length, gen)
         row_ok = eligible[b].cpu()
         if not row_ok.any():
             continue
@@ -81,3 +94,13 @@ def mask_tokens(
         masked[b] = torch.where(to_mask, torch.full_like(ids[b], mask_token_id), masked[b])
         masked[b] = torch.where(to_random, replacement.to(ids.device, ids.dtype), masked[b])
     return masked, labels
+
+
+def _draw_non_special(vocab_size: int, special: torch.Tensor, length: int, gen: torch.Generator) -> torch.Tensor:
+    """(length,) ids uniform over [0, vocab_size) minus ``special``: draws of a special id are drawn again."""
+    draw = torch.randint(vocab_size, (length,), generator=gen)
+    redo = torch.isin(draw, special)
+    while redo.any():
+        draw[redo] = torch.randint(vocab_size, (int(redo.sum()),), generator=gen)
+        redo = torch.isin(draw, special)
+    return draw
