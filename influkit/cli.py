@@ -136,7 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     score = sub.add_parser("score", help="run a scoring job from a TOML/YAML config (works under torchrun)")
     score.add_argument("config", type=Path, help="the job's config file (see influkit.jobs)")
     score.add_argument("--quiet", action="store_true", help="no progress bars")
+    page = sub.add_parser("report", help="a self-contained HTML page of a saved result (influkit.report)")
+    page.add_argument("result", type=Path, help="a result file written by InfluenceResult.save")
+    page.add_argument("-o", "--output", type=Path, default=None, help="the HTML file (default: RESULT.html)")
+    page.add_argument("--top", type=int, default=None, help="examples per list (default: as stored, else 8)")
+    page.add_argument("--max-queries", type=int, default=None, help="test columns shown (default: as stored, else 12)")
+    page.add_argument("--title", default=None)
     args = parser.parse_args(argv)
+    if args.command == "report":
+        from .report import write_report
+        from .results import load
+
+        output = args.output or args.result.with_name(args.result.name + ".html")
+        path = write_report(load(args.result), output, k=args.top, max_queries=args.max_queries, title=args.title)
+        print(f"wrote {path}")
+        return 0
     if args.command == "score":
         from .jobs import main as score_main
 

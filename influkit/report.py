@@ -1,0 +1,360 @@
+"""A self-contained HTML page of an :class:`~influkit.results.InfluenceResult` (``influkit report``).
+
+The page shows, per query, the most harmful (largest score: up-weighting them raises that query's loss) and the
+most helpful (smallest score) training examples rendered as they are — images as thumbnails, text as text —,
+the distribution of the scores, the solve diagnostics, and the validation scatter (predicted vs actual change of
+the test loss on removal) when there is one. Nothing is fetched when it opens: the CSS is inline and every
+picture is a base64 PNG ``data:`` URI, so the file can be mailed or archived alone.
+
+What the page needs beyond the scores — the renderings of the examples it shows, the queries, the validation
+pairs — is kept in ``result.diagnostics["report"]`` (JSON: texts and small PNGs), so a result saved after
+:func:`write_report` renders the same page again from the file alone (``influkit report RESULT -o page.html``).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from matplotlib.figure import Figure
+
+from .errors import InputError
+from .results import InfluenceResult
+
+MAX_TEXT = 600  # characters of a text example shown
+
+_CSS = """
+body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 24px auto; max-width: 1100px;
+       color: #1d232b; background: #fff; line-height: 1.4; padding: 0 16px; }
+h1 { font-size: 1.5em; margin-bottom: 0.2em; } h2 { font-size: 1.2em; border-bottom: 1px solid #d6dbe1;
+     padding-bottom: 4px; margin-top: 1.6em; } h3 { font-size: 1em; margin: 0.8em 0 0.3em; }
+.note { color: #56606b; font-size: 0.9em; }
+.query { border: 1px solid #d6dbe1; border-radius: 6px; padding: 8px 12px; margin: 12px 0; }
+.row { display: flex; flex-wrap: wrap; gap: 8px; }
+.card { border-radius: 4px; padding: 4px; width: 118px; font-size: 0.75em; background: #f6f7f9; }
+.card.wide { width: 250px; }
+.harmful .card { border-top: 4px solid #c0392b; } .helpful .card { border-top: 4px solid #2471a3; }
+.card img, .queryitem img { width: 96px; height: 96px; image-rendering: pixelated; display: block;
+                            margin: 2px auto; background: #fff; object-fit: contain; }
+.card .text, .queryitem .text { white-space: pre-wrap; word-break: break-word; font-family: ui-monospace,
+                                 'DejaVu Sans Mono', monospace; }
+.queryitem { display: inline-block; vertical-align: top; max-width: 420px; margin-right: 8px; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 6px 0; }
+td, th { border: 1px solid #d6dbe1; padding: 3px 8px; text-align: right; } th { background: #f0f2f5; }
+td:first-child, th:first-child { text-align: left; }
+img.plot { max-width: 100%; }
+"""
+
+
+def _png(array: np.ndarray, cmap: str | None = None) -> str:
+    """A base64 PNG of a (H, W) grey image (min–max scaled, ``cmap``) or a (H, W, 3|4) colour image."""
+    from matplotlib import image as mpimg
+
+    buffer = io.BytesIO()
+    if array.ndim == 2:
+        lo, hi = float(array.min()), float(array.max())
+        mpimg.imsave(buffer, array, cmap=cmap or "gray_r", vmin=lo, vmax=hi if hi > lo else lo + 1, format="png")
+    else:
+        lo, hi = float(array.min()), float(array.max())
+        scaled = array if lo >= 0 and hi <= 1 else (array - lo) / (hi - lo if hi > lo else 1.0)
+        mpimg.imsave(buffer, np.clip(scaled, 0, 1), format="png")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _figure_png(fig: Figure) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def render_example(item, image_shape: Sequence[int] | None = None) -> dict[str, str]:
+    """{"text": ...} for a string, {"png": base64} for an image ((H, W), (C, H, W) or (H, W, C), C ∈ {1, 3, 4};
+    a flat vector with ``image_shape``); other arrays are shown as text."""
+    if isinstance(item, str):
+        return {"text": item[:MAX_TEXT] + ("…" if len(item) > MAX_TEXT else "")}
+    array = item.detach().cpu().double().numpy() if torch.is_tensor(item) else np.asarray(item, dtype=float)
+    if image_shape is not None:
+        array = array.reshape(tuple(image_shape))
+    if array.ndim == 3 and array.shape[0] in (1, 3, 4) and array.shape[-1] not in (1, 3, 4):
+        array = np.moveaxis(array, 0, -1)
+    if array.ndim == 3 and array.shape[-1] == 1:
+        array = array[..., 0]
+    if array.ndim == 2 or (array.ndim == 3 and array.shape[-1] in (3, 4)):
+        return {"png": _png(array)}
+    flat = array.reshape(-1)
+    shown = ", ".join(f"{v:.3g}" for v in flat[:12])
+    return {"text": f"[{shown}{', …' if flat.size > 12 else ''}] ({'×'.join(map(str, array.shape))})"}
+
+
+def _sections(result: InfluenceResult, k: int, max_queries: int) -> list[dict[str, Any]]:
+    """Per query (a test column, or the summed test set): the k largest and k smallest scores with their ids."""
+    values = result.values.detach().cpu().double()
+    columns = [(j, values[:, j]) for j in range(min(values.shape[1], max_queries))] if result.per_test \
+        else [(None, values)]
+    sections = []
+    for j, scores in columns:
+        order = torch.argsort(scores, descending=True)
+        kk = min(k, scores.numel())
+        sections.append({
+            "query": j,
+            "harmful": [(int(result.index[i]), float(scores[i])) for i in order[:kk]],
+            "helpful": [(int(result.index[i]), float(scores[i])) for i in order.flip(0)[:kk]],
+        })
+    return sections
+
+
+def _validation_pairs(validation) -> dict[str, list]:
+    """{"predicted": [...], "actual": [...], "removed": [...]} from a leave-out frame or such a dict."""
+    if isinstance(validation, pd.DataFrame):
+        frame = validation
+    elif isinstance(validation, dict):
+        frame = pd.DataFrame({k: list(v) for k, v in validation.items()})
+    else:
+        raise InputError(f"validation must be a DataFrame (e.g. influkit.validation.leave_out_retrain's) or a dict "
+                         f"with 'predicted' and 'actual', got {type(validation).__name__}.")
+    missing = {"predicted", "actual"} - set(frame.columns)
+    if missing:
+        raise InputError(f"validation lacks the column(s) {sorted(missing)}: give the predicted and the actual change "
+                         "of the test loss for each removal (leave_out_retrain(..., predicted=result) has both).")
+    frame = frame[np.isfinite(frame["predicted"].astype(float)) & np.isfinite(frame["actual"].astype(float))]
+    removed = frame["removed"].astype(str).tolist() if "removed" in frame.columns else [""] * len(frame)
+    return {"predicted": frame["predicted"].astype(float).tolist(), "actual": frame["actual"].astype(float).tolist(),
+            "removed": removed}
+
+
+def remember(
+    result: InfluenceResult,
+    *,
+    examples=None,
+    queries=None,
+    validation=None,
+    labels: Sequence | None = None,
+    query_labels: Sequence | None = None,
+    image_shape: Sequence[int] | None = None,
+    k: int | None = None,
+    max_queries: int | None = None,
+    title: str | None = None,
+) -> dict[str, Any]:
+    """Store in ``result.diagnostics["report"]`` what the page shows beyond the scores, and return it.
+
+    examples: the training examples, indexable by the result's example ids (``result.index``): a list of
+    strings, or images as an (N, H, W), (N, C, H, W), (N, H, W, C) tensor/array (or (N, D) with
+    ``image_shape``); only the ones shown are rendered and kept. queries: the test examples, one per column of a
+    per-test result (else a strip of the test set). validation: a leave-out frame with ``predicted`` and
+    ``actual`` (and ``removed``). labels / query_labels: a caption per training / test example (e.g. the class).
+    k: examples per list (default 8); max_queries: test columns shown of a per-test result (default 12).
+    Arguments left None keep what an earlier call stored.
+    """
+    stored = dict(result.diagnostics.get("report") or {})
+    k = int(stored.get("k", 8) if k is None else k)
+    max_queries = int(stored.get("max_queries", 12) if max_queries is None else max_queries)
+    if k < 1 or max_queries < 1:
+        raise InputError(f"k and max_queries must be positive, got k={k}, max_queries={max_queries}.")
+    stored.update({"k": k, "max_queries": max_queries})
+    if title is not None:
+        stored["title"] = str(title)
+    sections = _sections(result, k, max_queries)
+    shown = sorted({i for s in sections for i, _ in s["harmful"] + s["helpful"]})
+    if examples is not None:
+        if len(examples) <= max(shown, default=-1):
+            raise InputError(f"examples has {len(examples)} entries but the result names example {max(shown)}: pass "
+                             "every training example, indexable by the result's example ids (result.index).")
+        rendered = dict(stored.get("examples") or {})
+        rendered.update({str(i): render_example(examples[i], image_shape) for i in shown})
+        stored["examples"] = rendered
+    if labels is not None:
+        if len(labels) <= max(shown, default=-1):
+            raise InputError(f"labels has {len(labels)} entries but the result names example {max(shown)}.")
+        stored["labels"] = dict(stored.get("labels") or {}) | {str(i): str(labels[i]) for i in shown}
+    if queries is not None:
+        count = min(result.values.shape[1], max_queries) if result.per_test else min(len(queries), 16)
+        if result.per_test and len(queries) < count:
+            raise InputError(f"queries has {len(queries)} entries for a result with {result.values.shape[1]} test "
+                             "columns: pass one test example per column.")
+        stored["queries"] = [render_example(queries[j], image_shape) for j in range(count)]
+    if query_labels is not None:
+        stored["query_labels"] = [str(v) for v in list(query_labels)[: min(len(query_labels), max(max_queries, 16))]]
+    if validation is not None:
+        stored["validation"] = _validation_pairs(validation)
+    result.diagnostics["report"] = stored
+    return stored
+
+
+def _example_card(example_id: int, score: float, removal: float, stored: dict, wide: bool) -> str:
+    shown = (stored.get("examples") or {}).get(str(example_id))
+    label = (stored.get("labels") or {}).get(str(example_id))
+    body = ""
+    if shown and "png" in shown:
+        body = f'<img alt="example {example_id}" src="data:image/png;base64,{shown["png"]}">'
+    elif shown:
+        body = f'<div class="text">{html.escape(shown["text"])}</div>'
+    caption = f"#{example_id}" + (f" · {html.escape(label)}" if label is not None else "")
+    return (f'<div class="card{" wide" if wide else ""}">{body}<div><b>{caption}</b></div>'
+            f'<div>score {score:+.3g}</div><div>removal {removal:+.3g}</div></div>')
+
+
+def _query_item(j: int, stored: dict) -> str:
+    queries, labels = stored.get("queries") or [], stored.get("query_labels") or []
+    if j >= len(queries):
+        return ""
+    item = queries[j]
+    body = (f'<img alt="query {j}" src="data:image/png;base64,{item["png"]}">' if "png" in item
+            else f'<div class="text">{html.escape(item["text"])}</div>')
+    label = f" · {html.escape(labels[j])}" if j < len(labels) else ""
+    return f'<div class="queryitem">{body}<div class="note">test example {j}{label}</div></div>'
+
+
+def _removal_eps(result: InfluenceResult, example_id: int) -> float:
+    eps = result.removal_eps
+    if torch.is_tensor(eps):
+        row = int((result.index == example_id).nonzero()[0])
+        return float(eps[row])
+    return float(eps)
+
+
+def _histogram(result: InfluenceResult) -> str:
+    scores = result.total.detach().cpu().double().numpy()
+    fig = Figure(figsize=(6.4, 3.2))
+    ax = fig.add_subplot()
+    ax.hist(scores, bins=min(60, max(10, int(math.sqrt(scores.size)) * 2)), color="#5d6d7e")
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("influence score summed over the test set (positive = harmful)")
+    ax.set_ylabel("training examples")
+    ax.set_title(f"{scores.size} examples · mean {scores.mean():+.3g} · median |score| {np.median(np.abs(scores)):.3g}",
+                 fontsize=9)
+    fig.tight_layout()
+    return _figure_png(fig)
+
+
+def _scatter(pairs: dict[str, list]) -> tuple[str, str]:
+    from .validation.metrics import pearson, spearman
+
+    p, a = np.asarray(pairs["predicted"], float), np.asarray(pairs["actual"], float)
+    try:
+        stats = f"Pearson r = {pearson(p, a):.3f}, Spearman ρ = {spearman(p, a):.3f}, {p.size} removals"
+    except InputError as exc:
+        stats = f"{p.size} removals (no correlation: {exc})"
+    fig = Figure(figsize=(4.8, 4.2))
+    ax = fig.add_subplot()
+    ax.scatter(p, a, s=16, alpha=0.8)
+    if p.size:
+        lo, hi = min(p.min(), a.min()), max(p.max(), a.max())
+        ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("predicted change of the test loss")
+    ax.set_ylabel("actual change (leave-out retraining)")
+    ax.set_title(stats, fontsize=9)
+    fig.tight_layout()
+    return _figure_png(fig), stats
+
+
+def _table(frame: pd.DataFrame) -> str:
+    return frame.to_html(index=False, border=0, float_format=lambda v: f"{v:.4g}", na_rep="")
+
+
+def _stage_first(item: tuple[str, Any]) -> tuple[bool, str]:
+    return item[0] != "stage", item[0]  # one column order, whatever order a saved file's JSON keeps
+
+
+def _diagnostics(result: InfluenceResult) -> str:
+    parts = []
+    solves = [{k: (json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v) for k, v in sorted(s.items(), key=_stage_first)}
+              for s in result.diagnostics.get("solves") or []]
+    parts.append(_table(pd.DataFrame(solves)) if solves else '<p class="note">no solves recorded</p>')
+    seconds = dict(sorted((result.diagnostics.get("seconds") or {}).items()))
+    if seconds:
+        parts.append("<h3>time (s)</h3>" + _table(pd.DataFrame([seconds])))
+    settings = result.diagnostics.get("settings") or {}
+    if settings:
+        rows = [{"setting": k, "value": json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v)}
+                for k, v in sorted(settings.items())]
+        parts.append("<h3>settings</h3>" + _table(pd.DataFrame(rows)))
+    return "\n".join(parts)
+
+
+def render(result: InfluenceResult) -> str:
+    """The HTML page of ``result`` from its scores, diagnostics and what :func:`remember` stored."""
+    stored = result.diagnostics.get("report") or {}
+    k, max_queries = int(stored.get("k", 8)), int(stored.get("max_queries", 12))
+    wide = any("text" in v for v in (stored.get("examples") or {}).values())
+    title = stored.get("title") or f"influence report — {result.method or 'influence'}"
+    out = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>",
+           f"<style>{_CSS}</style></head><body>", f"<h1>{html.escape(title)}</h1>"]
+    shape = "×".join(map(str, result.values.shape))
+    out.append(f'<p class="note">{html.escape(result.method or "influence")} · scores of {result.values.shape[0]} '
+               f"training examples ({shape}) · n_train = {result.n_train}. A score is I(z, T) = d(test loss)/dε for "
+               "training objective + ε·loss(z): <b>positive = harmful</b> (up-weighting z raises the test loss), "
+               "negative = helpful; <i>removal</i> is the predicted change of the summed test loss when z is removed "
+               "(removal_eps · score).</p>")
+    sections = _sections(result, k, max_queries)
+    out.append("<h2>Most harmful and most helpful training examples</h2>")
+    if result.per_test and result.values.shape[1] > len(sections):
+        out.append(f'<p class="note">the first {len(sections)} of {result.values.shape[1]} queries</p>')
+    for s in sections:
+        j = s["query"]
+        head = f"query {j}" if j is not None else "the whole test set (scores summed over it)"
+        out.append(f'<div class="query"><h3>{head}</h3>')
+        if j is not None:
+            out.append(_query_item(j, stored))
+        elif stored.get("queries"):
+            out.append('<div class="row">' + "".join(_query_item(i, stored) for i in range(len(stored["queries"])))
+                       + "</div>")
+        for kind, caption in (("harmful", "most harmful (largest score)"), ("helpful", "most helpful (smallest score)")):
+            cards = "".join(_example_card(i, v, _removal_eps(result, i) * v, stored, wide) for i, v in s[kind])
+            out.append(f'<div class="{kind}"><h3>{caption}</h3><div class="row">{cards}</div></div>')
+        out.append("</div>")
+    out.append("<h2>Score distribution</h2>")
+    out.append(f'<img class="plot" alt="histogram of scores" src="data:image/png;base64,{_histogram(result)}">')
+    out.append("<h2>Solve diagnostics</h2>" + _diagnostics(result))
+    if stored.get("validation"):
+        png, stats = _scatter(stored["validation"])
+        out.append("<h2>Validation: predicted vs actual change on removal</h2>")
+        out.append(f'<p class="note">{html.escape(stats)}</p>')
+        out.append(f'<img class="plot" alt="validation scatter" src="data:image/png;base64,{png}">')
+    out.append('<p class="note">written by influkit · self-contained: no scripts, no network</p></body></html>')
+    return "\n".join(out)
+
+
+def write_report(result: InfluenceResult, path: str | Path, **attachments) -> Path:
+    """Write the HTML page of ``result`` to ``path``; ``attachments`` as in :func:`remember` (stored first)."""
+    remember(result, **attachments)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(result), encoding="utf-8")
+    return path
+
+
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync")
+
+
+def screenshot(page: str | Path, png: str | Path, *, size: tuple[int, int] = (1200, 1600),
+               browser: str | None = None, timeout: float = 120) -> Path:
+    """Render the HTML file ``page`` in headless Chromium to a ``size`` = (width, height) PNG screenshot.
+
+    browser: the Chromium executable (default: ``chromium`` on PATH; ``apt-get install chromium``).
+    """
+    browser = browser or shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        raise InputError("no Chromium found for the screenshot: apt-get install chromium, or pass browser=PATH.")
+    png = Path(png).resolve()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="influkit-chromium-") as profile:
+        done = subprocess.run([browser, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--screenshot={png}",
+                               f"--window-size={size[0]},{size[1]}", Path(page).resolve().as_uri()],
+                              capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0 or not png.exists():
+        raise RuntimeError(f"Chromium failed (exit {done.returncode}): {done.stderr[-1000:]}")
+    return png

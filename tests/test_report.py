@@ -1,0 +1,151 @@
+"""influkit.report: the HTML page of a result — the right examples per query, rendered as they are, no network,
+the same page again from a saved file (``influkit report``), and checked in a real browser when Chromium is there."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from html.parser import HTMLParser
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import influkit as ik
+from influkit.cli import main as cli
+from influkit.report import screenshot
+from influkit.validation.metrics import pearson
+
+K = 4
+
+
+class Page(HTMLParser):
+    """Collects every tag's attributes and, per query block, the example ids of its harmful/helpful cards."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.tags: list[tuple[str, dict]] = []
+        self.cards: list[tuple[str, int]] = []  # (list kind, example id) in page order
+        self.kind = ""
+        self.in_caption = False
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.tags.append((tag, attrs))
+        if tag == "div" and attrs.get("class") in ("harmful", "helpful"):
+            self.kind = attrs["class"]
+        self.in_caption = tag == "b" and bool(self.kind)
+
+    def handle_data(self, data):
+        match = re.match(r"#(\d+)", data)
+        if self.in_caption and match:
+            self.cards.append((self.kind, int(match.group(1))))
+        self.in_caption = False
+
+
+@pytest.fixture(scope="module")
+def digits_scores(logreg_digits):
+    """Per-test influence of 300 real training digits on 3 test digits (multinomial logistic regression)."""
+    stage, (test_x, test_y) = logreg_digits
+    res = ik.influence(stage, torch.arange(len(stage)), (test_x[:3], test_y[:3]), solver="direct", per_test=True,
+                       progress=False)
+    return res, stage.data.take(torch.arange(len(stage))), (test_x, test_y)
+
+
+@pytest.fixture
+def digits_result(digits_scores):
+    """A fresh copy per test: a report stores what it shows in the result's diagnostics."""
+    res, train, test = digits_scores
+    copy = ik.InfluenceResult(values=res.values.clone(), n_train=res.n_train, method=res.method,
+                              diagnostics={k: v for k, v in res.diagnostics.items() if k != "report"})
+    return copy, train, test
+
+
+def test_page_shows_each_querys_extremes_as_thumbnails(digits_result, tmp_path):
+    res, (train_x, train_y), (test_x, test_y) = digits_result
+    path = res.report(tmp_path / "page.html", examples=train_x.reshape(-1, 8, 8), labels=train_y.tolist(),
+                      queries=test_x.reshape(-1, 8, 8), k=K)
+    text = path.read_text()
+    page = Page(text)
+    expected = []
+    for j in range(3):
+        order = torch.argsort(res.values[:, j], descending=True)
+        expected += [("harmful", int(i)) for i in order[:K]] + [("helpful", int(i)) for i in order.flip(0)[:K]]
+    assert page.cards == expected
+    images = [a["src"] for t, a in page.tags if t == "img"]
+    assert len(images) == 3 + 3 * 2 * K + 1  # queries, cards, histogram (no validation given)
+    assert all(src.startswith("data:image/png;base64,") for src in images)
+    # self-contained: no script, no link, nothing fetched
+    assert not any(t in ("script", "link", "iframe") for t, _ in page.tags)
+    assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:|//)|url\(|@import", text)
+    assert "<style>" in text and "single-stage" in text and "direct" in text  # method and solve diagnostics
+    stored = res.diagnostics["report"]
+    assert set(stored["examples"]) == {str(i) for _, i in expected}  # only what is shown is kept
+
+
+def test_text_examples_are_shown_as_escaped_text(tmp_path):
+    values = torch.tensor([3.0, -1.0, 0.5, -7.0, 2.0])
+    texts = ["a fine review", "<script>alert(1)</script> & more", "meh", "the best film ever", "dull " * 300]
+    res = ik.InfluenceResult(values=values, n_train=5, method="turn-over dropout", removal_eps=-1.0)
+    text = res.report(tmp_path / "t.html", examples=texts, queries=["a query sentence"], k=2).read_text()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; more" in text and "<script>" not in text
+    assert Page(text).cards == [("harmful", 0), ("harmful", 4), ("helpful", 3), ("helpful", 1)]
+    assert "a query sentence" in text and "dull " * 100 in text and "dull " * 130 not in text  # long text cut
+    assert "removal -3" in text  # removal_eps · score with removal_eps = −1
+
+
+def test_saved_result_renders_the_same_page_from_the_cli(digits_result, tmp_path, capsys):
+    res, (train_x, train_y), (test_x, _) = digits_result
+    page = res.report(tmp_path / "page.html", examples=train_x.reshape(-1, 8, 8), queries=test_x.reshape(-1, 64),
+                      image_shape=(8, 8), k=K)
+    res.save(tmp_path / "res.safetensors")
+    assert cli(["report", str(tmp_path / "res.safetensors"), "-o", str(tmp_path / "again.html")]) == 0
+    assert (tmp_path / "again.html").read_text() == page.read_text()
+    assert "wrote" in capsys.readouterr().out
+    assert cli(["report", str(tmp_path / "res.safetensors"), "--top", "2"]) == 0  # default output: RESULT.html
+    assert len(Page((tmp_path / "res.safetensors.html").read_text()).cards) == 3 * 2 * 2
+
+
+def test_validation_scatter_when_there_is_one(digits_result, tmp_path):
+    res = ik.InfluenceResult(values=digits_result[0].total.clone(), n_train=300, method="single-stage")
+    plain = res.report(tmp_path / "plain.html").read_text()
+    assert "Validation" not in plain and plain.count("<img") == 1  # the histogram only
+    gen = np.random.default_rng(0)
+    predicted = gen.normal(size=12)
+    loo = pd.DataFrame({"removed": [str(i) for i in range(12)], "predicted": predicted,
+                        "actual": predicted + 0.3 * gen.normal(size=12)})
+    text = res.report(tmp_path / "v.html", validation=loo).read_text()
+    assert "Validation" in text and text.count("<img") == 2
+    assert f"Pearson r = {pearson(loo['predicted'], loo['actual']):.3f}" in text
+
+
+def test_bad_attachments_are_refused(digits_result, tmp_path):
+    res, (train_x, _), _ = digits_result
+    with pytest.raises(ik.InputError, match="examples has 10 entries"):
+        res.report(tmp_path / "x.html", examples=train_x[:10])
+    with pytest.raises(ik.InputError, match="actual"):
+        res.report(tmp_path / "x.html", validation=pd.DataFrame({"predicted": [1.0, 2.0, 3.0]}))
+    with pytest.raises(ik.InputError, match="one test example per column"):
+        res.report(tmp_path / "x.html", queries=["only one"])
+    with pytest.raises(ik.InputError, match="positive"):
+        res.report(tmp_path / "x.html", k=0)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Chromium not installed (apt-get install chromium)")
+def test_chromium_renders_the_page(digits_result, tmp_path):
+    """A real browser draws the page: a screenshot of the requested size, many colours, the cards' CSS borders."""
+    from matplotlib import image as mpimg
+
+    res, (train_x, train_y), (test_x, _) = digits_result
+    page = res.report(tmp_path / "page.html", examples=train_x.reshape(-1, 8, 8), labels=train_y.tolist(),
+                      queries=test_x.reshape(-1, 8, 8), k=K)
+    png = screenshot(page, tmp_path / "shot.png", size=(900, 1300))
+    pixels = mpimg.imread(png)[..., :3]
+    assert pixels.shape == (1300, 900, 3)
+    rgb = (pixels * 255).round().astype(int).reshape(-1, 3)
+    assert len(np.unique(rgb, axis=0)) > 50  # text, grey thumbnails and borders, not a blank or error page
+    assert (rgb.sum(1) < 600).mean() > 0.02  # something dark drawn on the white page
+    for colour in ((0xC0, 0x39, 0x2B), (0x24, 0x71, 0xA3)):  # the harmful (red) and helpful (blue) card borders
+        assert (np.abs(rgb - colour).sum(1) <= 6).sum() > 100, colour
