@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     saved = run.scores.save(args.out / "case1_result.safetensors")
     print(f"wrote {page} and {saved}")
     if shutil.which("chromium"):
-        png = screenshot(page, args.screenshot or args.out / "report.png", size=(1100, 2400))
+        png = screenshot(page, args.screenshot or args.out / "report.png", size=(1100, 1900))
         print(f"wrote {png}")
     return 0
 

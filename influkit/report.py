@@ -39,21 +39,24 @@ _CSS = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 24px auto; max-width: 1100px;
        color: #1d232b; background: #fff; line-height: 1.4; padding: 0 16px; }
 h1 { font-size: 1.5em; margin-bottom: 0.2em; } h2 { font-size: 1.2em; border-bottom: 1px solid #d6dbe1;
-     padding-bottom: 4px; margin-top: 1.6em; } h3 { font-size: 1em; margin: 0.8em 0 0.3em; }
+     padding-bottom: 4px; margin-top: 1.4em; } h3 { font-size: 1em; margin: 0.7em 0 0.3em; }
 .note { color: #56606b; font-size: 0.9em; }
 .query { border: 1px solid #d6dbe1; border-radius: 6px; padding: 8px 12px; margin: 12px 0; }
 .row { display: flex; flex-wrap: wrap; gap: 8px; }
-.card { border-radius: 4px; padding: 4px; width: 118px; font-size: 0.75em; background: #f6f7f9; }
-.card.wide { width: 250px; }
+.card { border-radius: 4px; padding: 4px; width: 108px; font-size: 0.72em; background: #f6f7f9; white-space: nowrap; }
+.card.wide { width: 250px; white-space: normal; }
 .harmful .card { border-top: 4px solid #c0392b; } .helpful .card { border-top: 4px solid #2471a3; }
-.card img, .queryitem img { width: 96px; height: 96px; image-rendering: pixelated; display: block;
+.card img, .queryitem img { width: 88px; height: 88px; image-rendering: pixelated; display: block;
                             margin: 2px auto; background: #fff; object-fit: contain; }
+.strip .queryitem img { width: 48px; height: 48px; }
+.strip .queryitem { font-size: 0.75em; margin-right: 2px; text-align: center; }
 .card .text, .queryitem .text { white-space: pre-wrap; word-break: break-word; font-family: ui-monospace,
                                  'DejaVu Sans Mono', monospace; }
 .queryitem { display: inline-block; vertical-align: top; max-width: 420px; margin-right: 8px; }
+.qbody { display: flex; gap: 12px; align-items: flex-start; }
+.panels { display: flex; flex-wrap: wrap; gap: 24px; } .panels > div { flex: 1 1 420px; }
 table { border-collapse: collapse; font-size: 0.85em; margin: 6px 0; }
-td, th { border: 1px solid #d6dbe1; padding: 3px 8px; text-align: right; } th { background: #f0f2f5; }
-td:first-child, th:first-child { text-align: left; }
+td, th { border: 1px solid #d6dbe1; padding: 3px 8px; text-align: left; } th { background: #f0f2f5; }
 img.plot { max-width: 100%; }
 """
 
@@ -205,7 +208,7 @@ def _example_card(example_id: int, score: float, removal: float, stored: dict, w
             f'<div>score {score:+.3g}</div><div>removal {removal:+.3g}</div></div>')
 
 
-def _query_item(j: int, stored: dict) -> str:
+def _query_item(j: int, stored: dict, compact: bool = False) -> str:
     queries, labels = stored.get("queries") or [], stored.get("query_labels") or []
     if j >= len(queries):
         return ""
@@ -213,7 +216,8 @@ def _query_item(j: int, stored: dict) -> str:
     body = (f'<img alt="query {j}" src="data:image/png;base64,{item["png"]}">' if "png" in item
             else f'<div class="text">{html.escape(item["text"])}</div>')
     label = f" · {html.escape(labels[j])}" if j < len(labels) else ""
-    return f'<div class="queryitem">{body}<div class="note">test example {j}{label}</div></div>'
+    name = f"#{j}" if compact else f"test example {j}"
+    return f'<div class="queryitem">{body}<div class="note">{name}{label}</div></div>'
 
 
 def _removal_eps(result: InfluenceResult, example_id: int) -> float:
@@ -226,7 +230,7 @@ def _removal_eps(result: InfluenceResult, example_id: int) -> float:
 
 def _histogram(result: InfluenceResult) -> str:
     scores = result.total.detach().cpu().double().numpy()
-    fig = Figure(figsize=(6.4, 3.2))
+    fig = Figure(figsize=(5.2, 4.2))
     ax = fig.add_subplot()
     ax.hist(scores, bins=min(60, max(10, int(math.sqrt(scores.size)) * 2)), color="#5d6d7e")
     ax.axvline(0, color="black", lw=0.8)
@@ -306,23 +310,23 @@ def render(result: InfluenceResult) -> str:
         j = s["query"]
         head = f"query {j}" if j is not None else "the whole test set (scores summed over it)"
         out.append(f'<div class="query"><h3>{head}</h3>')
-        if j is not None:
-            out.append(_query_item(j, stored))
-        elif stored.get("queries"):
-            out.append('<div class="row">' + "".join(_query_item(i, stored) for i in range(len(stored["queries"])))
+        if j is None and stored.get("queries"):
+            out.append('<div class="strip"><span class="note">test set: </span>' + "".join(_query_item(i, stored, compact=True) for i in range(len(stored["queries"])))
                        + "</div>")
+        out.append('<div class="qbody">' + (_query_item(j, stored) if j is not None else "") + "<div>")
         for kind, caption in (("harmful", "most harmful (largest score)"), ("helpful", "most helpful (smallest score)")):
             cards = "".join(_example_card(i, v, _removal_eps(result, i) * v, stored, wide) for i, v in s[kind])
             out.append(f'<div class="{kind}"><h3>{caption}</h3><div class="row">{cards}</div></div>')
-        out.append("</div>")
-    out.append("<h2>Score distribution</h2>")
-    out.append(f'<img class="plot" alt="histogram of scores" src="data:image/png;base64,{_histogram(result)}">')
-    out.append("<h2>Solve diagnostics</h2>" + _diagnostics(result))
+        out.append("</div></div></div>")
+    out.append('<div class="panels"><div><h2>Score distribution</h2>')
+    out.append(f'<img class="plot" alt="histogram of scores" src="data:image/png;base64,{_histogram(result)}"></div>')
     if stored.get("validation"):
         png, stats = _scatter(stored["validation"])
-        out.append("<h2>Validation: predicted vs actual change on removal</h2>")
+        out.append("<div><h2>Validation: predicted vs actual change on removal</h2>")
         out.append(f'<p class="note">{html.escape(stats)}</p>')
-        out.append(f'<img class="plot" alt="validation scatter" src="data:image/png;base64,{png}">')
+        out.append(f'<img class="plot" alt="validation scatter" src="data:image/png;base64,{png}"></div>')
+    out.append("</div>")
+    out.append("<h2>Solve diagnostics</h2>" + _diagnostics(result))
     out.append('<p class="note">written by influkit · self-contained: no scripts, no network</p></body></html>')
     return "\n".join(out)
 

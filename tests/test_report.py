@@ -94,6 +94,10 @@ def test_text_examples_are_shown_as_escaped_text(tmp_path):
     assert Page(text).cards == [("harmful", 0), ("harmful", 4), ("helpful", 3), ("helpful", 1)]
     assert "a query sentence" in text and "dull " * 100 in text and "dull " * 130 not in text  # long text cut
     assert "removal -3" in text  # removal_eps · score with removal_eps = −1
+    weighted = ik.InfluenceResult(values=values, n_train=5, removal_eps=torch.tensor([-0.5, 1, 1, 1, -2.0]),
+                                  index=torch.tensor([10, 11, 12, 13, 14]))  # one ε per row (SSL weights)
+    text = weighted.report(tmp_path / "w.html", examples=texts * 3, k=1).read_text()
+    assert Page(text).cards == [("harmful", 10), ("helpful", 13)] and "removal -1.5" in text and "removal -7" in text
 
 
 def test_saved_result_renders_the_same_page_from_the_cli(digits_result, tmp_path, capsys):
