@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     page = sub.add_parser("report", help="a self-contained HTML page of a saved result (influkit.report)")
     page.add_argument("result", type=Path, help="a result file written by InfluenceResult.save")
     page.add_argument("-o", "--output", type=Path, default=None, help="the HTML file (default: RESULT.html)")
-    page.add_argument("--top", type=int, default=None, help="examples per list (default: as stored, else 8)")
+    page.add_argument("--top", type=int, default=None, help="examples per list (default: as stored, else 8; "
+                      "examples the result did not store show as ids)")
     page.add_argument("--max-queries", type=int, default=None, help="test columns shown (default: as stored, else 12)")
     page.add_argument("--title", default=None)
     args = parser.parse_args(argv)

@@ -61,16 +61,15 @@ img.plot { max-width: 100%; }
 """
 
 
-def _png(array: np.ndarray, cmap: str | None = None) -> str:
-    """A base64 PNG of a (H, W) grey image (min–max scaled, ``cmap``) or a (H, W, 3|4) colour image."""
+def _png(array: np.ndarray) -> str:
+    """A base64 PNG of a (H, W) grey image (min–max scaled, dark = high) or a (H, W, 3|4) colour image."""
     from matplotlib import image as mpimg
 
     buffer = io.BytesIO()
+    lo, hi = float(array.min()), float(array.max())
     if array.ndim == 2:
-        lo, hi = float(array.min()), float(array.max())
-        mpimg.imsave(buffer, array, cmap=cmap or "gray_r", vmin=lo, vmax=hi if hi > lo else lo + 1, format="png")
+        mpimg.imsave(buffer, array, cmap="gray_r", vmin=lo, vmax=hi if hi > lo else lo + 1, format="png")
     else:
-        lo, hi = float(array.min()), float(array.max())
         scaled = array if lo >= 0 and hi <= 1 else (array - lo) / (hi - lo if hi > lo else 1.0)
         mpimg.imsave(buffer, np.clip(scaled, 0, 1), format="png")
     return base64.b64encode(buffer.getvalue()).decode("ascii")
@@ -119,7 +118,7 @@ def _sections(result: InfluenceResult, k: int, max_queries: int) -> list[dict[st
 
 
 def _validation_pairs(validation) -> dict[str, list]:
-    """{"predicted": [...], "actual": [...], "removed": [...]} from a leave-out frame or such a dict."""
+    """{"predicted": [...], "actual": [...]} (finite pairs) from a leave-out frame or such a dict."""
     if isinstance(validation, pd.DataFrame):
         frame = validation
     elif isinstance(validation, dict):
@@ -132,9 +131,7 @@ def _validation_pairs(validation) -> dict[str, list]:
         raise InputError(f"validation lacks the column(s) {sorted(missing)}: give the predicted and the actual change "
                          "of the test loss for each removal (leave_out_retrain(..., predicted=result) has both).")
     frame = frame[np.isfinite(frame["predicted"].astype(float)) & np.isfinite(frame["actual"].astype(float))]
-    removed = frame["removed"].astype(str).tolist() if "removed" in frame.columns else [""] * len(frame)
-    return {"predicted": frame["predicted"].astype(float).tolist(), "actual": frame["actual"].astype(float).tolist(),
-            "removed": removed}
+    return {"predicted": frame["predicted"].astype(float).tolist(), "actual": frame["actual"].astype(float).tolist()}
 
 
 def remember(
@@ -156,7 +153,7 @@ def remember(
     strings, or images as an (N, H, W), (N, C, H, W), (N, H, W, C) tensor/array (or (N, D) with
     ``image_shape``); only the ones shown are rendered and kept. queries: the test examples, one per column of a
     per-test result (else a strip of the test set). validation: a leave-out frame with ``predicted`` and
-    ``actual`` (and ``removed``). labels / query_labels: a caption per training / test example (e.g. the class).
+    ``actual``. labels / query_labels: a caption per training / test example (e.g. the class).
     k: examples per list (default 8); max_queries: test columns shown of a per-test result (default 12).
     Arguments left None keep what an earlier call stored.
     """
@@ -188,7 +185,7 @@ def remember(
                              "columns: pass one test example per column.")
         stored["queries"] = [render_example(queries[j], image_shape) for j in range(count)]
     if query_labels is not None:
-        stored["query_labels"] = [str(v) for v in list(query_labels)[: min(len(query_labels), max(max_queries, 16))]]
+        stored["query_labels"] = [str(v) for v in list(query_labels)[: max(max_queries, 16)]]
     if validation is not None:
         stored["validation"] = _validation_pairs(validation)
     result.diagnostics["report"] = stored
