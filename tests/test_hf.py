@@ -267,6 +267,8 @@ def test_random_replacements_never_draw_special_tokens():
     assert counts.min() > 0.5 * counts.mean()
     with pytest.raises(ik.InputError, match="special"):
         hf.mask_tokens(ids[:2], None, [0, 1], mask_token_id=MASK_ID, vocab_size=5, special_token_ids=SPECIALS)
+    with pytest.warns(UserWarning, match=r"\[PAD\]"):  # no special ids given: [PAD] could be drawn
+        hf.mask_tokens(ids[:2], None, [0, 1], mask_token_id=MASK_ID, vocab_size=VOCAB)
 
 
 def test_masks_do_not_depend_on_the_default_dtype():
