@@ -265,22 +265,24 @@ def _table(frame: pd.DataFrame) -> str:
     return frame.to_html(index=False, border=0, float_format=lambda v: f"{v:.4g}", na_rep="")
 
 
+def _cell(value):
+    return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
+
+
 def _stage_first(item: tuple[str, Any]) -> tuple[bool, str]:
     return item[0] != "stage", item[0]  # one column order, whatever order a saved file's JSON keeps
 
 
 def _diagnostics(result: InfluenceResult) -> str:
     parts = []
-    solves = [{k: (json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v) for k, v in sorted(s.items(), key=_stage_first)}
-              for s in result.diagnostics.get("solves") or []]
+    solves = [{k: _cell(v) for k, v in sorted(s.items(), key=_stage_first)} for s in result.diagnostics.get("solves") or []]
     parts.append(_table(pd.DataFrame(solves)) if solves else '<p class="note">no solves recorded</p>')
     seconds = dict(sorted((result.diagnostics.get("seconds") or {}).items()))
     if seconds:
         parts.append("<h3>time (s)</h3>" + _table(pd.DataFrame([seconds])))
     settings = result.diagnostics.get("settings") or {}
     if settings:
-        rows = [{"setting": k, "value": json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v)}
-                for k, v in sorted(settings.items())]
+        rows = [{"setting": k, "value": str(_cell(v))} for k, v in sorted(settings.items())]
         parts.append("<h3>settings</h3>" + _table(pd.DataFrame(rows)))
     return "\n".join(parts)
 
@@ -308,8 +310,8 @@ def render(result: InfluenceResult) -> str:
         head = f"query {j}" if j is not None else "the whole test set (scores summed over it)"
         out.append(f'<div class="query"><h3>{head}</h3>')
         if j is None and stored.get("queries"):
-            out.append('<div class="strip"><span class="note">test set: </span>' + "".join(_query_item(i, stored, compact=True) for i in range(len(stored["queries"])))
-                       + "</div>")
+            strip = "".join(_query_item(i, stored, compact=True) for i in range(len(stored["queries"])))
+            out.append(f'<div class="strip"><span class="note">test set: </span>{strip}</div>')
         out.append('<div class="qbody">' + (_query_item(j, stored) if j is not None else "") + "<div>")
         for kind, caption in (("harmful", "most harmful (largest score)"), ("helpful", "most helpful (smallest score)")):
             cards = "".join(_example_card(i, v, _removal_eps(result, i) * v, stored, wide) for i, v in s[kind])

@@ -142,7 +142,7 @@ class Stage:
         except (IndexError, RuntimeError) as exc:
             if isinstance(exc, RuntimeError) and "out of bounds" not in str(exc):
                 raise
-            width = outputs.shape[-1] if outputs.ndim else 1
+            width = outputs.shape[-1] if torch.is_tensor(outputs) and outputs.ndim else "its"
             raise InputError(
                 f"the loss failed on these targets ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}): a class "
                 f"target lies outside the model's {width} outputs. Class indices must lie in [0, {width}) (or be the "
@@ -174,8 +174,9 @@ class Stage:
         inputs, targets = self.data.take(torch.arange(min(2, len(self))))
         check_finite(inputs, "inputs")
         with torch.no_grad():
-            width = self.outputs(self.trained(), inputs[:1]).shape[-1]
-        self._check_class_targets(width)
+            first = self.outputs(self.trained(), inputs[:1])
+        if torch.is_tensor(first) and first.ndim:
+            self._check_class_targets(first.shape[-1])
         with torch.no_grad():
             out = self.losses(self.trained(), inputs, targets)
         if not torch.is_tensor(out) or out.shape != (inputs.shape[0],):
@@ -200,8 +201,8 @@ class Stage:
         targets = data[1]
         if targets.ndim == 0 or targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
             return
-        rows = [(flag.reshape(len(targets), -1).any(1)).nonzero().reshape(-1)[:8] for flag in (targets >= width, targets < 0)]
-        probe = torch.cat(rows)
+        flags = (targets >= width, targets < 0)  # the first 8 rows of each kind are evaluated
+        probe = torch.cat([flag.reshape(len(targets), -1).any(1).nonzero().reshape(-1)[:8] for flag in flags])
         if probe.numel() == 0:
             return
         try:
@@ -211,9 +212,10 @@ class Stage:
             values = targets[probe]
             values = values[(values < 0) | (values >= width)]
             raise InputError(
-                f"examples {probe.tolist()} have class targets outside [0, {width}) — the model has {width} outputs — "
-                f"(values {int(values.min())}..{int(values.max())}), and the loss fails on them. Class indices must lie "
-                f"in [0, {width}) (or be the loss's ignore_index): fix the labels, or give the model one output per class."
+                f"examples {probe.tolist()} have class targets outside [0, {width}) — the model has {width} "
+                f"outputs — (values {int(values.min())}..{int(values.max())}), and the loss fails on them. Class "
+                f"indices must lie in [0, {width}) (or be the loss's ignore_index): fix the labels, or give the model "
+                "one output per class."
             ) from exc.__cause__
 
 
