@@ -177,9 +177,10 @@ def validate_digits(
     test = (split.test[0].to(setup.device), split.test[1].to(setup.device))
     start = time.perf_counter()
     kw = dict(shared="embedding", case=setup.case, alpha=setup.alpha, progress=progress)
-    scores = score(pre, fin, torch.arange(len(pre)), test, solver=solver, damping=damping, **kw)
+    configs = [SolveConfig(solver=solver, damping=d) for d in damping]
+    scores = score(pre, fin, torch.arange(len(pre)), test, solve=configs, **kw)
     setup.timings["score"] = time.perf_counter() - start
-    identity = score(pre, fin, torch.arange(len(pre)), test, solver="identity", **kw)
+    identity = score(pre, fin, torch.arange(len(pre)), test, solve=SolveConfig(solver="identity"), **kw)
     report("score", time.perf_counter() - start)
     removals = choose_removals(scores, n_removals, setup.seed)
     start = time.perf_counter()
