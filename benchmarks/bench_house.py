@@ -1,9 +1,10 @@
 """The shape of the package: entry points' parameters and default solvers, import time, largest modules, circles.
 
-    python benchmarks/bench_house.py [--root CHECKOUT] [--repeats 5]
+    python benchmarks/bench_house.py [--root CHECKOUT] [--repeats 5] [--against OTHER_CHECKOUT]
 
 Everything is measured on the checkout at ``--root`` (default: this one), in fresh subprocesses, so the same
-script measures an older commit (``git worktree add /tmp/before <commit>``). Prints one table per question.
+script measures an older commit (``git archive <commit> | tar -x -C /tmp/before``). Prints one table per question.
+``--against``: time ``import influkit`` of both checkouts alternately (same load), and print both.
 """
 
 from __future__ import annotations
@@ -43,10 +44,13 @@ for label, path in json.loads(sys.argv[1]).items():
     for key in ("solver", "method", "solve"):
         if key in sig.parameters and sig.parameters[key].default is not inspect.Parameter.empty:
             d = sig.parameters[key].default
-            default = getattr(d, "solver", d)
-            default = f"{key}={default!r}"
+            if key == "solve" and d is None:  # None means SolveConfig()
+                d = influkit.SolveConfig()
+            default = f"{key}={getattr(d, 'solver', d)!r}"
             break
-    out[label] = {"parameters": len(params), "names": [p.name for p in params], "default": default}
+    kinds = inspect.Parameter.VAR_KEYWORD
+    out[label] = {"parameters": len([p for p in params if p.kind != kinds]), "names": [p.name for p in params],
+                  "default": default, "deprecated": any(p.kind == kinds for p in params)}
 heavy = [m for m in ("h5py", "pandas", "scipy", "matplotlib", "sklearn", "transformers") if m in sys.modules]
 print(json.dumps({"entry": out, "heavy": heavy}))
 """
@@ -78,6 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=str(Path(__file__).resolve().parents[1]))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--against", default=None, help="another checkout to time `import influkit` against")
     args = parser.parse_args()
     root = Path(args.root).resolve()
     probe = subprocess.run([_python(), "-c", PROBE, json.dumps(ENTRY_POINTS)], cwd=root, env=_env(root),
@@ -88,10 +93,18 @@ def main() -> None:
     print("\nentry point           params  default solver        solve keywords in the signature")
     for label, row in info["entry"].items():
         solve = [n for n in row["names"] if n in SOLVE_KEYWORDS]
-        print(f"{label:20s}  {row['parameters']:6d}  {str(row['default']):20s}  {', '.join(solve)}")
-    times = import_seconds(root, args.repeats)
+        old = " (+ deprecated aliases via **kwargs)" if row.get("deprecated") else ""
+        print(f"{label:20s}  {row['parameters']:6d}  {str(row['default']):20s}  {', '.join(solve)}{old}")
+    times, other = [], []
+    for _ in range(args.repeats):  # alternate, so both see the same machine load
+        times += import_seconds(root, 1)
+        if args.against:
+            other += import_seconds(Path(args.against).resolve(), 1)
     print(f"\nimport influkit: best {min(times):.3f} s of {args.repeats} (median {sorted(times)[len(times) // 2]:.3f} s); "
           f"heavy modules loaded: {', '.join(info['heavy']) or 'none'}")
+    if other:
+        print(f"  {args.against}, timed alternately: best {min(other):.3f} s (median {sorted(other)[len(other) // 2]:.3f} s); "
+              f"ratio of bests {min(times) / min(other):.2f}")
     print("\nlargest modules (lines)")
     for path, lines in largest_modules(root):
         print(f"  {lines:5d}  {path}")

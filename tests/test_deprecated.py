@@ -166,3 +166,13 @@ def test_auto_is_the_default_everywhere_and_its_choice_is_recorded(stage, two_st
     assert all(c["solver"] == "auto" and c["damping"] == 0.0 for c in res.diagnostics["settings"]["solve"])
     sol = ik.solve(torch.eye(3, dtype=torch.float64) * 2, torch.ones(3, dtype=torch.float64))
     assert sol.method == "direct" and sol.choice.startswith("auto:")
+
+    class MatvecOnly:  # an Operator with no dense form: auto cannot factor it and runs MINRES
+        dim, dtype, device = 3, torch.float64, torch.device("cpu")
+
+        def matvec(self, v):
+            return 2 * v
+
+    sol = ik.solve(MatvecOnly(), torch.ones(3, dtype=torch.float64))
+    assert sol.method == "minres" and "no dense()" in sol.choice and sol.converged
+    torch.testing.assert_close(sol.x, torch.full((3,), 0.5, dtype=torch.float64))
