@@ -46,7 +46,7 @@ def _score_all(setup: DigitsSetup, split=None):
     split = setup.split() if split is None else split
     pre, fin = train_stages(setup, split)
     res = influkit.score(pre, fin, torch.arange(len(pre)), split.test, shared="embedding", case=setup.case,
-                         alpha=setup.alpha, solver="direct", damping=(0.0, 0.0), progress=False)
+                         alpha=setup.alpha, solve=influkit.SolveConfig(solver="direct"))
     return split, pre, fin, res
 
 
