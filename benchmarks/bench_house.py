@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ SOLVE_KEYWORDS = ("solver", "method", "damping", "tol", "max_iter", "hessian_sam
 PROBE = r"""
 import inspect, json, sys, importlib
 import influkit
+heavy = [m for m in ("h5py", "pandas", "scipy", "matplotlib", "sklearn", "transformers") if m in sys.modules]
 out = {}
 for label, path in json.loads(sys.argv[1]).items():
     obj = influkit
@@ -51,7 +53,6 @@ for label, path in json.loads(sys.argv[1]).items():
     kinds = inspect.Parameter.VAR_KEYWORD
     out[label] = {"parameters": len([p for p in params if p.kind != kinds]), "names": [p.name for p in params],
                   "default": default, "deprecated": any(p.kind == kinds for p in params)}
-heavy = [m for m in ("h5py", "pandas", "scipy", "matplotlib", "sklearn", "transformers") if m in sys.modules]
 print(json.dumps({"entry": out, "heavy": heavy}))
 """
 
@@ -60,17 +61,28 @@ def _python() -> str:
     return sys.executable
 
 
-def import_seconds(root: Path, repeats: int) -> list[float]:
+def import_seconds(root: Path, repeats: int) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of ``python -c "import influkit"`` in a fresh process, ``repeats`` times. CPU time (user +
+    system of the child) depends much less on what else the machine runs than wall time does."""
     times = []
     for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         subprocess.run([_python(), "-c", "import influkit"], cwd=root, check=True, env=_env(root))
-        times.append(time.perf_counter() - start)
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        times.append((wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime))
     return times
 
 
 def _env(root: Path) -> dict:
     return os.environ | {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+
+
+def _describe(times: list[tuple[float, float]]) -> str:
+    walls, cpus = sorted(w for w, _ in times), sorted(c for _, c in times)
+    return (f"wall best {walls[0]:.3f} s / median {walls[len(walls) // 2]:.3f} s, CPU best {cpus[0]:.3f} s / "
+            f"median {cpus[len(cpus) // 2]:.3f} s ({len(times)} runs)")
 
 
 def largest_modules(root: Path, k: int = 5) -> list[tuple[str, int]]:
@@ -100,11 +112,11 @@ def main() -> None:
         times += import_seconds(root, 1)
         if args.against:
             other += import_seconds(Path(args.against).resolve(), 1)
-    print(f"\nimport influkit: best {min(times):.3f} s of {args.repeats} (median {sorted(times)[len(times) // 2]:.3f} s); "
-          f"heavy modules loaded: {', '.join(info['heavy']) or 'none'}")
+    print(f"\nimport influkit: {_describe(times)}; heavy modules loaded by `import influkit`: "
+          f"{', '.join(info['heavy']) or 'none'}")
     if other:
-        print(f"  {args.against}, timed alternately: best {min(other):.3f} s (median {sorted(other)[len(other) // 2]:.3f} s); "
-              f"ratio of bests {min(times) / min(other):.2f}")
+        print(f"  {args.against}, timed alternately: {_describe(other)}; ratio of best CPU "
+              f"{min(c for _, c in times) / min(c for _, c in other):.2f}")
     print("\nlargest modules (lines)")
     for path, lines in largest_modules(root):
         print(f"  {lines:5d}  {path}")
