@@ -19,6 +19,7 @@ are in :mod:`influkit.krylov`.
 | ``identity`` | x = b                   | nothing         | —              | the paper's ablation (H := I)      |
 | ``kfac``, ``ekfac`` | x = (C + λI)⁻¹ b | the fitted factors | —           | approximate: C the (E)K-FAC curvature |
 | ``arnoldi`` | x = V (Θ + λ)⁻¹ Vᵀ b     | k eigenpairs    | —              | approximate: top-k subspace only   |
+| ``auto``   | ``direct`` for p ≤ ``AUTO_DIRECT_MAX``, else ``minres`` | | | the default of every entry point |
 
 ``minres`` and ``cg_spd`` take a **preconditioner** M ≈ H + λI, symmetric positive definite: the fitted K-FAC,
 EK-FAC or diagonal-Fisher curvature (:mod:`influkit.factored`) plus λI, or any callable applying M⁻¹. The
@@ -59,9 +60,8 @@ from .params import ParamSpace, point
 
 METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "identity")
 APPROXIMATIONS = ("kfac", "ekfac", "arnoldi")
-SOLVERS = METHODS + APPROXIMATIONS
+SOLVERS = METHODS + APPROXIMATIONS  # the built-in solvers; :func:`register` adds more
 PRECONDITIONERS = ("kfac", "ekfac", "diagonal")
-PRECONDITIONED = ("minres", "cg_spd")
 
 
 @dataclass
@@ -145,8 +145,8 @@ class SolveConfig:
     curvature: str = "hessian"
 
     def __post_init__(self) -> None:
-        if self.solver not in SOLVERS + ("auto",):
-            raise InputError(f"unknown solver {self.solver!r}; choose 'auto' or one of {SOLVERS}.")
+        if self.solver != "auto" and self.solver not in REGISTRY:
+            raise InputError(f"unknown solver {self.solver!r}; choose 'auto' or one of {tuple(REGISTRY)}.")
         if not self.damping >= 0:
             raise InputError(f"damping must be ≥ 0, got {self.damping}.")
         if self.hessian_samples is not None and self.hessian_samples <= 0:
@@ -157,7 +157,8 @@ class SolveConfig:
                                  "a callable applying M⁻¹.")
         elif self.preconditioner is not None and not callable(self.preconditioner):
             raise InputError("preconditioner must be 'ekfac', 'kfac', 'diagonal' or a callable applying M⁻¹ to (p, k) vectors.")
-        if (self.preconditioner is not None or self.deflate) and self.solver not in PRECONDITIONED + ("auto",):
+        if (self.preconditioner is not None or self.deflate) and not (
+                self.solver == "auto" or REGISTRY[self.solver].accepts_preconditioner):
             raise InputError(f"a preconditioner (or deflate) applies to solver='minres' or 'cg_spd', not {self.solver!r}.")
         if self.fisher not in FISHER:
             raise InputError(f"unknown fisher {self.fisher!r}; choose one of {FISHER}.")
@@ -243,7 +244,8 @@ REGISTRY: dict[str, type["Solver"]] = {}
 
 
 def register(*names: str):
-    """Class decorator: the solver class behind ``SolveConfig(solver=name)`` for each name."""
+    """Class decorator: the :class:`Solver` subclass behind ``SolveConfig(solver=name)`` for each name (a new
+    method is one class: ``_run`` and, if it fits something, ``_prepare``; tests/test_solvers.py registers one)."""
 
     def add(cls):
         for name in names:
@@ -276,6 +278,7 @@ class Solver:
 
     exact: ClassVar[bool] = False  # True: converged by construction (no residual test)
     iterative: ClassVar[bool] = False  # True: runs ``max_iter`` steps at most, with a progress bar
+    accepts_preconditioner: ClassVar[bool] = False  # True: SolveConfig(preconditioner=..., deflate=...) applies
     warn: bool = True  # warn on an unconverged solve (and, in CG, on negative curvature)
 
     def __init__(self, config: SolveConfig, operator: Operator, *, choice: str = ""):
@@ -459,8 +462,8 @@ class _Krylov(Solver):
 
     def _prepare(self, progress: bool) -> None:
         config = self.config
-        pre = config.preconditioner if self.name in PRECONDITIONED else None
-        if pre is None and not (config.deflate and self.name in PRECONDITIONED):
+        pre = config.preconditioner if self.accepts_preconditioner else None
+        if pre is None and not (config.deflate and self.accepts_preconditioner):
             return
         base, name = (pre, getattr(pre, "__qualname__", type(pre).__name__)) if callable(pre) else (None, "")
         if isinstance(pre, str):
@@ -468,7 +471,7 @@ class _Krylov(Solver):
             if curvature is not None:
                 shift = config.damping if config.damping > 0 else 1e-3 * curvature.mean_eigenvalue()
                 base, name = (lambda r: curvature.solve(r, shift)), f"{pre} ({curvature.info['fisher']} Fisher)"
-        if config.deflate and self.name in PRECONDITIONED:
+        if config.deflate and self.accepts_preconditioner:
             pairs = self._eigenpairs(progress)
             base = deflated(base, pairs.eigenvalues, pairs.eigenvectors, config.damping)
             name = f"{name or 'identity'} deflated by {pairs.eigenvalues.numel()} Lanczos eigenpairs"
@@ -478,6 +481,8 @@ class _Krylov(Solver):
 @register("minres")
 class MINRES(_Krylov):
     """MINRES on (H + λI) x = b: any symmetric H, indefinite too; converges with κ(M⁻¹H)."""
+
+    accepts_preconditioner = True
 
     def _run(self, rhs, tol, max_iter, bar):
         apply, target = self._system(rhs)
@@ -498,6 +503,7 @@ class CG(_Krylov):
     """Conjugate gradients on (H + λI) x = b, which must be positive definite; converges with κ(M⁻¹H)."""
 
     squared: ClassVar[bool] = False
+    accepts_preconditioner = True
 
     def _run(self, rhs, tol, max_iter, bar):
         apply, target = self._system(rhs, squared=self.squared)
@@ -512,6 +518,7 @@ class CGSquared(CG):
     """CG on (H² + λI) x = H b, the multi-stage paper's eq. 16: any symmetric H; converges with κ(H)²."""
 
     squared = True
+    accepts_preconditioner = False
 
 
 @register("lissa")
@@ -638,11 +645,11 @@ def solve(
         raise TypeError(f"solve() got an unexpected keyword argument {next(iter(deprecated))!r}")
     if torch.is_tensor(operator):
         operator = DenseOperator(operator)
-    if solver not in SOLVERS + ("auto",):
-        raise InputError(f"unknown solver {solver!r}; choose 'auto' or one of {SOLVERS}.")
+    if solver != "auto" and solver not in REGISTRY:
+        raise InputError(f"unknown solver {solver!r}; choose 'auto' or one of {tuple(REGISTRY)}.")
     if damping < 0:
         raise InputError(f"damping must be ≥ 0, got {damping}.")
-    if preconditioner is not None and solver not in PRECONDITIONED:
+    if preconditioner is not None and not (solver != "auto" and REGISTRY[solver].accepts_preconditioner):
         raise InputError(f"a preconditioner applies to 'minres' and 'cg_spd', not {solver!r}.")
     if solver in APPROXIMATIONS and approximation is None:
         raise InputError(
