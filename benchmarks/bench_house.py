@@ -126,7 +126,7 @@ def main() -> None:
     graph = import_graph.edges(root)
     found, arrows = import_graph.circles(graph), import_graph.core_arrows(graph)
     print(f"\nimport circles: {len(found)}" + "".join(f"\n  {' ⇄ '.join(c)}" for c in found))
-    print(f"core → method/app arrows: {len(arrows)}" + "".join(f"\n  {a} → {b}" for a, b, _ in arrows))
+    print(f"core → outside-the-core arrows: {len(arrows)}" + "".join(f"\n  {a} → {b}" for a, b, _ in arrows))
 
 
 if __name__ == "__main__":
