@@ -11,6 +11,7 @@ the scores are then the batched dot products −∇ℓ(z)ᵀ s.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
@@ -18,9 +19,10 @@ import torch
 from .chain import Chain, Measure
 from .data import as_examples
 from .errors import InputError
+from .gradients import per_example_grads
 from .results import InfluenceResult
 from .solvers import SolveConfig, solve_settings
-from .stage import Stage
+from .stage import Stage, check_example_shape
 
 
 def influence(
@@ -69,29 +71,32 @@ def self_influence(
 
     Negative for a positive definite H; removing z raises its own loss by −I(z, z)/n = ``removal``, large for
     examples the model fits only by memorizing them (outliers, mislabelled points). z defaults to all data.
-    The diagonal of ``Chain([stage]).query(block, per_test=True).scores(block)`` for blocks of ``rhs_chunk``
-    examples: one fit (``direct`` factors H once), one batched solve per block. solve, chunk_size and the
-    deprecated solve keywords: as in :func:`influence`.
+    ``Chain([stage])``'s fitted solver (``direct`` factors H once) solves for ``rhs_chunk`` gradients at a time.
+    solve, chunk_size and the deprecated solve keywords: as in :func:`influence`.
     """
     config = solve_settings(solve, deprecated, "influkit.self_influence")
     if rhs_chunk < 1:
         raise InputError(f"rhs_chunk must be ≥ 1, got {rhs_chunk}.")
-    chain = Chain([stage if params is None else stage.with_(params=params)], solve=config)
+    chain = Chain([stage if params is None else stage.with_(params=params)], solve=config).fit()
+    plan, solver = chain.plans[0], chain.solver(0)
     z = torch.arange(len(stage)) if z is None else z
-    (zx, zy), z_ids = as_examples(z, stage.data, "z")
-    values, summaries, seconds = [], [], {}
-    for s in range(0, zx.shape[0], rhs_chunk):
-        block = (zx[s : s + rhs_chunk], zy[s : s + rhs_chunk])
-        query = chain.query(block, per_test=True, chunk_size=chunk_size, progress=progress)
-        values.append(query.scores(block, chunk_size=chunk_size, progress=progress).values.diagonal())
-        summaries += [{**entry, "stage": 0, "examples": [s, s + block[0].shape[0]]} for entry in query.solves]
-        for key, t in query.seconds.items():
-            seconds[key] = seconds.get(key, 0.0) + t
+    (zx, zy), z_ids = as_examples(z, plan.stage.data, "z")
+    check_example_shape(plan.stage, zx, "z")
+    start = time.perf_counter()
+    chunking = {} if chunk_size is None else {"chunk_size": chunk_size}
+    grads = per_example_grads(plan.stage, zx, zy, plan.trained, progress=progress, **chunking)
+    seconds = {"fit": chain.fit_seconds, "example_gradients": time.perf_counter() - start, "solves": 0.0}
+    values, summaries = [], []
+    for s in range(0, grads.shape[0], rhs_chunk):
+        block = grads[s : s + rhs_chunk]
+        sol = solver.solve(block.T, progress=progress)
+        values.append(-(block * sol.x.T).sum(dim=1))
+        summaries.append({"stage": 0, "examples": [s, s + block.shape[0]], **sol.summary()})
+        seconds["solves"] += sol.seconds
     return InfluenceResult(
         values=torch.cat(values),
         n_train=len(stage),
         index=z_ids,
         method="self-influence",
-        diagnostics={"solves": summaries, "seconds": seconds | {"fit": chain.fit_seconds},
-                     "settings": config.summary()},
+        diagnostics={"solves": summaries, "seconds": seconds, "settings": config.summary()},
     )
