@@ -367,8 +367,7 @@ class Query:
         """Influence I(z, T) = −∇ℓ_1(z)ᵀ s of stage-1 examples ``z`` (indices or (inputs, targets); default all).
 
         Per-example gradients are computed ``chunk_size`` rows at a time (default ``SCORE_CHUNK_SIZE``; memory
-        O(chunk_size · p)); scoring z
-        in parts gives the same numbers as scoring it whole. Under ``torch.distributed`` the chunks are split
+        O(chunk_size · p)); scoring z in parts gives the same numbers as scoring it whole. Under ``torch.distributed`` the chunks are split
         over the ranks and every rank returns the whole result. ``out``: a directory to stream the scores to,
         chunk by chunk, resumable after a crash (:mod:`influkit.scoring`); the result is memory-mapped from it.
         """
