@@ -45,8 +45,9 @@ def one_size(m: int, iterations: int) -> dict:
 
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    res = ik.score(pre, fin, torch.arange(m), test, shared="embedding", solver="cg", damping=(1e-2, 1e-8),
-                   hessian_samples=(1000, None), max_iter=iterations, progress=False, chunk_size=64)
+    solve = [ik.SolveConfig(solver="cg", damping=1e-2, hessian_samples=1000, max_iter=iterations),
+             ik.SolveConfig(solver="cg", damping=1e-8, max_iter=iterations)]
+    res = ik.score(pre, fin, torch.arange(m), test, shared="embedding", solve=solve, chunk_size=64)
     total = time.perf_counter() - start
     seconds = res.diagnostics["seconds"]
     return {

@@ -6,7 +6,7 @@ newton_refine) and a 64→32→10 tanh MLP with a small L2 (L-BFGS then Newton; 
 output is converted to Δ by its documented conventions and compared with the explicit-Hessian result
 (``torch.func.hessian`` + LU solve + serial per-example gradients):
 
-- influkit: ``ik.influence(stage, all_train, test, solver=...).removal`` — H = Hessian of mean loss + L2.
+- influkit: ``ik.influence(stage, all_train, test, solve=SolveConfig(solver=...)).removal`` — H = Hessian of mean loss + L2.
 - pyDVL (``pydvl.influence.torch``): H = mean-loss Hessian + ``regularization``·I, so regularization = L2
   weight; ``influences(x_test, y_test, x, y, mode=Up)[t, i] = ⟨H⁻¹∇ℓ(x_t), ∇ℓ(z_i)⟩``, so
   Δ_i = Σ_t influences[t, i] / n.
@@ -53,7 +53,7 @@ def run_influkit(stage, test, solver: str, tol: float | None = None):
     n = len(stage)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        res = ik.influence(stage, torch.arange(n), test, solver=solver, tol=tol, progress=False)
+        res = ik.influence(stage, torch.arange(n), test, solve=ik.SolveConfig(solver=solver, tol=tol))
     d = res.diagnostics["solves"][0]
     return res.removal, f"{d['iterations']} it, {d['products']} HVPs"
 

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 import influkit as ik
 from common import cross_entropy as ce, timed
 from influkit.gradients import per_example_grads, per_example_grads_serial
-from influkit.ssl import PseudoLabel, hypergradient, last_layer_grads
+from influkit.ssl import Neumann, PseudoLabel, hypergradient, last_layer_grads
 
 
 
@@ -104,11 +104,11 @@ def bench_hypergradient(batch_u: int) -> pd.DataFrame:
     weights = torch.ones(batch_u)
     args = (model, ce, PseudoLabel(), labeled, unlabeled, val, weights)
     methods = {
-        "last layer, exact inverse (ours)": dict(params="4", solver="direct", damping=1e-3),
-        "last layer, identity": dict(params="4", solver="identity"),
-        "last layer, Neumann K=20": dict(params="4", solver="neumann", neumann_terms=20),
-        "all layers, identity (Luketina)": dict(solver="identity"),
-        "all layers, Neumann K=20 (Lorraine)": dict(solver="neumann", neumann_terms=20),
+        "last layer, exact inverse (ours)": dict(params="4", solve=ik.SolveConfig(solver="direct", damping=1e-3)),
+        "last layer, identity": dict(params="4", solve=ik.SolveConfig(solver="identity")),
+        "last layer, Neumann K=20": dict(params="4", solve=Neumann(terms=20)),
+        "all layers, identity (Luketina)": dict(solve=ik.SolveConfig(solver="identity")),
+        "all layers, Neumann K=20 (Lorraine)": dict(solve=Neumann(terms=20)),
     }
     n_all = sum(p.numel() for p in model.parameters())
     n_last = sum(p.numel() for p in model[4].parameters())

@@ -48,7 +48,8 @@ def bench_influence(sizes: list[int]) -> pd.DataFrame:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
             t_kl, kl = timed(
-                lambda: ik.influence(stage, torch.arange(n), test, solver="cg", damping=1e-2, tol=1e-3, max_iter=100, progress=False)
+                lambda: ik.influence(stage, torch.arange(n), test,
+                                     solve=ik.SolveConfig(solver="cg", damping=1e-2, tol=1e-3, max_iter=100))
             )
         solve = kl.diagnostics["solves"][0]
         rows.append(

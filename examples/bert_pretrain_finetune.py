@@ -25,7 +25,7 @@ glue beyond naming the shared block (``shared="bert"``):
   with the group removed (fixed batches, each batch loss Σ g / B so removal drops exactly the group's terms),
   then refit the Case 1 head from its solution / continue Case 2 finetuning, and compare the change of the
   summed test loss with the group's summed ``res.removal``, against the same continuation without removal.
-- Validation (2), ``--lds M``: the linear datamodeling score (``influkit.validation.lds``): M random halves of
+- Validation (2), ``--lds M``: the linear datamodeling score (``influkit.validation.lds``, harness ``influkit.apps.lds``): M random halves of
   the pretraining set, the whole chain re-trained from scratch on each (same initialization seed), per query
   the Spearman correlation between the re-trained test losses and the summed scores; resumable.
 
@@ -640,7 +640,8 @@ def lds_noise(k: int, run, retrain: "Retrain", out: Path, q: int) -> None:
 
 def run_lds_phase(args, cfg, out, enc, train, tokenizer, test, queries, progress) -> int:
     """Re-train on the LDS subsets (resumable; skipped with ``--lds-report``), then score whatever is finished."""
-    from influkit.validation.lds import load_lds, lds_per_query, run_lds
+    from influkit.apps.lds import load_lds, run_lds
+    from influkit.validation.lds import lds_per_query
 
     if not args.lds_report:
         retrain = Retrain(enc, train, tokenizer, cfg, test, queries)

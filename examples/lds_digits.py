@@ -10,7 +10,7 @@ both to stationarity (float64 L-BFGS, then Newton, ‖∇‖ ≤ 1e-10). Every p
 - the factored approximations ``"kfac"``, ``"ekfac"``, ``"arnoldi"`` (when this installation offers them),
 - the identity-Hessian ablation ``"identity"`` (every stage's H := I),
 - the gradient dot product (TracIn, one checkpoint): −∇_W ℓ_pre(z)ᵀ ∇_W f(t) over the shared embedding W, both at
-  the trained weights (``influkit.validation.lds.gradient_dot``); in Case 2 it is the identity ablation ÷ 2α.
+  the trained weights (``influkit.apps.lds.gradient_dot``); in Case 2 it is the identity ablation ÷ 2α.
 
 Then both stages are re-trained on M = 50 random halves of the pretraining set (α = 0.5, subsets seeded and
 stored), and the LDS — per test digit the Spearman correlation over subsets between its actual test loss and the
@@ -40,7 +40,7 @@ matplotlib.use("Agg")
 import pandas as pd
 import torch
 
-from influkit.validation.lds import digits_lds
+from influkit.apps.digits import digits_lds
 
 RESULTS = Path(__file__).parent / "results" / "lds"
 METHODS = ("direct", "minres", "kfac", "ekfac", "arnoldi", "identity", "gradient dot")

@@ -36,7 +36,7 @@ def run_case(case: int, *, n_pretrain: int | None, n_test: int, k: int, out: Pat
     pre, fin = train_stages(setup, split)
     trained = time.perf_counter() - start
     result = influkit.score(pre, fin, torch.arange(len(pre)), split.test, shared="embedding", case=case,
-                            alpha=setup.alpha, solver="direct", damping=(0.0, 0.0), progress=False)
+                            alpha=setup.alpha, solve=influkit.SolveConfig(solver="direct"))
     scored = time.perf_counter() - start - trained
     what = "embedding fixed" if case == 1 else f"embedding finetuned, α = {setup.alpha}"
     print(f"\n== Case {case} ({what}): {len(pre)} pretraining digits 0–3 -> {len(split.finetune[1])} finetuning "

@@ -33,9 +33,8 @@ import torch
 import influkit
 from influkit.apps import plotting
 from influkit.apps.cleansing import cleansing_table, mislabel_detection
-from influkit.cli import _write_validation
 from influkit.apps.datasets import load_digits_tensors
-from influkit.apps.digits import DigitsSetup, accuracy, train_stages, validate_digits
+from influkit.apps.digits import DigitsSetup, accuracy, train_stages, validate_digits, write_validation
 
 RESULTS = Path(__file__).parent / "results" / "digits"
 DPI = 100
@@ -47,7 +46,7 @@ def _score_all(setup: DigitsSetup, split=None):
     split = setup.split() if split is None else split
     pre, fin = train_stages(setup, split)
     res = influkit.score(pre, fin, torch.arange(len(pre)), split.test, shared="embedding", case=setup.case,
-                         alpha=setup.alpha, solver="direct", damping=(0.0, 0.0), progress=False)
+                         alpha=setup.alpha, solve=influkit.SolveConfig(solver="direct"))
     return split, pre, fin, res
 
 
@@ -60,7 +59,7 @@ def _test_loss(stage, test) -> float:
 def run_case2(out: Path, n_removals: int = 40) -> pd.DataFrame:
     """§4.1 Case 2: LOO validation vs the identity-Hessian ablation."""
     run = validate_digits(DigitsSetup(case=2), n_removals=n_removals, progress=False)
-    _write_validation(run, out, "case2")
+    write_validation(run, out, "case2")
     attrs = run.summary.attrs
     print(f"\n== Case 2 (α = {run.setup.alpha}) LOO validation, {len(run.pretrain)} pretraining digits, "
           f"{n_removals} removals ==")

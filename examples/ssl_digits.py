@@ -25,6 +25,7 @@ from torch import nn  # noqa: E402
 
 from influkit.apps.datasets import load_digits_tensors  # noqa: E402
 from influkit.apps.objectives import cross_entropy  # noqa: E402
+from influkit import SolveConfig  # noqa: E402
 from influkit.ssl import Consistency, ShiftNoise, train_ssl  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "ssl"
@@ -55,7 +56,7 @@ def run(method: str, data: dict, seed: int, steps: int, warmup: int, weight_opti
         mlp(seed), cross_entropy, loss, data["labeled"], data["unlabeled"], data["val"], mode=method, steps=steps,
         warmup=warmup, inner_steps=15, lr=3e-3, weight_lr=weight_lr, weight_optimizer=weight_optimizer,
         batch_size=50, unlabeled_batch=256,
-        hyper_params="4", damping=1e-2, test=data["test"], log_every=50, seed=seed, progress=False,
+        hyper_params="4", solve=SolveConfig(damping=1e-2), test=data["test"], log_every=50, seed=seed, progress=False,
     )
 
 

@@ -32,6 +32,7 @@ from sklearn.datasets import make_circles, make_classification, make_moons  # no
 from torch import nn  # noqa: E402
 
 from influkit.apps.objectives import cross_entropy  # noqa: E402
+from influkit import SolveConfig  # noqa: E402
 from influkit.ssl import PseudoLabel, train_ssl  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "ssl"
@@ -77,7 +78,7 @@ def run(method: str, data: dict, seed: int, steps: int, warmup: int, snapshots: 
     return train_ssl(
         model, cross_entropy, PseudoLabel(), data["labeled"], data["unlabeled"], data["val"], mode=method,
         steps=steps, warmup=warmup, inner_steps=5, lr=1e-2, weight_lr=0.2, batch_size=10, unlabeled_batch=1000,
-        hyper_params="4", damping=1e-2, test=data["test"], log_every=25, callback=callback, seed=seed,
+        hyper_params="4", solve=SolveConfig(damping=1e-2), test=data["test"], log_every=25, callback=callback, seed=seed,
         progress=False,
     )
 

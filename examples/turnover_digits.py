@@ -105,7 +105,7 @@ def experiment_loo(train, test, cfg: dict, out: Path) -> dict:
     print(noise.to_string(index=False, float_format="%.3f"))
 
     stage = ik.Stage(model, ce, train, params="3")  # Koh & Liang on the full network's last layer
-    kl = ik.influence(stage, torch.arange(n), point, solver="direct", damping=cfg["damping"], progress=False)
+    kl = ik.influence(stage, torch.arange(n), point, solve=ik.SolveConfig(solver="direct", damping=cfg["damping"]))
 
     rng = np.random.default_rng(0)
     half = cfg["loo"] // 2

@@ -18,7 +18,23 @@ from .results import InfluenceResult, load
 from .operators import DenseOperator, Operator
 from .solvers import Solution, SolveConfig, solve
 from .stage import Stage
-from . import elmo, ssl, turnover, validation  # noqa: E402  (method packages: ik.ssl, ik.turnover, ...)
+
+# Method and application packages load on first use (``ik.ssl``, ``ik.validation``, ...), so `import influkit`
+# stays the core: no h5py (elmo), transformers (hf), pandas/scipy (validation) or matplotlib (apps).
+_LAZY = ("apps", "elmo", "hf", "ssl", "turnover", "validation")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'influkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "Chain",

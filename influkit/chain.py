@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,17 +42,21 @@ import torch
 from . import distributed, files
 from .curvature import HessianOperator, hvp
 from .data import as_examples
-from .errors import FileFormatError, InputError, ParameterError
+from .errors import FileFormatError, InputError, LossError, ParameterError
 from .gradients import per_example_grads, total_grad
 from .operators import Operator
 from .params import ParamSpace, shared_parameters
 from .results import InfluenceResult
 from .scoring import Rows, score_rows, stream_rows
-from .solvers import Solution, SolveConfig
+from .solvers import Solution, SolveConfig, Solver
 from .stage import Stage, check_example_shape
 
 QUERY_KIND = "query"
+SCORE_CHUNK_SIZE = 128  # rows of per-example gradients per chunk in Query.scores when none is given
 FIT_KIND = "chain-fit"
+
+
+Measure = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # measure(outputs, targets) -> (B,) values
 
 
 @dataclass(frozen=True)
@@ -155,7 +159,7 @@ class Chain:
         self.plans: list[_StagePlan] = []
         for k, stage in enumerate(stages):
             self.plans.append(_StagePlan(stage, links[k - 1] if k else None, self.plans[-1] if k else None))
-        self._operators: list[Operator] | None = None
+        self._solvers: list[Solver] | None = None
         self.fit_seconds: float | None = None
 
     def __len__(self) -> int:
@@ -180,26 +184,27 @@ class Chain:
 
     def operator(self, k: int) -> Operator:
         """The Hessian of stage k's objective (with its proximal term) over what it trains, as fitted."""
-        return self.fit()._operators[k]
+        return self.fit()._solvers[k].operator
+
+    def solver(self, k: int) -> Solver:
+        """Stage k's prepared :class:`~influkit.solvers.Solver`."""
+        return self.fit()._solvers[k]
 
     def fit(self) -> "Chain":
-        """Build what does not depend on the test set: each stage's Hessian operator, dense (and factored) where
-        its solver is ``direct``, and the factored curvature (K-FAC/EK-FAC/diagonal) or Lanczos eigenpairs where
-        its SolveConfig asks for them (kept on the operator). Cached; :meth:`query` calls it when needed. Returns self."""
-        if self._operators is not None:
+        """Build what does not depend on the test set: each stage's Hessian operator and its prepared
+        :class:`~influkit.solvers.Solver` (a dense factorization for ``direct``, the factored curvature or Lanczos
+        eigenpairs its SolveConfig asks for). Cached; :meth:`query` calls it when needed. Returns self."""
+        if self._solvers is not None:
             return self
         start = time.perf_counter()
-        operators: list[Operator] = []
-        for plan, config in zip(self.plans, self.configs):
-            op = HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed,
-                                 extra=plan.proximal, curvature=config.curvature)
-            if config.method(op.dim)[0] == "direct":
-                op.factor(config.damping)
-            config.prepare(op)  # factors / eigenpairs this stage's config asks for (approximate inverse, preconditioner)
-            operators.append(op)
-        self._operators = operators
+        self._solvers = [config.prepare(self._operator(plan, config)) for plan, config in zip(self.plans, self.configs)]
         self.fit_seconds = time.perf_counter() - start
         return self
+
+    @staticmethod
+    def _operator(plan: "_StagePlan", config: SolveConfig) -> HessianOperator:
+        return HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed,
+                               extra=plan.proximal, curvature=config.curvature)
 
     def fingerprint(self) -> str:
         """A digest of what the scores depend on: every stage's model, parameters, data size, trained names,
@@ -218,13 +223,12 @@ class Chain:
         return digest.hexdigest()
 
     def save(self, path: str | Path) -> Path:
-        """Write the fitted state (dense Hessians of ``direct`` stages, factored curvature and eigenpairs) to ``path``;
-        :meth:`load` restores it bit for bit."""
+        """Write the fitted state (each stage's solver state: dense Hessians, factored curvature, eigenpairs) to
+        ``path``; :meth:`load` restores it bit for bit."""
         self.fit()
-        tensors = {f"stage{k}.hessian": op.dense() for k, op in enumerate(self._operators) if op.has_dense}
-        fitted = {}
-        for k, (op, config) in enumerate(zip(self._operators, self.configs)):
-            extra, fitted[str(k)] = config.fitted_state(op, f"stage{k}.")
+        tensors, fitted = {}, {}
+        for k, solver in enumerate(self._solvers):
+            extra, fitted[str(k)] = solver.state(f"stage{k}.")
             tensors.update(extra)
         return files.write(path, FIT_KIND, tensors, {"fingerprint": self.fingerprint(), "fit_seconds": self.fit_seconds,
                                                      "fitted": fitted})
@@ -234,43 +238,56 @@ class Chain:
         tensors, meta = files.read(path, FIT_KIND)
         if meta["fingerprint"] != self.fingerprint():
             raise FileFormatError(f"{path} was fitted for another chain (models, data sizes or solve settings differ).")
-        operators: list[Operator] = []
-        for k, (plan, config) in enumerate(zip(self.plans, self.configs)):
-            op = HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed,
-                                 extra=plan.proximal, curvature=config.curvature)
-            if f"stage{k}.hessian" in tensors:
-                op.restore_dense(tensors[f"stage{k}.hessian"])
-                op.factor(config.damping)
-            if str(k) in meta.get("fitted", {}):
-                config.restore(op, tensors, meta["fitted"][str(k)], f"stage{k}.")
-            operators.append(op)
-        self._operators, self.fit_seconds = operators, meta["fit_seconds"]
+        self._solvers = [
+            config.build(self._operator(plan, config)).load(tensors, meta.get("fitted", {}).get(str(k), {}), f"stage{k}.")
+            for k, (plan, config) in enumerate(zip(self.plans, self.configs))
+        ]
+        self.fit_seconds = meta["fit_seconds"]
         return self
 
-    def query(self, x_test, *, per_test: bool = False, chunk_size: int = 128, progress: bool = False) -> "Query":
-        """The N solves for the summed test loss f(T) of the last stage (per test point with ``per_test``).
+    def query(self, x_test, *, measure: Measure | None = None, per_test: bool = False, chunk_size: int | None = None,
+              progress: bool = False) -> "Query":
+        """The N solves for the test function f(T) = Σ_t m(x_t) of the last stage (one per test point with ``per_test``).
 
         x_test: (inputs, targets) tensors, or 1-D indices into the last stage's data.
+        measure: m as ``measure(outputs, targets) -> (B,)``, one differentiable value per test example, taken of the
+        last stage's model outputs on the test inputs (default: the last stage's loss, so f(T) is the summed test
+        loss). The scores are then I(z, T) = df(T)/dε: positive means up-weighting z *raises* the measure — harmful
+        for a loss, helpful for a margin or a log-probability. In a chain the Case 1 term b (the direct derivative
+        through the fixed shared block) is the measure's derivative too. Two examples::
+
+            def margin(logits, y):          # logit of the true class minus the largest other logit
+                true = torch.arange(logits.shape[-1], device=logits.device) == y[:, None]
+                other = logits.masked_fill(true, float("-inf")).amax(-1)
+                return logits.gather(-1, y[:, None]).squeeze(-1) - other
+
+            def completion_nll(logits, labels):   # labels = -100 on the prompt's tokens (and padding)
+                return F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100,
+                                       reduction="none").sum(-1)
+
+        chunk_size: test examples per batch of per-example gradients (``per_test``; default: the gradients' own).
         """
         self.fit()
         last = self.plans[-1]
         (tx, ty), _ = as_examples(x_test, last.stage.data, "x_test")
         check_example_shape(last.stage, tx, "x_test")
+        measured = last.stage if measure is None else _measure_stage(last.stage, measure)
         start = time.perf_counter()
         names = last.trained + last.fixed
         if per_test:
-            flat = per_example_grads(last.stage, tx, ty, names, chunk_size=chunk_size).T
+            flat = per_example_grads(measured, tx, ty, names, **_chunking(chunk_size)).T
         else:
-            flat = total_grad(last.stage, tx, ty, names)
+            flat = total_grad(measured, tx, ty, names)
         grads = ParamSpace(_values(last.stage, names)).unflatten(flat)
         a = {n: grads[n] for n in last.trained}
         b = {n: grads[n] for n in last.fixed}
         seconds = {"test_gradient": time.perf_counter() - start, "cross_products": 0.0}
         solutions: list[Solution] = [None] * len(self)  # type: ignore[list-item]
         for k in range(len(self) - 1, -1, -1):
-            plan, op, config = self.plans[k], self._operators[k], self.configs[k]
+            plan, solver = self.plans[k], self._solvers[k]
+            op = solver.operator
             space = ParamSpace(_values(plan.stage, plan.trained))
-            solutions[k] = config.solve(op, space.flatten(a, batched=per_test), progress=progress)
+            solutions[k] = solver.solve(space.flatten(a, batched=per_test), progress=progress)
             v = space.unflatten(solutions[k].x)
             if k == 0:
                 break
@@ -284,7 +301,10 @@ class Chain:
             seconds["cross_products"] += time.perf_counter() - start
             a, b = self._pull_back(k, g, per_test, flat.shape[1] if per_test else None)
         seconds.update({f"solve_stage{k}": sol.seconds for k, sol in enumerate(solutions)})
-        return Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds, Rows(last.stage, torch.arange(tx.shape[0]), (tx, ty)).digest())
+        test_digest = Rows(last.stage, torch.arange(tx.shape[0]), (tx, ty)).digest()
+        if measure is not None:
+            test_digest += f"|measure={_qualname(measure)}"
+        return Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds, test_digest)
 
     def _pull_back(self, k: int, g: dict[str, torch.Tensor], per_test: bool, n_rhs: int | None):
         """Map df/dc_k (stage k's names) onto stage k−1: (a on what it trains, b on what it inherited fixed)."""
@@ -295,6 +315,25 @@ class Chain:
         for name, earlier in self.plans[k].inherited.items():
             total[earlier] = total[earlier] + g[name]
         return {n: total[n] for n in previous.trained}, {n: total[n] for n in previous.fixed}
+
+
+def _measure_stage(stage: Stage, measure: Measure) -> Stage:
+    """``stage`` with ``measure`` in place of its loss (the test function's per-example values)."""
+    if not callable(measure):
+        raise InputError("measure must be callable as measure(outputs, targets) -> (B,) values, one per test example.")
+    try:
+        return Stage(stage.model, measure, stage._data, params=stage.param_names, batch_size=stage.data.batch_size)
+    except LossError as exc:
+        raise LossError(f"measure(outputs, targets) must return one finite value per example, shape (B,): {exc}") from None
+
+
+def _qualname(fn) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def _chunking(chunk_size: int | None) -> dict:
+    """The chunk_size keyword to pass on: none when not given, so the callee's own default applies."""
+    return {} if chunk_size is None else {"chunk_size": chunk_size}
 
 
 def _values(stage: Stage, names: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -323,15 +362,17 @@ class Query:
         """The chain's fingerprint combined with the test set's and ``per_test``: what the scores depend on."""
         return hashlib.sha256(f"{self.chain.fingerprint()}|{self.test_digest}|{self.per_test}".encode()).hexdigest()
 
-    def scores(self, z=None, *, chunk_size: int = 128, out: str | Path | None = None, progress: bool = False) -> InfluenceResult:
+    def scores(self, z=None, *, chunk_size: int | None = None, out: str | Path | None = None,
+               progress: bool = False) -> InfluenceResult:
         """Influence I(z, T) = −∇ℓ_1(z)ᵀ s of stage-1 examples ``z`` (indices or (inputs, targets); default all).
 
-        Per-example gradients are computed ``chunk_size`` rows at a time (memory O(chunk_size · p)); scoring z
-        in parts gives the same numbers as scoring it whole. Under ``torch.distributed`` the chunks are split
+        Per-example gradients are computed ``chunk_size`` rows at a time (default ``SCORE_CHUNK_SIZE``; memory
+        O(chunk_size · p)); scoring z in parts gives the same numbers as scoring it whole. Under ``torch.distributed`` the chunks are split
         over the ranks and every rank returns the whole result. ``out``: a directory to stream the scores to,
         chunk by chunk, resumable after a crash (:mod:`influkit.scoring`); the result is memory-mapped from it.
         """
         plan = self.chain.plans[0]
+        chunk_size = SCORE_CHUNK_SIZE if chunk_size is None else chunk_size
         rows = Rows.of(plan.stage, z)
         start = time.perf_counter()
         if out is None:

@@ -9,15 +9,13 @@ By default it is a smaller problem that takes about a minute; ``influkit demo --
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .apps import plotting
-from .apps.digits import DEMO_REMOVALS, DigitsSetup, validate_digits
+from .apps.digits import DEMO_REMOVALS, DigitsSetup, validate_digits, write_validation
 
 # what the demo announces at start, measured on this project's 2-core machine (README "Set-up"): the default run
 # took 57–81 s with the machine busy (load 4–5), the --full run 244 s on one idle core and 334 s at load 4.7
@@ -47,33 +45,6 @@ def _announce_demo(args, setup: DigitsSetup) -> None:
               f"({DEMO_EXPECTED[True]})", flush=True)
     print("phases: [train] both stages to a stationary point, [score] every pretraining digit (and the identity "
           "ablation), [validate] leave-out retraining", flush=True)
-
-
-def _write_validation(run, out: Path, name: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    run.loo.to_csv(out / f"{name}_loo.csv", index=False)
-    run.scores.to_frame().to_csv(out / f"{name}_scores.csv", index=False)
-    run.summary.to_csv(out / f"{name}_summary.csv")
-    fig, axes = plotting.plt.subplots(1, 2, figsize=(9.5, 4.2))
-    plotting.scatter_with_r(run.loo["predicted"], run.loo["actual"], ax=axes[0],
-                            title=f"Case {run.setup.case}: multi-stage influence (digits)")
-    plotting.scatter_with_r(run.loo["identity"], run.loo["actual"], ax=axes[1], own_scale=True,
-                            title="identity-Hessian ablation (own x-scale)")
-    plotting.caption(fig, "Right: the identity-Hessian predictions live on another scale than the actual changes, so "
-                          "that panel has its own x-axis (no y = x line); compare correlations, not values.")
-    plotting.save(fig, out / f"{name}_scatter.png")
-    frame = run.scores.to_frame()
-    harmful = frame.nlargest(8, "score")
-    helpful = frame.nsmallest(8, "score")
-    picks = list(harmful["example"]) + list(helpful["example"])
-    images = run.split.pretrain[0][picks].cpu().numpy()
-    labels = [run.setup.pretrain_classes[int(c)] for c in run.split.pretrain[1][picks]]
-    captions = [f"#{i} ({lab})\n{s:+.2f}" for i, lab, s in zip(picks, labels, list(harmful["score"]) + list(helpful["score"]))]
-    plotting.save(
-        plotting.image_gallery(images, captions, title="top row: most harmful pretraining digits · bottom: most helpful"),
-        out / f"{name}_gallery.png",
-    )
-    (out / f"{name}_attrs.json").write_text(json.dumps(run.summary.attrs, indent=1, default=str))
 
 
 def _print_validation(run, name: str, out: Path) -> None:
@@ -160,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     if args.command == "validate" and args.lds:
-        from .validation.lds import digits_lds
+        from .apps.digits import digits_lds
 
         result = digits_lds(args.case, directory=args.log or args.out / f"lds_case{args.case}_runs", alpha=args.alpha,
                             n_pretrain=args.n_pretrain or 200, n_test=args.n_test, split_seed=args.seed,
@@ -179,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         run = validate_digits(setup, n_removals=args.removals, solver=args.solver,
                               log=getattr(args, "log", None), progress=not args.quiet, report=report)
         name = f"case{args.case}"
-        _write_validation(run, args.out, name)
+        write_validation(run, args.out, name)
         _print_validation(run, name, args.out)
     else:
         from .apps.cleansing import cleansing_table

@@ -11,16 +11,17 @@ the scores are then the batched dot products −∇ℓ(z)ᵀ s.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
 
-from .chain import Chain
-from .curvature import HessianOperator
+from .chain import Chain, Measure
 from .data import as_examples
+from .errors import InputError
 from .gradients import per_example_grads
 from .results import InfluenceResult
-from .solvers import SolveConfig
+from .solvers import SolveConfig, solve_settings
 from .stage import Stage, check_example_shape
 
 
@@ -29,30 +30,29 @@ def influence(
     z,
     x_test,
     *,
+    solve: SolveConfig | None = None,
     params: str | Iterable[str] | None = None,
-    solver: str = "minres",
-    damping: float = 0.0,
-    hessian_samples: int | None = None,
+    measure: Measure | None = None,
     per_test: bool = False,
-    tol: float | None = None,
-    max_iter: int | None = None,
-    chunk_size: int = 128,
-    seed: int = 0,
-    progress: bool = True,
+    chunk_size: int | None = None,
+    progress: bool = False,
+    **deprecated,
 ) -> InfluenceResult:
     """Influence I(z, T) = −∇f(T)ᵀ H⁻¹ ∇ℓ(z) of each training example z on the test loss: ``Chain([stage])``.
 
     z, x_test: (inputs, targets) tensors, or 1-D indices into the stage's data.
+    solve: a :class:`~influkit.solvers.SolveConfig` (default ``SolveConfig()``: ``solver="auto"``, no damping; the
+    choice and its reason are in ``diagnostics["solves"][0]["choice"]``). The keywords ``solver``, ``damping``,
+    ``tol``, ``max_iter``, ``hessian_samples``, ``seed`` still work for one release, with a DeprecationWarning.
     params: names/prefixes of the parameters the Hessian is taken over (default: the stage's trained ones).
-    solver, damping, tol, max_iter, hessian_samples, seed: a :class:`~influkit.solvers.SolveConfig`. The default
-    ``minres`` converges with κ(H), needs one HVP per step and tolerates indefinite H;
-    ``benchmarks/bench_core.py`` measured ``cg`` (on H²) 2–4× slower and failing at κ ≈ 1e5.
+    measure: the test function per example, ``measure(outputs, targets) -> (B,)`` (default: the stage's loss);
+    see :meth:`influkit.Chain.query`.
     per_test: return the (len(z), len(x_test)) matrix (one batched solve with len(x_test) right-hand sides).
+    chunk_size: examples per batch of per-example gradients (default: :data:`influkit.chain.SCORE_CHUNK_SIZE`).
     """
-    config = SolveConfig(solver=solver, damping=damping, tol=tol, max_iter=max_iter,
-                         hessian_samples=hessian_samples, seed=seed)
+    config = solve_settings(solve, deprecated, "influkit.influence")
     chain = Chain([stage if params is None else stage.with_(params=params)], solve=config)
-    query = chain.query(x_test, per_test=per_test, chunk_size=chunk_size, progress=progress)
+    query = chain.query(x_test, measure=measure, per_test=per_test, chunk_size=chunk_size, progress=progress)
     return query.scores(z, chunk_size=chunk_size, progress=progress)
 
 
@@ -60,43 +60,43 @@ def self_influence(
     stage: Stage,
     z=None,
     *,
+    solve: SolveConfig | None = None,
     params: str | Iterable[str] | None = None,
-    solver: str = "direct",
-    damping: float = 0.0,
-    hessian_samples: int | None = None,
     rhs_chunk: int = 256,
-    tol: float | None = None,
-    max_iter: int | None = None,
-    chunk_size: int = 128,
-    seed: int = 0,
-    progress: bool = True,
+    chunk_size: int | None = None,
+    progress: bool = False,
+    **deprecated,
 ) -> InfluenceResult:
     """Self-influence I(z, z) = −∇ℓ(z)ᵀ H⁻¹ ∇ℓ(z) of each training example on its own loss.
 
     Negative for a positive definite H; removing z raises its own loss by −I(z, z)/n = ``removal``, large for
     examples the model fits only by memorizing them (outliers, mislabelled points). z defaults to all data.
-    ``direct`` factors H once; iterative solvers take ``rhs_chunk`` right-hand sides per batched solve.
+    ``Chain([stage])``'s fitted solver (``direct`` factors H once) solves for ``rhs_chunk`` gradients at a time.
+    solve, chunk_size and the deprecated solve keywords: as in :func:`influence`.
     """
-    names = stage.select(params)
+    config = solve_settings(solve, deprecated, "influkit.self_influence")
+    if rhs_chunk < 1:
+        raise InputError(f"rhs_chunk must be ≥ 1, got {rhs_chunk}.")
+    chain = Chain([stage if params is None else stage.with_(params=params)], solve=config).fit()
+    plan, solver = chain.plans[0], chain.solver(0)
     z = torch.arange(len(stage)) if z is None else z
-    (zx, zy), z_ids = as_examples(z, stage.data, "z")
-    check_example_shape(stage, zx, "z")
-    grads = per_example_grads(stage, zx, zy, names, chunk_size=chunk_size, progress=progress)
-    config = SolveConfig(solver=solver, damping=damping, tol=tol, max_iter=max_iter,
-                         hessian_samples=hessian_samples, seed=seed)
-    operator = HessianOperator(stage, names, samples=hessian_samples, seed=seed)
-    if config.method(operator.dim)[0] == "direct":  # one factorization serves every right-hand side at once
-        rhs_chunk = grads.shape[0]
+    (zx, zy), z_ids = as_examples(z, plan.stage.data, "z")
+    check_example_shape(plan.stage, zx, "z")
+    start = time.perf_counter()
+    chunking = {} if chunk_size is None else {"chunk_size": chunk_size}
+    grads = per_example_grads(plan.stage, zx, zy, plan.trained, progress=progress, **chunking)
+    seconds = {"fit": chain.fit_seconds, "example_gradients": time.perf_counter() - start, "solves": 0.0}
     values, summaries = [], []
     for s in range(0, grads.shape[0], rhs_chunk):
         block = grads[s : s + rhs_chunk]
-        sol = config.solve(operator, block.T)
+        sol = solver.solve(block.T, progress=progress)
         values.append(-(block * sol.x.T).sum(dim=1))
         summaries.append({"stage": 0, "examples": [s, s + block.shape[0]], **sol.summary()})
+        seconds["solves"] += sol.seconds
     return InfluenceResult(
         values=torch.cat(values),
         n_train=len(stage),
         index=z_ids,
         method="self-influence",
-        diagnostics={"solves": summaries, "settings": config.summary()},
+        diagnostics={"solves": summaries, "seconds": seconds, "settings": config.summary()},
     )

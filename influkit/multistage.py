@@ -16,23 +16,15 @@ so every z costs one per-example gradient and two solves serve them all:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from torch import nn
 
-from .chain import Chain, Link
+from .chain import Chain, Link, Measure
 from .errors import InputError
 from .results import InfluenceResult
-from .solvers import SolveConfig
+from .solvers import SolveConfig, solve_settings
 from .stage import Stage
-
-
-def _pair(value, name: str):
-    if isinstance(value, (tuple, list)):
-        if len(value) != 2:
-            raise InputError(f"{name} must be one value or a (pretrain, finetune) pair, got {value!r}.")
-        return value[0], value[1]
-    return value, value
 
 
 def _as_stage(obj, loss, data, params, regularizer, which: str) -> Stage:
@@ -56,15 +48,11 @@ def score(
     shared: str | Mapping[str, str],
     case: int = 1,
     alpha: float = 0.01,
-    solver: str | tuple[str, str] = "cg",
-    damping: float | tuple[float, float] = (1e-2, 1e-8),
-    hessian_samples: int | tuple[int | None, int | None] | None = None,
+    solve: SolveConfig | Sequence[SolveConfig] | None = None,
+    measure: Measure | None = None,
     per_test: bool = False,
-    tol: float | None = None,
-    max_iter: int | None = None,
-    chunk_size: int = 128,
-    seed: int = 0,
-    progress: bool = True,
+    chunk_size: int | None = None,
+    progress: bool = False,
     pretrain_loss: Callable | None = None,
     pretrain_data=None,
     pretrain_params: str | Iterable[str] | None = None,
@@ -73,32 +61,31 @@ def score(
     finetune_data=None,
     finetune_params: str | Iterable[str] | None = None,
     finetune_regularizer: Callable | None = None,
+    **deprecated,
 ) -> InfluenceResult:
     """Influence I(z, T) of each pretraining example z on the finetuned model's summed test loss f(T).
 
     pretrain, finetune: Stages, or nn.Modules with the ``pretrain_*``/``finetune_*`` keywords.
     z: pretraining examples, (inputs, targets) or indices into the pretrain data; x_test likewise for the
-    finetune stage (the test loss is the finetune stage's loss).
+    finetune stage (the test loss is the finetune stage's loss, or ``measure``: see :meth:`influkit.Chain.query`).
     shared: the shared parameters W (module prefix, or {finetune_name: pretrain_name}).
     case: 1 (W fixed in finetuning) or 2 (W finetuned with the proximal term α‖W − W̄‖², α > 0).
-    solver, damping, hessian_samples: one value or a (pretrain, finetune) pair; damping follows
-    :func:`influkit.solvers.solve` (for ``cg`` it is added to H²); the default pair (1e-2, 1e-8) is the
-    paper's MNIST setting. ``solver="identity"`` is the paper's ablation (every H⁻¹ replaced by I).
+    solve: one :class:`~influkit.solvers.SolveConfig` or a (pretrain, finetune) pair (default ``SolveConfig()``:
+    ``solver="auto"``, no damping, the choice recorded in ``diagnostics["solves"]``). The paper's MNIST setting is
+    ``[SolveConfig(solver="cg", damping=1e-2), SolveConfig(solver="cg", damping=1e-8)]`` (for ``cg`` the damping
+    is added to H²); ``SolveConfig(solver="identity")`` is its ablation (every H⁻¹ replaced by I).
+    The keywords ``solver``, ``damping``, ``hessian_samples`` (one value or a pair; one value of
+    ``hessian_samples`` samples the pretraining Hessian only), ``tol``, ``max_iter`` and ``seed`` still work for
+    one release, with a DeprecationWarning.
     per_test: return the (len(z), len(x_test)) matrix, from batched right-hand sides (still two solves).
     """
     link = Link(shared, case=case, alpha=alpha)
     pre = _as_stage(pretrain, pretrain_loss, pretrain_data, pretrain_params, pretrain_regularizer, "pretrain")
     fin = _as_stage(finetune, finetune_loss, finetune_data, finetune_params, finetune_regularizer, "finetune")
-    pre_solver, fin_solver = _pair(solver, "solver")
-    pre_damping, fin_damping = _pair(damping, "damping")
-    pre_samples, fin_samples = (
-        hessian_samples if isinstance(hessian_samples, (tuple, list)) else (hessian_samples, None)
-    )
-    common = {"tol": tol, "max_iter": max_iter, "seed": seed}
-    configs = [
-        SolveConfig(solver=pre_solver, damping=pre_damping, hessian_samples=pre_samples, **common),
-        SolveConfig(solver=fin_solver, damping=fin_damping, hessian_samples=fin_samples, **common),
-    ]
+    samples = deprecated.get("hessian_samples")
+    if samples is not None and not isinstance(samples, (tuple, list)):
+        deprecated["hessian_samples"] = (samples, None)  # as before: one value samples the pretraining Hessian
+    configs = solve_settings(solve, deprecated, "influkit.score", stages=2)
     chain = Chain([pre, fin], [link], solve=configs)
-    query = chain.query(x_test, per_test=per_test, chunk_size=chunk_size, progress=progress)
+    query = chain.query(x_test, measure=measure, per_test=per_test, chunk_size=chunk_size, progress=progress)
     return query.scores(z, chunk_size=chunk_size, progress=progress)

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import torch
 
 from . import files
 from .errors import InputError
+
+if TYPE_CHECKING:  # pandas is imported by the methods that build tables, not by `import influkit`
+    import pandas as pd
 
 
 KIND = "influence-result"
@@ -81,11 +83,13 @@ class InfluenceResult:
         """Scores summed over the test set, shape (len(z),)."""
         return self.values.sum(dim=1) if self.per_test else self.values
 
-    def to_frame(self) -> pd.DataFrame:
+    def to_frame(self) -> "pd.DataFrame":
         """One row per example: ``example``, ``score`` and ``removal`` (summed over the test set).
 
         With per-test values, the columns ``score_t{j}`` hold each test point's score as well.
         """
+        import pandas as pd
+
         total = self.total.cpu().double()
         eps = self.removal_eps.cpu().double() if torch.is_tensor(self.removal_eps) else self.removal_eps
         frame = pd.DataFrame(
@@ -97,7 +101,7 @@ class InfluenceResult:
                 frame[f"score_t{j}"] = per[:, j]
         return frame
 
-    def top(self, k: int = 10, harmful: bool = True) -> pd.DataFrame:
+    def top(self, k: int = 10, harmful: bool = True) -> "pd.DataFrame":
         """The k most harmful (largest score) or, with ``harmful=False``, most helpful examples."""
         frame = self.to_frame()[["example", "score", "removal"]]
         return frame.sort_values("score", ascending=not harmful).head(k).reset_index(drop=True)

@@ -1,7 +1,12 @@
-"""Inverse-Hessian solvers behind one interface: ``solve(operator, b, method, damping=λ)``.
+"""Inverse-Hessian solvers as objects behind one interface, chosen from a :class:`SolveConfig` by a registry.
 
+A :class:`Solver` is built for one config (``SolveConfig.build``), prepared once on an operator (``prepare``:
+the dense factorization, the fitted factored curvature or eigenpairs the method needs, kept on
+``operator.fitted``/the operator's factor cache), then solves any number of right-hand sides (``solve(b)``);
+``state``/``load`` persist what ``prepare`` built. ``solve(operator, b, solver, damping=λ)`` is the one-call form.
 Each method returns a :class:`Solution` (x, iterations, relative residual, converged flag, time, number of
-Hessian-vector products). ``b`` may hold several right-hand sides as columns, shape (p, k).
+Hessian-vector products). ``b`` may hold several right-hand sides as columns, shape (p, k). The iterations themselves
+are in :mod:`influkit.krylov`.
 
 | method     | solves                    | needs           | converges with | notes                              |
 |------------|---------------------------|-----------------|----------------|------------------------------------|
@@ -14,6 +19,7 @@ Hessian-vector products). ``b`` may hold several right-hand sides as columns, sh
 | ``identity`` | x = b                   | nothing         | —              | the paper's ablation (H := I)      |
 | ``kfac``, ``ekfac`` | x = (C + λI)⁻¹ b | the fitted factors | —           | approximate: C the (E)K-FAC curvature |
 | ``arnoldi`` | x = V (Θ + λ)⁻¹ Vᵀ b     | k eigenpairs    | —              | approximate: top-k subspace only   |
+| ``auto``   | ``direct`` for p ≤ ``AUTO_DIRECT_MAX``, else ``minres`` | | | the default of every entry point |
 
 ``minres`` and ``cg_spd`` take a **preconditioner** M ≈ H + λI, symmetric positive definite: the fitted K-FAC,
 EK-FAC or diagonal-Fisher curvature (:mod:`influkit.factored`) plus λI, or any callable applying M⁻¹. The
@@ -38,20 +44,24 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import ClassVar
 
 import torch
 from tqdm.auto import tqdm
 
+from . import krylov
+from .curvature import CURVATURES
 from .errors import ConvergenceWarning, InputError, NumericalError
+from .factored import FISHER, ArnoldiInverse, FactoredCurvature, FactoredCurvatureError, deflated, fit_curvature, lanczos
 from .operators import DenseOperator, Operator, SymmetricFactor
+from .params import ParamSpace, point
 
 METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "identity")
 APPROXIMATIONS = ("kfac", "ekfac", "arnoldi")
-SOLVERS = METHODS + APPROXIMATIONS
+SOLVERS = METHODS + APPROXIMATIONS  # the built-in solvers; :func:`register` adds more
 PRECONDITIONERS = ("kfac", "ekfac", "diagonal")
-PRECONDITIONED = ("minres", "cg_spd")
 
 
 @dataclass
@@ -135,8 +145,8 @@ class SolveConfig:
     curvature: str = "hessian"
 
     def __post_init__(self) -> None:
-        if self.solver not in SOLVERS + ("auto",):
-            raise InputError(f"unknown solver {self.solver!r}; choose 'auto' or one of {SOLVERS}.")
+        if self.solver != "auto" and self.solver not in REGISTRY:
+            raise InputError(f"unknown solver {self.solver!r}; choose 'auto' or one of {tuple(REGISTRY)}.")
         if not self.damping >= 0:
             raise InputError(f"damping must be ≥ 0, got {self.damping}.")
         if self.hessian_samples is not None and self.hessian_samples <= 0:
@@ -147,16 +157,13 @@ class SolveConfig:
                                  "a callable applying M⁻¹.")
         elif self.preconditioner is not None and not callable(self.preconditioner):
             raise InputError("preconditioner must be 'ekfac', 'kfac', 'diagonal' or a callable applying M⁻¹ to (p, k) vectors.")
-        if (self.preconditioner is not None or self.deflate) and self.solver not in PRECONDITIONED + ("auto",):
+        if (self.preconditioner is not None or self.deflate) and not (
+                self.solver == "auto" or REGISTRY[self.solver].accepts_preconditioner):
             raise InputError(f"a preconditioner (or deflate) applies to solver='minres' or 'cg_spd', not {self.solver!r}.")
-        from .factored.fisher import FISHER
-
         if self.fisher not in FISHER:
             raise InputError(f"unknown fisher {self.fisher!r}; choose one of {FISHER}.")
         if self.rank <= 0:
             raise InputError(f"rank must be positive, got {self.rank}.")
-        from .curvature import CURVATURES
-
         if self.curvature not in CURVATURES:
             raise InputError(f"unknown curvature {self.curvature!r}; choose one of {CURVATURES}.")
 
@@ -168,135 +175,18 @@ class SolveConfig:
             return "direct", f"auto: p = {dim} ≤ {AUTO_DIRECT_MAX}, a dense factorization is fastest"
         return "minres", f"auto: p = {dim} > {AUTO_DIRECT_MAX}, MINRES (indefinite-safe, one HVP per step)"
 
-    def _plan(self, dim: int) -> tuple[str, str | Callable | None, bool]:
-        """(method, preconditioner name or callable or None, whether Lanczos eigenpairs are needed)."""
-        method, _ = self.method(dim)
-        pre = self.preconditioner
-        if method not in PRECONDITIONED:
-            pre = None
-        return method, pre, method == "arnoldi" or (self.deflate and method in PRECONDITIONED)
+    def build(self, operator: Operator) -> "Solver":
+        """The (unprepared) :class:`Solver` of this config for ``operator`` (``auto`` resolved for its size)."""
+        method, why = self.method(operator.dim)
+        return REGISTRY[method](self, operator, choice=why)
 
-    def prepare(self, operator: Operator, *, progress: bool = False) -> dict:
-        """Fit what this config needs on ``operator`` (factored curvature, Lanczos eigenpairs), once.
-
-        Kept in ``operator.fitted`` ({"curvature": FactoredCurvature, "arnoldi": ArnoldiInverse, "notes": [...]})
-        and returned. The curvature is fitted on the operator's stage, parameters, examples (``hessian_samples``)
-        and extra term, so the operator must be a :class:`~influkit.curvature.HessianOperator` (``solver="auto"``
-        falls back to no preconditioner otherwise, and to ``fisher="empirical"`` for losses whose predictive
-        distribution is not recognised; the notes say so).
-        """
-        method, pre, needs_eigen = self._plan(operator.dim)
-        fitted = getattr(operator, "fitted", None)
-        if fitted is None:
-            fitted = {"notes": []}
-            try:
-                operator.fitted = fitted
-            except AttributeError:
-                pass
-        kind = method if method in ("kfac", "ekfac") else pre if isinstance(pre, str) else None
-        if kind is not None and not _matches(fitted.get("curvature"), kind, self):
-            fitted["curvature"] = self._fit_curvature(operator, kind, fitted["notes"], progress)
-        if needs_eigen and not _matches_eigen(fitted.get("arnoldi"), self):
-            from .factored import ArnoldiInverse, lanczos
-
-            theta, vectors, info = lanczos(operator, self.rank, seed=self.seed, progress=progress)
-            fitted["arnoldi"] = ArnoldiInverse(theta, vectors, self.damping, operator.dtype, info | {"seed": self.seed})
-        return fitted
-
-    def _fit_curvature(self, operator, kind: str, notes: list, progress: bool):
-        from .factored import FactoredCurvatureError, fit_curvature
-
-        stage = getattr(operator, "stage", None)
-        if stage is None:
-            if self.solver == "auto":
-                notes.append("no preconditioner: the operator has no Stage to fit factors on")
-                return None
-            raise InputError(
-                f"{kind!r} needs the Hessian operator of a Stage (the factors come from the model's layers); "
-                f"got a {type(operator).__name__}. Use influkit.curvature.HessianOperator or a Chain."
-            )
-        args = dict(names=operator.names, kind=kind, indices=operator.indices, extra=operator.extra,
-                    at=getattr(operator, "at", None), seed=self.seed, progress=progress)
-        try:
-            return fit_curvature(stage, fisher=self.fisher, **args)
-        except FactoredCurvatureError:
-            if self.solver != "auto" or self.fisher != "sampled":
-                raise
-            notes.append("EK-FAC on the empirical Fisher: the loss's predictive distribution is not recognised")
-            return fit_curvature(stage, fisher="empirical", **args)
-
-    def _preconditioner(self, fitted: dict, pre, operator) -> tuple[Callable | None, str]:
-        """(M⁻¹ as a callable, its name) from the fitted objects."""
-        if pre is None:
-            base, name = None, ""
-        elif callable(pre):
-            base, name = pre, getattr(pre, "__qualname__", type(pre).__name__)
-        else:
-            curvature = fitted.get("curvature")
-            if curvature is None:
-                base, name = None, ""
-            else:
-                shift = self.damping if self.damping > 0 else 1e-3 * curvature.mean_eigenvalue()
-                base, name = (lambda r: curvature.solve(r, shift)), f"{pre} ({curvature.info['fisher']} Fisher)"
-        arnoldi = fitted.get("arnoldi")
-        if self.deflate and arnoldi is not None:
-            from .factored import deflated
-
-            base = deflated(base, arnoldi.eigenvalues, arnoldi.eigenvectors, self.damping)
-            name = f"{name or 'identity'} deflated by {arnoldi.eigenvalues.numel()} Lanczos eigenpairs"
-        return base, name
+    def prepare(self, operator: Operator, *, progress: bool = False) -> "Solver":
+        """The :class:`Solver` of this config, prepared on ``operator`` (what it needs fitted, fitted once)."""
+        return self.build(operator).prepare(progress=progress)
 
     def solve(self, operator: Operator, b: torch.Tensor, *, progress: bool = False, warn: bool = True) -> "Solution":
-        """:func:`solve` with these settings (``auto`` resolved for ``operator.dim``; factors fitted if needed)."""
-        method, why = self.method(operator.dim)
-        _, pre, _ = self._plan(operator.dim)
-        fitted = self.prepare(operator, progress=progress) if (pre is not None or method in APPROXIMATIONS or self.deflate) else {}
-        preconditioner, name = self._preconditioner(fitted, pre, operator) if method in PRECONDITIONED else (None, "")
-        approximation = None
-        if method in ("kfac", "ekfac"):
-            approximation, name = fitted["curvature"], f"{method} ({fitted['curvature'].info['fisher']} Fisher)"
-        elif method == "arnoldi":
-            approximation, name = fitted["arnoldi"], f"arnoldi (rank {fitted['arnoldi'].eigenvalues.numel()})"
-        sol = solve(
-            operator, b, method, damping=self.damping, tol=self.tol, max_iter=self.max_iter,
-            preconditioner=preconditioner, approximation=approximation, progress=progress, warn=warn,
-        )
-        notes = list(fitted.get("notes", []))
-        if why and name:
-            why = f"{why}, preconditioned by {name}"
-        sol.choice = "; ".join([why] + notes) if notes else why
-        sol.preconditioner = name
-        return sol
-
-    def fitted_state(self, operator: Operator, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
-        """(tensors, JSON meta) of what :meth:`prepare` fitted on ``operator``, for :meth:`restore` (bit-identical)."""
-        fitted = getattr(operator, "fitted", None) or {}
-        tensors: dict[str, torch.Tensor] = {}
-        meta: dict = {"notes": list(fitted.get("notes", []))}
-        if fitted.get("curvature") is not None:
-            t, m = fitted["curvature"].state(prefix + "curvature.")
-            tensors.update(t)
-            meta["curvature"] = m
-        if fitted.get("arnoldi") is not None:
-            t, m = fitted["arnoldi"].state(prefix + "arnoldi.")
-            tensors.update(t)
-            meta["arnoldi"] = m
-        return tensors, meta
-
-    def restore(self, operator: Operator, tensors: dict[str, torch.Tensor], meta: dict, prefix: str = "") -> dict:
-        """Put the fitted objects saved by :meth:`fitted_state` back on ``operator``; returns ``operator.fitted``."""
-        from .factored import ArnoldiInverse, FactoredCurvature
-        from .params import ParamSpace, point
-
-        fitted: dict = {"notes": list(meta.get("notes", []))}
-        if "curvature" in meta:
-            space = ParamSpace(point(operator.stage.state(), operator.names, getattr(operator, "at", None)))
-            fitted["curvature"] = FactoredCurvature.from_state(tensors, meta["curvature"], space, prefix + "curvature.")
-        if "arnoldi" in meta:
-            fitted["arnoldi"] = ArnoldiInverse.from_state(tensors, meta["arnoldi"], self.damping, operator.dtype,
-                                                          operator.device, prefix + "arnoldi.")
-        operator.fitted = fitted
-        return fitted
+        """x ≈ (H + λI)⁻¹ b with these settings: :meth:`prepare` then :meth:`Solver.solve`."""
+        return self.prepare(operator, progress=progress).solve(b, progress=progress, warn=warn)
 
     def summary(self) -> dict:
         """The settings as JSON-friendly values (a callable preconditioner is named by its type)."""
@@ -304,6 +194,390 @@ class SolveConfig:
         if callable(self.preconditioner):
             out["preconditioner"] = getattr(self.preconditioner, "__qualname__", type(self.preconditioner).__name__)
         return out
+
+
+# keywords the entry points took before ``solve=SolveConfig(...)``; still accepted for one release, with a warning
+DEPRECATED_SOLVE_KEYWORDS = ("solver", "damping", "tol", "max_iter", "hessian_samples", "seed")
+
+
+def solve_settings(solve: "SolveConfig | Sequence[SolveConfig] | None", deprecated: Mapping[str, object], where: str,
+                   stages: int = 1, default: "SolveConfig | None" = None) -> "SolveConfig | list[SolveConfig]":
+    """The SolveConfig (one, or one per stage when ``stages`` > 1) of an entry point called with ``solve=`` or with
+    the deprecated solve keywords (``solver=``, ``damping=``, ... — each warns, naming its replacement).
+
+    deprecated: the extra keywords the entry point received; a keyword that is not a solve setting is a TypeError,
+    as for any function. A deprecated keyword holding a (value, value, ...) tuple gives one value per stage.
+    The keywords change the fields of ``default`` (or of ``SolveConfig()``); with ``solve=`` too they are refused.
+    """
+    unknown = sorted(set(deprecated) - set(DEPRECATED_SOLVE_KEYWORDS))
+    if unknown:
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+    if solve is not None and deprecated:
+        raise InputError(f"{where}: give the solve settings once, in solve=SolveConfig(...) (or one per stage), not "
+                         f"also as {', '.join(deprecated)}=.")
+    if not deprecated:
+        solve = solve if solve is not None else default if default is not None else SolveConfig()
+        return solve if stages == 1 or not isinstance(solve, SolveConfig) else [solve] * stages
+    solve = default if default is not None else SolveConfig()
+    per_stage: list[dict] = [{} for _ in range(stages)]
+    for key, value in deprecated.items():
+        example = (f"solve=[influkit.SolveConfig({key}=...), ...] (one per stage)" if isinstance(value, (tuple, list))
+                   else f"solve=influkit.SolveConfig({key}=...)")
+        warnings.warn(f"{where}({key}=...) is deprecated and will be removed in the next release; pass {example}.",
+                      DeprecationWarning, stacklevel=3)
+        if isinstance(value, (tuple, list)):
+            if len(value) != stages:
+                raise InputError(f"{key} must be one value or one per stage ({stages}), got {value!r}.")
+            for settings, v in zip(per_stage, value):
+                settings[key] = v
+        else:
+            for settings in per_stage:
+                settings[key] = value
+    configs = [replace(solve, **settings) for settings in per_stage]
+    return configs[0] if stages == 1 else configs
+
+
+# ------------------------------------------------------------------------------------------------ solvers
+
+
+REGISTRY: dict[str, type["Solver"]] = {}
+
+
+def register(*names: str):
+    """Class decorator: the :class:`Solver` subclass behind ``SolveConfig(solver=name)`` for each name (a new
+    method is one class: ``_run`` and, if it fits something, ``_prepare``; tests/test_solvers.py registers one)."""
+
+    def add(cls):
+        for name in names:
+            REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def _fitted(operator) -> dict:
+    """The dict on ``operator`` holding what solvers fitted on it ({"curvature", "arnoldi", "notes"}), created once."""
+    fitted = getattr(operator, "fitted", None)
+    if fitted is None:
+        fitted = {"notes": []}
+        try:
+            operator.fitted = fitted
+        except AttributeError:  # an operator that takes no attributes: the fit lives as long as this solver
+            pass
+    return fitted
+
+
+class Solver:
+    """(H + λI)⁻¹ b, or the method's version of it, for one :class:`SolveConfig` on one operator.
+
+    ``prepare()`` fits what the method needs (once per operator: fitted objects are kept on ``operator.fitted``);
+    ``solve(b)`` returns a :class:`Solution` for b of shape (p,) or (p, k); ``state(prefix)`` → (tensors, JSON meta)
+    and ``load(tensors, meta, prefix)`` persist what ``prepare`` fitted, bit for bit. Subclasses fill in
+    ``_prepare`` and ``_run(rhs, tol, max_iter, bar) -> (x, iterations, residual, floor)``.
+    """
+
+    exact: ClassVar[bool] = False  # True: converged by construction (no residual test)
+    iterative: ClassVar[bool] = False  # True: runs ``max_iter`` steps at most, with a progress bar
+    accepts_preconditioner: ClassVar[bool] = False  # True: SolveConfig(preconditioner=..., deflate=...) applies
+    warn: bool = True  # warn on an unconverged solve (and, in CG, on negative curvature)
+
+    def __init__(self, config: SolveConfig, operator: Operator, *, choice: str = ""):
+        if torch.is_tensor(operator):
+            operator = DenseOperator(operator)
+        self.config, self.operator, self.choice = config, operator, choice
+        self.name = config.method(operator.dim)[0]
+        self.preconditioner_name = ""
+        self.fitted = _fitted(operator)
+
+    def prepare(self, *, progress: bool = False) -> "Solver":
+        """Fit what this method needs on the operator (nothing by default). Returns self."""
+        self._prepare(progress)
+        return self
+
+    def _prepare(self, progress: bool) -> None:
+        pass
+
+    def solve(self, b: torch.Tensor, *, progress: bool = False, warn: bool = True) -> Solution:
+        """x ≈ (H + λI)⁻¹ b (the system of the module table), with its diagnostics."""
+        operator, damping = self.operator, self.config.damping
+        single = b.dim() == 1
+        rhs = b.reshape(-1, 1) if single else b
+        if rhs.shape[0] != operator.dim:
+            raise InputError(f"right-hand side has {rhs.shape[0]} rows, the Hessian is {operator.dim}×{operator.dim}.")
+        if not torch.isfinite(rhs).all():
+            raise NumericalError("the right-hand side holds NaN or Inf (a gradient overflowed); check the model and data.")
+        tol = default_tol(rhs.dtype) if self.config.tol is None else self.config.tol
+        max_iter = min(10 * operator.dim, 2000) if self.config.max_iter is None else self.config.max_iter
+        start_products = getattr(operator, "products", 0)
+        start = time.perf_counter()
+        self.warn = warn
+        bar = tqdm(total=max_iter, desc=f"{self.name} solve", disable=not (progress and self.iterative), leave=False)
+        x, iterations, residual, floor = self._run(rhs, tol, max_iter, bar)
+        bar.close()
+        if not torch.isfinite(x).all():
+            raise NumericalError(
+                f"the {self.name} solve produced NaN/Inf after {iterations} iterations; increase damping or use "
+                "float64."
+            )
+        converged = self.exact or residual <= tol
+        if not converged and warn:
+            _warn_unconverged(self.name, iterations, residual, tol, floor, rhs.dtype)
+        notes = list(self.fitted.get("notes", []))
+        why = self.choice
+        if why and self.preconditioner_name:
+            why = f"{why}, preconditioned by {self.preconditioner_name}"
+        return Solution(
+            x=x.reshape(-1) if single else x, method=self.name, iterations=iterations, residual=float(residual),
+            converged=bool(converged), seconds=time.perf_counter() - start,
+            products=getattr(operator, "products", 0) - start_products, damping=float(damping),
+            choice="; ".join([why] + notes) if notes else why, preconditioner=self.preconditioner_name,
+            floor=float(floor),
+        )
+
+    def _run(self, rhs: torch.Tensor, tol: float, max_iter: int, bar) -> tuple[torch.Tensor, int, float, float]:
+        raise NotImplementedError
+
+    def _system(self, rhs: torch.Tensor, squared: bool = False):
+        """(A, c) of the system A x = c solved: (H + λI) x = b, or (H² + λI) x = H b with ``squared``."""
+        op, damping = self.operator, self.config.damping
+        if squared:
+            return (lambda v: op.matvec(op.matvec(v)) + damping * v), op.matvec(rhs)
+        return (lambda v: op.matvec(v) + damping * v), rhs
+
+    def state(self, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
+        """(tensors, JSON meta) of what :meth:`prepare` fitted on the operator, for :meth:`load` (bit-identical)."""
+        tensors: dict[str, torch.Tensor] = {}
+        meta: dict = {"notes": list(self.fitted.get("notes", []))}
+        for key in ("curvature", "arnoldi"):
+            if self.fitted.get(key) is not None:
+                t, meta[key] = self.fitted[key].state(f"{prefix}{key}.")
+                tensors.update(t)
+        return tensors, meta
+
+    def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping, prefix: str = "") -> "Solver":
+        """Put what :meth:`state` saved back on the operator instead of fitting it again. Returns self."""
+        op = self.operator
+        self.fitted.clear()
+        self.fitted["notes"] = list(meta.get("notes", []))
+        if "curvature" in meta:
+            space = ParamSpace(point(op.stage.state(), op.names, getattr(op, "at", None)))
+            self.fitted["curvature"] = FactoredCurvature.from_state(tensors, meta["curvature"], space, prefix + "curvature.")
+        if "arnoldi" in meta:
+            self.fitted["arnoldi"] = ArnoldiInverse.from_state(tensors, meta["arnoldi"], op.dtype, op.device,
+                                                               prefix + "arnoldi.")
+        return self.prepare()  # finds what was just restored: nothing is fitted again
+
+    # what several methods fit: the factored curvature C and the top Lanczos eigenpairs of H
+
+    def _curvature(self, kind: str, progress: bool):
+        """The fitted factored curvature of ``kind`` on the operator (fitted now unless a matching one is kept)."""
+        if not _matches(self.fitted.get("curvature"), kind, self.config):
+            self.fitted["curvature"] = self._fit_curvature(kind, progress)
+        return self.fitted["curvature"]
+
+    def _fit_curvature(self, kind: str, progress: bool):
+        config, op, notes = self.config, self.operator, self.fitted.setdefault("notes", [])
+        stage = getattr(op, "stage", None)
+        if stage is None:
+            if config.solver == "auto":
+                notes.append("no preconditioner: the operator has no Stage to fit factors on")
+                return None
+            raise InputError(
+                f"{kind!r} needs the Hessian operator of a Stage (the factors come from the model's layers); "
+                f"got a {type(op).__name__}. Use influkit.curvature.HessianOperator or a Chain."
+            )
+        args = dict(names=op.names, kind=kind, indices=op.indices, extra=op.extra, at=getattr(op, "at", None),
+                    seed=config.seed, progress=progress)
+        try:
+            return fit_curvature(stage, fisher=config.fisher, **args)
+        except FactoredCurvatureError:
+            if config.solver != "auto" or config.fisher != "sampled":
+                raise
+            notes.append("EK-FAC on the empirical Fisher: the loss's predictive distribution is not recognised")
+            return fit_curvature(stage, fisher="empirical", **args)
+
+    def _eigenpairs(self, progress: bool) -> ArnoldiInverse:
+        """The top-``rank`` Lanczos eigenpairs of H (computed now unless matching ones are kept)."""
+        if not _matches_eigen(self.fitted.get("arnoldi"), self.config):
+            theta, vectors, info = lanczos(self.operator, self.config.rank, seed=self.config.seed, progress=progress)
+            self.fitted["arnoldi"] = ArnoldiInverse(theta, vectors, self.operator.dtype, info | {"seed": self.config.seed})
+        return self.fitted["arnoldi"]
+
+
+@register("identity")
+class Identity(Solver):
+    """x = b: every H⁻¹ replaced by I (the multi-stage paper's ablation)."""
+
+    exact = True
+
+    def _run(self, rhs, tol, max_iter, bar):
+        return rhs.clone(), 0, math.nan, math.nan
+
+
+@register("direct")
+class Direct(Solver):
+    """x = (H + λI)⁻¹ b from a factorization of the dense H (Cholesky, else an eigh pseudo-inverse), built once."""
+
+    exact = True
+
+    def _prepare(self, progress: bool) -> None:
+        self._factor()
+
+    def _factor(self) -> SymmetricFactor:
+        op, damping = self.operator, self.config.damping
+        if hasattr(op, "factor"):
+            return op.factor(damping)
+        if not hasattr(op, "dense"):
+            raise InputError("solver='direct' needs an operator with a dense() Hessian; use 'minres' or 'cg'.")
+        if getattr(self, "_own", None) is None:
+            self._own = SymmetricFactor(op.dense(), damping)
+        return self._own
+
+    def _run(self, rhs, tol, max_iter, bar):
+        factor = self._factor()
+        x = factor.solve(rhs)
+        residual = float(((factor.shifted @ x - rhs).norm(dim=0) / rhs.norm(dim=0).clamp_min(1e-300)).max())
+        return x, 1, residual, math.nan
+
+    def state(self, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
+        tensors, meta = super().state(prefix)
+        if getattr(self.operator, "has_dense", False):
+            tensors[f"{prefix}hessian"] = self.operator.dense()
+        return tensors, meta
+
+    def load(self, tensors, meta, prefix: str = "") -> "Solver":
+        if f"{prefix}hessian" in tensors:
+            self.operator.restore_dense(tensors[f"{prefix}hessian"])
+        return super().load(tensors, meta, prefix)
+
+
+class _Krylov(Solver):
+    """An iterative solve on (H + λI) x = b, optionally preconditioned (minres, cg_spd) and deflated."""
+
+    iterative = True
+
+    def __init__(self, config: SolveConfig, operator: Operator, *, choice: str = ""):
+        super().__init__(config, operator, choice=choice)
+        self.apply_preconditioner: Callable | None = None
+
+    def _prepare(self, progress: bool) -> None:
+        config = self.config
+        pre = config.preconditioner if self.accepts_preconditioner else None
+        if pre is None and not (config.deflate and self.accepts_preconditioner):
+            return
+        base, name = (pre, getattr(pre, "__qualname__", type(pre).__name__)) if callable(pre) else (None, "")
+        if isinstance(pre, str):
+            curvature = self._curvature(pre, progress)
+            if curvature is not None:
+                shift = config.damping if config.damping > 0 else 1e-3 * curvature.mean_eigenvalue()
+                base, name = (lambda r: curvature.solve(r, shift)), f"{pre} ({curvature.info['fisher']} Fisher)"
+        if config.deflate and self.accepts_preconditioner:
+            pairs = self._eigenpairs(progress)
+            base = deflated(base, pairs.eigenvalues, pairs.eigenvectors, config.damping)
+            name = f"{name or 'identity'} deflated by {pairs.eigenvalues.numel()} Lanczos eigenpairs"
+        self.apply_preconditioner, self.preconditioner_name = base, name
+
+
+@register("minres")
+class MINRES(_Krylov):
+    """MINRES on (H + λI) x = b: any symmetric H, indefinite too; converges with κ(M⁻¹H)."""
+
+    accepts_preconditioner = True
+
+    def _run(self, rhs, tol, max_iter, bar):
+        apply, target = self._system(rhs)
+        pre = self.apply_preconditioner
+        if pre is None and rhs.dtype == torch.float64:
+            x, iterations = krylov.minres(apply, target, tol / 4, max_iter, bar)
+            floor = math.nan
+        else:
+            eps = torch.finfo(rhs.dtype).eps
+            x, iterations, floor = krylov.minres(_widened(apply, rhs.dtype), target.to(torch.float64), tol / 4, max_iter,
+                                                 bar, preconditioner=_widened(pre, rhs.dtype), eps=eps)
+            x = x.to(rhs.dtype)
+        return x, iterations, krylov_residual(apply, x, target), floor
+
+
+@register("cg_spd")
+class CG(_Krylov):
+    """Conjugate gradients on (H + λI) x = b, which must be positive definite; converges with κ(M⁻¹H)."""
+
+    squared: ClassVar[bool] = False
+    accepts_preconditioner = True
+
+    def _run(self, rhs, tol, max_iter, bar):
+        apply, target = self._system(rhs, squared=self.squared)
+        # the recurrence residual drifts from the true one: aim a little below tol
+        x, iterations = krylov.cg(apply, target, tol / 4, max_iter, bar, require_positive=not self.squared,
+                                  preconditioner=self.apply_preconditioner, warn=self.warn)
+        return x, iterations, krylov_residual(apply, x, target), math.nan
+
+
+@register("cg")
+class CGSquared(CG):
+    """CG on (H² + λI) x = H b, the multi-stage paper's eq. 16: any symmetric H; converges with κ(H)²."""
+
+    squared = True
+    accepts_preconditioner = False
+
+
+@register("lissa")
+class LiSSA(_Krylov):
+    """Richardson iteration x ← x + (b − (H + λI) x)/s (LiSSA, deterministic): s = ``scale`` or 1.05·|λ_max|."""
+
+    scale: float | None = None
+
+    def _run(self, rhs, tol, max_iter, bar):
+        apply, target = self._system(rhs)
+        step = self.scale if self.scale is not None else 1.05 * krylov.largest_eigenvalue(apply, rhs)
+        x, iterations = krylov.richardson(apply, target, step, tol, max_iter, bar)
+        return x, iterations, krylov_residual(apply, x, target), math.nan
+
+
+class _Approximation(Solver):
+    """x = C⁻¹ b for a fitted approximation C of H + λI (no iteration); the residual is that of the true system."""
+
+    exact = True
+    approximation = None  # set by prepare (or given to :func:`solve`)
+
+    def _run(self, rhs, tol, max_iter, bar):
+        x = self.approximation.solve(rhs, self.config.damping).to(rhs.dtype)
+        apply, target = self._system(rhs)
+        return x, 0, krylov_residual(apply, x, target), math.nan
+
+
+@register("kfac", "ekfac")
+class Factored(_Approximation):
+    """K-FAC / EK-FAC: x = (C + λI)⁻¹ b with C the Kronecker-factored (eigenvalue-corrected) Gauss-Newton matrix."""
+
+    def _prepare(self, progress: bool) -> None:
+        if self.approximation is None:
+            self.approximation = self._curvature(self.name, progress)
+        self.preconditioner_name = f"{self.name} ({self.approximation.info['fisher']} Fisher)"
+
+
+@register("arnoldi")
+class Arnoldi(_Approximation):
+    """Schioppa et al.: x = V (Θ + λ)⁻¹ Vᵀ b on the top-``rank`` Lanczos eigenpairs (Θ, V) of H."""
+
+    def _prepare(self, progress: bool) -> None:
+        if self.approximation is None:
+            self.approximation = self._eigenpairs(progress)
+        self.preconditioner_name = f"arnoldi (rank {self.approximation.eigenvalues.numel()})"
+
+
+def _warn_unconverged(method: str, iterations: int, residual: float, tol: float, floor: float, dtype) -> None:
+    if not math.isnan(floor) and residual <= 10 * floor:
+        advice = (f"that is the floor {str(dtype).replace('torch.', '')} arithmetic can certify for this system "
+                  f"(~{floor:.1e}): pass tol ≥ {10 * floor:.0e}"
+                  + (", or compute in float64." if dtype != torch.float64 else ", or add damping."))
+    elif method == "minres":
+        advice = "raise max_iter, add damping, or precondition (preconditioner='ekfac')."
+    else:
+        advice = ("raise max_iter, add damping, or try solver='minres' (indefinite-safe, converges with κ(H) "
+                  "instead of κ(H)²).")
+    warnings.warn(f"{method} stopped after {iterations} iterations at relative residual {residual:.2e} > tol {tol:.0e}; "
+                  + advice, ConvergenceWarning, stacklevel=4)
 
 
 def _matches(curvature, kind: str, config: SolveConfig) -> bool:
@@ -321,120 +595,11 @@ def default_tol(dtype: torch.dtype) -> float:
     return 1e-10 if dtype == torch.float64 else 1e-4
 
 
-def solve(
-    operator,
-    b: torch.Tensor,
-    method: str = "cg",
-    *,
-    damping: float = 0.0,
-    tol: float | None = None,
-    max_iter: int | None = None,
-    scale: float | None = None,
-    preconditioner: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    approximation=None,
-    progress: bool = False,
-    warn: bool = True,
-) -> Solution:
-    """Approximately x = H⁻¹ b (with damping λ as in the module table), for b of shape (p,) or (p, k).
-
-    operator: an :class:`~influkit.operators.Operator` (e.g. :class:`~influkit.curvature.HessianOperator`), or
-    a dense symmetric (p, p) tensor. ``direct`` also needs ``operator.dense()`` (or a cached ``factor``).
-    tol: relative residual to stop at (default :func:`default_tol`); max_iter: cap on iterations
-    (default min(10·p, 2,000)); scale: LiSSA's step 1/scale (default 1.05·|λ_max| by power iteration).
-    preconditioner: for ``minres`` and ``cg_spd``, M⁻¹ applied to (p, k) residuals, M ≈ H + λI symmetric
-    positive definite (they then converge with κ(M⁻¹H) instead of κ(H)).
-    approximation: for ``kfac``/``ekfac``/``arnoldi``, the fitted object whose ``solve(rhs, damping)`` gives x
-    (:class:`~influkit.factored.FactoredCurvature`, :class:`~influkit.factored.ArnoldiInverse`).
-    """
-    if torch.is_tensor(operator):
-        operator = DenseOperator(operator)
-    if method not in SOLVERS:
-        raise InputError(f"unknown solver {method!r}; choose one of {SOLVERS}.")
-    if damping < 0:
-        raise InputError(f"damping must be ≥ 0, got {damping}.")
-    if preconditioner is not None and method not in PRECONDITIONED:
-        raise InputError(f"a preconditioner applies to 'minres' and 'cg_spd', not {method!r}.")
-    if method in APPROXIMATIONS and approximation is None:
-        raise InputError(
-            f"solver={method!r} needs its fitted approximation: use SolveConfig(solver={method!r}).solve(operator, b) "
-            "or a Chain, which fit it, or pass approximation=influkit.factored.fit_curvature(...)."
-        )
-    single = b.dim() == 1
-    rhs = b.reshape(-1, 1) if single else b
-    if rhs.shape[0] != operator.dim:
-        raise InputError(f"right-hand side has {rhs.shape[0]} rows, the Hessian is {operator.dim}×{operator.dim}.")
-    if not torch.isfinite(rhs).all():
-        raise NumericalError("the right-hand side holds NaN or Inf (a gradient overflowed); check the model and data.")
-    tol = default_tol(rhs.dtype) if tol is None else tol
-    max_iter = min(10 * operator.dim, 2000) if max_iter is None else max_iter
-    start_products = getattr(operator, "products", 0)
-    start = time.perf_counter()
-    floor = math.nan
-
-    if method == "identity":
-        x, iterations, residual = rhs.clone(), 0, math.nan
-    elif method == "direct":
-        x, iterations, residual = _direct(operator, rhs, damping)
-    elif method in APPROXIMATIONS:
-        x, iterations = approximation.solve(rhs, damping).to(rhs.dtype), 0
-        apply, target = _system(operator, rhs, "minres", damping)
-        residual = _relative_residual(apply, x, target)
-    else:
-        apply, target = _system(operator, rhs, method, damping)
-        bar = tqdm(total=max_iter, desc=f"{method} solve", disable=not progress, leave=False)
-        if method in ("cg", "cg_spd"):
-            # the recurrence residual drifts from the true one: aim a little below tol
-            x, iterations = _cg(
-                apply, target, tol / 4, max_iter, bar, require_positive=method == "cg_spd",
-                preconditioner=preconditioner, warn=warn,
-            )
-        elif method == "minres":
-            if preconditioner is None and rhs.dtype == torch.float64:
-                x, iterations = _minres(apply, target, tol / 4, max_iter, bar)
-            else:
-                eps = torch.finfo(rhs.dtype).eps
-                x, iterations, floor = _minres(_widened(apply, rhs.dtype), target.to(torch.float64), tol / 4, max_iter,
-                                               bar, preconditioner=_widened(preconditioner, rhs.dtype), eps=eps)
-                x = x.to(rhs.dtype)
-        else:
-            step = scale if scale is not None else 1.05 * _largest_eigenvalue(apply, rhs)
-            x, iterations = _richardson(apply, target, step, tol, max_iter, bar)
-        bar.close()
-        residual = _relative_residual(apply, x, target)
-
-    if not torch.isfinite(x).all():
-        raise NumericalError(
-            f"the {method} solve produced NaN/Inf after {iterations} iterations; increase damping or use "
-            "float64."
-        )
-    converged = method in ("identity", "direct") + APPROXIMATIONS or residual <= tol
-    if not converged and warn:
-        if not math.isnan(floor) and residual <= 10 * floor:
-            advice = (f"that is the floor {str(rhs.dtype).replace('torch.', '')} arithmetic can certify for this system "
-                      f"(~{floor:.1e}): pass tol ≥ {10 * floor:.0e}"
-                      + (", or compute in float64." if rhs.dtype != torch.float64 else ", or add damping."))
-        elif method == "minres":
-            advice = "raise max_iter, add damping, or precondition (preconditioner='ekfac')."
-        else:
-            advice = ("raise max_iter, add damping, or try solver='minres' (indefinite-safe, converges with κ(H) "
-                      "instead of κ(H)²).")
-        warnings.warn(
-            f"{method} stopped after {iterations} iterations at relative residual {residual:.2e} > tol {tol:.0e}; "
-            + advice,
-            ConvergenceWarning,
-            stacklevel=2,
-        )
-    return Solution(
-        x=x.reshape(-1) if single else x,
-        method=method,
-        iterations=iterations,
-        residual=float(residual),
-        converged=bool(converged),
-        seconds=time.perf_counter() - start,
-        products=getattr(operator, "products", 0) - start_products,
-        damping=float(damping),
-        floor=float(floor),
-    )
+def krylov_residual(apply: Callable, x: torch.Tensor, target: torch.Tensor) -> float:
+    """max over columns of ‖A x − c‖ / ‖c‖ (0 for a zero column)."""
+    norms = target.norm(dim=0)
+    res = (apply(x) - target).norm(dim=0) / norms.clamp_min(torch.finfo(target.dtype).tiny)
+    return float(torch.where(norms > 0, res, torch.zeros_like(res)).max())
 
 
 def _widened(fn: Callable | None, dtype: torch.dtype) -> Callable | None:
@@ -444,187 +609,62 @@ def _widened(fn: Callable | None, dtype: torch.dtype) -> Callable | None:
     return lambda v: fn(v.to(dtype)).to(torch.float64)
 
 
-def _system(operator, rhs: torch.Tensor, method: str, damping: float):
-    """(A, c) of the system A x = c that ``method`` solves."""
-    if method == "cg":
-        return (lambda v: operator.matvec(operator.matvec(v)) + damping * v), operator.matvec(rhs)
-    return (lambda v: operator.matvec(v) + damping * v), rhs
+def solve(
+    operator,
+    b: torch.Tensor,
+    solver: str = "auto",
+    *,
+    damping: float = 0.0,
+    tol: float | None = None,
+    max_iter: int | None = None,
+    scale: float | None = None,
+    preconditioner: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    approximation=None,
+    progress: bool = False,
+    warn: bool = True,
+    **deprecated,
+) -> Solution:
+    """Approximately x = H⁻¹ b (with damping λ as in the module table), for b of shape (p,) or (p, k).
 
-
-def _relative_residual(apply: Callable, x: torch.Tensor, target: torch.Tensor) -> float:
-    norms = target.norm(dim=0)
-    res = (apply(x) - target).norm(dim=0) / norms.clamp_min(torch.finfo(target.dtype).tiny)
-    return float(torch.where(norms > 0, res, torch.zeros_like(res)).max())
-
-
-def _direct(operator, rhs: torch.Tensor, damping: float):
-    """x = (H + λI)⁻¹ b from the operator's cached factorization, or from a factorization of its dense()."""
-    if hasattr(operator, "factor"):
-        factor = operator.factor(damping)
-    elif hasattr(operator, "dense"):
-        factor = SymmetricFactor(operator.dense(), damping)
-    else:
-        raise InputError("solver='direct' needs an operator with a dense() Hessian; use 'minres' or 'cg'.")
-    x = factor.solve(rhs)
-    residual = float(((factor.shifted @ x - rhs).norm(dim=0) / rhs.norm(dim=0).clamp_min(1e-300)).max())
-    return x, 1, residual
-
-
-def _cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner=None, warn: bool = True):
-    """Batched (preconditioned) conjugate gradients on A x = c, A symmetric positive definite, a column each."""
-    precondition = preconditioner or (lambda r: r)
-    x = torch.zeros_like(target)
-    r = target.clone()
-    z = precondition(r)
-    p = z.clone()
-    rz = (r * z).sum(0)
-    bnorm = target.norm(dim=0).clamp_min(torch.finfo(target.dtype).tiny)
-    iterations = 0
-    for iterations in range(1, max_iter + 1):
-        active = r.norm(dim=0) / bnorm > tol
-        if not active.any():
-            iterations -= 1
-            break
-        ap = apply(p)
-        curvature = (p * ap).sum(0)
-        if require_positive and (curvature[active] <= 0).any():
-            if not warn:
-                break
-            warnings.warn(
-                "plain CG met negative curvature: H + λI is not positive definite; use solver='cg' (on H²) "
-                "or 'minres'.",
-                ConvergenceWarning,
-                stacklevel=4,
-            )
-            break
-        alpha = torch.where(active, rz / torch.where(active, curvature, torch.ones_like(curvature)), torch.zeros_like(rz))
-        x = x + alpha * p
-        r = r - alpha * ap
-        z = precondition(r)
-        rz_new = (r * z).sum(0)
-        beta = torch.where(active, rz_new / rz.clamp_min(torch.finfo(rz.dtype).tiny), torch.zeros_like(rz))
-        p = z + beta * p
-        rz = torch.where(active, rz_new, rz)
-        bar.update(1)
-    return x, iterations
-
-
-def _minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | None = None):
-    """Batched MINRES (Paige & Saunders 1975) on A x = c for symmetric, possibly indefinite A.
-
-    Lanczos builds a basis v_j of the Krylov space; a running QR of the tridiagonal matrix by Givens rotations
-    (cs, sn) gives the iterate minimizing ‖A x − c‖ over the space, and phibar is that residual norm, so the
-    stopping test costs nothing. With a preconditioner (M⁻¹, symmetric positive definite) the Lanczos process
-    runs in the M⁻¹ inner product (v_j = M⁻¹-scaled) and x minimizes ‖A x − c‖_{M⁻¹}; phibar is then that
-    norm, so the true residual c − A x is carried alongside (A w_j from the same products, no extra HVP) and
-    the stopping test uses it.
-
-    eps: given (the unit roundoff of the operator's products), the residual is carried as above even without
-    a preconditioner, a column stops once its residual is below ``floor`` = eps·(‖A‖‖x‖/‖c‖ + 1) (‖A‖
-    estimated from the products; measured on float32 matrices, the true residual stalls at 0.3-0.5 of it, so
-    iterating further cannot be certified), and the call returns
-    (x, iterations, largest floor); otherwise (x, iterations).
+    operator: an :class:`~influkit.operators.Operator` (e.g. :class:`~influkit.curvature.HessianOperator`), or
+    a dense symmetric (p, p) tensor. ``direct`` also needs ``operator.dense()`` (or a cached ``factor``).
+    solver: one of ``SOLVERS`` or ``"auto"`` (default; as in :class:`SolveConfig`, ``minres`` when the operator
+    has no dense form). ``method=`` is its deprecated name. tol: relative residual to stop at (default
+    :func:`default_tol`); max_iter: cap on iterations (default min(10·p, 2,000)); scale: LiSSA's step 1/scale
+    (default 1.05·|λ_max| by power iteration).
+    preconditioner: for ``minres`` and ``cg_spd``, M⁻¹ applied to (p, k) residuals, M ≈ H + λI symmetric
+    positive definite (they then converge with κ(M⁻¹H) instead of κ(H)).
+    approximation: for ``kfac``/``ekfac``/``arnoldi``, the fitted object whose ``solve(rhs, damping)`` gives x
+    (:class:`~influkit.factored.FactoredCurvature`, :class:`~influkit.factored.ArnoldiInverse`).
     """
-    tiny = torch.finfo(target.dtype).tiny
-    track = preconditioner is not None or eps is not None
-    zeros = torch.zeros(target.shape[1], dtype=target.dtype, device=target.device)
-    bnorm = target.norm(dim=0)
-    x = torch.zeros_like(target)
-    r1 = target.clone()
-    r2 = target.clone()
-    if preconditioner is not None:
-        y = preconditioner(target)
-        inner = (target * y).sum(0)
-        if (inner < 0).any() or not torch.isfinite(inner).all():
-            raise NumericalError("the preconditioner is not positive definite (bᵀM⁻¹b < 0); add damping to it.")
-        beta1 = inner.sqrt()
-    else:
-        y = target.clone()
-        beta1 = bnorm.clone()
-    beta, oldb = beta1.clone(), zeros.clone()
-    dbar, epsln, cs, sn = zeros.clone(), zeros.clone(), -torch.ones_like(zeros), zeros.clone()
-    phibar = beta1.clone()
-    w = torch.zeros_like(target)
-    w2 = torch.zeros_like(target)
-    if track:
-        ax, aw, aw2 = torch.zeros_like(target), torch.zeros_like(target), torch.zeros_like(target)
-    anorm = zeros.clone()
-    floor = zeros.clone()
-    active = beta1 > 0
-    iterations = 0
-    for iterations in range(1, max_iter + 1):
-        if track:
-            relres = (target - ax).norm(dim=0) / bnorm.clamp_min(tiny)
-            if eps is not None:
-                floor = eps * (anorm * x.norm(dim=0) / bnorm.clamp_min(tiny) + 1)
-            active = active & (relres > tol) & (relres > floor)
-        else:
-            active = active & (phibar > tol * beta1)
-        if not active.any():
-            iterations -= 1
-            break
-        # normalize converged columns too: their (unused) Lanczos vectors would otherwise grow until they overflow
-        safe_beta = torch.where(beta > tiny, beta, torch.ones_like(beta))
-        v = y / safe_beta
-        av = apply(v)
-        anorm = torch.maximum(anorm, av.norm(dim=0) / v.norm(dim=0).clamp_min(tiny))
-        y = av
-        if iterations >= 2:
-            y = y - (beta / torch.where(oldb > tiny, oldb, torch.ones_like(oldb))) * r1
-        alfa = (v * y).sum(0)
-        y = y - (alfa / safe_beta) * r2
-        r1, r2 = r2, y
-        if preconditioner is not None:
-            y = preconditioner(r2)
-            oldb, beta = beta, (r2 * y).sum(0).clamp_min(0).sqrt()
-        else:
-            oldb, beta = beta, y.norm(dim=0)
-        oldeps = epsln
-        delta = cs * dbar + sn * alfa
-        gbar = sn * dbar - cs * alfa
-        epsln = sn * beta
-        dbar = -cs * beta
-        gamma = torch.sqrt(gbar**2 + beta**2).clamp_min(tiny)
-        cs, sn = gbar / gamma, beta / gamma
-        phi = cs * phibar
-        phibar = torch.where(active, sn * phibar, phibar)
-        w1, w2 = w2, w
-        w = (v - oldeps * w1 - delta * w2) / gamma
-        x = torch.where(active, x + phi * w, x)
-        if track:
-            aw1, aw2 = aw2, aw
-            aw = (av - oldeps * aw1 - delta * aw2) / gamma
-            ax = torch.where(active, ax + phi * aw, ax)
-        bar.update(1)
-    if eps is not None:
-        return x, iterations, float(floor.max())
-    return x, iterations
-
-
-def _largest_eigenvalue(apply, like: torch.Tensor, steps: int = 30) -> float:
-    """|λ_max| of the operator by power iteration from a seeded random start."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    v = torch.randn(like.shape[0], 1, generator=gen, dtype=like.dtype).to(like.device)
-    v = v / v.norm()
-    value = 0.0
-    for _ in range(steps):
-        av = apply(v)
-        value = float(av.norm())
-        if value == 0.0:
-            break
-        v = av / value
-    return value
-
-
-def _richardson(apply, target, scale, tol, max_iter, bar):
-    """LiSSA (Agarwal et al.) in its deterministic form: x ← x + (c − A x)/scale, i.e. x = Σ_j (I − A/s)^j c / s."""
-    x = target / scale
-    bnorm = target.norm(dim=0).clamp_min(torch.finfo(target.dtype).tiny)
-    iterations = 0
-    for iterations in range(1, max_iter + 1):
-        residual = target - apply(x)
-        if ((residual.norm(dim=0) / bnorm) <= tol).all():
-            break
-        x = x + residual / scale
-        bar.update(1)
-    return x, iterations
+    if "method" in deprecated:
+        warnings.warn("influkit.solve(method=...) is deprecated and will be removed in the next release; pass "
+                      "solver=... (the third positional argument).", DeprecationWarning, stacklevel=2)
+        solver = deprecated.pop("method")
+    if deprecated:
+        raise TypeError(f"solve() got an unexpected keyword argument {next(iter(deprecated))!r}")
+    if torch.is_tensor(operator):
+        operator = DenseOperator(operator)
+    if solver != "auto" and solver not in REGISTRY:
+        raise InputError(f"unknown solver {solver!r}; choose 'auto' or one of {tuple(REGISTRY)}.")
+    if damping < 0:
+        raise InputError(f"damping must be ≥ 0, got {damping}.")
+    if preconditioner is not None and not (solver != "auto" and REGISTRY[solver].accepts_preconditioner):
+        raise InputError(f"a preconditioner applies to 'minres' and 'cg_spd', not {solver!r}.")
+    if solver in APPROXIMATIONS and approximation is None:
+        raise InputError(
+            f"solver={solver!r} needs its fitted approximation: use SolveConfig(solver={solver!r}).solve(operator, b) "
+            "or a Chain, which fit it, or pass approximation=influkit.factored.fit_curvature(...)."
+        )
+    config = SolveConfig(solver=solver, damping=damping, tol=tol, max_iter=max_iter)
+    instance = config.build(operator)
+    if isinstance(instance, Direct) and solver == "auto" and not (hasattr(operator, "dense") or hasattr(operator, "factor")):
+        instance = replace(config, solver="minres").build(operator)
+        instance.choice = "auto: the operator has no dense() to factor, MINRES (indefinite-safe, one HVP per step)"
+    if isinstance(instance, _Krylov):
+        instance.apply_preconditioner = preconditioner
+    if isinstance(instance, LiSSA):
+        instance.scale = scale
+    if isinstance(instance, _Approximation):
+        instance.approximation = approximation
+    return instance.solve(b, progress=progress, warn=warn)

@@ -495,7 +495,7 @@ def test_bert_example_quick_runs_end_to_end(example_run):
 
 @pytest.mark.slow
 def test_bert_example_lds_resumes_from_the_saved_model(example_run):
-    pytest.importorskip("influkit.validation.lds")
+    pytest.importorskip("influkit.apps.lds")
     _, out = example_run
     _run_example("--out", str(out), "--reuse", "--lds", "3")
     lds = json.loads((out / "lds_summary.json").read_text())

@@ -12,7 +12,8 @@ from torch.func import functional_call
 
 import influkit as ik
 from influkit.gradients import per_example_grads
-from influkit.validation import lds as L
+from influkit.apps import lds as H  # the re-training harness and baselines
+from influkit.validation import lds as L  # the metric
 from influkit.validation.loo import proximal_stage
 
 LAM = 0.05
@@ -108,7 +109,7 @@ def ridge():
 
 def test_ridge_exact_influence_has_lds_near_one_and_shuffled_near_zero(ridge, tmp_path):
     scores = ridge.chain.query((ridge.tx, ridge.ty), per_test=True).scores()
-    run = L.run_lds(ridge.retrain, ridge.n, tmp_path, n_subsets=60, seeds=(0,), progress=False)
+    run = H.run_lds(ridge.retrain, ridge.n, tmp_path, n_subsets=60, seeds=(0,), progress=False)
     exact = run.lds(scores)
     assert exact > 0.85
     assert run.lds(-scores.values) == pytest.approx(-exact)
@@ -122,7 +123,7 @@ def test_ridge_exact_influence_has_lds_near_one_and_shuffled_near_zero(ridge, tm
 
 def test_chain_retrain_matches_closed_form_ridge(ridge):
     idx = L.random_subsets(ridge.n, 3, seed=5)[0].nonzero().reshape(-1)
-    retrain = L.ChainRetrain(ridge.chain, (ridge.tx, ridge.ty))
+    retrain = H.ChainRetrain(ridge.chain, (ridge.tx, ridge.ty))
     torch.testing.assert_close(retrain(idx, seed=1), ridge.retrain(idx, 1), rtol=1e-8, atol=1e-12)
     assert retrain.gradient_norms[-1][0] < 1e-9
     torch.testing.assert_close(ridge.stage.model.weight.detach()[0], ridge.fit(torch.arange(ridge.n)))  # untouched
@@ -147,33 +148,33 @@ def test_harness_resumes_after_interruption_without_recomputing(ridge, tmp_path)
 
     kw = dict(n_subsets=8, seeds=(0, 1), setup={"model": "ridge"}, progress=False)
     with pytest.raises(Interrupted):
-        L.run_lds(retrain, ridge.n, tmp_path / "run", **kw)
+        H.run_lds(retrain, ridge.n, tmp_path / "run", **kw)
     assert len(list((tmp_path / "run" / "outputs").glob("*.safetensors"))) == 6
-    partial = L.load_lds(tmp_path / "run")
+    partial = H.load_lds(tmp_path / "run")
     assert not partial.complete and int(torch.isfinite(partial.outputs[..., 0]).sum()) == 6
     first = list(calls[:6])
     calls.clear()
-    run = L.run_lds(retrain, ridge.n, tmp_path / "run", **kw)
+    run = H.run_lds(retrain, ridge.n, tmp_path / "run", **kw)
     assert len(calls) == 16 - 6 and not set(calls) & set(first)
-    fresh = L.run_lds(ridge.retrain, ridge.n, tmp_path / "fresh", **kw)
+    fresh = H.run_lds(ridge.retrain, ridge.n, tmp_path / "fresh", **kw)
     torch.testing.assert_close(run.outputs, fresh.outputs, rtol=0, atol=0)
     calls.clear()
-    again = L.run_lds(retrain, ridge.n, tmp_path / "run", **kw)
+    again = H.run_lds(retrain, ridge.n, tmp_path / "run", **kw)
     assert calls == [] and torch.equal(again.outputs, run.outputs)
-    torch.testing.assert_close(L.load_lds(tmp_path / "run").outputs, run.outputs, rtol=0, atol=0)
+    torch.testing.assert_close(H.load_lds(tmp_path / "run").outputs, run.outputs, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("change", [{"alpha": 0.4}, {"seeds": (0, 2)}, {"n_subsets": 9}, {"setup": {"model": "other"}}])
 def test_harness_refuses_a_different_setup(ridge, tmp_path, change):
     kw = dict(n_subsets=8, seeds=(0, 1), setup={"model": "ridge"}, progress=False)
-    L.run_lds(ridge.retrain, ridge.n, tmp_path, **kw)
+    H.run_lds(ridge.retrain, ridge.n, tmp_path, **kw)
     with pytest.raises(ik.InputError, match="different setup"):
-        L.run_lds(ridge.retrain, ridge.n, tmp_path, **(kw | change))
+        H.run_lds(ridge.retrain, ridge.n, tmp_path, **(kw | change))
 
 
 def test_harness_refuses_nan_outputs_and_stores_nothing(ridge, tmp_path):
     with pytest.raises(ik.NumericalError, match="NaN"):
-        L.run_lds(lambda idx, seed: torch.full((3,), float("nan")), ridge.n, tmp_path, n_subsets=4, seeds=(0,), progress=False)
+        H.run_lds(lambda idx, seed: torch.full((3,), float("nan")), ridge.n, tmp_path, n_subsets=4, seeds=(0,), progress=False)
     assert not list((tmp_path / "outputs").glob("*.safetensors"))
 
 
@@ -182,7 +183,7 @@ def test_plot_and_long_frame(ridge, tmp_path):
 
     matplotlib.use("Agg")
     scores = ridge.chain.query((ridge.tx, ridge.ty), per_test=True).scores()
-    run = L.run_lds(ridge.retrain, ridge.n, tmp_path, n_subsets=10, seeds=(0, 1), progress=False)
+    run = H.run_lds(ridge.retrain, ridge.n, tmp_path, n_subsets=10, seeds=(0, 1), progress=False)
     fig = run.plot(scores, title="ridge")
     assert "Spearman" in fig.axes[1].get_title() and "LDS" in fig.axes[0].get_title()
     frame = run.to_frame()
@@ -222,12 +223,12 @@ def data(seed: int, n: int = 30):
 
 def two_stage(case: int) -> tuple[ik.Chain, tuple]:
     pre = ik.Stage(Net(0), ce, data(1), regularizer=l2)
-    L.train_to_stationarity(pre)
+    H.train_to_stationarity(pre)
     fin_model = Net(1)
     fin_model.enc.load_state_dict(pre.model.enc.state_dict())
     fin = ik.Stage(fin_model, ce, data(2), params="head" if case == 1 else None, regularizer=l2)
     centre = {n: t.clone() for n, t in pre.state().items() if n.startswith("enc.")}
-    L.train_to_stationarity(fin if case == 1 else proximal_stage(fin, centre, ALPHA))
+    H.train_to_stationarity(fin if case == 1 else proximal_stage(fin, centre, ALPHA))
     chain = ik.Chain([pre, fin], [ik.Link("enc", case=case, alpha=ALPHA)], solve=ik.SolveConfig(solver="direct"))
     return chain, data(3, n=7)
 
@@ -237,7 +238,7 @@ def test_chain_retrain_warm_on_everything_reproduces_the_trained_chain(case):
     """At the chain's own optimum the re-training objectives (loss, L2, Case 2 proximal term) are stationary."""
     chain, test = two_stage(case)
     before = {n: t.clone() for n, t in chain.stages[1].state().items()}
-    retrain = L.ChainRetrain(chain, test, init="warm")
+    retrain = H.ChainRetrain(chain, test, init="warm")
     out = retrain(torch.arange(len(chain.stages[0])), seed=0)
     with torch.no_grad():
         expected = chain.stages[1].losses(chain.stages[1].trained(), *test)
@@ -250,7 +251,7 @@ def test_chain_retrain_on_a_subset_reaches_the_subset_chain_optimum(case):
     """Stationarity of each re-trained stage, checked on objectives written out here independently."""
     chain, test = two_stage(case)
     subset = L.random_subsets(30, 3, seed=0)[1].nonzero().reshape(-1)
-    pre, fin = L.ChainRetrain(chain, test).retrain(subset, seed=2)
+    pre, fin = H.ChainRetrain(chain, test).retrain(subset, seed=2)
     x, y = data(1)
     p = {n: t.detach().clone().requires_grad_() for n, t in pre.model.named_parameters()}
     objective = ce(functional_call(pre.model, p, (x[subset],)), y[subset]).mean() + l2(p)
@@ -271,7 +272,7 @@ def test_chain_retrain_on_a_subset_reaches_the_subset_chain_optimum(case):
 
 def test_chain_retrain_from_scratch_is_seeded():
     chain, test = two_stage(1)
-    retrain = L.ChainRetrain(chain, test)
+    retrain = H.ChainRetrain(chain, test)
     subset = L.random_subsets(len(chain.stages[0]), 3, seed=0)[0].nonzero().reshape(-1)
     a, b = retrain(subset, seed=3), retrain(subset, seed=3)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -279,7 +280,7 @@ def test_chain_retrain_from_scratch_is_seeded():
     model = Net(5)
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.manual_seed(9)
-    L._reset(model, ["head.weight", "head.bias"])
+    H._reset(model, ["head.weight", "head.bias"])
     named = dict(model.named_parameters())
     assert torch.equal(named["enc.weight"], original["enc.weight"])
     assert not torch.equal(named["head.weight"], original["head.weight"])
@@ -289,7 +290,7 @@ def test_chain_retrain_from_scratch_is_seeded():
 def test_gradient_dot_is_the_negated_shared_block_dot_product(case):
     chain, test = two_stage(case)
     shared = ["enc.weight", "enc.bias"]
-    res = L.gradient_dot(chain, test)
+    res = H.gradient_dot(chain, test)
     g_test = per_example_grads(chain.stages[1], *test, shared)
     g_pre = per_example_grads(chain.stages[0], *chain.stages[0].data.take(torch.arange(30)), shared)
     torch.testing.assert_close(res.values, -g_pre @ g_test.T)
@@ -301,4 +302,4 @@ def test_gradient_dot_is_the_negated_shared_block_dot_product(case):
 def test_gradient_dot_single_stage_equals_identity_solver(ridge):
     ident = ik.Chain([ridge.stage], solve=ik.SolveConfig(solver="identity"))
     expected = ident.query((ridge.tx, ridge.ty), per_test=True).scores().values
-    torch.testing.assert_close(L.gradient_dot(ridge.chain, (ridge.tx, ridge.ty)).values, expected)
+    torch.testing.assert_close(H.gradient_dot(ridge.chain, (ridge.tx, ridge.ty)).values, expected)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import influkit as ik
-from influkit.validation.reference import explicit_gauss_newton, explicit_hessian
+from influkit.validation.reference import explicit_gauss_newton, explicit_hessian, explicit_measure_grads
 from influkit.gradients import per_example_grads_serial
 from influkit.training import fit_lbfgs, newton_refine
 from conftest import cross_entropy, l2
@@ -66,9 +66,10 @@ def _with(*terms):
     return lambda p: sum(t(p) for t in terms)
 
 
-def explicit_scores(pre, fin, z, test, case, curvature=explicit_hessian):
+def explicit_scores(pre, fin, z, test, case, curvature=explicit_hessian, measure=None):
     """(len(z), len(test)) from explicit dense matrices, following Theorem 1 / eq. 14-15: ``curvature`` gives the
-    matrices that are inverted (Hessians, or Gauss-Newton matrices); the cross derivative H_ΘW is always exact."""
+    matrices that are inverted (Hessians, or Gauss-Newton matrices); the cross derivative H_ΘW is always exact.
+    measure: the test function per example (default: the finetuning loss), its gradients by ``jacrev``."""
     h_g = curvature(pre)
     g_z = per_example_grads_serial(pre, *pre.data.take(z))  # (N, p_pre), W first (embedding.*)
     i_w_full = -torch.linalg.solve(h_g, g_z.T)  # (p_pre, N)
@@ -77,7 +78,10 @@ def explicit_scores(pre, fin, z, test, case, curvature=explicit_hessian):
     i_w = i_w_full[:p_w]
     names = w_names + ["head.weight", "head.bias"]
     h_f = curvature(fin, names)
-    g_t = per_example_grads_serial(fin, *test, names)  # (T, p_fin), W then Θ
+    if measure is None:
+        g_t = per_example_grads_serial(fin, *test, names)  # (T, p_fin), W then Θ
+    else:
+        g_t = explicit_measure_grads(fin, measure, *test, names)
     if case == 1:
         h_tt, h_tw = h_f[p_w:, p_w:], explicit_hessian(fin, names)[p_w:, :p_w]
         i_theta = -torch.linalg.solve(h_tt, h_tw @ i_w)

@@ -189,3 +189,49 @@ def test_preconditioner_arguments_are_checked():
         solve(h, torch.ones(30), "cg", preconditioner=lambda r: r)
     with pytest.raises(ik.NumericalError, match="not positive definite"):
         solve(h, torch.ones(30), "minres", preconditioner=lambda r: -r)
+
+
+# ---- solvers as objects: the registry is the dispatch ----
+
+def test_every_solver_name_builds_its_registered_class_and_auto_resolves_by_size():
+    from influkit.solvers import REGISTRY, Direct, Solver
+
+    op = ik.DenseOperator(spd_matrix(20)[0].double())
+    assert set(SOLVERS) <= set(REGISTRY)
+    for name in SOLVERS:
+        solver = ik.SolveConfig(solver=name).build(op)
+        assert isinstance(solver, REGISTRY[name]) and isinstance(solver, Solver) and solver.name == name
+    auto = ik.SolveConfig().build(op)
+    assert isinstance(auto, Direct) and auto.choice.startswith("auto: p = 20")
+
+
+def test_a_registered_solver_runs_through_solveconfig_and_a_chain(mlp_stage):
+    """A new method is one class: register it, name it in a SolveConfig, and Chain/solve use it."""
+    from influkit.solvers import REGISTRY, Solver, register
+
+    @register("diagonal_jacobi")
+    class DiagonalJacobi(Solver):
+        exact = True
+
+        def _prepare(self, progress):
+            self.diagonal = torch.diagonal(self.operator.dense()) + self.config.damping
+
+        def _run(self, rhs, tol, max_iter, bar):
+            return rhs / self.diagonal[:, None], 0, float("nan"), float("nan")
+
+    try:
+        h = spd_matrix(10)[0].double()
+        b = torch.randn(10, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        sol = ik.SolveConfig(solver="diagonal_jacobi", damping=0.5).solve(ik.DenseOperator(h), b)
+        torch.testing.assert_close(sol.x, b / (torch.diagonal(h) + 0.5)[:, None])
+        assert sol.method == "diagonal_jacobi" and sol.damping == 0.5
+        stage = mlp_stage
+        test = stage.data.take(torch.arange(3))
+        res = ik.Chain([stage], solve=ik.SolveConfig(solver="diagonal_jacobi")).query(test).scores(torch.arange(5))
+        assert res.diagnostics["solves"][0]["method"] == "diagonal_jacobi"
+        with pytest.raises(ik.InputError, match="preconditioner"):
+            ik.SolveConfig(solver="diagonal_jacobi", preconditioner="ekfac")
+    finally:
+        REGISTRY.pop("diagonal_jacobi")
+    with pytest.raises(ik.InputError, match="unknown solver 'diagonal_jacobi'"):
+        ik.SolveConfig(solver="diagonal_jacobi")

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from ..errors import InputError
 from ..influence import self_influence
 from ..multistage import score
+from ..solvers import SolveConfig
 from ..stage import Stage
 from ..training import fit_lbfgs, newton_refine
 from .datasets import load_digits_tensors
@@ -69,7 +70,7 @@ def cleansing_table(
         test = tuple(t.to(run.device) for t in split.test)
         recipe = run.recipe()  # one Hessian factorization per seed, shared by its three retrainings
         res = score(pre, fin, torch.arange(len(pre)), test, shared="embedding", case=run.case, alpha=run.alpha,
-                    solver=solver, damping=(0.0, 0.0), progress=False)
+                    solve=SolveConfig(solver=solver), progress=False)
         harmful = torch.argsort(res.values, descending=True)[:k]
         rng = np.random.default_rng(seed)
         random = torch.as_tensor(rng.choice(len(pre), k, replace=False))
@@ -114,7 +115,7 @@ def mislabel_detection(
         return stage
 
     stage = fit(noisy)
-    removal = self_influence(stage, solver="direct", progress=False).removal
+    removal = self_influence(stage, solve=SolveConfig(solver="direct"), progress=False).removal
     with torch.no_grad():
         losses = stage.losses(stage.trained(), x[train], noisy)
     rankings = {

@@ -1,4 +1,4 @@
-"""The multi-stage paper's digits experiment as reusable steps: train both stages, score, validate by LOO.
+"""The multi-stage paper's digits experiment as reusable steps: train both stages, score, validate by LOO or LDS.
 
 Pretraining learns the CNN embedding W and a head U on some digit classes; finetuning learns a new head Θ on
 the other classes (Case 1: W fixed; Case 2: W finetuned with the proximal term α‖W − W̄‖²). Both stages are
@@ -8,21 +8,27 @@ first-order conditions hold, which is what makes its predictions match leave-out
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
+from ..chain import Chain, Link
+from ..errors import InputError
 from ..multistage import score
 from ..results import InfluenceResult
+from ..solvers import SolveConfig
 from ..stage import Stage
 from ..training import HessianFactor, fit_lbfgs, gradient_norm, newton_fit
 from ..validation import TwoStageRecipe, leave_out_retrain, loo_corr
 from ..validation.loo import proximal_stage
 from .datasets import TwoTaskSplit, load_digits_tensors, two_task_split
+from .lds import GRADIENT_DOT, ChainRetrain, LDSRun, run_lds, score_methods
 from .models import digits_classifier
 from .objectives import cross_entropy, l2
 
@@ -171,9 +177,10 @@ def validate_digits(
     test = (split.test[0].to(setup.device), split.test[1].to(setup.device))
     start = time.perf_counter()
     kw = dict(shared="embedding", case=setup.case, alpha=setup.alpha, progress=progress)
-    scores = score(pre, fin, torch.arange(len(pre)), test, solver=solver, damping=damping, **kw)
+    configs = [SolveConfig(solver=solver, damping=d) for d in damping]
+    scores = score(pre, fin, torch.arange(len(pre)), test, solve=configs, **kw)
     setup.timings["score"] = time.perf_counter() - start
-    identity = score(pre, fin, torch.arange(len(pre)), test, solver="identity", **kw)
+    identity = score(pre, fin, torch.arange(len(pre)), test, solve=SolveConfig(solver="identity"), **kw)
     report("score", time.perf_counter() - start)
     removals = choose_removals(scores, n_removals, setup.seed)
     start = time.perf_counter()
@@ -198,3 +205,131 @@ def validate_digits(
         }
     )
     return ValidationRun(setup, split, pre, fin, scores, identity, loo, summary)
+
+
+def write_validation(run: ValidationRun, out: Path, name: str) -> None:
+    """Write a :class:`ValidationRun` to ``out``: ``{name}_loo.csv``, ``_scores.csv``, ``_summary.csv``, the scatter of
+    predicted vs actual changes (and of the identity ablation), the gallery of the most harmful / helpful digits
+    and ``_attrs.json``."""
+    import matplotlib.pyplot as plt
+
+    from . import plotting
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    run.loo.to_csv(out / f"{name}_loo.csv", index=False)
+    run.scores.to_frame().to_csv(out / f"{name}_scores.csv", index=False)
+    run.summary.to_csv(out / f"{name}_summary.csv")
+    fig, axes = plt.subplots(1, 2, figsize=(9.5, 4.2))
+    plotting.scatter_with_r(run.loo["predicted"], run.loo["actual"], ax=axes[0],
+                            title=f"Case {run.setup.case}: multi-stage influence (digits)")
+    plotting.scatter_with_r(run.loo["identity"], run.loo["actual"], ax=axes[1], own_scale=True,
+                            title="identity-Hessian ablation (own x-scale)")
+    plotting.caption(fig, "Right: the identity-Hessian predictions live on another scale than the actual changes, so "
+                          "that panel has its own x-axis (no y = x line); compare correlations, not values.")
+    plotting.save(fig, out / f"{name}_scatter.png")
+    frame = run.scores.to_frame()
+    harmful = frame.nlargest(8, "score")
+    helpful = frame.nsmallest(8, "score")
+    picks = list(harmful["example"]) + list(helpful["example"])
+    images = run.split.pretrain[0][picks].cpu().numpy()
+    labels = [run.setup.pretrain_classes[int(c)] for c in run.split.pretrain[1][picks]]
+    captions = [f"#{i} ({lab})\n{s:+.2f}" for i, lab, s in zip(picks, labels, list(harmful["score"]) + list(helpful["score"]))]
+    plotting.save(
+        plotting.image_gallery(images, captions, title="top row: most harmful pretraining digits · bottom: most helpful"),
+        out / f"{name}_gallery.png",
+    )
+    (out / f"{name}_attrs.json").write_text(json.dumps(run.summary.attrs, indent=1, default=str))
+
+
+# ------------------------------------------------------------------------------ the LDS of the digits setting
+
+
+@dataclass
+class DigitsLDS:
+    """An LDS comparison on the digits multi-stage setting: the run, the methods' scores and the table."""
+
+    run: LDSRun
+    scores: dict[str, object]
+    table: pd.DataFrame
+    chain: object
+    x_test: tuple
+    info: dict
+
+    def write(self, out: str | Path, name: str, *, plot_method: str | None = None) -> list[Path]:
+        """Write ``{name}_table.csv``, ``{name}_outputs.csv`` (long format), ``{name}_subsets.csv`` and
+        ``{name}.png`` (the plot of ``plot_method``, default the first method that has scores) to ``out``."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = [out / f"{name}_table.csv", out / f"{name}_outputs.csv", out / f"{name}_subsets.csv", out / f"{name}.png"]
+        self.table.to_csv(paths[0])
+        self.run.to_frame().to_csv(paths[1], index=False)
+        pd.DataFrame(self.run.subsets.numpy().astype(int)).to_csv(paths[2], index_label="subset")
+        ready = [k for k, v in self.scores.items() if isinstance(v, InfluenceResult)]
+        method = plot_method or ready[0]
+        import matplotlib.pyplot as plt
+
+        fig = self.run.plot(self.scores[method], title=f"{name}: {method}")
+        fig.savefig(paths[3], dpi=120)
+        plt.close(fig)
+        return paths
+
+
+def digits_lds(
+    case: int = 1,
+    *,
+    directory: str | Path,
+    alpha: float = 0.01,
+    n_pretrain: int = 200,
+    n_finetune: int = 200,
+    n_test: int = 100,
+    channels: tuple[int, int] = (2, 4),
+    split_seed: int = 0,
+    n_subsets: int = 50,
+    subset_fraction: float = 0.5,
+    seeds: Sequence[int] = (0, 1),
+    init: str = "scratch",
+    methods: Sequence[str] = ("direct", "minres", "kfac", "ekfac", "arnoldi", "identity", GRADIENT_DOT),
+    device: str = "cpu",
+    reuse: DigitsLDS | None = None,
+    progress: bool = True,
+) -> DigitsLDS:
+    """The LDS of several methods on the multi-stage digits setting (a CNN embedding pretrained on digits 0–3 and
+    finetuned on 4–9; Case 1 or 2), shrunk so that one re-training of both stages takes seconds.
+
+    The chain is trained to stationarity (float64 L-BFGS then Newton), scored per test digit by each method,
+    and re-trained by :class:`ChainRetrain` (``init``) on ``n_subsets`` random subsets of a fraction
+    ``subset_fraction`` of the pretraining digits, once per seed, resumably in ``directory`` (:func:`run_lds`).
+    reuse: an earlier result of the same setting (e.g. the other ``init``) whose trained chain and scores are
+    taken instead of training and scoring again (``methods`` is then ignored).
+    """
+    described = {"experiment": "digits", "case": case, "alpha": alpha, "n_pretrain": n_pretrain, "n_finetune": n_finetune,
+                 "n_test": n_test, "channels": list(channels), "split_seed": split_seed}
+    if reuse is not None:
+        if reuse.info["setup"] != described:
+            raise InputError(f"reuse holds the digits setting {reuse.info['setup']}, not {described}.")
+        chain, x_test, scores = reuse.chain, reuse.x_test, reuse.scores
+        train_seconds, score_seconds = reuse.table.attrs["train_seconds"], reuse.table.attrs["score_seconds"]
+    else:
+        setup = DigitsSetup(case=case, alpha=alpha, n_pretrain=n_pretrain, n_finetune=n_finetune, n_test=n_test,
+                            channels=tuple(channels), seed=split_seed, device=device)
+        split = setup.split()
+        pre, fin = train_stages(setup, split)
+        train_seconds = setup.timings.get("train")
+        chain = Chain([pre, fin], [Link("embedding", case=case, alpha=alpha)], solve=SolveConfig(solver="direct"))
+        x_test = (split.test[0].to(device), split.test[1].to(device))
+        start = time.perf_counter()
+        scores = score_methods(chain, x_test, methods, progress=False)
+        score_seconds = time.perf_counter() - start
+    retrain = ChainRetrain(chain, x_test, init=init)
+    run = run_lds(retrain, len(chain.stages[0]), directory, n_subsets=n_subsets, alpha=subset_fraction, seeds=seeds,
+                  setup=described, progress=progress)
+    ready = {k: v for k, v in scores.items() if isinstance(v, InfluenceResult)}
+    table = run.table(ready)
+    table["score seconds"] = [ready[k].diagnostics["seconds"]["total"] for k in table.index]
+    missing = {k: v for k, v in scores.items() if not isinstance(v, InfluenceResult)}
+    table.attrs.update({"case": case, "init": init, "missing": missing, "train_seconds": train_seconds,
+                        "score_seconds": score_seconds, "dims": chain.dims,
+                        "max_retrain_grad_norm": max(max(i.get("gradient_norms", [float("nan")])) for i in run.info.values())})
+    info = {"setup": described, "dims": chain.dims, "n_pretrain": len(chain.stages[0]), "n_finetune": len(chain.stages[1])}
+    return DigitsLDS(run, scores, table, chain, x_test, info)

@@ -19,7 +19,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import InputError
-from ..operators import count_products
 
 
 def lanczos(operator, rank: int, iterations: int | None = None, *, seed: int = 0, progress: bool = False):
@@ -69,14 +68,13 @@ def lanczos(operator, rank: int, iterations: int | None = None, *, seed: int = 0
 
 
 class ArnoldiInverse:
-    """V diag(1/(θ + λ)) Vᵀ, the low-rank inverse of Schioppa et al., as an Operator (see the module docstring)."""
+    """V diag(1/(θ + λ)) Vᵀ, the low-rank inverse of Schioppa et al. (module docstring): the top eigenpairs (θ, V)
+    of H, applied with the damping λ of each solve (the solver's :class:`~influkit.solvers.SolveConfig` holds λ)."""
 
-    def __init__(self, eigenvalues: torch.Tensor, eigenvectors: torch.Tensor, damping: float, dtype: torch.dtype, info: dict | None = None):
+    def __init__(self, eigenvalues: torch.Tensor, eigenvectors: torch.Tensor, dtype: torch.dtype, info: dict | None = None):
         self.eigenvalues, self.eigenvectors = eigenvalues, eigenvectors
-        self.damping = float(damping)
         self._dtype = dtype
         self.info = dict(info or {})
-        self.products = 0
 
     @property
     def dim(self) -> int:
@@ -96,33 +94,27 @@ class ArnoldiInverse:
         return torch.where(shifted.abs() > floor, 1.0 / torch.where(shifted.abs() > floor, shifted, torch.ones_like(shifted)),
                            torch.zeros_like(shifted))
 
-    def solve(self, rhs: torch.Tensor, damping: float | None = None) -> torch.Tensor:
-        """V diag(1/(θ + λ)) Vᵀ rhs (λ: the given damping, default the operator's)."""
-        lam = self.damping if damping is None else float(damping)
+    def solve(self, rhs: torch.Tensor, damping: float) -> torch.Tensor:
+        """V diag(1/(θ + λ)) Vᵀ rhs for λ = ``damping`` (θ + λ ≈ 0 dropped)."""
         single = rhs.dim() == 1
         r = rhs.reshape(rhs.shape[0], -1).to(torch.float64)
-        out = self.eigenvectors @ (self._weights(lam)[:, None] * (self.eigenvectors.T @ r))
+        out = self.eigenvectors @ (self._weights(float(damping))[:, None] * (self.eigenvectors.T @ r))
         out = out.to(rhs.dtype)
         return out.reshape(-1) if single else out
 
-    def matvec(self, vec: torch.Tensor) -> torch.Tensor:
-        self.products += count_products(vec)
-        return self.solve(vec)
-
-    __call__ = matvec
-
-    def dense(self) -> torch.Tensor:
-        return self.eigenvectors @ torch.diag(self._weights(self.damping)) @ self.eigenvectors.T
+    def dense(self, damping: float) -> torch.Tensor:
+        """The explicit p×p matrix V diag(1/(θ + λ)) Vᵀ."""
+        return self.eigenvectors @ torch.diag(self._weights(float(damping))) @ self.eigenvectors.T
 
     def state(self, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
         return ({f"{prefix}eigenvalues": self.eigenvalues, f"{prefix}eigenvectors": self.eigenvectors},
                 {"info": self.info})
 
     @classmethod
-    def from_state(cls, tensors: dict, meta: dict, damping: float, dtype: torch.dtype, device, prefix: str = "") -> "ArnoldiInverse":
+    def from_state(cls, tensors: dict, meta: dict, dtype: torch.dtype, device, prefix: str = "") -> "ArnoldiInverse":
         # fresh (aligned) copies: BLAS kernels may round differently on the file buffer's offsets
         return cls(tensors[f"{prefix}eigenvalues"].to(device).clone(), tensors[f"{prefix}eigenvectors"].to(device).clone(),
-                   damping, dtype, meta["info"])
+                   dtype, meta["info"])
 
 
 def deflated(base, eigenvalues: torch.Tensor, eigenvectors: torch.Tensor, damping: float):

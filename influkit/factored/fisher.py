@@ -15,7 +15,7 @@ expectation; this is all K-FAC, EK-FAC and the diagonal Fisher need. Three choic
   ℓ = c_i·‖f − y‖² (sum or mean), whose Gauss-Newton matrix 2c_i·I is sampled as u = √(2c_i)·ξ, ξ ~ N(0, I).
   Any other loss raises :class:`FactoredCurvatureError` (use ``"empirical"`` or ``"exact"`` there).
   The draws of example i are a pure function of (seed, i) — counter-based Philox4x32-10 words
-  (:func:`influkit.turnover.masks.random_words`) — not of a generator stream consumed in batch order, so the
+  (:func:`influkit.philox.random_words`) — not of a generator stream consumed in batch order, so the
   labels and hence the factors do not depend on the batch size, on which other examples are fitted
   (``hessian_samples``), on repeated passes (EK-FAC) or on how ``torch.distributed`` shards the data.
 - ``"empirical"``: u = ∇_f ℓ(f, y) with the true labels — the empirical Fisher (1/n) Σ ∇ℓ_i ∇ℓ_iᵀ, any loss.
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
-from ..turnover.masks import random_words
+from ..philox import random_words
 
 FISHER = ("sampled", "empirical", "exact")
 EXACT_MAX_OUTPUTS = 256

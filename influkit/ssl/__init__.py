@@ -9,7 +9,7 @@
 - :mod:`.trainer` — Algorithm 1
 """
 
-from .hypergradient import SOLVERS, hypergradient
+from .hypergradient import Neumann, hypergradient
 from .losses import Consistency, PseudoLabel, ShiftNoise, UnsupervisedLoss, confident_targets, soft_cross_entropy
 from .madam import MaskedAdam
 from .per_example import (
@@ -26,7 +26,7 @@ from .trainer import MODES, SSLRun, last_linear, train_ssl
 
 __all__ = [
     "MODES",
-    "SOLVERS",
+    "Neumann",
     "Consistency",
     "MaskedAdam",
     "PseudoLabel",

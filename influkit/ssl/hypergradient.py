@@ -17,7 +17,7 @@ unlabeled one (mean of λ_u ℓ_U, with λ_u carried in the targets), so every i
 paper's fast variant restricts θ to the final linear layer: its input features are computed once without a
 graph, and its Hessian (formed explicitly, then inverted) and per-example gradients come in closed form
 (:mod:`influkit.ssl.per_example`). The baselines
-of the paper's Table A1 are ``solver="identity"`` (Luketina et al.: H⁻¹ := I) and ``solver="neumann"``
+of the paper's Table A1 are ``SolveConfig(solver="identity")`` (Luketina et al.: H⁻¹ := I) and :class:`Neumann`
 (Lorraine et al.: H⁻¹ ≈ α Σ_{j<K} (I − αH)^j).
 
 The result is an :class:`~influkit.results.InfluenceResult` over the unlabeled examples with
@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -44,7 +46,7 @@ from ..params import ParamSpace, resolve_names
 from ..errors import InputError
 from ..gradients import project_per_example_grads
 from ..results import InfluenceResult
-from ..solvers import METHODS, solve
+from ..solvers import Solution, SolveConfig, solve, solve_settings
 from ..stage import Regularizer, Stage
 from .losses import UnsupervisedLoss
 from .per_example import (
@@ -57,7 +59,6 @@ from .per_example import (
     output_gradients,
 )
 
-SOLVERS = METHODS + ("neumann",)
 
 
 def _weighted(loss: Callable) -> Callable:
@@ -191,6 +192,56 @@ def _is_final_linear_block(model: nn.Module, params, names: list[str]) -> bool:
     return isinstance(head, nn.Linear) and names == [prefix + n for n, _ in head.named_parameters()]
 
 
+@dataclass(frozen=True)
+class Neumann:
+    """H⁻¹ ≈ α Σ_{j<K} (I − α(H + λI))^j, the truncated Neumann series of Lorraine et al. (Table A1's baseline).
+
+    terms: K; alpha: the step α (default 1/(1.05 λ_max(H)), by power iteration); damping: λ.
+    """
+
+    terms: int = 20
+    alpha: float | None = None
+    damping: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.terms < 1:
+            raise InputError(f"neumann_terms must be ≥ 1, got {self.terms}.")
+
+    def solve(self, operator, b: torch.Tensor) -> Solution:
+        scale = None if self.alpha is None else 1.0 / self.alpha
+        solution = solve(operator, b, "lissa", damping=self.damping, tol=0.0, max_iter=self.terms - 1, scale=scale,
+                         warn=False)
+        solution.method = "neumann"
+        return solution
+
+
+def solve_config(solve: SolveConfig | Neumann | None, deprecated: dict, where: str = "influkit.ssl.hypergradient",
+                 default: SolveConfig | None = None) -> SolveConfig | Neumann:
+    """The solve settings of ``where`` from ``solve`` or the deprecated keywords (each warns, naming its replacement):
+    ``solver``, ``damping``, ``tol``, ``max_iter``, and ``solver="neumann"`` with ``neumann_terms``, ``neumann_alpha``."""
+    neumann = {key: deprecated.pop(key) for key in ("neumann_terms", "neumann_alpha") if key in deprecated}
+    for key in neumann:
+        warnings.warn(f"{where}({key}=...) is deprecated and will be removed in the next release; "
+                      "pass solve=influkit.ssl.Neumann(terms=..., alpha=...).", DeprecationWarning, stacklevel=3)
+    if deprecated.get("solver") == "neumann":
+        if solve is not None:
+            raise InputError("give the solve settings once: solve=influkit.ssl.Neumann(...), not also solver='neumann'.")
+        warnings.warn(f"{where}(solver='neumann') is deprecated and will be removed in the next "
+                      "release; pass solve=influkit.ssl.Neumann(terms=..., alpha=..., damping=...).",
+                      DeprecationWarning, stacklevel=3)
+        deprecated.pop("solver")
+        unknown = sorted(set(deprecated) - {"damping", "tol", "max_iter"})
+        if unknown:
+            raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+        damping = deprecated.get("damping", default.damping if default is not None else 0.0)
+        return Neumann(neumann.get("neumann_terms", 20), neumann.get("neumann_alpha"), damping)
+    if isinstance(solve, Neumann):
+        if deprecated:
+            raise InputError(f"give the solve settings once, in solve=Neumann(...), not also as {', '.join(deprecated)}=.")
+        return solve
+    return solve_settings(solve, deprecated, where, default=default)
+
+
 def hypergradient(
     model: nn.Module,
     sup_loss: Callable,
@@ -203,20 +254,17 @@ def hypergradient(
     index: torch.Tensor | None = None,
     params: str | Iterable[str] | None = None,
     regularizer: Regularizer | None = None,
-    solver: str = "direct",
-    damping: float = 0.0,
+    solve: SolveConfig | Neumann | None = None,
     cache_features: bool | None = None,
-    neumann_terms: int = 20,
-    neumann_alpha: float | None = None,
-    tol: float | None = None,
-    max_iter: int | None = None,
+    **deprecated,
 ) -> InfluenceResult:
     """Returns an InfluenceResult with values[u] = ∂L_S(V, θ*(Λ))/∂λ_u = −(1/|U|) ∇_θL_S(V)ᵀ H⁻¹ ∇_θℓ_U(u).
 
     H = ∇²_θ L(θ*, Λ), L = mean_D ℓ_S + (1/|U|) Σ_u λ_u ℓ_U(u) + R; positive values mean up-weighting u raises
     the validation loss. ``n_train = |U|`` and ``removal = −λ_u · values`` (``removal_eps = −weights``): the
     first-order change of L_S(V) when u is removed, i.e. its weight set to 0. ``diagnostics`` holds the one
-    solve (``"stage": 0``), the seconds of each phase and the settings (solver, damping, cached_features, ...).
+    solve (``"stage": 0``, with the reason of an ``auto`` choice), the seconds of each phase and the settings
+    (``solver``: the method that ran, damping, cached_features, ...).
 
     model: in eval mode, at (approximately) θ*. sup_loss(outputs, targets) -> (B,).
     unsup_loss(model, inputs) -> (B,) with its pseudo-labels detached; an influkit.ssl
@@ -225,16 +273,16 @@ def hypergradient(
     labeled, val: (inputs, targets); unlabeled: inputs; weights: (len(unlabeled),) current λ ≥ 0.
     index: the ids of the unlabeled rows in a larger unlabeled set (default 0..len(unlabeled)−1).
     params: names/prefixes of θ (default: all parameters requiring grad), e.g. the final layer "fc".
-    regularizer: R(dict of the θ tensors) -> scalar. solver: any of influkit's solvers ("direct", "cg",
-    "cg_spd", "minres", "lissa", "identity") or "neumann" (K = ``neumann_terms`` terms of step
-    α = ``neumann_alpha``, default 1/(1.05 λ_max(H))); damping: ridge added to H; tol, max_iter: the stopping
-    rule of the iterative solvers.
+    regularizer: R(dict of the θ tensors) -> scalar.
+    solve: a :class:`~influkit.solvers.SolveConfig` (default ``SolveConfig()``: ``auto``, which factors the
+    last layer's small Hessian exactly, as the paper does), or :class:`Neumann` (Lorraine et al.'s baseline);
+    ``SolveConfig(solver="identity")`` is Luketina et al.'s (H⁻¹ := I). The keywords ``solver``, ``damping``,
+    ``tol``, ``max_iter``, ``neumann_terms``, ``neumann_alpha`` still work for one release, with a DeprecationWarning.
     cache_features: compute the final linear layer's input features once (the paper's fast variant); default:
     whenever ``params`` names the final nn.Linear layer and ``unsup_loss`` is an UnsupervisedLoss.
     """
     start = time.perf_counter()
-    if solver not in SOLVERS:
-        raise InputError(f"unknown solver {solver!r}; choose one of {SOLVERS}.")
+    config = solve_config(solve, deprecated)
     if not callable(unsup_loss):
         raise InputError("unsup_loss must be callable as unsup_loss(model, inputs) -> (B,) per-example losses.")
     weights = _check_inputs(labeled, unlabeled, val, weights)
@@ -259,22 +307,16 @@ def hypergradient(
         operator, g_val, scores = _functional_problem(
             model, sup_loss, unsup_loss, labeled, unlabeled, val, weights, names, regularizer
         )
-    settings = {
-        "solver": solver, "damping": float(damping), "cached_features": cached, "params": names,
-        "tol": tol, "max_iter": max_iter, "n_labeled": labeled[0].shape[0], "n_val": val[0].shape[0],
-    }
     setup = time.perf_counter() - start
-    if solver == "neumann":
-        if neumann_terms < 1:
-            raise InputError(f"neumann_terms must be ≥ 1, got {neumann_terms}.")
-        scale = None if neumann_alpha is None else 1.0 / neumann_alpha
-        solution = solve(
-            operator, g_val, "lissa", damping=damping, tol=0.0, max_iter=neumann_terms - 1, scale=scale, warn=False
-        )
-        solution.method = "neumann"
-        settings |= {"neumann_terms": neumann_terms, "neumann_alpha": neumann_alpha}
+    solution = config.solve(operator, g_val)
+    settings = {
+        "solver": solution.method, "damping": float(config.damping), "cached_features": cached, "params": names,
+        "n_labeled": labeled[0].shape[0], "n_val": val[0].shape[0],
+    }
+    if isinstance(config, Neumann):
+        settings |= {"neumann_terms": config.terms, "neumann_alpha": config.alpha}
     else:
-        solution = solve(operator, g_val, solver, damping=damping, tol=tol, max_iter=max_iter)
+        settings |= {"tol": config.tol, "max_iter": config.max_iter}
     start_scores = time.perf_counter()
     values = -scores(solution.x) / unlabeled.shape[0]
     return InfluenceResult(

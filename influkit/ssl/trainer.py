@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 
 from ..errors import InputError
 from ..stage import Regularizer
-from .hypergradient import SOLVERS, hypergradient
+from ..solvers import SolveConfig
+from .hypergradient import Neumann, hypergradient, solve_config
 from .madam import MaskedAdam
 
 MODES = ("per-example", "single", "uniform", "supervised")
@@ -83,15 +84,15 @@ def train_ssl(
     unlabeled_batch: int = 128,
     val_batch: int | None = None,
     hyper_params: str | Iterable[str] | None = None,
-    solver: str = "direct",
-    damping: float = 1e-2,
+    solve: SolveConfig | Neumann = SolveConfig(damping=1e-2),
     regularizer: Regularizer | None = None,
     test: tuple[torch.Tensor, torch.Tensor] | None = None,
     log_every: int = 50,
     callback: Callable | None = None,
     seed: int = 0,
     device: torch.device | str | None = None,
-    progress: bool = True,
+    progress: bool = False,
+    **deprecated,
 ) -> SSLRun:
     """Returns an :class:`SSLRun` after training ``model`` in place by Algorithm 1 (Adam on θ, ``weight_optimizer`` on Λ).
 
@@ -102,8 +103,10 @@ def train_ssl(
     mode: one of ``MODES``; inner_steps: N θ steps per Λ step; warmup: θ steps before the first Λ step.
     lr: Adam step on θ; weight_lr, weight_optimizer ("madam", "adam", "sgd"): the Λ update; init_weight: λ at start.
     batch_size, unlabeled_batch, val_batch: |D'|, |U'|, |V'| (val_batch None: all of V).
-    hyper_params, solver, damping, regularizer: passed to the hypergradient (default: the last nn.Linear
-    layer — the paper's fast variant —, exact solve, ridge 1e-2); the regularizer is also added to the θ loss.
+    hyper_params, solve, regularizer: passed to the hypergradient (default: the last nn.Linear layer — the paper's
+    fast variant —, ``SolveConfig(damping=1e-2)``: ``auto``, an exact solve of the small layer, ridge 1e-2); the
+    regularizer is also added to the θ loss. ``solver=`` and ``damping=`` still work for one release, with a
+    DeprecationWarning.
     log_every: θ steps between rows of ``history`` (step, losses, accuracies, weight statistics);
     callback(step, model, weights) is called at the same steps. seed: batch sampling; device: where to train.
     """
@@ -111,8 +114,7 @@ def train_ssl(
         raise InputError(f"unknown mode {mode!r}; choose one of {MODES}.")
     if weight_optimizer not in WEIGHT_OPTIMIZERS:
         raise InputError(f"unknown weight optimizer {weight_optimizer!r}; choose one of {WEIGHT_OPTIMIZERS}.")
-    if solver not in SOLVERS:
-        raise InputError(f"unknown solver {solver!r}; choose one of {SOLVERS}.")
+    solve = solve_config(None if deprecated else solve, deprecated, "influkit.ssl.train_ssl", default=solve)
     if init_weight < 0:
         raise InputError(f"init_weight must be ≥ 0, got {init_weight}.")
     if unlabeled.shape[0] == 0:
@@ -183,7 +185,7 @@ def train_ssl(
             result = hypergradient(
                 model, sup_loss, unsup_loss, (labeled[0][idx_l], labeled[1][idx_l]), unlabeled[idx_u],
                 (val[0][idx_v], val[1][idx_v]), weights_of(idx_u).detach(), index=idx_u,
-                params=hyper_params, regularizer=regularizer, solver=solver, damping=damping,
+                params=hyper_params, regularizer=regularizer, solve=solve,
             )
             grad = torch.zeros_like(weights)
             if mode == "per-example":

@@ -14,7 +14,8 @@ Typical use::
 
 from .influence import influence, self_influence
 from .layers import TurnOverDropout, model_with_ids, turnover_layers
-from .masks import HashedMasks, VolatileMasks, philox4x32, random_words
+from ..philox import philox4x32, random_words
+from .masks import HashedMasks, VolatileMasks
 from .training import IndexedDataset, epoch_order, train_turnover
 
 __all__ = [

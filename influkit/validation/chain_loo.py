@@ -37,7 +37,7 @@ from ..chain import Chain
 from ..errors import InputError
 from ..stage import Stage
 from ..training import HessianFactor, fit_lbfgs, newton_fit
-from .loo import _label, _predicted, _summed_test_loss
+from .loo import group_label, predicted_changes, summed_test_loss
 
 OPTIMIZERS = ("newton", "lbfgs")
 
@@ -199,10 +199,10 @@ def leave_out_retrain_chain(
         done = {key: (loss, norm) for key, loss, norm in zip(previous["removed"], previous["test_loss"], previous["grad_norm"])}
 
     def record(group) -> tuple[float, float]:
-        key = _label(group)
+        key = group_label(group)
         if key not in done:
             stages, norms = retrain_chain(chain, group, recipe)
-            done[key] = (_summed_test_loss(stages[-1], x_test), max(norms))
+            done[key] = (summed_test_loss(stages[-1], x_test), max(norms))
             if log is not None:
                 row = pd.DataFrame({"removed": [key], "test_loss": [done[key][0]], "grad_norm": [done[key][1]]})
                 row.to_csv(log, mode="a", header=not Path(log).exists(), index=False)
@@ -211,11 +211,11 @@ def leave_out_retrain_chain(
     baseline, base_norm = record(None)
     runs = [record(g) for g in tqdm(groups, desc="chain leave-out retraining", disable=not progress)]
     frame = pd.DataFrame({
-        "removed": [_label(g) for g in groups],
+        "removed": [group_label(g) for g in groups],
         "test_loss": [loss for loss, _ in runs],
         "actual": [loss - baseline for loss, _ in runs],
         "grad_norm": [max(norm, base_norm) for _, norm in runs],
     })
     if predicted is not None:
-        frame["predicted"] = _predicted(predicted, groups)
+        frame["predicted"] = predicted_changes(predicted, groups)
     return frame

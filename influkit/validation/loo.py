@@ -105,11 +105,13 @@ def proximal_stage(finetune: Stage, centre: Mapping[str, torch.Tensor], alpha: f
 Recipe = Callable[[Stage, Stage, "torch.Tensor | None"], None]
 
 
-def _label(group: Sequence[int] | None) -> str:
+def group_label(group: Sequence[int] | None) -> str:
+    """The row key of a removal group in a leave-out table ("3+17"; the baseline row for None)."""
     return BASELINE if group is None else "+".join(str(int(i)) for i in group)
 
 
-def _summed_test_loss(stage: Stage, x_test) -> float:
+def summed_test_loss(stage: Stage, x_test) -> float:
+    """f(T) = Σ_t ℓ(x_t) of ``stage``'s model at its current weights on the test set ``x_test`` = (inputs, targets)."""
     inputs, targets = x_test
     with torch.no_grad():
         return float(stage.losses(stage.trained(), inputs.to(stage.device), targets.to(stage.device)).sum())
@@ -120,7 +122,7 @@ def _retrain(pretrain: Stage, finetune: Stage, recipe: Recipe, group, x_test) ->
     fin = finetune.with_(model=copy.deepcopy(finetune.model))
     exclude = None if group is None else torch.as_tensor(list(group), dtype=torch.long)
     recipe(pre, fin, exclude)
-    return _summed_test_loss(fin, x_test)
+    return summed_test_loss(fin, x_test)
 
 
 def leave_out_retrain(
@@ -151,7 +153,7 @@ def leave_out_retrain(
         done = dict(zip(previous["removed"], previous["test_loss"]))
 
     def record(group) -> float:
-        key = _label(group)
+        key = group_label(group)
         if key not in done:
             done[key] = _retrain(pretrain, finetune, recipe, group, x_test)
             if log is not None:
@@ -162,14 +164,15 @@ def leave_out_retrain(
     baseline = record(None)
     losses = [record(g) for g in tqdm(groups, desc="leave-out retraining", disable=not progress)]
     frame = pd.DataFrame(
-        {"removed": [_label(g) for g in groups], "test_loss": losses, "actual": [v - baseline for v in losses]}
+        {"removed": [group_label(g) for g in groups], "test_loss": losses, "actual": [v - baseline for v in losses]}
     )
     if predicted is not None:
-        frame["predicted"] = _predicted(predicted, groups)
+        frame["predicted"] = predicted_changes(predicted, groups)
     return frame
 
 
-def _predicted(predicted, groups) -> list[float]:
+def predicted_changes(predicted, groups) -> list[float]:
+    """The predicted change of the summed test loss for each removal group: Σ_{i∈group} removal_i (or the given values)."""
     if isinstance(predicted, InfluenceResult):
         position = {int(i): k for k, i in enumerate(predicted.index.tolist())}
         missing = [i for g in groups for i in g if i not in position]

@@ -104,3 +104,21 @@ def explicit_gauss_newton(
             outputs.reshape(-1))  # (d, d)
         g = g + jac.T @ curv @ jac / idx.numel()
     return g
+
+
+def explicit_measure_grads(
+    stage: Stage,
+    measure: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    names: Sequence[str] | None = None,
+) -> torch.Tensor:
+    """(T, p): row t is ∇_θ m(model(x_t; θ), y_t), the gradient of the measure of test example t over ``names``.
+
+    One ``jacrev`` of the vector of T measures as a function of the flattened parameters (every other parameter
+    fixed): shares no code with influkit's per-example gradients, which ``Chain.query(measure=...)`` uses.
+    """
+    names = list(stage.param_names if names is None else names)
+    space = ParamSpace(point(stage.state(), names))
+    flat = space.flatten(point(stage.state(), names)).detach()
+    return torch.func.jacrev(lambda v: measure(stage.outputs(space.unflatten(v), inputs), targets))(flat)

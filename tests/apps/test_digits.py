@@ -56,7 +56,7 @@ def test_warm_newton_recipe_reaches_the_same_leave_out_optimum():
 
     from influkit.apps.digits import DigitsSetup, train_stages
     from influkit.training import gradient_norm
-    from influkit.validation.loo import _summed_test_loss
+    from influkit.validation.loo import summed_test_loss
 
     setup = DigitsSetup(n_pretrain=60, n_finetune=60, n_test=30, channels=(2, 4))
     split = setup.split()
@@ -66,7 +66,7 @@ def test_warm_newton_recipe_reaches_the_same_leave_out_optimum():
         p, f = pre.with_(model=copy.deepcopy(pre.model)), fin.with_(model=copy.deepcopy(fin.model))
         exclude = torch.tensor([removed])
         recipe(p, f, exclude)
-        return gradient_norm(p.without(exclude)), _summed_test_loss(f, split.test)
+        return gradient_norm(p.without(exclude)), summed_test_loss(f, split.test)
 
     plain, warm = setup.recipe(), replace(setup, warmup=30).recipe()
     agreed = 0

@@ -1,0 +1,146 @@
+"""influkit's import graph, read from the source (nothing is imported): circles and arrows from core to methods.
+
+    python scripts/import_graph.py            # print the graph's circles and forbidden arrows
+    python scripts/import_graph.py --check    # exit 1 if there is any (tests/test_imports.py runs this)
+
+An arrow A → B means module A imports module B, at module level or inside a function (``lazy``). The package
+splits into the **core** (the gradient path every method shares) and the **method and application packages**
+built on it (and the presets and tools: influence, multistage, training, jobs, cli); the core imports nothing
+outside itself, and no set of modules may import each other in a circle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+PACKAGE = "influkit"
+CORE = {f"{PACKAGE}.{name}" for name in (
+    "stage", "data", "params", "curvature", "gradients", "solvers", "operators", "chain", "results", "scoring",
+    "files", "distributed", "errors", "vectorize", "philox", "krylov")}
+CORE_PACKAGES = (f"{PACKAGE}.factored",)
+METHOD_PACKAGES = tuple(f"{PACKAGE}.{name}" for name in ("ssl", "turnover", "elmo", "hf", "apps", "validation"))
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """{dotted module name: file} for every .py file of the package under ``root``."""
+    out = {}
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def edges(root: Path) -> list[tuple[str, str, bool]]:
+    """(importer, imported, lazy) for every import of one influkit module by another."""
+    known = modules(root)
+    out = set()
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_package = path.name == "__init__.py"
+        top_level = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            lazy = id(node) not in top_level
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, is_package, node.level, node.module) if node.level else node.module or ""
+                # `from pkg import sub` imports the module pkg.sub when it is one, else a name of pkg
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+            for target in targets:
+                while target and target not in known:  # `import influkit.a.b` → the deepest known module
+                    target = target.rpartition(".")[0]
+                if target and target.startswith(PACKAGE) and target != name:
+                    out.add((name, target, lazy))
+    # an arrow imported both ways counts as eager
+    eager = {(a, b) for a, b, lazy in out if not lazy}
+    return sorted((a, b, lazy) for a, b, lazy in out if not (lazy and (a, b) in eager))
+
+
+def is_core(module: str) -> bool:
+    return module in CORE or any(module == p or module.startswith(p + ".") for p in CORE_PACKAGES)
+
+
+def is_method(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in METHOD_PACKAGES)
+
+
+def circles(graph: list[tuple[str, str, bool]], *, include_lazy: bool = True) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan). A submodule importing its own
+    package (``from . import x`` in ``pkg/a.py``) is not counted: Python has that package half-built already."""
+    adjacency: dict[str, set[str]] = {}
+    for a, b, lazy in graph:
+        if lazy and not include_lazy:
+            continue
+        if a.startswith(b + "."):  # a submodule importing its own package (__init__): not a circle at import time
+            continue
+        adjacency.setdefault(a, set()).add(b)
+        adjacency.setdefault(b, set())
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(adjacency[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(10_000)
+    for v in sorted(adjacency):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def core_arrows(graph: list[tuple[str, str, bool]]) -> list[tuple[str, str, bool]]:
+    """Imports from a core module to anything outside the core: a method or application package, or the presets
+    and tools built on the core (influence, multistage, training, jobs, cli). Data flows one way."""
+    return [(a, b, lazy) for a, b, lazy in graph if is_core(a) and not is_core(b) and b != PACKAGE]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default=str(Path(__file__).resolve().parents[1]))
+    parser.add_argument("--check", action="store_true", help="exit 1 on any circle or core → method arrow")
+    args = parser.parse_args(argv)
+    graph = edges(Path(args.root))
+    found, arrows = circles(graph), core_arrows(graph)
+    print(f"{len(modules(Path(args.root)))} modules, {len(graph)} arrows "
+          f"({sum(lazy for *_, lazy in graph)} inside functions)")
+    print(f"import circles: {len(found)}")
+    for comp in found:
+        print("  " + " ⇄ ".join(comp))
+    print(f"core → outside-the-core arrows: {len(arrows)}")
+    for a, b, lazy in arrows:
+        print(f"  {a} → {b}" + (" (inside a function)" if lazy else ""))
+    return 1 if args.check and (found or arrows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

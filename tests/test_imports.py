@@ -1,0 +1,80 @@
+"""The package's shape: `import influkit` loads the core only; no import circle; the core never imports a method."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import import_graph  # noqa: E402
+
+HEAVY = ("h5py", "pandas", "scipy", "matplotlib", "transformers")
+
+
+def _run(code: str) -> dict:
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_influkit_loads_no_optional_dependency_and_no_method_package():
+    loaded = _run(
+        "import json, sys, influkit as ik; "
+        "ik.Chain, ik.Stage, ik.score, ik.influence, ik.SolveConfig; "
+        "print(json.dumps({'heavy': [m for m in %r if m in sys.modules], "
+        "'influkit': sorted(m for m in sys.modules if m.startswith('influkit')), 'file': ik.__file__}))" % (HEAVY,)
+    )
+    assert loaded["file"].startswith(str(ROOT))
+    assert loaded["heavy"] == []
+    methods = [m for m in loaded["influkit"] if import_graph.is_method(m)]
+    assert methods == []
+
+
+def test_method_packages_load_on_first_use():
+    loaded = _run(
+        "import json, sys, influkit as ik; before = 'influkit.ssl' in sys.modules; ik.ssl.hypergradient; "
+        "ik.turnover.VolatileMasks; ik.validation.pearson; "
+        "print(json.dumps({'before': before, 'after': [m in sys.modules for m in "
+        "('influkit.ssl', 'influkit.turnover', 'influkit.validation')]}))"
+    )
+    assert loaded == {"before": False, "after": [True, True, True]}
+    import influkit as ik
+
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        ik.nonexistent  # noqa: B018
+    assert {"ssl", "turnover", "elmo", "hf", "validation", "apps"} <= set(dir(ik))
+
+
+def test_import_graph_has_no_circle():
+    assert import_graph.circles(import_graph.edges(ROOT)) == []
+
+
+def test_core_imports_nothing_outside_the_core():
+    """No arrow from the core to a method/application package, nor to the presets and tools built on it."""
+    graph = import_graph.edges(ROOT)
+    assert any(import_graph.is_core(a) for a, _, _ in graph)  # the walker sees the core
+    assert import_graph.core_arrows(graph) == []
+
+
+def test_the_walker_finds_circles_and_forbidden_arrows():
+    """The checks can fail: a planted circle and planted arrows out of the core are reported."""
+    graph = [("influkit.chain", "influkit.ssl.trainer", True), ("influkit.ssl.trainer", "influkit.chain", False),
+             ("influkit.ssl", "influkit.ssl.trainer", False), ("influkit.ssl.trainer", "influkit.ssl", False),
+             ("influkit.solvers", "influkit.training", False), ("influkit.training", "influkit.solvers", False)]
+    assert sorted(import_graph.circles(graph)) == [["influkit.chain", "influkit.ssl.trainer"],
+                                                   ["influkit.solvers", "influkit.training"]]
+    assert import_graph.core_arrows(graph) == [("influkit.chain", "influkit.ssl.trainer", True),
+                                               ("influkit.solvers", "influkit.training", False)]
+
+
+def test_check_script_exits_zero_on_this_tree():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "import_graph.py"), "--check"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout
+    assert "import circles: 0" in out.stdout
