@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -31,7 +31,9 @@ import torch
 from matplotlib.figure import Figure
 
 from .errors import InputError
-from .results import InfluenceResult
+
+if TYPE_CHECKING:  # annotations only: results.py imports this module lazily for InfluenceResult.report
+    from .results import InfluenceResult
 
 MAX_TEXT = 600  # characters of a text example shown
 
@@ -241,13 +243,13 @@ def _histogram(result: InfluenceResult) -> str:
 
 
 def _scatter(pairs: dict[str, list]) -> tuple[str, str]:
-    from .validation.metrics import pearson, spearman
+    from scipy.stats import pearsonr, spearmanr
 
     p, a = np.asarray(pairs["predicted"], float), np.asarray(pairs["actual"], float)
-    try:
-        stats = f"Pearson r = {pearson(p, a):.3f}, Spearman ρ = {spearman(p, a):.3f}, {p.size} removals"
-    except InputError as exc:
-        stats = f"{p.size} removals (no correlation: {exc})"
+    if p.size >= 2 and p.std() > 0 and a.std() > 0:
+        stats = f"Pearson r = {pearsonr(p, a)[0]:.3f}, Spearman ρ = {spearmanr(p, a)[0]:.3f}, {p.size} removals"
+    else:
+        stats = f"{p.size} removals (no correlation: fewer than two distinct predicted or actual values)"
     fig = Figure(figsize=(4.8, 4.2))
     ax = fig.add_subplot()
     ax.scatter(p, a, s=16, alpha=0.8)

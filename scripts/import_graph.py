@@ -19,7 +19,7 @@ from pathlib import Path
 PACKAGE = "influkit"
 CORE = {f"{PACKAGE}.{name}" for name in (
     "stage", "data", "params", "curvature", "gradients", "solvers", "operators", "chain", "results", "scoring",
-    "files", "distributed", "errors", "vectorize", "philox", "krylov")}
+    "files", "distributed", "errors", "vectorize", "philox", "krylov", "report")}
 CORE_PACKAGES = (f"{PACKAGE}.factored",)
 METHOD_PACKAGES = tuple(f"{PACKAGE}.{name}" for name in ("ssl", "turnover", "elmo", "hf", "apps", "validation"))
 
@@ -42,6 +42,19 @@ def _resolve(module: str, is_package: bool, level: int, target: str | None) -> s
     return ".".join(base + ([target] if target else []))
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (annotation-only imports never run)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", None)) == "TYPE_CHECKING":
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
 def edges(root: Path) -> list[tuple[str, str, bool]]:
     """(importer, imported, lazy) for every import of one influkit module by another."""
     known = modules(root)
@@ -50,7 +63,7 @@ def edges(root: Path) -> list[tuple[str, str, bool]]:
         tree = ast.parse(path.read_text(), str(path))
         is_package = path.name == "__init__.py"
         top_level = {id(node) for node in tree.body}
-        for node in ast.walk(tree):
+        for node in _runtime_nodes(tree):
             lazy = id(node) not in top_level
             targets: list[str] = []
             if isinstance(node, ast.Import):
