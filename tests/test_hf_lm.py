@@ -347,3 +347,47 @@ def test_lora_chain_equals_the_explicit_hessian_formula(pretrained, case):
         expected = grad_t @ torch.linalg.solve(h_f, rhs)
     assert expected.abs().max() > 1e-5
     torch.testing.assert_close(res.values, expected, rtol=1e-8, atol=1e-10)
+
+
+# --- the example, CI-sized ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_lm_example_quick_runs_end_to_end(tmp_path):
+    """``examples/lm_pretrain_lora.py --quick``: pretraining, LoRA, three solves, leave-out, plot (~15 s)."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+    import pandas as pd
+
+    from influkit.elmo import corpora
+
+    try:
+        corpora.vader_archive()
+    except corpora.DataUnavailable as exc:
+        pytest.skip(f"vaderSentiment sdist unavailable: {exc}")
+    path = Path(__file__).resolve().parents[1] / "examples" / "lm_pretrain_lora.py"
+    spec = importlib.util.spec_from_file_location("lm_pretrain_lora", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    try:
+        assert module.main(["--quick", "--no-progress", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    scores = pd.read_csv(tmp_path / "scores.csv")
+    assert len(scores) == module.QUICK.n_pretrain
+    for method in ("exact", "identity", "ekfac"):
+        assert np.isfinite(scores[f"I_{method}"]).all() and scores[f"I_{method}"].abs().max() > 0
+        np.testing.assert_allclose(scores[f"removal_{method}"], -scores[f"I_{method}"] / len(scores), rtol=1e-5)
+    leave = pd.read_csv(tmp_path / "leaveout.csv")
+    assert len(leave) == 2 * module.QUICK.n_ranked_groups + module.QUICK.n_random_groups + 2
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert set(summary["leave_out"]["correlation"]) == {"exact", "identity", "ekfac"}
+    assert (tmp_path / "leaveout_scatter.png").stat().st_size > 0
+    top = pd.read_csv(tmp_path / "top_documents.csv")
+    assert top["text"].isin(scores["document"]).all()
