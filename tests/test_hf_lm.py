@@ -283,6 +283,9 @@ def test_peft_names_resolve_to_the_pretrained_names():
     assert adapters and fin.param_names == adapters  # peft leaves only the adapters trainable
     chain = ik.Chain([pre, fin], [hf.lora_link(pre, fin, case=1)])
     assert chain.plans[1].trained == adapters and sorted(chain.plans[1].inherited) == sorted(mapping)
+    # a plain Link with module prefixes finds the wrapped base layers too (influkit.params), adapters not shared
+    plain = ik.Chain([pre, fin], [ik.Link({"base_model.model.transformer": "transformer"}, case=1)])
+    assert plain.plans[1].inherited == hf.lora_shared(pre, lora, shared="transformer") == mapping
     # a prefix in either naming selects the base under it, never the adapters
     block = hf.lora_shared(pre, lora, shared="transformer.h")
     assert block == hf.lora_shared(pre, lora, shared="base_model.model.transformer.h")
