@@ -18,9 +18,10 @@ Multi-stage influence (Chen et al. 2020, Case 1) for a decoder language model wi
   stationarity by full-batch L-BFGS.
 - Influence: ``ik.Chain([pre, fin], [hf.lora_link(pre, fin, case=1)])`` — the base is the shared block, the
   adapters are what finetuning trains. Query: the summed completion NLL of ``n_test`` held-out reviews. The
-  pretraining solve by MINRES on a Hessian estimated on a seeded sample (damped; the model is not at a
-  stationary point), beside the identity ablation (H_G = I) and influkit's EK-FAC approximate inverse
-  (empirical Fisher); the finetuning solve (the adapters) by MINRES on the whole finetuning set in all three.
+  pretraining solve ("exact") by MINRES on the Hessian estimated on a seeded sample (damped; the model is not at
+  a stationary point, so H_G is indefinite), beside the same solve on the Gauss-Newton matrix (G ⪰ 0), the
+  identity ablation (H_G = I) and influkit's EK-FAC approximate inverse (empirical Fisher); the finetuning solve
+  (the adapters) by MINRES on the whole finetuning set in all four.
 - Validation: leave-out of groups of pretraining documents (the top harmful and helpful by the exact scores,
   and random groups) by the warm-start protocol: continue pretraining from the pretrained weights for
   ``continue_epochs`` over fixed batches without the group (each batch's loss Σ_kept g / B, so removal drops exactly
@@ -97,7 +98,7 @@ class Config:
     group_size: int = 20
     n_ranked_groups: int = 5  # per side: top harmful and top helpful
     n_random_groups: int = 10
-    continue_epochs: int = 1
+    continue_epochs: int = 3
     continue_lr: float = 0.05
     seed: int = 0
 
@@ -249,6 +250,8 @@ def test_loss_sum(fin: ik.Stage, test) -> float:
 SOLVES = {
     "exact": lambda cfg: {"solver": "minres", "damping": cfg.damping[0], "hessian_samples": cfg.hessian_samples,
                           "max_iter": cfg.max_iter[0], "seed": cfg.seed},
+    "gauss-newton": lambda cfg: {"solver": "minres", "curvature": "gauss-newton", "damping": cfg.damping[0],
+                                 "hessian_samples": cfg.hessian_samples, "max_iter": cfg.max_iter[0], "seed": cfg.seed},
     "identity": lambda cfg: {"solver": "identity"},
     "ekfac": lambda cfg: {"solver": "ekfac", "fisher": "empirical", "damping": cfg.damping[0]},
 }  # fmt: skip
@@ -356,7 +359,7 @@ def main(argv=None) -> int:
     link = hf.lora_link(pre, fin, case=1)
     training["test_nll_sum_before_lora"] = test_loss_sum(fin, test)
     training["adapter_parameters"] = sum(fin.state()[n].numel() for n in fin.param_names)
-    training["lora_grad_norm"] = fit_adapters(fin)
+    training["lora_grad_norm"] = fit_adapters(fin, max_iter=200, rounds=2)
     training["finetune_objective"] = float(fin.objective())
     training["test_nll_sum"] = test_loss_sum(fin, test)
     training["test_nll_per_completion"] = training["test_nll_sum"] / cfg.n_test
@@ -380,7 +383,7 @@ def main(argv=None) -> int:
     top.to_csv(out / "top_documents.csv", index=False)
     log.info("most harmful / helpful documents for the test completions:\n%s", top.to_string())
     summary["agreement_spearman"] = {f"exact_vs_{m}": float(spearmanr(scores["I_exact"], scores[f"I_{m}"])[0])
-                                     for m in ("identity", "ekfac")}  # fmt: skip
+                                     for m in SOLVES if m != "exact"}  # fmt: skip
 
     start = time.perf_counter()
     groups = leave_out_groups(cfg, scores["I_exact"].to_numpy())
@@ -403,7 +406,7 @@ def main(argv=None) -> int:
     }  # fmt: skip
     log.info("leave-out:\n%s\n%s", frame.drop(columns="members").to_string(), summary["leave_out"])
 
-    fig, axes = plt.subplots(1, 3, figsize=(13.5, 4.4))
+    fig, axes = plt.subplots(1, len(SOLVES), figsize=(4.5 * len(SOLVES), 4.4))
     for ax, method in zip(axes, SOLVES):
         scatter_with_r(frame.loc[real, f"predicted_{method}"], actual, ax=ax, own_scale=method != "exact",
                        title=f"{method} (pretraining solve)")  # fmt: skip

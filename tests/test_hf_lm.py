@@ -384,13 +384,13 @@ def test_lm_example_quick_runs_end_to_end(tmp_path):
         torch.set_num_threads(threads)
     scores = pd.read_csv(tmp_path / "scores.csv")
     assert len(scores) == module.QUICK.n_pretrain
-    for method in ("exact", "identity", "ekfac"):
+    for method in ("exact", "gauss-newton", "identity", "ekfac"):
         assert np.isfinite(scores[f"I_{method}"]).all() and scores[f"I_{method}"].abs().max() > 0
         np.testing.assert_allclose(scores[f"removal_{method}"], -scores[f"I_{method}"] / len(scores), rtol=1e-5)
     leave = pd.read_csv(tmp_path / "leaveout.csv")
     assert len(leave) == 2 * module.QUICK.n_ranked_groups + module.QUICK.n_random_groups + 2
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert set(summary["leave_out"]["correlation"]) == {"exact", "identity", "ekfac"}
+    assert set(summary["leave_out"]["correlation"]) == {"exact", "gauss-newton", "identity", "ekfac"}
     assert (tmp_path / "leaveout_scatter.png").stat().st_size > 0
     top = pd.read_csv(tmp_path / "top_documents.csv")
     assert top["text"].isin(scores["document"]).all()
