@@ -180,9 +180,8 @@ def test_prompt_tokens_carry_no_loss():
     prompt_logits = logits.clone()
     prompt_logits[:, : first - 1] += torch.randn_like(prompt_logits[:, : first - 1])  # logits predicting prompt tokens
     assert torch.equal(hf.causal_lm_losses(prompt_logits, y)[0], loss[0])
-    relabelled = y.clone()
-    relabelled[0, :first] = -100 + 0 * relabelled[0, :first]
-    assert torch.equal(hf.causal_lm_losses(logits, relabelled)[0], loss[0])
+    unmasked = torch.where(batch["attention_mask"] == 1, batch["input_ids"], -100)  # the prompt labelled as well
+    assert not torch.equal(hf.causal_lm_losses(logits, unmasked)[0], loss[0])  # so the −100 is what excludes it
     completion_logits = logits.clone()
     completion_logits[0, first - 1] += torch.randn_like(completion_logits[0, first - 1])
     assert not torch.equal(hf.causal_lm_losses(completion_logits, y)[0], loss[0])
