@@ -72,10 +72,13 @@ def causal_lm_batch(tokenizer, texts: Sequence[str], max_length: int, *, truncat
     if not texts or not all(isinstance(t, str) for t in texts):
         raise InputError("texts must be a non-empty list of strings.")
     if not truncation:
-        longest = max(range(len(texts)), key=lambda i: len(tokenizer(texts[i])["input_ids"]))
-        n = len(tokenizer(texts[longest])["input_ids"])
-        if n > max_length:
-            raise InputError(f"document {longest} has {n} tokens, more than max_length={max_length}; raise max_length or pass truncation=True.")
+        lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+        longest = max(range(len(texts)), key=lengths.__getitem__)
+        if lengths[longest] > max_length:
+            raise InputError(
+                f"document {longest} has {lengths[longest]} tokens, more than max_length={max_length}; raise "
+                "max_length or pass truncation=True."
+            )
     enc = tokenizer(texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
     ids, keep = enc["input_ids"], enc["attention_mask"]
     if getattr(tokenizer, "padding_side", "right") != "right" and bool((keep[:, 0] == 0).any()):
