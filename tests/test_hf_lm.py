@@ -65,7 +65,17 @@ def _update(config, kw):
     return config
 
 
+def qwen2(**kw):
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=8, intermediate_size=12, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=LENGTH, attn_implementation="sdpa", initializer_range=0.5,
+        bos_token_id=BOS, eos_token_id=BOS, pad_token_id=PAD, use_sliding_window=False,
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(_update(config, kw))
+
+
 MODELS = {"gpt2": (gpt2, ["c_attn"], True), "llama": (llama, ["q_proj", "v_proj"], False)}
+DECODERS = {"gpt2": gpt2, "llama": llama, "qwen2": qwen2}  # the mask and the loss are also checked on Qwen2
 
 
 def documents(n: int, seed: int) -> dict[str, torch.Tensor]:
@@ -99,7 +109,7 @@ def l2(params):
 
 def pretrain_stage(kind: str, n: int = 10) -> ik.Stage:
     torch.manual_seed(0)
-    model = MODELS[kind][0]().double().eval()
+    model = DECODERS[kind]().double().eval()
     return hf.causal_lm_stage(model, documents(n, 0), regularizer=l2)
 
 
@@ -131,10 +141,10 @@ def expanded(stage: ik.Stage, names: list[str]) -> list[str]:
 # --- the causal model and its loss ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("kind", sorted(DECODERS))
 def test_wrapper_is_causal_and_ignores_padding(kind):
     torch.manual_seed(0)
-    model = MODELS[kind][0]().double().eval()
+    model = DECODERS[kind]().double().eval()
     batch = documents(6, 3)
     wrapped = hf.HFModel(model, causal=True)
     logits = wrapped(hf.pack(batch)[0])
@@ -150,7 +160,7 @@ def test_wrapper_is_causal_and_ignores_padding(kind):
     assert logits[:, 1:].std(0).min() > 1e-3  # the rows differ after the shared <bos>, so the comparisons can fail
 
 
-@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("kind", sorted(DECODERS))
 def test_causal_loss_is_the_transformers_loss(kind):
     stage = pretrain_stage(kind)
     model = stage.model.hf_model

@@ -166,7 +166,11 @@ def causal_lm_stage(
     is taken (padding, prompts); without ``labels``, every attended token is labelled. Or packed tensors.
     g is :func:`~influkit.hf.causal_lm_losses`. As a finetuning stage its loss on a completion batch is the
     query f(x) = mean NLL of the completion given the prompt. params: what the stage trains (default: every
-    parameter requiring grad — for a PEFT model, the adapters).
+    parameter requiring grad — for a PEFT model, the adapters). Sequences longer than the model's context
+    (``n_positions`` / ``max_position_embeddings``) raise :class:`~influkit.errors.InputError`.
+    Precision: in float64, Llama/Qwen models still compute their RMSNorm (and, with eager attention, the
+    softmax) in float32, which limits agreement with float64 references to ~1e-7; ``attn_implementation="sdpa"``
+    avoids the latter (tests/test_hf_lm.py shows both).
     """
     model = _unwrap(model)
     check_eval_mode(model)
