@@ -127,8 +127,9 @@ def load_data(cfg: Config) -> dict:
 
     prompts = ["positive:" if r > 0 else "negative:" for r, _ in reviews]
     completions = [" " + t for _, t in reviews]
-    fits = [i for i in range(len(reviews))
-            if len(tokenizer(prompts[i])["input_ids"]) + len(tokenizer(completions[i], add_special_tokens=False)["input_ids"]) <= cfg.completion_len]  # fmt: skip
+    head = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
+    tail = [len(ids) for ids in tokenizer(completions, add_special_tokens=False)["input_ids"]]
+    fits = [i for i in range(len(reviews)) if head[i] + tail[i] <= cfg.completion_len]
     pick = torch.randperm(len(fits), generator=torch.Generator().manual_seed(cfg.seed + 1))[: cfg.n_finetune + cfg.n_test]
     chosen = [fits[i] for i in pick.tolist()]
     split = {"train": chosen[cfg.n_test :], "test": chosen[: cfg.n_test]}
@@ -141,7 +142,7 @@ def load_data(cfg: Config) -> dict:
                    "document_tokens_mean": float(documents["attention_mask"].sum(1).float().mean()),
                    "reviews_rated": len(reviews), "reviews_fitting": len(fits),
                    "finetune_completions": len(split["train"]), "test_completions": len(split["test"]),
-                   "positive_fraction_train": float(np.mean([prompts[i] == "positive:" for i in split["train"]]))}  # fmt: skip
+                   "positive_fraction_train": float(np.mean([reviews[i][0] > 0 for i in split["train"]]))}  # fmt: skip
     return out
 
 
@@ -423,7 +424,8 @@ def main(argv=None) -> int:
         for v in noise:
             ax.axhspan(-abs(v), abs(v), color="orange", alpha=0.12, lw=0)
     caption(fig, f"Leave-out of {int(real.sum())} groups of {cfg.group_size} pretraining documents (warm start, "
-                 f"{cfg.continue_epochs} epochs, adapters refit); shaded: re-training noise (two batch orders, no removal)")  # fmt: skip
+                 f"{cfg.continue_epochs} epochs, adapters refit); shaded: re-training noise "
+                 "(two batch orders, no removal)")  # fmt: skip
     save(fig, out / "leaveout_scatter.png")
     plt.close(fig)
 

@@ -114,7 +114,8 @@ def pretrain_stage(kind: str, n: int = 10) -> ik.Stage:
 
 
 def lora_model(pre: ik.Stage, kind: str, perturb: float = 0.0):
-    """The pretrained model (+ ``perturb``·noise on the base, standing in for Case 2 finetuning) with random LoRA adapters."""
+    """The pretrained model (+ ``perturb``·noise on the base, standing in for Case 2 finetuning) with random
+    LoRA adapters."""
     base = copy.deepcopy(pre.model.hf_model)
     torch.manual_seed(2)
     with torch.no_grad():
@@ -230,7 +231,8 @@ def test_completion_batch_masks_the_prompt(tokenizer):
         labelled = batch["labels"][row] != -100
         assert not labelled[:n_prompt].any() and labelled.any()
         assert tokenizer.decode(batch["labels"][row][labelled]) == completion
-        assert tokenizer.decode(batch["input_ids"][row][batch["attention_mask"][row] == 1], skip_special_tokens=True) == prompt + completion
+        text = batch["input_ids"][row][batch["attention_mask"][row] == 1]
+        assert tokenizer.decode(text, skip_special_tokens=True) == prompt + completion
 
 
 def test_tokenizer_without_pad_token_is_refused(tokenizer):
@@ -355,7 +357,8 @@ def test_lora_chain_equals_the_explicit_hessian_formula(pretrained, case):
         grad_t = per_example_grads_serial(fin, *test, names).sum(0)
         rows = expanded(fin, names)
         rhs = torch.zeros(len(rows), i_zw.shape[1], dtype=torch.float64)
-        rhs[torch.tensor([i for i, n in enumerate(rows) if n in centre])] = 2 * ALPHA * i_zw  # ∂²/∂(W,Θ)∂W̄ = [−2αI; 0]
+        w_rows = torch.tensor([i for i, n in enumerate(rows) if n in centre])
+        rhs[w_rows] = 2 * ALPHA * i_zw  # ∂²/∂(W,Θ)∂W̄ = [−2αI; 0], dW̄/dε = I_{z,W}
         expected = grad_t @ torch.linalg.solve(h_f, rhs)
     assert expected.abs().max() > 1e-5
     torch.testing.assert_close(res.values, expected, rtol=1e-8, atol=1e-10)

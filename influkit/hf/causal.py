@@ -82,12 +82,16 @@ def causal_lm_batch(tokenizer, texts: Sequence[str], max_length: int, *, truncat
     enc = tokenizer(texts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt")
     ids, keep = enc["input_ids"], enc["attention_mask"]
     if getattr(tokenizer, "padding_side", "right") != "right" and bool((keep[:, 0] == 0).any()):
-        raise InputError("the tokenizer pads on the left; set tokenizer.padding_side = 'right' (positions count from the text's start).")
+        raise InputError(
+            "the tokenizer pads on the left; set tokenizer.padding_side = 'right' (positions count from the text's start)."
+        )
     ids = torch.where(keep.bool(), ids, torch.full_like(ids, pad))
     return {"input_ids": ids, "attention_mask": keep, "labels": torch.where(keep.bool(), ids, torch.full_like(ids, IGNORE))}
 
 
-def completion_batch(tokenizer, prompts: Sequence[str], completions: Sequence[str], max_length: int) -> dict[str, torch.Tensor]:
+def completion_batch(
+    tokenizer, prompts: Sequence[str], completions: Sequence[str], max_length: int
+) -> dict[str, torch.Tensor]:
     """The dict batch of prompt + completion sequences, labels −100 on the prompt and padding (module docstring).
 
     The prompt is encoded with the tokenizer's special tokens (e.g. a leading ``<|endoftext|>``), the completion
@@ -105,7 +109,9 @@ def completion_batch(tokenizer, prompts: Sequence[str], completions: Sequence[st
         head = tokenizer(prompt)["input_ids"]
         tail = tokenizer(completion, add_special_tokens=False)["input_ids"]
         if not head or not tail:
-            raise InputError(f"pair {i}: the prompt and the completion must each have at least one token ({prompt!r}, {completion!r}).")
+            raise InputError(
+                f"pair {i}: the prompt and the completion must each have at least one token ({prompt!r}, {completion!r})."
+            )
         if len(head) + len(tail) > max_length:
             raise InputError(
                 f"pair {i}: prompt ({len(head)} tokens) + completion ({len(tail)} tokens) is longer than max_length="

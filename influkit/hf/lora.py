@@ -47,7 +47,9 @@ def pretrained_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PARTS)
 
 
-def lora_shared(pretrained: nn.Module | Stage, peft_model: nn.Module | Stage, shared: str | Iterable[str] | None = None) -> dict[str, str]:
+def lora_shared(
+    pretrained: nn.Module | Stage, peft_model: nn.Module | Stage, shared: str | Iterable[str] | None = None
+) -> dict[str, str]:
     """{PEFT name: pretrained name} for the base parameters the PEFT model inherits, checked to agree in shape.
 
     shared: module prefixes of the shared block, in either naming (``"transformer"`` or
@@ -93,7 +95,9 @@ def lora_shared(pretrained: nn.Module | Stage, peft_model: nn.Module | Stage, sh
             f"({type(_module(pretrained)).__name__}) does not have; narrow shared= to the pretrained block."
         )
     if not chosen:
-        raise ParameterError("the PEFT model's base shares no parameter name with the pretrained model; is it the same architecture?")
+        raise ParameterError(
+            "the PEFT model's base shares no parameter name with the pretrained model; is it the same architecture?"
+        )
     for f, p in chosen.items():
         if pre[p].shape != fin[f].shape:
             raise ParameterError(
