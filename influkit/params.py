@@ -58,7 +58,7 @@ def shared_parameters(earlier: nn.Module, later: nn.Module, shared: str | Mappin
             hits = {f_sel: p_sel}
         else:
             f_prefix, p_prefix = f_sel.rstrip(".") + ".", p_sel.rstrip(".") + "."
-            hits = {n: p_prefix + n[len(f_prefix) :] for n in fin if n.startswith(f_prefix)}
+            hits = {n: _unwrapped(p_prefix + n[len(f_prefix) :], pre) for n in fin if n.startswith(f_prefix)}
             if any(p in pre for p in hits.values()):  # parameters new in the later model are not shared
                 hits = {f: p for f, p in hits.items() if p in pre}
         if not hits:
@@ -80,6 +80,13 @@ def shared_parameters(earlier: nn.Module, later: nn.Module, shared: str | Mappin
                 )
             mapping[f_name] = p_name
     return mapping
+
+
+def _unwrapped(name: str, earlier: Mapping[str, torch.Tensor]) -> str:
+    """``name`` without ``base_layer`` components when only that form is an earlier parameter: a PEFT (LoRA)
+    wrapper keeps the wrapped layer's own parameters under ``<layer>.base_layer`` (see :mod:`influkit.hf.lora`)."""
+    bare = ".".join(part for part in name.split(".") if part != "base_layer")
+    return bare if name not in earlier and bare in earlier else name
 
 
 def point(state: Mapping[str, torch.Tensor], names: Sequence[str], at: Mapping[str, torch.Tensor] | None = None) -> Params:

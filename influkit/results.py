@@ -101,10 +101,22 @@ class InfluenceResult:
                 frame[f"score_t{j}"] = per[:, j]
         return frame
 
-    def top(self, k: int = 10, harmful: bool = True) -> "pd.DataFrame":
-        """The k most harmful (largest score) or, with ``harmful=False``, most helpful examples."""
+    def top(self, k: int = 10, harmful: bool = True, texts=None) -> "pd.DataFrame":
+        """The k most harmful (largest score) or, with ``harmful=False``, most helpful examples.
+
+        texts: optional text (or label) of every training example, indexed by example id (a list over the
+        whole training set, or a mapping id → text); shown in a ``text`` column.
+        """
         frame = self.to_frame()[["example", "score", "removal"]]
-        return frame.sort_values("score", ascending=not harmful).head(k).reset_index(drop=True)
+        frame = frame.sort_values("score", ascending=not harmful).head(k).reset_index(drop=True)
+        if texts is not None:
+            try:
+                frame["text"] = [texts[int(i)] for i in frame["example"]]
+            except (IndexError, KeyError) as exc:
+                raise InputError(
+                    f"texts has no entry for example {exc}; pass one text per training example, indexed by its id."
+                ) from None
+        return frame
 
     def save(self, path: str | Path) -> Path:
         """Write the result to ``path`` (safetensors + JSON header, any file name); read it with :func:`load`."""

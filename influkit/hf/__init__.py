@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers`` models as influkit stages: masked-LM pretraining and sequence classification.
+"""Hugging Face ``transformers`` models as influkit stages: masked-LM and causal-LM pretraining, sequence
+classification, LoRA finetuning.
 
     import influkit as ik
     from influkit import hf
@@ -7,6 +8,16 @@
     pre = hf.masked_lm_stage(BertForMaskedLM(config).eval(), enc(sentences), tokenizer=tokenizer)
     fin = hf.classification_stage(BertForSequenceClassification(config).eval(), enc(tweets) | {"labels": y})
     res = ik.score(pre, fin, z, hf.pack(enc(test) | {"labels": y_test}), shared="bert", case=1)
+
+Decoders and LoRA (``peft``, the ``lora`` extra):
+
+    tokenizer = hf.train_bpe(documents, vocab_size=2000)
+    pre = hf.causal_lm_stage(GPT2LMHeadModel(config).eval(), hf.causal_lm_batch(tokenizer, documents, max_length=48))
+    lora = peft.get_peft_model(pretrained_model, LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)).eval()
+    fin = hf.causal_lm_stage(lora, hf.completion_batch(tokenizer, prompts, completions, max_length=48))
+    test = hf.pack(hf.completion_batch(tokenizer, test_prompts, test_completions, max_length=48))
+    res = ik.Chain([pre, fin], [hf.lora_link(pre, fin, case=1)]).query(test).scores()
+    res.top(10, texts=documents)
 
 - dict batches are packed into the (inputs, targets) tensors influkit streams (:mod:`~influkit.hf.batches`);
 - :class:`HFModel` calls the transformers model on them with the model's own parameter names, so the shared
@@ -20,26 +31,39 @@ this package itself imports neither.
 """
 
 from .batches import FIELDS, pack, unpack
-from .losses import classification_losses, masked_lm_losses
+from .causal import causal_lm_batch, completion_batch, context_length
+from .lora import is_adapter, lora_link, lora_shared, pretrained_name
+from .losses import causal_lm_losses, classification_losses, masked_lm_losses
 from .masking import example_seed, mask_tokens
 from .model import HFModel, check_eval_mode, dropout_probabilities
-from .stages import classification_stage, masked_lm_batch, masked_lm_stage
-from .tokenizer import SPECIAL_TOKENS, train_wordpiece
+from .stages import causal_lm_stage, classification_stage, masked_lm_batch, masked_lm_stage
+from .tokenizer import BPE_SPECIAL_TOKENS, SPECIAL_TOKENS, train_bpe, train_wordpiece
 
 __all__ = [
+    "BPE_SPECIAL_TOKENS",
     "FIELDS",
     "HFModel",
     "SPECIAL_TOKENS",
+    "causal_lm_batch",
+    "causal_lm_losses",
+    "causal_lm_stage",
     "check_eval_mode",
     "classification_losses",
     "classification_stage",
+    "completion_batch",
+    "context_length",
     "dropout_probabilities",
     "example_seed",
+    "is_adapter",
+    "lora_link",
+    "lora_shared",
     "mask_tokens",
     "masked_lm_batch",
     "masked_lm_losses",
     "masked_lm_stage",
     "pack",
+    "pretrained_name",
+    "train_bpe",
     "train_wordpiece",
     "unpack",
 ]

@@ -1,4 +1,4 @@
-"""Per-example losses (B,) for transformers logits: masked-LM and sequence classification.
+"""Per-example losses (B,) for transformers logits: masked-LM, causal-LM and sequence classification.
 
 Both are written with tensor operations only (no ``.item()``, no branching on values), so per-example
 gradients run under ``torch.func.vmap``.
@@ -28,6 +28,21 @@ def masked_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     count = keep.sum(dim=1).clamp(min=1).to(logits.dtype)
     return -(picked * keep.to(logits.dtype)).sum(dim=1) / count
+
+
+def causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B,): per document, the mean next-token negative log-likelihood over its labelled tokens.
+
+    Labels are aligned with ``input_ids`` as in transformers (the model shifts them): position t predicts
+    token t + 1, so g(z) = (1/|M_z|) Σ_{t+1∈M_z} −log softmax(logits[t])[labels[t+1]], M_z = {t : labels[t] ≠ −100}
+    (padding, and a completion's prompt, carry −100); the first label is never predicted. A document with no
+    labelled token after the first position has loss 0.
+    """
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise LossError(
+            f"causal-LM logits must be (B, L, V) and labels (B, L), got {tuple(logits.shape)} and {tuple(labels.shape)}."
+        )
+    return masked_lm_losses(logits[:, :-1], labels[:, 1:])
 
 
 def classification_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ to the word embeddings) stay tied under ``functional_call``.
 The attention mask is passed to the transformers model as a ready 4-D additive mask (0 where attended, the
 dtype's minimum where padded), which transformers ≥ 5 uses as given: its own 2-D → 4-D conversion asks
 ``mask.all()`` (a data-dependent branch ``torch.func.vmap`` cannot trace), the 4-D mask gives the same
-logits and lets per-example gradients be vectorized.
+logits and lets per-example gradients be vectorized. Because it is used as given, a decoder (``causal=True``)
+gets the causal mask built in as well: position i attends to the unpadded positions j ≤ i.
 
 Second derivatives: the fused CPU kernels of ``scaled_dot_product_attention`` (transformers' default
 ``attn_implementation="sdpa"``) have neither a double-backward nor a forward-mode rule, so Hessian-vector
@@ -70,10 +71,11 @@ class HFModel(nn.Module):
 
     model: a transformers ``PreTrainedModel`` (e.g. ``BertForMaskedLM``, ``BertForSequenceClassification``).
     fields: the names of the packed channels, ``("input_ids", "attention_mask"[, "token_type_ids"])``.
+    causal: a decoder (GPT-2, Llama, ...): the attention mask also hides later positions.
     The parameter names are the model's own; ``train()``/``eval()``/``to()`` act on the wrapped model.
     """
 
-    def __init__(self, model: nn.Module, fields: Sequence[str] = ("input_ids", "attention_mask")):
+    def __init__(self, model: nn.Module, fields: Sequence[str] = ("input_ids", "attention_mask"), *, causal: bool = False):
         super().__init__()
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise InputError(f"expected a transformers model (an nn.Module with a .config), got {type(model).__name__}.")
@@ -88,6 +90,7 @@ class HFModel(nn.Module):
             self.add_module(name, child)
         object.__setattr__(self, "hf_model", model)  # not a registered child: names stay the model's own
         self.fields = tuple(fields)
+        self.causal = causal
         nn.Module.train(self, model.training)
 
     @property
@@ -104,10 +107,14 @@ class HFModel(nn.Module):
         kwargs = unpack(inputs, self.fields)
         if "attention_mask" in kwargs:
             dtype = self.hf_model.get_input_embeddings().weight.dtype
-            keep = kwargs["attention_mask"][:, None, None, :].to(dtype)
+            keep = kwargs["attention_mask"][:, None, None, :].to(dtype)  # (B, 1, 1, L): key j is a token
+            if self.causal:
+                length = keep.shape[-1]
+                keep = keep * torch.ones(length, length, dtype=dtype, device=keep.device).tril()  # (B, 1, L, L): j ≤ i
             kwargs["attention_mask"] = (1.0 - keep) * torch.finfo(dtype).min
         with sdpa_kernel([SDPBackend.MATH]):  # differentiable twice (HVPs) and in forward mode
             return self.hf_model(**kwargs).logits
 
     def extra_repr(self) -> str:
-        return f"{type(self.hf_model).__name__}, fields={self.fields}"
+        causal = ", causal" if self.causal else ""
+        return f"{type(self.hf_model).__name__}, fields={self.fields}{causal}"

@@ -1,4 +1,4 @@
-"""Stages for transformers models: masked-LM pretraining and sequence classification, from dict batches.
+"""Stages for transformers models: masked-LM and causal-LM pretraining, sequence classification, from dict batches.
 
     pre = hf.masked_lm_stage(BertForMaskedLM(config).eval(), tokenizer(sentences, ...), tokenizer=tokenizer)
     fin = hf.classification_stage(BertForSequenceClassification(config).eval(), tokenizer(tweets, ...) | {"labels": y})
@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from ..errors import InputError
+from .masking import IGNORE
 from ..stage import Regularizer, Stage
 from .batches import FIELDS, fields_of, pack
-from .losses import classification_losses, masked_lm_losses
+from .causal import check_context
+from .losses import causal_lm_losses, classification_losses, masked_lm_losses
 from .masking import mask_tokens
 from .model import HFModel, check_eval_mode
 
@@ -144,4 +146,45 @@ def classification_stage(
     if targets.dim() != 1:
         raise InputError(f"classification labels must be (batch,) class ids, got shape {tuple(targets.shape)}.")
     return Stage(HFModel(model, fields), classification_losses, (inputs, targets), params=params,
+                 regularizer=regularizer, batch_size=batch_size)  # fmt: skip
+
+
+def causal_lm_stage(
+    model: nn.Module,
+    data,
+    *,
+    params: str | Iterable[str] | None = None,
+    regularizer: Regularizer | None = None,
+    batch_size: int | None = None,
+) -> Stage:
+    """A :class:`~influkit.Stage` minimizing G = (1/m) Σ_z g(z) + R, g(z) the mean next-token NLL of document z.
+
+    model: a transformers decoder (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, or a PEFT
+    model wrapping one) in eval mode; it is called with a causal + padding attention mask.
+    data: a dict batch (:func:`~influkit.hf.causal_lm_batch` for documents, :func:`~influkit.hf.completion_batch`
+    for prompt → completion pairs) whose ``labels`` (B, L) are aligned with ``input_ids`` and −100 where no loss
+    is taken (padding, prompts); without ``labels``, every attended token is labelled. Or packed tensors.
+    g is :func:`~influkit.hf.causal_lm_losses`. As a finetuning stage its loss on a completion batch is the
+    query f(x) = mean NLL of the completion given the prompt. params: what the stage trains (default: every
+    parameter requiring grad — for a PEFT model, the adapters). Sequences longer than the model's context
+    (``n_positions`` / ``max_position_embeddings``) raise :class:`~influkit.errors.InputError`.
+    Precision: in float64, Llama/Qwen models still compute their RMSNorm (and, with eager attention, the
+    softmax) in float32, which limits agreement with float64 references to ~1e-7; ``attn_implementation="sdpa"``
+    avoids the latter (tests/test_hf_lm.py shows both).
+    """
+    model = _unwrap(model)
+    check_eval_mode(model)
+    if isinstance(data, Mapping):
+        fields = fields_of(data)
+        if "labels" not in data:
+            ids = torch.as_tensor(data["input_ids"])
+            keep = torch.as_tensor(data.get("attention_mask", torch.ones_like(ids))).bool()
+            data = {**data, "labels": torch.where(keep, ids, torch.full_like(ids, IGNORE))}
+        inputs, targets = pack(data, fields)
+    else:
+        inputs, targets, fields = _packed(data, "data")
+    if targets.dim() != 2 or targets.shape != inputs[:, 0].shape:
+        raise InputError(f"causal-LM labels must be (batch, length) like input_ids, got {tuple(targets.shape)}.")
+    check_context(model, inputs.shape[-1])
+    return Stage(HFModel(model, fields, causal=True), causal_lm_losses, (inputs, targets), params=params,
                  regularizer=regularizer, batch_size=batch_size)  # fmt: skip
