@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from influkit.apps.digits import DEMO_REMOVALS, DigitsSetup, validate_digits
+from influkit.apps.digits import DEMO_REMOVALS, DigitsSetup, report_page, validate_digits
 from influkit.report import screenshot
 
 
@@ -30,17 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     setup = DigitsSetup.demo()
     run = validate_digits(setup, n_removals=DEMO_REMOVALS, progress=not args.quiet)
-    images, classes = run.split.pretrain
-    test_images, test_classes = run.split.test
-    page = run.scores.report(
-        args.out / "case1_report.html",
-        examples=images.reshape(len(images), 8, 8),
-        labels=[f"digit {setup.pretrain_classes[int(c)]}" for c in classes],
-        queries=test_images.reshape(len(test_images), 8, 8),
-        query_labels=[f"digit {setup.finetune_classes[int(c)]}" for c in test_classes],
-        validation=run.loo,
-        title="Case 1 multi-stage influence on digits: pretraining digits 0–3 → finetuned 4–9",
-    )
+    page = report_page(run, args.out / "case1_report.html")
     saved = run.scores.save(args.out / "case1_result.safetensors")
     print(f"wrote {page} and {saved}")
     if shutil.which("chromium"):

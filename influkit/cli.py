@@ -61,7 +61,7 @@ def _print_validation(run, name: str, out: Path) -> None:
     print(run.scores.top(5).to_string(index=False))
     print("most helpful pretraining examples:")
     print(run.scores.top(5, harmful=False).to_string(index=False))
-    print(f"wrote {out}/{name}_scatter.png, {name}_gallery.png and CSVs")
+    print(f"wrote {out}/{name}_scatter.png, {name}_gallery.png, {name}_report.html (open it in a browser) and CSVs")
 
 
 def _add_common(p: argparse.ArgumentParser, removals: int | None,

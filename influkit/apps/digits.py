@@ -240,6 +240,26 @@ def write_validation(run: ValidationRun, out: Path, name: str) -> None:
         out / f"{name}_gallery.png",
     )
     (out / f"{name}_attrs.json").write_text(json.dumps(run.summary.attrs, indent=1, default=str))
+    report_page(run, out / f"{name}_report.html")
+    run.scores.save(out / f"{name}_result.safetensors")  # `influkit report` renders the page again from this file
+
+
+def report_page(run: ValidationRun, path: Path) -> Path:
+    """Write the HTML report of a :class:`ValidationRun` (:mod:`influkit.report`): pretraining digits as thumbnails,
+    the test digits as queries, the leave-out validation scatter. Returns the page's path."""
+    images, classes = run.split.pretrain
+    test_images, test_classes = run.split.test
+    side = int(round(images[0].numel() ** 0.5))
+    return run.scores.report(
+        path,
+        examples=images.reshape(len(images), side, side),
+        labels=[f"digit {run.setup.pretrain_classes[int(c)]}" for c in classes],
+        queries=test_images.reshape(len(test_images), side, side),
+        query_labels=[f"digit {run.setup.finetune_classes[int(c)]}" for c in test_classes],
+        validation=run.loo,
+        title=f"Case {run.setup.case} multi-stage influence on digits: pretraining digits "
+              f"{', '.join(map(str, run.setup.pretrain_classes))} → finetuned {', '.join(map(str, run.setup.finetune_classes))}",
+    )
 
 
 # ------------------------------------------------------------------------------ the LDS of the digits setting
