@@ -44,15 +44,34 @@ INFLUKIT = {
 }
 PEERS = ("TRAK (traker)", "kronfluence EK-FAC", "dattri IF (explicit)", "dattri TracIn", "dattri TRAK")
 TRAK_PROJ_DIM = 128
+TRAK_DAMPING = 0.1
+"""TRAK's kernel ΦᵀΦ + λI gets λ = 0.1·n·wd in units of the unprojected, summed-loss curvature (traker:
+``lambda_reg`` = 0.1·n·wd·p, its N(0, 1) projection scales ΦᵀΦ by ≈ p; dattri divides gradients by √p, so
+``regularization`` = 0.1·n·wd). The best of λ/(n·wd) ∈ {0, 0.01, 0.1, 1} on digits Case 1 warm (TRAK K = 1:
+LDS 0.039, 0.179, 0.183, 0.115): TRAK's default λ = 0 leaves the weight decay out of its curvature."""
 
 
 # ------------------------------------------------------------------------------------------ the peers' model
+class _Shift(nn.Module):
+    """A parametrization W ↦ W + shift, active only while the owning CrossStageModel is in ``mode="fin"``."""
+
+    def __init__(self, shift: torch.Tensor, owner: dict):
+        super().__init__()
+        self.register_buffer("shift", shift)
+        self.owner = owner
+
+    def forward(self, value):
+        return value + self.shift if self.owner["mode"] == "fin" else value
+
+
 class CrossStageModel(nn.Module):
     """One module for a single-stage tool: pretraining logits in ``mode="pre"``, finetuned logits in ``"fin"``.
 
     Parameters: the pretraining model (``pre.embedding`` = W, ``pre.head`` = U). Buffers: the finetuned head Θ*
-    and ``shift`` = W* − W̄ (zero in Case 1), so that the finetuned logits are Θ*(embedding(x; W + shift)) — at
-    W = W̄ the finetuned model's own output, and their gradient in W is the finetuned model's gradient in W*.
+    and, in Case 2, ``shift`` = W* − W̄ on every embedding weight (a parametrization, so the embedding's own
+    modules — which kronfluence hooks — compute with W + shift in ``"fin"`` mode): the finetuned logits are
+    Θ*(embedding(x; W + shift)), at W = W̄ the finetuned model's own output, and their gradient in W is the
+    finetuned model's gradient in W*.
     """
 
     def __init__(self, pre_model: nn.Module, fin_model: nn.Module):
@@ -60,27 +79,28 @@ class CrossStageModel(nn.Module):
         self.pre = copy.deepcopy(pre_model)
         self.register_buffer("fin_weight", fin_model.head.weight.detach().clone())
         self.register_buffer("fin_bias", fin_model.head.bias.detach().clone())
-        before = dict(pre_model.embedding.named_parameters())
-        self.shift_names = []
-        self.shifted = False
-        for name, value in fin_model.embedding.named_parameters():
-            delta = (value.detach() - before[name].detach()).clone()
-            self.register_buffer("shift_" + name.replace(".", "_"), delta)
-            self.shift_names.append(name)
-            self.shifted |= bool(delta.abs().max() > 0)
-        self.mode = "pre"
+        self._state = {"mode": "pre"}
+        after = dict(fin_model.embedding.named_parameters())
+        if any(not torch.equal(p, after[n]) for n, p in pre_model.embedding.named_parameters()):
+            from torch.nn.utils import parametrize
+
+            for prefix, module in list(self.pre.embedding.named_modules()):
+                for name, value in list(module.named_parameters(recurse=False)):
+                    delta = after[f"{prefix}.{name}" if prefix else name].detach() - value.detach()
+                    parametrize.register_parametrization(module, name, _Shift(delta.clone(), self._state))
+
+    @property
+    def mode(self) -> str:
+        return self._state["mode"]
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        self._state["mode"] = value
 
     def forward(self, x):
         if self.mode == "pre":
             return self.pre(x)
-        embedding = self.pre.embedding
-        if self.shifted:
-            own = dict(embedding.named_parameters())
-            moved = {n: own[n] + getattr(self, "shift_" + n.replace(".", "_")) for n in self.shift_names}
-            features = torch.func.functional_call(embedding, moved, (x,))
-        else:
-            features = embedding(x)
-        return F.linear(features, self.fin_weight, self.fin_bias)
+        return F.linear(self.pre.embedding(x), self.fin_weight, self.fin_bias)
 
 
 def cross_models(task: Task, members: list[int], dtype=torch.float64) -> list[CrossStageModel]:
@@ -111,7 +131,7 @@ def influkit_scores(task: Task, name: str, members: list[int]) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------------ TRAK
 def trak_scores(task: Task, members: list[int]) -> np.ndarray:
-    """TRAK (traker, BasicProjector on CPU, proj_dim 128): features = projected ∇_{W,U} of the pretraining margin
+    """TRAK (traker, BasicProjector on CPU, proj_dim 128, λ = TRAK_DAMPING): features = projected ∇_{W,U} of the pretraining margin
     of z; target = projected ∇_W of the finetuned margin of t; TRAK's kernel and Q from the pretraining data.
     TRAK's score is positive when z raises t's margin (helpful): influkit sign = −score."""
     from trak import TRAKer
@@ -137,8 +157,10 @@ def trak_scores(task: Task, members: list[int]) -> np.ndarray:
     zx, tx = zx.float(), tx.float()
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        p = sum(v.numel() for v in models[0].parameters())
         traker = TRAKer(model=models[0], task=CrossStageMargin(), train_set_size=len(zx), save_dir=tmp,
-                        device="cpu", proj_dim=TRAK_PROJ_DIM, use_half_precision=False, projector_seed=0)
+                        device="cpu", proj_dim=TRAK_PROJ_DIM, use_half_precision=False, projector_seed=0,
+                        lambda_reg=TRAK_DAMPING * len(zx) * task.config.weight_decay * p)
         for k, model in enumerate(models):
             traker.model.mode = "pre"
             traker.load_checkpoint(model.state_dict(), model_id=k)
@@ -163,9 +185,12 @@ def kronfluence_scores(task: Task, members: list[int]) -> np.ndarray:
     from kronfluence.arguments import FactorArguments, ScoreArguments
     from kronfluence.task import Task as KronTask
 
+    models = cross_models(task, members, torch.float32)
+    shared = [f"pre.embedding.{i}" for i, m in enumerate(models[0].pre.embedding) if isinstance(m, (nn.Conv2d, nn.Linear))]
+
     class CrossStage(KronTask):
         def get_influence_tracked_modules(self):  # the shared block W: EK-FAC is block-diagonal, U's block is inert
-            return [f"pre.embedding.{i}" for i, m in enumerate(models[0].pre.embedding) if isinstance(m, nn.Conv2d)]
+            return shared
 
         def compute_train_loss(self, batch, model, sample=False):
             inputs, labels = batch
@@ -186,7 +211,6 @@ def kronfluence_scores(task: Task, members: list[int]) -> np.ndarray:
     train = torch.utils.data.TensorDataset(zx.float(), zy)
     test = torch.utils.data.TensorDataset(tx.float(), ty)
     values = []
-    models = cross_models(task, members, torch.float32)
     for model in models:
         kron_task = CrossStage()
         model = prepare_model(model, kron_task)
@@ -282,7 +306,8 @@ def dattri_scores(task: Task, members: list[int], attributor: str) -> np.ndarray
                 return torch.softmax(logits, -1)[0, y]
 
             method = TRAKAttributor(attribution, correct_probability,
-                                    projector_kwargs={"proj_dim": TRAK_PROJ_DIM, "device": "cpu"}, device="cpu")
+                                    projector_kwargs={"proj_dim": TRAK_PROJ_DIM, "device": "cpu"}, device="cpu",
+                                    regularization=TRAK_DAMPING * n * task.config.weight_decay)
             method.cache(_loader((zx, zy), n))
             scores = method.attribute(_loader((tx, ty), q))
     return -scores.detach().double().numpy()
@@ -328,8 +353,20 @@ def all_methods() -> list[str]:
     return list(INFLUKIT) + list(PEERS)
 
 
+def import_peers() -> None:
+    """Import the peers' modules up front, so that no method's seconds include a library's import time."""
+    import dattri.algorithm.influence_function  # noqa: F401
+    import dattri.algorithm.tracin  # noqa: F401
+    import dattri.algorithm.trak  # noqa: F401
+    import kronfluence.analyzer  # noqa: F401
+    import trak  # noqa: F401
+
+
 def score_all(task: Task, members: int, methods=None, progress: bool = True) -> None:
     """Compute (or load) every method's scores for K = 1 and K = ``members``; print one line each."""
+    import_peers()
+    for k in range(members):
+        task.member(k)
     for method in methods or all_methods():
         for k in sorted({1, members}):
             try:

@@ -86,7 +86,8 @@ def markdown(frame: pd.DataFrame) -> str:
     """A GitHub table: LDS ± sem to 3 decimals, seconds to 1."""
     lines = ["| method | K | LDS ± sem | seconds |", "|---|---|---|---|"]
     for _, row in frame.iterrows():
-        lines.append(f"| {row['method']} | {row['K']} | {row['LDS']:.3f} ± {row['sem']:.3f} | {row['seconds']:.1f} |")
+        seconds = f"{row['seconds']:.2f}" if row["seconds"] < 10 else f"{row['seconds']:.1f}"
+        lines.append(f"| {row['method']} | {row['K']} | {row['LDS']:.3f} ± {row['sem']:.3f} | {seconds} |")
     return "\n".join(lines)
 
 
