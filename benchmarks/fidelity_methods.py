@@ -74,14 +74,16 @@ class CrossStageModel(nn.Module):
     finetuned model's gradient in W*.
     """
 
-    def __init__(self, pre_model: nn.Module, fin_model: nn.Module):
+    def __init__(self, pre_model: nn.Module, fin_model: nn.Module, shift: bool = True):
         super().__init__()
         self.pre = copy.deepcopy(pre_model)
+        if not shift:  # one embedding for both modes: the finetuned W* (for tools that hook the layers themselves)
+            self.pre.embedding.load_state_dict(fin_model.embedding.state_dict())
         self.register_buffer("fin_weight", fin_model.head.weight.detach().clone())
         self.register_buffer("fin_bias", fin_model.head.bias.detach().clone())
         self._state = {"mode": "pre"}
         after = dict(fin_model.embedding.named_parameters())
-        if any(not torch.equal(p, after[n]) for n, p in pre_model.embedding.named_parameters()):
+        if any(not torch.equal(p, after[n]) for n, p in self.pre.embedding.named_parameters()):
             from torch.nn.utils import parametrize
 
             for prefix, module in list(self.pre.embedding.named_modules()):
@@ -103,12 +105,12 @@ class CrossStageModel(nn.Module):
         return F.linear(self.pre.embedding(x), self.fin_weight, self.fin_bias)
 
 
-def cross_models(task: Task, members: list[int], dtype=torch.float64) -> list[CrossStageModel]:
-    """The members as :class:`CrossStageModel` (eval mode, ``dtype``)."""
+def cross_models(task: Task, members: list[int], dtype=torch.float64, shift: bool = True) -> list[CrossStageModel]:
+    """The members as :class:`CrossStageModel` (eval mode, ``dtype``; ``shift=False``: both modes at W*)."""
     out = []
     for k in members:
         pre, fin = task.member(k)
-        out.append(CrossStageModel(pre.model, fin.model).to(dtype).eval())
+        out.append(CrossStageModel(pre.model, fin.model, shift).to(dtype).eval())
     return out
 
 
@@ -180,12 +182,14 @@ def kronfluence_scores(task: Task, members: list[int]) -> np.ndarray:
     """kronfluence 1.0.1 EK-FAC, per member, averaged: factors fitted on the pretraining loss of Z (sampled-label
     Fisher, one block per Conv2d of the shared embedding W — EK-FAC is block-diagonal, so U's block would not
     change W's), damping λ = the weight decay (the regularizer's Hessian), query
-    gradient = ∇_W of the finetuned test loss. kronfluence's score ∇f(t)ᵀ(F + λI)⁻¹∇ℓ(z) is −influence."""
+    gradient = ∇_W of the finetuned test loss. In Case 2 kronfluence cannot hook a re-parametrized layer, so the
+    pretraining loss, its factors and the query are all taken at the finetuned embedding W* (and U): the query
+    gradient is exact, the pretraining curvature is taken at W* instead of W̄. kronfluence's score ∇f(t)ᵀ(F + λI)⁻¹∇ℓ(z) is −influence."""
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments, ScoreArguments
     from kronfluence.task import Task as KronTask
 
-    models = cross_models(task, members, torch.float32)
+    models = cross_models(task, members, torch.float32, shift=False)  # kronfluence wraps only plain Conv2d/Linear
     shared = [f"pre.embedding.{i}" for i, m in enumerate(models[0].pre.embedding) if isinstance(m, (nn.Conv2d, nn.Linear))]
 
     class CrossStage(KronTask):

@@ -125,24 +125,31 @@ def plot(tables: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(key, value) for key, value in tables.items() if not value[0].empty]
-    if not panels:
+    names = list(dict.fromkeys(name for (name, _), (frame, _) in tables.items() if not frame.empty))
+    if not names:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4), squeeze=False)
+    fig, axes = plt.subplots(len(names), len(PROTOCOLS), figsize=(6 * len(PROTOCOLS), 4.2 * len(names)), squeeze=False)
     methods = all_methods()
     colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
-    for ax, ((name, protocol), (frame, facts)) in zip(axes[0], panels):
-        for _, row in frame.iterrows():
-            ax.errorbar(row["seconds"], row["LDS"], yerr=row["sem"], fmt="o" if row["K"] == 1 else "s",
-                        color=colors[row["method"]], mfc=colors[row["method"]] if row["K"] == 1 else "none",
-                        label=row["method"] if row["K"] == 1 else None, ms=6, capsize=2)
-        if protocol == "scratch" and np.isfinite(facts["noise ceiling"]):
-            ax.axhline(facts["noise ceiling"], color="gray", ls=":", lw=1, label="noise ceiling (seed vs seed)")
-        ax.axhline(0, color="k", lw=0.5)
-        ax.set_xscale("log")
-        ax.set_xlabel("seconds (K members; filled K = 1, hollow K = 5)")
-        ax.set_ylabel("LDS (mean ± sem over test points)")
-        ax.set_title(f"{name}, {protocol} (M = {facts['M']}, seeds {facts['seeds']})", fontsize=9)
+    for r, name in enumerate(names):
+        for c, protocol in enumerate(PROTOCOLS):
+            ax = axes[r][c]
+            frame, facts = tables[name, protocol]
+            if frame.empty:
+                ax.set_axis_off()
+                ax.set_title(f"{name}, {protocol}: not run", fontsize=9)
+                continue
+            for _, row in frame.iterrows():
+                ax.errorbar(row["seconds"], row["LDS"], yerr=row["sem"], fmt="o" if row["K"] == 1 else "s",
+                            color=colors[row["method"]], mfc=colors[row["method"]] if row["K"] == 1 else "none",
+                            label=row["method"] if row["K"] == 1 else None, ms=6, capsize=2)
+            if protocol == "scratch" and np.isfinite(facts["noise ceiling"]):
+                ax.axhline(facts["noise ceiling"], color="gray", ls=":", lw=1, label="noise ceiling (seed vs seed)")
+            ax.axhline(0, color="k", lw=0.5)
+            ax.set_xscale("log")
+            ax.set_xlabel("seconds (K members; filled K = 1, hollow K = 5)")
+            ax.set_ylabel("LDS (mean ± sem over test points)")
+            ax.set_title(f"{name}, {protocol} (M = {facts['M']}, seeds {facts['seeds']})", fontsize=9)
     axes[0][0].legend(fontsize=6, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
