@@ -17,6 +17,7 @@ Resumable: every re-training, trained member and method score matrix is cached u
     python benchmarks/bench_fidelity.py retrain --task digits-case1 --protocol warm --subsets 100
     python benchmarks/bench_fidelity.py retrain --task digits-case1 --protocol scratch --seeds 0 1
     python benchmarks/bench_fidelity.py score --task digits-case1 --members 5
+    python benchmarks/bench_fidelity.py check --task digits-case1     # the peers' wiring vs an explicit Hessian
     python benchmarks/bench_fidelity.py table --task digits-case1     # every cached task: tables, plot, README_results.md
 """
 
@@ -57,7 +58,7 @@ def retrain_all(task: Task, protocol: str, m: int, seeds: list[int], progress: b
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=("retrain", "score", "table"))
+    parser.add_argument("step", choices=("retrain", "score", "check", "table"))
     parser.add_argument("--task", choices=sorted(TASKS), required=True)
     parser.add_argument("--protocol", choices=PROTOCOLS, default="warm")
     parser.add_argument("--subsets", type=int, default=100)
@@ -78,6 +79,10 @@ def main() -> None:
         from fidelity_methods import score_all
 
         score_all(task, args.members, args.methods, progress=not args.no_progress)
+    elif args.step == "check":
+        from fidelity_methods import check_peers
+
+        check_peers(task)
     else:
         from fidelity_report import write_tables
 

@@ -378,3 +378,39 @@ def score_all(task: Task, members: int, methods=None, progress: bool = True) -> 
                 print(f"{task.config.name} | {method} | K={k} | {seconds:.1f} s | scores {scores.shape}", flush=True)
             except Exception as exc:  # a peer that fails is reported, the others still run
                 print(f"{task.config.name} | {method} | K={k} | FAILED: {type(exc).__name__}: {exc}", flush=True)
+
+
+def shared_block_term(task: Task, k: int = 0) -> np.ndarray:
+    """(n, q) −(∇ℓ(z) + wd·θ)ᵀ H_G⁻¹ [∇_W f(t); 0_U] by explicit float64 Hessian of the pretraining objective over
+    (W, U): what a single-stage tool on :class:`CrossStageModel` should return (dattri IF's quantity, with the
+    L2 gradient in ∇ℓ(z) as dattri takes it). The check that the peers are wired to the intended quantity."""
+    from torch.func import functional_call, grad, hessian
+
+    model = cross_models(task, [k])[0]
+    names = [n for n, _ in model.named_parameters()]
+    values = {n: p.detach() for n, p in model.named_parameters()}
+    sizes, shapes = [values[n].numel() for n in names], [values[n].shape for n in names]
+    flat = torch.cat([values[n].reshape(-1) for n in names])
+    wd = task.config.weight_decay
+
+    def unflat(v):
+        return {n: t.reshape(s) for n, t, s in zip(names, v.split(sizes), shapes)}
+
+    def loss(v, x, y, mode):
+        model.mode = mode
+        return F.cross_entropy(functional_call(model, unflat(v), (x,)), y)
+
+    zx, zy = task.split.pretrain
+    tx, ty = task.split.test
+    h = hessian(lambda v: loss(v, zx, zy, "pre") + 0.5 * wd * (v**2).sum())(flat)
+    gz = torch.stack([grad(loss)(flat, zx[i : i + 1], zy[i : i + 1], "pre") for i in range(len(zx))]) + wd * flat
+    gt = torch.stack([grad(loss)(flat, tx[i : i + 1], ty[i : i + 1], "fin") for i in range(len(tx))])
+    return -(gz @ torch.linalg.solve(h, gt.T)).numpy()
+
+
+def check_peers(task: Task) -> None:
+    """Print how far dattri IF (K = 1) is from :func:`shared_block_term` (relative to its largest entry)."""
+    reference = shared_block_term(task)
+    scores, _ = method_scores(task, "dattri IF (explicit)", 1)
+    error = np.abs(scores - reference).max() / np.abs(reference).max()
+    print(f"{task.config.name}: dattri IF vs the explicit shared-block term −∇ℓ(z)ᵀ[H_G⁻¹]∇_W f(t): max rel. diff {error:.1e}")
