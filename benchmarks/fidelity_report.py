@@ -173,7 +173,16 @@ def write_tables(task: Task, m: int, seeds: list[int], results: Path, all_tasks:
             stem = results / f"{t.config.name}_{protocol}"
             frame.to_csv(f"{stem}.csv", index=False)
             stem.with_suffix(".json").write_text(json.dumps(facts, indent=1))
-    sections = ["## LDS head to head (benchmarks/bench_fidelity.py)", ""]
+    sections = [
+        "## LDS head to head (benchmarks/bench_fidelity.py)", "",
+        "Linear datamodeling score of every method on the same trained chains, subsets (α = 0.5) and re-trainings; "
+        "mean over test points ± standard error; seconds for all K members (1 torch thread, 2 shared cores under "
+        "load 8-10, so seconds are noisy). Scores of the peers (single-stage tools) come from one model whose "
+        "parameters are the pretraining model's and whose query is the finetuned model's test loss on the shared "
+        "embedding (benchmarks/README.md, bench_fidelity). Warm: re-training continues from the trained weights "
+        "(deterministic); scratch: fresh initializations, outputs averaged over the seeds. K = 5: scores "
+        "averaged over 5 chains trained from different initializations (influkit.Ensemble).", "",
+        "![LDS vs seconds](benchmarks/results/fidelity/lds_vs_seconds.png)", ""]
     for (name, protocol), (frame, facts) in tables.items():
         if frame.empty:
             sections.append(f"**{name}, {protocol}**: no re-trainings cached yet.\n")
