@@ -327,14 +327,14 @@ PEER_FUNCTIONS = {
 
 
 # ----------------------------------------------------------------------------------------------------- cache
-def _path(task: Task, method: str, k: int) -> Path:
+def scores_path(task: Task, method: str, k: int) -> Path:
     slug = hashlib.sha256(method.encode()).hexdigest()[:8]
     return task.directory / "scores" / f"K{k}_{slug}_{task.config.digest()}.safetensors"
 
 
 def method_scores(task: Task, method: str, k: int) -> tuple[np.ndarray, float]:
     """((n, q) scores, seconds) of ``method`` with K = k members, computed once and cached."""
-    path = _path(task, method, k)
+    path = scores_path(task, method, k)
     if path.exists():
         stored = load_file(path)
         return stored["scores"].numpy(), float(stored["seconds"])

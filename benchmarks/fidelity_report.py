@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file
 
-from fidelity_methods import _path, all_methods
+from fidelity_methods import all_methods, scores_path
 from fidelity_tasks import PROTOCOLS, Task
 from influkit.validation import lds_per_query  # the metric (influkit.validation.lds)
 
@@ -71,7 +71,7 @@ def lds_rows(task: Task, protocol: str, subsets: torch.Tensor, seeds: list[int])
     actual = outputs.mean(1)
     for method in all_methods():
         for k in ENSEMBLE_K:
-            path = _path(task, method, k)
+            path = scores_path(task, method, k)
             if not path.exists():
                 continue
             stored = load_file(path)

@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,8 +204,6 @@ def cached_retrain(task: Task, subsets: torch.Tensor, j: int, protocol: str, see
     path = directory / f"subset{j:04d}_seed{seed}_{task.config.digest()}_{subset_hash}.safetensors"
     if path.exists():
         return load_file(path)["outputs"]
-    import time
-
     start = time.perf_counter()
     out, norms = task.retrain(indices, protocol, seed)
     meta = {"seconds": f"{time.perf_counter() - start:.3f}", "grad_norms": json.dumps(norms)}
