@@ -26,8 +26,17 @@ ENSEMBLE_K = (1, 5)
 
 
 def load_outputs(task: Task, protocol: str, subsets: torch.Tensor, seeds: list[int]) -> tuple[np.ndarray, list[int]]:
-    """((M', S, q) outputs, subset ids) of the subsets whose re-trainings exist for every seed (cache only)."""
+    """((M', S, q) outputs, subset ids) from the cache only: the longest prefix of ``seeds`` whose re-trainings
+    exist for every subset (an unfinished run reports its finished seeds), else the subsets finished for seed 0."""
     seeds = [0] if protocol == "warm" else seeds
+    for count in range(len(seeds), 0, -1):
+        outputs, ids = _stored(task, protocol, subsets, seeds[:count])
+        if len(ids) == subsets.shape[0]:
+            return outputs, ids
+    return _stored(task, protocol, subsets, seeds[:1])
+
+
+def _stored(task: Task, protocol: str, subsets: torch.Tensor, seeds: list[int]) -> tuple[np.ndarray, list[int]]:
     rows, ids = [], []
     for j in range(subsets.shape[0]):
         subset_hash = hashlib.sha256(subsets[j].numpy().tobytes()).hexdigest()[:8]
@@ -88,6 +97,24 @@ def markdown(frame: pd.DataFrame) -> str:
     for _, row in frame.iterrows():
         seconds = f"{row['seconds']:.2f}" if row["seconds"] < 10 else f"{row['seconds']:.1f}"
         lines.append(f"| {row['method']} | {row['K']} | {row['LDS']:.3f} ± {row['sem']:.3f} | {seconds} |")
+    return "\n".join(lines)
+
+
+def summary(tables: dict) -> str:
+    """One GitHub table: a row per method, a column per (task, protocol), cells "LDS K=1 (K=5)"."""
+    keys = [key for key, (frame, _) in tables.items() if not frame.empty]
+    header = "| method | " + " | ".join(f"{name} {protocol} (M = {tables[name, protocol][1]['M']})"
+                                         for name, protocol in keys) + " |"
+    lines = [header, "|---" * (len(keys) + 1) + "|"]
+    for method in all_methods():
+        cells = []
+        for key in keys:
+            frame = tables[key][0].set_index(["method", "K"])["LDS"]
+            k1, k5 = frame.get((method, 1)), frame.get((method, 5))
+            cells.append("—" if k1 is None else f"{k1:.3f}" + ("" if k5 is None else f" ({k5:.3f})"))
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    ceilings = [("1" if p == "warm" else f"{tables[n, p][1]['noise ceiling']:.3f}") for n, p in keys]
+    lines.append("| noise ceiling | " + " | ".join(ceilings) + " |")
     return "\n".join(lines)
 
 
@@ -182,7 +209,8 @@ def write_tables(task: Task, m: int, seeds: list[int], results: Path, all_tasks:
         "embedding (benchmarks/README.md, bench_fidelity). Warm: re-training continues from the trained weights "
         "(deterministic); scratch: fresh initializations, outputs averaged over the seeds. K = 5: scores "
         "averaged over 5 chains trained from different initializations (influkit.Ensemble).", "",
-        "![LDS vs seconds](benchmarks/results/fidelity/lds_vs_seconds.png)", ""]
+        "![LDS vs seconds](benchmarks/results/fidelity/lds_vs_seconds.png)", "",
+        "LDS with K = 1 (K = 5) members:", "", summary(tables), ""]
     for (name, protocol), (frame, facts) in tables.items():
         if frame.empty:
             sections.append(f"**{name}, {protocol}**: no re-trainings cached yet.\n")
