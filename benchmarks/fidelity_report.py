@@ -48,6 +48,17 @@ def _stored(task: Task, protocol: str, subsets: torch.Tensor, seeds: list[int]) 
     return (np.stack(rows) if rows else np.zeros((0, len(seeds), 0))), ids
 
 
+def write_outputs(task: Task, protocol: str, subsets: torch.Tensor, seeds: list[int], path: Path) -> None:
+    """The re-trainings' test losses in long format (subset, seed, test point, loss), gzip CSV: with the seeded
+    subsets (``bench_fidelity.subsets_for``) they reproduce every LDS without re-training."""
+    outputs, ids = load_outputs(task, protocol, subsets, seeds)
+    used = [0] if protocol == "warm" else seeds[: outputs.shape[1]]
+    m, s, q = outputs.shape
+    j, k, t = np.meshgrid(np.asarray(ids), np.arange(s), np.arange(q), indexing="ij")
+    pd.DataFrame({"subset": j.reshape(-1), "seed": np.asarray(used)[k.reshape(-1)], "test": t.reshape(-1),
+                  "loss": outputs.reshape(-1)}).to_csv(path, index=False, float_format="%.10g")
+
+
 def noise_ceiling(outputs: np.ndarray) -> float:
     """Mean over seed pairs (a, b) and queries of Spearman_j(outputs[j, a, t], outputs[j, b, t])."""
     if outputs.shape[1] < 2:
@@ -199,6 +210,7 @@ def write_tables(task: Task, m: int, seeds: list[int], results: Path, all_tasks:
                 continue
             stem = results / f"{t.config.name}_{protocol}"
             frame.to_csv(f"{stem}.csv", index=False)
+            write_outputs(t, protocol, subsets, seeds, Path(f"{stem}_outputs.csv.gz"))
             stem.with_suffix(".json").write_text(json.dumps(facts, indent=1))
     sections = [
         "## LDS head to head (benchmarks/bench_fidelity.py)", "",
