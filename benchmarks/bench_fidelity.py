@@ -18,7 +18,7 @@ Resumable: every re-training, trained member and method score matrix is cached u
     python benchmarks/bench_fidelity.py retrain --task digits-case1 --protocol scratch --seeds 0 1
     python benchmarks/bench_fidelity.py score --task digits-case1 --members 5
     python benchmarks/bench_fidelity.py check --task digits-case1     # the peers' wiring vs an explicit Hessian
-    python benchmarks/bench_fidelity.py table --task digits-case1     # every cached task: tables, plot, README_results.md
+    python benchmarks/bench_fidelity.py table --task digits-case1     # every cached task: tables, plot, README
 """
 
 from __future__ import annotations

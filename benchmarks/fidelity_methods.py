@@ -133,14 +133,15 @@ def influkit_scores(task: Task, name: str, members: list[int]) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------------ TRAK
 def trak_scores(task: Task, members: list[int]) -> np.ndarray:
-    """TRAK (traker, BasicProjector on CPU, proj_dim 128, λ = TRAK_DAMPING): features = projected ∇_{W,U} of the pretraining margin
-    of z; target = projected ∇_W of the finetuned margin of t; TRAK's kernel and Q from the pretraining data.
+    """TRAK (traker, BasicProjector on CPU, proj_dim 128, λ = TRAK_DAMPING): features = projected ∇_{W,U} of the
+    pretraining margin of z; target = projected ∇_W of the finetuned margin of t; TRAK's kernel and Q from the
+    pretraining data.
     TRAK's score is positive when z raises t's margin (helpful): influkit sign = −score."""
     from trak import TRAKer
     from trak.modelout_functions import AbstractModelOutput
 
     class CrossStageMargin(AbstractModelOutput):
-        def __init__(self):
+        def __init__(self):  # AbstractModelOutput declares __init__ abstract
             super().__init__()
 
         def get_output(self, model, weights, buffers, image, label):
@@ -184,13 +185,15 @@ def kronfluence_scores(task: Task, members: list[int]) -> np.ndarray:
     change W's), damping λ = the weight decay (the regularizer's Hessian), query
     gradient = ∇_W of the finetuned test loss. In Case 2 kronfluence cannot hook a re-parametrized layer, so the
     pretraining loss, its factors and the query are all taken at the finetuned embedding W* (and U): the query
-    gradient is exact, the pretraining curvature is taken at W* instead of W̄. kronfluence's score ∇f(t)ᵀ(F + λI)⁻¹∇ℓ(z) is −influence."""
+    gradient is exact, the pretraining curvature is taken at W* instead of W̄. kronfluence's score
+    ∇f(t)ᵀ(F + λI)⁻¹∇ℓ(z) is −influence."""
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments, ScoreArguments
     from kronfluence.task import Task as KronTask
 
     models = cross_models(task, members, torch.float32, shift=False)  # kronfluence wraps only plain Conv2d/Linear
-    shared = [f"pre.embedding.{i}" for i, m in enumerate(models[0].pre.embedding) if isinstance(m, (nn.Conv2d, nn.Linear))]
+    layers = enumerate(models[0].pre.embedding)
+    shared = [f"pre.embedding.{i}" for i, m in layers if isinstance(m, (nn.Conv2d, nn.Linear))]
 
     class CrossStage(KronTask):
         def get_influence_tracked_modules(self):  # the shared block W: EK-FAC is block-diagonal, U's block is inert
@@ -413,4 +416,5 @@ def check_peers(task: Task) -> None:
     reference = shared_block_term(task)
     scores, _ = method_scores(task, "dattri IF (explicit)", 1)
     error = np.abs(scores - reference).max() / np.abs(reference).max()
-    print(f"{task.config.name}: dattri IF vs the explicit shared-block term −∇ℓ(z)ᵀ[H_G⁻¹]∇_W f(t): max rel. diff {error:.1e}")
+    print(f"{task.config.name}: dattri IF vs the explicit shared-block term −∇ℓ(z)ᵀ[H_G⁻¹]∇_W f(t): "
+          f"max rel. diff {error:.1e}")
