@@ -56,7 +56,8 @@ def write_outputs(task: Task, protocol: str, subsets: torch.Tensor, seeds: list[
     m, s, q = outputs.shape
     j, k, t = np.meshgrid(np.asarray(ids), np.arange(s), np.arange(q), indexing="ij")
     pd.DataFrame({"subset": j.reshape(-1), "seed": np.asarray(used)[k.reshape(-1)], "test": t.reshape(-1),
-                  "loss": outputs.reshape(-1)}).to_csv(path, index=False, float_format="%.10g")
+                  "loss": outputs.reshape(-1)}).to_csv(path, index=False, float_format="%.10g",
+                                                    compression={"method": "gzip", "mtime": 0})  # same bytes each run
 
 
 def noise_ceiling(outputs: np.ndarray) -> float:
