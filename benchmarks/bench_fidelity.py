@@ -1,0 +1,94 @@
+"""Fidelity head to head: the LDS of multi-stage influence vs TRAK, kronfluence and dattri on pretrain → finetune tasks.
+
+For each task (``fidelity_tasks.TASKS``: digits Case 1 and Case 2, Fashion-MNIST Case 1) and re-training protocol
+(``warm``, ``scratch``), M random halves S_j of the pretraining set are drawn (seeded), both stages re-trained on
+each (``scratch``: once per seed, outputs averaged over seeds as TRAK does), and every method's per-test scores —
+all computed on the same trained chains — are ranked against the re-trained test losses:
+
+    LDS(t) = Spearman_j( Σ_{i∈S_j} score_i(t), test loss_t(S_j) ),   reported as mean_t ± sem_t (q test points).
+
+Scores are in influkit's sign (positive = up-weighting raises the test loss); each peer's is converted by its
+documented sign (``fidelity_methods``). Ensembles (K = 5) average the scores of 5 chains trained from different
+initializations (``influkit.Ensemble``; TRAK and dattri ensemble through their own multi-checkpoint APIs).
+
+Resumable: every re-training, trained member and method score matrix is cached under ``results/fidelity/cache``
+(keyed by task + config digest, protocol, subset, seed); a second run reuses them.
+
+    python benchmarks/bench_fidelity.py retrain --task digits-case1 --protocol warm --subsets 100
+    python benchmarks/bench_fidelity.py retrain --task digits-case1 --protocol scratch --seeds 0 1
+    python benchmarks/bench_fidelity.py score --task digits-case1 --members 5
+    python benchmarks/bench_fidelity.py check --task digits-case1     # the peers' wiring vs an explicit Hessian
+    python benchmarks/bench_fidelity.py table --task digits-case1     # every cached task: tables, plot, README
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fidelity_tasks import PROTOCOLS, TASKS, Task, cached_retrain, random_halves  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "fidelity"
+CACHE = RESULTS / "cache"
+SUBSET_SEED = 0
+
+
+def subsets_for(task: Task, m: int) -> torch.Tensor:
+    """The task's M subsets (α = 0.5), the same for every protocol and method."""
+    return random_halves(len(task.split.pretrain[0]), m, seed=SUBSET_SEED)
+
+
+def retrain_all(task: Task, protocol: str, m: int, seeds: list[int], progress: bool = True) -> torch.Tensor:
+    """(M, S, q) outputs of re-training on each subset with each seed (warm: one deterministic run, seed 0)."""
+    subsets = subsets_for(task, m)
+    seeds = [0] if protocol == "warm" else seeds
+    jobs = [(j, s) for s in seeds for j in range(m)]  # seed-major: a first full seed is usable early
+    outs = {}
+    for j, s in tqdm(jobs, desc=f"{task.config.name} {protocol}", disable=not progress, mininterval=30):
+        outs[j, s] = cached_retrain(task, subsets, j, protocol, s)
+    return torch.stack([torch.stack([outs[j, s] for s in seeds]) for j in range(m)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("step", choices=("retrain", "score", "check", "table"))
+    parser.add_argument("--task", choices=sorted(TASKS), required=True)
+    parser.add_argument("--protocol", choices=PROTOCOLS, default="warm")
+    parser.add_argument("--subsets", type=int, default=100)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--members", type=int, default=5)
+    parser.add_argument("--methods", nargs="*", default=None)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    task = Task(TASKS[args.task], CACHE)
+    start = time.perf_counter()
+    if args.step == "retrain":
+        for k in range(args.members):
+            task.member(k)
+        out = retrain_all(task, args.protocol, args.subsets, args.seeds, progress=not args.no_progress)
+        print(f"{args.task} {args.protocol}: outputs {tuple(out.shape)} in {time.perf_counter() - start:.0f} s")
+    elif args.step == "score":
+        from fidelity_methods import score_all
+
+        score_all(task, args.members, args.methods, progress=not args.no_progress)
+    elif args.step == "check":
+        from fidelity_methods import check_peers
+
+        check_peers(task)
+    else:
+        from fidelity_report import write_tables
+
+        tasks = [Task(TASKS[name], CACHE) for name in TASKS if (CACHE / name).exists()]
+        write_tables(task, args.subsets, args.seeds, RESULTS, tasks)
+
+
+if __name__ == "__main__":
+    main()
