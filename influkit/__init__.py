@@ -1,6 +1,7 @@
 """influkit: trace a (finetuned) model's predictions back to the training and pretraining data that shaped them."""
 
 from .chain import Chain, Link, Query, load_query
+from .ensemble import Ensemble
 from .errors import (
     ConvergenceWarning,
     FileFormatError,
@@ -40,6 +41,7 @@ __all__ = [
     "Chain",
     "ConvergenceWarning",
     "DenseOperator",
+    "Ensemble",
     "FileFormatError",
     "InfluenceError",
     "InfluenceResult",
