@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import InputError
 from .gradients import project_per_example_grads
 from .params import ParamSpace, point
 from .stage import Stage, check_finite
@@ -127,8 +128,6 @@ class Contractor:
 
     def __init__(self, stage: Stage, names: Sequence[str] | None = None, *, autocast: torch.dtype | None = None):
         if autocast is not None and autocast not in AUTOCAST_DTYPES:
-            from .errors import InputError
-
             raise InputError(f"autocast must be one of {AUTOCAST_DTYPES} or None, got {autocast!r}.")
         self.stage = stage
         self.names = list(stage.param_names if names is None else names)
