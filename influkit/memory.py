@@ -1,9 +1,10 @@
 """One memory budget, in bytes, from which every phase sizes its batches (``Chain(..., memory=)``).
 
-The budget: ``memory=`` bytes, or by default :data:`DEFAULT_SHARE` of what is free — ``MemAvailable`` of
+The budget: ``memory=`` bytes, or by default :data:`DEFAULT_SHARE` (a quarter) of what is free — ``MemAvailable`` of
 ``/proc/meminfo`` (psutil's ``available`` where that file is missing) for a model on the CPU, the free memory
 ``torch.cuda.mem_get_info`` reports for a model on CUDA. It bounds the memory a phase *adds* on top of the model,
-its data and the solver's vectors, which exist whatever the batch size.
+its data and the solver's vectors, which exist whatever the batch size. It is a ceiling, not a target: on a
+shared machine several processes each take their quarter of what is free when they start.
 
 A phase's cost per example is **measured**, not guessed: :func:`probe_bytes` runs the phase's computation once on
 a probe batch of :data:`PROBE_EXAMPLES` examples under ``torch.autograd.graph.saved_tensors_hooks`` and adds up
@@ -29,7 +30,7 @@ import torch
 
 from .errors import InfluenceError
 
-DEFAULT_SHARE = 0.5
+DEFAULT_SHARE = 0.25
 PROBE_EXAMPLES = 2
 SAFETY = 2.0
 MiB = 2**20

@@ -17,8 +17,10 @@ The Hessian of R + extra enters as its diagonal, probed with one Rademacher vect
 R, e.g. L2 and the Case 2 proximal term), averaged over each Kronecker block. One streamed pass over the data
 (module hooks on the layers' forward inputs, autograd for their output-gradients) gives every statistic: each
 batch's products run in the model's dtype and are accumulated across batches in float64; eigendecompositions
-are float64; EK-FAC's Λ comes from the same pass's inputs and gradients, kept while they fit ``cache_bytes``
-(else from a second pass with the same sampled labels).
+are float64, and the eigenbases and eigenvalues are then stored in the parameters' dtype (a float32 model's in
+float32: half the memory; widened layer by layer when applied), each layer's covariances freed once decomposed;
+EK-FAC's Λ comes from the same pass's inputs and gradients, kept while they fit ``cache_bytes`` (else from a
+second pass with the same sampled labels).
 
 Under ``torch.distributed`` each rank streams its contiguous shard of the examples (:func:`influkit.distributed.shard`)
 and the sums (covariances, token counts, squares; EK-FAC's corrections after the eigenbasis of the all-reduced
@@ -53,6 +55,7 @@ from .fisher import FISHER, PseudoGradients
 from .layers import Layer, Recorder, check_calls, example_squares, layer_grads, layer_inputs, plan_layers, token_mask
 
 KINDS = ("kfac", "ekfac", "diagonal")
+CACHE_BYTES = 2**30  # at most this much of the first pass is kept for EK-FAC's correction (else a second pass)
 
 
 @dataclass
@@ -101,20 +104,24 @@ class KroneckerBlock:
         out[b0 : b0 + self.rows] = m[:, :, width].T
 
     def apply(self, m: torch.Tensor, fn) -> torch.Tensor:
-        """L (fn(E + shift) ∘ (Lᵀ M R)) Rᵀ for (k, rows, cols) M."""
-        rotated = m @ self.right
-        if self.left is not None:
-            rotated = self.left.T @ rotated
-        rotated = rotated * fn(self.eigenvalues + self.shift)
-        if self.left is not None:
-            rotated = self.left @ rotated
-        return rotated @ self.right.T
+        """L (fn(E + shift) ∘ (Lᵀ M R)) Rᵀ for (k, rows, cols) M, in M's dtype (the bases are stored like the
+        parameters: a float32 model's are widened here, one layer at a time)."""
+        right = self.right.to(m.dtype)
+        left = None if self.left is None else self.left.to(m.dtype)
+        rotated = m @ right
+        if left is not None:
+            rotated = left.T @ rotated
+        rotated = rotated * fn(self.eigenvalues.to(m.dtype) + self.shift)
+        if left is not None:
+            rotated = left @ rotated
+        return rotated @ right.T
 
     def dense(self) -> torch.Tensor:
         """The (rows·cols)² block in row-major vec(M) order."""
-        left = self.left if self.left is not None else torch.eye(self.rows, dtype=self.right.dtype, device=self.right.device)
-        basis = torch.kron(left, self.right)
-        return basis @ torch.diag((self.eigenvalues + self.shift).reshape(-1)) @ basis.T
+        right = self.right.to(torch.float64)
+        left = self.left.to(torch.float64) if self.left is not None else torch.eye(self.rows, dtype=torch.float64, device=right.device)
+        basis = torch.kron(left, right)
+        return basis @ torch.diag((self.eigenvalues.to(torch.float64) + self.shift).reshape(-1)) @ basis.T
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"right": self.right, "eigenvalues": self.eigenvalues}
@@ -342,6 +349,12 @@ class _Accumulator:
         self.squares = torch.zeros(layer.rows, layer.cols, dtype=torch.float64, device=device)
         self.tokens = 0
 
+    def release_covariances(self) -> None:
+        """Drop the covariance sums once their eigendecomposition is taken (an embedding's token counts stay)."""
+        if self.layer.kind != "embedding":
+            self.inputs = self.inputs.new_zeros(0, 0)
+        self.grads = self.grads.new_zeros(0, 0)
+
     def covariances(self, a: torch.Tensor, g: torch.Tensor) -> None:
         """Add one batch: Σ ā āᵀ (blockwise for the homogeneous coordinate, never materializing ā) and Σ g gᵀ."""
         if self.layer.kind == "embedding":
@@ -488,8 +501,8 @@ def fit_curvature(
     tracked = list(layers)  # layers whose hooks give a and g (also used for the diagonal kind's squares)
     accumulators = {layer.name: _Accumulator(layer, space.device, layer.name in wide) for layer in tracked}
     diag_names: list[str] = [nm for nm in names if nm in reasons]
+    # the float64 sums; each layer's eigenbases replace its covariances, so they add at most one layer's
     fixed = sum(t.numel() * 8 for acc in accumulators.values() for t in (acc.inputs, acc.grads, acc.squares))
-    fixed += sum(factor_bytes(layer) // 2 for layer in layers if layer.name not in wide)  # eigenvectors
     sizing = {"phase": "factor fitting", "budget": budget, "fixed_bytes": fixed, "diagonal_layers": sorted(wide)}
     if batch_size is None:
         probe = torch.as_tensor(local[:PROBE_EXAMPLES]) if len(local) else torch.arange(min(PROBE_EXAMPLES, len(stage)))
@@ -507,7 +520,7 @@ def fit_curvature(
         batch_size = fit_count(share + fixed, per, "factor fitting", fixed=fixed, most=min(stage.data.batch_size, 1024))
         sizing["bytes_per_example"] = per
     if cache_bytes is None:
-        cache_bytes = max(0, (budget - fixed) // 2)
+        cache_bytes = min(max(0, (budget - fixed) // 2), CACHE_BYTES)
     sizing |= {"batch": int(batch_size), "cache_bytes": int(cache_bytes)}
     diag_total: torch.Tensor | None = None
     seconds: dict[str, float] = {}
@@ -593,8 +606,10 @@ def fit_curvature(
             else:
                 a_cov = acc.inputs / max(acc.tokens, 1)
                 a_evals, a_evecs = torch.linalg.eigh(0.5 * (a_cov + a_cov.T))
-            eigen[layer.name] = (a_evals.clamp_min(0), None if a_evecs is None else a_evecs.contiguous(),
-                                 g_evals.clamp_min(0), g_evecs.contiguous())
+            keep = space.dtype  # stored like the parameters (float32 model: half the bytes of float64)
+            eigen[layer.name] = (a_evals.clamp_min(0), None if a_evecs is None else a_evecs.to(keep).contiguous(),
+                                 g_evals.clamp_min(0), g_evecs.to(keep).contiguous())
+            acc.release_covariances()  # peak: the covariances or the bases, not both
         seconds["eigendecomposition"] = time.perf_counter() - t0
     if kind == "ekfac":
         t0 = time.perf_counter()
@@ -637,14 +652,17 @@ def fit_curvature(
             pos = idx.reshape(-1)
             blocks.append(DiagonalBlock([layer.weight] + ([layer.bias] if layer.bias else []), pos,
                                         (acc.squares / n).reshape(-1), reg[pos] if reg is not None else torch.zeros_like(pos, dtype=torch.float64)))
+            acc.squares = None
         else:
             a_evals, a_evecs, g_evals, g_evecs = eigen[layer.name]
             if layer.kind == "embedding":
                 left, right = None, g_evecs
-                values = acc.squares / n if kind == "ekfac" else a_evals[:, None] * g_evals[None, :]
+                values = acc.squares.div_(n) if kind == "ekfac" else a_evals[:, None] * g_evals[None, :]
             else:
                 left, right = g_evecs, a_evecs
-                values = acc.squares / n if kind == "ekfac" else g_evals[:, None] * a_evals[None, :]
+                values = acc.squares.div_(n) if kind == "ekfac" else g_evals[:, None] * a_evals[None, :]
+            values = values.to(space.dtype)
+            acc.squares = None
             blocks.append(KroneckerBlock(layer.name, layer.kind, layer.weight, layer.bias, layer.rows, layer.cols,
                                          left, right, values, shift))
         layer_info.append(layer.describe() | {"tokens_per_example": acc.tokens / max(n, 1)})
