@@ -396,6 +396,7 @@ def main(argv=None) -> None:
     parser.add_argument("--kron-batch", type=int, default=4)
     parser.add_argument("--name", default="bench_transformer")
     parser.add_argument("--work", default=None)
+    parser.add_argument("--reuse", action="store_true", help="take jobs whose result is in --work from there")
     parser.add_argument("--model", default="bert")
     parser.add_argument("--worker", default=None)
     args = parser.parse_args(argv)
@@ -422,6 +423,11 @@ def main(argv=None) -> None:
                 f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                 ("layers", "hidden", "sequences", "length", "test", "iterations", "hessian_samples", "kron_batch")]
             t0 = time.perf_counter()
+            if args.reuse and (mwork / f"{job}.json").exists():  # finished in an earlier (interrupted) run
+                result = json.loads((mwork / f"{job}.json").read_text())
+                say(f"{model} {job} (reused): {json.dumps(result, default=str)}")
+                rows.append(result)
+                continue
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 say(f"{model} {job}: FAILED after {time.perf_counter() - t0:.0f} s\n{done.stderr[-3000:]}")
