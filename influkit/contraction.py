@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import InputError
+from .errors import ContractionWarning, InputError
 from .gradients import project_per_example_grads
 from .params import ParamSpace, point
 from .stage import Stage, check_finite
@@ -45,10 +45,6 @@ except ImportError:  # pragma: no cover - transformers is optional
     Conv1D = None
 
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
-
-
-class ContractionWarning(UserWarning):
-    """Contracted scores did not match the gradient of the summed loss; per-example gradients are used instead."""
 
 
 @dataclass

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .errors import InfluenceError
+from .errors import MemoryBudgetError
 
 DEFAULT_SHARE = 0.5
 PROBE_EXAMPLES = 2
@@ -37,10 +37,6 @@ SAFETY = 2.0
 MiB = 2**20
 
 _CURRENT: contextvars.ContextVar["int | None"] = contextvars.ContextVar("influkit_memory", default=None)
-
-
-class MemoryBudgetError(InfluenceError, MemoryError):
-    """The memory budget cannot hold even one example of a phase; the message gives the bytes one example needs."""
 
 
 def available_bytes(device: torch.device | str = "cpu") -> int:
