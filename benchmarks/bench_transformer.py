@@ -202,7 +202,7 @@ def job_influkit_ekfac(args, out: dict, work: Path):
     out["parameters"] = sum(p.numel() for p in stage.model.parameters())
     out["trained"] = stage.num_trained
     out["rss_model"] = rss_now()
-    chain = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac"))
+    chain = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac"), memory=args.memory)
     chain.fit()
     curvature = chain.operator(0).fitted["curvature"]
     damping = 0.1 * curvature.mean_eigenvalue()
@@ -219,7 +219,7 @@ def job_influkit_ekfac(args, out: dict, work: Path):
                scoring=res.diagnostics["scoring"], factor_memory=curvature.info["memory"],
                fit_detail=curvature.info["seconds"])
     out["peak_rss"] = peak_rss()
-    np.save(work / "influkit_ekfac.npy", res.values.numpy())
+    np.save(work / f"influkit_ekfac{args.tag}.npy", res.values.numpy())
     # the scoring-cost reference: one batched forward + backward of a chunk of the same size
     x, y = stage.data.take(torch.arange(min(chunk, len(stage))))
     leaves = [p for n, p in stage.model.named_parameters() if n in stage.param_names]
@@ -232,7 +232,8 @@ def job_influkit_ekfac(args, out: dict, work: Path):
     out["bf16_score_s"] = time.perf_counter() - t0
     out["bf16_pearson"] = pearson(half.values, res.values)
     out["bf16_rel_err"] = rel_err(half.values, res.values)
-    torch.save({"labels": sampled_labels(stage)}, work / "labels.pt")
+    if not args.tag:
+        torch.save({"labels": sampled_labels(stage)}, work / "labels.pt")
 
 
 def job_influkit_minres(args, out: dict, work: Path):
@@ -366,7 +367,7 @@ def worker(args) -> None:
     {"influkit-ekfac": job_influkit_ekfac, "influkit-minres": job_influkit_minres, "kronfluence": job_kronfluence,
      "case1": job_case1}[args.worker](args, out, work)
     out["wall_s"] = time.perf_counter() - t0
-    (work / f"{args.worker}.json").write_text(json.dumps(out, indent=1, default=str))
+    (work / f"{args.worker}{args.tag}.json").write_text(json.dumps(out, indent=1, default=str))
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -397,6 +398,8 @@ def main(argv=None) -> None:
     parser.add_argument("--name", default="bench_transformer")
     parser.add_argument("--work", default=None)
     parser.add_argument("--reuse", action="store_true", help="take jobs whose result is in --work from there")
+    parser.add_argument("--memory", type=float, default=None, help="Chain(memory=) bytes of influkit-ekfac (default None)")
+    parser.add_argument("--tag", default="", help="suffix of a worker's result files (a second setting of a job)")
     parser.add_argument("--model", default="bert")
     parser.add_argument("--worker", default=None)
     args = parser.parse_args(argv)
