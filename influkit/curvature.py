@@ -149,9 +149,15 @@ def hvp(
     return total
 
 
+HVP_TRANSIENT = 2.0
+
+
 def hvp_bytes_per_example(stage: Stage, names: Sequence[str], at: Params | None = None, extra=None) -> int:
-    """Measured bytes one example adds to a Hessian-vector product: what autograd keeps of the forward and of the
-    create_graph backward (the cached gradient graph), on a probe of two examples (:func:`influkit.memory.probe_bytes`)."""
+    """Bytes one example adds to a Hessian-vector product: what autograd keeps of the forward and of the
+    create_graph backward (the cached gradient graph), measured on a probe of two examples
+    (:func:`influkit.memory.probe_bytes`), × :data:`HVP_TRANSIENT` for the buffers a product's backward through that
+    graph allocates (not saved tensors: measured on a 2-layer BERT-base-width model, 4 sequences × 128 tokens,
+    resident growth 860 MB for 345 MB saved + 170 MB of parameter-sized vectors, i.e. 2.0× the saved bytes)."""
     count = min(PROBE_EXAMPLES, len(stage))
     x, y = stage.data.take(torch.arange(count))
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in point(stage.state(), names, at).items()}
@@ -163,7 +169,7 @@ def hvp_bytes_per_example(stage: Stage, names: Sequence[str], at: Params | None 
             torch.autograd.grad(value, list(leaves.values()), create_graph=True, allow_unused=True)
         return None  # the parameter-sized gradient is not per example
 
-    return probe_bytes(run, stage.model, count)
+    return int(HVP_TRANSIENT * probe_bytes(run, stage.model, count))
 
 
 class _GaussNewtonBatch:
@@ -246,7 +252,8 @@ class HessianOperator:
         if cache_graph is None:
             budget = memory_budget(memory, self.device)
             per = hvp_bytes_per_example(stage, self.names, at, extra)
-            self.memory = memory_plan(budget, per, "Hessian-vector products", most=max(n_local, 1))
+            vectors = 4 * self.space.dim * torch.empty(0, dtype=self.space.dtype).element_size()  # ∇L, H·v, v, grads
+            self.memory = memory_plan(budget, per, "Hessian-vector products", most=max(n_local, 1), fixed=vectors)
             cache_graph = self.memory["batch"] >= n_local
             self.memory["cache_graph"] = cache_graph
             self.batch_size = None if cache_graph else self.memory["batch"]
