@@ -318,7 +318,7 @@ def job_kronfluence(args, out: dict, work: Path):
         score_s = time.perf_counter() - t0
         scores = analyzer.load_pairwise_scores("scores")["all_modules"]
     values = -scores.reshape(-1).double()
-    np.save(work / "kronfluence.npy", values.numpy())
+    np.save(work / f"kronfluence{args.tag}.npy", values.numpy())
     out.update(version=kronfluence.__version__, damping=damping, fit_s=fit_s, query_and_score_s=score_s,
                score_s=score_s, scored_per_s=len(stage) / score_s, peak_rss=peak_rss(), batch=args.kron_batch)
 
