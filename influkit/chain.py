@@ -47,12 +47,13 @@ from .gradients import per_example_grads, total_grad
 from .operators import Operator
 from .params import ParamSpace, shared_parameters
 from .results import InfluenceResult
-from .scoring import Rows, score_rows, stream_rows
+from .memory import resolve as memory_budget
+from .memory import scope as memory_scope
+from .scoring import Rows, Scorer, resumed_chunk_size, score_rows, stream_rows
 from .solvers import Solution, SolveConfig, Solver
 from .stage import Stage, check_example_shape
 
 QUERY_KIND = "query"
-SCORE_CHUNK_SIZE = 128  # rows of per-example gradients per chunk in Query.scores when none is given
 FIT_KIND = "chain-fit"
 
 
@@ -140,7 +141,8 @@ class Chain:
     (module docstring). ``solve`` is one :class:`SolveConfig` for every stage or one per stage.
     """
 
-    def __init__(self, stages: Sequence[Stage], links: Sequence[Link] = (), solve: SolveConfig | Sequence[SolveConfig] = SolveConfig()):
+    def __init__(self, stages: Sequence[Stage], links: Sequence[Link] = (), solve: SolveConfig | Sequence[SolveConfig] = SolveConfig(),
+                 *, memory: int | None = None):
         stages, links = list(stages), list(links)
         if not stages:
             raise InputError("a Chain needs at least one Stage.")
@@ -161,6 +163,7 @@ class Chain:
             self.plans.append(_StagePlan(stage, links[k - 1] if k else None, self.plans[-1] if k else None))
         self._solvers: list[Solver] | None = None
         self.fit_seconds: float | None = None
+        self.memory = None if memory is None else memory_budget(memory)  # bytes; None: a share of what is free
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -197,14 +200,25 @@ class Chain:
         if self._solvers is not None:
             return self
         start = time.perf_counter()
-        self._solvers = [config.prepare(self._operator(plan, config)) for plan, config in zip(self.plans, self.configs)]
+        with memory_scope(self.memory):  # factor fitting sizes its batches from the same budget
+            self._solvers = [config.prepare(self._operator(plan, config)) for plan, config in zip(self.plans, self.configs)]
         self.fit_seconds = time.perf_counter() - start
         return self
 
-    @staticmethod
-    def _operator(plan: "_StagePlan", config: SolveConfig) -> HessianOperator:
+    def _operator(self, plan: "_StagePlan", config: SolveConfig) -> HessianOperator:
         return HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed,
-                               extra=plan.proximal, curvature=config.curvature)
+                               extra=plan.proximal, curvature=config.curvature, memory=self.memory)
+
+    def memory_plans(self) -> list[dict]:
+        """The batch sizes each fitted stage chose from the memory budget (Hessian-vector products, factors)."""
+        plans = []
+        for k, solver in enumerate(self._solvers or []):
+            op = solver.operator
+            plans.append({"stage": k} | dict(getattr(op, "memory", {})))
+            curvature = getattr(op, "fitted", {}).get("curvature")
+            if curvature is not None and "memory" in curvature.info:
+                plans.append({"stage": k} | curvature.info["memory"])
+        return plans
 
     def fingerprint(self) -> str:
         """A digest of what the scores depend on: every stage's model, parameters, data size, trained names,
@@ -265,7 +279,7 @@ class Chain:
                 return F.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100,
                                        reduction="none").sum(-1)
 
-        chunk_size: test examples per batch of per-example gradients (``per_test``; default: the gradients' own).
+        chunk_size: test examples per gradient batch (default: sized from the chain's memory budget).
         """
         self.fit()
         last = self.plans[-1]
@@ -274,10 +288,9 @@ class Chain:
         measured = last.stage if measure is None else _measure_stage(last.stage, measure)
         start = time.perf_counter()
         names = last.trained + last.fixed
-        if per_test:
-            flat = per_example_grads(measured, tx, ty, names, **_chunking(chunk_size)).T
-        else:
-            flat = total_grad(measured, tx, ty, names)
+        with memory_scope(self.memory):
+            flat = per_example_grads(measured, tx, ty, names, chunk_size=chunk_size).T if per_test else \
+                total_grad(measured, tx, ty, names, chunk_size=chunk_size)
         grads = ParamSpace(_values(last.stage, names)).unflatten(flat)
         a = {n: grads[n] for n in last.trained}
         b = {n: grads[n] for n in last.fixed}
@@ -294,7 +307,7 @@ class Chain:
             start = time.perf_counter()
             if plan.link.case == 1:
                 tangent = {n: torch.zeros_like(b[n]) for n in plan.fixed} | v
-                cross = hvp(plan.stage, tangent, indices=op.indices, batched=per_test)
+                cross = hvp(plan.stage, tangent, indices=op.indices, batched=per_test, batch_size=getattr(op, "batch_size", None))
                 g = {n: b[n] - cross[n] for n in plan.fixed}
             else:
                 g = {n: 2 * plan.link.alpha * v[n] for n in plan.inherited}
@@ -331,11 +344,6 @@ def _qualname(fn) -> str:
     return getattr(fn, "__qualname__", type(fn).__name__)
 
 
-def _chunking(chunk_size: int | None) -> dict:
-    """The chunk_size keyword to pass on: none when not given, so the callee's own default applies."""
-    return {} if chunk_size is None else {"chunk_size": chunk_size}
-
-
 def _values(stage: Stage, names: Sequence[str]) -> dict[str, torch.Tensor]:
     state = stage.state()
     return {n: state[n] for n in names}
@@ -362,25 +370,31 @@ class Query:
         """The chain's fingerprint combined with the test set's and ``per_test``: what the scores depend on."""
         return hashlib.sha256(f"{self.chain.fingerprint()}|{self.test_digest}|{self.per_test}".encode()).hexdigest()
 
-    def scores(self, z=None, *, chunk_size: int | None = None, out: str | Path | None = None,
-               progress: bool = False) -> InfluenceResult:
+    def scores(self, z=None, *, chunk_size: int | None = None, out: str | Path | None = None, progress: bool = False,
+               method: str = "contraction", autocast: torch.dtype | None = None) -> InfluenceResult:
         """Influence I(z, T) = −∇ℓ_1(z)ᵀ s of stage-1 examples ``z`` (indices or (inputs, targets); default all).
 
-        Per-example gradients are computed ``chunk_size`` rows at a time (default ``SCORE_CHUNK_SIZE``; memory
-        O(chunk_size · p)); scoring z in parts gives the same numbers as scoring it whole. Under ``torch.distributed`` the chunks are split
+        The inner products are contracted layer by layer (``method="contraction"``, :mod:`influkit.contraction`:
+        memory O(chunk_size · activations), no per-example gradient matrix), or taken from per-example gradients
+        (``"per-example"``, O(chunk_size · p)); ``chunk_size`` rows at a time, by default as many as the chain's
+        memory budget holds (``diagnostics["scoring"]``). ``autocast``: torch.bfloat16 / float16 passes for the
+        contraction. Scoring z in parts gives the same numbers as scoring it whole. Under ``torch.distributed`` the chunks are split
         over the ranks and every rank returns the whole result. ``out``: a directory to stream the scores to,
         chunk by chunk, resumable after a crash (:mod:`influkit.scoring`); the result is memory-mapped from it.
         """
         plan = self.chain.plans[0]
-        chunk_size = SCORE_CHUNK_SIZE if chunk_size is None else chunk_size
         rows = Rows.of(plan.stage, z)
         start = time.perf_counter()
+        if chunk_size is None and out is not None:
+            chunk_size = resumed_chunk_size(out)  # resuming: the chunks already on disk decide
+        scorer = Scorer(plan.stage, plan.trained, self.s, rows, method=method, chunk_size=chunk_size,
+                        memory=self.chain.memory, autocast=autocast)
+        chunk_size = scorer.chunk_size
         if out is None:
-            values, counts = score_rows(self.s, plan.trained, rows, chunk_size=chunk_size, progress=progress)
+            values, counts = score_rows(self.s, scorer, rows, progress=progress)
             index = rows.ids
         else:
-            values, index, counts = stream_rows(self.fingerprint(), self.s, plan.trained, rows, chunk_size=chunk_size,
-                                                out=out, progress=progress)
+            values, index, counts = stream_rows(self.fingerprint(), self.s, scorer, rows, out=out, progress=progress)
         seconds = self.seconds | {"example_gradients": time.perf_counter() - start}
         if self.chain.fit_seconds is not None:
             seconds["fit"] = self.chain.fit_seconds
@@ -390,7 +404,8 @@ class Query:
             index=index,
             method=self.chain.method,
             diagnostics={"solves": self.solves, "seconds": seconds, "settings": self.settings(),
-                         "chunks": counts | {"chunk_size": chunk_size, "ranks": distributed.world_size()}},
+                         "chunks": counts | {"chunk_size": chunk_size, "ranks": distributed.world_size()},
+                         "scoring": scorer.describe(), "memory": self.chain.memory_plans() + [scorer.memory]},
         )
 
     def settings(self) -> dict:

@@ -28,6 +28,10 @@ class NumericalError(InfluenceError, FloatingPointError):
     """NaN or Inf appeared in a gradient, Hessian-vector product or solver iterate."""
 
 
+class MemoryBudgetError(InfluenceError, MemoryError):
+    """The memory budget cannot hold even one example of a phase; the message gives the bytes one example needs."""
+
+
 class ConvergenceWarning(UserWarning):
     """An iterative solver stopped before reaching its tolerance; the message gives the residual."""
 
@@ -38,3 +42,7 @@ class VectorizationWarning(UserWarning):
 
 class FileFormatError(InfluenceError, ValueError):
     """A file that is not an influkit file of the expected kind, or that was modified after it was written."""
+
+
+class ContractionWarning(UserWarning):
+    """Contracted scores did not match the gradient of the summed loss; per-example gradients are used instead."""

@@ -3,6 +3,10 @@
 ``per_example_grads`` returns the (N, p) matrix; ``project_per_example_grads`` streams it and returns only
 G·S for a (p, k) matrix S, so memory stays O(chunk·p) however many examples are scored. The serial
 autograd loop ``per_example_grads_serial`` is the reference the tests compare against.
+
+A ``chunk_size`` of None is sized from the memory budget (:mod:`influkit.memory`; the budget of an enclosing
+:func:`influkit.memory.scope`, else a share of what is free): the bytes of one example's gradient row plus its
+measured activations (a probe on two examples).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import torch
 from torch.func import grad
 from tqdm.auto import tqdm
 
+from . import memory
+from .memory import PROBE_EXAMPLES, probe_bytes
 from .params import Params, ParamSpace, point
 from .stage import Stage, check_finite
 from .vectorize import vmap_or_loop
@@ -31,13 +37,31 @@ def _chunks(inputs: torch.Tensor, targets: torch.Tensor, chunk_size: int, progre
         yield inputs[s : s + chunk_size], targets[s : s + chunk_size]
 
 
-def _grad_rows(stage: Stage, inputs, targets, names, at, chunk_size: int, progress: bool):
+def chunk_for(stage: Stage, inputs, targets, names, at, row_bytes: int, phase: str) -> int:
+    """Examples per chunk that fit the memory budget: ``row_bytes`` per example (the rows kept) plus the measured
+    activations of one forward and backward (:func:`influkit.memory.probe_bytes` on two examples)."""
+    names = stage.param_names if names is None else list(names)
+    x, y = inputs[:PROBE_EXAMPLES], targets[:PROBE_EXAMPLES]
+    leaves = {n: t.detach().requires_grad_(True) for n, t in point(stage.state(), names, at).items()}
+
+    def run(_):
+        with torch.enable_grad():
+            torch.autograd.grad(stage.losses(leaves, x, y).sum(), list(leaves.values()), allow_unused=True)
+
+    per = probe_bytes(run, stage.model, x.shape[0]) + row_bytes
+    return memory.fit_count(memory.resolve(None, inputs.device), per, phase, most=max(inputs.shape[0], 1))
+
+
+def _grad_rows(stage: Stage, inputs, targets, names, at, chunk_size: int | None, progress: bool):
     """Yield (chunk, p) blocks of per-example gradients over ``names``, one vmap call per chunk."""
     names = stage.param_names if names is None else list(names)
     params = point(stage.state(), names, at)
     space = ParamSpace(params)
     per_grad = grad(_single_loss(stage))
     check_finite(inputs, "inputs")
+    if chunk_size is None:
+        row = 2 * space.dim * torch.empty(0, dtype=space.dtype).element_size()  # the row and vmap's copy of it
+        chunk_size = chunk_for(stage, inputs, targets, names, at, row, "per-example gradients")
     for x, y in _chunks(inputs, targets, chunk_size, progress, "per-example gradients"):
         yield space.flatten(vmap_or_loop(per_grad, (None, 0, 0), stage, params, x, y), batched=True).T
 
@@ -49,7 +73,7 @@ def per_example_grads(
     names: Sequence[str] | None = None,
     *,
     at: Params | None = None,
-    chunk_size: int = 128,
+    chunk_size: int | None = None,
     progress: bool = False,
 ) -> torch.Tensor:
     """(N, p): row i is ∇ ℓ(x_i, y_i) over the parameters ``names`` (default: the trained ones), flattened."""
@@ -64,13 +88,13 @@ def project_per_example_grads(
     names: Sequence[str] | None = None,
     *,
     at: Params | None = None,
-    chunk_size: int = 128,
+    chunk_size: int | None = None,
     progress: bool = False,
 ) -> torch.Tensor:
     """(N, k) = G · directions, with G the (N, p) per-example gradients, never holding more than a chunk of G."""
     cols = directions.reshape(directions.shape[0], -1)
     rows = _grad_rows(stage, inputs, targets, names, at, chunk_size, progress)
-    return torch.cat([block @ cols for block in rows], dim=0)
+    return torch.cat([block @ cols.to(block.dtype) for block in rows], dim=0)
 
 
 def per_example_grads_serial(
@@ -94,13 +118,15 @@ def total_grad(
     names: Sequence[str] | None = None,
     *,
     at: Params | None = None,
-    chunk_size: int = 512,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """(p,) = Σ_i ∇ ℓ(x_i, y_i) over ``names``: the gradient of the summed loss, streamed in chunks."""
     names = stage.param_names if names is None else list(names)
     params = point(stage.state(), names, at)
     space = ParamSpace(params)
     check_finite(inputs, "inputs")
+    if chunk_size is None:
+        chunk_size = min(512, chunk_for(stage, inputs, targets, names, at, 0, "the test gradient"))
     summed = grad(lambda p, x, y: stage.losses(p, x, y).sum())
     total = space.zeros()
     for x, y in _chunks(inputs, targets, chunk_size, False, ""):

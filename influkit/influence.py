@@ -48,7 +48,7 @@ def influence(
     measure: the test function per example, ``measure(outputs, targets) -> (B,)`` (default: the stage's loss);
     see :meth:`influkit.Chain.query`.
     per_test: return the (len(z), len(x_test)) matrix (one batched solve with len(x_test) right-hand sides).
-    chunk_size: examples per batch of per-example gradients (default: :data:`influkit.chain.SCORE_CHUNK_SIZE`).
+    chunk_size: examples per scoring chunk (default: as many as the memory budget holds).
     """
     config = solve_settings(solve, deprecated, "influkit.influence")
     chain = Chain([stage if params is None else stage.with_(params=params)], solve=config)

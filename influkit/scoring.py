@@ -1,5 +1,10 @@
 """Scoring stage-1 examples against a query's solution s: I(z, T) = −∇ℓ_1(z)ᵀ s, chunk by chunk.
 
+The inner products are taken by contraction of the layers' inputs and output-gradients
+(:mod:`influkit.contraction`), never forming the (chunk, p) gradient matrix; per-example gradients remain the
+fallback and the reference (``method="per-example"``). The chunk size comes from the memory budget
+(:class:`Scorer`, :mod:`influkit.memory`) unless given.
+
 Rows are split into chunks of ``chunk_size``; under ``torch.distributed`` rank r of R scores the r-th
 contiguous range of chunks and the rows are gathered in order, so every rank returns the whole result.
 
@@ -35,10 +40,15 @@ from tqdm.auto import tqdm
 from . import distributed, files
 from .data import as_examples
 from .errors import FileFormatError, InputError
+from .contraction import Contractor
 from .gradients import project_per_example_grads
+from .memory import PROBE_EXAMPLES, probe_bytes
+from .memory import plan as memory_plan
+from .memory import resolve as budget_of
 from .stage import Stage, check_example_shape
 
 CHUNK_KIND = "score-chunk"
+SCORING_METHODS = ("contraction", "per-example")
 MANIFEST = "manifest.json"
 _HASH_ROWS = 1 << 20
 
@@ -127,30 +137,76 @@ def _my_chunks(n_rows: int, chunk_size: int) -> tuple[range, list[int]]:
     return range((n_chunks * rank) // size, (n_chunks * (rank + 1)) // size), [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def _chunk_scores(s: torch.Tensor, names, rows: Rows, c: int, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+class Scorer:
+    """G·S for chunks of rows (G their per-example gradients over ``names``): by contraction
+    (:mod:`influkit.contraction`, memory O(chunk · activations)) or by per-example gradients (``vmap``, memory
+    O(chunk · p)), and the chunk size that keeps one chunk inside the memory budget (:mod:`influkit.memory`).
+
+    method: "contraction" (default), or "per-example" (the reference). chunk_size: rows per chunk, or None to
+    size it from ``memory`` (bytes; None: the default budget) by probing the method on two rows.
+    autocast: bfloat16/float16 passes for the contraction (float32 accumulation).
+    """
+
+    def __init__(self, stage: Stage, names, s: torch.Tensor, rows: "Rows", *, method: str = "contraction",
+                 chunk_size: int | None = None, memory: int | None = None, autocast: torch.dtype | None = None):
+        if method not in SCORING_METHODS:
+            raise InputError(f"unknown scoring method {method!r}; choose one of {SCORING_METHODS}.")
+        if method == "per-example" and autocast is not None:
+            raise InputError("autocast applies to method='contraction' only.")
+        self.stage, self.names, self.method = stage, list(names), method
+        self.contractor = Contractor(stage, names, autocast=autocast) if method == "contraction" else None
+        s = s.reshape(s.shape[0], -1)
+        if chunk_size is None:
+            budget = budget_of(memory, s.device)
+            x, y = rows.take(0, min(PROBE_EXAMPLES, len(rows)))
+            if self.contractor is not None:
+                per = self.contractor.probe(x, y, s)
+            else:
+                per = probe_bytes(lambda _: [project_per_example_grads(stage, x, y, s, names, chunk_size=x.shape[0])],
+                                  stage.model, x.shape[0]) + s.shape[0] * s.element_size()
+            self.memory = memory_plan(budget, per, "scoring", most=max(len(rows), 1))
+            chunk_size = min(distributed.gather_objects(self.memory["batch"])) if distributed.active() else \
+                self.memory["batch"]  # every rank the same chunks
+        else:
+            self.memory = {"phase": "scoring", "batch": int(chunk_size), "given": True}
+        self.chunk_size = int(chunk_size)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        if self.contractor is not None:
+            return self.contractor(x, y, s)
+        return project_per_example_grads(self.stage, x, y, s, self.names, chunk_size=max(x.shape[0], 1))
+
+    def describe(self) -> dict:
+        detail = self.contractor.describe() if self.contractor is not None else {}
+        method = "per-example" if self.contractor is None or self.contractor.fallback_all else self.method
+        return {"method": method, "chunk_size": self.chunk_size, **detail}
+
+
+def _chunk_scores(s: torch.Tensor, scorer: Scorer, rows: Rows, c: int, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, ids) of chunk ``c``: −∇ℓ(z)ᵀ s for its rows."""
     start, stop = c * chunk_size, min((c + 1) * chunk_size, len(rows))
     x, y = rows.take(start, stop)
-    return -project_per_example_grads(rows.stage, x, y, s, names, chunk_size=chunk_size), rows.id_range(start, stop)
+    return -scorer(x, y, s), rows.id_range(start, stop)
 
 
-def score_rows(s: torch.Tensor, names, rows: Rows, *, chunk_size: int, progress: bool) -> tuple[torch.Tensor, dict]:
+def score_rows(s: torch.Tensor, scorer: Scorer, rows: Rows, *, progress: bool) -> tuple[torch.Tensor, dict]:
     """(values (len(rows), k), chunk counts) of −∇ℓ(z)ᵀ s, sharded over ranks and gathered in order."""
     s = s.reshape(s.shape[0], -1)
+    chunk_size = scorer.chunk_size
     mine, counts = _my_chunks(len(rows), chunk_size)
     bar = tqdm(mine, desc="scoring", disable=not progress or distributed.rank() != 0, leave=False)
     blocks = []
     for c in bar:
-        blocks.append(_chunk_scores(s, names, rows, c, chunk_size)[0])
+        blocks.append(_chunk_scores(s, scorer, rows, c, chunk_size)[0])
         release_freed_memory()
     local = torch.cat(blocks) if blocks else s.new_zeros(0, s.shape[1])
     return distributed.gather_rows(local, counts), {"computed": len(mine), "reused": 0}
 
 
-def stream_rows(query_fingerprint: str, s: torch.Tensor, names, rows: Rows, *, chunk_size: int, out: str | Path,
-                progress: bool):
+def stream_rows(query_fingerprint: str, s: torch.Tensor, scorer: Scorer, rows: Rows, *, out: str | Path, progress: bool):
     """Streamed, resumable :func:`score_rows` into the directory ``out`` (module docstring)."""
     out = Path(out)
+    chunk_size = scorer.chunk_size
     s = s.reshape(s.shape[0], -1)
     manifest = {"format": "influkit-scores", "version": files.VERSION, "query": query_fingerprint,
                 "rows": rows.digest(), "n_rows": len(rows), "chunk_size": chunk_size, "columns": s.shape[1]}
@@ -167,7 +223,7 @@ def stream_rows(query_fingerprint: str, s: torch.Tensor, names, rows: Rows, *, c
         if _finished(path, query_fingerprint):
             counts["reused"] += 1
             continue
-        values, ids = _chunk_scores(s, names, rows, c, chunk_size)
+        values, ids = _chunk_scores(s, scorer, rows, c, chunk_size)
         files.write(path, CHUNK_KIND, {"values": values, "index": ids}, {"query": query_fingerprint, "chunk": c, "rank": rank})
         counts["computed"] += 1
         del values, ids
@@ -179,6 +235,15 @@ def stream_rows(query_fingerprint: str, s: torch.Tensor, names, rows: Rows, *, c
     values = torch.from_numpy(np.load(out / "values.npy", mmap_mode="c"))
     index = torch.from_numpy(np.load(out / "index.npy", mmap_mode="c"))
     return values, index, counts
+
+
+def resumed_chunk_size(out: str | Path) -> int | None:
+    """The chunk size recorded in ``out``'s manifest (a run to resume), or None."""
+    path = Path(out) / MANIFEST
+    try:
+        return int(json.loads(path.read_text())["chunk_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _claim(out: Path, manifest: dict) -> None:

@@ -17,8 +17,10 @@ The Hessian of R + extra enters as its diagonal, probed with one Rademacher vect
 R, e.g. L2 and the Case 2 proximal term), averaged over each Kronecker block. One streamed pass over the data
 (module hooks on the layers' forward inputs, autograd for their output-gradients) gives every statistic: each
 batch's products run in the model's dtype and are accumulated across batches in float64; eigendecompositions
-are float64; EK-FAC's Λ comes from the same pass's inputs and gradients, kept while they fit ``cache_bytes``
-(else from a second pass with the same sampled labels).
+are float64, and the eigenbases and eigenvalues are then stored in the parameters' dtype (a float32 model's in
+float32: half the memory; widened layer by layer when applied), each layer's covariances freed once decomposed;
+EK-FAC's Λ comes from the same pass's inputs and gradients, kept while they fit ``cache_bytes`` (else from a
+second pass with the same sampled labels).
 
 Under ``torch.distributed`` each rank streams its contiguous shard of the examples (:func:`influkit.distributed.shard`)
 and the sums (covariances, token counts, squares; EK-FAC's corrections after the eigenbasis of the all-reduced
@@ -32,6 +34,7 @@ iteration); ``inverse(λ)`` is that inverse as an Operator, the approximate inve
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -42,6 +45,8 @@ from tqdm.auto import tqdm
 
 from .. import distributed
 from ..errors import FileFormatError, InputError
+from ..memory import PROBE_EXAMPLES, fit_count, probe_bytes
+from ..memory import resolve as memory_budget
 from ..operators import count_products
 from ..params import ParamSpace, point
 from ..stage import Stage
@@ -50,6 +55,7 @@ from .fisher import FISHER, PseudoGradients
 from .layers import Layer, Recorder, check_calls, example_squares, layer_grads, layer_inputs, plan_layers, token_mask
 
 KINDS = ("kfac", "ekfac", "diagonal")
+CACHE_BYTES = 2**30  # at most this much of the first pass is kept for EK-FAC's correction (else a second pass)
 
 
 @dataclass
@@ -98,20 +104,24 @@ class KroneckerBlock:
         out[b0 : b0 + self.rows] = m[:, :, width].T
 
     def apply(self, m: torch.Tensor, fn) -> torch.Tensor:
-        """L (fn(E + shift) ∘ (Lᵀ M R)) Rᵀ for (k, rows, cols) M."""
-        rotated = m @ self.right
-        if self.left is not None:
-            rotated = self.left.T @ rotated
-        rotated = rotated * fn(self.eigenvalues + self.shift)
-        if self.left is not None:
-            rotated = self.left @ rotated
-        return rotated @ self.right.T
+        """L (fn(E + shift) ∘ (Lᵀ M R)) Rᵀ for (k, rows, cols) M, in M's dtype (the bases are stored like the
+        parameters: a float32 model's are widened here, one layer at a time)."""
+        right = self.right.to(m.dtype)
+        left = None if self.left is None else self.left.to(m.dtype)
+        rotated = m @ right
+        if left is not None:
+            rotated = left.T @ rotated
+        rotated = rotated * fn(self.eigenvalues.to(m.dtype) + self.shift)
+        if left is not None:
+            rotated = left @ rotated
+        return rotated @ right.T
 
     def dense(self) -> torch.Tensor:
         """The (rows·cols)² block in row-major vec(M) order."""
-        left = self.left if self.left is not None else torch.eye(self.rows, dtype=self.right.dtype, device=self.right.device)
-        basis = torch.kron(left, self.right)
-        return basis @ torch.diag((self.eigenvalues + self.shift).reshape(-1)) @ basis.T
+        right = self.right.to(torch.float64)
+        left = self.left.to(torch.float64) if self.left is not None else torch.eye(self.rows, dtype=torch.float64, device=right.device)
+        basis = torch.kron(left, right)
+        return basis @ torch.diag((self.eigenvalues.to(torch.float64) + self.shift).reshape(-1)) @ basis.T
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"right": self.right, "eigenvalues": self.eigenvalues}
@@ -330,15 +340,20 @@ def regularizer_diagonal(stage: Stage, names: Sequence[str], extra=None, at=None
 class _Accumulator:
     """Float64 running sums of one layer: Σ ā āᵀ (embedding: token counts), Σ g gᵀ, and Σ squares (diag / EK-FAC)."""
 
-    def __init__(self, layer: Layer, device):
+    def __init__(self, layer: Layer, device, diagonal: bool = False):
         self.layer = layer
-        in_dim = layer.rows if layer.kind == "embedding" else layer.cols
-        out_dim = layer.cols if layer.kind == "embedding" else layer.rows
+        in_dim, out_dim = (0, 0) if diagonal else _factor_dims(layer)  # a diagonal block keeps only the squares
         self.inputs = torch.zeros(in_dim, dtype=torch.float64, device=device) if layer.kind == "embedding" \
             else torch.zeros(in_dim, in_dim, dtype=torch.float64, device=device)
         self.grads = torch.zeros(out_dim, out_dim, dtype=torch.float64, device=device)
         self.squares = torch.zeros(layer.rows, layer.cols, dtype=torch.float64, device=device)
         self.tokens = 0
+
+    def release_covariances(self) -> None:
+        """Drop the covariance sums once their eigendecomposition is taken (an embedding's token counts stay)."""
+        if self.layer.kind != "embedding":
+            self.inputs = self.inputs.new_zeros(0, 0)
+        self.grads = self.grads.new_zeros(0, 0)
 
     def covariances(self, a: torch.Tensor, g: torch.Tensor) -> None:
         """Add one batch: Σ ā āᵀ (blockwise for the homogeneous coordinate, never materializing ā) and Σ g gᵀ."""
@@ -359,6 +374,17 @@ class _Accumulator:
             self.tokens += flat.shape[0]
         flat_g = g.reshape(-1, g.shape[-1])
         self.grads += (flat_g.T @ flat_g).to(torch.float64)
+
+
+def _factor_dims(layer: Layer) -> tuple[int, int]:
+    """(input factor size, output-gradient factor size) of a layer (an embedding's input factor is a diagonal)."""
+    return (layer.rows, layer.cols) if layer.kind == "embedding" else (layer.cols, layer.rows)
+
+
+def factor_bytes(layer: Layer) -> int:
+    """Bytes of a layer's float64 factors and their eigenvectors: 2 · 8 · (in² + out²) (embedding: in, not in²)."""
+    a, g = _factor_dims(layer)
+    return 16 * ((a if layer.kind == "embedding" else a * a) + g * g)
 
 
 def _forward_pass(stage, layers, leaves, x, y, pseudo_factory):
@@ -419,7 +445,9 @@ def fit_curvature(
     at=None,
     seed: int = 0,
     batch_size: int | None = None,
-    cache_bytes: int = 2**30,
+    cache_bytes: int | None = None,
+    memory: int | None = None,
+    max_factor_bytes: int | None = None,
     progress: bool = False,
 ) -> FactoredCurvature:
     """The factored curvature C of ``stage``'s objective over ``names`` (default: its trained parameters).
@@ -428,9 +456,18 @@ def fit_curvature(
     (:mod:`influkit.factored.fisher`). indices: the examples the objective averages over (default: all; the
     Hessian's ``hessian_samples`` subset). extra: an additional term of the objective (the Case 2 proximal term),
     whose curvature is added like R's. seed: of the sampled labels (the same labels in both EK-FAC passes).
-    batch_size: examples per streamed batch (default: the stage's, at most 1,024). cache_bytes: EK-FAC keeps the
-    first pass's layer inputs and output-gradients up to this size and corrects the eigenvalues from them, so the
-    data are read once; larger data are streamed a second time (``info["passes"]``).
+    memory: the budget in bytes (default: :func:`influkit.memory.resolve`, the enclosing scope's or a share of what
+    is free); the statistics are streamed per module, so memory does not grow with the number of examples:
+    the accumulators (fixed) + a batch of activations and layer statistics (measured per example on a 2-example
+    probe) + the cache. batch_size: examples per streamed batch (default: what half of the budget left after the
+    accumulators holds, at most the stage's batch size and 1,024). cache_bytes: EK-FAC keeps the first pass's
+    layer inputs and output-gradients up to this size and corrects the eigenvalues from them, so the data are read
+    once; larger data are streamed a second time (``info["passes"]``); default: the other half.
+    max_factor_bytes: a layer whose factors (:func:`factor_bytes`, float64 plus eigenvectors) exceed this
+    (default: budget / 8) gets a **diagonal block** instead of Kronecker factors, with a warning — e.g. a
+    30,522-word decoder's output-gradient factor alone is 30,522² floats (7.5 GB in float64); its diagonal
+    Gauss-Newton comes from the same hooks (Σ_i (Σ_t g_it a_itᵀ)², :func:`.layers.example_squares`), memory
+    O(rows · cols). ``info["memory"]`` records the sizes chosen.
     """
     if kind not in KINDS:
         raise InputError(f"unknown factored curvature {kind!r}; choose one of {KINDS}.")
@@ -443,7 +480,16 @@ def fit_curvature(
     layers, reasons = plan_layers(stage.model, names)
     n = len(stage) if indices is None else len(indices)
     local = distributed.shard(torch.arange(len(stage)) if indices is None else torch.as_tensor(indices).reshape(-1))
-    batch_size = batch_size or min(stage.data.batch_size, 1024)
+    budget = memory_budget(memory, space.device)
+    limit = budget // 8 if max_factor_bytes is None else max_factor_bytes
+    wide = {layer.name for layer in layers if kind != "diagonal" and factor_bytes(layer) > limit}
+    for layer in layers:
+        if layer.name in wide:
+            warnings.warn(
+                f"layer {layer.name} ({layer.rows}×{layer.cols}) would need {factor_bytes(layer) / 2**30:.2f} GiB of "
+                f"Kronecker factors, more than max_factor_bytes = {limit / 2**30:.2f} GiB (1/8 of the memory budget); it "
+                "gets a diagonal Gauss-Newton block instead (raise memory= or max_factor_bytes= to factor it).",
+                UserWarning, stacklevel=2)
     leaves = {nm: t.detach().requires_grad_(True) for nm, t in params.items()}
     pseudo_holder: dict[str, PseudoGradients] = {}
 
@@ -453,8 +499,29 @@ def fit_curvature(
         return pseudo_holder["p"]
 
     tracked = list(layers)  # layers whose hooks give a and g (also used for the diagonal kind's squares)
-    accumulators = {layer.name: _Accumulator(layer, space.device) for layer in tracked}
+    accumulators = {layer.name: _Accumulator(layer, space.device, layer.name in wide) for layer in tracked}
     diag_names: list[str] = [nm for nm in names if nm in reasons]
+    # the float64 sums; each layer's eigenbases replace its covariances, so they add at most one layer's
+    fixed = sum(t.numel() * 8 for acc in accumulators.values() for t in (acc.inputs, acc.grads, acc.squares))
+    sizing = {"phase": "factor fitting", "budget": budget, "fixed_bytes": fixed, "diagonal_layers": sorted(wide)}
+    if batch_size is None:
+        probe = torch.as_tensor(local[:PROBE_EXAMPLES]) if len(local) else torch.arange(min(PROBE_EXAMPLES, len(stage)))
+        px, py = next(iter(stage.batches(probe, len(probe))))
+        probe_pseudo = PseudoGradients(stage.loss, fisher, stage.outputs(params, px).detach(), py, seed=seed)
+        row_bytes = 2 * sum(params[nm].numel() * params[nm].element_size() for nm in diag_names)
+
+        def run(_):
+            data, _, _ = _forward_pass(stage, list(layers), leaves, px, py,
+                                       lambda outputs, targets: partial(probe_pseudo, index=probe))
+            return [t for pair in data.values() for t in pair]
+
+        per = probe_bytes(run, stage.model, len(probe)) + row_bytes
+        share = (budget - fixed) // 2 if cache_bytes is None else budget - fixed
+        batch_size = fit_count(share + fixed, per, "factor fitting", fixed=fixed, most=min(stage.data.batch_size, 1024))
+        sizing["bytes_per_example"] = per
+    if cache_bytes is None:
+        cache_bytes = min(max(0, (budget - fixed) // 2), CACHE_BYTES)
+    sizing |= {"batch": int(batch_size), "cache_bytes": int(cache_bytes)}
     diag_total: torch.Tensor | None = None
     seconds: dict[str, float] = {}
     passes = 1
@@ -494,6 +561,7 @@ def fit_curvature(
                 part = _diagonal_squares(stage, diag_names, params, x, u.detach())
                 diag_total = part if diag_total is None else diag_total + part
             if keep and cache is not None:
+                data = {name: pair for name, pair in data.items() if name not in wide}
                 cached_bytes += sum(t.numel() * t.element_size() for pair in data.values() for t in pair)
                 cache = cache + [data] if cached_bytes <= cache_bytes else None
 
@@ -501,7 +569,11 @@ def fit_curvature(
     if kind == "diagonal":
         run_pass("diagonal Fisher", lambda layer, a, g: accumulators[layer.name].squares.add_(example_squares(layer, a, g)), True)
     else:
-        run_pass("K-FAC covariances", lambda layer, a, g: accumulators[layer.name].covariances(a, g), True, keep=True)
+        def statistics(layer, a, g):
+            acc = accumulators[layer.name]
+            acc.squares.add_(example_squares(layer, a, g)) if layer.name in wide else acc.covariances(a, g)
+
+        run_pass("K-FAC covariances", statistics, True, keep=True)
     pseudo = pseudo_holder.get("p")
     detail = pseudo.describe() if pseudo is not None else None
     if distributed.active():  # every rank's sums over its shard, added up; same layers on every rank first
@@ -513,7 +585,7 @@ def fit_curvature(
             if name not in dead_seen:
                 drop(name, why)
         detail = next((d for _, _, d in shared if d is not None), None)
-        _all_reduce_sums(accumulators, tracked, squares=kind == "diagonal")
+        _all_reduce_sums(accumulators, tracked, squares=kind == "diagonal", wide=wide)
         if diag_names:
             if diag_total is None:
                 diag_total = torch.zeros(sum(params[nm].numel() for nm in diag_names), dtype=torch.float64, device=space.device)
@@ -524,6 +596,8 @@ def fit_curvature(
     if kind != "diagonal":
         t0 = time.perf_counter()
         for layer in tracked:
+            if layer.name in wide:
+                continue
             acc = accumulators[layer.name]
             g_cov = acc.grads / n
             g_evals, g_evecs = torch.linalg.eigh(0.5 * (g_cov + g_cov.T))
@@ -532,13 +606,17 @@ def fit_curvature(
             else:
                 a_cov = acc.inputs / max(acc.tokens, 1)
                 a_evals, a_evecs = torch.linalg.eigh(0.5 * (a_cov + a_cov.T))
-            eigen[layer.name] = (a_evals.clamp_min(0), None if a_evecs is None else a_evecs.contiguous(),
-                                 g_evals.clamp_min(0), g_evecs.contiguous())
+            keep = space.dtype  # stored like the parameters (float32 model: half the bytes of float64)
+            eigen[layer.name] = (a_evals.clamp_min(0), None if a_evecs is None else a_evecs.to(keep).contiguous(),
+                                 g_evals.clamp_min(0), g_evecs.to(keep).contiguous())
+            acc.release_covariances()  # peak: the covariances or the bases, not both
         seconds["eigendecomposition"] = time.perf_counter() - t0
     if kind == "ekfac":
         t0 = time.perf_counter()
 
         def correct(layer, a, g):
+            if layer.name in wide:
+                return
             a_evals, a_evecs, g_evals, g_evecs = eigen[layer.name]
             if layer.kind == "embedding":
                 accumulators[layer.name].squares.add_(example_squares(layer, a, g, right=g_evecs))
@@ -548,13 +626,15 @@ def fit_curvature(
         if cache is not None:  # the first pass's inputs and output-gradients fit in memory: no second data pass
             for data in cache:
                 for layer in tracked:
-                    correct(layer, *data[layer.name])
+                    if layer.name not in wide:
+                        correct(layer, *data[layer.name])
             cache = None
         else:
             run_pass("EK-FAC eigenvalue correction", correct, False)
             passes += 1
         for layer in tracked:
-            distributed.all_reduce_(accumulators[layer.name].squares)
+            if layer.name not in wide:
+                distributed.all_reduce_(accumulators[layer.name].squares)
         seconds["eigenvalue_correction"] = time.perf_counter() - t0
 
     reg = regularizer_diagonal(stage, names, extra, at, seed)
@@ -568,18 +648,21 @@ def fit_curvature(
         acc = accumulators[layer.name]
         idx = _layer_index(layer, offsets, space.device)
         shift = float(reg[idx].mean()) if reg is not None else 0.0
-        if kind == "diagonal":
+        if kind == "diagonal" or layer.name in wide:
             pos = idx.reshape(-1)
             blocks.append(DiagonalBlock([layer.weight] + ([layer.bias] if layer.bias else []), pos,
                                         (acc.squares / n).reshape(-1), reg[pos] if reg is not None else torch.zeros_like(pos, dtype=torch.float64)))
+            acc.squares = None
         else:
             a_evals, a_evecs, g_evals, g_evecs = eigen[layer.name]
             if layer.kind == "embedding":
                 left, right = None, g_evecs
-                values = acc.squares / n if kind == "ekfac" else a_evals[:, None] * g_evals[None, :]
+                values = acc.squares.div_(n) if kind == "ekfac" else a_evals[:, None] * g_evals[None, :]
             else:
                 left, right = g_evecs, a_evecs
-                values = acc.squares / n if kind == "ekfac" else g_evals[:, None] * a_evals[None, :]
+                values = acc.squares.div_(n) if kind == "ekfac" else g_evals[:, None] * a_evals[None, :]
+            values = values.to(space.dtype)
+            acc.squares = None
             blocks.append(KroneckerBlock(layer.name, layer.kind, layer.weight, layer.bias, layer.rows, layer.cols,
                                          left, right, values, shift))
         layer_info.append(layer.describe() | {"tokens_per_example": acc.tokens / max(n, 1)})
@@ -598,17 +681,19 @@ def fit_curvature(
         "passes": passes,
         "seed": seed,
         "seconds": seconds,
+        "memory": sizing,
     }
     return FactoredCurvature(space, kind, blocks, info)
 
 
-def _all_reduce_sums(accumulators: dict, tracked: list, squares: bool) -> None:
-    """Sum every tracked layer's covariances and token count (and ``squares``) over the ranks, in place."""
+def _all_reduce_sums(accumulators: dict, tracked: list, squares: bool, wide=()) -> None:
+    """Sum every tracked layer's covariances and token count (and ``squares``; a diagonal ``wide`` layer's
+    squares) over the ranks, in place."""
     for layer in tracked:
         acc = accumulators[layer.name]
         distributed.all_reduce_(acc.inputs)
         distributed.all_reduce_(acc.grads)
-        if squares:
+        if squares or layer.name in wide:
             distributed.all_reduce_(acc.squares)
         tokens = distributed.all_reduce_(torch.tensor([float(acc.tokens)], dtype=torch.float64, device=acc.grads.device))
         acc.tokens = int(tokens.item())

@@ -1,0 +1,161 @@
+"""The memory budget (influkit.memory): sizes chosen from measured bytes per example, the phases stay inside it
+(resident memory sampled while scoring, in a fresh process), and a budget too small for one example is refused
+with the bytes one example needs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import influkit as ik
+from influkit import memory
+from influkit.curvature import HessianOperator
+from influkit.factored import fit_curvature
+from influkit.memory import MemoryBudgetError, SavedBytes
+
+transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mlp_stage(n: int = 40) -> ik.Stage:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)).double().eval()
+    x = torch.randn(n, 6, dtype=torch.float64)
+    y = torch.randint(0, 3, (n,))
+    return ik.Stage(model, nn.CrossEntropyLoss(reduction="none"), (x, y))
+
+
+def test_saved_bytes_counts_activations_not_parameters():
+    lin = nn.Linear(100, 50)
+    x = torch.randn(8, 100, requires_grad=False)
+    with SavedBytes(list(lin.parameters())) as saved:
+        torch.tanh(lin(x)).sum()
+    # Linear saves its input (8·100 floats; the weight is excluded), tanh its output (8·50)
+    assert saved.total == (8 * 100 + 8 * 50) * x.element_size()
+
+
+def test_resolve_default_explicit_and_bad():
+    assert 0 < memory.resolve(None) <= memory.available_bytes()
+    assert memory.resolve(12345) == 12345
+    with memory.scope(2**20):
+        assert memory.resolve(None) == 2**20
+    for bad in (0, -5, "1G", True):
+        with pytest.raises(MemoryBudgetError, match="positive number of bytes"):
+            memory.resolve(bad)
+
+
+def test_too_small_budget_says_what_one_example_needs():
+    stage = mlp_stage()
+    chain = ik.Chain([stage], solve=ik.SolveConfig(solver="direct", damping=0.1), memory=10**9)
+    q = chain.query(torch.arange(3))
+    tiny = ik.Chain([stage], solve=ik.SolveConfig(solver="direct", damping=0.1), memory=64)
+    tiny._operators, tiny.fit_seconds = chain._operators, 0.0
+    with pytest.raises(MemoryBudgetError, match=r"needs about [\d,]+ bytes .* for one example") as err:
+        tiny.query(torch.arange(3))
+    assert isinstance(err.value, ik.InfluenceError)
+    with pytest.raises(MemoryBudgetError, match="Hessian-vector products needs about"):
+        HessianOperator(stage, memory=64)
+    with pytest.raises(MemoryBudgetError, match="factor fitting needs about"), pytest.warns(UserWarning, match="diagonal"):
+        fit_curvature(stage, memory=64)
+    assert q.scores().values.shape == (len(stage),)
+
+
+def test_sizes_follow_the_budget_and_are_recorded():
+    stage = mlp_stage(200)
+    per = memory.probe_bytes(lambda k: None, stage.model)  # nothing saved: 0 bytes
+    assert per == 0
+    small = HessianOperator(stage, memory=40_000)
+    large = HessianOperator(stage, memory=10**9)
+    assert large.memory["cache_graph"] and not small.memory["cache_graph"]
+    assert small.batch_size == small.memory["batch"] < len(stage)
+    plan = small.memory
+    assert small.batch_size == (40_000 - plan["fixed_bytes"]) // int(memory.SAFETY * plan["bytes_per_example"])
+    v = torch.randn(small.dim, dtype=torch.float64)
+    torch.testing.assert_close(small.matvec(v), large.matvec(v), rtol=1e-12, atol=1e-14)  # streamed == cached
+    chain = ik.Chain([stage], solve=ik.SolveConfig(solver="direct", damping=0.1), memory=60_000)
+    res = chain.query(torch.arange(5)).scores()
+    plans = res.diagnostics["memory"]
+    scoring = plans[-1]
+    assert scoring["phase"] == "scoring" and 1 <= scoring["batch"] < len(stage)
+    assert res.diagnostics["chunks"]["chunk_size"] == scoring["batch"]
+    whole = chain.query(torch.arange(5)).scores(chunk_size=len(stage))
+    torch.testing.assert_close(res.values, whole.values, rtol=1e-12, atol=1e-14)
+
+
+def test_wide_layer_gets_a_diagonal_block_with_a_warning():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 8), nn.Tanh(), nn.Linear(8, 3)).double().eval()
+    stage = ik.Stage(model, nn.CrossEntropyLoss(reduction="none"),
+                     (torch.randn(30, 6, dtype=torch.float64), torch.randint(0, 3, (30,))))
+    with pytest.warns(UserWarning, match="diagonal Gauss-Newton block"):
+        curvature = fit_curvature(stage, kind="ekfac", max_factor_bytes=10_000)
+    assert curvature.info["memory"]["diagonal_layers"] == ["0", "2"]  # 64² floats each side; "4" (8 × 9) is factored
+    reference = fit_curvature(stage, kind="diagonal").dense()  # the same sampled labels: the same squares
+    dense = curvature.dense()
+    wide = torch.arange(6 * 64 + 64 + 64 * 8 + 8)  # layers 0 and 2 come first in the flat order
+    torch.testing.assert_close(dense[wide][:, wide], reference[wide][:, wide], rtol=1e-10, atol=1e-14)
+    assert torch.count_nonzero(dense[wide][:, wide] - torch.diag(torch.diagonal(dense[wide][:, wide]))) == 0
+    rest = torch.arange(wide.shape[0], dense.shape[0])
+    assert torch.count_nonzero(dense[rest][:, rest] - torch.diag(torch.diagonal(dense[rest][:, rest]))) > 0
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys, threading, time
+    import torch, transformers
+    import influkit as ik
+    from influkit import hf
+    from influkit.scoring import release_freed_memory
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=3000, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=64, attn_implementation="eager")
+    model = transformers.BertForMaskedLM(config).eval()
+    ids = torch.randint(5, 3000, (48, 64))
+    stage = hf.masked_lm_stage(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, mask_token_id=4,
+                               special_token_ids=(0, 1, 2, 3, 4), mask_prob=0.5)
+    budget, chunk = int(sys.argv[1]), (None if sys.argv[2] == "none" else int(sys.argv[2]))
+    chain = ik.Chain([stage], solve=ik.SolveConfig(solver="identity"), memory=budget)
+    query = chain.query(torch.arange(2))
+    query.scores(torch.arange(2), chunk_size=2)  # warm-up: code paths, thread pools
+    release_freed_memory()
+    page = 4096
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+    base, peak, done = rss(), [0], [False]
+    def sample():
+        while not done[0]:
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.0005)
+    thread = threading.Thread(target=sample)
+    thread.start()
+    res = query.scores(chunk_size=chunk)
+    done[0] = True
+    thread.join()
+    print(json.dumps({"growth": peak[0] - base, "chunk": res.diagnostics["chunks"]["chunk_size"],
+                      "per_example": res.diagnostics["memory"][-1].get("bytes_per_example")}))
+    """
+)
+
+
+def _scoring_growth(budget: int, chunk: int | None) -> dict:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(budget), "none" if chunk is None else str(chunk)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_scoring_stays_inside_the_budget_measured_resident_memory():
+    budget = 24 * 2**20
+    bounded = _scoring_growth(budget, None)
+    assert 1 <= bounded["chunk"] < 48  # the budget, not the row count, decided the chunk
+    assert bounded["growth"] <= budget, bounded
+    unbounded = _scoring_growth(budget, 48)  # all rows in one chunk: the same measurement exceeds the budget
+    assert unbounded["growth"] > budget, unbounded
