@@ -26,6 +26,7 @@ to per-example gradients with a warning. ``autocast`` runs the forward and backw
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,10 +40,11 @@ from .gradients import project_per_example_grads
 from .params import ParamSpace, point
 from .stage import Stage, check_finite
 
-try:  # GPT-2's linear layers
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover - transformers is optional
-    Conv1D = None
+
+def _conv1d_class():
+    """transformers' ``Conv1D`` (GPT-2's linear layers) when transformers is loaded, else None: a model holding one
+    has imported it already, so ``import influkit`` never loads transformers itself."""
+    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
 
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -61,7 +63,8 @@ class _Module:
 def _kind(module: nn.Module) -> str | None:
     if isinstance(module, nn.Linear):
         return "linear"
-    if Conv1D is not None and isinstance(module, Conv1D):
+    conv1d = _conv1d_class()
+    if conv1d is not None and isinstance(module, conv1d):
         return "conv1d"
     if isinstance(module, nn.Embedding) and module.max_norm is None and not module.scale_grad_by_freq:
         return "embedding"

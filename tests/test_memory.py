@@ -56,7 +56,7 @@ def test_too_small_budget_says_what_one_example_needs():
     chain = ik.Chain([stage], solve=ik.SolveConfig(solver="direct", damping=0.1), memory=10**9)
     q = chain.query(torch.arange(3))
     tiny = ik.Chain([stage], solve=ik.SolveConfig(solver="direct", damping=0.1), memory=64)
-    tiny._operators, tiny.fit_seconds = chain._operators, 0.0
+    tiny._solvers, tiny.fit_seconds = chain._solvers, 0.0
     with pytest.raises(MemoryBudgetError, match=r"needs about [\d,]+ bytes .* for one example") as err:
         tiny.query(torch.arange(3))
     assert isinstance(err.value, ik.InfluenceError)
