@@ -462,7 +462,8 @@ def fit_curvature(
     probe) + the cache. batch_size: examples per streamed batch (default: what half of the budget left after the
     accumulators holds, at most the stage's batch size and 1,024). cache_bytes: EK-FAC keeps the first pass's
     layer inputs and output-gradients up to this size and corrects the eigenvalues from them, so the data are read
-    once; larger data are streamed a second time (``info["passes"]``); default: the other half.
+    once; larger data are streamed a second time (``info["passes"]``); default: the other half, at most
+    :data:`CACHE_BYTES` (1 GiB).
     max_factor_bytes: a layer whose factors (:func:`factor_bytes`, float64 plus eigenvectors) exceed this
     (default: budget / 8) gets a **diagonal block** instead of Kronecker factors, with a warning — e.g. a
     30,522-word decoder's output-gradient factor alone is 30,522² floats (7.5 GB in float64); its diagonal
