@@ -126,7 +126,10 @@ class SolveConfig:
     ``"gauss-newton"`` (the generalized Gauss-Newton matrix G ⪰ 0, :mod:`influkit.curvature`): G's damped system
     is positive definite for convex losses, so MINRES/CG converge where an indefinite H + λI stalls, and it is
     the matrix K-FAC/EK-FAC approximate, which makes them good preconditioners of it. The links between stages
-    (the Case 1/2 cross derivatives) stay exact Hessian products either way.
+    (the Case 1/2 cross derivatives) stay exact Hessian products either way. residual: approximate inverses
+    (``kfac``/``ekfac``/``arnoldi``) report the true relative residual of their x, at the cost of one exact
+    Hessian-vector product over the stage's data per solve (at transformer scale as much as the rest of the query);
+    ``False`` skips it and reports NaN, as kronfluence and TRAK never check. Iterative and direct solves always report it.
 
     Fitted factors and eigenpairs are kept on the operator (``operator.fitted``), so one fit serves every solve
     with it; :meth:`influkit.Chain.fit` fits them up front and :meth:`influkit.Chain.save` stores them.
@@ -143,6 +146,7 @@ class SolveConfig:
     rank: int = 50
     deflate: bool = False
     curvature: str = "hessian"
+    residual: bool = True
 
     def __post_init__(self) -> None:
         if self.solver != "auto" and self.solver not in REGISTRY:
@@ -542,6 +546,8 @@ class _Approximation(Solver):
 
     def _run(self, rhs, tol, max_iter, bar):
         x = self.approximation.solve(rhs, self.config.damping).to(rhs.dtype)
+        if not self.config.residual:
+            return x, 0, math.nan, math.nan
         apply, target = self._system(rhs)
         return x, 0, krylov_residual(apply, x, target), math.nan
 

@@ -1,6 +1,7 @@
 """K-FAC / EK-FAC / diagonal / Arnoldi curvature against explicitly computed Gauss-Newton blocks, and their use
 as approximate inverses, as preconditioners of exact solves, and through Chain.fit / save / load."""
 
+import copy
 import warnings
 
 import pytest
@@ -395,6 +396,30 @@ def test_factored_approximate_inverse_is_the_fitted_curvature_inverse(conv_stage
     h = explicit_hessian(conv_stage)
     true = ((h + 0.1 * torch.eye(op.dim)) @ sol.x - b).norm(dim=0) / b.norm(dim=0)
     assert sol.residual == pytest.approx(float(true.max()), rel=1e-8)
+
+
+def test_approximate_inverse_skips_the_residual_product_when_asked(conv_stage):
+    op = HessianOperator(conv_stage)
+    b = torch.randn(op.dim, 2, generator=torch.Generator().manual_seed(5))
+    checked = ik.SolveConfig(solver="ekfac", damping=0.1).solve(op, b)
+    before = op.products
+    unchecked = ik.SolveConfig(solver="ekfac", damping=0.1, residual=False).solve(op, b)
+    assert op.products == before  # no exact Hessian-vector product spent
+    assert unchecked.products == 0 and checked.products > 0
+    assert torch.isnan(torch.tensor(unchecked.residual)) and unchecked.converged
+    torch.testing.assert_close(unchecked.x, checked.x, rtol=0, atol=0)
+
+
+def test_float32_model_accumulates_factors_in_float32_and_matches_float64(conv_stage):
+    """A float32 model's covariances are summed in float32 (half the accumulator memory, as kronfluence); its
+    factors agree with the float64 model's to float32 precision."""
+    wide = fit_curvature(conv_stage, kind="ekfac", fisher="exact")
+    x, y = conv_stage._data
+    narrow = fit_curvature(ik.Stage(copy.deepcopy(conv_stage.model).float(), cross_entropy, (x.float(), y), batch_size=12),
+                           kind="ekfac", fisher="exact")
+    assert narrow.dtype == torch.float32
+    dense64, dense32 = wide.dense(), narrow.dense()
+    assert float((dense32 - dense64).norm() / dense64.norm()) < 1e-5
 
 
 def test_solve_needs_the_fitted_approximation():
