@@ -237,16 +237,29 @@ class Contractor:
     def probe(self, inputs: torch.Tensor, targets: torch.Tensor, directions: torch.Tensor) -> int:
         """Measured bytes per example of :meth:`__call__` on this probe batch (:mod:`influkit.memory`): the saved
         activations, plus the output-gradients of every hooked call held at once and three temporaries the size of
-        the largest output (the contraction's products), plus the fallback's per-example gradient rows."""
+        the largest output (the contraction's products), plus, for parameters left to the per-example-gradient
+        fallback, its rows and its own forward/backward (counted as much again as the measured one)."""
         from .memory import SavedBytes
 
         self.transient_bytes = 0
+        directions = directions.reshape(self.space.dim, -1)
+        # torch.func transforms refuse saved-tensor hooks, so only plain-autograd passes run under them: the
+        # contraction, or (no contraction possible) one backward of the summed loss standing for the fallback's
         with SavedBytes(list(self.stage.model.parameters()) + list(self.stage.model.buffers())) as saved:
-            self(inputs, targets, directions)
+            out = None if self.fallback_all else self._contract(inputs, targets, directions, check=not self.verified)
+            if out is None:
+                with torch.enable_grad():
+                    leaves = {n: t.detach().requires_grad_(True) for n, t in point(self.stage.state(), self.names).items()}
+                    torch.autograd.grad(self.stage.losses(leaves, inputs, targets).sum(), list(leaves.values()))
+        if out is None:
+            self.fallback_all = True
+        else:
+            self.verified = True
         batch = max(inputs.shape[0], 1)
         fallback = self.names if self.fallback_all else self.plan.fallback
         rows = sum(self.offsets[n][1] for n in fallback) * directions.element_size() * 2
-        return -(-(saved.total + self.transient_bytes) // batch) + rows
+        again = saved.total if fallback and not self.fallback_all else 0
+        return -(-(saved.total + again + self.transient_bytes) // batch) + rows
 
     def _demote(self, entries, why: str) -> None:
         """Move the parameters of ``entries`` to the per-example-gradient fallback, for this and every later batch.
