@@ -205,6 +205,24 @@ class Chain:
         self.fit_seconds = time.perf_counter() - start
         return self
 
+    def with_solve(self, solve: SolveConfig | Sequence[SolveConfig]) -> "Chain":
+        """This chain with other solve settings, fitted from what this one fitted where they allow: a stage whose
+        Hessian is the same (same ``curvature``, ``hessian_samples``, ``seed``) keeps its operator, and with it the
+        factored curvature and eigenpairs fitted on it (e.g. a damping sweep of EK-FAC or Arnoldi without refitting;
+        ``direct`` factors the kept dense Hessian for the new λ). Other stages are fitted anew."""
+        other = Chain(self.stages, self.links, solve, memory=self.memory)
+        if self._solvers is None:
+            return other
+        start = time.perf_counter()
+        same = lambda a, b: (a.curvature, a.hessian_samples, a.seed) == (b.curvature, b.hessian_samples, b.seed)  # noqa: E731
+        with memory_scope(other.memory):
+            other._solvers = [
+                config.prepare(old.operator if same(config, old.config) else other._operator(plan, config))
+                for plan, config, old in zip(other.plans, other.configs, self._solvers)
+            ]
+        other.fit_seconds = time.perf_counter() - start
+        return other
+
     def _operator(self, plan: "_StagePlan", config: SolveConfig) -> HessianOperator:
         return HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed,
                                extra=plan.proximal, curvature=config.curvature, memory=self.memory)

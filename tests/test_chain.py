@@ -141,13 +141,13 @@ class ThreeStages:
             thetas[k] = newton(f, thetas[k])
         return torch.cat(thetas)
 
-    def chain(self, solver="direct"):
+    def chain(self, solver="direct", solve=None):
         stages = [ik.Stage(self.models[k], ce, self.data[k], params=self.trained[k], regularizer=l2) for k in range(3)]
         links = [
             ik.Link("enc", case=self.cases[0], alpha=ALPHA),
             ik.Link({"enc": "enc", "adapter": "adapter"}, case=self.cases[1], alpha=ALPHA),
         ]
-        return ik.Chain(stages, links, solve=ik.SolveConfig(solver=solver))
+        return ik.Chain(stages, links, solve=solve or ik.SolveConfig(solver=solver))
 
 
 def newton(f, theta, steps=100):
@@ -271,6 +271,21 @@ def test_fit_is_kept_and_queries_do_not_refactor(two):
     chain.query((two.test[0][:3], two.test[1][:3]))
     assert [chain.operator(k) for k in range(3)] == operators
     assert all(len(op._dense._factors) == 1 for op in operators)
+
+
+@pytest.mark.parametrize("solver", ["direct", "ekfac"])
+def test_with_solve_reuses_the_fit_and_equals_a_fresh_chain(two, solver):
+    chain = two.chain(solve=ik.SolveConfig(solver=solver, damping=0.1)).fit()
+    operators = [chain.operator(k) for k in range(3)]
+    fitted = [getattr(op, "fitted", {}).get("curvature") for op in operators]
+    swept = chain.with_solve(ik.SolveConfig(solver=solver, damping=0.5))
+    assert [swept.operator(k) for k in range(3)] == operators  # same Hessians: nothing rebuilt
+    assert [getattr(op, "fitted", {}).get("curvature") for op in operators] == fitted  # factors not refitted
+    fresh = two.chain(solve=ik.SolveConfig(solver=solver, damping=0.5))
+    torch.testing.assert_close(swept.query(two.test).scores(two.z).values, fresh.query(two.test).scores(two.z).values,
+                               rtol=1e-10, atol=1e-12)
+    other = chain.with_solve(ik.SolveConfig(solver=solver, damping=0.5, curvature="gauss-newton"))
+    assert all(other.operator(k) is not operators[k] for k in range(3))  # another matrix: fitted anew
 
 
 # ---- persistence ----
