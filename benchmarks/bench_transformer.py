@@ -346,7 +346,7 @@ def job_case1(args, out: dict, work: Path):
         chain.fit()
     out["warnings"] = sorted({str(w.message)[:160] for w in caught})
     curvature = chain.operator(0).fitted["curvature"]
-    chain.configs = [replace(chain.configs[0], damping=0.1 * curvature.mean_eigenvalue()), chain.configs[1]]
+    chain = chain.with_solve([replace(chain.configs[0], damping=0.1 * curvature.mean_eigenvalue()), chain.configs[1]])
     t0 = time.perf_counter()
     query = chain.query(torch.arange(args.test))
     query_s = time.perf_counter() - t0
