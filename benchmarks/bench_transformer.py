@@ -202,10 +202,11 @@ def job_influkit_ekfac(args, out: dict, work: Path):
     out["parameters"] = sum(p.numel() for p in stage.model.parameters())
     out["trained"] = stage.num_trained
     out["rss_model"] = rss_now()
-    chain = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac"), memory=args.memory)
+    chain = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", residual=not args.no_residual), memory=args.memory)
     chain.fit()
     curvature = chain.operator(0).fitted["curvature"]
     damping = 0.1 * curvature.mean_eigenvalue()
+    fit_s = chain.fit_seconds
     chain = chain.with_solve(replace(chain.configs[0], damping=damping))  # the fitted factors kept, λ set
     t0 = time.perf_counter()
     query = chain.query(test)
@@ -214,7 +215,7 @@ def job_influkit_ekfac(args, out: dict, work: Path):
     res = query.scores()
     score_s = time.perf_counter() - t0
     chunk = res.diagnostics["chunks"]["chunk_size"]
-    out.update(damping=damping, fit_s=chain.fit_seconds, query_s=query_s, score_s=score_s,
+    out.update(damping=damping, fit_s=fit_s, query_s=query_s, score_s=score_s,
                scored_per_s=len(stage) / score_s, chunk=chunk, memory=res.diagnostics["memory"],
                scoring=res.diagnostics["scoring"], factor_memory=curvature.info["memory"],
                fit_detail=curvature.info["seconds"])
@@ -346,6 +347,7 @@ def job_case1(args, out: dict, work: Path):
         chain.fit()
     out["warnings"] = sorted({str(w.message)[:160] for w in caught})
     curvature = chain.operator(0).fitted["curvature"]
+    fit_s = chain.fit_seconds
     chain = chain.with_solve([replace(chain.configs[0], damping=0.1 * curvature.mean_eigenvalue()), chain.configs[1]])
     t0 = time.perf_counter()
     query = chain.query(torch.arange(args.test))
@@ -353,7 +355,7 @@ def job_case1(args, out: dict, work: Path):
     t0 = time.perf_counter()
     res = query.scores()
     score_s = time.perf_counter() - t0
-    out.update(fit_s=chain.fit_seconds, query_s=query_s, score_s=score_s, scored_per_s=len(pre) / score_s,
+    out.update(fit_s=fit_s, query_s=query_s, score_s=score_s, scored_per_s=len(pre) / score_s,
                chunk=res.diagnostics["chunks"]["chunk_size"], scoring=res.diagnostics["scoring"],
                memory=res.diagnostics["memory"], diagonal=sorted(curvature.info["diagonal"]),
                diagonal_layers=curvature.info["memory"]["diagonal_layers"], peak_rss=peak_rss())
@@ -400,6 +402,8 @@ def main(argv=None) -> None:
     parser.add_argument("--reuse", action="store_true", help="take jobs whose result is in --work from there")
     parser.add_argument("--memory", type=float, default=None, help="Chain(memory=) bytes of influkit-ekfac (default None)")
     parser.add_argument("--tag", default="", help="suffix of a worker's result files (a second setting of a job)")
+    parser.add_argument("--no-residual", action="store_true",
+                        help="influkit-ekfac with SolveConfig(residual=False): no exact HVP to check the EK-FAC solve")
     parser.add_argument("--model", default="bert")
     parser.add_argument("--worker", default=None)
     args = parser.parse_args(argv)
@@ -424,10 +428,12 @@ def main(argv=None) -> None:
         for job in args.jobs.split(","):
             cmd = [sys.executable, __file__, "--worker", job, "--model", model, "--work", str(mwork)] + [
                 f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-                ("layers", "hidden", "sequences", "length", "test", "iterations", "hessian_samples", "kron_batch")]
+                ("layers", "hidden", "sequences", "length", "test", "iterations", "hessian_samples", "kron_batch")] + (
+                [f"--memory={args.memory}"] if args.memory else []) + ([f"--tag={args.tag}"] if args.tag else []) + (
+                ["--no-residual"] if args.no_residual else [])
             t0 = time.perf_counter()
-            if args.reuse and (mwork / f"{job}.json").exists():  # finished in an earlier (interrupted) run
-                result = json.loads((mwork / f"{job}.json").read_text())
+            if args.reuse and (mwork / f"{job}{args.tag}.json").exists():  # finished in an earlier (interrupted) run
+                result = json.loads((mwork / f"{job}{args.tag}.json").read_text())
                 say(f"{model} {job} (reused): {json.dumps(result, default=str)}")
                 rows.append(result)
                 continue
@@ -435,7 +441,7 @@ def main(argv=None) -> None:
             if done.returncode != 0:
                 say(f"{model} {job}: FAILED after {time.perf_counter() - t0:.0f} s\n{done.stderr[-3000:]}")
                 continue
-            result = json.loads((mwork / f"{job}.json").read_text())
+            result = json.loads((mwork / f"{job}{args.tag}.json").read_text())
             say(f"{model} {job}: {json.dumps(result, default=str)}")
             rows.append(result)
             RESULTS.mkdir(exist_ok=True)
