@@ -46,6 +46,21 @@ def _packed(data, what: str) -> tuple[torch.Tensor, torch.Tensor, tuple[str, ...
     )
 
 
+def _stage_tensors(model: nn.Module, data, label=None) -> tuple[nn.Module, torch.Tensor, torch.Tensor, tuple[str, ...]]:
+    """(the unwrapped model, packed inputs, targets, fields) of a stage's ``data``: a dict batch — completed by
+    ``label(data)`` when it has no ``labels`` — or packed tensors; the model checked for eval mode."""
+    model = _unwrap(model)
+    check_eval_mode(model)
+    if not isinstance(data, Mapping):
+        inputs, targets, fields = _packed(data, "data")
+        return model, inputs, targets, fields
+    fields = fields_of(data)
+    if "labels" not in data and label is not None:
+        data = label(data)
+    inputs, targets = pack(data, fields)
+    return model, inputs, targets, fields
+
+
 def masked_lm_batch(
     batch: Mapping,
     *,
@@ -102,19 +117,14 @@ def masked_lm_stage(
     g(z) is the mean negative log-likelihood over the sentence's predicted tokens (:func:`masked_lm_losses`).
     Pretrain on the stage's own data (``stage.data``) so the minimized objective is the one influence assumes.
     """
-    model = _unwrap(model)
-    check_eval_mode(model)
-    if isinstance(data, Mapping):
-        fields = fields_of(data)
-        if "labels" not in data:
-            data = masked_lm_batch(
-                data, indices=indices, tokenizer=tokenizer, mask_token_id=mask_token_id,
-                vocab_size=None if tokenizer is not None else model.config.vocab_size,
-                special_token_ids=special_token_ids, seed=seed, mask_prob=mask_prob,
-            )  # fmt: skip
-        inputs, targets = pack(data, fields)
-    else:
-        inputs, targets, fields = _packed(data, "data")
+    def label(batch):
+        return masked_lm_batch(
+            batch, indices=indices, tokenizer=tokenizer, mask_token_id=mask_token_id,
+            vocab_size=None if tokenizer is not None else _unwrap(model).config.vocab_size,
+            special_token_ids=special_token_ids, seed=seed, mask_prob=mask_prob,
+        )  # fmt: skip
+
+    model, inputs, targets, fields = _stage_tensors(model, data, label)
     if targets.dim() != 2 or targets.shape != inputs[:, 0].shape:
         raise InputError(f"masked-LM labels must be (batch, length) like input_ids, got {tuple(targets.shape)}.")
     return Stage(HFModel(model, fields), masked_lm_losses, (inputs, targets), params=params,
@@ -136,13 +146,7 @@ def classification_stage(
     params: what finetuning trains (names or prefixes, e.g. ``"classifier"`` for a new head only);
     in a chain, a Case 1 link keeps the shared block fixed whatever is listed here.
     """
-    model = _unwrap(model)
-    check_eval_mode(model)
-    if isinstance(data, Mapping):
-        fields = fields_of(data)
-        inputs, targets = pack(data, fields)
-    else:
-        inputs, targets, fields = _packed(data, "data")
+    model, inputs, targets, fields = _stage_tensors(model, data)
     if targets.dim() != 1:
         raise InputError(f"classification labels must be (batch,) class ids, got shape {tuple(targets.shape)}.")
     return Stage(HFModel(model, fields), classification_losses, (inputs, targets), params=params,
@@ -172,17 +176,12 @@ def causal_lm_stage(
     softmax) in float32, which limits agreement with float64 references to ~1e-7; ``attn_implementation="sdpa"``
     avoids the latter (tests/test_hf_lm.py shows both).
     """
-    model = _unwrap(model)
-    check_eval_mode(model)
-    if isinstance(data, Mapping):
-        fields = fields_of(data)
-        if "labels" not in data:
-            ids = torch.as_tensor(data["input_ids"])
-            keep = torch.as_tensor(data.get("attention_mask", torch.ones_like(ids))).bool()
-            data = {**data, "labels": torch.where(keep, ids, torch.full_like(ids, IGNORE))}
-        inputs, targets = pack(data, fields)
-    else:
-        inputs, targets, fields = _packed(data, "data")
+    def label(batch):  # every attended token
+        ids = torch.as_tensor(batch["input_ids"])
+        keep = torch.as_tensor(batch.get("attention_mask", torch.ones_like(ids))).bool()
+        return {**batch, "labels": torch.where(keep, ids, torch.full_like(ids, IGNORE))}
+
+    model, inputs, targets, fields = _stage_tensors(model, data, label)
     if targets.dim() != 2 or targets.shape != inputs[:, 0].shape:
         raise InputError(f"causal-LM labels must be (batch, length) like input_ids, got {tuple(targets.shape)}.")
     check_context(model, inputs.shape[-1])
