@@ -30,8 +30,10 @@ Resumable: the trained models, every re-training and every score matrix are cach
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
 import json
+import os
 import platform
 import sys
 import time
@@ -40,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from scipy.stats import spearmanr
 from tqdm.auto import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +59,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "fidelity"
 CACHE = RESULTS / "cache" / "lm-case1"
 TASK = "lm-case1"
 SUBSET_SEED = 0
+METHODS = ("exact", "ekfac", "identity", "gauss-newton", "exact-sgd-damped")
 FINETUNE_SOLVE = {"max_iter": 30, "hessian_samples": 64}
 
 
@@ -83,13 +87,13 @@ class LMTask:
         if trained.exists():
             state = torch.load(trained)
             pre_model.load_state_dict(state["pre"])
-            self.fin = hf.causal_lm_stage(ex.lora_model(pre_model, cfg), data["train"], regularizer=ex.l2(cfg.fin_decay))
+            self.fin = self.lora_stage(pre_model)
             self.fin.model.load_state_dict(state["fin"])
             self.info = state["info"]
         else:
             start = time.perf_counter()
             ex.pretrain(self.pre, cfg, progress)
-            self.fin = hf.causal_lm_stage(ex.lora_model(pre_model, cfg), data["train"], regularizer=ex.l2(cfg.fin_decay))
+            self.fin = self.lora_stage(pre_model)
             grad_norm = ex.fit_adapters(self.fin, max_iter=200, rounds=2)
             self.info = {"lora_grad_norm": grad_norm, "test_nll_sum": ex.test_loss_sum(self.fin, self.test),
                          "train_seconds": time.perf_counter() - start}  # fmt: skip
@@ -97,6 +101,10 @@ class LMTask:
             torch.save({"pre": pre_model.state_dict(), "fin": self.fin.model.state_dict(), "info": self.info}, trained)
         self.link = hf.lora_link(self.pre, self.fin, case=1)
         self.n = len(self.pre)
+
+    def lora_stage(self, pre_model) -> ik.Stage:
+        ex, cfg = self.ex, self.cfg
+        return hf.causal_lm_stage(ex.lora_model(pre_model, cfg), self.data["train"], regularizer=ex.l2(cfg.fin_decay))
 
     def retrain(self, kept: torch.Tensor, order: int) -> np.ndarray:
         """(q,) test-completion NLLs after the warm-start re-training on the documents ``kept`` (bool, (n,)),
@@ -144,8 +152,8 @@ class LMTask:
 
 def solve_settings(ex, cfg, method: str) -> dict:
     """The example's pretraining solve ``method``, or ``exact-sgd-damped``: the exact solve with damping 1/(η·T),
-    T the continuation's SGD steps. T steps of size η on a quadratic move θ by −[I − (I − ηH)^T] H⁻¹ ∇, i.e.
-    H⁻¹ for curvatures ≫ 1/(ηT) and ηT·I below: the warm-start response is H⁻¹ damped by about 1/(ηT)."""
+    T the continuation's SGD steps. T steps of size η on a quadratic move θ by −[I − (I − ηH)^T] H⁻¹ ∇,
+    i.e. H⁻¹ for curvatures ≫ 1/(ηT) and ηT·I below: the warm-start response is H⁻¹ damped by about 1/(ηT)."""
     if method != "exact-sgd-damped":
         return ex.SOLVES[method](cfg)
     steps = cfg.continue_epochs * -(-cfg.n_pretrain // cfg.pre_batch)
@@ -200,15 +208,11 @@ def mean_sem(per_query: np.ndarray) -> tuple[float, float, int]:
 
 
 def columnwise_spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    from scipy.stats import spearmanr
-
     return np.array([spearmanr(a[:, t], b[:, t])[0] for t in range(a.shape[1])])
 
 
 def write_table(m: int) -> None:
     """lm-case1_warm.csv/.json, the outputs as gzip CSV, and lm_README_results.md from the cached runs."""
-    import os
-
     outputs, m0 = cached_outputs(m, 0)
     if m0 < 3:
         raise SystemExit(f"only {m0} re-trainings cached: run `retrain` first")
@@ -235,8 +239,6 @@ def write_table(m: int) -> None:
     long = [{"subset": j, "order": order, "test": t, "nll": float(v)}
             for order, out in ((0, outputs), (1, second if m1 else np.zeros((0, 0))))
             for j in range(out.shape[0]) for t, v in enumerate(out[j])]  # fmt: skip
-    import gzip
-
     with gzip.GzipFile(RESULTS / f"{TASK}_warm_outputs.csv.gz", "wb", mtime=0) as fh:
         fh.write(pd.DataFrame(long).to_csv(index=False).encode())
     info = torch.load(CACHE / "trained.pt")["info"]
@@ -251,11 +253,12 @@ def write_table(m: int) -> None:
 
 def markdown(frame: pd.DataFrame, summary: dict) -> str:
     """The table of lm_README_results.md: LDS ± sem, M, seconds per method, the noise ceiling last."""
-    lines = [f"| method | LDS ± sem (q = {int(frame['queries'].max())}) | M | seconds | pretraining solve ‖Hx − b‖/‖b‖ |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    q = int(frame["queries"].max())
+    lines = [f"| method | LDS ± sem (q = {q}) | M | seconds | pretraining solve ‖Hx − b‖/‖b‖ |", "|---|---|---|---|---|"]
     for row in frame.itertuples():
         seconds = "—" if np.isnan(row.seconds) else f"{row.seconds:.0f}"
-        residual = "—" if row.pretraining_residual is None or np.isnan(row.pretraining_residual) else f"{row.pretraining_residual:.2f}"
+        residual = row.pretraining_residual
+        residual = "—" if residual is None or np.isnan(residual) else f"{residual:.2f}"
         lines.append(f"| {row.method} | {row.lds:.3f} ± {row.sem:.3f} | {row.M} | {seconds} | {residual} |")
     load = ", ".join(f"{v:.1f}" for v in summary["load"])
     return (
@@ -274,7 +277,7 @@ def main() -> None:
     parser.add_argument("step", choices=["train", "retrain", "score", "table"])
     parser.add_argument("--subsets", type=int, default=40)
     parser.add_argument("--order", type=int, default=0, help="batch order of the re-trainings (1: noise ceiling)")
-    parser.add_argument("--methods", nargs="+", default=["exact", "ekfac", "identity", "gauss-newton", "exact-sgd-damped"])
+    parser.add_argument("--methods", nargs="+", default=[*METHODS])
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
