@@ -268,7 +268,8 @@ def markdown(frame: pd.DataFrame, summary: dict) -> str:
         "test completion (Spearman over the subsets of the summed scores vs the re-trained completion NLL), mean ± "
         "standard error over the 20 test completions. Seconds: the method's pretraining solve and scoring plus the "
         "finetuning solve shared by all (1 torch thread, 2 shared cores; load average at table time "
-        f"{load}).\n\n" + "\n".join(lines) + "\n"
+        f"{load}).\n\n" + "\n".join(lines) + "\n\nWhat the numbers show: benchmarks/README.md, bench_fidelity, "
+        "'Transformer task'.\n"
     )
 
 
