@@ -1,0 +1,298 @@
+"""Fidelity on the transformer task: the LDS of influkit's pretraining solves on the LoRA language model (Case 1).
+
+The task is ``examples/lm_pretrain_lora.py`` (imported, not copied): a 210k-parameter Llama-style decoder
+pretrained on 400 vaderSentiment sentences, LoRA adapters (q_proj, v_proj) finetuned on 300 sentiment-conditioned
+completions, 20 held-out test completions; the base is the shared block, only the adapters are trained (Case 1).
+
+Warm-start protocol (the example's): for each of M random halves S_j of the 400 documents (α = 0.5,
+``fidelity_tasks.random_halves``, seed 0), pretraining continues from the trained weights for 3 epochs of SGD over
+the fixed full-set batch order with the documents outside S_j dropped, the new base goes into the LoRA model and
+the adapters are refit (40 L-BFGS iterations from their solution); each test completion's NLL is recorded.
+
+    LDS(t) = Spearman_j( Σ_{i∈S_j} score_i(t), NLL_t(S_j) ),  mean_t ± sem_t over the 20 test completions
+    (``influkit.validation.lds_per_query``; scores in influkit's sign, positive = up-weighting raises the NLL).
+
+Methods: the example's pretraining solves (``SOLVES``: exact, gauss-newton, ekfac, identity) and
+``exact-sgd-damped``, the exact solve damped by 1/(η·T) to match the warm start's short SGD continuation.
+
+Noise ceiling: the same subsets re-trained under another batch order (seed + 1); its LDS is the Spearman, per test
+completion, between the two re-trainings' NLLs.
+
+Resumable: the trained models, every re-training and every score matrix are cached under
+``results/fidelity/cache/lm-case1`` (git-ignored). Steps (run ``train`` first; the others can run side by side):
+
+    python benchmarks/bench_fidelity_lm.py train
+    python benchmarks/bench_fidelity_lm.py retrain --subsets 40 --order 0     # order 1: the noise ceiling
+    python benchmarks/bench_fidelity_lm.py score     # exact, ekfac, identity, gauss-newton, exact-sgd-damped
+    python benchmarks/bench_fidelity_lm.py table --subsets 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from scipy.stats import spearmanr
+from tqdm.auto import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from fidelity_tasks import random_halves  # noqa: E402
+
+import influkit as ik  # noqa: E402
+from influkit import hf  # noqa: E402
+from influkit.chain import Query  # noqa: E402
+from influkit.validation import lds_per_query  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "fidelity"
+CACHE = RESULTS / "cache" / "lm-case1"
+TASK = "lm-case1"
+SUBSET_SEED = 0
+METHODS = ("exact", "ekfac", "identity", "gauss-newton", "exact-sgd-damped")
+FINETUNE_SOLVE = {"max_iter": 30, "hessian_samples": 64}
+
+
+def example():
+    """The example module ``examples/lm_pretrain_lora.py`` (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("lm_pretrain_lora", ROOT / "examples" / "lm_pretrain_lora.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+class LMTask:
+    """The example's data, trained pretraining stage, LoRA stage and link, trained once and cached."""
+
+    def __init__(self, progress: bool = True):
+        self.ex = ex = example()
+        self.cfg = cfg = ex.Config()
+        self.data = data = ex.load_data(cfg)
+        torch.manual_seed(cfg.seed)
+        pre_model = ex.LlamaForCausalLM(ex.model_config(cfg, len(data["tokenizer"]))).eval()
+        self.pre = hf.causal_lm_stage(pre_model, data["documents"], regularizer=ex.l2(cfg.pre_decay))
+        self.test = hf.pack(data["test"])
+        trained = CACHE / "trained.pt"
+        if trained.exists():
+            state = torch.load(trained)
+            pre_model.load_state_dict(state["pre"])
+            self.fin = self.lora_stage(pre_model)
+            self.fin.model.load_state_dict(state["fin"])
+            self.info = state["info"]
+        else:
+            start = time.perf_counter()
+            ex.pretrain(self.pre, cfg, progress)
+            self.fin = self.lora_stage(pre_model)
+            grad_norm = ex.fit_adapters(self.fin, max_iter=200, rounds=2)
+            self.info = {"lora_grad_norm": grad_norm, "test_nll_sum": ex.test_loss_sum(self.fin, self.test),
+                         "train_seconds": time.perf_counter() - start}  # fmt: skip
+            CACHE.mkdir(parents=True, exist_ok=True)
+            torch.save({"pre": pre_model.state_dict(), "fin": self.fin.model.state_dict(), "info": self.info}, trained)
+        self.link = hf.lora_link(self.pre, self.fin, case=1)
+        self.n = len(self.pre)
+
+    def lora_stage(self, pre_model) -> ik.Stage:
+        ex, cfg = self.ex, self.cfg
+        return hf.causal_lm_stage(ex.lora_model(pre_model, cfg), self.data["train"], regularizer=ex.l2(cfg.fin_decay))
+
+    def retrain(self, kept: torch.Tensor, order: int) -> np.ndarray:
+        """(q,) test-completion NLLs after the warm-start re-training on the documents ``kept`` (bool, (n,)),
+        batch order ``cfg.seed + 7 + order`` (order 0 is the example's); the trained models are restored after."""
+        ex, cfg = self.ex, self.cfg
+        pre_state = {k: v.clone() for k, v in self.pre.model.state_dict().items()}
+        fin_state = {k: v.clone() for k, v in self.fin.model.state_dict().items()}
+        try:
+            ex.continue_pretraining(self.pre, cfg, torch.nonzero(~kept).flatten(), cfg.seed + 7 + order)
+            ex.set_base(self.fin, self.pre, self.link)
+            ex.fit_adapters(self.fin, max_iter=cfg.refit_iter, rounds=1)
+            with torch.no_grad():
+                return self.fin.losses(self.fin.trained(), *self.test).double().numpy()
+        finally:
+            self.pre.model.load_state_dict(pre_state)
+            self.fin.model.load_state_dict(fin_state)
+
+    def chain(self, method: str) -> ik.Chain:
+        """The Case 1 chain with the example's pretraining solve ``method``; the finetuning solve is the example's
+        MINRES on H_F with fewer iterations and a sampled Hessian (FINETUNE_SOLVE): with 20 right-hand sides the
+        example's (100 iterations, all 300 completions) costs ~13 s an iteration here, 22 min in all."""
+        ex, cfg = self.ex, self.cfg
+        solve = [ik.SolveConfig(**solve_settings(ex, cfg, method)),
+                 ik.SolveConfig(solver="minres", damping=cfg.damping[1], seed=cfg.seed, **FINETUNE_SOLVE)]  # fmt: skip
+        return ik.Chain([self.pre, self.fin], [self.link], solve=solve)
+
+    def pretraining_rhs(self, progress: bool = True) -> tuple[torch.Tensor, dict, float]:
+        """(rhs, finetuning solve summary, seconds): the per-test right-hand sides b_t − H_WΘ H_F⁻¹ a_t of the
+        pretraining solve. They do not depend on the pretraining solver, so the per-test finetuning solve (20
+        MINRES right-hand sides, the costly part) is done once: the identity chain's s is its right-hand side."""
+        start = time.perf_counter()
+        query = self.chain("identity").query(self.test, per_test=True, progress=progress)
+        return query.s, query.solves[1], time.perf_counter() - start
+
+    def scores(self, method: str, rhs: torch.Tensor, finetuning_solve: dict, progress: bool = True):
+        """((n, q) per-test-completion scores, seconds of the pretraining solve and the scoring) of ``method``."""
+        start = time.perf_counter()
+        chain = self.chain(method)
+        solution = chain.solver(0).solve(rhs, progress=progress)
+        query = Query(chain, solution.x, True, self.test[0].shape[0], [solution, finetuning_solve], {}, "lm-test")
+        res = query.scores(progress=progress)
+        values = res.values.double().numpy()
+        return values.reshape(self.n, -1), time.perf_counter() - start, query.solves[0]
+
+
+def solve_settings(ex, cfg, method: str) -> dict:
+    """The example's pretraining solve ``method``, or ``exact-sgd-damped``: the exact solve with damping 1/(η·T),
+    T the continuation's SGD steps. T steps of size η on a quadratic move θ by −[I − (I − ηH)^T] H⁻¹ ∇,
+    i.e. H⁻¹ for curvatures ≫ 1/(ηT) and ηT·I below: the warm-start response is H⁻¹ damped by about 1/(ηT)."""
+    if method != "exact-sgd-damped":
+        return ex.SOLVES[method](cfg)
+    steps = cfg.continue_epochs * -(-cfg.n_pretrain // cfg.pre_batch)
+    return ex.SOLVES["exact"](cfg) | {"damping": 1 / (cfg.continue_lr * steps)}
+
+
+def retrain_path(j: int, order: int) -> Path:
+    return CACHE / f"retrain_order{order}_subset{j:04d}.npy"
+
+
+def retrain_all(task: LMTask, m: int, order: int, progress: bool) -> None:
+    subsets = random_halves(task.n, m, SUBSET_SEED)
+    for j in tqdm(range(m), desc=f"re-training (order {order})", disable=not progress):
+        path = retrain_path(j, order)
+        if path.exists():
+            continue
+        start = time.perf_counter()
+        losses = task.retrain(subsets[j], order)
+        np.save(path, losses)
+        print(f"subset {j} order {order}: {time.perf_counter() - start:.1f} s, NLL sum {losses.sum():.3f}", flush=True)
+
+
+def cached_outputs(m: int, order: int) -> tuple[np.ndarray, int]:
+    """((M', q) NLLs, M') of the first M' ≤ m subsets re-trained under ``order`` (consecutive from 0)."""
+    rows = []
+    for j in range(m):
+        if not retrain_path(j, order).exists():
+            break
+        rows.append(np.load(retrain_path(j, order)))
+    return np.stack(rows) if rows else np.zeros((0, 0)), len(rows)
+
+
+def score_all(task: LMTask, methods: list[str], progress: bool) -> None:
+    """Every method's (n, q) scores; seconds = its pretraining solve + scoring + the shared finetuning solve."""
+    rhs_path = CACHE / "pretraining_rhs.pt"
+    if not rhs_path.exists():
+        torch.save(dict(zip(("rhs", "finetuning_solve", "seconds"), task.pretraining_rhs(progress))), rhs_path)
+    shared = torch.load(rhs_path)
+    print(f"finetuning solve (shared): {shared['seconds']:.1f} s, {shared['finetuning_solve']}", flush=True)
+    for method in methods:
+        path = CACHE / f"scores_{method}.npz"
+        if path.exists():
+            continue
+        values, seconds, solve = task.scores(method, shared["rhs"], shared["finetuning_solve"], progress)
+        np.savez(path, values=values, seconds=seconds + shared["seconds"], solve=json.dumps(solve, default=str))
+        print(f"{method}: {seconds:.1f} s + {shared['seconds']:.1f} s shared, solve {solve}", flush=True)
+
+
+def mean_sem(per_query: np.ndarray) -> tuple[float, float, int]:
+    valid = per_query[np.isfinite(per_query)]
+    return float(valid.mean()), float(valid.std(ddof=1) / np.sqrt(len(valid))), len(valid)
+
+
+def columnwise_spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.array([spearmanr(a[:, t], b[:, t])[0] for t in range(a.shape[1])])
+
+
+def write_table(m: int) -> None:
+    """lm-case1_warm.csv/.json, the outputs as gzip CSV, and lm_README_results.md from the cached runs."""
+    outputs, m0 = cached_outputs(m, 0)
+    if m0 < 3:
+        raise SystemExit(f"only {m0} re-trainings cached: run `retrain` first")
+    subsets = random_halves(example().Config().n_pretrain, m0, SUBSET_SEED).numpy()
+    rows = []
+    for path in sorted(CACHE.glob("scores_*.npz")):
+        method = path.stem.removeprefix("scores_")
+        cached = np.load(path)
+        per_query = lds_per_query(cached["values"], subsets, outputs)
+        mean, sem, q = mean_sem(per_query)
+        solve = json.loads(str(cached["solve"]))
+        rows.append({"method": f"influkit {method}", "K": 1, "lds": mean, "sem": sem, "queries": q, "M": m0,
+                     "seconds": float(cached["seconds"]), "pretraining_residual": solve.get("residual")})  # fmt: skip
+    second, m1 = cached_outputs(m0, 1)
+    ceiling = None
+    if m1 >= 3:
+        per_query = columnwise_spearman(outputs[:m1], second)
+        mean, sem, q = mean_sem(per_query)
+        ceiling = {"lds": mean, "sem": sem, "queries": q, "M": m1}
+        rows.append({"method": "noise ceiling (another batch order)", "K": 1, "lds": mean, "sem": sem, "queries": q,
+                     "M": m1, "seconds": float("nan"), "pretraining_residual": None})  # fmt: skip
+    frame = pd.DataFrame(rows)
+    frame.to_csv(RESULTS / f"{TASK}_warm.csv", index=False)
+    long = [{"subset": j, "order": order, "test": t, "nll": float(v)}
+            for order, out in ((0, outputs), (1, second if m1 else np.zeros((0, 0))))
+            for j in range(out.shape[0]) for t, v in enumerate(out[j])]  # fmt: skip
+    with gzip.GzipFile(RESULTS / f"{TASK}_warm_outputs.csv.gz", "wb", mtime=0) as fh:
+        fh.write(pd.DataFrame(long).to_csv(index=False).encode())
+    info = torch.load(CACHE / "trained.pt")["info"]
+    shared = torch.load(CACHE / "pretraining_rhs.pt")
+    summary = {"M": m0, "M_ceiling": m1, "ceiling": ceiling, "trained": info, "load": os.getloadavg(),
+               "finetuning_solve": shared["finetuning_solve"], "finetuning_solve_seconds": shared["seconds"],
+               "table": rows, "torch": torch.__version__, "python": platform.python_version()}  # fmt: skip
+    (RESULTS / f"{TASK}_warm.json").write_text(json.dumps(summary, indent=2))
+    (RESULTS / "lm_README_results.md").write_text(markdown(frame, summary))
+    print(frame.to_string(index=False))
+
+
+def markdown(frame: pd.DataFrame, summary: dict) -> str:
+    """The table of lm_README_results.md: LDS ± sem, M, seconds per method, the noise ceiling last."""
+    q = int(frame["queries"].max())
+    lines = [f"| method | LDS ± sem (q = {q}) | M | seconds | pretraining solve ‖Hx − b‖/‖b‖ |", "|---|---|---|---|---|"]
+    for row in frame.itertuples():
+        seconds = "—" if np.isnan(row.seconds) else f"{row.seconds:.0f}"
+        residual = row.pretraining_residual
+        residual = "—" if residual is None or np.isnan(residual) else f"{residual:.2f}"
+        lines.append(f"| {row.method} | {row.lds:.3f} ± {row.sem:.3f} | {row.M} | {seconds} | {residual} |")
+    load = ", ".join(f"{v:.1f}" for v in summary["load"])
+    return (
+        "# LDS on the transformer task (benchmarks/bench_fidelity_lm.py)\n\n"
+        "LoRA language model of examples/lm_pretrain_lora.py, Case 1 (the pretrained base is the shared block, the "
+        "adapters are trained), warm-start re-training on M random halves of the 400 pretraining documents; LDS per "
+        "test completion (Spearman over the subsets of the summed scores vs the re-trained completion NLL), mean ± "
+        "standard error over the 20 test completions. Seconds: the method's pretraining solve and scoring plus the "
+        "finetuning solve shared by all (1 torch thread, 2 shared cores; load average at table time "
+        f"{load}).\n\n" + "\n".join(lines) + "\n\nWhat the numbers show: benchmarks/README.md, bench_fidelity, "
+        "'Transformer task'.\n"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("step", choices=["train", "retrain", "score", "table"])
+    parser.add_argument("--subsets", type=int, default=40)
+    parser.add_argument("--order", type=int, default=0, help="batch order of the re-trainings (1: noise ceiling)")
+    parser.add_argument("--methods", nargs="+", default=[*METHODS])
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    progress = not args.no_progress
+    if args.step == "table":
+        write_table(args.subsets)
+        return
+    task = LMTask(progress)
+    print(f"trained: {task.info}", flush=True)
+    if args.step == "retrain":
+        retrain_all(task, args.subsets, args.order, progress)
+    elif args.step == "score":
+        score_all(task, args.methods, progress)
+
+
+if __name__ == "__main__":
+    main()
