@@ -30,7 +30,6 @@ import ctypes.util
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 
 import numpy as np

@@ -547,7 +547,7 @@ def fit_curvature(
         diag_names = [nm for nm in names if nm in reasons]
 
     def run_pass(label: str, consume, want_diagonal: bool, keep: bool = False):
-        nonlocal diag_total, diag_names, cache, cached_bytes
+        nonlocal diag_total, cache, cached_bytes
         pseudo_holder.pop("p", None)  # same seed: the same labels in every pass
         for start in tqdm(range(0, len(local), batch_size), total=batches, desc=label, disable=not progress, leave=False):
             index = local[start : start + batch_size]
