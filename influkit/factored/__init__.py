@@ -10,7 +10,7 @@ with an exact inverse application, used two ways by :mod:`influkit.solvers`:
   factors only decide how fast it is reached.
 
 Modules: :mod:`.fisher` (pseudo output-gradients: sampled labels, empirical, exact), :mod:`.layers` (which
-parameters get Kronecker factors, hooks), :mod:`.curvature` (fitting, the operators, persistence),
+parameters get Kronecker factors; the layer types are :mod:`influkit.layers`), :mod:`.curvature` (fitting, the operators, persistence),
 :mod:`.arnoldi` (Lanczos eigenpairs, the low-rank inverse, deflation).
 """
 

@@ -53,7 +53,8 @@ from ..params import ParamSpace, point
 from ..stage import Stage
 from ..vectorize import vmap_or_loop
 from .fisher import FISHER, PseudoGradients
-from .layers import Layer, Recorder, check_calls, example_squares, layer_grads, layer_inputs, plan_layers, token_mask
+from ..layers import Layer, Recorder
+from .layers import plan_layers
 
 KINDS = ("kfac", "ekfac", "diagonal")
 CACHE_BYTES = 2**30  # at most this much of the first pass is kept for EK-FAC's correction (else a second pass)
@@ -65,7 +66,8 @@ class KroneckerBlock:
 
     left: rows × rows eigenvectors (None: the standard basis, an embedding's diagonal input factor);
     right: cols × cols eigenvectors; eigenvalues: rows × cols (K-FAC: outer product of the factors' eigenvalues;
-    EK-FAC: the corrected ones); shift: the regularizer's curvature on this block.
+    EK-FAC: the corrected ones); shift: the regularizer's curvature on this block. inputs_first: M = [W; bᵀ]
+    (weight stored (in, out), the bias its last row), else M = [W | b] (the bias its last column).
     """
 
     layer: str
@@ -78,30 +80,36 @@ class KroneckerBlock:
     right: torch.Tensor
     eigenvalues: torch.Tensor
     shift: float = 0.0
+    inputs_first: bool = False
 
     def gather(self, vecs: torch.Tensor, offsets: dict[str, int]) -> torch.Tensor:
         """(k, rows, cols) block matrices from (p, k) flat vectors."""
         k = vecs.shape[1]
         w0 = offsets[self.weight]
-        if self.kind == "embedding":
+        if self.bias is None:
             return vecs[w0 : w0 + self.rows * self.cols].T.reshape(k, self.rows, self.cols)
-        width = self.cols - (self.bias is not None)
+        b0 = offsets[self.bias]
+        if self.inputs_first:
+            m = vecs[w0 : w0 + (self.rows - 1) * self.cols].T.reshape(k, self.rows - 1, self.cols)
+            return torch.cat([m, vecs[b0 : b0 + self.cols].T.reshape(k, 1, self.cols)], dim=1)
+        width = self.cols - 1
         m = vecs[w0 : w0 + self.rows * width].T.reshape(k, self.rows, width)
-        if self.bias is not None:
-            b0 = offsets[self.bias]
-            m = torch.cat([m, vecs[b0 : b0 + self.rows].T.reshape(k, self.rows, 1)], dim=2)
-        return m
+        return torch.cat([m, vecs[b0 : b0 + self.rows].T.reshape(k, self.rows, 1)], dim=2)
 
     def scatter(self, m: torch.Tensor, out: torch.Tensor, offsets: dict[str, int]) -> None:
         """Write (k, rows, cols) block matrices into the (p, k) flat vectors ``out``."""
         k = m.shape[0]
         w0 = offsets[self.weight]
-        if self.kind == "embedding" or self.bias is None:
+        if self.bias is None:
             out[w0 : w0 + self.rows * self.cols] = m.reshape(k, -1).T
+            return
+        b0 = offsets[self.bias]
+        if self.inputs_first:
+            out[w0 : w0 + (self.rows - 1) * self.cols] = m[:, :-1].reshape(k, -1).T
+            out[b0 : b0 + self.cols] = m[:, -1].T
             return
         width = self.cols - 1
         out[w0 : w0 + self.rows * width] = m[:, :, :width].reshape(k, -1).T
-        b0 = offsets[self.bias]
         out[b0 : b0 + self.rows] = m[:, :, width].T
 
     def apply(self, m: torch.Tensor, fn) -> torch.Tensor:
@@ -253,7 +261,8 @@ class FactoredCurvature:
             if isinstance(block, KroneckerBlock):
                 blocks.append({"type": "kronecker", "layer": block.layer, "kind": block.kind, "weight": block.weight,
                                "bias": block.bias, "rows": block.rows, "cols": block.cols,
-                               "shift": block.shift.hex(), "left": block.left is not None})
+                               "shift": block.shift.hex(), "left": block.left is not None,
+                               "inputs_first": block.inputs_first})
             else:
                 blocks.append({"type": "diagonal", "names": block.names})
         meta = {"kind": self.kind, "names": self.space.names, "shapes": [list(s) for s in self.space.shapes],
@@ -273,7 +282,7 @@ class FactoredCurvature:
             if b["type"] == "kronecker":
                 blocks.append(KroneckerBlock(b["layer"], b["kind"], b["weight"], b["bias"], b["rows"], b["cols"],
                                              get("left") if b["left"] else None, get("right"), get("eigenvalues"),
-                                             float.fromhex(b["shift"])))
+                                             float.fromhex(b["shift"]), b["inputs_first"]))
             else:
                 blocks.append(DiagonalBlock(b["names"], get("index"), get("values"), get("shift")))
         return cls(space, meta["kind"], blocks, meta["info"])
@@ -343,59 +352,37 @@ class _Accumulator:
 
     def __init__(self, layer: Layer, device, diagonal: bool = False, dtype: torch.dtype = torch.float64):
         self.layer = layer
-        in_dim, out_dim = (0, 0) if diagonal else _factor_dims(layer)  # a diagonal block keeps only the squares
-        self.inputs = torch.zeros(in_dim, dtype=dtype, device=device) if layer.kind == "embedding" \
+        in_dim, out_dim = (0, 0) if diagonal else layer.factor_dims()  # a diagonal block keeps only the squares
+        self.inputs = torch.zeros(in_dim, dtype=dtype, device=device) if layer.one_hot \
             else torch.zeros(in_dim, in_dim, dtype=dtype, device=device)
         self.grads = torch.zeros(out_dim, out_dim, dtype=dtype, device=device)
-        self.squares = torch.zeros(layer.rows, layer.cols, dtype=dtype, device=device)
+        self.squares = torch.zeros(*layer.shape, dtype=dtype, device=device)
         self.tokens = 0
 
     def release_covariances(self) -> None:
         """Drop the covariance sums once their eigendecomposition is taken (an embedding's token counts stay)."""
-        if self.layer.kind != "embedding":
+        if not self.layer.one_hot:
             self.inputs = self.inputs.new_zeros(0, 0)
         self.grads = self.grads.new_zeros(0, 0)
 
     def covariances(self, a: torch.Tensor, g: torch.Tensor) -> None:
-        """Add one batch: Σ ā āᵀ (blockwise for the homogeneous coordinate, never materializing ā) and Σ g gᵀ."""
-        if self.layer.kind == "embedding":
-            keep = token_mask(self.layer, a)
-            self.inputs.index_add_(0, a[keep], torch.ones(int(keep.sum()), dtype=self.inputs.dtype, device=a.device))
-            self.tokens += int(keep.sum())
-            g = g * keep[None, :, :, None].to(g.dtype)
-        else:
-            flat = a.reshape(-1, a.shape[-1])
-            width = flat.shape[1]
-            self.inputs[:width, :width] += (flat.T @ flat).to(self.inputs.dtype)
-            if self.layer.bias is not None:
-                total = flat.sum(0).to(self.inputs.dtype)
-                self.inputs[:width, width] += total
-                self.inputs[width, :width] += total
-                self.inputs[width, width] += flat.shape[0]
-            self.tokens += flat.shape[0]
-        flat_g = g.reshape(-1, g.shape[-1])
-        self.grads += (flat_g.T @ flat_g).to(self.grads.dtype)
-
-
-def _factor_dims(layer: Layer) -> tuple[int, int]:
-    """(input factor size, output-gradient factor size) of a layer (an embedding's input factor is a diagonal)."""
-    return (layer.rows, layer.cols) if layer.kind == "embedding" else (layer.cols, layer.rows)
+        """Add one batch: Σ ā āᵀ (embedding: token counts) and Σ g gᵀ (:meth:`influkit.layers.Dense.add_covariances`)."""
+        self.tokens += self.layer.add_covariances(self.inputs, self.grads, a, g)
 
 
 def factor_bytes(layer: Layer) -> int:
     """Bytes of a layer's float64 factors and their eigenvectors: 2 · 8 · (in² + out²) (embedding: in, not in²)."""
-    a, g = _factor_dims(layer)
-    return 16 * ((a if layer.kind == "embedding" else a * a) + g * g)
+    a, g = layer.factor_dims()
+    return 16 * ((a if layer.one_hot else a * a) + g * g)
 
 
 def _forward_pass(stage, layers, leaves, x, y, pseudo_factory):
     """One hooked forward and the backward passes of the pseudo output-gradients: ({layer: (a, g)}, U, dead layers)."""
-    with Recorder(layers) as rec, torch.enable_grad():
+    with Recorder(layers, x.shape[0]) as rec, torch.enable_grad():
         outputs = stage.outputs(leaves, x)
     pseudo = pseudo_factory(outputs, y)
     u = pseudo(outputs, y)
-    batch = x.shape[0]
-    dead = {layer.name: why for layer in layers if (why := check_calls(layer, rec.calls[layer.name], batch))}
+    dead = rec.misfits()
     live = [layer for layer in layers if layer.name not in dead]
     handles = [(layer, inp, out) for layer in live for inp, out in rec.calls[layer.name]]
     per_call = [[] for _ in handles]
@@ -404,13 +391,13 @@ def _forward_pass(stage, layers, leaves, x, y, pseudo_factory):
             grads = torch.autograd.grad(outputs, [h[2] for h in handles], grad_outputs=u[j],
                                         retain_graph=j < u.shape[0] - 1, allow_unused=True)
             for c, ((layer, _, out), g) in enumerate(zip(handles, grads)):
-                per_call[c].append(layer_grads(layer, g, out))
+                per_call[c].append(layer.grads(torch.zeros_like(out) if g is None else g))
     data: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for layer in live:
         a_parts, g_parts = [], []
         for c, (owner, inp, _) in enumerate(handles):
             if owner is layer:
-                a_parts.append(layer_inputs(layer, inp))
+                a_parts.append(layer.inputs(inp))
                 g_parts.append(torch.stack(per_call[c]))
         if len(a_parts) == 1:
             data[layer.name] = (a_parts[0], g_parts[0])
@@ -468,7 +455,7 @@ def fit_curvature(
     max_factor_bytes: a layer whose factors (:func:`factor_bytes`, float64 plus eigenvectors) exceed this
     (default: budget / 8) gets a **diagonal block** instead of Kronecker factors, with a warning — e.g. a
     30,522-word decoder's output-gradient factor alone is 30,522² floats (7.5 GB in float64); its diagonal
-    Gauss-Newton comes from the same hooks (Σ_i (Σ_t g_it a_itᵀ)², :func:`.layers.example_squares`), memory
+    Gauss-Newton comes from the same hooks (Σ_i (Σ_t g_it a_itᵀ)², :meth:`influkit.layers.Dense.example_squares`), memory
     O(rows · cols). ``info["memory"]`` records the sizes chosen.
     """
     if kind not in KINDS:
@@ -488,7 +475,7 @@ def fit_curvature(
     for layer in layers:
         if layer.name in wide:
             warnings.warn(
-                f"layer {layer.name} ({layer.rows}×{layer.cols}) would need {factor_bytes(layer) / 2**30:.2f} GiB of "
+                f"layer {layer.name} ({layer.shape[0]}×{layer.shape[1]}) would need {factor_bytes(layer) / 2**30:.2f} GiB of "
                 f"Kronecker factors, more than max_factor_bytes = {limit / 2**30:.2f} GiB (1/8 of the memory budget); it "
                 "gets a diagonal Gauss-Newton block instead (raise memory= or max_factor_bytes= to factor it).",
                 UserWarning, stacklevel=2)
@@ -570,11 +557,11 @@ def fit_curvature(
 
     t0 = time.perf_counter()
     if kind == "diagonal":
-        run_pass("diagonal Fisher", lambda layer, a, g: accumulators[layer.name].squares.add_(example_squares(layer, a, g)), True)
+        run_pass("diagonal Fisher", lambda layer, a, g: accumulators[layer.name].squares.add_(layer.example_squares(a, g)), True)
     else:
         def statistics(layer, a, g):
             acc = accumulators[layer.name]
-            acc.squares.add_(example_squares(layer, a, g)) if layer.name in wide else acc.covariances(a, g)
+            acc.squares.add_(layer.example_squares(a, g)) if layer.name in wide else acc.covariances(a, g)
 
         run_pass("K-FAC covariances", statistics, True, keep=True)
     pseudo = pseudo_holder.get("p")
@@ -604,7 +591,7 @@ def fit_curvature(
             acc = accumulators[layer.name]
             g_cov = acc.grads.to(torch.float64) / n
             g_evals, g_evecs = torch.linalg.eigh(0.5 * (g_cov + g_cov.T))
-            if layer.kind == "embedding":
+            if layer.one_hot:
                 a_evals, a_evecs = acc.inputs.to(torch.float64) / max(acc.tokens, 1), None
             else:
                 a_cov = acc.inputs.to(torch.float64) / max(acc.tokens, 1)
@@ -621,10 +608,8 @@ def fit_curvature(
             if layer.name in wide:
                 return
             a_evals, a_evecs, g_evals, g_evecs = eigen[layer.name]
-            if layer.kind == "embedding":
-                accumulators[layer.name].squares.add_(example_squares(layer, a, g, right=g_evecs))
-            else:
-                accumulators[layer.name].squares.add_(example_squares(layer, a, g, left=g_evecs, right=a_evecs))
+            left, right = layer.oriented(a_evecs, g_evecs)
+            accumulators[layer.name].squares.add_(layer.example_squares(a, g, left=left, right=right))
 
         if cache is not None:  # the first pass's inputs and output-gradients fit in memory: no second data pass
             for data in cache:
@@ -658,16 +643,13 @@ def fit_curvature(
             acc.squares = None
         else:
             a_evals, a_evecs, g_evals, g_evecs = eigen[layer.name]
-            if layer.kind == "embedding":
-                left, right = None, g_evecs
-                values = acc.squares.div_(n) if kind == "ekfac" else a_evals[:, None] * g_evals[None, :]
-            else:
-                left, right = g_evecs, a_evecs
-                values = acc.squares.div_(n) if kind == "ekfac" else g_evals[:, None] * a_evals[None, :]
+            left, right = layer.oriented(a_evecs, g_evecs)
+            row_evals, col_evals = layer.oriented(a_evals, g_evals)
+            values = acc.squares.div_(n) if kind == "ekfac" else row_evals[:, None] * col_evals[None, :]
             values = values.to(space.dtype)
             acc.squares = None
-            blocks.append(KroneckerBlock(layer.name, layer.kind, layer.weight, layer.bias, layer.rows, layer.cols,
-                                         left, right, values, shift))
+            blocks.append(KroneckerBlock(layer.name, layer.kind, layer.weight, layer.bias, *layer.shape,
+                                         left, right, values, shift, layer.inputs_first))
         layer_info.append(layer.describe() | {"tokens_per_example": acc.tokens / max(n, 1)})
     if diag_names:
         pos = torch.cat([torch.arange(offsets[nm], offsets[nm] + params[nm].numel(), device=space.device) for nm in diag_names])
@@ -704,10 +686,13 @@ def _all_reduce_sums(accumulators: dict, tracked: list, squares: bool, wide=()) 
 
 def _layer_index(layer: Layer, offsets: dict[str, int], device) -> torch.Tensor:
     """(rows, cols) flat positions of the layer's block matrix M."""
+    rows, cols = layer.shape
     w0 = offsets[layer.weight]
-    if layer.kind == "embedding" or layer.bias is None:
-        return torch.arange(w0, w0 + layer.rows * layer.cols, device=device).reshape(layer.rows, layer.cols)
-    width = layer.cols - 1
-    weight = torch.arange(w0, w0 + layer.rows * width, device=device).reshape(layer.rows, width)
+    if layer.bias is None:
+        return torch.arange(w0, w0 + rows * cols, device=device).reshape(rows, cols)
     b0 = offsets[layer.bias]
-    return torch.cat([weight, torch.arange(b0, b0 + layer.rows, device=device)[:, None]], dim=1)
+    if layer.inputs_first:
+        weight = torch.arange(w0, w0 + (rows - 1) * cols, device=device).reshape(rows - 1, cols)
+        return torch.cat([weight, torch.arange(b0, b0 + cols, device=device)[None, :]], dim=0)
+    weight = torch.arange(w0, w0 + rows * (cols - 1), device=device).reshape(rows, cols - 1)
+    return torch.cat([weight, torch.arange(b0, b0 + rows, device=device)[:, None]], dim=1)
