@@ -30,7 +30,8 @@ from torch import nn
 
 from .errors import ContractionWarning, InputError
 from .gradients import project_per_example_grads
-from .layers import Layer, Recorder, plan
+from .layers import Layer, Recorder
+from .layers import plan as registered_layers
 from .params import ParamSpace, point
 from .stage import Stage, check_finite
 
@@ -53,7 +54,7 @@ class ContractionPlan:
 
 def plan_contraction(model: nn.Module, names: Sequence[str]) -> ContractionPlan:
     """The registered layers of ``model`` that own the trained ``names`` (weights tied across modules included)."""
-    layers, reasons = plan(model, names)
+    layers, reasons = registered_layers(model, names)
     covered = {n for layer in layers for n in layer.params}
     return ContractionPlan(layers, [n for n in names if n not in covered], [n for n in names if n in covered], reasons)
 

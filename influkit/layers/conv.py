@@ -3,7 +3,6 @@ t sees (unfolded, padding included), W the weight reshaped to (out, in·kernel) 
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
