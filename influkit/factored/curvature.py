@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 
 from .. import distributed
 from ..errors import FileFormatError, InputError
+from ..layers import Layer, Recorder
 from ..memory import PROBE_EXAMPLES, fit_count, probe_bytes
 from ..memory import resolve as memory_budget
 from ..operators import count_products
@@ -53,7 +54,6 @@ from ..params import ParamSpace, point
 from ..stage import Stage
 from ..vectorize import vmap_or_loop
 from .fisher import FISHER, PseudoGradients
-from ..layers import Layer, Recorder
 from .layers import plan_layers
 
 KINDS = ("kfac", "ekfac", "diagonal")
