@@ -12,7 +12,7 @@ from .conv import Conv
 from .dense import Dense, Linear
 from .embedding import Embedding
 from .norm import LayerNorm, Norm, RMSNorm
-from .recorder import NEVER_CALLED, Recorder
+from .recorder import Recorder
 from .registry import LAYER_TYPES, Layer, layer_type, plan, register
 
 __all__ = [
@@ -23,7 +23,6 @@ __all__ = [
     "Layer",
     "LayerNorm",
     "Linear",
-    "NEVER_CALLED",
     "Norm",
     "RMSNorm",
     "Recorder",
