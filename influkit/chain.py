@@ -48,9 +48,10 @@ from .params import ParamSpace
 from .results import InfluenceResult
 from .memory import resolve as memory_budget
 from .memory import scope as memory_scope
-from .scoring import Rows, Scorer, resumed_chunk_size, score_rows, stream_rows
+from .scoring import Rows, Scorer, score_rows, stream_rows
 from .solvers import Solution, SolveConfig, Solver
 from .stage import Stage, check_example_shape
+from .store import resumed_chunk_size
 
 QUERY_KIND = "query"
 FIT_KIND = "chain-fit"
@@ -324,7 +325,7 @@ class Query:
         memory budget holds (``diagnostics["scoring"]``). ``autocast``: torch.bfloat16 / float16 passes for the
         contraction. Scoring z in parts gives the same numbers as scoring it whole. Under ``torch.distributed`` the chunks are split
         over the ranks and every rank returns the whole result. ``out``: a directory to stream the scores to,
-        chunk by chunk, resumable after a crash (:mod:`influkit.scoring`); the result is memory-mapped from it.
+        chunk by chunk, resumable after a crash (a score store, :mod:`influkit.store`); the result is memory-mapped from it.
         """
         plan = self.chain.plans[0]
         rows = Rows.of(plan.stage, z)

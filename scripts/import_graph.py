@@ -20,7 +20,7 @@ PACKAGE = "influkit"
 CORE = {f"{PACKAGE}.{name}" for name in (
     "stage", "data", "params", "curvature", "gradients", "solvers", "operators", "chain", "results", "scoring",
     "files", "distributed", "errors", "vectorize", "philox", "krylov", "report", "ensemble", "memory", "contraction",
-    "links")}
+    "links", "store")}
 CORE_PACKAGES = (f"{PACKAGE}.factored",)
 METHOD_PACKAGES = tuple(f"{PACKAGE}.{name}" for name in ("ssl", "turnover", "elmo", "hf", "apps", "validation"))
 

@@ -241,18 +241,21 @@ def write_validation(run: ValidationRun, out: Path, name: str) -> None:
         out / f"{name}_gallery.png",
     )
     (out / f"{name}_attrs.json").write_text(json.dumps(run.summary.attrs, indent=1, default=str))
-    report_page(run, out / f"{name}_report.html")
-    run.scores.save(out / f"{name}_result.safetensors")  # `influkit report` renders the page again from this file
+    shown = report_page(run, out / f"{name}_report.html")
+    shown.save(out / f"{name}_result.safetensors")  # `influkit report` renders the page again from this file
 
 
-def report_page(run: ValidationRun, path: Path) -> Path:
+def report_page(run: ValidationRun, path: Path) -> InfluenceResult:
     """Write the HTML report of a :class:`ValidationRun` (:mod:`influkit.report`): pretraining digits as thumbnails,
-    the test digits as queries, the leave-out validation scatter. Returns the page's path."""
+    the test digits as queries, the leave-out validation scatter. Returns the scores with what the page shows
+    attached (:func:`influkit.report.attach`), which render the same page again once saved."""
+    from ..report import attach, write_report
+
     images, classes = run.split.pretrain
     test_images, test_classes = run.split.test
     side = int(round(images[0].numel() ** 0.5))
-    return run.scores.report(
-        path,
+    shown = attach(
+        run.scores,
         examples=images.reshape(len(images), side, side),
         labels=[f"digit {run.setup.pretrain_classes[int(c)]}" for c in classes],
         queries=test_images.reshape(len(test_images), side, side),
@@ -261,6 +264,8 @@ def report_page(run: ValidationRun, path: Path) -> Path:
         title=f"Case {run.setup.case} multi-stage influence on digits: pretraining digits "
               f"{', '.join(map(str, run.setup.pretrain_classes))} → finetuned {', '.join(map(str, run.setup.finetune_classes))}",
     )
+    write_report(shown, path)
+    return shown
 
 
 # ------------------------------------------------------------------------------ the LDS of the digits setting
