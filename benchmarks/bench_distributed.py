@@ -22,9 +22,9 @@ Parts (every process runs single-threaded, like the other benchmarks):
              HVP (streamed and graph-cached), a Case 1 finetuning HVP over the head, and a per-example gradient.
              The projection (GPU speed from these FLOP counts, NCCL ring all-reduce) is printed at the end.
 
-    python benchmarks/bench_distributed.py                   # all parts, ~15 min on the 2-core machine
-    python benchmarks/bench_distributed.py --quick           # ~3 min
-    python benchmarks/bench_distributed.py --part rss --m 10000 1000000 [--rss-without-trim]
+    python -m benchmarks.bench_distributed                   # all parts, ~15 min on the 2-core machine
+    python -m benchmarks.bench_distributed --quick           # ~3 min
+    python -m benchmarks.bench_distributed --part rss --m 10000 1000000 [--rss-without-trim]
 """
 
 from __future__ import annotations
@@ -739,9 +739,7 @@ def main(argv=None) -> None:
         args.n_pre, args.n_fin, args.iterations, args.hvp_repeats = 5000, 1000, 8, 3
         args.m = [10_000, 100_000]
         args.cifar_batch, args.repeat = 32, 2
-
-    sys.path.insert(0, str(HERE))
-    from common import Tee, banner, setup
+    from benchmarks.common import Tee, banner, setup
 
     setup(1)
     pd.set_option("display.width", 250)

@@ -21,10 +21,10 @@ completion, between the two re-trainings' NLLs.
 Resumable: the trained models, every re-training and every score matrix are cached under
 ``results/fidelity/cache/lm-case1`` (git-ignored). Steps (run ``train`` first; the others can run side by side):
 
-    python benchmarks/bench_fidelity_lm.py train
-    python benchmarks/bench_fidelity_lm.py retrain --subsets 40 --order 0     # order 1: the noise ceiling
-    python benchmarks/bench_fidelity_lm.py score     # exact, ekfac, identity, gauss-newton, exact-sgd-damped
-    python benchmarks/bench_fidelity_lm.py table --subsets 40
+    python -m benchmarks.bench_fidelity_lm train
+    python -m benchmarks.bench_fidelity_lm retrain --subsets 40 --order 0     # order 1: the noise ceiling
+    python -m benchmarks.bench_fidelity_lm score     # exact, ekfac, identity, gauss-newton, exact-sgd-damped
+    python -m benchmarks.bench_fidelity_lm table --subsets 40
 """
 
 from __future__ import annotations
@@ -45,15 +45,13 @@ import torch
 from scipy.stats import spearmanr
 from tqdm.auto import tqdm
 
+import influkit as ik
+from benchmarks.fidelity_tasks import random_halves
+from influkit import hf
+from influkit.chain import Query
+from influkit.validation import lds_per_query
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from fidelity_tasks import random_halves  # noqa: E402
-
-import influkit as ik  # noqa: E402
-from influkit import hf  # noqa: E402
-from influkit.chain import Query  # noqa: E402
-from influkit.validation import lds_per_query  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "fidelity"
 CACHE = RESULTS / "cache" / "lm-case1"

@@ -7,8 +7,8 @@ iteration count, Hessian on 1,000 sampled examples as in the paper), the per-exa
 pretraining example, streamed in chunks), the peak RSS growth of the per-example part, and the ratio of the
 total to one full pretraining gradient pass.
 
-    python benchmarks/bench_multistage.py            # m = 1000 4000 16000
-    python benchmarks/bench_multistage.py --m 500 2000
+    python -m benchmarks.bench_multistage            # m = 1000 4000 16000
+    python -m benchmarks.bench_multistage --m 500 2000
 """
 
 from __future__ import annotations

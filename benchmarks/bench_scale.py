@@ -28,12 +28,12 @@ Data: Debian's ``dataset-fashion-mnist`` (``apt-get install -y dataset-fashion-m
 dataset-fashion-mnist`` lists its IDX files under /usr/share/datasets/fashion-mnist), or a directory with
 the four ``*-idx?-ubyte.gz`` files in ``$FASHION_MNIST``. Nothing is downloaded.
 
-Run: ``python benchmarks/bench_scale.py --damping 1.0`` and ``--curvature gauss-newton`` (about 12 min each on 2
+Run: ``python -m benchmarks.bench_scale --damping 1.0`` and ``--curvature gauss-newton`` (about 12 min each on 2
 busy cores) or ``--quick`` (no Lanczos spectrum, no Case 2). kronfluence lives in the peers' environment
-(``bash scripts/bench-env.sh``, then ``.bench-venv/bin/python benchmarks/bench_scale.py``), or by hand:
+(``bash scripts/bench-env.sh``, then ``.bench-venv/bin/python -m benchmarks.bench_scale``), or by hand:
 ``python3 -m venv /work/kron-venv && /work/kron-venv/bin/pip install torch==2.13.0 && /work/kron-venv/bin/pip
 install kronfluence==1.0.1 torchvision==0.28.0 pandas scipy scikit-learn safetensors tqdm h5py matplotlib &&
-/work/kron-venv/bin/pip install --no-deps -e .`` then ``/work/kron-venv/bin/python benchmarks/bench_scale.py
+/work/kron-venv/bin/pip install --no-deps -e .`` then ``/work/kron-venv/bin/python -m benchmarks.bench_scale
 --damping 1.0``; without kronfluence its row is skipped. (PyPI's torchvision 0.28.0 does not import beside the
 CPU torch 2.13.0 file — ``operator torchvision::nms does not exist`` — but kronfluence 1.0.1 never imports it.)
 """

@@ -12,7 +12,7 @@ last-layer identity / Neumann.
 Seconds are the best of a few repeats; peak memory is the high-water mark of CPU tensor allocations
 recorded by the torch profiler (profile_memory=True) during one call. Ratios are measured in the same run.
 
-Run: ``python benchmarks/bench_ssl.py`` (about a minute; ``--threads`` sets torch CPU threads).
+Run: ``python -m benchmarks.bench_ssl`` (about a minute; ``--threads`` sets torch CPU threads).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import influkit as ik
-from common import cross_entropy as ce, timed
+from benchmarks.common import cross_entropy as ce, timed
 from influkit.gradients import per_example_grads, per_example_grads_serial
 from influkit.ssl import Neumann, PseudoLabel, hypergradient, last_layer_grads
 

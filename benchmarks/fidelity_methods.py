@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fidelity_tasks import Task
+from benchmarks.fidelity_tasks import Task
 from influkit import SolveConfig
 from influkit.ensemble import Ensemble
 

@@ -192,6 +192,14 @@ def random_halves(n: int, m: int, seed: int = 0) -> torch.Tensor:
     return masks
 
 
+SUBSET_SEED = 0
+
+
+def subsets_for(task: Task, m: int) -> torch.Tensor:
+    """The task's M subsets (α = 0.5), the same for every protocol and method."""
+    return random_halves(len(task.split.pretrain[0]), m, seed=SUBSET_SEED)
+
+
 def cached_retrain(task: Task, subsets: torch.Tensor, j: int, protocol: str, seed: int) -> torch.Tensor:
     """The outputs of re-training ``task`` on subset j (protocol, seed), computed once and kept on disk.
 

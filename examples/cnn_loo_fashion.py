@@ -63,7 +63,7 @@ from influkit.apps.objectives import cross_entropy, l2  # noqa: E402
 from influkit.curvature import HessianOperator, gradient  # noqa: E402
 from influkit.errors import InputError  # noqa: E402
 from influkit.training import fit_lbfgs, gradient_norm, newton_fit, train_adam  # noqa: E402
-from influkit.validation import leave_out_retrain, loo_corr  # noqa: E402
+from influkit.validation import Retrainer, leave_out_retrain, loo_corr  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cnn_loo"
 PRETRAIN_CLASSES = (0, 1, 2, 3, 4)
@@ -286,25 +286,22 @@ def run(cfg: Config, out: Path, log=print) -> dict:
     factors = {"pre": DenseFactor(chains["exact"].operator(0)), "fin": DenseFactor(chains["exact"].operator(1))}
     stats = {"refits": 0, "max_grad_pre": 0.0, "max_grad_fin": 0.0}
 
-    def recipe(pre_s: ik.Stage, fin_s: ik.Stage, exclude) -> None:
+    def refit(objective: ik.Stage) -> float:
+        """One stage of a leave-out run (the Retrainer hands over pretraining, then finetuning)."""
+        which = "fin" if objective.param_names == fin.param_names else "pre"
         t0 = time.perf_counter()
-        norm, hvps = newton_refit(pre_s.without(exclude), factors["pre"], cfg.tol)
-        stats["max_grad_pre"] = max(stats["max_grad_pre"], norm)
-        fin_params = dict(fin_s.model.named_parameters())
-        with torch.no_grad():
-            for n, p in pre_s.model.embedding.named_parameters():
-                fin_params[f"embedding.{n}"].copy_(p)
-        norm_fin, _ = newton_refit(fin_s, factors["fin"], cfg.tol)
-        stats["max_grad_fin"] = max(stats["max_grad_fin"], norm_fin)
-        stats["refits"] += 1
-        log(f"  refit without {None if exclude is None else exclude.tolist()}: {time.perf_counter() - t0:.1f} s, "
-            f"{hvps} HVPs, ‖∇‖ {norm:.1e} / {norm_fin:.1e}, test loss {summed_loss(fin_s, test):.10f}")  # fmt: skip
+        norm, hvps = newton_refit(objective, factors[which], cfg.tol)
+        stats[f"max_grad_{which}"] = max(stats[f"max_grad_{which}"], norm)
+        stats["refits"] += which == "fin"
+        log(f"  refit {which}: {time.perf_counter() - t0:.1f} s, {hvps} HVPs, ‖∇‖ {norm:.1e}")
+        return norm
 
     log_file = out / "loo_log.csv"
     if log_file.exists():
         log_file.unlink()
     start = time.perf_counter()
-    frame = leave_out_retrain(pre, fin, removals, test, recipe, log=log_file, progress=False)
+    retrainer = Retrainer(optimizer=refit, keep_weights=False)  # stage 1 re-fitted as the mean over the kept images
+    frame = leave_out_retrain(chains["exact"], removals, test, retrainer, log=log_file, progress=False)
     loo_seconds = time.perf_counter() - start
     baseline = pd.read_csv(log_file, dtype={"removed": str}).set_index("removed").loc["none", "test_loss"]
     for name, res in results.items():

@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     setup = DigitsSetup.demo()
     run = validate_digits(setup, n_removals=DEMO_REMOVALS, progress=not args.quiet)
-    page = report_page(run, args.out / "case1_report.html")
-    saved = run.scores.save(args.out / "case1_result.safetensors")
+    page = args.out / "case1_report.html"
+    saved = report_page(run, page).save(args.out / "case1_result.safetensors")  # renders the same page again
     print(f"wrote {page} and {saved}")
     if shutil.which("chromium"):
         png = screenshot(page, args.screenshot or args.out / "report.png", size=(1100, 1900))

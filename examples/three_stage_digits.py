@@ -19,7 +19,7 @@ and the same with ``SolveConfig(solver="identity")`` (H := I, the paper's ablati
 pretraining images (half the largest |score|, half at random) the whole chain is re-run without each one —
 pretrain, then adapt (Case 2 centred at the retrained W), then finetune (Case 1 on the retrained W, A) — from the
 original weights by Newton steps preconditioned with each stage's original Hessian factor
-(``influkit.validation.leave_out_retrain_chain``), and the actual change of the summed test loss is compared with
+(``influkit.validation.leave_out_retrain``), and the actual change of the summed test loss is compared with
 ``res.removal``.
 
 Run ``python examples/three_stage_digits.py`` (both chains, 40 removals each, ≈ 1 min of CPU on one core) or ``--quick``
@@ -55,8 +55,8 @@ from influkit.apps.digits import accuracy, choose_removals
 from influkit.apps.objectives import cross_entropy, l2
 from influkit.curvature import HessianOperator
 from influkit.training import fit_lbfgs, newton_fit
-from influkit.validation import ChainRecipe, leave_out_retrain_chain, loo_corr
-from influkit.validation.chain_loo import stage_objective
+from influkit.links import StagePlan
+from influkit.validation import Retrainer, leave_out_retrain, loo_corr
 
 RESULTS = Path(__file__).parent / "results" / "three_stage"
 GROUPS = {"pretrain": (0, 1, 2, 3), "adapt": (4, 5, 6), "finetune": (7, 8, 9)}
@@ -113,15 +113,15 @@ def split_digits(sizes: dict[str, int | None], seed: int = 0) -> Split:
     )
 
 
-def fit(stage: ik.Stage, trained: list[str], centre=None, alpha: float = 0.0, rounds: int = 6) -> tuple[float, float]:
-    """Train ``stage`` over ``trained`` (+ α‖S − centre‖²) to a local minimum; return (‖∇‖, λ_min(H)) at the end.
+def fit(objective: ik.Stage, rounds: int = 6) -> tuple[float, float]:
+    """Train a stage objective (a link's :meth:`~influkit.links.StagePlan.objective`) to a local minimum; return
+    (‖∇‖, λ_min(H)) at the end.
 
     L-BFGS, then Newton to ‖∇‖ ≤ 1e-10. Newton steps are drawn to any stationary point, saddles included, and
     influence functions (and a Newton leave-out refit) need a minimum: while the dense Hessian has a negative
     eigenvalue, step down its eigenvector (the longest of a few trial steps that lowers the objective) and refit.
     """
-    objective = stage_objective(stage, trained, centre, alpha)
-    named = dict(stage.model.named_parameters())
+    named = dict(objective.model.named_parameters())
     fit_lbfgs(objective, max_iter=1000, tol=1e-9, restarts=0)
     for attempt in range(rounds + 1):
         norm = newton_fit(objective, tol=1e-10)
@@ -150,7 +150,7 @@ def train_pretrain(split: Split, decay: float, seed: int) -> tuple[ik.Stage, tup
     torch.manual_seed(seed)
     model = AdaptedClassifier(len(GROUPS["pretrain"])).double().eval()
     pre = ik.Stage(model, cross_entropy, split.pretrain, regularizer=l2(decay), batch_size=4096)
-    return pre, fit(pre, pre.param_names)
+    return pre, fit(pre)
 
 
 def train_chain(pre: ik.Stage, split: Split, cases: tuple[int, int], decay: float, alpha: float, seed: int):
@@ -158,20 +158,17 @@ def train_chain(pre: ik.Stage, split: Split, cases: tuple[int, int], decay: floa
     torch.manual_seed(seed + 1)
     adapt_model = copy.deepcopy(pre.model)  # W and A start from pretraining, the head is new
     adapt_model.head = nn.Linear(adapt_model.head.in_features, len(GROUPS["adapt"])).double()
-    if cases[0] == 2:  # Case 2: W is trained too, pulled towards W̄ by the proximal term
-        adapt = ik.Stage(adapt_model, cross_entropy, split.adapt, regularizer=l2(decay), batch_size=4096)
-        centre = {n: t.clone() for n, t in pre.state().items() if n.startswith("embedding.")}
-        fit_adapt = fit(adapt, adapt.param_names, centre, alpha)
-    else:  # Case 1: W fixed at W̄
-        adapt = ik.Stage(adapt_model, cross_entropy, split.adapt, params=["adapter", "head"],
-                         regularizer=l2(decay), batch_size=4096)
-        fit_adapt = fit(adapt, adapt.param_names)
+    links = [ik.Link("embedding", case=cases[0], alpha=alpha), ik.Link(SHARED_2, case=cases[1])]
+    # Case 2: W is trained too, pulled towards W̄ by the proximal term; Case 1: W fixed at W̄
+    params = None if cases[0] == 2 else ["adapter", "head"]
+    adapt = ik.Stage(adapt_model, cross_entropy, split.adapt, params=params, regularizer=l2(decay), batch_size=4096)
+    adapt_plan = StagePlan(adapt, links[0], StagePlan(pre))
+    fit_adapt = fit(adapt_plan.objective(adapt, pre.state()))
     fin_model = copy.deepcopy(adapt.model)  # W and A fixed at the adapted values (Case 1), a new head
     torch.manual_seed(seed + 2)
     fin_model.head = nn.Linear(fin_model.head.in_features, len(GROUPS["finetune"])).double()
     fin = ik.Stage(fin_model, cross_entropy, split.finetune, params="head", regularizer=l2(decay), batch_size=4096)
-    fit_fin = fit(fin, fin.param_names)
-    links = [ik.Link("embedding", case=cases[0], alpha=alpha), ik.Link(SHARED_2, case=cases[1])]
+    fit_fin = fit(StagePlan(fin, links[1], adapt_plan).objective(fin, adapt.state()))
     return adapt, fin, links, [fit_adapt, fit_fin]
 
 
@@ -207,8 +204,8 @@ def run_chain(name: str, pre: ik.Stage, pre_fit: tuple[float, float], split: Spl
 
     removals = choose_removals(res, args.removals, args.seed)
     start = time.perf_counter()
-    loo = leave_out_retrain_chain(chain, removals, split.test, ChainRecipe(tol=1e-10), predicted=res,
-                                  progress=not args.no_progress)
+    loo = leave_out_retrain(chain, removals, split.test, Retrainer(tol=1e-10), predicted=res,
+                            progress=not args.no_progress)
     timings[f"{name} leave-out retraining ({len(removals)} + baseline, 3 stages each)"] = time.perf_counter() - start
     labels = split.pretrain[1]
     loo.insert(1, "digit", [GROUPS["pretrain"][int(labels[i])] for i in removals])
@@ -265,7 +262,7 @@ def write_readme(out: Path, summary: pd.DataFrame, infos: list[dict], timings: d
         "",
         "Influence of every pretraining image (digits 0–3) on the summed test loss of a model adapted on digits 4–6 "
         "and finetuned on digits 7–9, computed with `ik.Chain([pre, adapt, fin], [Link, Link])` and validated by "
-        "re-running **all three stages** without each removed image (`influkit.validation.leave_out_retrain_chain`: "
+        "re-running **all three stages** without each removed image (`influkit.validation.leave_out_retrain`: "
         "Newton steps preconditioned by each stage's original Hessian factor, to ‖∇‖ ≤ 1e-10, float64). "
         f"Removals: {args.removals} per chain, half the largest |score|, half at random.",
         "",
@@ -307,7 +304,7 @@ def write_readme(out: Path, summary: pd.DataFrame, infos: list[dict], timings: d
         "against 0.01 from the L2 term alone), where the second-order term is not negligible. The random removals, "
         "whose changes are smaller, sit near the y = x line (median actual / predicted "
         + ", ".join(f"{i['median actual / predicted over the random removals']:.2f}" for i in infos) + ").",
-        "- Leave-out runs keep every other pretraining image at weight 1/m (`ChainRecipe(keep_weights=True)`, "
+        "- Leave-out runs keep every other pretraining image at weight 1/m (`Retrainer(keep_weights=True)`, "
         "the perturbation ε = −1/m the scores linearize); re-averaging over m − 1 images would also weaken the L2 "
         "term by 1/m, a shift common to all removals.",
         "- Every stage was trained to a local minimum (the trainer steps off saddles): smallest Hessian eigenvalue "

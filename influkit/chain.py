@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,95 +40,24 @@ import torch
 from . import distributed, files
 from .curvature import HessianOperator, hvp
 from .data import as_examples
-from .errors import FileFormatError, InputError, LossError, ParameterError
+from .errors import FileFormatError, InputError, LossError
 from .gradients import per_example_grads, total_grad
 from .operators import Operator
-from .params import ParamSpace, shared_parameters
+from .links import Link, StagePlan
+from .params import ParamSpace
 from .results import InfluenceResult
 from .memory import resolve as memory_budget
 from .memory import scope as memory_scope
-from .scoring import Rows, Scorer, resumed_chunk_size, score_rows, stream_rows
+from .scoring import Rows, Scorer, score_rows, stream_rows
 from .solvers import Solution, SolveConfig, Solver
 from .stage import Stage, check_example_shape
+from .store import resumed_chunk_size
 
 QUERY_KIND = "query"
 FIT_KIND = "chain-fit"
 
 
 Measure = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # measure(outputs, targets) -> (B,) values
-
-
-@dataclass(frozen=True)
-class Link:
-    """How a stage inherits the shared block S from the previous stage.
-
-    shared: a module prefix present in both models, or {this_stage_name: previous_stage_name} (names or prefixes).
-    case: 1 keeps S fixed at the previous stage's values; 2 finetunes S with the proximal term α‖S − S̄‖².
-    alpha: the proximal weight α > 0 of Case 2 (the multi-stage paper uses 0.01).
-    """
-
-    shared: str | Mapping[str, str]
-    case: int = 1
-    alpha: float = 0.01
-
-    def __post_init__(self) -> None:
-        if self.case not in (1, 2):
-            raise InputError(f"case must be 1 (shared block fixed) or 2 (finetuned), got {self.case!r}.")
-        if self.case == 2 and not self.alpha > 0:
-            raise InputError(
-                f"Case 2 needs a proximal weight alpha > 0 (the paper uses 0.01), got {self.alpha!r}; with alpha = 0 "
-                "the later stage does not depend on the earlier stage's shared block at all."
-            )
-        if not self.shared:
-            raise ParameterError("shared is empty: name the shared block (a module prefix or a name mapping).")
-
-
-class _StagePlan:
-    """What the chain needs of one stage: trained names θ, inherited names S ({name: previous name}), proximal term."""
-
-    def __init__(self, stage: Stage, link: Link | None, previous: "_StagePlan | None"):
-        self.stage = stage
-        self.link = link
-        self.inherited: dict[str, str] = {}
-        if link is not None:
-            self.inherited = shared_parameters(previous.stage.model, stage.model, link.shared)
-            live = set(previous.trained) | set(previous.inherited)
-            dead = [p for p in self.inherited.values() if p not in live]
-            if dead:
-                raise ParameterError(
-                    f"shared parameters {dead} are neither trained in the previous stage nor inherited by it, so "
-                    "they cannot carry influence; include them in that stage's params."
-                )
-        order = [n for n, _ in stage.model.named_parameters()]
-        if link is not None and link.case == 1:
-            self.trained = [n for n in stage.param_names if n not in self.inherited]
-            if not self.trained:
-                raise ParameterError(
-                    f"stage {type(stage.model).__name__} trains nothing besides the shared block; a Case 1 link needs "
-                    "parameters the stage trains on top of it."
-                )
-        elif link is not None:
-            chosen = set(stage.param_names) | set(self.inherited)
-            self.trained = [n for n in order if n in chosen]
-        else:
-            self.trained = list(stage.param_names)
-        self.fixed = list(self.inherited) if link is not None and link.case == 1 else []
-        self.proximal = None
-        if link is not None and link.case == 2:
-            previous_state = previous.stage.state()
-            centre = {n: previous_state[p].detach() for n, p in self.inherited.items()}
-            alpha = link.alpha
-            self.proximal = lambda params: alpha * sum(((params[n] - c) ** 2).sum() for n, c in centre.items())
-        if link is not None and link.case == 1:
-            state, previous_state = stage.state(), previous.stage.state()
-            drift = max(float((state[n] - previous_state[p]).abs().max()) for n, p in self.inherited.items())
-            if drift > 0:
-                warnings.warn(
-                    f"a Case 1 link assumes the stage keeps the previous stage's shared block, but they differ by up "
-                    f"to {drift:.2e}: the block was not fixed. Use Link(..., case=2) if it was finetuned.",
-                    UserWarning,
-                    stacklevel=4,
-                )
 
 
 class Chain:
@@ -158,9 +85,9 @@ class Chain:
         if len(configs) != len(stages) or not all(isinstance(c, SolveConfig) for c in configs):
             raise InputError(f"solve must be one SolveConfig or one per stage ({len(stages)}).")
         self.stages, self.links, self.configs = stages, links, configs
-        self.plans: list[_StagePlan] = []
+        self.plans: list[StagePlan] = []
         for k, stage in enumerate(stages):
-            self.plans.append(_StagePlan(stage, links[k - 1] if k else None, self.plans[-1] if k else None))
+            self.plans.append(StagePlan(stage, links[k - 1] if k else None, self.plans[-1] if k else None))
         self._solvers: list[Solver] | None = None
         self.fit_seconds: float | None = None
         self.memory = None if memory is None else memory_budget(memory)  # bytes; None: a share of what is free
@@ -223,7 +150,7 @@ class Chain:
         other.fit_seconds = time.perf_counter() - start
         return other
 
-    def _operator(self, plan: "_StagePlan", config: SolveConfig) -> HessianOperator:
+    def _operator(self, plan: StagePlan, config: SolveConfig) -> HessianOperator:
         return HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed,
                                extra=plan.proximal, curvature=config.curvature, memory=self.memory)
 
@@ -398,7 +325,7 @@ class Query:
         memory budget holds (``diagnostics["scoring"]``). ``autocast``: torch.bfloat16 / float16 passes for the
         contraction. Scoring z in parts gives the same numbers as scoring it whole. Under ``torch.distributed`` the chunks are split
         over the ranks and every rank returns the whole result. ``out``: a directory to stream the scores to,
-        chunk by chunk, resumable after a crash (:mod:`influkit.scoring`); the result is memory-mapped from it.
+        chunk by chunk, resumable after a crash (a score store, :mod:`influkit.store`); the result is memory-mapped from it.
         """
         plan = self.chain.plans[0]
         rows = Rows.of(plan.stage, z)

@@ -6,9 +6,10 @@ the distribution of the scores, the solve diagnostics, and the validation scatte
 the test loss on removal) when there is one. Nothing is fetched when it opens: the CSS is inline and every
 picture is a base64 PNG ``data:`` URI, so the file can be mailed or archived alone.
 
-What the page needs beyond the scores — the renderings of the examples it shows, the queries, the validation
-pairs — is kept in ``result.diagnostics["report"]`` (JSON: texts and small PNGs), so a result saved after
-:func:`write_report` renders the same page again from the file alone (``influkit report RESULT -o page.html``).
+The report only reads a result. What the page needs beyond the scores — the renderings of the examples it
+shows, the queries, the validation pairs (JSON: texts and small PNGs) — :func:`attach` puts into the
+``diagnostics["report"]`` of a *copy* of the result, so that copy, saved, renders the same page again from the
+file alone (``influkit report RESULT -o page.html``); :func:`write_report` never changes the result it is given.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -31,9 +33,7 @@ import torch
 from matplotlib.figure import Figure
 
 from .errors import InputError
-
-if TYPE_CHECKING:  # annotations only: results.py imports this module lazily for InfluenceResult.report
-    from .results import InfluenceResult
+from .results import InfluenceResult
 
 MAX_TEXT = 600  # characters of a text example shown
 
@@ -136,7 +136,7 @@ def _validation_pairs(validation) -> dict[str, list]:
     return {"predicted": frame["predicted"].astype(float).tolist(), "actual": frame["actual"].astype(float).tolist()}
 
 
-def remember(
+def attach(
     result: InfluenceResult,
     *,
     examples=None,
@@ -148,8 +148,8 @@ def remember(
     k: int | None = None,
     max_queries: int | None = None,
     title: str | None = None,
-) -> dict[str, Any]:
-    """Store in ``result.diagnostics["report"]`` what the page shows beyond the scores, and return it.
+) -> InfluenceResult:
+    """A copy of ``result`` whose ``diagnostics["report"]`` holds what the page shows beyond the scores.
 
     examples: the training examples, indexable by the result's example ids (``result.index``): a list of
     strings, or images as an (N, H, W), (N, C, H, W), (N, H, W, C) tensor/array (or (N, D) with
@@ -157,7 +157,7 @@ def remember(
     per-test result (else a strip of the test set). validation: a leave-out frame with ``predicted`` and
     ``actual``. labels / query_labels: a caption per training / test example (e.g. the class).
     k: examples per list (default 8); max_queries: test columns shown of a per-test result (default 12).
-    Arguments left None keep what an earlier call stored.
+    Arguments left None keep what an earlier :func:`attach` stored. ``result`` itself is not changed.
     """
     stored = dict(result.diagnostics.get("report") or {})
     k = int(stored.get("k", 8) if k is None else k)
@@ -190,8 +190,7 @@ def remember(
         stored["query_labels"] = [str(v) for v in list(query_labels)[: max(max_queries, 16)]]
     if validation is not None:
         stored["validation"] = _validation_pairs(validation)
-    result.diagnostics["report"] = stored
-    return stored
+    return replace(result, diagnostics=dict(result.diagnostics) | {"report": stored})
 
 
 def _example_card(example_id: int, score: float, removal: float, stored: dict, wide: bool) -> str:
@@ -290,7 +289,7 @@ def _diagnostics(result: InfluenceResult) -> str:
 
 
 def render(result: InfluenceResult) -> str:
-    """The HTML page of ``result`` from its scores, diagnostics and what :func:`remember` stored."""
+    """The HTML page of ``result`` from its scores, diagnostics and what :func:`attach` stored."""
     stored = result.diagnostics.get("report") or {}
     k, max_queries = int(stored.get("k", 8)), int(stored.get("max_queries", 12))
     wide = any("text" in v for v in (stored.get("examples") or {}).values())
@@ -333,11 +332,10 @@ def render(result: InfluenceResult) -> str:
 
 
 def write_report(result: InfluenceResult, path: str | Path, **attachments) -> Path:
-    """Write the HTML page of ``result`` to ``path``; ``attachments`` as in :func:`remember` (stored first)."""
-    remember(result, **attachments)
+    """Write the HTML page of ``result`` (with ``attachments`` as in :func:`attach`) to ``path``; return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(result), encoding="utf-8")
+    path.write_text(render(attach(result, **attachments) if attachments else result), encoding="utf-8")
     return path
 
 

@@ -128,18 +128,6 @@ class InfluenceResult:
             meta["removal_eps"] = self.removal_eps
         return files.write(path, KIND, tensors, meta)
 
-    def report(self, path: str | Path, **attachments) -> Path:
-        """Write a self-contained HTML page of this result (:mod:`influkit.report`) and return its path.
-
-        attachments: ``examples=`` (training texts or images, indexable by example id), ``queries=`` (the test
-        examples), ``validation=`` (a leave-out frame with ``predicted`` and ``actual``), ``labels=``, ``k=``…
-        (:func:`influkit.report.remember`); what the page shows is kept in ``diagnostics["report"]``, so a
-        result saved afterwards renders the same page again (``influkit report RESULT -o page.html``).
-        """
-        from .report import write_report
-
-        return write_report(self, path, **attachments)
-
     def __repr__(self) -> str:
         shape = tuple(self.values.shape)
         return f"InfluenceResult(method={self.method!r}, values{shape}, n_train={self.n_train})"

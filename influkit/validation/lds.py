@@ -21,7 +21,7 @@ as TRAK's τ on a margin) must be paired with outputs of that sign (e.g. minus t
 
 Per-query scores are ``chain.query(x_test, per_test=True).scores().values``, an (n, q) matrix. This module is the
 metric only (plain functions, like dattri's ``metric/``); the re-training harness that produces the outputs
-(:func:`influkit.apps.lds.run_lds`, :class:`influkit.apps.lds.ChainRetrain`) and the plots live in
+(:func:`influkit.apps.lds.run_lds`, :class:`influkit.apps.lds.ChainOutputs`) and the plots live in
 :mod:`influkit.apps.lds`.
 """
 
