@@ -29,7 +29,7 @@ glue beyond naming the shared block (``shared="bert"``):
   the pretraining set, the whole chain re-trained from scratch on each (same initialization seed), per query
   the Spearman correlation between the re-trained test losses and the summed scores; resumable.
 
-Run (2 shared CPU cores, nice'd): ``python examples/bert_pretrain_finetune.py`` (~25 min: pretraining ~4,
+Run (2 shared CPU cores, nice'd): ``python experiments/bert_pretrain_finetune.py`` (~25 min: pretraining ~4,
 influence ~13, leave-out ~4; saves the model and tokenizer in ``--out``/pretrained); then, from that saved model
 and tokenizer, ``--reuse`` (skip pretraining), ``--reuse --leaveout-only`` (redo the leave-out check, step
 ``--continue-lr``), ``--reuse --ablation identity|ekfac`` (other pretraining solves), ``--reuse --lds 24`` (LDS re-trainings,
@@ -451,7 +451,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cfg = QUICK if args.quick else Config()
-    out = args.out or (Path(tempfile.mkdtemp(prefix="bert-")) if args.quick else Path("examples/results/bert"))
+    out = args.out or (Path(tempfile.mkdtemp(prefix="bert-")) if args.quick else Path("experiments/results/bert"))
     out.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
                         handlers=[logging.StreamHandler(), logging.FileHandler(out / ("lds.log" if args.lds else "run.log"))])  # fmt: skip

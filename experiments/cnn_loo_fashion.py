@@ -29,9 +29,9 @@ backtracking) to the same stationarity (‖∇‖ ≤ 1e-10, the reached norms a
 through :func:`influkit.validation.leave_out_retrain`, and the actual change of the summed test loss is
 compared with each method's predicted ``res.removal`` (Pearson, Spearman) — the same removals for all three.
 
-Run ``python examples/cnn_loo_fashion.py`` (145 s at load average ~2 on 2 shared cores, longer on a busier
+Run ``python experiments/cnn_loo_fashion.py`` (145 s at load average ~2 on 2 shared cores, longer on a busier
 machine; ``--pretrain-per-class 200`` for 1,000 pretraining images, 251 s; results, plot and README in
-``examples/results/cnn_loo/``) or ``--quick`` (smaller sets and net, 32 s; written to ``examples/results/cnn_loo/quick/``).
+``experiments/results/cnn_loo/``) or ``--quick`` (smaller sets and net, 32 s; written to ``experiments/results/cnn_loo/quick/``).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def run(cfg: Config, out: Path, log=print) -> dict:
         results[name], chains[name] = res, chain
         solve0 = query.solves[0]
         log(f"{name}: {timing[name]['total']:.1f} s (fit {fit_seconds:.1f} s); pretraining solve: method "
-            f"{solve0['method']}, iterations {solve0['iterations']}, HVPs {solve0['products']}, residual "
+            f"{solve0['solver']}, iterations {solve0['iterations']}, HVPs {solve0['products']}, residual "
             f"{solve0['residual']:.2e}, preconditioner {solve0['preconditioner'] or '-'}")  # fmt: skip
     for k, part in enumerate(("pretraining", "finetuning")):  # the dense Hessians at the optimum, built by "exact"
         eig = torch.linalg.eigvalsh(chains["exact"].operator(k).dense())

@@ -40,8 +40,8 @@ script prints this command and exits 2 when they are missing).
   ``res.removal``; a rerun without removal (same seed: determinism; another seed: batch-order noise) gives
   the noise floor.
 
-Run: ``python examples/elmo_influence.py`` (about 35–45 minutes on 2 busy cores: 10 pretraining, ~15
-influence, ~12 LOO; results in examples/results/elmo/) or ``--quick`` (tiny corpus/model, ~80 s; writes to
+Run: ``python experiments/elmo_influence.py`` (about 35–45 minutes on 2 busy cores: 10 pretraining, ~15
+influence, ~12 LOO; results in experiments/results/elmo/) or ``--quick`` (tiny corpus/model, ~80 s; writes to
 a temporary directory unless ``--out`` is given). ``--reuse`` skips pretraining when ``--out`` already holds the saved biLM.
 """
 
@@ -117,7 +117,7 @@ class Config:
     fin_solver: str = "direct"
     pre_preconditioner: str | None = "ekfac"  # MINRES preconditioned by EK-FAC (None: unpreconditioned)
     fisher: str = "empirical"  # the biLM loss is a masked per-sentence mean: no sampled-label Fisher for it
-    damping: tuple = (1.0, 1e-8)  # (pretraining, finetuning); see examples/results/elmo/README.md for 1e-2 and 0.1
+    damping: tuple = (1.0, 1e-8)  # (pretraining, finetuning); see experiments/results/elmo/README.md for 1e-2 and 0.1
     tol: float | None = None  # pretraining solve: None = the float32 default (1e-4 relative residual)
     max_iter: int = 40
     tweet_query: bool = False  # also score the single test tweet (one more pretraining solve)
@@ -462,7 +462,7 @@ def run(cfg: Config, out: Path, corpus: str = "vader", reuse: bool = False, log=
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny CI-sized configuration (~1 minute)")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: examples/results/elmo)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: experiments/results/elmo)")
     parser.add_argument("--corpus", choices=("vader", "fortunes"), default="vader")
     parser.add_argument("--reuse", action="store_true", help="reuse the pretrained biLM saved in --out")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on shared cores)")

@@ -22,8 +22,8 @@ sum of its scores over the subset, averaged over test digits — is reported for
 - **warm**: both stages re-trained from the original optimum (one deterministic run per subset): the optimum of
   the subset objective nearest the original one, the one the influence function linearizes towards.
 
-Run ``nice -n 10 python examples/lds_digits.py`` (≈ 1 h on one core; resumable: re-run to continue) or
-``--quick`` (M = 6, one seed; a smoke test). Results: ``examples/results/lds/``.
+Run ``nice -n 10 python experiments/lds_digits.py`` (≈ 1 h on one core; resumable: re-run to continue) or
+``--quick`` (M = 6, one seed; a smoke test). Results: ``experiments/results/lds/``.
 """
 
 from __future__ import annotations

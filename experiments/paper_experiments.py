@@ -1,6 +1,6 @@
 """The multi-stage influence paper's (Chen et al., 2020) experiments on scikit-learn digits.
 
-Subcommands (each writes CSV + PNG under examples/results/digits/ and prints pandas tables):
+Subcommands (each writes CSV + PNG under experiments/results/digits/ and prints pandas tables):
 
 - ``case2``       §4.1, Case 2 (embedding finetuned, α = 0.01): leave-out validation of 40 removals, scatter of
                   predicted vs actual change next to the identity-Hessian ablation (≈ 6 min).
@@ -12,7 +12,7 @@ Subcommands (each writes CSV + PNG under examples/results/digits/ and prints pan
 - ``mislabel``    self-influence vs training loss vs random for finding flipped labels (< 1 min).
 - ``all``         all of the above in that order.
 
-Run: ``python examples/paper_experiments.py all`` or e.g. ``python examples/paper_experiments.py similarity``.
+Run: ``python experiments/paper_experiments.py all`` or e.g. ``python experiments/paper_experiments.py similarity``.
 """
 
 from __future__ import annotations

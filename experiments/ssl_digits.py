@@ -4,8 +4,8 @@ Per seed: 50 labeled and 50 validation images (5 per class), 500 test images, th
 Model: an MLP 64-64-64-10. SSL loss: FixMatch-style consistency — the prediction on an augmented image
 (random shift by ±1 pixel, Gaussian noise) must match the confident (p ≥ 0.8) prediction on the clean one.
 Methods: supervised only, uniform weight, one learned λ, per-example λ_u (Algorithm 1, last-layer exact
-hypergradient, M-Adam). Writes examples/results/ssl/digits_accuracy.csv, digits_summary.csv,
-digits_curves.png. Run ``python examples/ssl_digits.py`` (≈ 4 min on one core) or ``--quick`` (CI size, written to results/ssl/quick/).
+hypergradient, M-Adam). Writes experiments/results/ssl/digits_accuracy.csv, digits_summary.csv,
+digits_curves.png. Run ``python experiments/ssl_digits.py`` (≈ 4 min on one core) or ``--quick`` (CI size, written to results/ssl/quick/).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn  # noqa: E402
 from influkit.apps.datasets import load_digits_tensors  # noqa: E402
 from influkit.apps.objectives import cross_entropy  # noqa: E402
 from influkit import SolveConfig  # noqa: E402
-from influkit.ssl import Consistency, ShiftNoise, train_ssl  # noqa: E402
+from influkit.ssl import Consistency, SSLConfig, ShiftNoise, train_ssl  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "ssl"
 METHODS = ("supervised", "uniform", "single", "per-example")
@@ -53,10 +53,11 @@ def run(method: str, data: dict, seed: int, steps: int, warmup: int, weight_opti
     """Returns the SSLRun of one method (Algorithm 1 with the consistency loss; Λ updated every 15 θ steps)."""
     loss = Consistency(ShiftNoise(shape=(8, 8), max_shift=1, noise=0.05, seed=seed), threshold=0.8)
     return train_ssl(
-        mlp(seed), cross_entropy, loss, data["labeled"], data["unlabeled"], data["val"], mode=method, steps=steps,
-        warmup=warmup, inner_steps=15, lr=3e-3, weight_lr=weight_lr, weight_optimizer=weight_optimizer,
-        batch_size=50, unlabeled_batch=256,
-        hyper_params="4", solve=SolveConfig(damping=1e-2), test=data["test"], log_every=50, seed=seed, progress=False,
+        mlp(seed), cross_entropy, loss, data["labeled"], data["unlabeled"], data["val"],
+        SSLConfig(mode=method, steps=steps, warmup=warmup, inner_steps=15, lr=3e-3, weight_lr=weight_lr,
+                  weight_optimizer=weight_optimizer, labeled_batch=50, unlabeled_batch=256, hyper_params="4",
+                  solve=SolveConfig(damping=1e-2), log_every=50, seed=seed),
+        test=data["test"],
     )
 
 

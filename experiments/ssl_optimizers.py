@@ -5,8 +5,8 @@ images); each Λ step gives a hypergradient to the 256 examples of the sampled b
 Adam then decays the moments of the other 80% with zeros and still moves them (its momentum is non-zero);
 M-Adam advances only the sampled entries. Adam and M-Adam use step 0.2; SGD's step is chosen per seed from
 a grid by final validation loss (hypergradients are O(1/|U'|), so its scale differs from Adam's). Writes
-examples/results/ssl/optimizers_curves.csv, optimizers_summary.csv and optimizers.png.
-Run ``python examples/ssl_optimizers.py`` (≈ 6 min on one core) or ``--quick`` (CI size, written to results/ssl/quick/).
+experiments/results/ssl/optimizers_curves.csv, optimizers_summary.csv and optimizers.png.
+Run ``python experiments/ssl_optimizers.py`` (≈ 6 min on one core) or ``--quick`` (CI size, written to results/ssl/quick/).
 """
 
 from __future__ import annotations

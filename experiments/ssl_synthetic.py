@@ -4,7 +4,7 @@ Linearly separable, circles and moons: 10 labeled, 30 validation, 1,000 unlabele
 an MLP with two 100-unit ReLU layers; pseudo-labelling (Lee 2013) as the SSL loss. Methods: supervised only,
 uniform weights (plain pseudo-labelling) and one learned λ_u per unlabeled point (Algorithm 1, last-layer
 exact hypergradient on all 1,000 unlabeled points every 5 θ steps, M-Adam; the single-λ ablation is in
-ssl_digits.py). Writes to examples/results/ssl/:
+ssl_digits.py). Writes to experiments/results/ssl/:
 
 - synthetic_accuracy.csv (per seed), synthetic_summary.csv (mean ± std of test accuracy)
 - synthetic_downweighted.csv: of the 100 lowest-weighted unlabeled points (10%; ties by index), the fraction
@@ -12,7 +12,7 @@ ssl_digits.py). Writes to examples/results/ssl/:
   boundary, next to the base rates over all unlabeled points, and the fraction of zero weights
 - synthetic_boundaries.png: decision boundaries (seed 0) with unlabeled points shaded by weight
 
-Run ``python examples/ssl_synthetic.py`` (≈ 10 min on one free core) or ``--quick`` (CI size, written to results/ssl/quick/).
+Run ``python experiments/ssl_synthetic.py`` (≈ 10 min on one free core) or ``--quick`` (CI size, written to results/ssl/quick/).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch import nn  # noqa: E402
 
 from influkit.apps.objectives import cross_entropy  # noqa: E402
 from influkit import SolveConfig  # noqa: E402
-from influkit.ssl import PseudoLabel, train_ssl  # noqa: E402
+from influkit.ssl import PseudoLabel, SSLConfig, train_ssl  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "ssl"
 DATASETS = ("linear", "circles", "moons")
@@ -76,10 +76,10 @@ def run(method: str, data: dict, seed: int, steps: int, warmup: int, snapshots: 
                 snapshots[step] = (m(data["unlabeled"]).argmax(-1), weights, [p.detach().clone() for p in m.parameters()])
 
     return train_ssl(
-        model, cross_entropy, PseudoLabel(), data["labeled"], data["unlabeled"], data["val"], mode=method,
-        steps=steps, warmup=warmup, inner_steps=5, lr=1e-2, weight_lr=0.2, batch_size=10, unlabeled_batch=1000,
-        hyper_params="4", solve=SolveConfig(damping=1e-2), test=data["test"], log_every=25, callback=callback, seed=seed,
-        progress=False,
+        model, cross_entropy, PseudoLabel(), data["labeled"], data["unlabeled"], data["val"],
+        SSLConfig(mode=method, steps=steps, warmup=warmup, inner_steps=5, lr=1e-2, weight_lr=0.2, labeled_batch=10,
+                  unlabeled_batch=1000, hyper_params="4", solve=SolveConfig(damping=1e-2), log_every=25, seed=seed),
+        test=data["test"], callback=callback,
     )
 
 

@@ -22,9 +22,9 @@ original weights by Newton steps preconditioned with each stage's original Hessi
 (``influkit.validation.leave_out_retrain_chain``), and the actual change of the summed test loss is compared with
 ``res.removal``.
 
-Run ``python examples/three_stage_digits.py`` (both chains, 40 removals each, ≈ 1 min of CPU on one core) or ``--quick``
-(smaller sets, 10 removals; written to ``examples/results/three_stage/quick/``). Writes the table, CSVs,
-scatter plots and a README to ``examples/results/three_stage/``.
+Run ``python experiments/three_stage_digits.py`` (both chains, 40 removals each, ≈ 1 min of CPU on one core) or ``--quick``
+(smaller sets, 10 removals; written to ``experiments/results/three_stage/quick/``). Writes the table, CSVs,
+scatter plots and a README to ``experiments/results/three_stage/``.
 """
 
 from __future__ import annotations
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "run.json").write_text(json.dumps({"chains": infos, "timings": timings, "cpu_seconds": cpu, "load_average": load, "args": {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "torch": torch.__version__, "python": platform.python_version()}, indent=1, default=str))
-    command = "OMP_NUM_THREADS=1 nice -n 10 python examples/three_stage_digits.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "OMP_NUM_THREADS=1 nice -n 10 python experiments/three_stage_digits.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_readme(out, summary, infos, timings, args, split, command.strip(), cpu, load)
     print("\n" + summary.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print("\ntiming (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()) + f"; CPU {cpu:.0f} s, load {load}")

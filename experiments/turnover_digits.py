@@ -12,8 +12,8 @@ An MLP 64→256→10 with TurnOverDropout(p=0.5) after the hidden layer is train
 (d) mislabel detection: flip 10% of the labels, rank by self-influence (most negative first), fraction of
     flipped labels found after checking 5/10/20/30% of the data, vs random and vs ranking by training loss.
 
-Run: ``python examples/turnover_digits.py`` (about 5 minutes on 2 cores) or ``--quick`` (CI-sized; writes
-to a temporary directory unless ``--out`` is given). Results: CSV + PNG under examples/results/turnover/.
+Run: ``python experiments/turnover_digits.py`` (about 5 minutes on 2 cores) or ``--quick`` (CI-sized; writes
+to a temporary directory unless ``--out`` is given). Results: CSV + PNG under experiments/results/turnover/.
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ def experiment_mislabels(train, cfg: dict, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI-sized run (fewer epochs, examples and seeds)")
-    parser.add_argument("--out", type=Path, default=None, help="output directory (default: examples/results/turnover)")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: experiments/results/turnover)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (small kernels: 1 is fastest)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -1,7 +1,7 @@
-"""The factory of ``examples/score_job.toml``: a two-stage digits model, trained deterministically, as a job.
+"""The factory of ``examples/jobs/score_job.toml``: a two-stage digits model, trained deterministically, as a job.
 
-    influkit score examples/score_job.toml
-    torchrun --standalone --nproc_per_node=2 -m influkit score examples/score_job.toml
+    influkit score examples/jobs/score_job.toml
+    torchrun --standalone --nproc_per_node=2 -m influkit score examples/jobs/score_job.toml
 
 Pretraining: a 64→32 tanh embedding with a 4-class head on scikit-learn's digits 0–3 (p = 2,212);
 finetuning: a new 6-class head on half of the digits 4–9 with the embedding fixed (Case 1); the other half

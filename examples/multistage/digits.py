@@ -4,11 +4,12 @@ Pretrain a small CNN embedding + head on scikit-learn digits 0–3, then finetun
 Case 1 with the embedding fixed, Case 2 with the embedding finetuned too (proximal weight α = 0.01). Score every
 pretraining image against the finetuning test set with ``influkit.score`` (positive = harmful: removing it would
 lower the test loss), print the most harmful and most helpful ones and save a gallery of them to
-``examples/results/digits/multistage_gallery_case{1,2}.png``. No leave-out validation here (see
-``influkit demo`` and ``examples/paper_experiments.py case2``).
+``OUT/multistage_gallery_case{1,2}.png`` (``--out``, default ``influkit-results/multistage``; the committed ones
+are in ``experiments/results/digits/``). No leave-out validation here (see ``influkit demo`` and
+``experiments/paper_experiments.py case2``). Needs ``pip install 'influkit[apps]'``.
 
-Run ``python examples/multistage_digits.py`` (≈ 2–3 min on one core) or ``--quick`` (150 pretraining, 60 test
-images; galleries written to ``examples/results/digits/quick/``).
+Run ``python examples/multistage/digits.py`` (≈ 2–3 min on one core) or ``--quick`` (150 pretraining, 60 test
+images).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import influkit
 from influkit.apps import plotting
 from influkit.apps.digits import DigitsSetup, accuracy, train_stages
 
-RESULTS = Path(__file__).parent / "results" / "digits"
+RESULTS = Path("influkit-results/multistage")
 
 
 def run_case(case: int, *, n_pretrain: int | None, n_test: int, k: int, out: Path) -> influkit.InfluenceResult:

@@ -6,7 +6,7 @@ as thumbnails, the first test digits as the queries and the leave-out validation
 ``influkit report OUT/case1_result.safetensors`` renders the page again) and, when Chromium is installed,
 a screenshot of the page (``docs/report.png`` was made this way).
 
-    python examples/report_digits.py [--out influkit-results/report] [--screenshot docs/report.png]
+    python examples/multistage/report.py [--out influkit-results/report] [--screenshot docs/report.png]
 """
 
 from __future__ import annotations
