@@ -370,7 +370,7 @@ def table1(values: np.ndarray, corpus: list[str], k: int = 10) -> pd.DataFrame:
 
 
 def solves_summary(res: ik.InfluenceResult) -> list[dict]:
-    return [{k: s[k] for k in ("stage", "method", "iterations", "residual", "converged", "seconds", "damping")}
+    return [{k: s[k] for k in ("stage", "solver", "iterations", "residual", "converged", "seconds", "damping")}
             for s in res.diagnostics["solves"]]  # fmt: skip
 
 

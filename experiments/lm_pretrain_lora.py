@@ -273,7 +273,7 @@ def correlations(predicted, actual) -> dict[str, float]:
 
 
 def solves_summary(res: ik.InfluenceResult) -> list[dict]:
-    keys = ("stage", "method", "iterations", "residual", "converged", "seconds", "damping")
+    keys = ("stage", "solver", "iterations", "residual", "converged", "seconds", "damping")
     return [{k: s.get(k) for k in keys} for s in res.diagnostics["solves"]]
 
 
