@@ -388,7 +388,7 @@ def scaling_report(reports: dict, launch_wall: dict, agreement: float, args, log
         f"group, data): {launch_wall[1]:.1f} s vs {launch_wall[2]:.1f} s")
     for world in (1, 2):
         solves = reports[world][0]["solves"]
-        log(f"{world} proc: " + "; ".join(f"stage {s['stage']} {s['method']} {s['iterations']} it, {s['products']} HVPs, "
+        log(f"{world} proc: " + "; ".join(f"stage {s['stage']} {s['solver']} {s['iterations']} it, {s['products']} HVPs, "
                                           f"{s['seconds']:.2f} s" for s in solves)
             + "; peak RSS per rank " + ", ".join(f"{r['peak_rss_mb']:.0f}" for r in reports[world])
             + f" MB; pretraining HVP path: {reports[world][0]['hvp_path']} over "

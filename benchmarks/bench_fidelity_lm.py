@@ -1,6 +1,6 @@
 """Fidelity on the transformer task: the LDS of influkit's pretraining solves on the LoRA language model (Case 1).
 
-The task is ``examples/lm_pretrain_lora.py`` (imported, not copied): a 210k-parameter Llama-style decoder
+The task is ``experiments/lm_pretrain_lora.py`` (imported, not copied): a 210k-parameter Llama-style decoder
 pretrained on 400 vaderSentiment sentences, LoRA adapters (q_proj, v_proj) finetuned on 300 sentiment-conditioned
 completions, 20 held-out test completions; the base is the shared block, only the adapters are trained (Case 1).
 
@@ -62,8 +62,8 @@ FINETUNE_SOLVE = {"max_iter": 30, "hessian_samples": 64}
 
 
 def example():
-    """The example module ``examples/lm_pretrain_lora.py`` (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("lm_pretrain_lora", ROOT / "examples" / "lm_pretrain_lora.py")
+    """The study module ``experiments/lm_pretrain_lora.py`` (experiments/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("lm_pretrain_lora", ROOT / "experiments" / "lm_pretrain_lora.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -261,7 +261,7 @@ def markdown(frame: pd.DataFrame, summary: dict) -> str:
     load = ", ".join(f"{v:.1f}" for v in summary["load"])
     return (
         "# LDS on the transformer task (benchmarks/bench_fidelity_lm.py)\n\n"
-        "LoRA language model of examples/lm_pretrain_lora.py, Case 1 (the pretrained base is the shared block, the "
+        "LoRA language model of experiments/lm_pretrain_lora.py, Case 1 (the pretrained base is the shared block, the "
         "adapters are trained), warm-start re-training on M random halves of the 400 pretraining documents; LDS per "
         "test completion (Spearman over the subsets of the summed scores vs the re-trained completion NLL), mean ± "
         "standard error over the 20 test completions. Seconds: the method's pretraining solve and scoring plus the "

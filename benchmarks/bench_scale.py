@@ -442,7 +442,7 @@ def main(argv=None) -> None:
         solves = result.diagnostics["solves"]
         score_rows.append({
             "case": case, "seconds": seconds,
-            **{f"stage {s['stage']}": f"{s['method']}{' + ' + s['preconditioner'].split(' ')[0] if s['preconditioner'] else ''}, "
+            **{f"stage {s['stage']}": f"{s['solver']}{' + ' + s['preconditioner'].split(' ')[0] if s['preconditioner'] else ''}, "
                                       f"{s['iterations']} it, {s['products']} HVPs, residual {s['residual']:.1e}, {s['seconds']:.1f}s"
                for s in solves},
             "scores s": result.diagnostics["seconds"].get("example_gradients", float("nan")),

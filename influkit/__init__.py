@@ -9,6 +9,7 @@ from .errors import (
     InputError,
     LossError,
     MemoryBudgetError,
+    MissingDependencyError,
     ModelModeError,
     NumericalError,
     ParameterError,
@@ -22,7 +23,8 @@ from .solvers import Solution, SolveConfig, solve
 from .stage import Stage
 
 # Method and application packages load on first use (``ik.ssl``, ``ik.validation``, ...), so `import influkit`
-# stays the core: no h5py (elmo), transformers (hf), pandas/scipy (validation) or matplotlib (apps).
+# stays the core: no h5py (elmo), transformers (hf), pandas (validation, ssl) or matplotlib (apps); the optional
+# dependencies are extras (influkit/extras.py).
 _LAZY = ("apps", "elmo", "hf", "ssl", "turnover", "validation")
 
 
@@ -50,6 +52,7 @@ __all__ = [
     "Link",
     "LossError",
     "MemoryBudgetError",
+    "MissingDependencyError",
     "ModelModeError",
     "NumericalError",
     "Operator",

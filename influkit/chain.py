@@ -316,10 +316,10 @@ class Query:
         return hashlib.sha256(f"{self.chain.fingerprint()}|{self.test_digest}|{self.per_test}".encode()).hexdigest()
 
     def scores(self, z=None, *, chunk_size: int | None = None, out: str | Path | None = None, progress: bool = False,
-               method: str = "contraction", autocast: torch.dtype | None = None) -> InfluenceResult:
+               gradients: str = "contraction", autocast: torch.dtype | None = None) -> InfluenceResult:
         """Influence I(z, T) = −∇ℓ_1(z)ᵀ s of stage-1 examples ``z`` (indices or (inputs, targets); default all).
 
-        The inner products are contracted layer by layer (``method="contraction"``, :mod:`influkit.contraction`:
+        The inner products are contracted layer by layer (``gradients="contraction"``, :mod:`influkit.contraction`:
         memory O(chunk_size · activations), no per-example gradient matrix), or taken from per-example gradients
         (``"per-example"``, O(chunk_size · p)); ``chunk_size`` rows at a time, by default as many as the chain's
         memory budget holds (``diagnostics["scoring"]``). ``autocast``: torch.bfloat16 / float16 passes for the
@@ -332,7 +332,7 @@ class Query:
         start = time.perf_counter()
         if chunk_size is None and out is not None:
             chunk_size = resumed_chunk_size(out)  # resuming: the chunks already on disk decide
-        scorer = Scorer(plan.stage, plan.trained, self.s, rows, method=method, chunk_size=chunk_size,
+        scorer = Scorer(plan.stage, plan.trained, self.s, rows, gradients=gradients, chunk_size=chunk_size,
                         memory=self.chain.memory, autocast=autocast)
         chunk_size = scorer.chunk_size
         if out is None:

@@ -115,7 +115,7 @@ def main(config: str | Path, *, quiet: bool = False) -> int:
         print(f"{result.method}: {result.values.shape[0]} examples scored on {chunks['ranks']} process(es); "
               f"{chunks['computed']} chunks computed, {chunks['reused']} resumed from {out}")
         for solve in result.diagnostics["solves"]:
-            print(f"stage {solve['stage']}: {solve['method']} {solve['choice']}, {solve['iterations']} it, "
+            print(f"stage {solve['stage']}: {solve['solver']} {solve['choice']}, {solve['iterations']} it, "
                   f"residual {solve['residual']:.1e}, {solve['seconds']:.2f} s")
         print("most harmful:\n" + result.top(5).to_string(index=False))
         print("most helpful:\n" + result.top(5, harmful=False).to_string(index=False))

@@ -25,15 +25,18 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import torch
-from matplotlib.figure import Figure
 
 from .errors import InputError
+from .extras import require
 from .results import InfluenceResult
+
+if TYPE_CHECKING:  # annotations only: matplotlib is the `plot` extra, loaded when a page is written
+    from matplotlib.figure import Figure
 
 MAX_TEXT = 600  # characters of a text example shown
 
@@ -65,7 +68,7 @@ img.plot { max-width: 100%; }
 
 def _png(array: np.ndarray) -> str:
     """A base64 PNG of a (H, W) grey image (min–max scaled, dark = high) or a (H, W, 3|4) colour image."""
-    from matplotlib import image as mpimg
+    mpimg = require("matplotlib.image", "the report page")
 
     buffer = io.BytesIO()
     lo, hi = float(array.min()), float(array.max())
@@ -228,7 +231,7 @@ def _removal_eps(result: InfluenceResult, example_id: int) -> float:
 
 def _histogram(result: InfluenceResult) -> str:
     scores = result.total.detach().cpu().double().numpy()
-    fig = Figure(figsize=(5.2, 4.2))
+    fig = require("matplotlib.figure", "the report page").Figure(figsize=(5.2, 4.2))
     ax = fig.add_subplot()
     ax.hist(scores, bins=min(60, max(10, int(math.sqrt(scores.size)) * 2)), color="#5d6d7e")
     ax.axvline(0, color="black", lw=0.8)
@@ -241,15 +244,19 @@ def _histogram(result: InfluenceResult) -> str:
     return _figure_png(fig)
 
 
-def _scatter(pairs: dict[str, list]) -> tuple[str, str]:
-    from scipy.stats import pearsonr, spearmanr
+def _mean_tied_ranks(v: np.ndarray) -> np.ndarray:
+    ordered = np.sort(v)
+    return (np.searchsorted(ordered, v, "left") + np.searchsorted(ordered, v, "right") + 1) / 2.0
 
+
+def _scatter(pairs: dict[str, list]) -> tuple[str, str]:
     p, a = np.asarray(pairs["predicted"], float), np.asarray(pairs["actual"], float)
     if p.size >= 2 and p.std() > 0 and a.std() > 0:
-        stats = f"Pearson r = {pearsonr(p, a)[0]:.3f}, Spearman ρ = {spearmanr(p, a)[0]:.3f}, {p.size} removals"
+        r, rho = np.corrcoef(p, a)[0, 1], np.corrcoef(_mean_tied_ranks(p), _mean_tied_ranks(a))[0, 1]
+        stats = f"Pearson r = {r:.3f}, Spearman ρ = {rho:.3f}, {p.size} removals"
     else:
         stats = f"{p.size} removals (no correlation: fewer than two distinct predicted or actual values)"
-    fig = Figure(figsize=(4.8, 4.2))
+    fig = require("matplotlib.figure", "the report page").Figure(figsize=(4.8, 4.2))
     ax = fig.add_subplot()
     ax.scatter(p, a, s=16, alpha=0.8)
     if p.size:

@@ -2,7 +2,7 @@
 
 The inner products are taken by contraction of the layers' inputs and output-gradients
 (:mod:`influkit.contraction`), never forming the (chunk, p) gradient matrix; per-example gradients remain the
-fallback and the reference (``method="per-example"``). The chunk size comes from the memory budget
+fallback and the reference (``gradients="per-example"``). The chunk size comes from the memory budget
 (:class:`Scorer`, :mod:`influkit.memory`) unless given.
 
 Rows are split into chunks of ``chunk_size``; under ``torch.distributed`` rank r of R scores the r-th
@@ -41,7 +41,7 @@ from .memory import resolve as budget_of
 from .stage import Stage, check_example_shape
 from .store import ScoreStore
 
-SCORING_METHODS = ("contraction", "per-example")
+GRADIENTS = ("contraction", "per-example")
 _HASH_ROWS = 1 << 20
 
 
@@ -134,19 +134,19 @@ class Scorer:
     (:mod:`influkit.contraction`, memory O(chunk · activations)) or by per-example gradients (``vmap``, memory
     O(chunk · p)), and the chunk size that keeps one chunk inside the memory budget (:mod:`influkit.memory`).
 
-    method: "contraction" (default), or "per-example" (the reference). chunk_size: rows per chunk, or None to
+    gradients: "contraction" (default), or "per-example" (the reference). chunk_size: rows per chunk, or None to
     size it from ``memory`` (bytes; None: the default budget) by probing the method on two rows.
     autocast: bfloat16/float16 passes for the contraction (float32 accumulation).
     """
 
-    def __init__(self, stage: Stage, names, s: torch.Tensor, rows: "Rows", *, method: str = "contraction",
+    def __init__(self, stage: Stage, names, s: torch.Tensor, rows: "Rows", *, gradients: str = "contraction",
                  chunk_size: int | None = None, memory: int | None = None, autocast: torch.dtype | None = None):
-        if method not in SCORING_METHODS:
-            raise InputError(f"unknown scoring method {method!r}; choose one of {SCORING_METHODS}.")
-        if method == "per-example" and autocast is not None:
-            raise InputError("autocast applies to method='contraction' only.")
-        self.stage, self.names, self.method = stage, list(names), method
-        self.contractor = Contractor(stage, names, autocast=autocast) if method == "contraction" else None
+        if gradients not in GRADIENTS:
+            raise InputError(f"unknown gradients={gradients!r}; choose one of {GRADIENTS}.")
+        if gradients == "per-example" and autocast is not None:
+            raise InputError("autocast applies to gradients='contraction' only.")
+        self.stage, self.names, self.gradients = stage, list(names), gradients
+        self.contractor = Contractor(stage, names, autocast=autocast) if gradients == "contraction" else None
         s = s.reshape(s.shape[0], -1)
         if chunk_size is None:
             budget = budget_of(memory, s.device)
@@ -170,8 +170,8 @@ class Scorer:
 
     def describe(self) -> dict:
         detail = self.contractor.describe() if self.contractor is not None else {}
-        method = "per-example" if self.contractor is None or self.contractor.fallback_all else self.method
-        return {"method": method, "chunk_size": self.chunk_size, **detail}
+        gradients = "per-example" if self.contractor is None or self.contractor.fallback_all else self.gradients
+        return {"gradients": gradients, "chunk_size": self.chunk_size, **detail}
 
 
 def _chunk_scores(s: torch.Tensor, scorer: Scorer, rows: Rows, c: int, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ are in :mod:`influkit.krylov`.
 |            |                           |                 |                | any symmetric H, indefinite too    |
 | ``cg_spd`` | (H + λI) x = b            | 1 HVP / step    | κ(M⁻¹H)        | H + λI must be positive definite   |
 | ``minres`` | (H + λI) x = b            | 1 HVP / step    | κ(M⁻¹H)        | any symmetric H, indefinite too    |
-| ``lissa``  | (H + λI) x = b            | 1 HVP / step    | κ(H) (slow)    | Richardson iteration with a scale  |
+| ``lissa``  | (H + λI) x = b            | 1 HVP / step    | κ(H) (slow)    | Richardson iteration, step α       |
+| ``neumann`` | x = α Σ_{j<K} (I − α(H + λI))^j b | K − 1 HVPs | —        | approximate: K = ``max_iter`` terms |
 | ``identity`` | x = b                   | nothing         | —              | the paper's ablation (H := I)      |
 | ``kfac``, ``ekfac`` | x = (C + λI)⁻¹ b | the fitted factors | —           | approximate: C the (E)K-FAC curvature |
 | ``arnoldi`` | x = V (Θ + λ)⁻¹ Vᵀ b     | k eigenpairs    | —              | approximate: top-k subspace only   |
@@ -44,7 +45,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
@@ -58,7 +59,7 @@ from .factored import FISHER, ArnoldiInverse, FactoredCurvature, FactoredCurvatu
 from .operators import DenseOperator, Operator, SymmetricFactor
 from .params import ParamSpace, point
 
-METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "identity")
+METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "neumann", "identity")
 APPROXIMATIONS = ("kfac", "ekfac", "arnoldi")
 SOLVERS = METHODS + APPROXIMATIONS  # the built-in solvers; :func:`register` adds more
 PRECONDITIONERS = ("kfac", "ekfac", "diagonal")
@@ -77,7 +78,7 @@ class Solution:
     """
 
     x: torch.Tensor
-    method: str
+    solver: str
     iterations: int
     residual: float
     converged: bool
@@ -122,6 +123,9 @@ class SolveConfig:
     cross-entropy or squared-error losses), ``"empirical"`` (true labels, any loss), ``"exact"``
     (:mod:`influkit.factored.fisher`). rank: eigenpairs of ``"arnoldi"`` and of ``deflate`` (Lanczos steps:
     max(2·rank, rank + 20)). deflate: also deflate the preconditioner with the top-``rank`` eigenpairs of H.
+    step: the step α of ``lissa`` and ``neumann``, x ← x + α(b − (H + λI)x) (default 1/(1.05·|λ_max(H + λI)|), by
+    power iteration); ``neumann`` stops after K = ``max_iter`` terms (default 20), Lorraine et al.'s truncated
+    series, whatever its residual.
     curvature: the matrix H of every solve, ``"hessian"`` (default: the exact Hessian of the stage objective) or
     ``"gauss-newton"`` (the generalized Gauss-Newton matrix G ⪰ 0, :mod:`influkit.curvature`): G's damped system
     is positive definite for convex losses, so MINRES/CG converge where an indefinite H + λI stalls, and it is
@@ -139,6 +143,7 @@ class SolveConfig:
     damping: float = 0.0
     tol: float | None = None
     max_iter: int | None = None
+    step: float | None = None
     hessian_samples: int | None = None
     preconditioner: str | Callable[[torch.Tensor], torch.Tensor] | None = None
     seed: int = 0
@@ -153,6 +158,10 @@ class SolveConfig:
             raise InputError(f"unknown solver {self.solver!r}; choose 'auto' or one of {tuple(REGISTRY)}.")
         if not self.damping >= 0:
             raise InputError(f"damping must be ≥ 0, got {self.damping}.")
+        if self.step is not None and not self.step > 0:
+            raise InputError(f"step must be > 0, got {self.step}.")
+        if self.max_iter is not None and self.max_iter < 1:
+            raise InputError(f"max_iter must be ≥ 1, got {self.max_iter}.")
         if self.hessian_samples is not None and self.hessian_samples <= 0:
             raise InputError(f"hessian_samples must be positive, got {self.hessian_samples}.")
         if isinstance(self.preconditioner, str):
@@ -171,7 +180,7 @@ class SolveConfig:
         if self.curvature not in CURVATURES:
             raise InputError(f"unknown curvature {self.curvature!r}; choose one of {CURVATURES}.")
 
-    def method(self, dim: int) -> tuple[str, str]:
+    def choose(self, dim: int) -> tuple[str, str]:
         """(the method to run on a p = ``dim`` system, why)."""
         if self.solver != "auto":
             return self.solver, ""
@@ -181,8 +190,8 @@ class SolveConfig:
 
     def build(self, operator: Operator) -> "Solver":
         """The (unprepared) :class:`Solver` of this config for ``operator`` (``auto`` resolved for its size)."""
-        method, why = self.method(operator.dim)
-        return REGISTRY[method](self, operator, choice=why)
+        name, why = self.choose(operator.dim)
+        return REGISTRY[name](self, operator, choice=why)
 
     def prepare(self, operator: Operator, *, progress: bool = False) -> "Solver":
         """The :class:`Solver` of this config, prepared on ``operator`` (what it needs fitted, fitted once)."""
@@ -198,47 +207,6 @@ class SolveConfig:
         if callable(self.preconditioner):
             out["preconditioner"] = getattr(self.preconditioner, "__qualname__", type(self.preconditioner).__name__)
         return out
-
-
-# keywords the entry points took before ``solve=SolveConfig(...)``; still accepted for one release, with a warning
-DEPRECATED_SOLVE_KEYWORDS = ("solver", "damping", "tol", "max_iter", "hessian_samples", "seed")
-
-
-def solve_settings(solve: "SolveConfig | Sequence[SolveConfig] | None", deprecated: Mapping[str, object], where: str,
-                   stages: int = 1, default: "SolveConfig | None" = None) -> "SolveConfig | list[SolveConfig]":
-    """The SolveConfig (one, or one per stage when ``stages`` > 1) of an entry point called with ``solve=`` or with
-    the deprecated solve keywords (``solver=``, ``damping=``, ... — each warns, naming its replacement).
-
-    deprecated: the extra keywords the entry point received; a keyword that is not a solve setting is a TypeError,
-    as for any function. A deprecated keyword holding a (value, value, ...) tuple gives one value per stage.
-    The keywords change the fields of ``default`` (or of ``SolveConfig()``); with ``solve=`` too they are refused.
-    """
-    unknown = sorted(set(deprecated) - set(DEPRECATED_SOLVE_KEYWORDS))
-    if unknown:
-        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
-    if solve is not None and deprecated:
-        raise InputError(f"{where}: give the solve settings once, in solve=SolveConfig(...) (or one per stage), not "
-                         f"also as {', '.join(deprecated)}=.")
-    if not deprecated:
-        solve = solve if solve is not None else default if default is not None else SolveConfig()
-        return solve if stages == 1 or not isinstance(solve, SolveConfig) else [solve] * stages
-    solve = default if default is not None else SolveConfig()
-    per_stage: list[dict] = [{} for _ in range(stages)]
-    for key, value in deprecated.items():
-        example = (f"solve=[influkit.SolveConfig({key}=...), ...] (one per stage)" if isinstance(value, (tuple, list))
-                   else f"solve=influkit.SolveConfig({key}=...)")
-        warnings.warn(f"{where}({key}=...) is deprecated and will be removed in the next release; pass {example}.",
-                      DeprecationWarning, stacklevel=3)
-        if isinstance(value, (tuple, list)):
-            if len(value) != stages:
-                raise InputError(f"{key} must be one value or one per stage ({stages}), got {value!r}.")
-            for settings, v in zip(per_stage, value):
-                settings[key] = v
-        else:
-            for settings in per_stage:
-                settings[key] = value
-    configs = [replace(solve, **settings) for settings in per_stage]
-    return configs[0] if stages == 1 else configs
 
 
 # ------------------------------------------------------------------------------------------------ solvers
@@ -283,13 +251,14 @@ class Solver:
     exact: ClassVar[bool] = False  # True: converged by construction (no residual test)
     iterative: ClassVar[bool] = False  # True: runs ``max_iter`` steps at most, with a progress bar
     accepts_preconditioner: ClassVar[bool] = False  # True: SolveConfig(preconditioner=..., deflate=...) applies
+    default_max_iter: ClassVar[int | None] = None  # None: min(10·p, 2,000)
     warn: bool = True  # warn on an unconverged solve (and, in CG, on negative curvature)
 
     def __init__(self, config: SolveConfig, operator: Operator, *, choice: str = ""):
         if torch.is_tensor(operator):
             operator = DenseOperator(operator)
         self.config, self.operator, self.choice = config, operator, choice
-        self.name = config.method(operator.dim)[0]
+        self.name = config.choose(operator.dim)[0]
         self.preconditioner_name = ""
         self.fitted = _fitted(operator)
 
@@ -311,7 +280,7 @@ class Solver:
         if not torch.isfinite(rhs).all():
             raise NumericalError("the right-hand side holds NaN or Inf (a gradient overflowed); check the model and data.")
         tol = default_tol(rhs.dtype) if self.config.tol is None else self.config.tol
-        max_iter = min(10 * operator.dim, 2000) if self.config.max_iter is None else self.config.max_iter
+        max_iter = self.config.max_iter or self.default_max_iter or min(10 * operator.dim, 2000)
         start_products = getattr(operator, "products", 0)
         start = time.perf_counter()
         self.warn = warn
@@ -331,7 +300,7 @@ class Solver:
         if why and self.preconditioner_name:
             why = f"{why}, preconditioned by {self.preconditioner_name}"
         return Solution(
-            x=x.reshape(-1) if single else x, method=self.name, iterations=iterations, residual=float(residual),
+            x=x.reshape(-1) if single else x, solver=self.name, iterations=iterations, residual=float(residual),
             converged=bool(converged), seconds=time.perf_counter() - start,
             products=getattr(operator, "products", 0) - start_products, damping=float(damping),
             choice="; ".join([why] + notes) if notes else why, preconditioner=self.preconditioner_name,
@@ -527,15 +496,27 @@ class CGSquared(CG):
 
 @register("lissa")
 class LiSSA(_Krylov):
-    """Richardson iteration x ← x + (b − (H + λI) x)/s (LiSSA, deterministic): s = ``scale`` or 1.05·|λ_max|."""
-
-    scale: float | None = None
+    """Richardson iteration x ← x + α(b − (H + λI) x) (LiSSA, deterministic): α = ``step`` or 1/(1.05·|λ_max|)."""
 
     def _run(self, rhs, tol, max_iter, bar):
         apply, target = self._system(rhs)
-        step = self.scale if self.scale is not None else 1.05 * krylov.largest_eigenvalue(apply, rhs)
-        x, iterations = krylov.richardson(apply, target, step, tol, max_iter, bar)
+        step = self.config.step
+        scale = 1.0 / step if step is not None else 1.05 * krylov.largest_eigenvalue(apply, rhs)
+        x, iterations = krylov.richardson(apply, target, scale, tol, max_iter, bar)
         return x, iterations, krylov_residual(apply, x, target), math.nan
+
+
+@register("neumann")
+class Neumann(LiSSA):
+    """Lorraine et al.'s truncated Neumann series x = α Σ_{j<K} (I − α(H + λI))^j b, K = ``max_iter`` terms (default
+    20): LiSSA stopped after K terms whatever its residual — an approximate inverse, like ``kfac`` (the residual of
+    its x is reported; nothing is claimed converged)."""
+
+    exact = True
+    default_max_iter = 20
+
+    def _run(self, rhs, tol, max_iter, bar):
+        return super()._run(rhs, 0.0, max_iter - 1, bar)  # x starts at α b, the first term
 
 
 class _Approximation(Solver):
@@ -623,32 +604,26 @@ def solve(
     damping: float = 0.0,
     tol: float | None = None,
     max_iter: int | None = None,
-    scale: float | None = None,
+    step: float | None = None,
     preconditioner: Callable[[torch.Tensor], torch.Tensor] | None = None,
     approximation=None,
     progress: bool = False,
     warn: bool = True,
-    **deprecated,
 ) -> Solution:
     """Approximately x = H⁻¹ b (with damping λ as in the module table), for b of shape (p,) or (p, k).
 
     operator: an :class:`~influkit.operators.Operator` (e.g. :class:`~influkit.curvature.HessianOperator`), or
     a dense symmetric (p, p) tensor. ``direct`` also needs ``operator.dense()`` (or a cached ``factor``).
     solver: one of ``SOLVERS`` or ``"auto"`` (default; as in :class:`SolveConfig`, ``minres`` when the operator
-    has no dense form). ``method=`` is its deprecated name. tol: relative residual to stop at (default
-    :func:`default_tol`); max_iter: cap on iterations (default min(10·p, 2,000)); scale: LiSSA's step 1/scale
-    (default 1.05·|λ_max| by power iteration).
+    has no dense form). tol: relative residual to stop at (default
+    :func:`default_tol`); max_iter: cap on iterations (default min(10·p, 2,000); for ``neumann``
+    the number of terms, default 20); step: the step α of ``lissa`` and ``neumann`` (default 1/(1.05·|λ_max|), by
+    power iteration).
     preconditioner: for ``minres`` and ``cg_spd``, M⁻¹ applied to (p, k) residuals, M ≈ H + λI symmetric
     positive definite (they then converge with κ(M⁻¹H) instead of κ(H)).
     approximation: for ``kfac``/``ekfac``/``arnoldi``, the fitted object whose ``solve(rhs, damping)`` gives x
     (:class:`~influkit.factored.FactoredCurvature`, :class:`~influkit.factored.ArnoldiInverse`).
     """
-    if "method" in deprecated:
-        warnings.warn("influkit.solve(method=...) is deprecated and will be removed in the next release; pass "
-                      "solver=... (the third positional argument).", DeprecationWarning, stacklevel=2)
-        solver = deprecated.pop("method")
-    if deprecated:
-        raise TypeError(f"solve() got an unexpected keyword argument {next(iter(deprecated))!r}")
     if torch.is_tensor(operator):
         operator = DenseOperator(operator)
     if solver != "auto" and solver not in REGISTRY:
@@ -662,15 +637,13 @@ def solve(
             f"solver={solver!r} needs its fitted approximation: use SolveConfig(solver={solver!r}).solve(operator, b) "
             "or a Chain, which fit it, or pass approximation=influkit.factored.fit_curvature(...)."
         )
-    config = SolveConfig(solver=solver, damping=damping, tol=tol, max_iter=max_iter)
+    config = SolveConfig(solver=solver, damping=damping, tol=tol, max_iter=max_iter, step=step)
     instance = config.build(operator)
     if isinstance(instance, Direct) and solver == "auto" and not (hasattr(operator, "dense") or hasattr(operator, "factor")):
         instance = replace(config, solver="minres").build(operator)
         instance.choice = "auto: the operator has no dense() to factor, MINRES (indefinite-safe, one HVP per step)"
     if isinstance(instance, _Krylov):
         instance.apply_preconditioner = preconditioner
-    if isinstance(instance, LiSSA):
-        instance.scale = scale
     if isinstance(instance, _Approximation):
         instance.approximation = approximation
     return instance.solve(b, progress=progress, warn=warn)

@@ -473,12 +473,12 @@ def test_auto_runs_plain_minres_above_the_direct_limit_and_honours_a_preconditio
     direct = ik.Chain(stages, links, solve=ik.SolveConfig(solver="direct", damping=1e-3)).query(test)
     auto = ik.Chain(stages, links, solve=ik.SolveConfig(damping=1e-3)).query(test)
     for solve in auto.solves:
-        assert solve["method"] == "minres" and solve["preconditioner"] == "" and solve["converged"]
+        assert solve["solver"] == "minres" and solve["preconditioner"] == "" and solve["converged"]
     assert (auto.s - direct.s).norm() / direct.s.norm() <= 1e-8
     chain = ik.Chain(stages, links, solve=ik.SolveConfig(damping=1e-3, preconditioner="ekfac"))
     auto_ekfac = chain.query(test)
     for k, solve in enumerate(auto_ekfac.solves):
-        assert solve["method"] == "minres" and "preconditioned by ekfac" in solve["choice"] and solve["converged"]
+        assert solve["solver"] == "minres" and "preconditioned by ekfac" in solve["choice"] and solve["converged"]
         assert "curvature" in chain.operator(k).fitted
     assert (auto_ekfac.s - direct.s).norm() / direct.s.norm() <= 1e-8
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 from torch import nn
+from conftest import need
 from torch.func import functional_call
 
 import influkit as ik
@@ -36,6 +36,7 @@ def test_random_subsets_are_seeded_and_exactly_sized():
 
 
 def test_lds_is_the_mean_of_scipy_spearman_per_query():
+    stats = need("scipy.stats")
     gen = np.random.default_rng(0)
     masks = L.random_subsets(30, 20, seed=1).numpy()
     scores = gen.normal(size=(30, 6))
@@ -181,7 +182,7 @@ def test_harness_refuses_nan_outputs_and_stores_nothing(ridge, tmp_path):
 
 
 def test_plot_and_long_frame(ridge, tmp_path):
-    import matplotlib
+    matplotlib = need("matplotlib")
 
     matplotlib.use("Agg")
     scores = ridge.chain.query((ridge.tx, ridge.ty), per_test=True).scores()

@@ -12,6 +12,10 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import need
+
+need("matplotlib")  # the report page draws with it (influkit[plot])
+
 import influkit as ik
 from influkit.cli import main as cli
 from influkit.report import attach, screenshot, write_report
@@ -49,7 +53,7 @@ class Page(HTMLParser):
 def digits_scores(logreg_digits):
     """Per-test influence of 300 real training digits on 3 test digits (multinomial logistic regression)."""
     stage, (test_x, test_y) = logreg_digits
-    res = ik.influence(stage, torch.arange(len(stage)), (test_x[:3], test_y[:3]), solver="direct", per_test=True,
+    res = ik.influence(stage, torch.arange(len(stage)), (test_x[:3], test_y[:3]), solve=ik.SolveConfig(solver="direct"), per_test=True,
                        progress=False)
     return res, stage.data.take(torch.arange(len(stage))), (test_x, test_y)
 

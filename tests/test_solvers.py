@@ -124,15 +124,30 @@ def test_diagnostics_are_reported():
     h, _ = spd_matrix()
     sol = solve(h, torch.ones(30), "cg", tol=1e-10)
     info = sol.summary()
-    assert set(info) == {"method", "iterations", "residual", "converged", "seconds", "products", "damping", "choice",
+    assert set(info) == {"solver", "iterations", "residual", "converged", "seconds", "products", "damping", "choice",
                          "preconditioner", "floor"}
     assert info["products"] == 2 * info["iterations"] + 2 + 1  # 2 per step, H·b, final residual check
 
 
 def test_all_methods_listed():
-    assert set(METHODS) == {"direct", "cg", "cg_spd", "minres", "lissa", "identity"}
+    assert set(METHODS) == {"direct", "cg", "cg_spd", "minres", "lissa", "neumann", "identity"}
     assert set(SOLVERS) == set(METHODS) | {"kfac", "ekfac", "arnoldi"}
 
+
+
+def test_neumann_is_the_truncated_series_with_k_terms():
+    """Lorraine et al.'s x = α Σ_{j<K} (I − α(H + λI))^j b, a registered solver: K = max_iter terms (default 20)."""
+    h, evals = spd_matrix(p=30, cond=50)
+    b = torch.randn(30, 2, generator=torch.Generator().manual_seed(9))
+    alpha, damping = 0.5 / float(evals.max()), 1e-2
+    series, power = torch.zeros_like(b), b.clone()
+    for _ in range(7):
+        series, power = series + alpha * power, power - alpha * ((h + damping * torch.eye(30)) @ power)
+    sol = ik.SolveConfig(solver="neumann", max_iter=7, step=alpha, damping=damping).solve(ik.DenseOperator(h), b)
+    assert torch.allclose(sol.x, series, rtol=1e-12, atol=1e-15) and sol.iterations == 6
+    assert solve(h, b, "neumann", step=alpha).iterations == 19
+    with pytest.raises(ik.InputError, match="step must be > 0"):
+        ik.SolveConfig(solver="neumann", step=0.0)
 
 @pytest.mark.parametrize("method", ["minres", "cg_spd"])
 def test_exact_preconditioner_solves_in_one_step(method):
@@ -224,11 +239,11 @@ def test_a_registered_solver_runs_through_solveconfig_and_a_chain(mlp_stage):
         b = torch.randn(10, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
         sol = ik.SolveConfig(solver="diagonal_jacobi", damping=0.5).solve(ik.DenseOperator(h), b)
         torch.testing.assert_close(sol.x, b / (torch.diagonal(h) + 0.5)[:, None])
-        assert sol.method == "diagonal_jacobi" and sol.damping == 0.5
+        assert sol.solver == "diagonal_jacobi" and sol.damping == 0.5
         stage = mlp_stage
         test = stage.data.take(torch.arange(3))
         res = ik.Chain([stage], solve=ik.SolveConfig(solver="diagonal_jacobi")).query(test).scores(torch.arange(5))
-        assert res.diagnostics["solves"][0]["method"] == "diagonal_jacobi"
+        assert res.diagnostics["solves"][0]["solver"] == "diagonal_jacobi"
         with pytest.raises(ik.InputError, match="preconditioner"):
             ik.SolveConfig(solver="diagonal_jacobi", preconditioner="ekfac")
     finally:

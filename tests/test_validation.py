@@ -2,14 +2,15 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from scipy import stats
 
 import influkit as ik
 from influkit.validation import Retrainer, leave_out_retrain, loo_corr, pearson, sign_agreement, spearman, top_k_overlap
+from conftest import need
 from test_multistage import ALPHA, build
 
 
 def test_metrics_against_scipy():
+    stats = need("scipy.stats")
     rng = np.random.default_rng(0)
     p = rng.normal(size=50)
     a = p + rng.normal(scale=0.5, size=50)
@@ -30,7 +31,7 @@ def harness_problem(request):
     case = request.param
     pre, fin, test = build(case, n_pretrain=400, teacher=True)  # removing 1 of 400 is a small, near-linear perturbation
     res = ik.score(pre, fin, torch.arange(400), test, shared="embedding", case=case, alpha=ALPHA,
-                   solver="direct", damping=0.0, progress=False)
+                   solve=ik.SolveConfig(solver="direct", damping=0.0), progress=False)
     chain = ik.Chain([pre, fin], [ik.Link("embedding", case=case, alpha=ALPHA)])
     retrainer = Retrainer(optimizer="newton", tol=1e-12, max_steps=200, keep_weights=False)
     return case, pre, fin, test, res, chain, retrainer
@@ -44,7 +45,7 @@ def test_harness_agrees_with_scores_on_a_well_posed_problem(harness_problem):
     assert pearson(frame["predicted"], frame["actual"]) >= 0.99
     # the originals were not touched
     again = ik.score(pre, fin, torch.arange(400), test, shared="embedding", case=case, alpha=ALPHA,
-                     solver="direct", damping=0.0, progress=False)
+                     solve=ik.SolveConfig(solver="direct", damping=0.0), progress=False)
     assert torch.allclose(again.values, res.values)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ..chain import Chain, Link
 from ..errors import InputError
+from ..extras import require
 from ..multistage import score
 from ..results import InfluenceResult
 from ..solvers import SolveConfig
@@ -212,7 +213,7 @@ def write_validation(run: ValidationRun, out: Path, name: str) -> None:
     """Write a :class:`ValidationRun` to ``out``: ``{name}_loo.csv``, ``_scores.csv``, ``_summary.csv``, the scatter of
     predicted vs actual changes (and of the identity ablation), the gallery of the most harmful / helpful digits
     and ``_attrs.json``."""
-    import matplotlib.pyplot as plt
+    plt = require("matplotlib.pyplot", "influkit.apps.digits plots")
 
     from . import plotting
 
@@ -293,7 +294,7 @@ class DigitsLDS:
         pd.DataFrame(self.run.subsets.numpy().astype(int)).to_csv(paths[2], index_label="subset")
         ready = [k for k, v in self.scores.items() if isinstance(v, InfluenceResult)]
         method = plot_method or ready[0]
-        import matplotlib.pyplot as plt
+        plt = require("matplotlib.pyplot", "influkit.apps.digits plots")
 
         fig = self.run.plot(self.scores[method], title=f"{name}: {method}")
         fig.savefig(paths[3], dpi=120)

@@ -25,6 +25,7 @@ from .. import files
 from ..chain import Chain
 from ..data import as_examples
 from ..errors import InfluenceError, InputError, NumericalError
+from ..extras import require
 from ..gradients import per_example_grads, project_per_example_grads
 from ..results import InfluenceResult
 from ..solvers import SolveConfig
@@ -48,7 +49,7 @@ def plot_lds(scores, subsets, outputs, *, query: int | None = None, title: str =
     query: the query to scatter (default: the one with the median LDS). The scatter's title carries its Pearson r
     and Spearman ρ (= that query's LDS). Returns the matplotlib Figure.
     """
-    import matplotlib.pyplot as plt
+    plt = require("matplotlib.pyplot", "influkit.apps.lds plots")
 
     predicted = predicted_outputs(scores, subsets)
     per_query = lds_per_query(scores, subsets, outputs)

@@ -36,6 +36,7 @@ import torch
 
 from ..errors import InputError
 from ..results import InfluenceResult
+from .metrics import ranks
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -113,10 +114,8 @@ def predicted_outputs(scores, subsets) -> np.ndarray:
 
 def _columnwise_spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Spearman ρ between the matching columns of a and b (NaN where either column is constant)."""
-    from scipy import stats
-
-    ra = stats.rankdata(a, axis=0)
-    rb = stats.rankdata(b, axis=0)
+    ra = np.stack([ranks(column) for column in np.asarray(a, float).T], axis=1)
+    rb = np.stack([ranks(column) for column in np.asarray(b, float).T], axis=1)
     ra = ra - ra.mean(0)
     rb = rb - rb.mean(0)
     denom = np.sqrt((ra**2).sum(0) * (rb**2).sum(0))
