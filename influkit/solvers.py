@@ -36,7 +36,10 @@ its H² system), reported as :attr:`Solution.residual` for every method (the app
 per column). The default (:func:`default_tol`) is reachable in the operator's precision: 1e-10 in float64,
 1e-4 in float32, where one HVP itself carries a relative error of ~1e-6·κ; Krylov vectors are kept in float64
 whatever the operator's dtype (float32 HVPs are cast), and a float32 solve that stalls at its floor stops and
-says so (``Solution.floor``: the residual float32 arithmetic can certify for that x).
+says so (``Solution.floor``: the residual float32 arithmetic can certify for that x). Approximate inverses
+are judged by :data:`APPROXIMATE_TOL` (0.5) unless ``tol`` is given. ``Solution.converged`` is residual ≤ tol for
+every method — a pseudo-inverse of a singular H and an approximate inverse can be unconverged — and None where no
+residual was computed (``identity``; approximate inverses with ``residual=False``).
 """
 
 from __future__ import annotations
@@ -69,7 +72,10 @@ class Solution:
     """The result of one (batched) inverse-Hessian solve.
 
     residual: the largest relative residual ‖A x − c‖ / ‖c‖ over the columns, for the system A x = c the
-    method solves (see the module table); NaN for ``identity``, which solves nothing.
+    method solves (see the module table); NaN where none was computed (``identity``, which solves nothing, and
+    approximate inverses with ``residual=False``).
+    tol: the tolerance the residual is judged by; converged: residual ≤ tol, for every method (direct and
+    pseudo-inverse solves and approximate inverses too), or None where no residual was computed (not checked).
     choice: why this method (and preconditioner) ran (set when :class:`SolveConfig` chose it with ``solver="auto"``).
     preconditioner: what preconditioned an iterative solve, or which fitted approximation gave x ("" if none).
     floor: the relative residual the operator's precision can certify for this x, ε·(‖A‖‖x‖/‖b‖ + 1)
@@ -80,7 +86,8 @@ class Solution:
     method: str
     iterations: int
     residual: float
-    converged: bool
+    tol: float
+    converged: bool | None
     seconds: float
     products: int
     damping: float
@@ -280,7 +287,7 @@ class Solver:
     ``_prepare`` and ``_run(rhs, tol, max_iter, bar) -> (x, iterations, residual, floor)``.
     """
 
-    exact: ClassVar[bool] = False  # True: converged by construction (no residual test)
+    approximate: ClassVar[bool] = False  # True: x = C⁻¹b for a fitted approximation C (default tol APPROXIMATE_TOL)
     iterative: ClassVar[bool] = False  # True: runs ``max_iter`` steps at most, with a progress bar
     accepts_preconditioner: ClassVar[bool] = False  # True: SolveConfig(preconditioner=..., deflate=...) applies
     warn: bool = True  # warn on an unconverged solve (and, in CG, on negative curvature)
@@ -310,7 +317,8 @@ class Solver:
             raise InputError(f"right-hand side has {rhs.shape[0]} rows, the Hessian is {operator.dim}×{operator.dim}.")
         if not torch.isfinite(rhs).all():
             raise NumericalError("the right-hand side holds NaN or Inf (a gradient overflowed); check the model and data.")
-        tol = default_tol(rhs.dtype) if self.config.tol is None else self.config.tol
+        tol = self.config.tol if self.config.tol is not None else APPROXIMATE_TOL if self.approximate else \
+            default_tol(rhs.dtype)
         max_iter = min(10 * operator.dim, 2000) if self.config.max_iter is None else self.config.max_iter
         start_products = getattr(operator, "products", 0)
         start = time.perf_counter()
@@ -323,16 +331,16 @@ class Solver:
                 f"the {self.name} solve produced NaN/Inf after {iterations} iterations; increase damping or use "
                 "float64."
             )
-        converged = self.exact or residual <= tol
-        if not converged and warn:
-            _warn_unconverged(self.name, iterations, residual, tol, floor, rhs.dtype)
+        converged = None if math.isnan(residual) else bool(residual <= tol)  # None: not checked
+        if converged is False and warn:
+            self._warn_unconverged(iterations, residual, tol, floor, rhs.dtype)
         notes = list(self.fitted.get("notes", []))
         why = self.choice
         if why and self.preconditioner_name:
             why = f"{why}, preconditioned by {self.preconditioner_name}"
         return Solution(
             x=x.reshape(-1) if single else x, method=self.name, iterations=iterations, residual=float(residual),
-            converged=bool(converged), seconds=time.perf_counter() - start,
+            tol=float(tol), converged=converged, seconds=time.perf_counter() - start,
             products=getattr(operator, "products", 0) - start_products, damping=float(damping),
             choice="; ".join([why] + notes) if notes else why, preconditioner=self.preconditioner_name,
             floor=float(floor),
@@ -340,6 +348,9 @@ class Solver:
 
     def _run(self, rhs: torch.Tensor, tol: float, max_iter: int, bar) -> tuple[torch.Tensor, int, float, float]:
         raise NotImplementedError
+
+    def _warn_unconverged(self, iterations: int, residual: float, tol: float, floor: float, dtype) -> None:
+        _warn_unconverged(self.name, iterations, residual, tol, floor, dtype)
 
     def _system(self, rhs: torch.Tensor, squared: bool = False):
         """(A, c) of the system A x = c solved: (H + λI) x = b, or (H² + λI) x = H b with ``squared``."""
@@ -410,9 +421,7 @@ class Solver:
 
 @register("identity")
 class Identity(Solver):
-    """x = b: every H⁻¹ replaced by I (the multi-stage paper's ablation)."""
-
-    exact = True
+    """x = b: every H⁻¹ replaced by I (the multi-stage paper's ablation); no residual (converged None)."""
 
     def _run(self, rhs, tol, max_iter, bar):
         return rhs.clone(), 0, math.nan, math.nan
@@ -420,9 +429,10 @@ class Identity(Solver):
 
 @register("direct")
 class Direct(Solver):
-    """x = (H + λI)⁻¹ b from a factorization of the dense H (Cholesky, else an eigh pseudo-inverse), built once."""
+    """x = (H + λI)⁻¹ b from a factorization of the dense H (Cholesky, else an eigh pseudo-inverse), built once.
 
-    exact = True
+    Its residual is checked like any other method's: a pseudo-inverse of a singular H solves b only when b has no
+    component in H's null space, and is reported unconverged otherwise."""
 
     def _prepare(self, progress: bool) -> None:
         self._factor()
@@ -440,8 +450,16 @@ class Direct(Solver):
     def _run(self, rhs, tol, max_iter, bar):
         factor = self._factor()
         x = factor.solve(rhs)
-        residual = float(((factor.shifted @ x - rhs).norm(dim=0) / rhs.norm(dim=0).clamp_min(1e-300)).max())
+        residual = krylov_residual(lambda v: factor.shifted @ v, x, rhs)
         return x, 1, residual, math.nan
+
+    def _warn_unconverged(self, iterations, residual, tol, floor, dtype) -> None:
+        if self._factor().eigen is None:
+            return super()._warn_unconverged(iterations, residual, tol, floor, dtype)
+        warnings.warn(
+            f"direct: the pseudo-inverse leaves relative residual {residual:.2e} > tol {tol:.0e}: H + λI is singular "
+            "and the right-hand side has a part in its null space, which no x can match (x is the least-squares "
+            "answer). Add damping (SolveConfig(damping=...)) for a unique solution.", ConvergenceWarning, stacklevel=4)
 
     def state(self, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
         tensors, meta = super().state(prefix)
@@ -539,9 +557,13 @@ class LiSSA(_Krylov):
 
 
 class _Approximation(Solver):
-    """x = C⁻¹ b for a fitted approximation C of H + λI (no iteration); the residual is that of the true system."""
+    """x = C⁻¹ b for a fitted approximation C of H + λI (no iteration); the residual is that of the true system
+    (one exact Hessian-vector product per column; ``residual=False`` skips it: converged None).
 
-    exact = True
+    Judged by ``APPROXIMATE_TOL`` unless ``tol`` is given: C is not H, so x is not (H + λI)⁻¹b; a residual above
+    it means C⁻¹ misses b by more than half of b on this system."""
+
+    approximate = True
     approximation = None  # set by prepare (or given to :func:`solve`)
 
     def _run(self, rhs, tol, max_iter, bar):
@@ -550,6 +572,15 @@ class _Approximation(Solver):
             return x, 0, math.nan, math.nan
         apply, target = self._system(rhs)
         return x, 0, krylov_residual(apply, x, target), math.nan
+
+    def _warn_unconverged(self, iterations, residual, tol, floor, dtype) -> None:
+        remedy = (f"SolveConfig(solver='minres', preconditioner='{self.name}')" if self.name in PRECONDITIONERS
+                  else "SolveConfig(solver='minres', deflate=True)")
+        warnings.warn(
+            f"{self.name}: the approximate inverse leaves relative residual {residual:.2e} > tol {tol:.0e} on "
+            f"(H + λI)x = b: its x solves the fitted approximation, not the stage's Hessian, so the scores are "
+            f"{self.name}'s, not the influence function's. For an exact solve (the same fit as its preconditioner) "
+            f"pass {remedy}; to accept the approximation, pass a larger tol.", ConvergenceWarning, stacklevel=4)
 
 
 @register("kfac", "ekfac")
@@ -594,6 +625,11 @@ def _matches(curvature, kind: str, config: SolveConfig) -> bool:
 def _matches_eigen(arnoldi, config: SolveConfig) -> bool:
     return arnoldi is not None and arnoldi.eigenvalues.numel() >= min(config.rank, arnoldi.eigenvectors.shape[0]) and \
         arnoldi.info.get("seed") == config.seed
+
+
+# The default tolerance of approximate inverses (kfac, ekfac, arnoldi): their x = C⁻¹b is judged by the true
+# relative residual ‖(H + λI)x − b‖/‖b‖; above 0.5 the fitted C misses b by more than half of b (x = 0 scores 1).
+APPROXIMATE_TOL = 0.5
 
 
 def default_tol(dtype: torch.dtype) -> float:
