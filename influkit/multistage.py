@@ -23,6 +23,7 @@ from torch import nn
 from .chain import Chain, Link, Measure
 from .errors import InputError
 from .results import InfluenceResult
+from .fitted import CurvatureConfig
 from .solvers import SolveConfig, solve_settings
 from .stage import Stage
 
@@ -49,6 +50,7 @@ def score(
     case: int = 1,
     alpha: float = 0.01,
     solve: SolveConfig | Sequence[SolveConfig] | None = None,
+    curvature: CurvatureConfig | Sequence[CurvatureConfig] | None = None,
     measure: Measure | None = None,
     per_test: bool = False,
     chunk_size: int | None = None,
@@ -74,18 +76,15 @@ def score(
     ``solver="auto"``, no damping, the choice recorded in ``diagnostics["solves"]``). The paper's MNIST setting is
     ``[SolveConfig(solver="cg", damping=1e-2), SolveConfig(solver="cg", damping=1e-8)]`` (for ``cg`` the damping
     is added to H²); ``SolveConfig(solver="identity")`` is its ablation (every H⁻¹ replaced by I).
-    The keywords ``solver``, ``damping``, ``hessian_samples`` (one value or a pair; one value of
-    ``hessian_samples`` samples the pretraining Hessian only), ``tol``, ``max_iter`` and ``seed`` still work for
-    one release, with a DeprecationWarning.
+    The keywords ``solver``, ``damping``, ``tol`` and ``max_iter`` still work for one release, with a
+    DeprecationWarning. curvature: one :class:`~influkit.fitted.CurvatureConfig` or a (pretrain, finetune) pair
+    (which matrix, ``hessian_samples``, how approximations are fitted; default ``CurvatureConfig()``).
     per_test: return the (len(z), len(x_test)) matrix, from batched right-hand sides (still two solves).
     """
     link = Link(shared, case=case, alpha=alpha)
     pre = _as_stage(pretrain, pretrain_loss, pretrain_data, pretrain_params, pretrain_regularizer, "pretrain")
     fin = _as_stage(finetune, finetune_loss, finetune_data, finetune_params, finetune_regularizer, "finetune")
-    samples = deprecated.get("hessian_samples")
-    if samples is not None and not isinstance(samples, (tuple, list)):
-        deprecated["hessian_samples"] = (samples, None)  # as before: one value samples the pretraining Hessian
     configs = solve_settings(solve, deprecated, "influkit.score", stages=2)
-    chain = Chain([pre, fin], [link], solve=configs)
+    chain = Chain([pre, fin], [link], solve=configs, curvature=curvature or CurvatureConfig())
     query = chain.query(x_test, measure=measure, per_test=per_test, chunk_size=chunk_size, progress=progress)
     return query.scores(z, chunk_size=chunk_size, progress=progress)

@@ -1,9 +1,10 @@
 """Inverse-Hessian solvers as objects behind one interface, chosen from a :class:`SolveConfig` by a registry.
 
-A :class:`Solver` is built for one config (``SolveConfig.build``), prepared once on an operator (``prepare``:
-the dense factorization, the fitted factored curvature or eigenpairs the method needs, kept on
-``operator.fitted``/the operator's factor cache), then solves any number of right-hand sides (``solve(b)``);
-``state``/``load`` persist what ``prepare`` built. ``solve(operator, b, solver, damping=λ)`` is the one-call form.
+A :class:`Solver` is built for one config (``SolveConfig.build``) on a stage's
+:class:`~influkit.fitted.FittedCurvature` (the operator H and its fitted approximations, which the chain owns and
+hands over), prepared once (``prepare``: the dense factorization, or the approximation the method needs, asked of
+the FittedCurvature, which fits it once), then solves any number of right-hand sides (``solve(b)``).
+``solve(operator, b, solver, damping=λ)`` is the one-call form.
 Each method returns a :class:`Solution` (x, iterations, relative residual, converged flag, time, number of
 Hessian-vector products). ``b`` may hold several right-hand sides as columns, shape (p, k). The iterations themselves
 are in :mod:`influkit.krylov`.
@@ -55,11 +56,10 @@ import torch
 from tqdm.auto import tqdm
 
 from . import krylov
-from .curvature import CURVATURES
 from .errors import ConvergenceWarning, InputError, NumericalError
-from .factored import FISHER, ArnoldiInverse, FactoredCurvature, FactoredCurvatureError, deflated, fit_curvature, lanczos
+from .factored import deflated
+from .fitted import CurvatureConfig, FittedCurvature
 from .operators import DenseOperator, Operator, SymmetricFactor
-from .params import ParamSpace, point
 
 METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "identity")
 APPROXIMATIONS = ("kfac", "ekfac", "arnoldi")
@@ -115,44 +115,30 @@ AUTO_DIRECT_MAX = 3000
 
 @dataclass(frozen=True)
 class SolveConfig:
-    """How one inverse-Hessian system (H + λI) x = b is solved: the settings every influence method shares.
+    """How one inverse-Hessian system (H + λI) x = b is solved (which H, and how its approximations are fitted, is
+    the stage's :class:`~influkit.fitted.CurvatureConfig`).
 
     solver: one of ``SOLVERS`` or ``"auto"`` (``direct`` for p ≤ ``AUTO_DIRECT_MAX``, else ``minres``, with
     ``preconditioner`` if one is given; the choice and its reason are recorded in :attr:`Solution.choice`).
     ``"kfac"``/``"ekfac"``/``"arnoldi"`` are approximate inverses (x = C⁻¹ b, no iteration).
-    damping: λ ≥ 0 added to H (to H² for ``cg``). tol, max_iter: stopping rule of iterative solvers
-    (defaults: :func:`default_tol`, min(10·p, 2,000)). hessian_samples: estimate H on a seeded random
-    sample of this many examples (seed ``seed``). preconditioner: for ``minres``/``cg_spd``, ``"ekfac"``,
-    ``"kfac"`` or ``"diagonal"`` (M = C + λI from :func:`influkit.factored.fit_curvature`; with λ = 0,
-    1e-3·trace(C)/p keeps M ≻ 0), or M⁻¹ as a callable on (p, k) residuals, M ≈ H + λI positive definite.
-    fisher: how the factored curvature estimates the Gauss-Newton matrix: ``"sampled"`` labels (default;
-    cross-entropy or squared-error losses), ``"empirical"`` (true labels, any loss), ``"exact"``
-    (:mod:`influkit.factored.fisher`). rank: eigenpairs of ``"arnoldi"`` and of ``deflate`` (Lanczos steps:
-    max(2·rank, rank + 20)). deflate: also deflate the preconditioner with the top-``rank`` eigenpairs of H.
-    curvature: the matrix H of every solve, ``"hessian"`` (default: the exact Hessian of the stage objective) or
-    ``"gauss-newton"`` (the generalized Gauss-Newton matrix G ⪰ 0, :mod:`influkit.curvature`): G's damped system
-    is positive definite for convex losses, so MINRES/CG converge where an indefinite H + λI stalls, and it is
-    the matrix K-FAC/EK-FAC approximate, which makes them good preconditioners of it. The links between stages
-    (the Case 1/2 cross derivatives) stay exact Hessian products either way. residual: approximate inverses
-    (``kfac``/``ekfac``/``arnoldi``) report the true relative residual of their x, at the cost of one exact
-    Hessian-vector product over the stage's data per solve (at transformer scale as much as the rest of the query);
-    ``False`` skips it and reports NaN, as kronfluence and TRAK never check. Iterative and direct solves always report it.
-
-    Fitted factors and eigenpairs are kept on the operator (``operator.fitted``), so one fit serves every solve
-    with it; :meth:`influkit.Chain.fit` fits them up front and :meth:`influkit.Chain.save` stores them.
+    damping: λ ≥ 0 added to H (to H² for ``cg``). tol: the relative residual a solve must reach to be converged
+    (default: :func:`default_tol` for exact methods, :data:`APPROXIMATE_TOL` for approximate inverses);
+    max_iter: iterations of iterative solvers (default min(10·p, 2,000)). preconditioner: for
+    ``minres``/``cg_spd``, ``"ekfac"``, ``"kfac"`` or ``"diagonal"`` (M = C + λI with C that fitted approximation;
+    with λ = 0, 1e-3·trace(C)/p keeps M ≻ 0), or M⁻¹ as a callable on (p, k) residuals, M ≈ H + λI positive
+    definite. deflate: also deflate the preconditioner with the top Lanczos eigenpairs of H (their number:
+    ``CurvatureConfig.rank``). residual: approximate inverses report the true relative residual of their x, at
+    the cost of one exact Hessian-vector product over the stage's data per solve (at transformer scale as much as
+    the rest of the query); ``False`` skips it (residual NaN, converged None: not checked), as kronfluence and
+    TRAK never check. Iterative and direct solves always report it.
     """
 
     solver: str = "auto"
     damping: float = 0.0
     tol: float | None = None
     max_iter: int | None = None
-    hessian_samples: int | None = None
     preconditioner: str | Callable[[torch.Tensor], torch.Tensor] | None = None
-    seed: int = 0
-    fisher: str = "sampled"
-    rank: int = 50
     deflate: bool = False
-    curvature: str = "hessian"
     residual: bool = True
 
     def __post_init__(self) -> None:
@@ -160,8 +146,10 @@ class SolveConfig:
             raise InputError(f"unknown solver {self.solver!r}; choose 'auto' or one of {tuple(REGISTRY)}.")
         if not self.damping >= 0:
             raise InputError(f"damping must be ≥ 0, got {self.damping}.")
-        if self.hessian_samples is not None and self.hessian_samples <= 0:
-            raise InputError(f"hessian_samples must be positive, got {self.hessian_samples}.")
+        if self.tol is not None and not self.tol >= 0:
+            raise InputError(f"tol must be a relative residual ≥ 0 (or None for the default), got {self.tol!r}.")
+        if self.max_iter is not None and (isinstance(self.max_iter, bool) or not self.max_iter >= 1):
+            raise InputError(f"max_iter must be ≥ 1 (or None for the default), got {self.max_iter!r}.")
         if isinstance(self.preconditioner, str):
             if self.preconditioner not in PRECONDITIONERS:
                 raise InputError(f"unknown preconditioner {self.preconditioner!r}; choose one of {PRECONDITIONERS} or pass "
@@ -171,12 +159,6 @@ class SolveConfig:
         if (self.preconditioner is not None or self.deflate) and not (
                 self.solver == "auto" or REGISTRY[self.solver].accepts_preconditioner):
             raise InputError(f"a preconditioner (or deflate) applies to solver='minres' or 'cg_spd', not {self.solver!r}.")
-        if self.fisher not in FISHER:
-            raise InputError(f"unknown fisher {self.fisher!r}; choose one of {FISHER}.")
-        if self.rank <= 0:
-            raise InputError(f"rank must be positive, got {self.rank}.")
-        if self.curvature not in CURVATURES:
-            raise InputError(f"unknown curvature {self.curvature!r}; choose one of {CURVATURES}.")
 
     def method(self, dim: int) -> tuple[str, str]:
         """(the method to run on a p = ``dim`` system, why)."""
@@ -186,18 +168,28 @@ class SolveConfig:
             return "direct", f"auto: p = {dim} ≤ {AUTO_DIRECT_MAX}, a dense factorization is fastest"
         return "minres", f"auto: p = {dim} > {AUTO_DIRECT_MAX}, MINRES (indefinite-safe, one HVP per step)"
 
-    def build(self, operator: Operator) -> "Solver":
-        """The (unprepared) :class:`Solver` of this config for ``operator`` (``auto`` resolved for its size)."""
-        method, why = self.method(operator.dim)
+    def build(self, operator: "Operator | torch.Tensor | FittedCurvature",
+              curvature: CurvatureConfig | None = None) -> "Solver":
+        """The (unprepared) :class:`Solver` of this config (``auto`` resolved for the size).
+
+        operator: a stage's :class:`FittedCurvature` (what a Chain hands over), or an Operator / dense tensor, which
+        gets a FittedCurvature of its own with the settings ``curvature`` (default ``CurvatureConfig()``)."""
+        if not isinstance(operator, FittedCurvature):
+            operator = FittedCurvature(operator, curvature if curvature is not None else CurvatureConfig())
+        elif curvature is not None and curvature != operator.config:
+            raise InputError("give the curvature settings once: the FittedCurvature was fitted with its own CurvatureConfig.")
+        method, why = self.method(operator.operator.dim)
         return REGISTRY[method](self, operator, choice=why)
 
-    def prepare(self, operator: Operator, *, progress: bool = False) -> "Solver":
-        """The :class:`Solver` of this config, prepared on ``operator`` (what it needs fitted, fitted once)."""
-        return self.build(operator).prepare(progress=progress)
+    def prepare(self, operator: "Operator | torch.Tensor | FittedCurvature", curvature: CurvatureConfig | None = None,
+                *, progress: bool = False) -> "Solver":
+        """The :class:`Solver` of this config, prepared (what it needs fitted, fitted once: see :meth:`build`)."""
+        return self.build(operator, curvature).prepare(progress=progress)
 
-    def solve(self, operator: Operator, b: torch.Tensor, *, progress: bool = False, warn: bool = True) -> "Solution":
+    def solve(self, operator: "Operator | torch.Tensor | FittedCurvature", b: torch.Tensor,
+              curvature: CurvatureConfig | None = None, *, progress: bool = False, warn: bool = True) -> "Solution":
         """x ≈ (H + λI)⁻¹ b with these settings: :meth:`prepare` then :meth:`Solver.solve`."""
-        return self.prepare(operator, progress=progress).solve(b, progress=progress, warn=warn)
+        return self.prepare(operator, curvature, progress=progress).solve(b, progress=progress, warn=warn)
 
     def summary(self) -> dict:
         """The settings as JSON-friendly values (a callable preconditioner is named by its type)."""
@@ -208,7 +200,7 @@ class SolveConfig:
 
 
 # keywords the entry points took before ``solve=SolveConfig(...)``; still accepted for one release, with a warning
-DEPRECATED_SOLVE_KEYWORDS = ("solver", "damping", "tol", "max_iter", "hessian_samples", "seed")
+DEPRECATED_SOLVE_KEYWORDS = ("solver", "damping", "tol", "max_iter")
 
 
 def solve_settings(solve: "SolveConfig | Sequence[SolveConfig] | None", deprecated: Mapping[str, object], where: str,
@@ -266,25 +258,13 @@ def register(*names: str):
     return add
 
 
-def _fitted(operator) -> dict:
-    """The dict on ``operator`` holding what solvers fitted on it ({"curvature", "arnoldi", "notes"}), created once."""
-    fitted = getattr(operator, "fitted", None)
-    if fitted is None:
-        fitted = {"notes": []}
-        try:
-            operator.fitted = fitted
-        except AttributeError:  # an operator that takes no attributes: the fit lives as long as this solver
-            pass
-    return fitted
-
-
 class Solver:
-    """(H + λI)⁻¹ b, or the method's version of it, for one :class:`SolveConfig` on one operator.
+    """(H + λI)⁻¹ b, or the method's version of it, for one :class:`SolveConfig` on one stage's curvature.
 
-    ``prepare()`` fits what the method needs (once per operator: fitted objects are kept on ``operator.fitted``);
-    ``solve(b)`` returns a :class:`Solution` for b of shape (p,) or (p, k); ``state(prefix)`` → (tensors, JSON meta)
-    and ``load(tensors, meta, prefix)`` persist what ``prepare`` fitted, bit for bit. Subclasses fill in
-    ``_prepare`` and ``_run(rhs, tol, max_iter, bar) -> (x, iterations, residual, floor)``.
+    curvature: the stage's :class:`FittedCurvature` (its operator H and fitted approximations; ``prepare()`` asks
+    it for what the method needs, fitted once there and shared by every solver handed the same object);
+    ``solve(b)`` returns a :class:`Solution` for b of shape (p,) or (p, k). Subclasses fill in ``_prepare`` and
+    ``_run(rhs, tol, max_iter, bar) -> (x, iterations, residual, floor)`` (residual NaN: not computed).
     """
 
     approximate: ClassVar[bool] = False  # True: x = C⁻¹b for a fitted approximation C (default tol APPROXIMATE_TOL)
@@ -292,13 +272,11 @@ class Solver:
     accepts_preconditioner: ClassVar[bool] = False  # True: SolveConfig(preconditioner=..., deflate=...) applies
     warn: bool = True  # warn on an unconverged solve (and, in CG, on negative curvature)
 
-    def __init__(self, config: SolveConfig, operator: Operator, *, choice: str = ""):
-        if torch.is_tensor(operator):
-            operator = DenseOperator(operator)
-        self.config, self.operator, self.choice = config, operator, choice
-        self.name = config.method(operator.dim)[0]
+    def __init__(self, config: SolveConfig, curvature: FittedCurvature, *, choice: str = ""):
+        self.config, self.curvature, self.choice = config, curvature, choice
+        self.operator = curvature.operator
+        self.name = config.method(self.operator.dim)[0]
         self.preconditioner_name = ""
-        self.fitted = _fitted(operator)
 
     def prepare(self, *, progress: bool = False) -> "Solver":
         """Fit what this method needs on the operator (nothing by default). Returns self."""
@@ -334,7 +312,7 @@ class Solver:
         converged = None if math.isnan(residual) else bool(residual <= tol)  # None: not checked
         if converged is False and warn:
             self._warn_unconverged(iterations, residual, tol, floor, rhs.dtype)
-        notes = list(self.fitted.get("notes", []))
+        notes = list(self.curvature.notes)
         why = self.choice
         if why and self.preconditioner_name:
             why = f"{why}, preconditioned by {self.preconditioner_name}"
@@ -359,64 +337,10 @@ class Solver:
             return (lambda v: op.matvec(op.matvec(v)) + damping * v), op.matvec(rhs)
         return (lambda v: op.matvec(v) + damping * v), rhs
 
-    def state(self, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
-        """(tensors, JSON meta) of what :meth:`prepare` fitted on the operator, for :meth:`load` (bit-identical)."""
-        tensors: dict[str, torch.Tensor] = {}
-        meta: dict = {"notes": list(self.fitted.get("notes", []))}
-        for key in ("curvature", "arnoldi"):
-            if self.fitted.get(key) is not None:
-                t, meta[key] = self.fitted[key].state(f"{prefix}{key}.")
-                tensors.update(t)
-        return tensors, meta
-
-    def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping, prefix: str = "") -> "Solver":
-        """Put what :meth:`state` saved back on the operator instead of fitting it again. Returns self."""
-        op = self.operator
-        self.fitted.clear()
-        self.fitted["notes"] = list(meta.get("notes", []))
-        if "curvature" in meta:
-            space = ParamSpace(point(op.stage.state(), op.names, getattr(op, "at", None)))
-            self.fitted["curvature"] = FactoredCurvature.from_state(tensors, meta["curvature"], space, prefix + "curvature.")
-        if "arnoldi" in meta:
-            self.fitted["arnoldi"] = ArnoldiInverse.from_state(tensors, meta["arnoldi"], op.dtype, op.device,
-                                                               prefix + "arnoldi.")
-        return self.prepare()  # finds what was just restored: nothing is fitted again
-
-    # what several methods fit: the factored curvature C and the top Lanczos eigenpairs of H
-
-    def _curvature(self, kind: str, progress: bool):
-        """The fitted factored curvature of ``kind`` on the operator (fitted now unless a matching one is kept)."""
-        if not _matches(self.fitted.get("curvature"), kind, self.config):
-            self.fitted["curvature"] = self._fit_curvature(kind, progress)
-        return self.fitted["curvature"]
-
-    def _fit_curvature(self, kind: str, progress: bool):
-        config, op, notes = self.config, self.operator, self.fitted.setdefault("notes", [])
-        stage = getattr(op, "stage", None)
-        if stage is None:
-            if config.solver == "auto":
-                notes.append("no preconditioner: the operator has no Stage to fit factors on")
-                return None
-            raise InputError(
-                f"{kind!r} needs the Hessian operator of a Stage (the factors come from the model's layers); "
-                f"got a {type(op).__name__}. Use influkit.curvature.HessianOperator or a Chain."
-            )
-        args = dict(names=op.names, kind=kind, indices=op.indices, extra=op.extra, at=getattr(op, "at", None),
-                    seed=config.seed, progress=progress)
-        try:
-            return fit_curvature(stage, fisher=config.fisher, **args)
-        except FactoredCurvatureError:
-            if config.solver != "auto" or config.fisher != "sampled":
-                raise
-            notes.append("EK-FAC on the empirical Fisher: the loss's predictive distribution is not recognised")
-            return fit_curvature(stage, fisher="empirical", **args)
-
-    def _eigenpairs(self, progress: bool) -> ArnoldiInverse:
-        """The top-``rank`` Lanczos eigenpairs of H (computed now unless matching ones are kept)."""
-        if not _matches_eigen(self.fitted.get("arnoldi"), self.config):
-            theta, vectors, info = lanczos(self.operator, self.config.rank, seed=self.config.seed, progress=progress)
-            self.fitted["arnoldi"] = ArnoldiInverse(theta, vectors, self.operator.dtype, info | {"seed": self.config.seed})
-        return self.fitted["arnoldi"]
+    def _approximation(self, name: str, progress: bool):
+        """The stage's fitted approximation ``name`` (fitted now unless its FittedCurvature keeps one); under
+        ``auto`` an unrecognised loss falls back to the empirical Fisher, and no stage to no preconditioner."""
+        return self.curvature.approximation(name, progress=progress, fallback=self.config.solver == "auto")
 
 
 @register("identity")
@@ -461,25 +385,14 @@ class Direct(Solver):
             "and the right-hand side has a part in its null space, which no x can match (x is the least-squares "
             "answer). Add damping (SolveConfig(damping=...)) for a unique solution.", ConvergenceWarning, stacklevel=4)
 
-    def state(self, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
-        tensors, meta = super().state(prefix)
-        if getattr(self.operator, "has_dense", False):
-            tensors[f"{prefix}hessian"] = self.operator.dense()
-        return tensors, meta
-
-    def load(self, tensors, meta, prefix: str = "") -> "Solver":
-        if f"{prefix}hessian" in tensors:
-            self.operator.restore_dense(tensors[f"{prefix}hessian"])
-        return super().load(tensors, meta, prefix)
-
 
 class _Krylov(Solver):
     """An iterative solve on (H + λI) x = b, optionally preconditioned (minres, cg_spd) and deflated."""
 
     iterative = True
 
-    def __init__(self, config: SolveConfig, operator: Operator, *, choice: str = ""):
-        super().__init__(config, operator, choice=choice)
+    def __init__(self, config: SolveConfig, curvature: FittedCurvature, *, choice: str = ""):
+        super().__init__(config, curvature, choice=choice)
         self.apply_preconditioner: Callable | None = None
 
     def _prepare(self, progress: bool) -> None:
@@ -489,12 +402,12 @@ class _Krylov(Solver):
             return
         base, name = (pre, getattr(pre, "__qualname__", type(pre).__name__)) if callable(pre) else (None, "")
         if isinstance(pre, str):
-            curvature = self._curvature(pre, progress)
+            curvature = self._approximation(pre, progress)
             if curvature is not None:
                 shift = config.damping if config.damping > 0 else 1e-3 * curvature.mean_eigenvalue()
                 base, name = (lambda r: curvature.solve(r, shift)), f"{pre} ({curvature.info['fisher']} Fisher)"
         if config.deflate and self.accepts_preconditioner:
-            pairs = self._eigenpairs(progress)
+            pairs = self._approximation("arnoldi", progress)
             base = deflated(base, pairs.eigenvalues, pairs.eigenvectors, config.damping)
             name = f"{name or 'identity'} deflated by {pairs.eigenvalues.numel()} Lanczos eigenpairs"
         self.apply_preconditioner, self.preconditioner_name = base, name
@@ -589,7 +502,7 @@ class Factored(_Approximation):
 
     def _prepare(self, progress: bool) -> None:
         if self.approximation is None:
-            self.approximation = self._curvature(self.name, progress)
+            self.approximation = self._approximation(self.name, progress)
         self.preconditioner_name = f"{self.name} ({self.approximation.info['fisher']} Fisher)"
 
 
@@ -599,7 +512,7 @@ class Arnoldi(_Approximation):
 
     def _prepare(self, progress: bool) -> None:
         if self.approximation is None:
-            self.approximation = self._eigenpairs(progress)
+            self.approximation = self._approximation("arnoldi", progress)
         self.preconditioner_name = f"arnoldi (rank {self.approximation.eigenvalues.numel()})"
 
 
@@ -615,16 +528,6 @@ def _warn_unconverged(method: str, iterations: int, residual: float, tol: float,
                   "instead of κ(H)²).")
     warnings.warn(f"{method} stopped after {iterations} iterations at relative residual {residual:.2e} > tol {tol:.0e}; "
                   + advice, ConvergenceWarning, stacklevel=4)
-
-
-def _matches(curvature, kind: str, config: SolveConfig) -> bool:
-    return curvature is not None and curvature.kind == kind and curvature.info.get("seed") == config.seed and (
-        curvature.info.get("fisher") == config.fisher or config.solver == "auto")
-
-
-def _matches_eigen(arnoldi, config: SolveConfig) -> bool:
-    return arnoldi is not None and arnoldi.eigenvalues.numel() >= min(config.rank, arnoldi.eigenvectors.shape[0]) and \
-        arnoldi.info.get("seed") == config.seed
 
 
 # The default tolerance of approximate inverses (kfac, ekfac, arnoldi): their x = C⁻¹b is judged by the true

@@ -21,8 +21,6 @@ SINGLE = [
     ("damping", 0.1, ik.SolveConfig(damping=0.1)),
     ("tol", 1e-6, ik.SolveConfig(solver="minres", tol=1e-6)),
     ("max_iter", 3, ik.SolveConfig(solver="minres", max_iter=3)),
-    ("hessian_samples", 30, ik.SolveConfig(hessian_samples=30)),
-    ("seed", 4, ik.SolveConfig(hessian_samples=30, seed=4)),
 ]
 
 
@@ -43,7 +41,6 @@ def _warned(record, keyword: str, where: str) -> None:
 @pytest.mark.parametrize("keyword,value,config", SINGLE)
 def test_influence_keyword_aliases(stage, keyword, value, config):
     extra = {"solver": "minres"} if keyword in ("tol", "max_iter") else {}
-    extra |= {"hessian_samples": 30} if keyword == "seed" else {}
     test = stage.data.take(torch.arange(5))
     with pytest.warns(DeprecationWarning) as record:
         old = ik.influence(stage, torch.arange(10), test, **{keyword: value}, **extra)
@@ -56,7 +53,6 @@ def test_influence_keyword_aliases(stage, keyword, value, config):
 @pytest.mark.parametrize("keyword,value,config", SINGLE)
 def test_self_influence_keyword_aliases(stage, keyword, value, config):
     extra = {"solver": "minres"} if keyword in ("tol", "max_iter") else {}
-    extra |= {"hessian_samples": 30} if keyword == "seed" else {}
     with pytest.warns(DeprecationWarning) as record:
         old = ik.self_influence(stage, torch.arange(10), **{keyword: value}, **extra)
     _warned(record, keyword, "influkit.self_influence")
@@ -74,11 +70,8 @@ def two_stages():
     ("solver", ("cg", "minres"), [ik.SolveConfig(solver="cg"), ik.SolveConfig(solver="minres")]),
     ("damping", (1e-2, 1e-8), [ik.SolveConfig(damping=1e-2), ik.SolveConfig(damping=1e-8)]),
     ("solver", "identity", [ik.SolveConfig(solver="identity")] * 2),
-    ("hessian_samples", 30, [ik.SolveConfig(hessian_samples=30), ik.SolveConfig()]),  # one value: pretraining only
-    ("hessian_samples", (30, 20), [ik.SolveConfig(hessian_samples=30), ik.SolveConfig(hessian_samples=20)]),
     ("tol", 1e-6, [ik.SolveConfig(tol=1e-6)] * 2),
     ("max_iter", 50, [ik.SolveConfig(max_iter=50)] * 2),
-    ("seed", 3, [ik.SolveConfig(seed=3)] * 2),
 ])
 def test_score_keyword_aliases(two_stages, keyword, value, configs):
     pre, fin, test = two_stages

@@ -14,12 +14,14 @@ parameters get Kronecker factors, hooks), :mod:`.curvature` (fitting, the operat
 :mod:`.arnoldi` (Lanczos eigenpairs, the low-rank inverse, deflation).
 """
 
+from .approximations import APPROXIMATIONS
 from .arnoldi import ArnoldiInverse, deflated, lanczos
 from .curvature import KINDS, FactoredCurvature, InverseOperator, fit_curvature, regularizer_diagonal
 from .fisher import FISHER, FactoredCurvatureError
 from .layers import plan_layers
 
 __all__ = [
+    "APPROXIMATIONS",
     "ArnoldiInverse",
     "FISHER",
     "FactoredCurvature",

@@ -52,6 +52,7 @@ from ..operators import count_products
 from ..params import ParamSpace, point
 from ..stage import Stage
 from ..vectorize import vmap_or_loop
+from .approximations import Approximation, register, space_of
 from .fisher import FISHER, PseudoGradients
 from .layers import Layer, Recorder, check_calls, example_squares, layer_grads, layer_inputs, plan_layers, token_mask
 
@@ -711,3 +712,21 @@ def _layer_index(layer: Layer, offsets: dict[str, int], device) -> torch.Tensor:
     weight = torch.arange(w0, w0 + layer.rows * width, device=device).reshape(layer.rows, width)
     b0 = offsets[layer.bias]
     return torch.cat([weight, torch.arange(b0, b0 + layer.rows, device=device)[:, None]], dim=1)
+
+
+class _Factored(Approximation):
+    """A :class:`FactoredCurvature` of the kind named by the registered name, fitted by :func:`fit_curvature`."""
+
+    @classmethod
+    def fit(cls, operator, config, *, memory=None, progress=False):
+        return fit_curvature(operator.stage, operator.names, kind=cls.name, fisher=config.fisher,
+                             indices=operator.indices, extra=operator.extra, at=getattr(operator, "at", None),
+                             seed=config.seed, memory=memory, progress=progress)
+
+    @classmethod
+    def from_state(cls, tensors, meta, operator, prefix=""):
+        return FactoredCurvature.from_state(tensors, meta, space_of(operator), prefix)
+
+
+for _kind in KINDS:
+    register(_kind)(type(_kind.upper(), (_Factored,), {"__doc__": f"{_kind}: :func:`fit_curvature` with kind={_kind!r}."}))
