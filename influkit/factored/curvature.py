@@ -28,6 +28,10 @@ and the sums (covariances, token counts, squares; EK-FAC's corrections after the
 covariances) are all-reduced, so every rank holds the same factors, equal to one process's up to summation
 order; sampled labels depend on (seed, example index) only (:mod:`.fisher`).
 
+The fit is a :class:`FactorFit` run through its passes — the statistics pass, the eigendecomposition, EK-FAC's
+eigenvalue-correction pass — in the order the kind's registered class (:class:`Diagonal`, :class:`KFAC`,
+:class:`EKFAC`, :mod:`.approximations`) gives; :func:`fit_curvature` is the one-call form.
+
 ``matvec`` applies C, ``solve(rhs, damping)`` applies (C + λI)⁻¹ blockwise in the eigenbases (exactly, no
 iteration); ``inverse(λ)`` is that inverse as an Operator, the approximate inverse of ``solver="ekfac"``.
 """
@@ -39,6 +43,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import ClassVar
 
 import torch
 from torch.func import grad
@@ -477,10 +482,11 @@ def fit_curvature(
         raise InputError(f"unknown factored curvature {kind!r}; choose one of {KINDS}.")
     if fisher not in FISHER:
         raise InputError(f"unknown fisher {fisher!r}; choose one of {FISHER}.")
+    approximation = APPROXIMATIONS[kind]
     fit = FactorFit(stage, names, kind=kind, fisher=fisher, indices=indices, extra=extra, at=at, seed=seed,
                     batch_size=batch_size, cache_bytes=cache_bytes, memory=memory, max_factor_bytes=max_factor_bytes,
-                    progress=progress)
-    return APPROXIMATIONS[kind].passes(fit)
+                    progress=progress, kronecker=approximation.kronecker)
+    return approximation.passes(fit)
 
 
 class FactorFit:
@@ -490,11 +496,12 @@ class FactorFit:
 
     The passes — :meth:`statistics_pass` (covariances or squares, one streamed pass), :meth:`eigendecomposition`,
     :meth:`correction_pass` (EK-FAC's eigenvalues in that basis) — and :meth:`assemble` (the blocks) are run in
-    order by each registered approximation's ``passes``. Arguments: those of :func:`fit_curvature`.
+    order by each registered approximation's ``passes``. Arguments: those of :func:`fit_curvature`, and
+    ``kronecker``: whether the approximation has Kronecker factors (else no layer is too wide for them).
     """
 
     def __init__(self, stage: Stage, names, *, kind, fisher, indices, extra, at, seed, batch_size, cache_bytes, memory,
-                 max_factor_bytes, progress):
+                 max_factor_bytes, progress, kronecker=True):
         self.start = time.perf_counter()
         self.stage, self.kind, self.fisher, self.extra, self.at, self.seed = stage, kind, fisher, extra, at, seed
         self.names = list(stage.param_names if names is None else names)
@@ -505,7 +512,7 @@ class FactorFit:
         self.local = distributed.shard(torch.arange(len(stage)) if indices is None else torch.as_tensor(indices).reshape(-1))
         budget = memory_budget(memory, self.space.device)
         limit = budget // 8 if max_factor_bytes is None else max_factor_bytes
-        self.wide = {layer.name for layer in layers if kind != "diagonal" and factor_bytes(layer) > limit}
+        self.wide = {layer.name for layer in layers if kronecker and factor_bytes(layer) > limit}
         for layer in layers:
             if layer.name in self.wide:
                 warnings.warn(
@@ -766,6 +773,8 @@ class _Factored(Approximation):
     """A :class:`FactoredCurvature` fitted from the stage's layers by :func:`fit_curvature`: the registered class
     of each kind says which passes of a :class:`FactorFit` it runs (``passes``)."""
 
+    kronecker: ClassVar[bool] = True  # False: no Kronecker factors (no layer is too wide for them)
+
     @classmethod
     def fit(cls, operator, config, *, memory=None, progress=False):
         return fit_curvature(operator.stage, operator.names, kind=cls.name, fisher=config.fisher,
@@ -784,6 +793,8 @@ class _Factored(Approximation):
 @register("diagonal")
 class Diagonal(_Factored):
     """diag(GGN) = (1/n) Σ_{i,j} (∇_θ ℓ_ij)²: one pass of squared per-example gradients, every parameter its block."""
+
+    kronecker = False
 
     @classmethod
     def passes(cls, fit):
