@@ -219,16 +219,15 @@ class Chain:
         CurvatureConfig is unchanged is handed the same FittedCurvature, so its operator, dense Hessian, factors and
         eigenpairs are reused (e.g. a damping sweep of EK-FAC or Arnoldi without refitting; ``direct`` factors the
         kept dense Hessian for the new λ) and only an approximation not fitted yet is fitted; a stage whose
-        CurvatureConfig changed gets a new FittedCurvature, fitted for what its solver needs."""
+        CurvatureConfig changed gets :meth:`FittedCurvature.derive`: what read only unchanged settings is kept (a new
+        ``rank`` keeps the operator and the factors; a new ``fisher`` the operator and the eigenpairs), the rest is
+        fitted for what its solver needs."""
         other = Chain(self.stages, self.links, self.solve_configs if solve is None else solve,
                       curvature=self.curvature_configs if curvature is None else curvature, memory=self.memory)
         if self._solvers is None:
             return other
         start = time.perf_counter()
-        other._curvatures = [
-            old if old.config == config else other._new_curvature(plan, config)
-            for plan, config, old in zip(other.plans, other.curvature_configs, self._curvatures)
-        ]
+        other._curvatures = [old.derive(config) for config, old in zip(other.curvature_configs, self._curvatures)]
         return other._prepare(start)
 
     def _new_curvature(self, plan: "_StagePlan", config: CurvatureConfig) -> FittedCurvature:

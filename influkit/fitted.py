@@ -9,7 +9,10 @@ objective or its Gauss-Newton matrix), on which examples it is estimated, and ho
 :class:`FittedCurvature` holds one stage's operator H (with its dense form once a ``direct`` solve built it) and each
 approximation a solver asked for, fitted on first request and kept. A :class:`~influkit.Chain` owns one per stage
 and hands it to that stage's solver; :meth:`influkit.Chain.with_solve` hands the same object to new solve settings,
-so a damping or solver sweep refits nothing, and builds a new one only for a stage whose CurvatureConfig changed.
+so a damping or solver sweep refits nothing; for a stage whose CurvatureConfig changed it hands over
+:meth:`FittedCurvature.derive`, which keeps every fitted item whose settings did not change. What an item depends
+on is not written down anywhere: each fit reads the settings through a recorder, and the settings it read are kept
+beside it (``reads``).
 """
 
 from __future__ import annotations
@@ -66,6 +69,18 @@ class CurvatureConfig:
         return asdict(self)
 
 
+class _Reads:
+    """A CurvatureConfig that records which settings are read from it (``read``: {name: value})."""
+
+    def __init__(self, config: CurvatureConfig):
+        self._config, self.read = config, {}
+
+    def __getattr__(self, name: str):
+        value = getattr(self._config, name)
+        self.read[name] = value
+        return value
+
+
 class FittedCurvature:
     """One stage's curvature as fitted for a :class:`CurvatureConfig`: the operator H and the approximations
     solvers asked for (``approximation(name)``: fitted on first request, then kept).
@@ -73,7 +88,8 @@ class FittedCurvature:
     operator: the stage's :class:`~influkit.curvature.HessianOperator` (:meth:`of_stage` builds it from the config),
     or any :class:`~influkit.operators.Operator` (then only approximations that need no stage can be fitted).
     memory: the budget in bytes the fits size their batches from (None: a share of what is free).
-    ``notes`` say where a fit departed from the settings (e.g. the empirical Fisher for an unrecognised loss).
+    ``notes`` say where a fit departed from the settings (e.g. the empirical Fisher for an unrecognised loss);
+    ``reads`` the settings each fitted item ("operator", each approximation's name) read, which :meth:`derive` compares.
     """
 
     def __init__(self, operator: Operator | torch.Tensor, config: CurvatureConfig = CurvatureConfig(), *,
@@ -82,13 +98,35 @@ class FittedCurvature:
         self.config, self.memory = config, memory
         self.approximations: dict[str, object] = {}
         self.notes: list[str] = []
+        self.reads: dict[str, dict] = {"operator": {}}
 
     @classmethod
     def of_stage(cls, stage, names, config: CurvatureConfig, *, extra=None, memory: int | None = None) -> "FittedCurvature":
         """The (not yet fitted) curvature of ``stage``'s objective [+ ``extra``] over the parameters ``names``."""
-        operator = HessianOperator(stage, names, samples=config.hessian_samples, seed=config.seed, extra=extra,
-                                   curvature=config.matrix, memory=memory)
-        return cls(operator, config, memory=memory)
+        reads = _Reads(config)
+        operator = HessianOperator(stage, names, samples=reads.hessian_samples, seed=reads.seed, extra=extra,
+                                   curvature=reads.matrix, memory=memory)
+        fitted = cls(operator, config, memory=memory)
+        fitted.reads["operator"] = reads.read
+        return fitted
+
+    def derive(self, config: CurvatureConfig) -> "FittedCurvature":
+        """The same stage's curvature for ``config``: this one if ``config`` is its own; else one that keeps the
+        operator (and its dense H) and each approximation whose read settings are unchanged — every approximation is
+        fitted on the operator, so a new operator keeps none — and fits the rest when asked."""
+        if config == self.config:
+            return self
+        unchanged = lambda name: all(getattr(config, k) == v for k, v in self.reads[name].items())  # noqa: E731
+        if not unchanged("operator"):
+            op = self.operator
+            return FittedCurvature.of_stage(op.stage, op.names, config, extra=op.extra, memory=self.memory)
+        out = FittedCurvature(self.operator, config, memory=self.memory)
+        for name, fitted in self.approximations.items():
+            if unchanged(name):
+                out.approximations[name], out.reads[name] = fitted, self.reads[name]
+        out.reads["operator"] = self.reads["operator"]
+        out.notes = [note for note in self.notes if note.split(" ", 1)[0] in out.approximations]
+        return out
 
     def __repr__(self) -> str:
         return f"FittedCurvature({self.config.matrix}, p={self.operator.dim}, fitted {sorted(self.approximations)})"
@@ -110,14 +148,16 @@ class FittedCurvature:
                 f"{name!r} needs the Hessian operator of a Stage (the factors come from the model's layers); got a "
                 f"{type(self.operator).__name__}. Use influkit.curvature.HessianOperator or a Chain."
             )
+        reads = _Reads(self.config)
         try:
-            fitted = kind.fit(self.operator, self.config, memory=self.memory, progress=progress)
+            fitted = kind.fit(self.operator, reads, memory=self.memory, progress=progress)
         except FactoredCurvatureError:
             if not fallback or self.config.fisher != "sampled":
                 raise
             self.notes.append(f"{name} on the empirical Fisher: the loss's predictive distribution is not recognised")
-            fitted = kind.fit(self.operator, replace(self.config, fisher="empirical"), memory=self.memory, progress=progress)
-        self.approximations[name] = fitted
+            reads = _Reads(replace(self.config, fisher="empirical"))
+            fitted = kind.fit(self.operator, reads, memory=self.memory, progress=progress)
+        self.approximations[name], self.reads[name] = fitted, reads.read
         return fitted
 
     def memory_plans(self) -> list[dict]:
@@ -131,7 +171,7 @@ class FittedCurvature:
         tensors: dict[str, torch.Tensor] = {}
         if getattr(self.operator, "has_dense", False):
             tensors[f"{prefix}hessian"] = self.operator.dense()
-        meta: dict = {"notes": list(self.notes), "approximations": {}}
+        meta: dict = {"notes": list(self.notes), "reads": self.reads, "approximations": {}}
         for name, fitted in self.approximations.items():
             t, meta["approximations"][name] = fitted.state(f"{prefix}{name}.")
             tensors.update(t)
@@ -142,6 +182,7 @@ class FittedCurvature:
         if f"{prefix}hessian" in tensors:
             self.operator.restore_dense(tensors[f"{prefix}hessian"])
         self.notes = list(meta.get("notes", []))
+        self.reads = {name: dict(read) for name, read in meta.get("reads", {"operator": {}}).items()}
         self.approximations = {
             name: APPROXIMATIONS[name].from_state(tensors, saved, self.operator, f"{prefix}{name}.")
             for name, saved in meta.get("approximations", {}).items()

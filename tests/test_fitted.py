@@ -81,14 +81,41 @@ def test_with_solve_refits_nothing_when_only_the_solve_settings_change(mlp_stage
     assert fits["kfac"] == 1 and fits["ekfac"] == 1 and set(fitted.approximations) == {"ekfac", "kfac"}
 
 
-def test_with_solve_refits_for_a_new_curvature_config(mlp_stage, fits):
-    chain = ik.Chain([mlp_stage], solve=ik.SolveConfig(solver="ekfac", damping=0.1)).fit()
+def test_with_solve_refits_what_a_new_curvature_config_changes(mlp_stage, fits):
+    """Each fitted item is kept or refitted by the settings it read: fisher → the factors; rank → the eigenpairs;
+    hessian_samples → the operator and everything fitted on it."""
+    chain = ik.Chain([mlp_stage], solve=ik.SolveConfig(solver="minres", preconditioner="ekfac", deflate=True,
+                                                        damping=0.1)).fit()
     kept = chain.curvature(0)
+    assert fits["ekfac"] == 1 and fits["arnoldi"] == 1
+    products = chain.operator(0).products
     other = chain.with_solve(curvature=ik.CurvatureConfig(fisher="empirical"))
-    assert fits["ekfac"] == 2 and other.curvature(0) is not kept
+    assert fits["ekfac"] == 2 and fits["arnoldi"] == 1 and other.curvature(0) is not kept
+    assert other.operator(0) is chain.operator(0) and chain.operator(0).products == products
     assert other.curvature(0).approximations["ekfac"].info["fisher"] == "empirical"
     assert kept.approximations["ekfac"].info["fisher"] == "sampled"  # the old chain's fit is untouched
     assert other.solve_configs == chain.solve_configs  # None keeps this chain's solve settings
+    ranked = chain.with_solve(curvature=ik.CurvatureConfig(rank=7))
+    assert fits["ekfac"] == 2 and fits["arnoldi"] == 2
+    assert ranked.curvature(0).approximations["ekfac"] is kept.approximations["ekfac"]
+    assert ranked.curvature(0).approximations["arnoldi"].eigenvalues.numel() == 7
+    sampled = chain.with_solve(curvature=ik.CurvatureConfig(hessian_samples=30))
+    assert fits["ekfac"] == 3 and fits["arnoldi"] == 3 and sampled.operator(0) is not chain.operator(0)
+    assert sampled.operator(0).indices.numel() == 30
+    # the derived fits equal fresh ones
+    for derived, config in ((other, ik.CurvatureConfig(fisher="empirical")), (ranked, ik.CurvatureConfig(rank=7))):
+        fresh = ik.Chain([mlp_stage], solve=chain.solve_configs, curvature=config)
+        test = mlp_stage.data.take(torch.arange(3))
+        torch.testing.assert_close(derived.query(test).s, fresh.query(test).s, rtol=1e-9, atol=1e-12)
+
+
+def test_what_each_fit_read_survives_save_and_load(mlp_stage, tmp_path, fits):
+    solve = ik.SolveConfig(solver="ekfac", damping=0.1)
+    ik.Chain([mlp_stage], solve=solve).fit().save(tmp_path / "fit.st")
+    loaded = ik.Chain([mlp_stage], solve=solve).load(tmp_path / "fit.st")
+    assert fits["ekfac"] == 1 and loaded.curvature(0).reads["ekfac"] == {"fisher": "sampled", "seed": 0}
+    loaded.with_solve(curvature=ik.CurvatureConfig(rank=3))
+    assert fits["ekfac"] == 1  # rank is not a setting EK-FAC reads: the loaded factors are kept
 
 
 def test_direct_on_a_kept_dense_hessian_is_exact_after_with_solve(mlp_stage):
