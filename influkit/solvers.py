@@ -62,8 +62,8 @@ from .fitted import CurvatureConfig, FittedCurvature
 from .operators import DenseOperator, Operator, SymmetricFactor
 
 METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "identity")
-APPROXIMATIONS = ("kfac", "ekfac", "arnoldi")
-SOLVERS = METHODS + APPROXIMATIONS  # the built-in solvers; :func:`register` adds more
+APPROXIMATE_INVERSES = ("kfac", "ekfac", "arnoldi")  # x = C⁻¹b for a fitted approximation C (factored.approximations)
+SOLVERS = METHODS + APPROXIMATE_INVERSES  # the built-in solvers; :func:`register` adds more
 PRECONDITIONERS = ("kfac", "ekfac", "diagonal")
 
 
@@ -596,7 +596,7 @@ def solve(
         raise InputError(f"damping must be ≥ 0, got {damping}.")
     if preconditioner is not None and not (solver != "auto" and REGISTRY[solver].accepts_preconditioner):
         raise InputError(f"a preconditioner applies to 'minres' and 'cg_spd', not {solver!r}.")
-    if solver in APPROXIMATIONS and approximation is None:
+    if solver != "auto" and REGISTRY[solver].approximate and approximation is None:
         raise InputError(
             f"solver={solver!r} needs its fitted approximation: use SolveConfig(solver={solver!r}).solve(operator, b) "
             "or a Chain, which fit it, or pass approximation=influkit.factored.fit_curvature(...)."
