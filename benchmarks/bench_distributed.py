@@ -472,9 +472,9 @@ def rss_worker(m: int, chunk_size: int, out: Path, trim: bool = True) -> dict:
     pre = ik.Stage(pre_model, ce, SyntheticExamples(m), regularizer=l2(1e-3), batch_size=1024)
     finetune = SyntheticExamples(2000, classes=4, seed=1)
     fin = ik.Stage(fin_model, ce, finetune, params="head", regularizer=l2(1e-3), batch_size=1024)
-    solve = [ik.SolveConfig(solver="minres", damping=1e-3, tol=1e-6, max_iter=200, hessian_samples=1000),
-             ik.SolveConfig(solver="minres", damping=1e-3, tol=1e-6, max_iter=200)]
-    chain = ik.Chain([pre, fin], [ik.Link("embedding", case=1)], solve=solve)
+    solve = ik.SolveConfig(solver="minres", damping=1e-3, tol=1e-6, max_iter=200)
+    curvature = [ik.CurvatureConfig(hessian_samples=1000), ik.CurvatureConfig()]
+    chain = ik.Chain([pre, fin], [ik.Link("embedding", case=1)], solve=solve, curvature=curvature)
     query = chain.query(fin.data.take(torch.arange(100)))
     base = peak_rss_mb()
     start, cpu = time.perf_counter(), time.process_time()

@@ -37,6 +37,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +59,7 @@ CACHE = RESULTS / "cache" / "lm-case1"
 TASK = "lm-case1"
 SUBSET_SEED = 0
 METHODS = ("exact", "ekfac", "identity", "gauss-newton", "exact-sgd-damped")
-FINETUNE_SOLVE = {"max_iter": 30, "hessian_samples": 64}
+FINETUNE_ITERATIONS, FINETUNE_SAMPLES = 30, 64
 
 
 def example():
@@ -122,12 +123,13 @@ class LMTask:
 
     def chain(self, method: str) -> ik.Chain:
         """The Case 1 chain with the example's pretraining solve ``method``; the finetuning solve is the example's
-        MINRES on H_F with fewer iterations and a sampled Hessian (FINETUNE_SOLVE): with 20 right-hand sides the
+        MINRES on H_F with fewer iterations and a sampled Hessian (FINETUNE_ITERATIONS, FINETUNE_SAMPLES): with 20 right-hand sides the
         example's (100 iterations, all 300 completions) costs ~13 s an iteration here, 22 min in all."""
         ex, cfg = self.ex, self.cfg
-        solve = [ik.SolveConfig(**solve_settings(ex, cfg, method)),
-                 ik.SolveConfig(solver="minres", damping=cfg.damping[1], seed=cfg.seed, **FINETUNE_SOLVE)]  # fmt: skip
-        return ik.Chain([self.pre, self.fin], [self.link], solve=solve)
+        pre_solve, pre_curvature = solve_settings(ex, cfg, method)
+        solve = [pre_solve, ik.SolveConfig(solver="minres", damping=cfg.damping[1], max_iter=FINETUNE_ITERATIONS)]
+        curvature = [pre_curvature, ik.CurvatureConfig(hessian_samples=FINETUNE_SAMPLES, seed=cfg.seed)]
+        return ik.Chain([self.pre, self.fin], [self.link], solve=solve, curvature=curvature)
 
     def pretraining_rhs(self, progress: bool = True) -> tuple[torch.Tensor, dict, float]:
         """(rhs, finetuning solve summary, seconds): the per-test right-hand sides b_t − H_WΘ H_F⁻¹ a_t of the
@@ -148,14 +150,15 @@ class LMTask:
         return values.reshape(self.n, -1), time.perf_counter() - start, query.solves[0]
 
 
-def solve_settings(ex, cfg, method: str) -> dict:
-    """The example's pretraining solve ``method``, or ``exact-sgd-damped``: the exact solve with damping 1/(η·T),
+def solve_settings(ex, cfg, method: str) -> tuple[ik.SolveConfig, ik.CurvatureConfig]:
+    """The example's pretraining (solve, curvature) settings of ``method``, or ``exact-sgd-damped``: the exact solve with damping 1/(η·T),
     T the continuation's SGD steps. T steps of size η on a quadratic move θ by −[I − (I − ηH)^T] H⁻¹ ∇,
     i.e. H⁻¹ for curvatures ≫ 1/(ηT) and ηT·I below: the warm-start response is H⁻¹ damped by about 1/(ηT)."""
     if method != "exact-sgd-damped":
         return ex.SOLVES[method](cfg)
     steps = cfg.continue_epochs * -(-cfg.n_pretrain // cfg.pre_batch)
-    return ex.SOLVES["exact"](cfg) | {"damping": 1 / (cfg.continue_lr * steps)}
+    solve, curvature = ex.SOLVES["exact"](cfg)
+    return replace(solve, damping=1 / (cfg.continue_lr * steps)), curvature
 
 
 def retrain_path(j: int, order: int) -> Path:

@@ -211,10 +211,10 @@ def job_influkit_ekfac(args, out: dict, work: Path):
     out["rss_model"] = rss_now()
     chain = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", residual=not args.no_residual), memory=args.memory)
     chain.fit()
-    curvature = chain.operator(0).fitted["curvature"]
+    curvature = chain.curvature(0).approximations["ekfac"]
     damping = 0.1 * curvature.mean_eigenvalue()
     fit_s = chain.fit_seconds
-    chain = chain.with_solve(replace(chain.configs[0], damping=damping))  # the fitted factors kept, λ set
+    chain = chain.with_solve(replace(chain.solve_configs[0], damping=damping))  # the fitted factors kept, λ set
     t0 = time.perf_counter()
     query = chain.query(test)
     query_s = time.perf_counter() - t0
@@ -252,9 +252,8 @@ def job_influkit_minres(args, out: dict, work: Path):
 
     stage, test = single_stage(args)
     damping = json.loads((work / "influkit-ekfac.json").read_text())["damping"]
-    config = ik.SolveConfig(solver="minres", max_iter=args.iterations, hessian_samples=args.hessian_samples,
-                            damping=damping)
-    chain = ik.Chain([stage], solve=config)
+    config = ik.SolveConfig(solver="minres", max_iter=args.iterations, damping=damping)
+    chain = ik.Chain([stage], solve=config, curvature=ik.CurvatureConfig(hessian_samples=args.hessian_samples))
     chain.fit()
     t0 = time.perf_counter()
     with warnings.catch_warnings():
@@ -355,9 +354,10 @@ def job_case1(args, out: dict, work: Path):
         warnings.simplefilter("always")
         chain.fit()
     out["warnings"] = sorted({str(w.message)[:160] for w in caught})
-    curvature = chain.operator(0).fitted["curvature"]
+    curvature = chain.curvature(0).approximations["ekfac"]
     fit_s = chain.fit_seconds
-    chain = chain.with_solve([replace(chain.configs[0], damping=0.1 * curvature.mean_eigenvalue()), chain.configs[1]])
+    chain = chain.with_solve([replace(chain.solve_configs[0], damping=0.1 * curvature.mean_eigenvalue()),
+                              chain.solve_configs[1]])
     t0 = time.perf_counter()
     query = chain.query(torch.arange(args.test))
     query_s = time.perf_counter() - t0

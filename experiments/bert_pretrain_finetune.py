@@ -321,24 +321,23 @@ def train_chain(enc_pre, tweets, tokenizer, cfg: Config, *, keep: torch.Tensor |
 # other pretraining-stage solves (the finetuning solve unchanged): H_G = I, a gradient dot product with the
 # propagated test gradient; and influkit's EK-FAC approximate inverse (empirical Fisher; the tied decoder/word
 # embedding gets a diagonal block), no Hessian-vector products at all.
-ABLATIONS = {
-    "identity": ("Iid", {"solver": "identity"}),
-    "ekfac": ("Iekfac", {"solver": "ekfac", "fisher": "empirical"}),
+ABLATIONS = {  # name: (result prefix, SolveConfig settings, CurvatureConfig settings)
+    "identity": ("Iid", {"solver": "identity"}, {}),
+    "ekfac": ("Iekfac", {"solver": "ekfac"}, {"fisher": "empirical"}),
     # the exact damped solve on the Gauss-Newton matrix G ⪰ 0 (H of this non-stationary G is indefinite)
-    "gauss-newton": ("Ign", {"solver": "minres", "curvature": "gauss-newton", "tol": 1e-3, "max_iter": 1000}),
+    "gauss-newton": ("Ign", {"solver": "minres", "tol": 1e-3, "max_iter": 1000}, {"matrix": "gauss-newton"}),
 }
 
 
 def chain_for(t: Trained, case: int, cfg: Config, pre_solver: str = "minres") -> ik.Chain:
     """The Case ``case`` chain; ``pre_solver`` ``"minres"`` or one of :data:`ABLATIONS`."""
-    pre = ABLATIONS[pre_solver][1] if pre_solver in ABLATIONS else {"solver": pre_solver}
-    solve = [
-        ik.SolveConfig(**({"damping": cfg.damping[0], "hessian_samples": cfg.hessian_samples[0],
-                           "max_iter": cfg.max_iter[0], "seed": cfg.seed} | pre)),
-        ik.SolveConfig(solver="minres", damping=cfg.damping[case], hessian_samples=cfg.hessian_samples[case],
-                       max_iter=cfg.max_iter[case], seed=cfg.seed),
-    ]  # fmt: skip
-    return ik.Chain([t.pre, t.fin1 if case == 1 else t.fin2], [ik.Link("bert", case=case, alpha=cfg.alpha)], solve=solve)
+    _, pre, pre_curvature = ABLATIONS[pre_solver] if pre_solver in ABLATIONS else ("", {"solver": pre_solver}, {})
+    solve = [ik.SolveConfig(**({"damping": cfg.damping[0], "max_iter": cfg.max_iter[0]} | pre)),
+             ik.SolveConfig(solver="minres", damping=cfg.damping[case], max_iter=cfg.max_iter[case])]
+    curvature = [ik.CurvatureConfig(**({"hessian_samples": cfg.hessian_samples[0], "seed": cfg.seed} | pre_curvature)),
+                 ik.CurvatureConfig(hessian_samples=cfg.hessian_samples[case], seed=cfg.seed)]
+    return ik.Chain([t.pre, t.fin1 if case == 1 else t.fin2], [ik.Link("bert", case=case, alpha=cfg.alpha)], solve=solve,
+                    curvature=curvature)
 
 
 def influence(t: Trained, case: int, cfg: Config, test, queries: torch.Tensor, progress: bool,

@@ -26,7 +26,7 @@ script prints this command and exits 2 when they are missing).
 - Influence: an ``influkit.Chain([pretrain, finetune], [Link("bilm", case=1)])``, fitted once, queried with the
   test set (and, with ``tweet_query``, the test tweet with the largest loss). The finetune block (Θ, 2,242
   values) is solved exactly (``direct``, damping 1e-8); the pretraining block by MINRES preconditioned with
-  EK-FAC (``SolveConfig(solver="minres", preconditioner="ekfac", fisher="empirical")``) on a seeded sample of
+  EK-FAC (``SolveConfig(solver="minres", preconditioner="ekfac")``, ``CurvatureConfig(fisher="empirical")``) on a seeded sample of
   ``hessian_samples`` = 1,500 sentences, damping 1.0, to the float32 tolerance 1e-4 (``--max-iter`` caps it at
   40). The biLM's only ``nn.Linear`` is the softmax, which gets Kronecker factors; the LSTM cells, char CNN,
   highway and projection hold raw parameters and get diagonal blocks. The Fisher is the empirical one because
@@ -324,18 +324,20 @@ def run(cfg: Config, out: Path, corpus: str = "vader", reuse: bool = False, log=
 
     # -- influence of every pretraining sentence: one Chain, fitted once (EK-FAC factors of the pretraining Hessian,
     #    the dense finetuning Hessian), then one query (= one pretraining solve) per test set
-    pre_config = ik.SolveConfig(solver=cfg.pre_solver, damping=cfg.damping[0], hessian_samples=cfg.hessian_samples,
-                                tol=cfg.tol, max_iter=cfg.max_iter, preconditioner=cfg.pre_preconditioner,
-                                fisher=cfg.fisher, seed=cfg.seed)  # fmt: skip
-    fin_config = ik.SolveConfig(solver=cfg.fin_solver, damping=cfg.damping[1], seed=cfg.seed)
+    pre_config = ik.SolveConfig(solver=cfg.pre_solver, damping=cfg.damping[0], tol=cfg.tol, max_iter=cfg.max_iter,
+                                preconditioner=cfg.pre_preconditioner)
+    fin_config = ik.SolveConfig(solver=cfg.fin_solver, damping=cfg.damping[1])
+    curvature = [ik.CurvatureConfig(hessian_samples=cfg.hessian_samples, fisher=cfg.fisher, seed=cfg.seed),
+                 ik.CurvatureConfig(seed=cfg.seed)]
     link = [ik.Link("bilm", case=1)]
-    chain = ik.Chain([pre, fin], link, solve=[pre_config, fin_config])
+    chain = ik.Chain([pre, fin], link, solve=[pre_config, fin_config], curvature=curvature)
     start = time.perf_counter()
     chain.fit()
     fit_seconds = time.perf_counter() - start
-    curvature = (getattr(chain.operator(0), "fitted", None) or {}).get("curvature")
+    curvature = next((a for a in chain.curvature(0).approximations.values() if hasattr(a, "blocks")), None)
     summary["influence_fit"] = {"seconds": fit_seconds, "pretrain_solve_config": pre_config.summary(),
-                                "finetune_solve_config": fin_config.summary()}  # fmt: skip
+                                "finetune_solve_config": fin_config.summary(),
+                                "curvature_configs": [c.summary() for c in chain.curvature_configs]}  # fmt: skip
     if curvature is not None:
         info = curvature.info
         summary["influence_fit"]["preconditioner"] = {

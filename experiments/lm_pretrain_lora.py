@@ -249,22 +249,25 @@ def test_loss_sum(fin: ik.Stage, test) -> float:
 
 # ----------------------------------------------------------------------------------------------- influence
 
-SOLVES = {
-    "exact": lambda cfg: {"solver": "minres", "damping": cfg.damping[0], "hessian_samples": cfg.hessian_samples,
-                          "max_iter": cfg.max_iter[0], "seed": cfg.seed},
-    "gauss-newton": lambda cfg: {"solver": "minres", "curvature": "gauss-newton", "damping": cfg.damping[0],
-                                 "hessian_samples": cfg.hessian_samples, "max_iter": cfg.max_iter[0], "seed": cfg.seed},
-    "identity": lambda cfg: {"solver": "identity"},
-    "ekfac": lambda cfg: {"solver": "ekfac", "fisher": "empirical", "damping": cfg.damping[0]},
+SOLVES = {  # method: cfg -> (the pretraining stage's SolveConfig, its CurvatureConfig)
+    "exact": lambda cfg: (ik.SolveConfig(solver="minres", damping=cfg.damping[0], max_iter=cfg.max_iter[0]),
+                          ik.CurvatureConfig(hessian_samples=cfg.hessian_samples, seed=cfg.seed)),
+    "gauss-newton": lambda cfg: (ik.SolveConfig(solver="minres", damping=cfg.damping[0], max_iter=cfg.max_iter[0]),
+                                 ik.CurvatureConfig(matrix="gauss-newton", hessian_samples=cfg.hessian_samples,
+                                                    seed=cfg.seed)),
+    "identity": lambda cfg: (ik.SolveConfig(solver="identity"), ik.CurvatureConfig()),
+    "ekfac": lambda cfg: (ik.SolveConfig(solver="ekfac", damping=cfg.damping[0]), ik.CurvatureConfig(fisher="empirical")),
 }  # fmt: skip
 
 
 def influence(pre: ik.Stage, fin: ik.Stage, link: ik.Link, test, cfg: Config, method: str, progress: bool):
     """(result, seconds): the Case 1 scores of every pretraining document on the summed test NLL."""
-    solve = [ik.SolveConfig(**SOLVES[method](cfg)),
-             ik.SolveConfig(solver="minres", damping=cfg.damping[1], max_iter=cfg.max_iter[1], seed=cfg.seed)]  # fmt: skip
+    pre_solve, pre_curvature = SOLVES[method](cfg)
+    solve = [pre_solve, ik.SolveConfig(solver="minres", damping=cfg.damping[1], max_iter=cfg.max_iter[1])]
+    curvature = [pre_curvature, ik.CurvatureConfig(seed=cfg.seed)]
     start = time.perf_counter()
-    res = ik.Chain([pre, fin], [link], solve=solve).query(test, progress=progress).scores(progress=progress)
+    res = ik.Chain([pre, fin], [link], solve=solve, curvature=curvature).query(test, progress=progress).scores(
+        progress=progress)
     return res, time.perf_counter() - start
 
 

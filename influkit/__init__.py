@@ -15,6 +15,7 @@ from .errors import (
     ParameterError,
     VectorizationWarning,
 )
+from .fitted import CurvatureConfig, FittedCurvature
 from .influence import influence, self_influence
 from .multistage import score
 from .results import InfluenceResult, load
@@ -43,9 +44,11 @@ def __dir__() -> list[str]:
 __all__ = [
     "Chain",
     "ConvergenceWarning",
+    "CurvatureConfig",
     "DenseOperator",
     "Ensemble",
     "FileFormatError",
+    "FittedCurvature",
     "InfluenceError",
     "InfluenceResult",
     "InputError",

@@ -21,6 +21,7 @@ from .data import as_examples
 from .errors import InputError
 from .gradients import per_example_grads
 from .results import InfluenceResult
+from .fitted import CurvatureConfig
 from .solvers import SolveConfig
 from .stage import Stage, check_example_shape
 
@@ -31,6 +32,7 @@ def influence(
     x_test,
     *,
     solve: SolveConfig | None = None,
+    curvature: CurvatureConfig | None = None,
     params: str | Iterable[str] | None = None,
     measure: Measure | None = None,
     per_test: bool = False,
@@ -42,6 +44,8 @@ def influence(
     z, x_test: (inputs, targets) tensors, or 1-D indices into the stage's data.
     solve: a :class:`~influkit.solvers.SolveConfig` (default ``SolveConfig()``: ``solver="auto"``, no damping; the
     choice and its reason are in ``diagnostics["solves"][0]["choice"]``).
+    curvature: a :class:`~influkit.fitted.CurvatureConfig` (which matrix, ``hessian_samples``, how approximations are
+    fitted; default ``CurvatureConfig()``: the exact Hessian on all the data).
     params: names/prefixes of the parameters the Hessian is taken over (default: the stage's trained ones).
     measure: the test function per example, ``measure(outputs, targets) -> (B,)`` (default: the stage's loss);
     see :meth:`influkit.Chain.query`.
@@ -49,7 +53,8 @@ def influence(
     chunk_size: examples per scoring chunk (default: as many as the memory budget holds).
     """
     config = SolveConfig() if solve is None else solve
-    chain = Chain([stage if params is None else stage.with_(params=params)], solve=config)
+    chain = Chain([stage if params is None else stage.with_(params=params)], solve=config,
+                  curvature=curvature or CurvatureConfig())
     query = chain.query(x_test, measure=measure, per_test=per_test, chunk_size=chunk_size, progress=progress)
     return query.scores(z, chunk_size=chunk_size, progress=progress)
 
@@ -59,6 +64,7 @@ def self_influence(
     z=None,
     *,
     solve: SolveConfig | None = None,
+    curvature: CurvatureConfig | None = None,
     params: str | Iterable[str] | None = None,
     rhs_chunk: int = 256,
     chunk_size: int | None = None,
@@ -69,12 +75,13 @@ def self_influence(
     Negative for a positive definite H; removing z raises its own loss by −I(z, z)/n = ``removal``, large for
     examples the model fits only by memorizing them (outliers, mislabelled points). z defaults to all data.
     ``Chain([stage])``'s fitted solver (``direct`` factors H once) solves for ``rhs_chunk`` gradients at a time.
-    solve, chunk_size: as in :func:`influence`.
+    solve, curvature, chunk_size: as in :func:`influence`.
     """
     config = SolveConfig() if solve is None else solve
     if rhs_chunk < 1:
         raise InputError(f"rhs_chunk must be ≥ 1, got {rhs_chunk}.")
-    chain = Chain([stage if params is None else stage.with_(params=params)], solve=config).fit()
+    chain = Chain([stage if params is None else stage.with_(params=params)], solve=config,
+                  curvature=curvature or CurvatureConfig()).fit()
     plan, solver = chain.plans[0], chain.solver(0)
     z = torch.arange(len(stage)) if z is None else z
     (zx, zy), z_ids = as_examples(z, plan.stage.data, "z")
@@ -95,5 +102,6 @@ def self_influence(
         n_train=len(stage),
         index=z_ids,
         method="self-influence",
-        diagnostics={"solves": summaries, "seconds": seconds, "settings": config.summary()},
+        diagnostics={"solves": summaries, "seconds": seconds,
+                     "settings": config.summary() | {"curvature": chain.curvature_configs[0].summary()}},
     )

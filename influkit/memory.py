@@ -23,8 +23,6 @@ The chosen sizes are returned as small dicts, which the phases put in their diag
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Callable, Iterable
 
 import torch
@@ -35,8 +33,6 @@ DEFAULT_SHARE = 0.5
 PROBE_EXAMPLES = 2
 SAFETY = 2.0
 MiB = 2**20
-
-_CURRENT: contextvars.ContextVar["int | None"] = contextvars.ContextVar("influkit_memory", default=None)
 
 
 def available_bytes(device: torch.device | str = "cpu") -> int:
@@ -61,24 +57,13 @@ def available_bytes(device: torch.device | str = "cpu") -> int:
 
 
 def resolve(memory: int | float | None, device: torch.device | str = "cpu") -> int:
-    """The budget in bytes: ``memory`` itself, the one set by :func:`scope`, or DEFAULT_SHARE of what is free."""
-    if memory is None:
-        memory = _CURRENT.get()
+    """The budget in bytes: ``memory`` itself, or DEFAULT_SHARE of what is free when it is None (every phase
+    receives the budget as an argument: ``Chain(memory=)`` passes its own to each)."""
     if memory is None:
         return int(DEFAULT_SHARE * available_bytes(device))
     if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory > 0:
         raise MemoryBudgetError(f"memory must be a positive number of bytes (e.g. 4 * 2**30), got {memory!r}.")
     return int(memory)
-
-
-@contextlib.contextmanager
-def scope(memory: int | float | None):
-    """Within the block, phases called without an explicit budget use ``memory`` (bytes; None: the default)."""
-    token = _CURRENT.set(None if memory is None else resolve(memory))
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
 
 
 def _storage_key(t: torch.Tensor):

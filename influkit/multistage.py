@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from .chain import Chain, Link, Measure
 from .errors import InputError
 from .results import InfluenceResult
+from .fitted import CurvatureConfig
 from .solvers import SolveConfig
 from .stage import Stage
 
@@ -35,6 +36,7 @@ def score(
     case: int = 1,
     alpha: float = 0.01,
     solve: SolveConfig | Sequence[SolveConfig] | None = None,
+    curvature: CurvatureConfig | Sequence[CurvatureConfig] | None = None,
     measure: Measure | None = None,
     per_test: bool = False,
     chunk_size: int | None = None,
@@ -52,6 +54,8 @@ def score(
     ``solver="auto"``, no damping, the choice recorded in ``diagnostics["solves"]``). The paper's MNIST setting is
     ``[SolveConfig(solver="cg", damping=1e-2), SolveConfig(solver="cg", damping=1e-8)]`` (for ``cg`` the damping
     is added to H²); ``SolveConfig(solver="identity")`` is its ablation (every H⁻¹ replaced by I).
+    curvature: one :class:`~influkit.fitted.CurvatureConfig` or a (pretrain, finetune) pair (which matrix,
+    ``hessian_samples``, how approximations are fitted; default ``CurvatureConfig()``).
     per_test: return the (len(z), len(x_test)) matrix, from batched right-hand sides (still two solves).
     """
     for which, stage in (("pretrain", pretrain), ("finetune", finetune)):
@@ -59,6 +63,7 @@ def score(
             raise InputError(f"{which} must be an influkit.Stage, got {type(stage).__name__}; wrap a model as "
                              f"influkit.Stage(model, loss, data, params=..., regularizer=...).")
     link = Link(shared, case=case, alpha=alpha)
-    chain = Chain([pretrain, finetune], [link], solve=SolveConfig() if solve is None else solve)
+    chain = Chain([pretrain, finetune], [link], solve=SolveConfig() if solve is None else solve,
+                  curvature=curvature or CurvatureConfig())
     query = chain.query(x_test, measure=measure, per_test=per_test, chunk_size=chunk_size, progress=progress)
     return query.scores(z, chunk_size=chunk_size, progress=progress)

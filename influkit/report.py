@@ -277,13 +277,22 @@ def _cell(value):
     return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
 
 
+def _convergence(solve: dict) -> dict:
+    """A solve's ``converged`` as words: residual ≤ tol, above it, or no residual computed (None: not checked)."""
+    if "converged" not in solve:
+        return solve
+    state = solve["converged"]
+    return solve | {"converged": "not checked" if state is None else "converged" if state else "unconverged"}
+
+
 def _stage_first(item: tuple[str, Any]) -> tuple[bool, str]:
     return item[0] != "stage", item[0]  # one column order, whatever order a saved file's JSON keeps
 
 
 def _diagnostics(result: InfluenceResult) -> str:
     parts = []
-    solves = [{k: _cell(v) for k, v in sorted(s.items(), key=_stage_first)} for s in result.diagnostics.get("solves") or []]
+    solves = [{k: _cell(v) for k, v in sorted(_convergence(s).items(), key=_stage_first)}
+              for s in result.diagnostics.get("solves") or []]
     parts.append(_table(pd.DataFrame(solves)) if solves else '<p class="note">no solves recorded</p>')
     seconds = dict(sorted((result.diagnostics.get("seconds") or {}).items()))
     if seconds:

@@ -117,15 +117,16 @@ def test_scores_match_explicit_hessian_formulas(problem, solver, rtol):
 
 
 def test_gauss_newton_chain_matches_the_explicit_formula(problem):
-    """SolveConfig(curvature="gauss-newton"): every stage's solve uses its Gauss-Newton matrix, the links stay exact."""
+    """CurvatureConfig(matrix="gauss-newton"): every stage's solve uses its Gauss-Newton matrix, the links stay exact."""
     case, pre, fin, test, z, _ = problem
     expected = explicit_scores(pre, fin, z, test, case, curvature=explicit_gauss_newton)
     chain = ik.Chain([pre, fin], [ik.Link("embedding", case=case, alpha=ALPHA)],
-                     solve=ik.SolveConfig(solver="direct", curvature="gauss-newton"))
+                     solve=ik.SolveConfig(solver="direct"), curvature=ik.CurvatureConfig(matrix="gauss-newton"))
     got = chain.query(test, per_test=True).scores(z).values
     assert (got - expected).norm() / expected.norm() <= 1e-8
     minres = ik.Chain([pre, fin], [ik.Link("embedding", case=case, alpha=ALPHA)],
-                      solve=ik.SolveConfig(solver="cg_spd", curvature="gauss-newton", tol=1e-12, preconditioner="kfac"))
+                      solve=ik.SolveConfig(solver="cg_spd", tol=1e-12, preconditioner="kfac"),
+                      curvature=ik.CurvatureConfig(matrix="gauss-newton"))
     assert (minres.query(test, per_test=True).scores(z).values - expected).norm() / expected.norm() <= 1e-7
     assert (expected - problem[5]).norm() / problem[5].norm() > 1e-3  # G ≠ H here: the test can tell them apart
 

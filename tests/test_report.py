@@ -159,3 +159,16 @@ def test_chromium_renders_the_page(digits_result, tmp_path):
     assert (rgb.sum(1) < 600).mean() > 0.02  # something dark drawn on the white page
     for colour in ((0xC0, 0x39, 0x2B), (0x24, 0x71, 0xA3)):  # the harmful (red) and helpful (blue) card borders
         assert (np.abs(rgb - colour).sum(1) <= 6).sum() > 100, colour
+
+
+def test_solves_table_says_converged_unconverged_or_not_checked(digits_result):
+    """converged True / False / None (no residual computed) are shown as what they are, None never as a blank."""
+    from influkit.report import render
+
+    res, _, _ = digits_result
+    base = {"method": "ekfac", "residual": 0.7, "tol": 0.5}
+    res.diagnostics["solves"] = [{"stage": 0, **base, "converged": False}, {"stage": 1, **base, "converged": True},
+                                 {"stage": 2, **base, "residual": float("nan"), "converged": None}]
+    page = render(res)
+    cells = re.findall(r"<td>(converged|unconverged|not checked)</td>", page)
+    assert cells == ["unconverged", "converged", "not checked"]

@@ -54,9 +54,11 @@ def main() -> None:
     fit_lbfgs(ik.Stage(clf.head, cross_entropy, (features, y[:300]), regularizer=l2), max_iter=400, tol=1e-6)
     fin = ik.Stage(clf, cross_entropy, (tweets[:300], y[:300]), params="head", regularizer=l2)
 
-    solve = [ik.SolveConfig(solver="minres", damping=1.0, preconditioner="ekfac", fisher="empirical", max_iter=40),
+    solve = [ik.SolveConfig(solver="minres", damping=1.0, preconditioner="ekfac", max_iter=40),
              ik.SolveConfig(solver="direct", damping=1e-8)]
-    res = ik.Chain([pre, fin], [ik.Link("bilm", case=1)], solve=solve).query((tweets[300:], y[300:])).scores()
+    curvature = [ik.CurvatureConfig(fisher="empirical"), ik.CurvatureConfig()]
+    res = ik.Chain([pre, fin], [ik.Link("bilm", case=1)], solve=solve, curvature=curvature).query(
+        (tweets[300:], y[300:])).scores()
     texts_of = [" ".join(s) for s in sentences]
     print("pretraining sentences whose up-weighting most raises the test tweets' loss:")
     print(res.top(5, texts=texts_of)[["score", "text"]].to_string(index=False))
