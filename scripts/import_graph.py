@@ -21,7 +21,7 @@ CORE = {f"{PACKAGE}.{name}" for name in (
     "stage", "data", "params", "curvature", "gradients", "solvers", "operators", "chain", "results", "scoring",
     "files", "distributed", "errors", "vectorize", "philox", "krylov", "report", "ensemble", "memory", "contraction")}
 CORE_PACKAGES = (f"{PACKAGE}.factored",)
-METHOD_PACKAGES = tuple(f"{PACKAGE}.{name}" for name in ("ssl", "turnover", "elmo", "hf", "apps", "validation"))
+METHOD_PACKAGES = tuple(f"{PACKAGE}.{name}" for name in ("ssl", "turnover", "elmo", "hf", "apps", "validation", "unrolled"))
 
 
 def modules(root: Path) -> dict[str, Path]:

@@ -1,0 +1,144 @@
+"""Exact metagradients: d measure(final model) / d w_z for every example of every recorded stage, by reverse mode.
+
+Sign convention (docs/DESIGN §1, "Unrolled attribution"): the score of z is d f(T; θ_final(w)) / d w_z at w = 1,
+through every recorded step of every stage; removing z (w_z: 1 → 0) predicts a change of **−score**
+(``InfluenceResult.removal`` with ``removal_eps = −1``). For full-batch descent run to convergence the score
+tends to I(z, T)/m, the influence function's value.
+
+The reverse pass (MAGIC, Ilyas & Engstrom 2025, written here for chains of stages). A step is the pure map
+(θ_{t+1}, s_{t+1}) = Φ_t(θ_t, s_t, S̄, w_{B_t}) of :meth:`StageRun.step`. With the adjoint (θ̄_{t+1}, s̄_{t+1}),
+one vector-Jacobian product of Φ_t gives (θ̄_t, s̄_t), adds ∂/∂S̄ to the shared block's adjoint, and gives the
+per-example terms ∂/∂w_z = (1/|B_t|) ∇ℓ(z; θ_t)·v_t for the whole batch at once (v_t: the adjoint pulled back
+through the optimizer's update to the gradient; autograd's double backward through ∇_θ L_t gives them in the
+same pass as the Hessian-vector product H_t v_t). Stages run last to first: the last stage starts from
+θ̄_T = ∂f/∂θ_T; stage k's adjoint on its start and on its fixed or proximal shared block (S̄ = the previous
+stage's final values) is handed across the boundary as the previous stage's θ̄_T (Case 1: the fixed block's
+adjoint is accumulated over every finetuning step; Case 2: θ̄_0 of the finetuned block plus the proximal term's
+∂/∂S̄; LoRA: the fixed base weights are a Case 1 block).
+
+Memory (checkpointing): the record keeps (θ, state) every k steps. The reverse pass takes the segments last to
+first, recomputes the k states of one segment from its checkpoint, then runs the segment's VJPs backwards, so
+it holds T/k checkpoints + k states + the adjoints: O(√T) states for k = √T, at the price of one extra forward
+replay of the run. Each segment's recomputed end is compared with the next checkpoint, so the pass also checks
+that replay reproduces the whole record (``diagnostics["replay"]``).
+
+A measure with q outputs (per-test losses) is differentiated for all q at once: the adjoints carry a leading
+dimension q and the VJPs are vmapped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.func import jacrev, vjp, vmap
+from tqdm.auto import tqdm
+
+from ..results import InfluenceResult
+from .record import Record, StageRun, tensor_bytes
+from .replay import as_measure, deviation, start, unit_weights
+
+METHOD = "unrolled exact (replay)"
+
+
+def metagradients(record: Record, measure, *, per_test: bool = False, progress: bool = False) -> list[InfluenceResult]:
+    """One :class:`InfluenceResult` per recorded stage: values[z] = d measure(final model) / d w_z at w = 1.
+
+    measure: an (inputs, targets) test set (its per-test losses under the last stage) or a callable
+    params → scalar or (q,) tensor of the last stage's final values (trained θ_T and fixed shared block).
+    per_test: keep one column per measure output, values (n_k, q); else the outputs are summed.
+    ``results[0]`` scores the pretraining examples, ``results[-1]`` the finetuning examples (the same pass).
+    removal = −values (removal_eps = −1). diagnostics: seconds (this pass, and the recorded training for the
+    ratio), the replay check, the memory held (checkpoints, one segment's states, the adjoints).
+    """
+    start_time = time.perf_counter()
+    fn = as_measure(record, measure)
+    last = record.runs[-1]
+    final = {n: v.detach() for n, v in last.final.items()}
+    with torch.no_grad():
+        outputs = fn(final).numel()
+    q = outputs if per_test else 1
+    vector = lambda params: fn(params).reshape(-1) if per_test else fn(params).sum().reshape(1)  # noqa: E731
+    adjoint = {n: j.reshape(q, *final[n].shape) for n, j in jacrev(vector)(final).items()}  # θ̄_T = ∂f/∂θ_T
+    checkpoint_bytes = sum(run.checkpoint_bytes() for run in record.runs)
+    stats = {"replay_error": 0.0, "segment_bytes": 0, "adjoint_bytes": 0}
+    scores: list[torch.Tensor] = [None] * len(record)  # type: ignore[list-item]
+    for k in range(len(record) - 1, -1, -1):
+        run = record.runs[k]
+        theta_bar = {n: adjoint.get(n, torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device))
+                     for n, v in run.checkpoints[run.steps][0].items()}
+        anchor_bar = {n: adjoint.get(n, torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device))
+                      if n in run.frozen else torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device)
+                      for n, v in run.anchors.items()}
+        theta_bar, anchor_bar, scores[k] = _reverse(run, theta_bar, anchor_bar, q, stats, progress)
+        if k:
+            previous = record.runs[k - 1]
+            adjoint = {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in previous.final.items()}
+            for n, m in run.inherited.items():
+                adjoint[m] = adjoint[m] + anchor_bar[n] + (theta_bar[n] if n in theta_bar else 0)
+    seconds = time.perf_counter() - start_time
+    training = sum(run.seconds for run in record.runs)
+    diagnostics = {
+        "seconds": {"metagradient": seconds, "training (recorded)": training},
+        "settings": {"measure_outputs": int(outputs), "per_test": per_test,
+                     "steps": [run.steps for run in record.runs],
+                     "checkpoint_every": [run.every for run in record.runs],
+                     "optimizers": [repr(run.optimizer) for run in record.runs]},
+        "replay": {"max_error": stats["replay_error"], "checked": "every segment's recomputed end vs its checkpoint"},
+        "memory": {"checkpoint_bytes": checkpoint_bytes, "segment_bytes": stats["segment_bytes"],
+                   "adjoint_bytes": stats["adjoint_bytes"],
+                   "peak_state_bytes": checkpoint_bytes + stats["segment_bytes"] + stats["adjoint_bytes"]},
+        "ratio_to_training": seconds / training if training > 0 else None,
+    }
+    results = []
+    for k, run in enumerate(record.runs):
+        values = scores[k] if per_test else scores[k][:, 0]
+        results.append(InfluenceResult(values=values, n_train=len(run.stage), method=f"{METHOD}, stage {k}",
+                                       diagnostics=diagnostics | {"stage": k}, removal_eps=-1.0))
+    return results
+
+
+def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress: bool):
+    """Reverse mode through one stage: (θ̄_0, S̄̄ accumulated, (n, q) per-example scores)."""
+    anchors = run.anchors
+    first = next(iter(theta_bar.values()))
+    scores = torch.zeros(len(run.stage), q, dtype=first.dtype, device=first.device)
+    state_bar = None
+    for a, b in tqdm(list(reversed(run.segments())), desc="metagradient", disable=not progress, leave=False):
+        theta, state = run.checkpoints[a]
+        if a == 0:
+            theta = start(run, anchors)
+        held = []
+        for t in range(a, b):
+            held.append((theta, state))
+            idx, x, y = run.batch(t)
+            theta, state = run.step(t, theta, state, anchors, unit_weights(run, idx, None, x), x, y)
+        stats["replay_error"] = max(stats["replay_error"], deviation((theta, state), run.checkpoints[b]))
+        stats["segment_bytes"] = max(stats["segment_bytes"], tensor_bytes(held))
+        if state_bar is None:
+            state_bar = {slot: {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in s.items()}
+                         for slot, s in state.items()}
+        for t in range(b - 1, a - 1, -1):
+            theta_t, state_t = held.pop()
+            idx, x, y = run.batch(t)
+            w = unit_weights(run, idx, None, x)
+            step = lambda th, st, an, wb: run.step(t, th, st, an, wb, x, y)  # noqa: E731 (t, x, y of this step)
+            _, pullback = vjp(step, theta_t, state_t, anchors, w)
+            if q == 1:
+                out = pullback(({n: v[0] for n, v in theta_bar.items()},
+                                {s: {n: v[0] for n, v in d.items()} for s, d in state_bar.items()}))
+                out = tuple(_unsqueeze(o) for o in out)
+            else:
+                out = vmap(pullback)((theta_bar, state_bar))
+            theta_bar, state_bar, anchors_grad, w_grad = out
+            for n in anchor_bar:
+                anchor_bar[n] = anchor_bar[n] + anchors_grad[n]
+            scores.index_add_(0, idx.to(scores.device), w_grad.T.to(scores.dtype))
+            stats["adjoint_bytes"] = max(stats["adjoint_bytes"], tensor_bytes((theta_bar, state_bar, anchor_bar)))
+    return theta_bar, anchor_bar, scores
+
+
+def _unsqueeze(tree):
+    if torch.is_tensor(tree):
+        return tree.unsqueeze(0)
+    return {k: _unsqueeze(v) for k, v in tree.items()}
