@@ -199,14 +199,19 @@ def test_a_users_loop_under_the_recorder_equals_the_training_helper():
         assert torch.equal(loop.runs[0].final[n], value)
 
 
-def test_checkpointing_holds_one_segment_of_states():
-    record = Record()
-    pretrain(record, AdamW(lr=0.05), steps=16, batch_size=4)
-    run = record.runs[0]
-    memory = ik.unrolled.metagradients(record, lambda p: p["head.bias"].sum())[0].diagnostics["memory"]
-    per_state = run.checkpoint_bytes() // len(run.checkpoints)
-    assert sorted(run.checkpoints) == [0, 4, 8, 12, 16]
-    assert memory["segment_bytes"] == 4 * per_state  # k = 4 recomputed states, not the 16 of the run
+def test_segmented_reverse_pass_equals_one_segment():
+    """Checkpoints every 4 steps (the reverse pass replays one 4-step segment at a time) give the scores of one
+    16-step segment."""
+    results = []
+    for every in (4, 16):
+        record = Record()
+        torch.manual_seed(0)
+        stage = ik.Stage(Net(3).eval(), cross_entropy, data(12, 3, seed=1), regularizer=l2(1e-2))
+        record.train(stage, AdamW(lr=0.05), steps=16, batch_size=4, checkpoint_every=every)
+        assert sorted(record.runs[0].checkpoints) == ([0, 4, 8, 12, 16] if every == 4 else [0, 16])
+        results.append(ik.unrolled.metagradients(record, TEST)[0])
+    torch.testing.assert_close(results[0].values, results[1].values, rtol=1e-12, atol=1e-15)
+    assert results[0].diagnostics["memory"]["segment_steps"] == 4
 
 
 def test_bad_records_are_refused_with_the_fix():

@@ -17,9 +17,10 @@ adjoint is accumulated over every finetuning step; Case 2: θ̄_0 of the finetun
 ∂/∂S̄; LoRA: the fixed base weights are a Case 1 block).
 
 Memory (checkpointing): the record keeps (θ, state) every k steps. The reverse pass takes the segments last to
-first, recomputes the k states of one segment from its checkpoint, then runs the segment's VJPs backwards, so
-it holds T/k checkpoints + k states + the adjoints: O(√T) states for k = √T, at the price of one extra forward
-replay of the run. Each segment's recomputed end is compared with the next checkpoint, so the pass also checks
+first: it replays one segment forward from its checkpoint keeping each step's pullback (the step's autograd
+graph: its activations and gradient), then runs the segment's VJPs backwards and drops them. It holds T/k
+checkpoints + k step graphs + the adjoints — O(√T) for k = √T — and costs one forward replay of the run (a
+step's forward and backward, under ``vjp``) plus one double backward per step: about 2–3 training runs. Each segment's recomputed end is compared with the next checkpoint, so the pass also checks
 that replay reproduces the whole record (``diagnostics["replay"]``).
 
 A measure with q outputs (per-test losses) is differentiated for all q at once: the adjoints carry a leading
@@ -28,6 +29,7 @@ dimension q and the VJPs are vmapped.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -49,7 +51,7 @@ def metagradients(record: Record, measure, *, per_test: bool = False, progress: 
     per_test: keep one column per measure output, values (n_k, q); else the outputs are summed.
     ``results[0]`` scores the pretraining examples, ``results[-1]`` the finetuning examples (the same pass).
     removal = −values (removal_eps = −1). diagnostics: seconds (this pass, and the recorded training for the
-    ratio), the replay check, the memory held (checkpoints, one segment's states, the adjoints).
+    ratio), the replay check, the memory held (checkpoints, adjoints, one segment's step graphs).
     """
     start_time = time.perf_counter()
     fn = as_measure(record, measure)
@@ -61,7 +63,7 @@ def metagradients(record: Record, measure, *, per_test: bool = False, progress: 
     vector = lambda params: fn(params).reshape(-1) if per_test else fn(params).sum().reshape(1)  # noqa: E731
     adjoint = {n: j.reshape(q, *final[n].shape) for n, j in jacrev(vector)(final).items()}  # θ̄_T = ∂f/∂θ_T
     checkpoint_bytes = sum(run.checkpoint_bytes() for run in record.runs)
-    stats = {"replay_error": 0.0, "segment_bytes": 0, "adjoint_bytes": 0}
+    stats = {"replay_error": 0.0, "segment_growth": 0, "adjoint_bytes": 0}
     scores: list[torch.Tensor] = [None] * len(record)  # type: ignore[list-item]
     for k in range(len(record) - 1, -1, -1):
         run = record.runs[k]
@@ -85,9 +87,11 @@ def metagradients(record: Record, measure, *, per_test: bool = False, progress: 
                      "checkpoint_every": [run.every for run in record.runs],
                      "optimizers": [repr(run.optimizer) for run in record.runs]},
         "replay": {"max_error": stats["replay_error"], "checked": "every segment's recomputed end vs its checkpoint"},
-        "memory": {"checkpoint_bytes": checkpoint_bytes, "segment_bytes": stats["segment_bytes"],
-                   "adjoint_bytes": stats["adjoint_bytes"],
-                   "peak_state_bytes": checkpoint_bytes + stats["segment_bytes"] + stats["adjoint_bytes"]},
+        "memory": {"checkpoint_bytes": checkpoint_bytes, "adjoint_bytes": stats["adjoint_bytes"],
+                   "segment_steps": max(run.every for run in record.runs),
+                   "segment_resident_growth_bytes": stats["segment_growth"],
+                   "note": "checkpoints and adjoints counted exactly; one segment's step graphs measured as the "
+                           "growth of resident memory while it is held (0 where the allocator reused freed pages)"},
         "ratio_to_training": seconds / training if training > 0 else None,
     }
     results = []
@@ -108,22 +112,19 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
         theta, state = run.checkpoints[a]
         if a == 0:
             theta = start(run, anchors)
-        held = []
-        for t in range(a, b):
-            held.append((theta, state))
+        held, before = [], _resident_bytes()
+        for t in range(a, b):  # forward through the segment, keeping each step's pullback (its autograd graph)
             idx, x, y = run.batch(t)
-            theta, state = run.step(t, theta, state, anchors, unit_weights(run, idx, None, x), x, y)
+            step = lambda th, st, an, wb: run.step(t, th, st, an, wb, x, y)  # noqa: E731 (x, y, t of step t)
+            (theta, state), pullback = vjp(step, theta, state, anchors, unit_weights(run, idx, None, x))
+            held.append((idx, pullback))
         stats["replay_error"] = max(stats["replay_error"], deviation((theta, state), run.checkpoints[b]))
-        stats["segment_bytes"] = max(stats["segment_bytes"], tensor_bytes(held))
+        stats["segment_growth"] = max(stats["segment_growth"], _resident_bytes() - before)
         if state_bar is None:
             state_bar = {slot: {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in s.items()}
                          for slot, s in state.items()}
-        for t in range(b - 1, a - 1, -1):
-            theta_t, state_t = held.pop()
-            idx, x, y = run.batch(t)
-            w = unit_weights(run, idx, None, x)
-            step = lambda th, st, an, wb: run.step(t, th, st, an, wb, x, y)  # noqa: E731 (t, x, y of this step)
-            _, pullback = vjp(step, theta_t, state_t, anchors, w)
+        while held:
+            idx, pullback = held.pop()
             if q == 1:
                 out = pullback(({n: v[0] for n, v in theta_bar.items()},
                                 {s: {n: v[0] for n, v in d.items()} for s, d in state_bar.items()}))
@@ -136,6 +137,15 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
             scores.index_add_(0, idx.to(scores.device), w_grad.T.to(scores.dtype))
             stats["adjoint_bytes"] = max(stats["adjoint_bytes"], tensor_bytes((theta_bar, state_bar, anchor_bar)))
     return theta_bar, anchor_bar, scores
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux ``/proc/self/statm``; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _unsqueeze(tree):
