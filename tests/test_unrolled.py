@@ -139,13 +139,15 @@ def test_dropping_an_example_changes_the_replayed_run_and_the_record_does_not():
     assert ik.unrolled.verify(record) == 0.0
 
 
-def test_per_test_columns_sum_to_the_summed_measure():
+def test_per_test_columns_sum_to_the_summed_measure_and_the_result_saves(tmp_path):
     record = recorded("case 2: SGD + momentum -> AdamW")
     summed = ik.unrolled.metagradients(record, TEST)
     per_test = ik.unrolled.metagradients(record, TEST, per_test=True)
     for a, b in zip(summed, per_test):
         assert b.values.shape == (a.n_train, len(TEST[0]))
         torch.testing.assert_close(b.values.sum(1), a.values, rtol=1e-12, atol=1e-14)
+    loaded = ik.load(per_test[0].save(tmp_path / "scores.safetensors"))
+    assert torch.equal(loaded.removal, -per_test[0].values) and loaded.method == per_test[0].method
 
 
 @pytest.mark.parametrize(
