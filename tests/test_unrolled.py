@@ -227,3 +227,59 @@ def test_bad_records_are_refused_with_the_fix():
         SGD(lr=0.1, momentum=1.5)
     with pytest.raises(ik.InputError, match="shape \\(12,\\)"):
         ik.unrolled.replay(record, torch.ones(3))
+    adam = Record()
+    pretrain(adam, Adam(lr=0.1), steps=2)
+    with pytest.raises(ik.InputError, match="metagradients \\(exact\\)"):
+        ik.unrolled.approximate(adam, TEST)
+
+
+class LinearInTheta(nn.Module):
+    """Pretraining model whose output is linear in (embedding.weight, head.weight): x[:, :6]·vec(W) + x[:, 6:]·U."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Linear(3, 2, bias=False)
+        self.head = nn.Linear(2, 1, bias=False)
+
+    def forward(self, x):
+        return (x[:, :6] * self.embedding.weight.reshape(-1)).sum(1, keepdim=True) + x[:, 6:] @ self.head.weight.T
+
+
+class Bilinear(nn.Module):
+    """Finetuning model head(embedding(x)): bilinear in (W, Θ), so its objective is quadratic."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Linear(3, 2, bias=False)
+        self.head = nn.Linear(2, 1, bias=False)
+
+    def forward(self, x):
+        return self.head(self.embedding(x))
+
+
+def linear_loss(outputs, targets):
+    return outputs[:, 0] * targets
+
+
+@pytest.mark.parametrize("case", [1, 2])
+@pytest.mark.parametrize("segments", [1, 3])
+def test_approximate_unrolling_equals_the_exact_metagradient_where_its_closed_form_is_exact(case, segments):
+    """Full-batch SGD (a decaying learning rate) on quadratic objectives with pretraining losses linear in θ: every
+    step is the segment's linear map, so the closed form (I − A)H⁻¹ per segment is exact across the boundary."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    pre = ik.Stage(LinearInTheta().eval(), linear_loss, (0.5 * torch.randn(10, 8, generator=gen),
+                   torch.randn(10, generator=gen)), regularizer=l2(1.0))
+    fin = ik.Stage(Bilinear().eval(), linear_loss, (0.5 * torch.randn(8, 3, generator=gen),
+                   torch.randn(8, generator=gen)), params="head" if case == 1 else None, regularizer=l2(1.0))
+    test = (0.5 * torch.randn(3, 3, generator=gen), torch.randn(3, generator=gen))
+    record = Record()
+    schedule = lambda t: 0.3 / (1 + 0.1 * t)  # noqa: E731
+    record.train(pre, SGD(lr=0.3), steps=12, batch_size=10, schedule=schedule)
+    record.train(fin, SGD(lr=0.3), steps=9, batch_size=8, schedule=schedule, link=ik.Link("embedding", case=case, alpha=0.5))
+    exact = ik.unrolled.metagradients(record, test, per_test=True)
+    approx = ik.unrolled.approximate(record, test, segments=segments, per_test=True)
+    torch.testing.assert_close(approx[0].values, exact[0].values, rtol=1e-9, atol=1e-12)
+    assert exact[0].values.abs().max() > 1e-4  # the pretraining examples do reach the finetuned model
+    if case == 1:  # the finetuning examples' gradients ∇_Θ ℓ = y·W x are constant too
+        torch.testing.assert_close(approx[1].values, exact[1].values, rtol=1e-9, atol=1e-12)

@@ -16,5 +16,6 @@ from .metagradient import metagradients
 from .optimizers import SGD, Adam, AdamW
 from .record import Record, StageRecorder, StageRun
 from .replay import outputs, replay, verify
+from .segments import approximate
 
-__all__ = ["SGD", "Adam", "AdamW", "Record", "StageRecorder", "StageRun", "metagradients", "outputs", "replay", "verify"]
+__all__ = ["SGD", "Adam", "AdamW", "Record", "approximate", "StageRecorder", "StageRun", "metagradients", "outputs", "replay", "verify"]
