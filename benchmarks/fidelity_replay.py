@@ -34,8 +34,9 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 import influkit as ik
+from fidelity_methods import INFLUKIT as INFLUENCE
 from fidelity_tasks import Task
-from influkit import Chain, Link, SolveConfig
+from influkit import Chain, Link
 from influkit.unrolled import SGD, Record
 from influkit.validation.lds import lds_per_query
 
@@ -43,13 +44,6 @@ FRACTIONS = (0.01, 0.05, 0.1, 0.5)
 PRETRAIN = {"optimizer": SGD(lr=0.05, momentum=0.9), "steps": 150, "batch_size": 32}
 FINETUNE = {"optimizer": SGD(lr=0.05, momentum=0.9), "steps": 100, "batch_size": 32}
 APPROXIMATE_SEGMENTS = 5
-INFLUENCE = {
-    "influkit exact (auto: direct on H)": SolveConfig(solver="auto"),
-    "influkit exact GN (auto on G)": SolveConfig(solver="auto", curvature="gauss-newton"),
-    "influkit EK-FAC": SolveConfig(solver="ekfac"),
-    "influkit Arnoldi": SolveConfig(solver="arnoldi"),
-    "influkit identity": SolveConfig(solver="identity"),
-}
 EXACT = "unrolled exact metagradient (replay)"
 APPROXIMATE = f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, dense Hessian)"
 SUBSET_SEED = 0

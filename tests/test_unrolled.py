@@ -245,13 +245,8 @@ class LinearInTheta(nn.Module):
         return (x[:, :6] * self.embedding.weight.reshape(-1)).sum(1, keepdim=True) + x[:, 6:] @ self.head.weight.T
 
 
-class Bilinear(nn.Module):
+class Bilinear(LinearInTheta):
     """Finetuning model head(embedding(x)): bilinear in (W, Θ), so its objective is quadratic."""
-
-    def __init__(self):
-        super().__init__()
-        self.embedding = nn.Linear(3, 2, bias=False)
-        self.head = nn.Linear(2, 1, bias=False)
 
     def forward(self, x):
         return self.head(self.embedding(x))

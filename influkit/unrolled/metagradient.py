@@ -54,14 +54,7 @@ def metagradients(record: Record, measure, *, per_test: bool = False, progress: 
     ratio), the replay check, the memory held (checkpoints, adjoints, one segment's step graphs).
     """
     start_time = time.perf_counter()
-    fn = as_measure(record, measure)
-    last = record.runs[-1]
-    final = {n: v.detach() for n, v in last.final.items()}
-    with torch.no_grad():
-        outputs = fn(final).numel()
-    q = outputs if per_test else 1
-    vector = lambda params: fn(params).reshape(-1) if per_test else fn(params).sum().reshape(1)  # noqa: E731
-    adjoint = {n: j.reshape(q, *final[n].shape) for n, j in jacrev(vector)(final).items()}  # θ̄_T = ∂f/∂θ_T
+    adjoint, q, outputs = measure_adjoint(record, measure, per_test)
     checkpoint_bytes = sum(run.checkpoint_bytes() for run in record.runs)
     stats = {"replay_error": 0.0, "segment_growth": 0, "adjoint_bytes": 0}
     scores: list[torch.Tensor] = [None] * len(record)  # type: ignore[list-item]
@@ -74,10 +67,7 @@ def metagradients(record: Record, measure, *, per_test: bool = False, progress: 
                       for n, v in run.anchors.items()}
         theta_bar, anchor_bar, scores[k] = _reverse(run, theta_bar, anchor_bar, q, stats, progress)
         if k:
-            previous = record.runs[k - 1]
-            adjoint = {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in previous.final.items()}
-            for n, m in run.inherited.items():
-                adjoint[m] = adjoint[m] + anchor_bar[n] + (theta_bar[n] if n in theta_bar else 0)
+            adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
     seconds = time.perf_counter() - start_time
     training = sum(run.seconds for run in record.runs)
     diagnostics = {
@@ -100,6 +90,26 @@ def metagradients(record: Record, measure, *, per_test: bool = False, progress: 
         results.append(InfluenceResult(values=values, n_train=len(run.stage), method=f"{METHOD}, stage {k}",
                                        diagnostics=diagnostics | {"stage": k}, removal_eps=-1.0))
     return results
+
+
+def measure_adjoint(record: Record, measure, per_test: bool) -> tuple[dict, int, int]:
+    """(θ̄_T = ∂f/∂(final values) with a leading dimension q, q, the measure's number of outputs)."""
+    fn = as_measure(record, measure)
+    final = {n: v.detach() for n, v in record.runs[-1].final.items()}
+    with torch.no_grad():
+        outputs = fn(final).numel()
+    q = outputs if per_test else 1
+    vector = lambda params: fn(params).reshape(-1) if per_test else fn(params).sum().reshape(1)  # noqa: E731
+    return {n: j.reshape(q, *final[n].shape) for n, j in jacrev(vector)(final).items()}, q, outputs
+
+
+def hand_over(record: Record, k: int, theta_bar: dict, anchor_bar: dict, q: int) -> dict:
+    """Stage k − 1's final adjoint from stage k's: θ̄_0 of each inherited trained block + the inherited block's S̄."""
+    run = record.runs[k]
+    adjoint = {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in record.runs[k - 1].final.items()}
+    for n, m in run.inherited.items():
+        adjoint[m] = adjoint[m] + anchor_bar[n] + (theta_bar[n] if n in theta_bar else 0)
+    return adjoint
 
 
 def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress: bool):

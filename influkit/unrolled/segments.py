@@ -29,9 +29,10 @@ from torch.func import grad, hessian, jacrev, vmap
 
 from ..errors import InputError
 from ..results import InfluenceResult
+from .metagradient import hand_over, measure_adjoint
 from .optimizers import SGD
 from .record import Record, StageRun
-from .replay import as_measure, start, unit_weights
+from .replay import start, unit_weights
 
 METHOD = "unrolled approximate (segments, dense Hessian)"
 
@@ -50,22 +51,13 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
                 f"{type(run.optimizer).__name__}. Use ik.unrolled.metagradients (exact) for it."
             )
     began = time.perf_counter()
-    fn = as_measure(record, measure)
-    final = {n: v.detach() for n, v in record.runs[-1].final.items()}
-    with torch.no_grad():
-        outputs = fn(final).numel()
-    q = outputs if per_test else 1
-    vector = lambda params: fn(params).reshape(-1) if per_test else fn(params).sum().reshape(1)  # noqa: E731
-    adjoint = {n: j.reshape(q, *final[n].shape) for n, j in jacrev(vector)(final).items()}
+    adjoint, q, outputs = measure_adjoint(record, measure, per_test)
     scores = [None] * len(record)
     for k in range(len(record) - 1, -1, -1):
         run = record.runs[k]
         theta_bar, anchor_bar, scores[k] = _stage(run, adjoint, q, int(segments))
         if k:
-            previous = record.runs[k - 1]
-            adjoint = {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in previous.final.items()}
-            for n, m in run.inherited.items():
-                adjoint[m] = adjoint[m] + anchor_bar[n] + (theta_bar[n] if n in theta_bar else 0)
+            adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
     diagnostics = {"seconds": {"approximate": time.perf_counter() - began},
                    "settings": {"segments": int(segments), "curvature": "dense Hessian at each segment's end",
                                 "per_test": per_test, "measure_outputs": int(outputs)}}
