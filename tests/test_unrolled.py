@@ -258,9 +258,11 @@ def linear_loss(outputs, targets):
 
 @pytest.mark.parametrize("case", [1, 2])
 @pytest.mark.parametrize("segments", [1, 3])
-def test_approximate_unrolling_equals_the_exact_metagradient_where_its_closed_form_is_exact(case, segments):
-    """Full-batch SGD (a decaying learning rate) on quadratic objectives with pretraining losses linear in θ: every
-    step is the segment's linear map, so the closed form (I − A)H⁻¹ per segment is exact across the boundary."""
+@pytest.mark.parametrize("momentum", [0.0, 0.8])
+def test_approximate_unrolling_equals_the_exact_metagradient_where_its_closed_form_is_exact(case, segments, momentum):
+    """Full-batch SGD (a decaying learning rate, with and without momentum) on quadratic objectives with pretraining
+    losses linear in θ: every step is the segment's linear map, so the segment recursion is exact across the
+    boundary."""
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     pre = ik.Stage(LinearInTheta().eval(), linear_loss, (0.5 * torch.randn(10, 8, generator=gen),
@@ -270,8 +272,9 @@ def test_approximate_unrolling_equals_the_exact_metagradient_where_its_closed_fo
     test = (0.5 * torch.randn(3, 3, generator=gen), torch.randn(3, generator=gen))
     record = Record()
     schedule = lambda t: 0.3 / (1 + 0.1 * t)  # noqa: E731
-    record.train(pre, SGD(lr=0.3), steps=12, batch_size=10, schedule=schedule)
-    record.train(fin, SGD(lr=0.3), steps=9, batch_size=8, schedule=schedule, link=ik.Link("embedding", case=case, alpha=0.5))
+    record.train(pre, SGD(lr=0.3, momentum=momentum, weight_decay=0.1), steps=12, batch_size=10, schedule=schedule)
+    record.train(fin, SGD(lr=0.3, momentum=momentum), steps=9, batch_size=8, schedule=schedule,
+                 link=ik.Link("embedding", case=case, alpha=0.5))
     exact = ik.unrolled.metagradients(record, test, per_test=True)
     approx = ik.unrolled.approximate(record, test, segments=segments, per_test=True)
     torch.testing.assert_close(approx[0].values, exact[0].values, rtol=1e-9, atol=1e-12)

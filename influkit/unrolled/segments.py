@@ -1,18 +1,20 @@
 """Approximate unrolling (SOURCE, Bae, Lin, Lorraine & Grosse 2024) across stages: segments with a closed form each.
 
 Each stage's recorded steps are cut into ``segments`` contiguous pieces. Inside piece ℓ the run is linearized as
-gradient descent on the stage's full-data objective L(θ; S̄) with one Hessian H_ℓ (taken at the piece's last
-parameters θ_ℓ) and the recorded learning rates η_t; a data weight w_z enters every step's gradient with its
-expected weight 1/n (exact for full batches). Then, with A_ℓ = Π_t (I − η_t H_ℓ),
+(heavy-ball) gradient descent on the stage's full-data objective L(θ; S̄) with one Hessian H_ℓ, taken at the
+piece's last parameters θ_ℓ, and the recorded learning rates η_t; a data weight w_z enters every step's gradient
+with its expected weight 1/n (exact for full batches), and the shared block through C_ℓ = ∂∇_θL/∂S̄. In H_ℓ's
+eigenbasis every coordinate (eigenvalue λ) follows the 2×2 linear recursion of SGD with momentum μ,
 
-    δθ_end = A_ℓ δθ_start − (I − A_ℓ) H_ℓ⁻¹ [ (1/n) ∇ℓ(z; θ_ℓ) δw_z + C_ℓ δS̄ ],     C_ℓ = ∂∇_θ L / ∂S̄,
+    b_{t+1} = μ b_t + λ δ_t + f,     δ_{t+1} = δ_t − η_t b_{t+1},     f = (1/n) ∇ℓ(z; θ_ℓ) δw_z + C_ℓ δS̄,
 
-(Σ_t η_t Π_{s>t}(I − η_s H) = (I − A) H⁻¹ for any learning rates), and the reverse pass, from the adjoint v at the
-end of the piece, is u = (I − A_ℓ) H_ℓ⁻¹ v; score_z −= (1/n) ∇ℓ(z; θ_ℓ)·u; S̄'s adjoint −= C_ℓᵀ u; v ← A_ℓ v. The
-adjoint on the stage's start and on its inherited block is handed to the previous stage as in
-:mod:`.metagradient` (same sign: score = d measure / d w_z, removal predicts −score). H_ℓ's eigenvectors make A_ℓ
-and (I − A_ℓ)H_ℓ⁻¹ diagonal. Heavy-ball momentum μ is taken as gradient descent with learning rate η/(1 − μ)
-(its stationary step); Adam has no such closed form and is refused.
+so the reverse pass runs the transposed recursion over the piece's learning rates for all coordinates at once
+(from the adjoints (v, w) of (δθ, δb) at the end of the piece) and collects u = d measure / d f; then
+score_z += (1/n) ∇ℓ(z; θ_ℓ)·u, the shared block's adjoint += C_ℓᵀ u, and (v, w) move to the piece's start. Without
+momentum the collected u is −(I − A_ℓ) H_ℓ⁻¹ v with A_ℓ = Π_t (I − η_t H_ℓ): SOURCE's closed form (Bae, Lin,
+Lorraine & Grosse 2024), here with momentum kept exactly. The adjoints on the stage's start and on its inherited
+block are handed to the previous stage as in :mod:`.metagradient` (same sign: score = d measure / d w_z, removal
+predicts −score). Adam has no such linear recursion and is refused; so is Nesterov momentum.
 
 When the objective is quadratic and the per-example losses are linear in θ, every step is exactly this map and
 the result equals the exact metagradient (``tests/test_unrolled.py``). The Hessian here is dense (exact, for
@@ -45,10 +47,10 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     if int(segments) < 1:
         raise InputError(f"segments must be ≥ 1, got {segments!r}.")
     for run in record.runs:
-        if not isinstance(run.optimizer, SGD):
+        if not isinstance(run.optimizer, SGD) or run.optimizer.nesterov:
             raise InputError(
-                f"approximate unrolling needs SGD steps (with or without momentum); a stage was trained with "
-                f"{type(run.optimizer).__name__}. Use ik.unrolled.metagradients (exact) for it."
+                f"approximate unrolling needs SGD steps (with or without heavy-ball momentum); a stage was trained "
+                f"with {run.optimizer!r}. Use ik.unrolled.metagradients (exact) for it."
             )
     began = time.perf_counter()
     adjoint, q, outputs = measure_adjoint(record, measure, per_test)
@@ -114,21 +116,24 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int):
     anchor_bar = flat({m: adjoint[m] if m in run.frozen and m in adjoint else zeros(m) for m in anchor_names},
                       anchor_names) if anchor_names else torch.zeros(q, 0, dtype=reference.dtype)
     scores = torch.zeros(n, q, dtype=reference.dtype, device=reference.device)
-    momentum = run.optimizer.momentum
+    momentum, decay = run.optimizer.momentum, run.optimizer.weight_decay
+    w = torch.zeros_like(v)  # the adjoint of the momentum buffer (0 at the end: the measure does not read it)
     for a, b, theta_end in reversed(_boundaries(run, pieces)):
         theta_flat = torch.cat([theta_end[m].reshape(-1) for m in names])
         lam, basis = torch.linalg.eigh(hessian(objective)(theta_flat, anchor_flat))
-        rates = torch.tensor(run.lrs[a:b], dtype=lam.dtype, device=lam.device) / (1 - momentum)
-        decay = torch.prod(1 - rates[:, None] * lam[None, :], dim=0)  # eigenvalues of A
-        small = lam.abs() < 1e-12
-        gain = torch.where(small, rates.sum().expand_as(lam), (1 - decay) / torch.where(small, 1.0, lam))
-        u = ((v @ basis) * gain) @ basis.T  # (q, p): (I − A) H⁻¹ v per column
+        lam = lam + decay  # the optimizer's coupled weight decay adds λ_wd·I
+        alpha, beta = v @ basis, w @ basis  # adjoints of (δθ, δb) in H_ℓ's eigenbasis, (q, p)
+        forcing = torch.zeros_like(alpha)
+        for lr in reversed(run.lrs[a:b]):  # step t: b' = μb + λδ + f, δ' = δ − η b'
+            forcing = forcing + beta - lr * alpha
+            alpha, beta = alpha * (1 - lr * lam) + beta * lam, momentum * (beta - lr * alpha)
+        u = forcing @ basis.T  # (q, p): d measure / d f for a constant gradient forcing f over the segment
         per_example = vmap(grad(example_loss), (None, 0, 0))(theta_flat, x_all, y_all)  # (n, p): ∇ℓ(z; θ_ℓ)
-        scores -= per_example @ u.T / n
+        scores += per_example @ u.T / n
         if anchor_names:
             coupling = jacrev(grad(objective), argnums=1)(theta_flat, anchor_flat)  # C = ∂∇_θL/∂S̄, (p, c)
-            anchor_bar = anchor_bar - u @ coupling
-        v = ((v @ basis) * decay) @ basis.T
+            anchor_bar = anchor_bar + u @ coupling
+        v, w = alpha @ basis.T, beta @ basis.T
     theta_bar = {m: t.reshape(q, *shapes[m]) for m, t in zip(names, v.split([sizes[m] for m in names], dim=1))}
     anchors_out = {m: t.reshape(q, *shapes[m]) for m, t in zip(anchor_names, anchor_bar.split(
         [sizes[m] for m in anchor_names], dim=1))} if anchor_names else {}
