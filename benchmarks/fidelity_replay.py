@@ -5,18 +5,19 @@ result (Case 1: head only, shared block fixed; Case 2: everything, with α‖W �
 momentum on seeded mini-batches of 32 and the task's L2 in the objective, from member 0's initialization — stopped
 after 150 + 100 steps, away from a stationary point (‖∇‖ ≈ 0.04). (With Adam pretraining the run is far less
 linear in the data weights: on digits Case 1, dropping one example changed the summed test loss with Pearson 0.71
-to −score over 15 examples, against 0.999 with SGD + momentum; see the README.) For each drop fraction f ∈ {1 %, 5 %, 10 %, 50 %}, M random
-sets D_j of ⌊f·n⌋ pretraining examples are dropped by **replaying** the record with w_z = 0 for z ∈ D_j (same
+to −score over 15 examples, against 0.999 with SGD + momentum; see the README.) For each drop fraction
+f ∈ {1 %, 5 %, 10 %, 50 %}, M random sets D_j of ⌊f·n⌋ pretraining examples are dropped by **replaying** the record with w_z = 0 for z ∈ D_j (same
 initialization, batch order and learning rates; deterministic, so the noise ceiling is 1), and each method's
 per-test scores rank the replayed test losses:
 
     LDS(t) = Spearman_j( Σ_{z∉D_j} score_z(t), test loss_t(replay without D_j) ),   mean ± sem over test points t.
 
 Methods, all on the recorded final models: the exact metagradient (``ik.unrolled.metagradients``, per test point),
-the approximate unrolling (``ik.unrolled.approximate``: 5 segments per stage, dense Hessian at each segment's end,
-momentum as η/(1 − μ)), and influkit's influence functions on the same chain (exact, Gauss-Newton, EK-FAC, Arnoldi, identity), which assume
-the stages sit at minima. The metagradient's seconds are reported beside one training run's (its ratio, MAGIC's
-2–3×). Replayed outputs are cached under ``results/fidelity/cache/<task>/replay``.
+the approximate unrolling (``ik.unrolled.approximate``: 5 segments per stage, dense Hessian at each segment's end),
+influkit's influence functions on the same chain (exact, Gauss-Newton, EK-FAC, Arnoldi, identity), which assume the
+stages sit at minima, and — where installed (/work/bench-venv) — the single-stage peers TRAK, kronfluence and dattri
+as ``fidelity_methods`` wires them (K = 1). The metagradient's seconds are reported beside one training run's (its
+ratio; MAGIC's is 2–3×). Replayed outputs are cached under ``results/fidelity/cache/<task>/replay``.
 
     python benchmarks/bench_fidelity.py retrain --task digits-case1 --protocol replay --subsets 50
 """
@@ -149,6 +150,34 @@ def method_scores(task: Task, record: Record) -> dict[str, tuple[np.ndarray, flo
     return out
 
 
+def peer_scores(task: Task, record: Record) -> dict[str, tuple[np.ndarray, float, dict]]:
+    """The single-stage peers of ``fidelity_methods`` (TRAK, kronfluence, dattri; K = 1, their conversions to influkit's
+    sign) on the recorded final models: the task's member 0 is the record's chain for the call. Empty when the
+    peers are not installed (they live in /work/bench-venv)."""
+    try:
+        from fidelity_methods import PEER_FUNCTIONS, PEERS, import_peers
+
+        import_peers()
+    except ImportError as exc:
+        print(f"{task.config.name} | peers skipped: {exc}", flush=True)
+        return {}
+    out, saved = {}, task._members.get(0)
+    task._members[0] = tuple(run.stage for run in record.runs)
+    try:
+        for name in PEERS:
+            start = time.perf_counter()
+            try:
+                out[name] = (np.asarray(PEER_FUNCTIONS[name](task, [0]), dtype=np.float64), time.perf_counter() - start, {})
+            except Exception as exc:  # a peer that fails is reported, the others still run
+                print(f"{task.config.name} | {name} | FAILED: {type(exc).__name__}: {exc}", flush=True)
+    finally:
+        if saved is None:
+            task._members.pop(0)
+        else:
+            task._members[0] = saved
+    return out
+
+
 def run_replay_protocol(task: Task, m: int, results: Path, fractions=FRACTIONS, progress: bool = True) -> dict:
     """Record, score, replay at every fraction; write ``replay_<task>.md/.json`` and the LDS-vs-drop plot."""
     torch.set_num_threads(1)
@@ -157,7 +186,7 @@ def run_replay_protocol(task: Task, m: int, results: Path, fractions=FRACTIONS, 
     verify_start = time.perf_counter()
     error = ik.unrolled.verify(record)
     replay_seconds = time.perf_counter() - verify_start
-    scores = method_scores(task, record)
+    scores = method_scores(task, record) | peer_scores(task, record)
     n = len(task.split.pretrain[0])
     table = {}
     for fraction in fractions:

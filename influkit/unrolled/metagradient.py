@@ -20,8 +20,9 @@ Memory (checkpointing): the record keeps (θ, state) every k steps. The reverse 
 first: it replays one segment forward from its checkpoint keeping each step's pullback (the step's autograd
 graph: its activations and gradient), then runs the segment's VJPs backwards and drops them. It holds T/k
 checkpoints + k step graphs + the adjoints — O(√T) for k = √T — and costs one forward replay of the run (a
-step's forward and backward, under ``vjp``) plus one double backward per step: about 2–3 training runs. Each segment's recomputed end is compared with the next checkpoint, so the pass also checks
-that replay reproduces the whole record (``diagnostics["replay"]``).
+step's forward and backward, under ``vjp``) plus one double backward per step: about 2–3 training runs. Each
+segment's recomputed end is compared with the next checkpoint, so the pass also checks that replay reproduces the
+whole record (``diagnostics["replay"]``).
 
 A measure with q outputs (per-test losses) is differentiated for all q at once: the adjoints carry a leading
 dimension q and the VJPs are vmapped.
@@ -50,8 +51,9 @@ def metagradients(record: Record, measure, *, per_test: bool = False, progress: 
     params → scalar or (q,) tensor of the last stage's final values (trained θ_T and fixed shared block).
     per_test: keep one column per measure output, values (n_k, q); else the outputs are summed.
     ``results[0]`` scores the pretraining examples, ``results[-1]`` the finetuning examples (the same pass).
-    removal = −values (removal_eps = −1). diagnostics: seconds (this pass, and the recorded training for the
-    ratio), the replay check, the memory held (checkpoints, adjoints, one segment's step graphs).
+    removal = −values (removal_eps = −1). diagnostics: seconds (this pass, and the recorded training, whose first
+    steps include torch.func's warm-up), the replay check, the memory held (checkpoints, adjoints, one segment's
+    step graphs).
     """
     start_time = time.perf_counter()
     adjoint, q, outputs = measure_adjoint(record, measure, per_test)
@@ -82,7 +84,7 @@ def metagradients(record: Record, measure, *, per_test: bool = False, progress: 
                    "segment_resident_growth_bytes": stats["segment_growth"],
                    "note": "checkpoints and adjoints counted exactly; one segment's step graphs measured as the "
                            "growth of resident memory while it is held (0 where the allocator reused freed pages)"},
-        "ratio_to_training": seconds / training if training > 0 else None,
+        "ratio_to_recorded_training": seconds / training if training > 0 else None,
     }
     results = []
     for k, run in enumerate(record.runs):
