@@ -240,10 +240,12 @@ def plot(results: Path) -> None:
     for ax, path in zip(axes[0], files):
         payload = json.loads(path.read_text())
         fractions = payload["fractions"]
-        for name, cells in payload["lds"].items():
+        for i, (name, cells) in enumerate(payload["lds"].items()):
             mean = [cells[f"{f:g}"][0] for f in fractions]
             sem = [cells[f"{f:g}"][1] for f in fractions]
-            ax.errorbar(fractions, mean, yerr=sem, marker="o", capsize=2, label=name, lw=2 if name == EXACT else 1)
+            ours = name.startswith(("unrolled", "influkit"))
+            ax.errorbar(fractions, mean, yerr=sem, marker="o" if ours else "s", capsize=2, label=name,
+                        color=plt.cm.tab20(i % 20), ls="-" if ours else "--", lw=2 if name == EXACT else 1)
         ax.set_xscale("log")
         ax.set_xticks(fractions, [f"{f:.0%}" for f in fractions])
         ax.axhline(0, color="k", lw=0.5)
