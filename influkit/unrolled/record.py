@@ -19,6 +19,7 @@ stage's model in place, so after training it holds the recorded final parameters
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -242,7 +243,7 @@ class Record:
         """
         if int(steps) < 1 or int(batch_size) < 1:
             raise InputError(f"steps and batch_size must be ≥ 1, got {steps!r} and {batch_size!r}.")
-        every = checkpoint_every or max(1, int(torch.tensor(float(steps)).sqrt().ceil()))
+        every = checkpoint_every or max(1, math.ceil(math.sqrt(int(steps))))
         n = len(stage)
         gen = torch.Generator().manual_seed(seed)
         order = torch.empty(0, dtype=torch.long)
