@@ -19,6 +19,7 @@ Resumable: every re-training, trained member and method score matrix is cached u
     python -m benchmarks.bench_fidelity score --task digits-case1 --members 5
     python -m benchmarks.bench_fidelity check --task digits-case1     # the peers' wiring vs an explicit Hessian
     python -m benchmarks.bench_fidelity table --task digits-case1     # every cached task: tables, plot, README
+    python -m benchmarks.bench_fidelity retrain --task digits-case1 --protocol replay --subsets 50   # fidelity_replay
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step", choices=("retrain", "score", "check", "table"))
     parser.add_argument("--task", choices=sorted(TASKS), required=True)
-    parser.add_argument("--protocol", choices=PROTOCOLS, default="warm")
+    parser.add_argument("--protocol", choices=(*PROTOCOLS, "replay"), default="warm",
+                        help="replay: the recorded run replayed with dropped examples weighted 0 (fidelity_replay.py)")
     parser.add_argument("--subsets", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--members", type=int, default=5)
@@ -61,7 +63,11 @@ def main() -> None:
     torch.set_num_threads(1)
     task = Task(TASKS[args.task], CACHE)
     start = time.perf_counter()
-    if args.step == "retrain":
+    if args.protocol == "replay":  # records, scores and replays in one step (fidelity_replay.py)
+        from benchmarks.fidelity_replay import run_replay_protocol
+
+        run_replay_protocol(task, args.subsets, RESULTS, progress=not args.no_progress)
+    elif args.step == "retrain":
         for k in range(args.members):
             task.member(k)
         out = retrain_all(task, args.protocol, args.subsets, args.seeds, progress=not args.no_progress)

@@ -26,7 +26,7 @@ from .stage import Stage
 # Method and application packages load on first use (``ik.ssl``, ``ik.validation``, ...), so `import influkit`
 # stays the core: no h5py (elmo), transformers (hf), pandas (validation, ssl) or matplotlib (apps); the optional
 # dependencies are extras (influkit/extras.py).
-_LAZY = ("apps", "elmo", "hf", "ssl", "turnover", "validation")
+_LAZY = ("apps", "elmo", "hf", "ssl", "turnover", "unrolled", "validation")
 
 
 def __getattr__(name: str):
@@ -74,6 +74,7 @@ __all__ = [
     "solve",
     "ssl",
     "turnover",
+    "unrolled",
     "validation",
 ]
 __version__ = "0.1.0"

@@ -7,6 +7,8 @@ removed is ``removal = removal_eps · values``, with ``removal_eps`` the ε that
 - −1/n for objectives that *average* over n examples (influence, multi-stage, the default);
 - −λ_u for the SSL weight hypergradient (values are ∂L_S/∂λ_u; removing u sets its weight λ_u to 0);
 - −1 for turn-over dropout, whose values are already whole-removal differences L(with i) − L(without i).
+- −1 for unrolled attribution (``influkit.unrolled``), whose values are d f/d w_z of the data weight w_z = 1
+  that removal sets to 0.
 
 ``diagnostics`` has one shape everywhere: ``{"solves": [Solution summaries, each with a "stage" key],
 "seconds": {phase: seconds}, "settings": {...}}`` (empty lists/dicts where a method has none).

@@ -26,7 +26,7 @@ CORE = {f"{PACKAGE}.{name}" for name in (
     "files", "distributed", "errors", "vectorize", "philox", "krylov", "report", "ensemble", "memory", "contraction",
     "links", "store", "extras", "fitted")}
 CORE_PACKAGES = (f"{PACKAGE}.factored", f"{PACKAGE}.layers")
-METHOD_PACKAGES = tuple(f"{PACKAGE}.{name}" for name in ("ssl", "turnover", "elmo", "hf", "apps", "validation"))
+METHOD_PACKAGES = tuple(f"{PACKAGE}.{name}" for name in ("ssl", "turnover", "elmo", "hf", "apps", "validation", "unrolled"))
 
 
 def modules(root: Path, package: str = PACKAGE) -> dict[str, Path]:
