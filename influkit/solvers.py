@@ -569,7 +569,7 @@ def solve(
         raise InputError(f"damping must be ≥ 0, got {damping}.")
     if preconditioner is not None and not (solver != "auto" and REGISTRY[solver].accepts_preconditioner):
         raise InputError(f"a preconditioner applies to 'minres' and 'cg_spd', not {solver!r}.")
-    if solver != "auto" and REGISTRY[solver].approximate and approximation is None:
+    if solver != "auto" and issubclass(REGISTRY[solver], _Approximation) and approximation is None:
         raise InputError(
             f"solver={solver!r} needs its fitted approximation: use SolveConfig(solver={solver!r}).solve(operator, b) "
             "or a Chain, which fit it, or pass approximation=influkit.factored.fit_curvature(...)."
