@@ -76,6 +76,8 @@ for label, path in json.loads(sys.argv[1]).items():
     for key in ("solver", "method", "solve"):
         if key in sig.parameters and sig.parameters[key].default is not inspect.Parameter.empty:
             d = sig.parameters[key].default
+            if key == "solve" and d is None:  # None means SolveConfig()
+                d = influkit.SolveConfig()
             default = f"{key}={getattr(d, 'solver', d)!r}"
             break
     var = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
