@@ -32,6 +32,10 @@ class MemoryBudgetError(InfluenceError, MemoryError):
     """The memory budget cannot hold even one example of a phase; the message gives the bytes one example needs."""
 
 
+class DataUnavailable(InfluenceError, RuntimeError):
+    """A data set that is not on this machine and could not be fetched; the message says how to get it."""
+
+
 class ConvergenceWarning(UserWarning):
     """An iterative solver stopped before reaching its tolerance; the message gives the residual."""
 
