@@ -19,6 +19,7 @@ Resumable: every re-training, trained member and method score matrix is cached u
     python benchmarks/bench_fidelity.py score --task digits-case1 --members 5
     python benchmarks/bench_fidelity.py check --task digits-case1     # the peers' wiring vs an explicit Hessian
     python benchmarks/bench_fidelity.py table --task digits-case1     # every cached task: tables, plot, README
+    python benchmarks/bench_fidelity.py retrain --task minilm-dapt --subsets 40   # optional: pretrained MiniLM
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from fidelity_minilm import TASK_NAME as MINILM  # noqa: E402
 from fidelity_tasks import PROTOCOLS, TASKS, Task, cached_retrain, random_halves  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fidelity"
@@ -59,7 +61,7 @@ def retrain_all(task: Task, protocol: str, m: int, seeds: list[int], progress: b
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step", choices=("retrain", "score", "check", "table"))
-    parser.add_argument("--task", choices=sorted(TASKS), required=True)
+    parser.add_argument("--task", choices=sorted(TASKS) + [MINILM], required=True)
     parser.add_argument("--protocol", choices=PROTOCOLS, default="warm")
     parser.add_argument("--subsets", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -68,6 +70,10 @@ def main() -> None:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.task == MINILM:  # optional real pretrained transformer (benchmarks/fidelity_minilm.py)
+        from fidelity_minilm import run
+
+        return run(args.step, args.subsets, args.methods, progress=not args.no_progress)
     task = Task(TASKS[args.task], CACHE)
     start = time.perf_counter()
     if args.step == "retrain":
