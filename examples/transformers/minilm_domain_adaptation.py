@@ -324,10 +324,12 @@ SETTINGS = {  # stage 1, finetuning stage (damping "heuristic": damping_scale ×
 }
 
 
-def chain(trained: Trained, variant: str, cfg: Config, setting: str = "ekfac") -> ik.Chain:
-    """The fitted chain of ``variant`` with ``SETTINGS[setting]``; EK-FAC stages damped by the heuristic λ."""
+def chain(trained: Trained, variant: str, cfg: Config, setting: str = "ekfac", residual: bool = True) -> ik.Chain:
+    """The fitted chain of ``variant`` with ``SETTINGS[setting]``; EK-FAC stages damped by the heuristic λ.
+    residual: check each approximate solve's true residual (one exact Hessian-vector product over the stage's
+    data per right-hand side: with per-test queries, one per test example)."""
     pre_solve, fin_solves = SETTINGS[setting]
-    solves = [ik.SolveConfig(**pre_solve), ik.SolveConfig(**fin_solves[variant])]
+    solves = [ik.SolveConfig(**pre_solve, residual=residual), ik.SolveConfig(**fin_solves[variant], residual=residual)]
     fitted = ik.Chain([trained.pre, trained.fin[variant]], [link(trained, variant, cfg)], solve=solves).fit()
     damped = [dataclasses.replace(s, damping=heuristic_damping(fitted, k, cfg)) for k, s in enumerate(solves)]
     return fitted.with_solve(damped) if damped != solves else fitted
