@@ -241,8 +241,6 @@ def kronfluence_scores(task: MiniLMTask) -> np.ndarray:
     from kronfluence.task import Task as KronTask
     from torch import nn
 
-    from influkit import hf
-
     model = _cross_stage(task)
     layers = tuple(f"mlm.{p}." for p in task.ex.shared_names(task.cfg))
     tracked = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(layers)]
@@ -395,13 +393,20 @@ def table(m: int, noise: int) -> None:
     frame = pd.DataFrame(rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
     frame.to_csv(RESULTS / f"{TASK_NAME}.csv", index=False)
-    text = f"# {TASK_NAME}: LDS (M = {m}, warm protocol)\n\n" + frame.to_markdown(index=False, floatfmt=".3f") + "\n"
+    text = f"# {TASK_NAME}: LDS (M = {m}, warm protocol)\n\n" + _markdown(frame) + "\n"
     for method in TIMED:
         path = CACHE / "scores" / f"{method}.json"
         if path.exists():
             text += f"\nStage 1 by MINRES, {method} (timed, not run): {path.read_text()}\n"
     (RESULTS / f"{TASK_NAME}.md").write_text(text)
     print(text)
+
+
+def _markdown(frame) -> str:
+    cells = [[f"{v:.3f}" if isinstance(v, float) and abs(v) < 100 else f"{v:.0f}" if isinstance(v, float) else str(v)
+              for v in row] for row in frame.itertuples(index=False)]
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    return "\n".join(lines + ["| " + " | ".join(c.replace("nan", "") for c in row) + " |" for row in cells])
 
 
 def run(step: str, subsets: int = 40, methods=None, noise: int = 20, progress: bool = True) -> None:
