@@ -72,6 +72,7 @@ TIMED = {"defaults": "hessian", "gauss-newton": "gauss-newton"}  # timed, projec
 TRAK_PROJ_DIM = 128
 QUERY_BLOCK = 8  # test snippets per influkit query (40 at once reached 11.6 GB RSS here)
 SIZES = {"per_source": 30, "n_finetune": 100, "n_test": 40}
+TEST_RHS = SIZES["n_test"]
 
 
 def example():
@@ -373,14 +374,19 @@ def table(m: int, noise: int) -> None:
     subsets = random_halves(n, m, seed=SUBSET_SEED)
     outputs = torch.stack([load_file(CACHE / f"order{ORDERS[0]}" / f"subset{j:04d}.safetensors")["outputs"]
                            for j in range(m)]).numpy()
-    rows = []
+    rows, lds = [], {}
     for method in scored:
         path = CACHE / "scores" / f"{method}.safetensors"
         meta = json.loads(path.with_suffix(".json").read_text())
-        per_query = lds_per_query(load_file(path)["scores"].numpy(), subsets.numpy(), outputs)
+        lds[method] = per_query = lds_per_query(load_file(path)["scores"].numpy(), subsets.numpy(), outputs)
         valid = per_query[np.isfinite(per_query)]
         rows.append({"method": method, "LDS": valid.mean(), "sem": valid.std(ddof=1) / np.sqrt(len(valid)),
                      "seconds": meta["seconds"], "peak_rss_mib": meta["peak_rss_mib"], "load": meta["load"]})
+    for row in rows:  # paired over the test snippets: influkit's EK-FAC chain minus this method
+        if "ekfac" in lds and row["method"] != "ekfac":
+            diff = lds["ekfac"] - lds[row["method"]]
+            diff = diff[np.isfinite(diff)]
+            row["ekfac_minus_this"], row["paired_sem"] = diff.mean(), diff.std(ddof=1) / np.sqrt(len(diff))
     if noise:
         second = torch.stack([load_file(CACHE / f"order{ORDERS[1]}" / f"subset{j:04d}.safetensors")["outputs"]
                               for j in range(noise)]).numpy()
@@ -397,16 +403,22 @@ def table(m: int, noise: int) -> None:
     for method in TIMED:
         path = CACHE / "scores" / f"{method}.json"
         if path.exists():
-            text += f"\nStage 1 by MINRES, {method} (timed, not run): {path.read_text()}\n"
+            t = json.loads(path.read_text())
+            text += (f"\nStage 1 by MINRES on the {t['curvature']} matrix ({method}; timed, not run): one product over the "
+                     f"corpus {t['seconds_per_product']:.1f} s (p = {t['p']:,}, load {t['load']:.1f}), "
+                     f"{t['default_max_iter']} iterations = {t['projected_hours_per_rhs']:.1f} h per right-hand side "
+                     f"({TEST_RHS} test snippets solved one at a time: {t['projected_hours_per_rhs'] * TEST_RHS / 24:.0f} days).\n")
     (RESULTS / f"{TASK_NAME}.md").write_text(text)
     print(text)
 
 
 def _markdown(frame) -> str:
-    cells = [[f"{v:.3f}" if isinstance(v, float) and abs(v) < 100 else f"{v:.0f}" if isinstance(v, float) else str(v)
-              for v in row] for row in frame.itertuples(index=False)]
+    whole = ("seconds", "peak_rss_mib")
+    cells = [["" if isinstance(v, float) and np.isnan(v) else f"{v:.0f}" if c in whole else f"{v:.3g}" if c == "load"
+              else f"{v:.3f}" if isinstance(v, float) else str(v) for c, v in zip(frame.columns, row)]
+             for row in frame.itertuples(index=False)]
     lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
-    return "\n".join(lines + ["| " + " | ".join(c.replace("nan", "") for c in row) + " |" for row in cells])
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
 
 
 def run(step: str, subsets: int = 40, methods=None, noise: int = 20, progress: bool = True) -> None:
