@@ -462,7 +462,7 @@ def run(step: str, subsets: int = 40, methods=None, noise: int = 20, progress: b
             retrain_all(task, noise, ORDERS[1], progress)
     elif step == "score":
         MiniLMTask(progress)  # trains once (cached) before any method's clock starts
-        for method in methods or METHODS:
+        for method in methods or (*METHODS, *TIMED):
             done = subprocess.run([sys.executable, __file__, "score-one", "--method", method], env=os.environ)
             if done.returncode:
                 print(f"{TASK_NAME} | {method} | FAILED (exit {done.returncode})", flush=True)
