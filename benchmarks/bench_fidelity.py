@@ -20,6 +20,7 @@ Resumable: every re-training, trained member and method score matrix is cached u
     python -m benchmarks.bench_fidelity check --task digits-case1     # the peers' wiring vs an explicit Hessian
     python -m benchmarks.bench_fidelity table --task digits-case1     # every cached task: tables, plot, README
     python -m benchmarks.bench_fidelity retrain --task digits-case1 --protocol replay --subsets 50   # fidelity_replay
+    python -m benchmarks.bench_fidelity retrain --task minilm-dapt --subsets 40   # optional: pretrained MiniLM
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from benchmarks.fidelity_minilm import TASK_NAME as MINILM
 from benchmarks.fidelity_tasks import PROTOCOLS, TASKS, Task, cached_retrain, subsets_for
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fidelity"
@@ -51,7 +53,7 @@ def retrain_all(task: Task, protocol: str, m: int, seeds: list[int], progress: b
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step", choices=("retrain", "score", "check", "table"))
-    parser.add_argument("--task", choices=sorted(TASKS), required=True)
+    parser.add_argument("--task", choices=sorted(TASKS) + [MINILM], required=True)
     parser.add_argument("--protocol", choices=(*PROTOCOLS, "replay"), default="warm",
                         help="replay: the recorded run replayed with dropped examples weighted 0 (fidelity_replay.py)")
     parser.add_argument("--subsets", type=int, default=100)
@@ -61,6 +63,10 @@ def main() -> None:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.task == MINILM:  # optional real pretrained transformer (benchmarks/fidelity_minilm.py)
+        from benchmarks.fidelity_minilm import run
+
+        return run(args.step, args.subsets, args.methods, progress=not args.no_progress)
     task = Task(TASKS[args.task], CACHE)
     start = time.perf_counter()
     if args.protocol == "replay":  # records, scores and replays in one step (fidelity_replay.py)

