@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ import torch
 from . import distributed, files
 from .curvature import HessianOperator, hvp
 from .data import as_examples
-from .errors import FileFormatError, InputError, LossError, ParameterError
+from .errors import FileFormatError, InputError, LossError, ParameterError, warn
 from .gradients import per_example_grads, total_grad
 from .operators import Operator
 from .params import ParamSpace, shared_parameters
@@ -125,11 +124,14 @@ class _StagePlan:
             state, previous_state = stage.state(), previous.stage.state()
             drift = max(float((state[n] - previous_state[p]).abs().max()) for n, p in self.inherited.items())
             if drift > 0:
-                warnings.warn(
-                    f"a Case 1 link assumes the stage keeps the previous stage's shared block, but they differ by up "
-                    f"to {drift:.2e}: the block was not fixed. Use Link(..., case=2) if it was finetuned.",
-                    UserWarning,
-                    stacklevel=4,
+                size = max(float(previous_state[p].abs().max()) for p in self.inherited.values())
+                warn(
+                    f"a Case 1 link assumes {type(stage.model).__name__} keeps the previous stage's shared block "
+                    f"{link.shared!r} as it was pretrained, but its parameters differ by up to {drift:.2e} (the "
+                    f"pretrained ones are up to {size:.2e}). Most likely the pretrained weights were not copied into "
+                    "the finetuning model: load them before training its head (e.g. "
+                    "clf.bert.load_state_dict(mlm.bert.state_dict()), or build it with from_pretrained), then refit "
+                    "the head. If the block was finetuned on purpose, use Link(..., case=2)."
                 )
 
 

@@ -27,7 +27,6 @@ to per-example gradients with a warning. ``autocast`` runs the forward and backw
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ContractionWarning, InputError
+from .errors import ContractionWarning, InputError, warn
 from .gradients import project_per_example_grads
 from .params import ParamSpace, point
 from .stage import Stage, check_finite
@@ -223,13 +222,12 @@ class Contractor:
             tol = 5e-2 if self.autocast is not None else 1e-8 if precise else 1e-3
             scale = scores.abs().sum(0) + expected.abs() + torch.finfo(dtype).tiny
             if not bool(((got - expected).abs() <= tol * scale).all()):
-                warnings.warn(
+                warn(
                     "contracted scores do not add up to the gradient of the summed loss (relative gap "
                     f"{float(((got - expected).abs() / scale).max()):.2e}): a trained parameter is used outside its "
                     "module's forward (e.g. through F.linear); scoring falls back to per-example gradients "
                     "(slower, memory O(chunk · p)).",
                     ContractionWarning,
-                    stacklevel=3,
                 )
                 return None
         return scores

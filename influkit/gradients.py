@@ -49,7 +49,8 @@ def chunk_for(stage: Stage, inputs, targets, names, at, row_bytes: int, phase: s
             torch.autograd.grad(stage.losses(leaves, x, y).sum(), list(leaves.values()), allow_unused=True)
 
     per = probe_bytes(run, stage.model, x.shape[0]) + row_bytes
-    return memory.fit_count(memory.resolve(None, inputs.device), per, phase, most=max(inputs.shape[0], 1))
+    return memory.fit_count(memory.resolve(None, inputs.device), per, phase, most=max(inputs.shape[0], 1),
+                            default=not memory.given(None))
 
 
 def _grad_rows(stage: Stage, inputs, targets, names, at, chunk_size: int | None, progress: bool):

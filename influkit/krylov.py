@@ -8,11 +8,10 @@ an iteration cap and a progress bar, and knows nothing of Hessians, damping or d
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
-from .errors import ConvergenceWarning, NumericalError
+from .errors import ConvergenceWarning, NumericalError, warn
 
 
 def cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner=None, warn: bool = True):
@@ -35,11 +34,10 @@ def cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner
         if require_positive and (curvature[active] <= 0).any():
             if not warn:
                 break
-            warnings.warn(
+            warn(
                 "plain CG met negative curvature: H + λI is not positive definite; use solver='cg' (on H²) "
                 "or 'minres'.",
                 ConvergenceWarning,
-                stacklevel=4,
             )
             break
         alpha = torch.where(active, rz / torch.where(active, curvature, torch.ones_like(curvature)), torch.zeros_like(rz))
@@ -54,7 +52,7 @@ def cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner
     return x, iterations
 
 
-def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | None = None):
+def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | None = None, stats: dict | None = None):
     """Batched MINRES (Paige & Saunders 1975) on A x = c for symmetric, possibly indefinite A.
 
     Lanczos builds a basis v_j of the Krylov space; a running QR of the tridiagonal matrix by Givens rotations
@@ -69,6 +67,9 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
     estimated from the products; measured on float32 matrices, the true residual stalls at 0.3-0.5 of it, so
     iterating further cannot be certified), and the call returns
     (x, iterations, largest floor); otherwise (x, iterations).
+
+    stats: a dict that receives ``min_rayleigh``, the smallest Rayleigh quotient vᵀAv / vᵀv of the Lanczos vectors
+    (negative: A is certainly indefinite), and ``norm``, the largest ‖Av‖/‖v‖ seen (a lower bound of ‖A‖).
     """
     tiny = torch.finfo(target.dtype).tiny
     track = preconditioner is not None or eps is not None
@@ -96,6 +97,7 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
     anorm = zeros.clone()
     floor = zeros.clone()
     active = beta1 > 0
+    lowest = float("inf")
     iterations = 0
     for iterations in range(1, max_iter + 1):
         if track:
@@ -117,6 +119,8 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
         if iterations >= 2:
             y = y - (beta / torch.where(oldb > tiny, oldb, torch.ones_like(oldb))) * r1
         alfa = (v * y).sum(0)
+        rayleigh = torch.where(active, alfa / (v * v).sum(0).clamp_min(tiny), torch.full_like(alfa, torch.inf))
+        lowest = min(lowest, float(rayleigh.min()))
         y = y - (alfa / safe_beta) * r2
         r1, r2 = r2, y
         if preconditioner is not None:
@@ -141,6 +145,8 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
             aw = (av - oldeps * aw1 - delta * aw2) / gamma
             ax = torch.where(active, ax + phi * aw, ax)
         bar.update(1)
+    if stats is not None:
+        stats["min_rayleigh"], stats["norm"] = lowest, float(anorm.max())
     if eps is not None:
         return x, iterations, float(floor.max())
     return x, iterations

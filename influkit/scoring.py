@@ -43,6 +43,7 @@ from .contraction import Contractor
 from .gradients import project_per_example_grads
 from .memory import PROBE_EXAMPLES, probe_bytes
 from .memory import plan as memory_plan
+from .memory import given as budget_given
 from .memory import resolve as budget_of
 from .stage import Stage, check_example_shape
 
@@ -163,7 +164,7 @@ class Scorer:
             else:
                 per = probe_bytes(lambda _: [project_per_example_grads(stage, x, y, s, names, chunk_size=x.shape[0])],
                                   stage.model, x.shape[0]) + s.shape[0] * s.element_size()
-            self.memory = memory_plan(budget, per, "scoring", most=max(len(rows), 1))
+            self.memory = memory_plan(budget, per, "scoring", most=max(len(rows), 1), default=not budget_given(memory))
             chunk_size = min(distributed.gather_objects(self.memory["batch"])) if distributed.active() else \
                 self.memory["batch"]  # every rank the same chunks
         else:

@@ -53,7 +53,7 @@ from tqdm.auto import tqdm
 
 from . import krylov
 from .curvature import CURVATURES
-from .errors import ConvergenceWarning, InputError, NumericalError
+from .errors import ConvergenceWarning, InputError, NumericalError, warn
 from .factored import FISHER, ArnoldiInverse, FactoredCurvature, FactoredCurvatureError, deflated, fit_curvature, lanczos
 from .operators import DenseOperator, Operator, SymmetricFactor
 from .params import ParamSpace, point
@@ -126,10 +126,12 @@ class SolveConfig:
     ``"gauss-newton"`` (the generalized Gauss-Newton matrix G ⪰ 0, :mod:`influkit.curvature`): G's damped system
     is positive definite for convex losses, so MINRES/CG converge where an indefinite H + λI stalls, and it is
     the matrix K-FAC/EK-FAC approximate, which makes them good preconditioners of it. The links between stages
-    (the Case 1/2 cross derivatives) stay exact Hessian products either way. residual: approximate inverses
-    (``kfac``/``ekfac``/``arnoldi``) report the true relative residual of their x, at the cost of one exact
-    Hessian-vector product over the stage's data per solve (at transformer scale as much as the rest of the query);
-    ``False`` skips it and reports NaN, as kronfluence and TRAK never check. Iterative and direct solves always report it.
+    (the Case 1/2 cross derivatives) stay exact Hessian products either way. residual: with ``True``, approximate
+    inverses (``kfac``/``ekfac``/``arnoldi``) report the true relative residual of their x, at the cost of one exact
+    Hessian-vector product over the stage's data per solve: 2-3 times the scoring of the whole data set, and
+    resident memory for its double-backward graph (benchmarks/bench_transformer.py, 5.4 M BERT: 17.8 s of a
+    22.3 s query + scoring, peak RSS 8.0 GB vs 0.64 GB without); the default ``False`` skips it and reports NaN,
+    as kronfluence and TRAK never check. Iterative and direct solves always report it.
 
     Fitted factors and eigenpairs are kept on the operator (``operator.fitted``), so one fit serves every solve
     with it; :meth:`influkit.Chain.fit` fits them up front and :meth:`influkit.Chain.save` stores them.
@@ -146,7 +148,7 @@ class SolveConfig:
     rank: int = 50
     deflate: bool = False
     curvature: str = "hessian"
-    residual: bool = True
+    residual: bool = False
 
     def __post_init__(self) -> None:
         if self.solver != "auto" and self.solver not in REGISTRY:
@@ -325,7 +327,8 @@ class Solver:
             )
         converged = self.exact or residual <= tol
         if not converged and warn:
-            _warn_unconverged(self.name, iterations, residual, tol, floor, rhs.dtype)
+            _warn_unconverged(self.name, iterations, residual, tol, floor, rhs.dtype, self.config.damping,
+                              getattr(self, "stats", {}))
         notes = list(self.fitted.get("notes", []))
         why = self.choice
         if why and self.preconditioner_name:
@@ -491,13 +494,14 @@ class MINRES(_Krylov):
     def _run(self, rhs, tol, max_iter, bar):
         apply, target = self._system(rhs)
         pre = self.apply_preconditioner
+        self.stats = {}
         if pre is None and rhs.dtype == torch.float64:
-            x, iterations = krylov.minres(apply, target, tol / 4, max_iter, bar)
+            x, iterations = krylov.minres(apply, target, tol / 4, max_iter, bar, stats=self.stats)
             floor = math.nan
         else:
             eps = torch.finfo(rhs.dtype).eps
             x, iterations, floor = krylov.minres(_widened(apply, rhs.dtype), target.to(torch.float64), tol / 4, max_iter,
-                                                 bar, preconditioner=_widened(pre, rhs.dtype), eps=eps)
+                                                 bar, preconditioner=_widened(pre, rhs.dtype), eps=eps, stats=self.stats)
             x = x.to(rhs.dtype)
         return x, iterations, krylov_residual(apply, x, target), floor
 
@@ -572,18 +576,30 @@ class Arnoldi(_Approximation):
         self.preconditioner_name = f"arnoldi (rank {self.approximation.eigenvalues.numel()})"
 
 
-def _warn_unconverged(method: str, iterations: int, residual: float, tol: float, floor: float, dtype) -> None:
+def _warn_unconverged(method: str, iterations: int, residual: float, tol: float, floor: float, dtype, damping: float,
+                      stats: Mapping) -> None:
+    """The warning of an unconverged solve, with the remedy for its cause: the precision floor, an indefinite
+    H + λI (MINRES met a direction of negative curvature), or slow convergence on a positive definite system."""
     if not math.isnan(floor) and residual <= 10 * floor:
         advice = (f"that is the floor {str(dtype).replace('torch.', '')} arithmetic can certify for this system "
                   f"(~{floor:.1e}): pass tol ≥ {10 * floor:.0e}"
                   + (", or compute in float64." if dtype != torch.float64 else ", or add damping."))
+    elif stats.get("min_rayleigh", math.inf) < 0:
+        scale = stats["norm"]
+        advice = (f"H + λI (λ = {damping:g}) is indefinite: MINRES met curvature {stats['min_rayleigh']:.1e} < 0, so the "
+                  "stage is not at a minimum (e.g. trained for a few Adam steps, or a saddle), and its eigenvalues near "
+                  "zero stall the solve. Solve the positive semi-definite Gauss-Newton system instead, "
+                  f"SolveConfig(curvature='gauss-newton', damping={1e-3 * scale:.1e}) (1e-3 of ‖H‖ ≈ {scale:.1e}), or "
+                  "add damping above |λ_min(H)| (H + λI then positive definite).")
     elif method == "minres":
-        advice = "raise max_iter, add damping, or precondition (preconditioner='ekfac')."
+        scale = stats.get("norm", math.nan)
+        advice = ("raise max_iter, add damping" + (f" (e.g. {1e-3 * scale:.1e}, 1e-3 of ‖H‖)" if scale == scale else "")
+                  + ", or precondition (preconditioner='ekfac').")
     else:
         advice = ("raise max_iter, add damping, or try solver='minres' (indefinite-safe, converges with κ(H) "
                   "instead of κ(H)²).")
-    warnings.warn(f"{method} stopped after {iterations} iterations at relative residual {residual:.2e} > tol {tol:.0e}; "
-                  + advice, ConvergenceWarning, stacklevel=4)
+    warn(f"{method} stopped after {iterations} iterations at relative residual {residual:.2e} > tol {tol:.0e}; "
+         + advice, ConvergenceWarning)
 
 
 def _matches(curvature, kind: str, config: SolveConfig) -> bool:

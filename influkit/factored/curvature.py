@@ -35,7 +35,6 @@ iteration); ``inverse(λ)`` is that inverse as an Operator, the approximate inve
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -45,8 +44,9 @@ from torch.func import grad
 from tqdm.auto import tqdm
 
 from .. import distributed
-from ..errors import FileFormatError, InputError
-from ..memory import PROBE_EXAMPLES, fit_count, probe_bytes
+from ..errors import FileFormatError, InputError, warn
+from ..memory import DEFAULT_WORKING, PROBE_EXAMPLES, fit_count, probe_bytes
+from ..memory import given as memory_given
 from ..memory import resolve as memory_budget
 from ..operators import count_products
 from ..params import ParamSpace, point
@@ -461,10 +461,11 @@ def fit_curvature(
     is free); the statistics are streamed per module, so memory does not grow with the number of examples:
     the accumulators (fixed) + a batch of activations and layer statistics (measured per example on a 2-example
     probe) + the cache. batch_size: examples per streamed batch (default: what half of the budget left after the
-    accumulators holds, at most the stage's batch size and 1,024). cache_bytes: EK-FAC keeps the first pass's
+    accumulators holds, at most the stage's batch size and 1,024, and without ``memory=`` at most
+    :func:`influkit.memory.default_count`). cache_bytes: EK-FAC keeps the first pass's
     layer inputs and output-gradients up to this size and corrects the eigenvalues from them, so the data are read
     once; larger data are streamed a second time (``info["passes"]``); default: the other half, at most
-    :data:`CACHE_BYTES` (1 GiB).
+    :data:`CACHE_BYTES` (1 GiB), or without ``memory=`` :data:`influkit.memory.DEFAULT_WORKING` (256 MiB).
     max_factor_bytes: a layer whose factors (:func:`factor_bytes`, float64 plus eigenvectors) exceed this
     (default: budget / 8) gets a **diagonal block** instead of Kronecker factors, with a warning — e.g. a
     30,522-word decoder's output-gradient factor alone is 30,522² floats (7.5 GB in float64); its diagonal
@@ -487,11 +488,10 @@ def fit_curvature(
     wide = {layer.name for layer in layers if kind != "diagonal" and factor_bytes(layer) > limit}
     for layer in layers:
         if layer.name in wide:
-            warnings.warn(
+            warn(
                 f"layer {layer.name} ({layer.rows}×{layer.cols}) would need {factor_bytes(layer) / 2**30:.2f} GiB of "
                 f"Kronecker factors, more than max_factor_bytes = {limit / 2**30:.2f} GiB (1/8 of the memory budget); it "
-                "gets a diagonal Gauss-Newton block instead (raise memory= or max_factor_bytes= to factor it).",
-                UserWarning, stacklevel=2)
+                "gets a diagonal Gauss-Newton block instead (raise memory= or max_factor_bytes= to factor it).")
     leaves = {nm: t.detach().requires_grad_(True) for nm, t in params.items()}
     pseudo_holder: dict[str, PseudoGradients] = {}
 
@@ -520,10 +520,11 @@ def fit_curvature(
 
         per = probe_bytes(run, stage.model, len(probe)) + row_bytes
         share = (budget - fixed) // 2 if cache_bytes is None else budget - fixed
-        batch_size = fit_count(share + fixed, per, "factor fitting", fixed=fixed, most=min(stage.data.batch_size, 1024))
+        batch_size = fit_count(share + fixed, per, "factor fitting", fixed=fixed, most=min(stage.data.batch_size, 1024),
+                               default=not memory_given(memory))
         sizing["bytes_per_example"] = per
     if cache_bytes is None:
-        cache_bytes = min(max(0, (budget - fixed) // 2), CACHE_BYTES)
+        cache_bytes = min(max(0, (budget - fixed) // 2), CACHE_BYTES if memory_given(memory) else DEFAULT_WORKING)
     sizing |= {"batch": int(batch_size), "cache_bytes": int(cache_bytes)}
     diag_total: torch.Tensor | None = None
     seconds: dict[str, float] = {}
