@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from .errors import ConvergenceWarning, NumericalError, warn
+from .errors import NumericalError
 
 
-def cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner=None, warn: bool = True):
-    """Batched (preconditioned) conjugate gradients on A x = c, A symmetric positive definite, a column each."""
+def cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner=None, stats: dict | None = None):
+    """Batched (preconditioned) conjugate gradients on A x = c, A symmetric positive definite, a column each.
+
+    With ``require_positive`` it stops at a direction of non-positive curvature pᵀAp ≤ 0 (A is then not positive
+    definite) and sets ``stats["negative_curvature"]``."""
     precondition = preconditioner or (lambda r: r)
     x = torch.zeros_like(target)
     r = target.clone()
@@ -32,13 +35,8 @@ def cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner
         ap = apply(p)
         curvature = (p * ap).sum(0)
         if require_positive and (curvature[active] <= 0).any():
-            if not warn:
-                break
-            warn(
-                "plain CG met negative curvature: H + λI is not positive definite; use solver='cg' (on H²) "
-                "or 'minres'.",
-                ConvergenceWarning,
-            )
+            if stats is not None:
+                stats["negative_curvature"] = True
             break
         alpha = torch.where(active, rz / torch.where(active, curvature, torch.ones_like(curvature)), torch.zeros_like(rz))
         x = x + alpha * p
@@ -68,8 +66,8 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
     iterating further cannot be certified), and the call returns
     (x, iterations, largest floor); otherwise (x, iterations).
 
-    stats: a dict that receives ``min_rayleigh``, the smallest Rayleigh quotient vᵀAv / vᵀv of the Lanczos vectors
-    (negative: A is certainly indefinite), and ``norm``, the largest ‖Av‖/‖v‖ seen (a lower bound of ‖A‖).
+    stats: a dict that receives ``norm``, the largest ‖Av‖/‖v‖ seen (a lower bound of ‖A‖), and ``lanczos``, the
+    Lanczos tridiagonal of each column (:func:`smallest_ritz_value` reads A's inertia off it).
     """
     tiny = torch.finfo(target.dtype).tiny
     track = preconditioner is not None or eps is not None
@@ -97,7 +95,7 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
     anorm = zeros.clone()
     floor = zeros.clone()
     active = beta1 > 0
-    lowest = float("inf")
+    diagonal, offdiagonal, steps = [], [], torch.zeros_like(beta1, dtype=torch.long)
     iterations = 0
     for iterations in range(1, max_iter + 1):
         if track:
@@ -119,8 +117,6 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
         if iterations >= 2:
             y = y - (beta / torch.where(oldb > tiny, oldb, torch.ones_like(oldb))) * r1
         alfa = (v * y).sum(0)
-        rayleigh = torch.where(active, alfa / (v * v).sum(0).clamp_min(tiny), torch.full_like(alfa, torch.inf))
-        lowest = min(lowest, float(rayleigh.min()))
         y = y - (alfa / safe_beta) * r2
         r1, r2 = r2, y
         if preconditioner is not None:
@@ -128,6 +124,10 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
             oldb, beta = beta, (r2 * y).sum(0).clamp_min(0).sqrt()
         else:
             oldb, beta = beta, y.norm(dim=0)
+        if stats is not None:
+            diagonal.append(alfa)
+            offdiagonal.append(beta)
+            steps += active.long()
         oldeps = epsln
         delta = cs * dbar + sn * alfa
         gbar = sn * dbar - cs * alfa
@@ -146,10 +146,26 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
             ax = torch.where(active, ax + phi * aw, ax)
         bar.update(1)
     if stats is not None:
-        stats["min_rayleigh"], stats["norm"] = lowest, float(anorm.max())
+        stats["norm"] = float(anorm.max())
+        stats["lanczos"] = (torch.stack(diagonal, 1) if diagonal else zeros[:, None],
+                            torch.stack(offdiagonal, 1) if offdiagonal else zeros[:, None], steps)
     if eps is not None:
         return x, iterations, float(floor.max())
     return x, iterations
+
+
+def smallest_ritz_value(lanczos) -> float:
+    """The smallest eigenvalue over columns of MINRES's Lanczos tridiagonals T_k (``stats["lanczos"]``): a Ritz value
+    of A (of M⁻¹A when preconditioned, whose inertia is A's), so ≥ λ_min(A); negative: A is certainly indefinite."""
+    diagonal, offdiagonal, steps = lanczos
+    lowest = float("inf")
+    for alfa, beta, k in zip(diagonal, offdiagonal, steps.tolist()):
+        if k == 0:
+            continue
+        t = torch.diag(alfa[:k].to(torch.float64)) + torch.diag(beta[: k - 1].to(torch.float64), 1) + \
+            torch.diag(beta[: k - 1].to(torch.float64), -1)
+        lowest = min(lowest, float(torch.linalg.eigvalsh(t)[0]))
+    return lowest
 
 
 def largest_eigenvalue(apply, like: torch.Tensor, steps: int = 30) -> float:

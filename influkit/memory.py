@@ -8,9 +8,10 @@ shared machine several processes each take their half of what is free when they 
 
 **The default does not fill it.** Without ``memory=``, a phase's batch holds at most
 max(:data:`DEFAULT_EXAMPLES`, ⌊:data:`DEFAULT_WORKING` / (SAFETY · bytes per example)⌋) examples
-(:func:`default_count`): larger batches buy no throughput — a pass over 32 sequences runs as fast per example as
-over 256 — only resident memory (benchmarks/bench_transformer.py, 5.4 M BERT, 256 × 32 tokens: peak RSS 7.98 GB
-with batches that filled half of the free memory vs kronfluence's 0.64 GB; see benchmarks/results/). Tiny examples
+(:func:`default_count`). Larger batches buy no throughput on a CPU, only resident memory: scoring 64 sequences of
+the 5.4 M BERT of benchmarks/bench_transformer.py (2 layers, hidden 256, 32 tokens) in chunks of 8 / 32 / 64 took
+3.6 / 3.5 / 2.8 s and again 4.1 / 4.0 / 3.8 s (one process, load 14), while batches that filled half of the free
+memory took that job to a peak RSS of 8.0 GB against kronfluence's 0.64 GB (benchmarks/results/). Tiny examples
 (digits, small MLPs) still go in one batch (256 MiB of them). ``memory=`` (or :func:`scope`) lifts the cap: then
 the batches fill the given budget.
 
@@ -40,7 +41,7 @@ import torch
 from .errors import MemoryBudgetError
 
 DEFAULT_SHARE = 0.5
-DEFAULT_EXAMPLES = 32  # without memory=: a batch holds at most this many examples ...
+DEFAULT_EXAMPLES = 8  # without memory=: a batch holds at most this many examples ...
 DEFAULT_WORKING = 256 * 2**20  # ... or, for small examples, as many as fit these bytes (× SAFETY)
 PROBE_EXAMPLES = 2
 SAFETY = 2.0

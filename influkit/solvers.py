@@ -285,7 +285,6 @@ class Solver:
     exact: ClassVar[bool] = False  # True: converged by construction (no residual test)
     iterative: ClassVar[bool] = False  # True: runs ``max_iter`` steps at most, with a progress bar
     accepts_preconditioner: ClassVar[bool] = False  # True: SolveConfig(preconditioner=..., deflate=...) applies
-    warn: bool = True  # warn on an unconverged solve (and, in CG, on negative curvature)
 
     def __init__(self, config: SolveConfig, operator: Operator, *, choice: str = ""):
         if torch.is_tensor(operator):
@@ -316,7 +315,6 @@ class Solver:
         max_iter = min(10 * operator.dim, 2000) if self.config.max_iter is None else self.config.max_iter
         start_products = getattr(operator, "products", 0)
         start = time.perf_counter()
-        self.warn = warn
         bar = tqdm(total=max_iter, desc=f"{self.name} solve", disable=not (progress and self.iterative), leave=False)
         x, iterations, residual, floor = self._run(rhs, tol, max_iter, bar)
         bar.close()
@@ -516,8 +514,9 @@ class CG(_Krylov):
     def _run(self, rhs, tol, max_iter, bar):
         apply, target = self._system(rhs, squared=self.squared)
         # the recurrence residual drifts from the true one: aim a little below tol
+        self.stats = {}
         x, iterations = krylov.cg(apply, target, tol / 4, max_iter, bar, require_positive=not self.squared,
-                                  preconditioner=self.apply_preconditioner, warn=self.warn)
+                                  preconditioner=self.apply_preconditioner, stats=self.stats)
         return x, iterations, krylov_residual(apply, x, target), math.nan
 
 
@@ -584,20 +583,25 @@ def _warn_unconverged(method: str, iterations: int, residual: float, tol: float,
         advice = (f"that is the floor {str(dtype).replace('torch.', '')} arithmetic can certify for this system "
                   f"(~{floor:.1e}): pass tol ≥ {10 * floor:.0e}"
                   + (", or compute in float64." if dtype != torch.float64 else ", or add damping."))
-    elif stats.get("min_rayleigh", math.inf) < 0:
+    elif stats.get("negative_curvature"):
+        advice = (f"CG met negative curvature: H + λI (λ = {damping:g}) is not positive definite, so the stage is not at "
+                  "a minimum (e.g. trained for a few Adam steps, or a saddle). Use solver='minres' (or 'cg', on H²), "
+                  "which solve the same indefinite system, or the positive semi-definite Gauss-Newton matrix with "
+                  "damping, SolveConfig(curvature='gauss-newton', damping=λ > 0, e.g. 1e-3 of ‖H‖), on which CG "
+                  "converges.")
+    elif "lanczos" in stats and (ritz := krylov.smallest_ritz_value(stats["lanczos"])) < 0:
         scale = stats["norm"]
-        advice = (f"H + λI (λ = {damping:g}) is indefinite: MINRES met curvature {stats['min_rayleigh']:.1e} < 0, so the "
+        advice = (f"H + λI (λ = {damping:g}) is indefinite (a Ritz value of MINRES's Lanczos process is {ritz:.1e} < 0), so the "
                   "stage is not at a minimum (e.g. trained for a few Adam steps, or a saddle), and its eigenvalues near "
                   "zero stall the solve. Solve the positive semi-definite Gauss-Newton system instead, "
                   f"SolveConfig(curvature='gauss-newton', damping={1e-3 * scale:.1e}) (1e-3 of ‖H‖ ≈ {scale:.1e}), or "
                   "add damping above |λ_min(H)| (H + λI then positive definite).")
-    elif method == "minres":
-        scale = stats.get("norm", math.nan)
-        advice = ("raise max_iter, add damping" + (f" (e.g. {1e-3 * scale:.1e}, 1e-3 of ‖H‖)" if scale == scale else "")
-                  + ", or precondition (preconditioner='ekfac').")
+    elif method == "lissa":
+        advice = "use solver='minres' (its steps grow with √κ(H) where LiSSA's grow with κ(H))."
+    elif method == "cg":
+        advice = "raise max_iter, or use solver='minres' (converges with κ(H) where CG on H² needs κ(H)²)."
     else:
-        advice = ("raise max_iter, add damping, or try solver='minres' (indefinite-safe, converges with κ(H) "
-                  "instead of κ(H)²).")
+        advice = "raise max_iter (no negative curvature was met)."
     warn(f"{method} stopped after {iterations} iterations at relative residual {residual:.2e} > tol {tol:.0e}; "
          + advice, ConvergenceWarning)
 

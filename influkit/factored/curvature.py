@@ -57,6 +57,9 @@ from .layers import Layer, Recorder, check_calls, example_squares, layer_grads, 
 
 KINDS = ("kfac", "ekfac", "diagonal")
 CACHE_BYTES = 2**30  # at most this much of the first pass is kept for EK-FAC's correction (else a second pass)
+# a batch also holds output-sized tensors the saved-tensor probe does not see: the outputs, their pseudo-gradients
+# and the loss's log-probabilities for the sampled labels' scale (vocabulary-sized for a language model)
+OUTPUT_COPIES = 4
 
 
 @dataclass
@@ -510,21 +513,28 @@ def fit_curvature(
     if batch_size is None:
         probe = torch.as_tensor(local[:PROBE_EXAMPLES]) if len(local) else torch.arange(min(PROBE_EXAMPLES, len(stage)))
         px, py = next(iter(stage.batches(probe, len(probe))))
-        probe_pseudo = PseudoGradients(stage.loss, fisher, stage.outputs(params, px).detach(), py, seed=seed)
+        probe_outputs = stage.outputs(params, px).detach()
+        probe_pseudo = PseudoGradients(stage.loss, fisher, probe_outputs, py, seed=seed)
         row_bytes = 2 * sum(params[nm].numel() * params[nm].element_size() for nm in diag_names)
+        output_bytes = OUTPUT_COPIES * probe_outputs.numel() * probe_outputs.element_size() // max(len(probe), 1)
+        statistics_bytes = {}
 
         def run(_):
             data, _, _ = _forward_pass(stage, list(layers), leaves, px, py,
                                        lambda outputs, targets: partial(probe_pseudo, index=probe))
-            return [t for pair in data.values() for t in pair]
+            kept = [t for pair in data.values() for t in pair]
+            statistics_bytes["per"] = sum(t.numel() * t.element_size() for t in kept) // max(len(probe), 1)
+            return kept
 
-        per = probe_bytes(run, stage.model, len(probe)) + row_bytes
+        per = probe_bytes(run, stage.model, len(probe)) + row_bytes + output_bytes
         share = (budget - fixed) // 2 if cache_bytes is None else budget - fixed
         batch_size = fit_count(share + fixed, per, "factor fitting", fixed=fixed, most=min(stage.data.batch_size, 1024),
                                default=not memory_given(memory))
         sizing["bytes_per_example"] = per
     if cache_bytes is None:
         cache_bytes = min(max(0, (budget - fixed) // 2), CACHE_BYTES if memory_given(memory) else DEFAULT_WORKING)
+        if "bytes_per_example" in sizing and statistics_bytes["per"] * len(local) > cache_bytes:
+            cache_bytes = 0  # the first pass would not fit: a second pass, without filling memory first
     sizing |= {"batch": int(batch_size), "cache_bytes": int(cache_bytes)}
     diag_total: torch.Tensor | None = None
     seconds: dict[str, float] = {}
