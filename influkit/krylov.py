@@ -154,18 +154,20 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
     return x, iterations
 
 
-def smallest_ritz_value(lanczos) -> float:
-    """The smallest eigenvalue over columns of MINRES's Lanczos tridiagonals T_k (``stats["lanczos"]``): a Ritz value
-    of A (of M⁻¹A when preconditioned, whose inertia is A's), so ≥ λ_min(A); negative: A is certainly indefinite."""
+def negative_ritz_values(lanczos) -> int:
+    """The most negative eigenvalues of MINRES's Lanczos tridiagonal T_k (``stats["lanczos"]``) over the columns,
+    counted by Sylvester's law of inertia: the negative pivots d_1 = α_1, d_i = α_i − β_i² / d_(i−1) of T = LDLᵀ
+    (O(k)). Its eigenvalues are Ritz values of A (of M⁻¹A when preconditioned, whose inertia is A's): one negative
+    certifies that A is indefinite."""
     diagonal, offdiagonal, steps = lanczos
-    lowest = float("inf")
-    for alfa, beta, k in zip(diagonal, offdiagonal, steps.tolist()):
-        if k == 0:
-            continue
-        t = torch.diag(alfa[:k].to(torch.float64)) + torch.diag(beta[: k - 1].to(torch.float64), 1) + \
-            torch.diag(beta[: k - 1].to(torch.float64), -1)
-        lowest = min(lowest, float(torch.linalg.eigvalsh(t)[0]))
-    return lowest
+    most = 0
+    for alfa, beta, k in zip(diagonal.tolist(), offdiagonal.tolist(), steps.tolist()):
+        pivot, negative = 0.0, 0
+        for i in range(k):
+            pivot = alfa[i] - (beta[i - 1] ** 2 / pivot if i and pivot != 0.0 else 0.0)
+            negative += pivot < 0
+        most = max(most, negative)
+    return most
 
 
 def largest_eigenvalue(apply, like: torch.Tensor, steps: int = 30) -> float:

@@ -589,9 +589,10 @@ def _warn_unconverged(method: str, iterations: int, residual: float, tol: float,
                   "which solve the same indefinite system, or the positive semi-definite Gauss-Newton matrix with "
                   "damping, SolveConfig(curvature='gauss-newton', damping=λ > 0, e.g. 1e-3 of ‖H‖), on which CG "
                   "converges.")
-    elif "lanczos" in stats and (ritz := krylov.smallest_ritz_value(stats["lanczos"])) < 0:
+    elif "lanczos" in stats and (negative := krylov.negative_ritz_values(stats["lanczos"])) > 0:
         scale = stats["norm"]
-        advice = (f"H + λI (λ = {damping:g}) is indefinite (a Ritz value of MINRES's Lanczos process is {ritz:.1e} < 0), so the "
+        advice = (f"H + λI (λ = {damping:g}) is indefinite (MINRES's Lanczos matrix has {negative} negative "
+                  "eigenvalues, Ritz values of H + λI), so the "
                   "stage is not at a minimum (e.g. trained for a few Adam steps, or a saddle), and its eigenvalues near "
                   "zero stall the solve. Solve the positive semi-definite Gauss-Newton system instead, "
                   f"SolveConfig(curvature='gauss-newton', damping={1e-3 * scale:.1e}) (1e-3 of ‖H‖ ≈ {scale:.1e}), or "

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 import influkit as ik
-from influkit.curvature import HessianOperator
 from influkit.errors import ConvergenceWarning
 from influkit.factored import fit_curvature
 from influkit.training import fit_lbfgs, train_adam
@@ -84,6 +83,21 @@ def test_minres_stalled_by_an_indefinite_hessian_points_to_gauss_newton(unregula
     assert lowest < 0
     fixed, record = caught(lambda: solve(stage, test, solver="minres", damping=-1.5 * lowest))
     assert not record and fixed["residual"] <= 1e-10
+
+
+def test_negative_ritz_values_are_counted_by_inertia():
+    """The indefiniteness MINRES reports: negative pivots of its Lanczos tridiagonal = its negative eigenvalues."""
+    from influkit.krylov import negative_ritz_values
+
+    gen = torch.Generator().manual_seed(0)
+    for shift in torch.linspace(-1.0, 2.0, 13):
+        alfa = torch.randn(2, 30, generator=gen, dtype=torch.float64) + shift
+        beta = torch.rand(2, 30, generator=gen, dtype=torch.float64)
+        steps = torch.tensor([30, 24])
+        counts = [int((torch.linalg.eigvalsh(torch.diag(alfa[j, :k]) + torch.diag(beta[j, : k - 1], 1)
+                                             + torch.diag(beta[j, : k - 1], -1)) < 0).sum())
+                  for j, k in enumerate(steps.tolist())]
+        assert negative_ritz_values((alfa, beta, steps)) == max(counts)
 
 
 def test_plain_cg_meeting_negative_curvature_says_so_once_and_its_remedies_work(regularized):
