@@ -150,7 +150,7 @@ class DiagonalBlock:
 class FactoredCurvature:
     """A fitted factored curvature C (K-FAC, EK-FAC or diagonal) over a stage's trained parameters, as an Operator.
 
-    ``dim``/``dtype``/``device`` are the parameters' (vectors are converted to float64 internally and back);
+    ``dim``/``dtype``/``device`` are the parameters' (vectors are worked on in their own precision, at least float32);
     ``matvec`` applies C, ``solve(rhs, damping)`` applies (C + λI)⁻¹, ``inverse(damping)`` is the latter as an
     Operator, ``dense()`` the explicit matrix (small models). ``info`` holds the diagnostics: kind, fisher, layers,
     the parameters with a diagonal block and why, examples, passes, seconds.
@@ -185,13 +185,15 @@ class FactoredCurvature:
         if vec.shape[0] != self.dim:
             raise InputError(f"vector has {vec.shape[0]} rows, the curvature is {self.dim}×{self.dim}.")
         single = vec.dim() == 1
-        vecs = vec.reshape(self.dim, -1).to(torch.float64)
+        # in the vectors' precision, at least float32 (a float32 model's solve as kronfluence's: its 24 BERT-base MLP
+        # blocks are ~440 GFLOP, 2x faster than in float64); float64 vectors (Krylov preconditioning) in float64
+        vecs = vec.reshape(self.dim, -1).to(torch.promote_types(vec.dtype, torch.float32))
         out = torch.zeros_like(vecs)
         for block in self.blocks:
             if isinstance(block, KroneckerBlock):
                 block.scatter(block.apply(block.gather(vecs, self.offsets), fn), out, self.offsets)
             else:
-                out[block.index] = vecs[block.index] * fn(block.values + block.shift)[:, None]
+                out[block.index] = (vecs[block.index] * fn(block.values + block.shift)[:, None]).to(out.dtype)
         out = out.to(vec.dtype)
         return out.reshape(-1) if single else out
 
