@@ -26,7 +26,7 @@ Queries are 10 disjoint sets of 20 test digits (the summed test loss of each). T
 times are equal, log-log interpolation between neighbouring sizes) is derived per model family and dtype for
 one query and for 10 queries, and the rule is stated at the end.
 
-Run: ``nice -n 10 python benchmarks/bench_auto.py`` (~10 min) or ``--quick`` (n_train = 300, the two
+Run: ``nice -n 10 python -m benchmarks.bench_auto`` (~10 min) or ``--quick`` (n_train = 300, the two
 smallest MLPs, < 2 min). Single-threaded (torch.set_num_threads(1)); writes ``results/bench_auto[_quick].txt``.
 """
 
@@ -44,7 +44,7 @@ import torch
 from tqdm.auto import tqdm
 
 import influkit as ik
-from common import Tee, banner, cross_entropy, digits, digits_cnn, l2, rel_err, setup, tanh_mlp, timed
+from benchmarks.common import Tee, banner, cross_entropy, digits, digits_cnn, l2, rel_err, setup, tanh_mlp, timed
 from influkit.curvature import HessianOperator
 from influkit.solvers import AUTO_DIRECT_MAX
 from influkit.training import fit_lbfgs

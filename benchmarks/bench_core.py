@@ -15,7 +15,7 @@
 4. Where the direct solver's time goes: dense H by batched HVPs (``HessianOperator.dense``) vs
    ``torch.func.hessian``, and eigh (what ``solve(..., "direct")`` uses) vs Cholesky.
 
-Run: ``python benchmarks/bench_core.py`` (several minutes) or ``--quick`` (small sizes, about a minute).
+Run: ``python -m benchmarks.bench_core`` (several minutes) or ``--quick`` (small sizes, about a minute).
 Single-threaded: torch.set_num_threads(1).
 """
 
@@ -29,7 +29,7 @@ import pandas as pd
 import torch
 
 import influkit as ik
-from common import Tee, banner, cross_entropy, explicit_hessian, mnist_cnn, setup, timed, trained_stage
+from benchmarks.common import Tee, banner, cross_entropy, explicit_hessian, mnist_cnn, setup, timed, trained_stage
 from influkit.curvature import HessianOperator, gradient, hvp
 from influkit.gradients import per_example_grads, per_example_grads_serial, total_grad
 

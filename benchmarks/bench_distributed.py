@@ -22,9 +22,9 @@ Parts (every process runs single-threaded, like the other benchmarks):
              HVP (streamed and graph-cached), a Case 1 finetuning HVP over the head, and a per-example gradient.
              The projection (GPU speed from these FLOP counts, NCCL ring all-reduce) is printed at the end.
 
-    python benchmarks/bench_distributed.py                   # all parts, ~15 min on the 2-core machine
-    python benchmarks/bench_distributed.py --quick           # ~3 min
-    python benchmarks/bench_distributed.py --part rss --m 10000 1000000 [--rss-without-trim]
+    python -m benchmarks.bench_distributed                   # all parts, ~15 min on the 2-core machine
+    python -m benchmarks.bench_distributed --quick           # ~3 min
+    python -m benchmarks.bench_distributed --part rss --m 10000 1000000 [--rss-without-trim]
 """
 
 from __future__ import annotations
@@ -388,7 +388,7 @@ def scaling_report(reports: dict, launch_wall: dict, agreement: float, args, log
         f"group, data): {launch_wall[1]:.1f} s vs {launch_wall[2]:.1f} s")
     for world in (1, 2):
         solves = reports[world][0]["solves"]
-        log(f"{world} proc: " + "; ".join(f"stage {s['stage']} {s['method']} {s['iterations']} it, {s['products']} HVPs, "
+        log(f"{world} proc: " + "; ".join(f"stage {s['stage']} {s['solver']} {s['iterations']} it, {s['products']} HVPs, "
                                           f"{s['seconds']:.2f} s" for s in solves)
             + "; peak RSS per rank " + ", ".join(f"{r['peak_rss_mb']:.0f}" for r in reports[world])
             + f" MB; pretraining HVP path: {reports[world][0]['hvp_path']} over "
@@ -472,9 +472,9 @@ def rss_worker(m: int, chunk_size: int, out: Path, trim: bool = True) -> dict:
     pre = ik.Stage(pre_model, ce, SyntheticExamples(m), regularizer=l2(1e-3), batch_size=1024)
     finetune = SyntheticExamples(2000, classes=4, seed=1)
     fin = ik.Stage(fin_model, ce, finetune, params="head", regularizer=l2(1e-3), batch_size=1024)
-    solve = [ik.SolveConfig(solver="minres", damping=1e-3, tol=1e-6, max_iter=200, hessian_samples=1000),
-             ik.SolveConfig(solver="minres", damping=1e-3, tol=1e-6, max_iter=200)]
-    chain = ik.Chain([pre, fin], [ik.Link("embedding", case=1)], solve=solve)
+    solve = ik.SolveConfig(solver="minres", damping=1e-3, tol=1e-6, max_iter=200)
+    curvature = [ik.CurvatureConfig(hessian_samples=1000), ik.CurvatureConfig()]
+    chain = ik.Chain([pre, fin], [ik.Link("embedding", case=1)], solve=solve, curvature=curvature)
     query = chain.query(fin.data.take(torch.arange(100)))
     base = peak_rss_mb()
     start, cpu = time.perf_counter(), time.process_time()
@@ -739,9 +739,7 @@ def main(argv=None) -> None:
         args.n_pre, args.n_fin, args.iterations, args.hvp_repeats = 5000, 1000, 8, 3
         args.m = [10_000, 100_000]
         args.cifar_batch, args.repeat = 32, 2
-
-    sys.path.insert(0, str(HERE))
-    from common import Tee, banner, setup
+    from benchmarks.common import Tee, banner, setup
 
     setup(1)
     pd.set_option("display.width", 250)

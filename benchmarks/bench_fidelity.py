@@ -14,35 +14,27 @@ initializations (``influkit.Ensemble``; TRAK and dattri ensemble through their o
 Resumable: every re-training, trained member and method score matrix is cached under ``results/fidelity/cache``
 (keyed by task + config digest, protocol, subset, seed); a second run reuses them.
 
-    python benchmarks/bench_fidelity.py retrain --task digits-case1 --protocol warm --subsets 100
-    python benchmarks/bench_fidelity.py retrain --task digits-case1 --protocol scratch --seeds 0 1
-    python benchmarks/bench_fidelity.py score --task digits-case1 --members 5
-    python benchmarks/bench_fidelity.py check --task digits-case1     # the peers' wiring vs an explicit Hessian
-    python benchmarks/bench_fidelity.py table --task digits-case1     # every cached task: tables, plot, README
+    python -m benchmarks.bench_fidelity retrain --task digits-case1 --protocol warm --subsets 100
+    python -m benchmarks.bench_fidelity retrain --task digits-case1 --protocol scratch --seeds 0 1
+    python -m benchmarks.bench_fidelity score --task digits-case1 --members 5
+    python -m benchmarks.bench_fidelity check --task digits-case1     # the peers' wiring vs an explicit Hessian
+    python -m benchmarks.bench_fidelity table --task digits-case1     # every cached task: tables, plot, README
+    python -m benchmarks.bench_fidelity retrain --task digits-case1 --protocol replay --subsets 50   # fidelity_replay
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from fidelity_tasks import PROTOCOLS, TASKS, Task, cached_retrain, random_halves  # noqa: E402
+from benchmarks.fidelity_tasks import PROTOCOLS, TASKS, Task, cached_retrain, subsets_for
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fidelity"
 CACHE = RESULTS / "cache"
-SUBSET_SEED = 0
-
-
-def subsets_for(task: Task, m: int) -> torch.Tensor:
-    """The task's M subsets (α = 0.5), the same for every protocol and method."""
-    return random_halves(len(task.split.pretrain[0]), m, seed=SUBSET_SEED)
 
 
 def retrain_all(task: Task, protocol: str, m: int, seeds: list[int], progress: bool = True) -> torch.Tensor:
@@ -60,7 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step", choices=("retrain", "score", "check", "table"))
     parser.add_argument("--task", choices=sorted(TASKS), required=True)
-    parser.add_argument("--protocol", choices=PROTOCOLS, default="warm")
+    parser.add_argument("--protocol", choices=(*PROTOCOLS, "replay"), default="warm",
+                        help="replay: the recorded run replayed with dropped examples weighted 0 (fidelity_replay.py)")
     parser.add_argument("--subsets", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--members", type=int, default=5)
@@ -70,21 +63,25 @@ def main() -> None:
     torch.set_num_threads(1)
     task = Task(TASKS[args.task], CACHE)
     start = time.perf_counter()
-    if args.step == "retrain":
+    if args.protocol == "replay":  # records, scores and replays in one step (fidelity_replay.py)
+        from benchmarks.fidelity_replay import run_replay_protocol
+
+        run_replay_protocol(task, args.subsets, RESULTS, progress=not args.no_progress)
+    elif args.step == "retrain":
         for k in range(args.members):
             task.member(k)
         out = retrain_all(task, args.protocol, args.subsets, args.seeds, progress=not args.no_progress)
         print(f"{args.task} {args.protocol}: outputs {tuple(out.shape)} in {time.perf_counter() - start:.0f} s")
     elif args.step == "score":
-        from fidelity_methods import score_all
+        from benchmarks.fidelity_methods import score_all
 
         score_all(task, args.members, args.methods, progress=not args.no_progress)
     elif args.step == "check":
-        from fidelity_methods import check_peers
+        from benchmarks.fidelity_methods import check_peers
 
         check_peers(task)
     else:
-        from fidelity_report import write_tables
+        from benchmarks.fidelity_report import write_tables
 
         tasks = [Task(TASKS[name], CACHE) for name in TASKS if (CACHE / name).exists()]
         write_tables(task, args.subsets, args.seeds, RESULTS, tasks)

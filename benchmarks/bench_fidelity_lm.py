@@ -1,6 +1,6 @@
 """Fidelity on the transformer task: the LDS of influkit's pretraining solves on the LoRA language model (Case 1).
 
-The task is ``examples/lm_pretrain_lora.py`` (imported, not copied): a 210k-parameter Llama-style decoder
+The task is ``experiments/lm_pretrain_lora.py`` (imported, not copied): a 210k-parameter Llama-style decoder
 pretrained on 400 vaderSentiment sentences, LoRA adapters (q_proj, v_proj) finetuned on 300 sentiment-conditioned
 completions, 20 held-out test completions; the base is the shared block, only the adapters are trained (Case 1).
 
@@ -21,10 +21,10 @@ completion, between the two re-trainings' NLLs.
 Resumable: the trained models, every re-training and every score matrix are cached under
 ``results/fidelity/cache/lm-case1`` (git-ignored). Steps (run ``train`` first; the others can run side by side):
 
-    python benchmarks/bench_fidelity_lm.py train
-    python benchmarks/bench_fidelity_lm.py retrain --subsets 40 --order 0     # order 1: the noise ceiling
-    python benchmarks/bench_fidelity_lm.py score     # exact, ekfac, identity, gauss-newton, exact-sgd-damped
-    python benchmarks/bench_fidelity_lm.py table --subsets 40
+    python -m benchmarks.bench_fidelity_lm train
+    python -m benchmarks.bench_fidelity_lm retrain --subsets 40 --order 0     # order 1: the noise ceiling
+    python -m benchmarks.bench_fidelity_lm score     # exact, ekfac, identity, gauss-newton, exact-sgd-damped
+    python -m benchmarks.bench_fidelity_lm table --subsets 40
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -45,27 +46,25 @@ import torch
 from scipy.stats import spearmanr
 from tqdm.auto import tqdm
 
+import influkit as ik
+from benchmarks.fidelity_tasks import random_halves
+from influkit import hf
+from influkit.chain import Query
+from influkit.validation import lds_per_query
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from fidelity_tasks import random_halves  # noqa: E402
-
-import influkit as ik  # noqa: E402
-from influkit import hf  # noqa: E402
-from influkit.chain import Query  # noqa: E402
-from influkit.validation import lds_per_query  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "fidelity"
 CACHE = RESULTS / "cache" / "lm-case1"
 TASK = "lm-case1"
 SUBSET_SEED = 0
 METHODS = ("exact", "ekfac", "identity", "gauss-newton", "exact-sgd-damped")
-FINETUNE_SOLVE = {"max_iter": 30, "hessian_samples": 64}
+FINETUNE_ITERATIONS, FINETUNE_SAMPLES = 30, 64
 
 
 def example():
-    """The example module ``examples/lm_pretrain_lora.py`` (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("lm_pretrain_lora", ROOT / "examples" / "lm_pretrain_lora.py")
+    """The study module ``experiments/lm_pretrain_lora.py`` (experiments/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("lm_pretrain_lora", ROOT / "experiments" / "lm_pretrain_lora.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -124,12 +123,13 @@ class LMTask:
 
     def chain(self, method: str) -> ik.Chain:
         """The Case 1 chain with the example's pretraining solve ``method``; the finetuning solve is the example's
-        MINRES on H_F with fewer iterations and a sampled Hessian (FINETUNE_SOLVE): with 20 right-hand sides the
+        MINRES on H_F with fewer iterations and a sampled Hessian (FINETUNE_ITERATIONS, FINETUNE_SAMPLES): with 20 right-hand sides the
         example's (100 iterations, all 300 completions) costs ~13 s an iteration here, 22 min in all."""
         ex, cfg = self.ex, self.cfg
-        solve = [ik.SolveConfig(**solve_settings(ex, cfg, method)),
-                 ik.SolveConfig(solver="minres", damping=cfg.damping[1], seed=cfg.seed, **FINETUNE_SOLVE)]  # fmt: skip
-        return ik.Chain([self.pre, self.fin], [self.link], solve=solve)
+        pre_solve, pre_curvature = solve_settings(ex, cfg, method)
+        solve = [pre_solve, ik.SolveConfig(solver="minres", damping=cfg.damping[1], max_iter=FINETUNE_ITERATIONS)]
+        curvature = [pre_curvature, ik.CurvatureConfig(hessian_samples=FINETUNE_SAMPLES, seed=cfg.seed)]
+        return ik.Chain([self.pre, self.fin], [self.link], solve=solve, curvature=curvature)
 
     def pretraining_rhs(self, progress: bool = True) -> tuple[torch.Tensor, dict, float]:
         """(rhs, finetuning solve summary, seconds): the per-test right-hand sides b_t − H_WΘ H_F⁻¹ a_t of the
@@ -150,14 +150,15 @@ class LMTask:
         return values.reshape(self.n, -1), time.perf_counter() - start, query.solves[0]
 
 
-def solve_settings(ex, cfg, method: str) -> dict:
-    """The example's pretraining solve ``method``, or ``exact-sgd-damped``: the exact solve with damping 1/(η·T),
+def solve_settings(ex, cfg, method: str) -> tuple[ik.SolveConfig, ik.CurvatureConfig]:
+    """The example's pretraining (solve, curvature) settings of ``method``, or ``exact-sgd-damped``: the exact solve with damping 1/(η·T),
     T the continuation's SGD steps. T steps of size η on a quadratic move θ by −[I − (I − ηH)^T] H⁻¹ ∇,
     i.e. H⁻¹ for curvatures ≫ 1/(ηT) and ηT·I below: the warm-start response is H⁻¹ damped by about 1/(ηT)."""
     if method != "exact-sgd-damped":
         return ex.SOLVES[method](cfg)
     steps = cfg.continue_epochs * -(-cfg.n_pretrain // cfg.pre_batch)
-    return ex.SOLVES["exact"](cfg) | {"damping": 1 / (cfg.continue_lr * steps)}
+    solve, curvature = ex.SOLVES["exact"](cfg)
+    return replace(solve, damping=1 / (cfg.continue_lr * steps)), curvature
 
 
 def retrain_path(j: int, order: int) -> Path:
@@ -263,7 +264,7 @@ def markdown(frame: pd.DataFrame, summary: dict) -> str:
     load = ", ".join(f"{v:.1f}" for v in summary["load"])
     return (
         "# LDS on the transformer task (benchmarks/bench_fidelity_lm.py)\n\n"
-        "LoRA language model of examples/lm_pretrain_lora.py, Case 1 (the pretrained base is the shared block, the "
+        "LoRA language model of experiments/lm_pretrain_lora.py, Case 1 (the pretrained base is the shared block, the "
         "adapters are trained), warm-start re-training on M random halves of the 400 pretraining documents; LDS per "
         "test completion (Spearman over the subsets of the summed scores vs the re-trained completion NLL), mean ± "
         "standard error over the 20 test completions. Seconds: the method's pretraining solve and scoring plus the "

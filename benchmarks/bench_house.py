@@ -1,6 +1,6 @@
 """The shape of the package: entry points' parameters and default solvers, import time, largest modules, circles.
 
-    python benchmarks/bench_house.py [--root CHECKOUT] [--repeats 5] [--against OTHER_CHECKOUT]
+    python -m benchmarks.bench_house [--root CHECKOUT] [--repeats 5] [--against OTHER_CHECKOUT]
 
 Everything is measured on the checkout at ``--root`` (default: this one), in fresh subprocesses, so the same
 script measures an older commit (``git archive <commit> | tar -x -C /tmp/before``). Prints one table per question.
@@ -120,13 +120,10 @@ def main() -> None:
     print("\nlargest modules (lines)")
     for path, lines in largest_modules(root):
         print(f"  {lines:5d}  {path}")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import import_graph
-
-    graph = import_graph.edges(root)
-    found, arrows = import_graph.circles(graph), import_graph.core_arrows(graph)
-    print(f"\nimport circles: {len(found)}" + "".join(f"\n  {' ⇄ '.join(c)}" for c in found))
-    print(f"core → outside-the-core arrows: {len(arrows)}" + "".join(f"\n  {a} → {b}" for a, b, _ in arrows))
+    walker = Path(__file__).resolve().parents[1] / "scripts" / "import_graph.py"  # this checkout's, on --root
+    graphs = subprocess.run([sys.executable, str(walker), "--root", str(root)], capture_output=True, text=True, check=True)
+    print("\nimport graphs (circles of influkit and benchmarks, core → outside-the-core arrows, sys.path edits)\n"
+          + graphs.stdout.rstrip())
 
 
 if __name__ == "__main__":

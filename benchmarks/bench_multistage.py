@@ -7,8 +7,8 @@ iteration count, Hessian on 1,000 sampled examples as in the paper), the per-exa
 pretraining example, streamed in chunks), the peak RSS growth of the per-example part, and the ratio of the
 total to one full pretraining gradient pass.
 
-    python benchmarks/bench_multistage.py            # m = 1000 4000 16000
-    python benchmarks/bench_multistage.py --m 500 2000
+    python -m benchmarks.bench_multistage            # m = 1000 4000 16000
+    python -m benchmarks.bench_multistage --m 500 2000
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ def one_size(m: int, iterations: int) -> dict:
 
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    solve = [ik.SolveConfig(solver="cg", damping=1e-2, hessian_samples=1000, max_iter=iterations),
+    solve = [ik.SolveConfig(solver="cg", damping=1e-2, max_iter=iterations),
              ik.SolveConfig(solver="cg", damping=1e-8, max_iter=iterations)]
-    res = ik.score(pre, fin, torch.arange(m), test, shared="embedding", solve=solve, chunk_size=64)
+    curvature = [ik.CurvatureConfig(hessian_samples=1000), ik.CurvatureConfig()]
+    res = ik.score(pre, fin, torch.arange(m), test, shared="embedding", solve=solve, curvature=curvature, chunk_size=64)
     total = time.perf_counter() - start
     seconds = res.diagnostics["seconds"]
     return {

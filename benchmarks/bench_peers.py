@@ -15,7 +15,7 @@ output is converted to Δ by its documented conventions and compared with the ex
   Δ_i = Σ_t scores[t, i]. Its low-rank defaults (projection_dim=50, Arnoldi dim 200) are replaced by full rank
   where that is feasible; the defaults are run too, to show their error.
 
-Run: ``python benchmarks/bench_peers.py`` (full, several minutes) or ``--quick`` (n_train=300, n_test=30,
+Run: ``python -m benchmarks.bench_peers`` (full, several minutes) or ``--quick`` (n_train=300, n_test=30,
 MLP hidden width 8; < 2 min). Peers need the ``bench`` extra (captum, pydvl); missing ones are reported.
 All timings are single-threaded (torch.set_num_threads(1)) wall-clock seconds, after training.
 """
@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import influkit as ik
-from common import Tee, banner, rel_err, reference_removal, setup, trained_stage
+from benchmarks.common import Tee, banner, rel_err, reference_removal, setup, trained_stage
 
 TARGET = 1e-6  # the accuracy at which methods are compared
 

@@ -28,12 +28,12 @@ Data: Debian's ``dataset-fashion-mnist`` (``apt-get install -y dataset-fashion-m
 dataset-fashion-mnist`` lists its IDX files under /usr/share/datasets/fashion-mnist), or a directory with
 the four ``*-idx?-ubyte.gz`` files in ``$FASHION_MNIST``. Nothing is downloaded.
 
-Run: ``python benchmarks/bench_scale.py --damping 1.0`` and ``--curvature gauss-newton`` (about 12 min each on 2
+Run: ``python -m benchmarks.bench_scale --damping 1.0`` and ``--curvature gauss-newton`` (about 12 min each on 2
 busy cores) or ``--quick`` (no Lanczos spectrum, no Case 2). kronfluence lives in the peers' environment
-(``bash scripts/bench-env.sh``, then ``.bench-venv/bin/python benchmarks/bench_scale.py``), or by hand:
+(``bash scripts/bench-env.sh``, then ``.bench-venv/bin/python -m benchmarks.bench_scale``), or by hand:
 ``python3 -m venv /work/kron-venv && /work/kron-venv/bin/pip install torch==2.13.0 && /work/kron-venv/bin/pip
 install kronfluence==1.0.1 torchvision==0.28.0 pandas scipy scikit-learn safetensors tqdm h5py matplotlib &&
-/work/kron-venv/bin/pip install --no-deps -e .`` then ``/work/kron-venv/bin/python benchmarks/bench_scale.py
+/work/kron-venv/bin/pip install --no-deps -e .`` then ``/work/kron-venv/bin/python -m benchmarks.bench_scale
 --damping 1.0``; without kronfluence its row is skipped. (PyPI's torchvision 0.28.0 does not import beside the
 CPU torch 2.13.0 file — ``operator torchvision::nms does not exist`` — but kronfluence 1.0.1 never imports it.)
 """
@@ -217,8 +217,8 @@ class Reference:
                 f"{self.residual(self.s):.1e}")
             return
         method = "minres" if CURVATURE == "hessian" else "cg_spd"  # G + λI ≻ 0: conjugate gradients
-        config = ik.SolveConfig(solver=method, damping=DAMPING, tol=1e-9, max_iter=3000, curvature=CURVATURE)
-        self.chain = ik.Chain([self.stage], solve=config)
+        config = ik.SolveConfig(solver=method, damping=DAMPING, tol=1e-9, max_iter=3000)
+        self.chain = ik.Chain([self.stage], solve=config, curvature=ik.CurvatureConfig(matrix=CURVATURE))
         query = self.chain.query(self.test, progress=True)  # progress bars on stderr
         self.s = query.s
         self.values = query.scores().values
@@ -245,13 +245,13 @@ def run_influkit(name: str, stage: ik.Stage, test, config: ik.SolveConfig, ref: 
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ik.ConvergenceWarning)
-        chain = ik.Chain([stage], solve=config)
+        chain = ik.Chain([stage], solve=config, curvature=ik.CurvatureConfig(matrix=CURVATURE))
         query = chain.query(test)
         result = query.scores()
     seconds = time.perf_counter() - start
     sol = query.solves[0]
-    fitted = getattr(chain.operator(0), "fitted", {}) or {}
-    fit_seconds = fitted["curvature"].info["seconds"]["total"] if fitted.get("curvature") is not None else 0.0
+    fit_seconds = sum(a.info["seconds"]["total"] for a in chain.curvature(0).approximations.values()
+                      if isinstance(a.info.get("seconds"), dict))
     row = {"method": name, "seconds": seconds, "HVPs": chain.operator(0).products,
            "residual": ref.residual(query.s), **compare(result.values, ref.values),
            "detail": f"{sol['iterations']} it, fit {fit_seconds:.1f}s, solve {sol['seconds']:.1f}s, "
@@ -367,18 +367,18 @@ def main(argv=None) -> None:
         log(f"{CURVATURE}: extreme Ritz values (60 Lanczos steps on the float32 H): smallest "
             f"{', '.join(f'{float(t):.3g}' for t in theta[:3])}; largest {', '.join(f'{float(t):.3g}' for t in theta[-3:])}")
 
-    solve = dict(damping=DAMPING, curvature=CURVATURE)
+    solve = dict(damping=DAMPING)  # every solve on CurvatureConfig(matrix=CURVATURE), arnoldi with its default rank 50
     configs = [
         ("identity", ik.SolveConfig(solver="identity", **solve)),
         ("kfac (approximate inverse)", ik.SolveConfig(solver="kfac", **solve)),
         ("ekfac (approximate inverse)", ik.SolveConfig(solver="ekfac", **solve)),
-        ("arnoldi rank 50", ik.SolveConfig(solver="arnoldi", rank=50, **solve)),
+        ("arnoldi rank 50", ik.SolveConfig(solver="arnoldi", **solve)),
         ("minres", ik.SolveConfig(solver="minres", **solve)),
         ("minres + ekfac", ik.SolveConfig(solver="minres", preconditioner="ekfac", **solve)),
         *([("cg_spd", ik.SolveConfig(solver="cg_spd", **solve)),
            ("cg_spd + ekfac", ik.SolveConfig(solver="cg_spd", preconditioner="ekfac", **solve))]
           if CURVATURE == "gauss-newton" else []),
-        (f"cg on H² (λ² = {DAMPING**2:g}, cap 50 it)", ik.SolveConfig(solver="cg", damping=DAMPING**2, max_iter=50, curvature=CURVATURE)),
+        (f"cg on H² (λ² = {DAMPING**2:g}, cap 50 it)", ik.SolveConfig(solver="cg", damping=DAMPING**2, max_iter=50)),
         ("lissa (cap 100 it)", ik.SolveConfig(solver="lissa", max_iter=100, **solve)),
     ]
     rows, values = [], {}
@@ -436,13 +436,14 @@ def main(argv=None) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             chain = ik.Chain([stage, fin], [ik.Link("embedding", case=case, alpha=0.01)],
-                             solve=ik.SolveConfig(solver="auto", damping=DAMPING, curvature=CURVATURE))  # = ik.score(...)
+                             solve=ik.SolveConfig(solver="auto", damping=DAMPING),
+                             curvature=ik.CurvatureConfig(matrix=CURVATURE))  # = ik.score(...)
             result = chain.query(test_fin).scores(torch.arange(len(stage)))
         seconds = time.perf_counter() - start
         solves = result.diagnostics["solves"]
         score_rows.append({
             "case": case, "seconds": seconds,
-            **{f"stage {s['stage']}": f"{s['method']}{' + ' + s['preconditioner'].split(' ')[0] if s['preconditioner'] else ''}, "
+            **{f"stage {s['stage']}": f"{s['solver']}{' + ' + s['preconditioner'].split(' ')[0] if s['preconditioner'] else ''}, "
                                       f"{s['iterations']} it, {s['products']} HVPs, residual {s['residual']:.1e}, {s['seconds']:.1f}s"
                for s in solves},
             "scores s": result.diagnostics["seconds"].get("example_gradients", float("nan")),

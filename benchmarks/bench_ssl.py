@@ -12,7 +12,7 @@ last-layer identity / Neumann.
 Seconds are the best of a few repeats; peak memory is the high-water mark of CPU tensor allocations
 recorded by the torch profiler (profile_memory=True) during one call. Ratios are measured in the same run.
 
-Run: ``python benchmarks/bench_ssl.py`` (about a minute; ``--threads`` sets torch CPU threads).
+Run: ``python -m benchmarks.bench_ssl`` (about a minute; ``--threads`` sets torch CPU threads).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import influkit as ik
-from common import cross_entropy as ce, timed
+from benchmarks.common import cross_entropy as ce, timed
 from influkit.gradients import per_example_grads, per_example_grads_serial
-from influkit.ssl import Neumann, PseudoLabel, hypergradient, last_layer_grads
+from influkit.ssl import PseudoLabel, hypergradient, last_layer_grads
 
 
 
@@ -106,9 +106,9 @@ def bench_hypergradient(batch_u: int) -> pd.DataFrame:
     methods = {
         "last layer, exact inverse (ours)": dict(params="4", solve=ik.SolveConfig(solver="direct", damping=1e-3)),
         "last layer, identity": dict(params="4", solve=ik.SolveConfig(solver="identity")),
-        "last layer, Neumann K=20": dict(params="4", solve=Neumann(terms=20)),
+        "last layer, Neumann K=20": dict(params="4", solve=ik.SolveConfig(solver="neumann", max_iter=20)),
         "all layers, identity (Luketina)": dict(solve=ik.SolveConfig(solver="identity")),
-        "all layers, Neumann K=20 (Lorraine)": dict(solve=Neumann(terms=20)),
+        "all layers, Neumann K=20 (Lorraine)": dict(solve=ik.SolveConfig(solver="neumann", max_iter=20)),
     }
     n_all = sum(p.numel() for p in model.parameters())
     n_last = sum(p.numel() for p in model[4].parameters())

@@ -9,7 +9,7 @@ Part 2 — memory of the masks as the number of training examples N grows (d = 2
   stored masks (an N×d bool tensor), volatile masks (nothing persists), hash-based masks (K×d codebook),
   and the time to produce the masks of one batch of 64 examples.
 
-Run: ``python benchmarks/bench_turnover.py`` (about a minute; ``--threads`` sets torch CPU threads).
+Run: ``python -m benchmarks.bench_turnover`` (about a minute; ``--threads`` sets torch CPU threads).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import influkit as ik
-from common import cross_entropy as ce, timed
+from benchmarks.common import cross_entropy as ce, timed
 from influkit.apps.datasets import load_digits_tensors
 from influkit.errors import ConvergenceWarning
 from influkit.turnover import HashedMasks, TurnOverDropout, VolatileMasks, influence, train_turnover

@@ -31,16 +31,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fidelity_tasks import Task
-from influkit import SolveConfig
+from benchmarks.fidelity_tasks import Task
+from influkit import CurvatureConfig, SolveConfig
 from influkit.ensemble import Ensemble
 
-INFLUKIT = {
-    "influkit exact (auto: direct on H)": SolveConfig(solver="auto"),
-    "influkit exact GN (auto on G)": SolveConfig(solver="auto", curvature="gauss-newton"),
-    "influkit EK-FAC": SolveConfig(solver="ekfac"),
-    "influkit Arnoldi": SolveConfig(solver="arnoldi"),
-    "influkit identity": SolveConfig(solver="identity"),
+INFLUKIT = {  # name: (solve settings, curvature settings)
+    "influkit exact (auto: direct on H)": (SolveConfig(solver="auto"), CurvatureConfig()),
+    "influkit exact GN (auto on G)": (SolveConfig(solver="auto"), CurvatureConfig(matrix="gauss-newton")),
+    "influkit EK-FAC": (SolveConfig(solver="ekfac"), CurvatureConfig()),
+    "influkit Arnoldi": (SolveConfig(solver="arnoldi"), CurvatureConfig()),
+    "influkit identity": (SolveConfig(solver="identity"), CurvatureConfig()),
 }
 PEERS = ("TRAK (traker)", "kronfluence EK-FAC", "dattri IF (explicit)", "dattri TracIn", "dattri TRAK")
 TRAK_PROJ_DIM = 128
@@ -125,7 +125,7 @@ def _margin(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------- influkit
 def influkit_scores(task: Task, name: str, members: list[int]) -> np.ndarray:
     """(n, q) influkit scores of ``name`` (a key of INFLUKIT), averaged over ``members`` (influkit.Ensemble)."""
-    chains = [task.chain(k, INFLUKIT[name]) for k in members]
+    chains = [task.chain(k, *INFLUKIT[name]) for k in members]
     result = Ensemble(chains).scores(task.split.test, per_test=True)
     order = torch.argsort(result.index)
     return result.values[order].double().numpy()

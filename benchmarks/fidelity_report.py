@@ -18,8 +18,8 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file
 
-from fidelity_methods import all_methods, scores_path
-from fidelity_tasks import PROTOCOLS, Task
+from benchmarks.fidelity_methods import all_methods, scores_path
+from benchmarks.fidelity_tasks import PROTOCOLS, Task, subsets_for
 from influkit.validation import lds_per_query  # the metric (influkit.validation.lds)
 
 ENSEMBLE_K = (1, 5)
@@ -50,7 +50,7 @@ def _stored(task: Task, protocol: str, subsets: torch.Tensor, seeds: list[int]) 
 
 def write_outputs(task: Task, protocol: str, subsets: torch.Tensor, seeds: list[int], path: Path) -> None:
     """The re-trainings' test losses in long format (subset, seed, test point, loss), gzip CSV: with the seeded
-    subsets (``bench_fidelity.subsets_for``) they reproduce every LDS without re-training."""
+    subsets (``fidelity_tasks.subsets_for``) they reproduce every LDS without re-training."""
     outputs, ids = load_outputs(task, protocol, subsets, seeds)
     used = [0] if protocol == "warm" else seeds[: outputs.shape[1]]
     m, s, q = outputs.shape
@@ -198,8 +198,6 @@ def plot(tables: dict, path: Path) -> None:
 def write_tables(task: Task, m: int, seeds: list[int], results: Path, all_tasks: list[Task] | None = None) -> None:
     """Write results/fidelity/{task}_{protocol}.csv/.md for this task, then the combined README_results.md and
     lds_vs_seconds.png over every task with cached results."""
-    from bench_fidelity import subsets_for
-
     results.mkdir(parents=True, exist_ok=True)
     tables = {}
     for t in all_tasks or [task]:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from influkit import Chain, Link, SolveConfig, Stage
+from influkit import Chain, CurvatureConfig, Link, SolveConfig, Stage
 from influkit.apps.datasets import TwoTaskSplit, load_digits_tensors, load_fashion_mnist, two_task_split
 from influkit.apps.models import EmbeddingClassifier, digits_classifier
 from influkit.apps.objectives import cross_entropy, l2
@@ -158,10 +158,11 @@ class Task:
         self._members[k] = (pre, fin)
         return pre, fin
 
-    def chain(self, k: int, solve: SolveConfig = SolveConfig()) -> Chain:
+    def chain(self, k: int, solve: SolveConfig = SolveConfig(), curvature: CurvatureConfig = CurvatureConfig()) -> Chain:
         """Member k as an influkit chain (Link "embedding", the task's case and α)."""
         pre, fin = self.member(k)
-        return Chain([pre, fin], [Link("embedding", case=self.config.case, alpha=self.config.alpha)], solve=solve)
+        return Chain([pre, fin], [Link("embedding", case=self.config.case, alpha=self.config.alpha)], solve=solve,
+                     curvature=curvature)
 
     # ------------------------------------------------------------------------------------------ re-training
     def retrain(self, subset: torch.Tensor, protocol: str, seed: int) -> tuple[torch.Tensor, list[float]]:
@@ -190,6 +191,14 @@ def random_halves(n: int, m: int, seed: int = 0) -> torch.Tensor:
     for j in range(m):
         masks[j, torch.randperm(n, generator=gen)[: n // 2]] = True
     return masks
+
+
+SUBSET_SEED = 0
+
+
+def subsets_for(task: Task, m: int) -> torch.Tensor:
+    """The task's M subsets (α = 0.5), the same for every protocol and method."""
+    return random_halves(len(task.split.pretrain[0]), m, seed=SUBSET_SEED)
 
 
 def cached_retrain(task: Task, subsets: torch.Tensor, j: int, protocol: str, seed: int) -> torch.Tensor:

@@ -9,11 +9,13 @@ from .errors import (
     InputError,
     LossError,
     MemoryBudgetError,
+    MissingDependencyError,
     ModelModeError,
     NumericalError,
     ParameterError,
     VectorizationWarning,
 )
+from .fitted import CurvatureConfig, FittedCurvature
 from .influence import influence, self_influence
 from .multistage import score
 from .results import InfluenceResult, load
@@ -22,8 +24,9 @@ from .solvers import Solution, SolveConfig, solve
 from .stage import Stage
 
 # Method and application packages load on first use (``ik.ssl``, ``ik.validation``, ...), so `import influkit`
-# stays the core: no h5py (elmo), transformers (hf), pandas/scipy (validation) or matplotlib (apps).
-_LAZY = ("apps", "elmo", "hf", "ssl", "turnover", "validation")
+# stays the core: no h5py (elmo), transformers (hf), pandas (validation, ssl) or matplotlib (apps); the optional
+# dependencies are extras (influkit/extras.py).
+_LAZY = ("apps", "elmo", "hf", "ssl", "turnover", "unrolled", "validation")
 
 
 def __getattr__(name: str):
@@ -41,15 +44,18 @@ def __dir__() -> list[str]:
 __all__ = [
     "Chain",
     "ConvergenceWarning",
+    "CurvatureConfig",
     "DenseOperator",
     "Ensemble",
     "FileFormatError",
+    "FittedCurvature",
     "InfluenceError",
     "InfluenceResult",
     "InputError",
     "Link",
     "LossError",
     "MemoryBudgetError",
+    "MissingDependencyError",
     "ModelModeError",
     "NumericalError",
     "Operator",
@@ -68,6 +74,7 @@ __all__ = [
     "solve",
     "ssl",
     "turnover",
+    "unrolled",
     "validation",
 ]
 __version__ = "0.1.0"

@@ -33,24 +33,25 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import distributed, files
-from .curvature import HessianOperator, hvp
+from .curvature import hvp
 from .data import as_examples
-from .errors import FileFormatError, InputError, LossError, ParameterError, warn
+from .errors import FileFormatError, InputError, LossError
 from .gradients import per_example_grads, total_grad
 from .operators import Operator
-from .params import ParamSpace, shared_parameters
+from .links import Link, StagePlan
+from .params import ParamSpace
 from .results import InfluenceResult
+from .fitted import CurvatureConfig, FittedCurvature
 from .memory import resolve as memory_budget
-from .memory import scope as memory_scope
-from .scoring import Rows, Scorer, resumed_chunk_size, score_rows, stream_rows
+from .scoring import Rows, Scorer, score_rows, stream_rows
 from .solvers import Solution, SolveConfig, Solver
 from .stage import Stage, check_example_shape
+from .store import resumed_chunk_size
 
 QUERY_KIND = "query"
 FIT_KIND = "chain-fit"
@@ -59,92 +60,20 @@ FIT_KIND = "chain-fit"
 Measure = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # measure(outputs, targets) -> (B,) values
 
 
-@dataclass(frozen=True)
-class Link:
-    """How a stage inherits the shared block S from the previous stage.
-
-    shared: a module prefix present in both models, or {this_stage_name: previous_stage_name} (names or prefixes).
-    case: 1 keeps S fixed at the previous stage's values; 2 finetunes S with the proximal term α‖S − S̄‖².
-    alpha: the proximal weight α > 0 of Case 2 (the multi-stage paper uses 0.01).
-    """
-
-    shared: str | Mapping[str, str]
-    case: int = 1
-    alpha: float = 0.01
-
-    def __post_init__(self) -> None:
-        if self.case not in (1, 2):
-            raise InputError(f"case must be 1 (shared block fixed) or 2 (finetuned), got {self.case!r}.")
-        if self.case == 2 and not self.alpha > 0:
-            raise InputError(
-                f"Case 2 needs a proximal weight alpha > 0 (the paper uses 0.01), got {self.alpha!r}; with alpha = 0 "
-                "the later stage does not depend on the earlier stage's shared block at all."
-            )
-        if not self.shared:
-            raise ParameterError("shared is empty: name the shared block (a module prefix or a name mapping).")
-
-
-class _StagePlan:
-    """What the chain needs of one stage: trained names θ, inherited names S ({name: previous name}), proximal term."""
-
-    def __init__(self, stage: Stage, link: Link | None, previous: "_StagePlan | None"):
-        self.stage = stage
-        self.link = link
-        self.inherited: dict[str, str] = {}
-        if link is not None:
-            self.inherited = shared_parameters(previous.stage.model, stage.model, link.shared)
-            live = set(previous.trained) | set(previous.inherited)
-            dead = [p for p in self.inherited.values() if p not in live]
-            if dead:
-                raise ParameterError(
-                    f"shared parameters {dead} are neither trained in the previous stage nor inherited by it, so "
-                    "they cannot carry influence; include them in that stage's params."
-                )
-        order = [n for n, _ in stage.model.named_parameters()]
-        if link is not None and link.case == 1:
-            self.trained = [n for n in stage.param_names if n not in self.inherited]
-            if not self.trained:
-                raise ParameterError(
-                    f"stage {type(stage.model).__name__} trains nothing besides the shared block; a Case 1 link needs "
-                    "parameters the stage trains on top of it."
-                )
-        elif link is not None:
-            chosen = set(stage.param_names) | set(self.inherited)
-            self.trained = [n for n in order if n in chosen]
-        else:
-            self.trained = list(stage.param_names)
-        self.fixed = list(self.inherited) if link is not None and link.case == 1 else []
-        self.proximal = None
-        if link is not None and link.case == 2:
-            previous_state = previous.stage.state()
-            centre = {n: previous_state[p].detach() for n, p in self.inherited.items()}
-            alpha = link.alpha
-            self.proximal = lambda params: alpha * sum(((params[n] - c) ** 2).sum() for n, c in centre.items())
-        if link is not None and link.case == 1:
-            state, previous_state = stage.state(), previous.stage.state()
-            drift = max(float((state[n] - previous_state[p]).abs().max()) for n, p in self.inherited.items())
-            if drift > 0:
-                size = max(float(previous_state[p].abs().max()) for p in self.inherited.values())
-                warn(
-                    f"a Case 1 link assumes {type(stage.model).__name__} keeps the previous stage's shared block "
-                    f"{link.shared!r} as it was pretrained, but its parameters differ by up to {drift:.2e} (the "
-                    f"pretrained ones are up to {size:.2e}). Most likely the pretrained weights were not copied into "
-                    "the finetuning model: load them before training its head (e.g. "
-                    "clf.bert.load_state_dict(mlm.bert.state_dict()), or build it with from_pretrained), then refit "
-                    "the head. If the block was finetuned on purpose, use Link(..., case=2)."
-                )
-
-
 class Chain:
     """N training stages joined by N − 1 links; influence of stage-1 examples on the last stage's test loss.
 
     ``Chain([stage])`` is single-stage influence (Koh & Liang); ``Chain([pre, fin], [Link("embedding")])`` the
     multi-stage paper's Case 1; longer chains (pretrain → adapt → finetune) follow the same adjoint recursion
-    (module docstring). ``solve`` is one :class:`SolveConfig` for every stage or one per stage.
+    (module docstring). ``solve`` (how each system is solved) and ``curvature`` (which matrix, how its approximations
+    are fitted) are each one config for every stage or one per stage. The chain owns each stage's
+    :class:`~influkit.fitted.FittedCurvature` and hands it to that stage's solver. ``memory``: the budget in bytes
+    every phase sizes its batches from, passed to each (default: a share of what is free).
     """
 
-    def __init__(self, stages: Sequence[Stage], links: Sequence[Link] = (), solve: SolveConfig | Sequence[SolveConfig] = SolveConfig(),
-                 *, memory: int | None = None):
+    def __init__(self, stages: Sequence[Stage], links: Sequence[Link] = (),
+                 solve: SolveConfig | Sequence[SolveConfig] = SolveConfig(), *,
+                 curvature: CurvatureConfig | Sequence[CurvatureConfig] = CurvatureConfig(), memory: int | None = None):
         stages, links = list(stages), list(links)
         if not stages:
             raise InputError("a Chain needs at least one Stage.")
@@ -156,13 +85,13 @@ class Chain:
         bad = [type(link).__name__ for link in links if not isinstance(link, Link)]
         if bad:
             raise InputError(f"Chain links must be influkit.Link objects, got {bad}.")
-        configs = [solve] * len(stages) if isinstance(solve, SolveConfig) else list(solve)
-        if len(configs) != len(stages) or not all(isinstance(c, SolveConfig) for c in configs):
-            raise InputError(f"solve must be one SolveConfig or one per stage ({len(stages)}).")
-        self.stages, self.links, self.configs = stages, links, configs
-        self.plans: list[_StagePlan] = []
+        self.stages, self.links = stages, links
+        self.solve_configs = _per_stage(solve, SolveConfig, "solve", len(stages))
+        self.curvature_configs = _per_stage(curvature, CurvatureConfig, "curvature", len(stages))
+        self.plans: list[StagePlan] = []
         for k, stage in enumerate(stages):
-            self.plans.append(_StagePlan(stage, links[k - 1] if k else None, self.plans[-1] if k else None))
+            self.plans.append(StagePlan(stage, links[k - 1] if k else None, self.plans[-1] if k else None))
+        self._curvatures: list[FittedCurvature] | None = None
         self._solvers: list[Solver] | None = None
         self.fit_seconds: float | None = None
         self.memory = None if memory is None else memory_budget(memory)  # bytes; None: a share of what is free
@@ -189,62 +118,64 @@ class Chain:
 
     def operator(self, k: int) -> Operator:
         """The Hessian of stage k's objective (with its proximal term) over what it trains, as fitted."""
-        return self.fit()._solvers[k].operator
+        return self.curvature(k).operator
+
+    def curvature(self, k: int) -> FittedCurvature:
+        """Stage k's :class:`~influkit.fitted.FittedCurvature` (its operator and the approximations fitted on it)."""
+        self.fit()
+        return self._curvatures[k]
 
     def solver(self, k: int) -> Solver:
         """Stage k's prepared :class:`~influkit.solvers.Solver`."""
         return self.fit()._solvers[k]
 
     def fit(self) -> "Chain":
-        """Build what does not depend on the test set: each stage's Hessian operator and its prepared
-        :class:`~influkit.solvers.Solver` (a dense factorization for ``direct``, the factored curvature or Lanczos
-        eigenpairs its SolveConfig asks for). Cached; :meth:`query` calls it when needed. Returns self."""
+        """Build what does not depend on the test set: each stage's :class:`~influkit.fitted.FittedCurvature` (its
+        Hessian operator) and its prepared :class:`~influkit.solvers.Solver`, which fits there what its SolveConfig
+        needs (a dense factorization for ``direct``, the factored curvature or Lanczos eigenpairs). Cached;
+        :meth:`query` calls it when needed. Returns self."""
         if self._solvers is not None:
             return self
         start = time.perf_counter()
-        with memory_scope(self.memory):  # factor fitting sizes its batches from the same budget
-            self._solvers = [config.prepare(self._operator(plan, config)) for plan, config in zip(self.plans, self.configs)]
-        self.fit_seconds = time.perf_counter() - start
-        return self
+        self._curvatures = [self._new_curvature(plan, config) for plan, config in zip(self.plans, self.curvature_configs)]
+        return self._prepare(start)
 
-    def with_solve(self, solve: SolveConfig | Sequence[SolveConfig]) -> "Chain":
-        """This chain with other solve settings, fitted from what this one fitted where they allow: a stage whose
-        Hessian is the same (same ``curvature``, ``hessian_samples``, ``seed``) keeps its operator, and with it the
-        factored curvature and eigenpairs fitted on it (e.g. a damping sweep of EK-FAC or Arnoldi without refitting;
-        ``direct`` factors the kept dense Hessian for the new λ). Other stages are fitted anew."""
-        other = Chain(self.stages, self.links, solve, memory=self.memory)
+    def with_solve(self, solve: SolveConfig | Sequence[SolveConfig] | None = None, *,
+                   curvature: CurvatureConfig | Sequence[CurvatureConfig] | None = None) -> "Chain":
+        """This chain with other settings (None: keep this chain's), fitted from what this one fitted: a stage whose
+        CurvatureConfig is unchanged is handed the same FittedCurvature, so its operator, dense Hessian, factors and
+        eigenpairs are reused (e.g. a damping sweep of EK-FAC or Arnoldi without refitting; ``direct`` factors the
+        kept dense Hessian for the new λ) and only an approximation not fitted yet is fitted; a stage whose
+        CurvatureConfig changed gets :meth:`FittedCurvature.derive`: what read only unchanged settings is kept (a new
+        ``rank`` keeps the operator and the factors; a new ``fisher`` the operator and the eigenpairs), the rest is
+        fitted for what its solver needs."""
+        other = Chain(self.stages, self.links, self.solve_configs if solve is None else solve,
+                      curvature=self.curvature_configs if curvature is None else curvature, memory=self.memory)
         if self._solvers is None:
             return other
         start = time.perf_counter()
-        same = lambda a, b: (a.curvature, a.hessian_samples, a.seed) == (b.curvature, b.hessian_samples, b.seed)  # noqa: E731
-        with memory_scope(other.memory):
-            other._solvers = [
-                config.prepare(old.operator if same(config, old.config) else other._operator(plan, config))
-                for plan, config, old in zip(other.plans, other.configs, self._solvers)
-            ]
-        other.fit_seconds = time.perf_counter() - start
-        return other
+        other._curvatures = [old.derive(config) for config, old in zip(other.curvature_configs, self._curvatures)]
+        return other._prepare(start)
 
-    def _operator(self, plan: "_StagePlan", config: SolveConfig) -> HessianOperator:
-        return HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed,
-                               extra=plan.proximal, curvature=config.curvature, memory=self.memory)
+    def _new_curvature(self, plan: StagePlan, config: CurvatureConfig) -> FittedCurvature:
+        return FittedCurvature.of_stage(plan.stage, plan.trained, config, extra=plan.proximal, memory=self.memory)
+
+    def _prepare(self, start: float) -> "Chain":
+        """Each stage's solver, prepared on its FittedCurvature (fitting there only what is missing); the fit's
+        seconds counted from ``start``."""
+        self._solvers = [config.prepare(fitted) for config, fitted in zip(self.solve_configs, self._curvatures)]
+        self.fit_seconds = time.perf_counter() - start
+        return self
 
     def memory_plans(self) -> list[dict]:
         """The batch sizes each fitted stage chose from the memory budget (Hessian-vector products, factors)."""
-        plans = []
-        for k, solver in enumerate(self._solvers or []):
-            op = solver.operator
-            plans.append({"stage": k} | dict(getattr(op, "memory", {})))
-            curvature = getattr(op, "fitted", {}).get("curvature")
-            if curvature is not None and "memory" in curvature.info:
-                plans.append({"stage": k} | curvature.info["memory"])
-        return plans
+        return [{"stage": k} | plan for k, fitted in enumerate(self._curvatures or []) for plan in fitted.memory_plans()]
 
     def fingerprint(self) -> str:
         """A digest of what the scores depend on: every stage's model, parameters, data size, trained names,
-        the links and the solve settings. A saved Query or fit is only loaded into a chain with the same digest."""
+        the links, the solve and curvature settings. A saved Query or fit is only loaded into a chain with the same digest."""
         digest = hashlib.sha256()
-        for plan, config in zip(self.plans, self.configs):
+        for plan, config, curvature in zip(self.plans, self.solve_configs, self.curvature_configs):
             stage = plan.stage
             digest.update(f"{type(stage.model).__name__}|{len(stage)}|{plan.trained}|{plan.inherited}".encode())
             for name, tensor in sorted(stage.state().items()):
@@ -252,17 +183,18 @@ class Chain:
                 digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
                 digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
             digest.update(repr(sorted(config.summary().items())).encode())
+            digest.update(repr(sorted(curvature.summary().items())).encode())
         for link in self.links:
             digest.update(repr((dict(link.shared) if isinstance(link.shared, Mapping) else link.shared, link.case, link.alpha)).encode())
         return digest.hexdigest()
 
     def save(self, path: str | Path) -> Path:
-        """Write the fitted state (each stage's solver state: dense Hessians, factored curvature, eigenpairs) to
+        """Write the fitted state (each stage's FittedCurvature: dense Hessian, factored curvature, eigenpairs) to
         ``path``; :meth:`load` restores it bit for bit."""
         self.fit()
         tensors, fitted = {}, {}
-        for k, solver in enumerate(self._solvers):
-            extra, fitted[str(k)] = solver.state(f"stage{k}.")
+        for k, curvature in enumerate(self._curvatures):
+            extra, fitted[str(k)] = curvature.state(f"stage{k}.")
             tensors.update(extra)
         return files.write(path, FIT_KIND, tensors, {"fingerprint": self.fingerprint(), "fit_seconds": self.fit_seconds,
                                                      "fitted": fitted})
@@ -271,11 +203,12 @@ class Chain:
         """Restore a fit written by :meth:`save` for this same chain (refused otherwise). Returns self."""
         tensors, meta = files.read(path, FIT_KIND)
         if meta["fingerprint"] != self.fingerprint():
-            raise FileFormatError(f"{path} was fitted for another chain (models, data sizes or solve settings differ).")
-        self._solvers = [
-            config.build(self._operator(plan, config)).load(tensors, meta.get("fitted", {}).get(str(k), {}), f"stage{k}.")
-            for k, (plan, config) in enumerate(zip(self.plans, self.configs))
+            raise FileFormatError(f"{path} was fitted for another chain (models, data sizes or settings differ).")
+        self._curvatures = [
+            self._new_curvature(plan, config).load(tensors, meta.get("fitted", {}).get(str(k), {}), f"stage{k}.")
+            for k, (plan, config) in enumerate(zip(self.plans, self.curvature_configs))
         ]
+        self._prepare(time.perf_counter())  # finds what was just restored: nothing is fitted again
         self.fit_seconds = meta["fit_seconds"]
         return self
 
@@ -308,9 +241,8 @@ class Chain:
         measured = last.stage if measure is None else _measure_stage(last.stage, measure)
         start = time.perf_counter()
         names = last.trained + last.fixed
-        with memory_scope(self.memory):
-            flat = per_example_grads(measured, tx, ty, names, chunk_size=chunk_size).T if per_test else \
-                total_grad(measured, tx, ty, names, chunk_size=chunk_size)
+        flat = per_example_grads(measured, tx, ty, names, chunk_size=chunk_size, memory=self.memory).T if per_test \
+            else total_grad(measured, tx, ty, names, chunk_size=chunk_size, memory=self.memory)
         grads = ParamSpace(_values(last.stage, names)).unflatten(flat)
         a = {n: grads[n] for n in last.trained}
         b = {n: grads[n] for n in last.fixed}
@@ -348,6 +280,14 @@ class Chain:
         for name, earlier in self.plans[k].inherited.items():
             total[earlier] = total[earlier] + g[name]
         return {n: total[n] for n in previous.trained}, {n: total[n] for n in previous.fixed}
+
+
+def _per_stage(given, kind: type, what: str, stages: int) -> list:
+    """One ``kind`` config per stage from one config or a sequence of them."""
+    configs = [given] * stages if isinstance(given, kind) else list(given) if isinstance(given, Sequence) else [given]
+    if len(configs) != stages or not all(isinstance(c, kind) for c in configs):
+        raise InputError(f"{what} must be one {kind.__name__} or one per stage ({stages}).")
+    return configs
 
 
 def _measure_stage(stage: Stage, measure: Measure) -> Stage:
@@ -391,23 +331,23 @@ class Query:
         return hashlib.sha256(f"{self.chain.fingerprint()}|{self.test_digest}|{self.per_test}".encode()).hexdigest()
 
     def scores(self, z=None, *, chunk_size: int | None = None, out: str | Path | None = None, progress: bool = False,
-               method: str = "contraction", autocast: torch.dtype | None = None) -> InfluenceResult:
+               gradients: str = "contraction", autocast: torch.dtype | None = None) -> InfluenceResult:
         """Influence I(z, T) = −∇ℓ_1(z)ᵀ s of stage-1 examples ``z`` (indices or (inputs, targets); default all).
 
-        The inner products are contracted layer by layer (``method="contraction"``, :mod:`influkit.contraction`:
+        The inner products are contracted layer by layer (``gradients="contraction"``, :mod:`influkit.contraction`:
         memory O(chunk_size · activations), no per-example gradient matrix), or taken from per-example gradients
         (``"per-example"``, O(chunk_size · p)); ``chunk_size`` rows at a time, by default as many as the chain's
         memory budget holds (``diagnostics["scoring"]``). ``autocast``: torch.bfloat16 / float16 passes for the
         contraction. Scoring z in parts gives the same numbers as scoring it whole. Under ``torch.distributed`` the chunks are split
         over the ranks and every rank returns the whole result. ``out``: a directory to stream the scores to,
-        chunk by chunk, resumable after a crash (:mod:`influkit.scoring`); the result is memory-mapped from it.
+        chunk by chunk, resumable after a crash (a score store, :mod:`influkit.store`); the result is memory-mapped from it.
         """
         plan = self.chain.plans[0]
         rows = Rows.of(plan.stage, z)
         start = time.perf_counter()
         if chunk_size is None and out is not None:
             chunk_size = resumed_chunk_size(out)  # resuming: the chunks already on disk decide
-        scorer = Scorer(plan.stage, plan.trained, self.s, rows, method=method, chunk_size=chunk_size,
+        scorer = Scorer(plan.stage, plan.trained, self.s, rows, gradients=gradients, chunk_size=chunk_size,
                         memory=self.chain.memory, autocast=autocast)
         chunk_size = scorer.chunk_size
         if out is None:
@@ -435,7 +375,8 @@ class Query:
                 {"shared": plan.inherited, "case": plan.link.case, "alpha": plan.link.alpha if plan.link.case == 2 else None}
                 for plan in self.chain.plans[1:]
             ],
-            "solve": [config.summary() for config in self.chain.configs],
+            "solve": [config.summary() for config in self.chain.solve_configs],
+            "curvature": [config.summary() for config in self.chain.curvature_configs],
             "per_test": self.per_test,
             "n_test": self.n_test,
         }

@@ -56,7 +56,7 @@ def _print_validation(run, name: str, out: Path) -> None:
     print(run.summary.drop(columns="case").to_string(float_format=lambda v: f"{v:.3f}"))
     print("timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in attrs["timings"].items()))
     for solve in attrs["solves"]:
-        print(f"{('pretraining', 'finetuning')[solve['stage']]} solve: {solve['method']}, {solve['iterations']} it, "
+        print(f"{('pretraining', 'finetuning')[solve['stage']]} solve: {solve['solver']}, {solve['iterations']} it, "
               f"residual {solve['residual']:.1e}, {solve['seconds']:.2f} s")
     print("most harmful pretraining examples:")
     print(run.scores.top(5).to_string(index=False))
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{DEMO_REMOVALS}, with --full 40")
     demo.add_argument("--full", action="store_true",
                       help="the paper-size run: all 720 pretraining digits, 40 removals, ‖∇‖ ≤ 1e-10 "
-                           "(examples/results/digits/case1_*)")
+                           "(experiments/results/digits/case1_*)")
     demo.set_defaults(threads=1)
     validate = sub.add_parser("validate", help="the LOO harness on the digits two-stage experiment")
     _add_common(validate, removals=60)

@@ -3,19 +3,14 @@
 One forward with hooks on the layers that own trained parameters and one backward of Σ_i ℓ_i to the layers'
 outputs give every layer's inputs a_it and output-gradients g_it = ∂ℓ_i/∂y_it (examples do not mix in eval
 mode, so g_it belongs to example i alone). A layer's per-example gradient is then a sum over its tokens t,
-and its inner product with a direction is contracted token by token, never formed:
-
-- ``nn.Linear`` y = W a + b:           ⟨∇W_i, S⟩ = Σ_t g_tᵀ S a_t,        ⟨∇b_i, s⟩ = Σ_t g_tᵀ s;
-- transformers ``Conv1D`` y = a W + b (GPT-2): the same with S transposed;
-- ``nn.Embedding`` y_t = W[x_t]:       ⟨∇W_i, S⟩ = Σ_t g_tᵀ S[x_t]   (``padding_idx`` tokens carry no gradient; ids
-  shared by the whole batch, like position ids of shape (1, T), are expanded to the batch in the hook so that
-  their output-gradients stay per example);
-- ``nn.LayerNorm`` y = â ⊙ w + b:      ⟨∇w_i, s⟩ = Σ_t (g_t ⊙ â_t)ᵀ s, ⟨∇b_i, s⟩ = Σ_t g_tᵀ s  (â the normalized input).
+and its inner product with a direction is contracted token by token, never formed: how, for each module type, is
+its class in the layer registry (:mod:`influkit.layers`: ``nn.Linear``, ``nn.Conv1d``/``nn.Conv2d``,
+``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``; :mod:`influkit.hf` adds transformers' ``Conv1D``).
 
 Every call of a module counts (a weight tied between the word embeddings and the decoder gets both terms).
 Each term costs one matrix product of the layer's size per direction — memory O(batch · tokens · min(in, out))
 per direction, never O(batch · p). Trained parameters outside these layers (and layers whose hooks cannot
-follow them: ``max_norm``/``scale_grad_by_freq`` embeddings, modules not called through ``forward``) are
+follow them: grouped convolutions, ``max_norm`` embeddings, modules not called through ``forward``) are
 scored from their own per-example gradients (``torch.func.vmap``, :mod:`influkit.gradients`), the fallback.
 
 The first batch is checked: Σ_i of the contracted scores must equal ⟨∇Σ_i ℓ_i, s_j⟩ from an ordinary backward
@@ -26,96 +21,41 @@ to per-example gradients with a warning. ``autocast`` runs the forward and backw
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .errors import ContractionWarning, InputError, warn
 from .gradients import project_per_example_grads
+from .layers import Layer, Recorder
+from .layers import plan as registered_layers
 from .params import ParamSpace, point
 from .stage import Stage, check_finite
-
-
-def _conv1d_class():
-    """transformers' ``Conv1D`` (GPT-2's linear layers) when transformers is loaded, else None: a model holding one
-    has imported it already, so ``import influkit`` never loads transformers itself."""
-    return getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
 
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass
-class _Module:
-    """A hooked module: its kind and the trained names of its weight and bias (None when not trained)."""
-
-    name: str
-    kind: str
-    module: nn.Module
-    weight: str | None
-    bias: str | None
-
-
-def _kind(module: nn.Module) -> str | None:
-    if isinstance(module, nn.Linear):
-        return "linear"
-    conv1d = _conv1d_class()
-    if conv1d is not None and isinstance(module, conv1d):
-        return "conv1d"
-    if isinstance(module, nn.Embedding) and module.max_norm is None and not module.scale_grad_by_freq:
-        return "embedding"
-    if isinstance(module, nn.LayerNorm):
-        return "layernorm"
-    return None
-
-
-@dataclass
 class ContractionPlan:
-    """Which trained parameters are contracted in which modules, and which fall back to per-example gradients."""
+    """Which trained parameters are contracted in which layers, and which fall back to per-example gradients (why)."""
 
-    modules: list[_Module]
+    modules: list[Layer]
     fallback: list[str]
     covered: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> dict:
-        return {"contracted": len(self.covered), "fallback": {n: self.reasons.get(n, "no hooked layer") for n in self.fallback},
+        return {"contracted": len(self.covered), "fallback": {n: self.reasons[n] for n in self.fallback},
                 "modules": sorted({m.kind for m in self.modules})}
 
 
 def plan_contraction(model: nn.Module, names: Sequence[str]) -> ContractionPlan:
-    """The hooked modules of ``model`` that own the trained ``names`` (weights tied across modules included)."""
-    trained = set(names)
-    canonical: dict[int, str] = {}
-    for pname, param in model.named_parameters():  # first name of each tensor, as Stage.param_names uses
-        canonical.setdefault(id(param), pname)
-    modules, covered = [], set()
-    for mname, module in model.named_modules():
-        kind = _kind(module)
-        if kind is None:
-            continue
-        w = getattr(module, "weight", None)
-        b = getattr(module, "bias", None)
-        weight = canonical.get(id(w)) if isinstance(w, torch.Tensor) else None
-        bias = canonical.get(id(b)) if isinstance(b, torch.Tensor) else None
-        weight = weight if weight in trained else None
-        bias = bias if bias in trained and kind != "embedding" else None
-        if weight is None and bias is None:
-            continue
-        modules.append(_Module(mname, kind, module, weight, bias))
-        covered.update(n for n in (weight, bias) if n is not None)
-    fallback = [n for n in names if n not in covered]
-    return ContractionPlan(modules, fallback, [n for n in names if n in covered])
-
-
-def _linear_term(a: torch.Tensor, g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """(B,) Σ_t g_tᵀ S a_t for a (B, T, in), g (B, T, out), S (out, in): the cheaper side multiplied first."""
-    if s.shape[0] <= s.shape[1]:
-        return ((a @ s.T) * g).sum((1, 2))
-    return ((g @ s) * a).sum((1, 2))
+    """The registered layers of ``model`` that own the trained ``names`` (weights tied across modules included)."""
+    layers, reasons = registered_layers(model, names)
+    covered = {n for layer in layers for n in layer.params}
+    return ContractionPlan(layers, [n for n in names if n not in covered], [n for n in names if n in covered], reasons)
 
 
 class Contractor:
@@ -172,35 +112,18 @@ class Contractor:
     def _contract(self, inputs, targets, directions, check: bool) -> torch.Tensor | None:
         stage, plan = self.stage, self.plan
         leaves = {n: t.detach().requires_grad_(True) for n, t in point(stage.state(), plan.covered).items()}
-        calls: list[tuple[_Module, torch.Tensor, torch.Tensor]] = []
-
         batch = inputs.shape[0]
-
-        def hook(entry, module, args, output):
-            if not (args and torch.is_tensor(args[0]) and torch.is_tensor(output) and output.requires_grad):
-                return None
-            a = args[0].detach()
-            if entry.kind == "embedding" and a.shape[0] == 1 != batch:
-                # ids shared by the batch (position ids (1, T)): expanded, so the output-gradient stays per example
-                a, output = a.expand(batch, *a.shape[1:]), output.expand(batch, *output.shape[1:])
-                calls.append((entry, a, output))
-                return output
-            calls.append((entry, a, output))
-            return None
-
-        handles = [m.module.register_forward_hook(lambda mod, a, o, e=m: hook(e, mod, a, o)) for m in plan.modules]
         device_type = inputs.device.type
-        try:
-            with torch.enable_grad(), torch.autocast(device_type, dtype=self.autocast or torch.bfloat16,
-                                                    enabled=self.autocast is not None):
-                losses = stage.losses(leaves, inputs, targets)
-        finally:
-            for h in handles:
-                h.remove()
-        unbatched = {id(e): e for e, a, y in calls if a.shape[0] != batch or y.shape[0] != batch}
-        if unbatched:  # e.g. GPT-2's position embedding, called on (1, T) ids: its gradient sums over the batch
-            self._demote(unbatched.values(), "called on inputs that are not batch-first")
+        with Recorder(plan.modules, batch) as recorder, torch.enable_grad(), torch.autocast(
+                device_type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            losses = stage.losses(leaves, inputs, targets)
+        # a layer never called adds nothing; one called on inputs that are not batch-first (a shared tensor) cannot
+        # be split per example: its parameters go to the per-example fallback
+        unbatched = {name: why for name, why in recorder.misfits().items() if recorder.calls[name]}
+        if unbatched:
+            self._demote([m for m in plan.modules if m.name in unbatched], next(iter(unbatched.values())))
             return self._contract(inputs, targets, directions, check) if self.plan.covered else None
+        calls = [(layer, a, y) for layer in plan.modules for a, y in recorder.calls[layer.name]]
         targets_of_grad = [c[2] for c in calls] + (list(leaves.values()) if check else [])
         grads = torch.autograd.grad(losses.sum(), targets_of_grad, allow_unused=True)
         held = [c[2] for c in calls]
@@ -209,10 +132,10 @@ class Contractor:
         k = directions.shape[1]
         dtype = directions.dtype
         scores = torch.zeros(batch, k, dtype=dtype, device=directions.device)
-        for (entry, a, y), g in zip(calls, grads[: len(calls)]):
-            if g is None:
-                continue
-            scores += self._call_term(entry, a.to(dtype), y, g.to(dtype), directions, batch)
+        for (layer, a, _), g in zip(calls, grads[: len(calls)]):
+            if g is not None:
+                a = a.to(dtype) if a.is_floating_point() else a  # token ids stay ids
+                scores += self._call_term(layer, a, g.to(dtype), directions)
         if check:
             total = torch.cat([(t if t is not None else torch.zeros_like(leaves[n])).reshape(-1)
                                for n, t in zip(plan.covered, grads[len(calls):])]).to(dtype)
@@ -263,49 +186,21 @@ class Contractor:
         """Move the parameters of ``entries`` to the per-example-gradient fallback, for this and every later batch.
 
         A parameter is contracted in all of its uses or in none (its fallback gradient covers every use)."""
-        names = {n for e in entries for n in (e.weight, e.bias) if n is not None}
-        modules = []
-        for m in self.plan.modules:
-            weight, bias = (None if m.weight in names else m.weight), (None if m.bias in names else m.bias)
-            if weight is not None or bias is not None:
-                modules.append(_Module(m.name, m.kind, m.module, weight, bias))
+        names = {n for e in entries for n in e.params}
+        modules = [kept for m in self.plan.modules if (kept := m.without(names)) is not None]
         reasons = self.plan.reasons | {n: why for n in names}
         self.plan = ContractionPlan(modules, [n for n in self.names if n in names or n in self.plan.fallback],
                                     [n for n in self.plan.covered if n not in names], reasons)
         self.fallback_all = not self.plan.covered
 
-    def _call_term(self, entry: _Module, a, y, g, directions, batch) -> torch.Tensor:
-        """(B, k) contribution of one call of one module."""
-        k = directions.shape[1]
-        out = torch.zeros(batch, k, dtype=directions.dtype, device=directions.device)
-        kind = entry.kind
-        if kind == "embedding":
-            ids = a.reshape(batch, -1).long()
-            g = g.reshape(batch, ids.shape[1], -1)
-            if entry.module.padding_idx is not None:
-                g = g * (ids != entry.module.padding_idx).unsqueeze(-1).to(g.dtype)
-            for j in range(k):
-                out[:, j] = (self._direction(directions, entry.weight, j)[ids] * g).sum((1, 2))
-            return out
-        if kind == "layernorm":
-            dims = len(entry.module.normalized_shape)
-            normed = F.layer_norm(a, entry.module.normalized_shape, None, None, entry.module.eps)
-            g = g.reshape(batch, -1, *g.shape[g.dim() - dims :])
-            normed = normed.reshape(g.shape)
-            for j in range(k):
-                if entry.weight is not None:
-                    out[:, j] += (g * normed * self._direction(directions, entry.weight, j)).reshape(batch, -1).sum(1)
-                if entry.bias is not None:
-                    out[:, j] += (g * self._direction(directions, entry.bias, j)).reshape(batch, -1).sum(1)
-            return out
-        a = a.reshape(batch, -1, a.shape[-1])
-        g = g.reshape(batch, -1, g.shape[-1])
-        for j in range(k):
-            if entry.weight is not None:
-                s = self._direction(directions, entry.weight, j)
-                out[:, j] += _linear_term(a, g, s if kind == "linear" else s.T)
-            if entry.bias is not None:
-                out[:, j] += g.sum(1) @ self._direction(directions, entry.bias, j)
+    def _call_term(self, layer: Layer, a, g, directions) -> torch.Tensor:
+        """(B, k) contribution of one call of one layer (a, g: its recorded input and output-gradient)."""
+        a, g = layer.inputs(a), layer.grads(g)
+        out = torch.zeros(g.shape[0], directions.shape[1], dtype=directions.dtype, device=directions.device)
+        for j in range(directions.shape[1]):
+            weight = None if layer.weight is None else self._direction(directions, layer.weight, j)
+            bias = None if layer.bias is None else self._direction(directions, layer.bias, j)
+            out[:, j] = layer.contract(a, g, weight, bias)
         return out
 
 

@@ -59,6 +59,10 @@ class MemoryBudgetError(InfluenceError, MemoryError):
     """The memory budget cannot hold even one example of a phase; the message gives the bytes one example needs."""
 
 
+class MissingDependencyError(InfluenceError, ImportError):
+    """An optional dependency is not installed; the message names the extra that installs it (``influkit[elmo]``...)."""
+
+
 class ConvergenceWarning(UserWarning):
     """An iterative solver stopped before reaching its tolerance; the message gives the residual."""
 

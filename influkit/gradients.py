@@ -4,8 +4,8 @@
 G·S for a (p, k) matrix S, so memory stays O(chunk·p) however many examples are scored. The serial
 autograd loop ``per_example_grads_serial`` is the reference the tests compare against.
 
-A ``chunk_size`` of None is sized from the memory budget (:mod:`influkit.memory`; the budget of an enclosing
-:func:`influkit.memory.scope`, else a share of what is free): the bytes of one example's gradient row plus its
+A ``chunk_size`` of None is sized from the memory budget (:mod:`influkit.memory`; the ``memory=`` bytes passed,
+else a share of what is free): the bytes of one example's gradient row plus its
 measured activations (a probe on two examples).
 """
 
@@ -52,15 +52,17 @@ def backward_bytes(stage: Stage, inputs, targets, names=None, at=None) -> int:
     return probe_bytes(run, stage.model, x.shape[0])
 
 
-def chunk_for(stage: Stage, inputs, targets, names, at, row_bytes: int, phase: str) -> int:
-    """Examples per chunk that fit the memory budget: ``row_bytes`` per example (the rows kept) plus the measured
-    activations of one forward and backward (:func:`backward_bytes`)."""
+def chunk_for(stage: Stage, inputs, targets, names, at, row_bytes: int, phase: str, budget: int | None = None) -> int:
+    """Examples per chunk that fit the memory budget (bytes; None: the default rule, :mod:`influkit.memory`):
+    ``row_bytes`` per example (the rows kept) plus the measured activations of one forward and backward
+    (:func:`backward_bytes`)."""
     per = backward_bytes(stage, inputs, targets, names, at) + row_bytes
-    return memory.fit_count(memory.resolve(None, inputs.device), per, phase, most=max(inputs.shape[0], 1),
-                            default=not memory.given(None))
+    return memory.fit_count(memory.resolve(budget, inputs.device), per, phase, most=max(inputs.shape[0], 1),
+                            default=not memory.given(budget))
 
 
-def _grad_rows(stage: Stage, inputs, targets, names, at, chunk_size: int | None, progress: bool):
+def _grad_rows(stage: Stage, inputs, targets, names, at, chunk_size: int | None, progress: bool,
+               budget: int | None = None):
     """Yield (chunk, p) blocks of per-example gradients over ``names``, one vmap call per chunk."""
     names = stage.param_names if names is None else list(names)
     params = point(stage.state(), names, at)
@@ -69,7 +71,7 @@ def _grad_rows(stage: Stage, inputs, targets, names, at, chunk_size: int | None,
     check_finite(inputs, "inputs")
     if chunk_size is None:
         row = 2 * space.dim * torch.empty(0, dtype=space.dtype).element_size()  # the row and vmap's copy of it
-        chunk_size = chunk_for(stage, inputs, targets, names, at, row, "per-example gradients")
+        chunk_size = chunk_for(stage, inputs, targets, names, at, row, "per-example gradients", budget)
     for x, y in _chunks(inputs, targets, chunk_size, progress, "per-example gradients"):
         yield space.flatten(vmap_or_loop(per_grad, (None, 0, 0), stage, params, x, y), batched=True).T
 
@@ -83,9 +85,11 @@ def per_example_grads(
     at: Params | None = None,
     chunk_size: int | None = None,
     progress: bool = False,
+    memory: int | None = None,
 ) -> torch.Tensor:
-    """(N, p): row i is ∇ ℓ(x_i, y_i) over the parameters ``names`` (default: the trained ones), flattened."""
-    return torch.cat(list(_grad_rows(stage, inputs, targets, names, at, chunk_size, progress)), dim=0)
+    """(N, p): row i is ∇ ℓ(x_i, y_i) over the parameters ``names`` (default: the trained ones), flattened.
+    memory: the budget in bytes a ``chunk_size`` of None is sized from (None: a share of what is free)."""
+    return torch.cat(list(_grad_rows(stage, inputs, targets, names, at, chunk_size, progress, memory)), dim=0)
 
 
 def project_per_example_grads(
@@ -127,14 +131,16 @@ def total_grad(
     *,
     at: Params | None = None,
     chunk_size: int | None = None,
+    memory: int | None = None,
 ) -> torch.Tensor:
-    """(p,) = Σ_i ∇ ℓ(x_i, y_i) over ``names``: the gradient of the summed loss, streamed in chunks."""
+    """(p,) = Σ_i ∇ ℓ(x_i, y_i) over ``names``: the gradient of the summed loss, streamed in chunks (of
+    ``chunk_size``, or as many as the budget ``memory`` in bytes holds; None: a share of what is free)."""
     names = stage.param_names if names is None else list(names)
     params = point(stage.state(), names, at)
     space = ParamSpace(params)
     check_finite(inputs, "inputs")
     if chunk_size is None:
-        chunk_size = min(512, chunk_for(stage, inputs, targets, names, at, 0, "the test gradient"))
+        chunk_size = min(512, chunk_for(stage, inputs, targets, names, at, 0, "the test gradient", memory))
     summed = grad(lambda p, x, y: stage.losses(p, x, y).sum())
     total = space.zeros()
     for x, y in _chunks(inputs, targets, chunk_size, False, ""):

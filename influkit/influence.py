@@ -21,7 +21,8 @@ from .data import as_examples
 from .errors import InputError
 from .gradients import per_example_grads
 from .results import InfluenceResult
-from .solvers import SolveConfig, solve_settings
+from .fitted import CurvatureConfig
+from .solvers import SolveConfig
 from .stage import Stage, check_example_shape
 
 
@@ -31,27 +32,29 @@ def influence(
     x_test,
     *,
     solve: SolveConfig | None = None,
+    curvature: CurvatureConfig | None = None,
     params: str | Iterable[str] | None = None,
     measure: Measure | None = None,
     per_test: bool = False,
     chunk_size: int | None = None,
     progress: bool = False,
-    **deprecated,
 ) -> InfluenceResult:
     """Influence I(z, T) = −∇f(T)ᵀ H⁻¹ ∇ℓ(z) of each training example z on the test loss: ``Chain([stage])``.
 
     z, x_test: (inputs, targets) tensors, or 1-D indices into the stage's data.
     solve: a :class:`~influkit.solvers.SolveConfig` (default ``SolveConfig()``: ``solver="auto"``, no damping; the
-    choice and its reason are in ``diagnostics["solves"][0]["choice"]``). The keywords ``solver``, ``damping``,
-    ``tol``, ``max_iter``, ``hessian_samples``, ``seed`` still work for one release, with a DeprecationWarning.
+    choice and its reason are in ``diagnostics["solves"][0]["choice"]``).
+    curvature: a :class:`~influkit.fitted.CurvatureConfig` (which matrix, ``hessian_samples``, how approximations are
+    fitted; default ``CurvatureConfig()``: the exact Hessian on all the data).
     params: names/prefixes of the parameters the Hessian is taken over (default: the stage's trained ones).
     measure: the test function per example, ``measure(outputs, targets) -> (B,)`` (default: the stage's loss);
     see :meth:`influkit.Chain.query`.
     per_test: return the (len(z), len(x_test)) matrix (one batched solve with len(x_test) right-hand sides).
     chunk_size: examples per scoring chunk (default: as many as the memory budget holds).
     """
-    config = solve_settings(solve, deprecated, "influkit.influence")
-    chain = Chain([stage if params is None else stage.with_(params=params)], solve=config)
+    config = SolveConfig() if solve is None else solve
+    chain = Chain([stage if params is None else stage.with_(params=params)], solve=config,
+                  curvature=curvature or CurvatureConfig())
     query = chain.query(x_test, measure=measure, per_test=per_test, chunk_size=chunk_size, progress=progress)
     return query.scores(z, chunk_size=chunk_size, progress=progress)
 
@@ -61,23 +64,24 @@ def self_influence(
     z=None,
     *,
     solve: SolveConfig | None = None,
+    curvature: CurvatureConfig | None = None,
     params: str | Iterable[str] | None = None,
     rhs_chunk: int = 256,
     chunk_size: int | None = None,
     progress: bool = False,
-    **deprecated,
 ) -> InfluenceResult:
     """Self-influence I(z, z) = −∇ℓ(z)ᵀ H⁻¹ ∇ℓ(z) of each training example on its own loss.
 
     Negative for a positive definite H; removing z raises its own loss by −I(z, z)/n = ``removal``, large for
     examples the model fits only by memorizing them (outliers, mislabelled points). z defaults to all data.
     ``Chain([stage])``'s fitted solver (``direct`` factors H once) solves for ``rhs_chunk`` gradients at a time.
-    solve, chunk_size and the deprecated solve keywords: as in :func:`influence`.
+    solve, curvature, chunk_size: as in :func:`influence`.
     """
-    config = solve_settings(solve, deprecated, "influkit.self_influence")
+    config = SolveConfig() if solve is None else solve
     if rhs_chunk < 1:
         raise InputError(f"rhs_chunk must be ≥ 1, got {rhs_chunk}.")
-    chain = Chain([stage if params is None else stage.with_(params=params)], solve=config).fit()
+    chain = Chain([stage if params is None else stage.with_(params=params)], solve=config,
+                  curvature=curvature or CurvatureConfig()).fit()
     plan, solver = chain.plans[0], chain.solver(0)
     z = torch.arange(len(stage)) if z is None else z
     (zx, zy), z_ids = as_examples(z, plan.stage.data, "z")
@@ -98,5 +102,6 @@ def self_influence(
         n_train=len(stage),
         index=z_ids,
         method="self-influence",
-        diagnostics={"solves": summaries, "seconds": seconds, "settings": config.summary()},
+        diagnostics={"solves": summaries, "seconds": seconds,
+                     "settings": config.summary() | {"curvature": chain.curvature_configs[0].summary()}},
     )

@@ -10,6 +10,8 @@ The config names a Python factory that builds the stages, so the job needs no sc
     [solve]                    # a SolveConfig for every stage; or [[solve]] tables, one per stage
     solver = "minres"
     damping = 0.01
+    [curvature]                # a CurvatureConfig likewise (optional)
+    hessian_samples = 1000
 
 ``build(device)`` returns a dict with ``stages`` (a list of :class:`~influkit.stage.Stage`), ``links`` (a list
 of :class:`~influkit.chain.Link`, may be empty), ``test`` ((inputs, targets) or indices into the last
@@ -31,11 +33,12 @@ import torch
 from . import distributed
 from .chain import Chain, Link
 from .errors import InputError
+from .fitted import CurvatureConfig
 from .results import InfluenceResult
 from .solvers import SolveConfig
 from .stage import Stage
 
-KEYS = {"factory", "out", "chunk_size", "per_test", "device", "solve", "timeout_seconds"}
+KEYS = {"factory", "out", "chunk_size", "per_test", "device", "solve", "curvature", "timeout_seconds"}
 
 
 def read_config(path: str | Path) -> dict:
@@ -75,12 +78,13 @@ def _factory(spec: str, folder: Path):
     return getattr(module, function)
 
 
-def _solve_configs(solve) -> SolveConfig | list[SolveConfig]:
-    if solve is None:
-        return SolveConfig()
-    if isinstance(solve, dict):
-        return SolveConfig(**solve)
-    return [SolveConfig(**entry) for entry in solve]
+def _configs(kind: type, table):
+    """One ``kind`` config from a TOML table, one per stage from an array of tables, the default from None."""
+    if table is None:
+        return kind()
+    if isinstance(table, dict):
+        return kind(**table)
+    return [kind(**entry) for entry in table]
 
 
 def run(path: str | Path, *, progress: bool = True) -> InfluenceResult:
@@ -96,7 +100,8 @@ def run(path: str | Path, *, progress: bool = True) -> InfluenceResult:
     if not all(isinstance(s, Stage) for s in stages) or not all(isinstance(link, Link) for link in links):
         raise InputError("the factory's 'stages' must be influkit.Stage objects and 'links' influkit.Link objects.")
     out = path.parent / config.get("out", "scores")
-    chain = Chain(stages, links, solve=_solve_configs(config.get("solve")))
+    chain = Chain(stages, links, solve=_configs(SolveConfig, config.get("solve")),
+                  curvature=_configs(CurvatureConfig, config.get("curvature")))
     start = time.perf_counter()
     query = chain.query(built["test"], per_test=bool(config.get("per_test", False)), progress=progress)
     result = query.scores(built.get("z"), chunk_size=int(config.get("chunk_size", 256)), out=out, progress=progress)
@@ -115,7 +120,7 @@ def main(config: str | Path, *, quiet: bool = False) -> int:
         print(f"{result.method}: {result.values.shape[0]} examples scored on {chunks['ranks']} process(es); "
               f"{chunks['computed']} chunks computed, {chunks['reused']} resumed from {out}")
         for solve in result.diagnostics["solves"]:
-            print(f"stage {solve['stage']}: {solve['method']} {solve['choice']}, {solve['iterations']} it, "
+            print(f"stage {solve['stage']}: {solve['solver']} {solve['choice']}, {solve['iterations']} it, "
                   f"residual {solve['residual']:.1e}, {solve['seconds']:.2f} s")
         print("most harmful:\n" + result.top(5).to_string(index=False))
         print("most helpful:\n" + result.top(5, harmful=False).to_string(index=False))

@@ -12,7 +12,7 @@ max(:data:`DEFAULT_EXAMPLES`, ⌊:data:`DEFAULT_WORKING` / (SAFETY · bytes per 
 the 5.4 M BERT of benchmarks/bench_transformer.py (2 layers, hidden 256, 32 tokens) in chunks of 8 / 32 / 64 took
 3.6 / 3.5 / 2.8 s and again 4.1 / 4.0 / 3.8 s (one process, load 14), while batches that filled half of the free
 memory took that job to a peak RSS of 8.0 GB against kronfluence's 0.64 GB (benchmarks/results/). Tiny examples
-(digits, small MLPs) still go in one batch (256 MiB of them). ``memory=`` (or :func:`scope`) lifts the cap: then
+(digits, small MLPs) still go in one batch (256 MiB of them). ``memory=`` lifts the cap: then
 the batches fill the given budget.
 
 A phase's cost per example is **measured**, not guessed: :func:`probe_bytes` runs the phase's computation once on
@@ -32,8 +32,6 @@ The chosen sizes are returned as small dicts, which the phases put in their diag
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Callable, Iterable
 
 import torch
@@ -46,8 +44,6 @@ DEFAULT_WORKING = 256 * 2**20  # ... or, for small examples, as many as fit thes
 PROBE_EXAMPLES = 2
 SAFETY = 2.0
 MiB = 2**20
-
-_CURRENT: contextvars.ContextVar["int | None"] = contextvars.ContextVar("influkit_memory", default=None)
 
 
 def available_bytes(device: torch.device | str = "cpu") -> int:
@@ -72,9 +68,8 @@ def available_bytes(device: torch.device | str = "cpu") -> int:
 
 
 def resolve(memory: int | float | None, device: torch.device | str = "cpu") -> int:
-    """The budget in bytes: ``memory`` itself, the one set by :func:`scope`, or DEFAULT_SHARE of what is free."""
-    if memory is None:
-        memory = _CURRENT.get()
+    """The budget in bytes: ``memory`` itself, or DEFAULT_SHARE of what is free when it is None (every phase
+    receives the budget as an argument: ``Chain(memory=)`` passes its own to each)."""
     if memory is None:
         return int(DEFAULT_SHARE * available_bytes(device))
     if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory > 0:
@@ -83,23 +78,13 @@ def resolve(memory: int | float | None, device: torch.device | str = "cpu") -> i
 
 
 def given(memory: int | float | None) -> bool:
-    """Whether a budget was asked for: ``memory`` itself or an enclosing :func:`scope` (else the default applies)."""
-    return memory is not None or _CURRENT.get() is not None
+    """Whether a budget was asked for (else the default rule applies: :func:`default_count`)."""
+    return memory is not None
 
 
 def default_count(per_example: int) -> int:
     """The most examples a batch holds under the default budget: max(DEFAULT_EXAMPLES, DEFAULT_WORKING / (SAFETY · per))."""
     return max(DEFAULT_EXAMPLES, int(DEFAULT_WORKING // max(int(SAFETY * per_example), 1)))
-
-
-@contextlib.contextmanager
-def scope(memory: int | float | None):
-    """Within the block, phases called without an explicit budget use ``memory`` (bytes; None: the default)."""
-    token = _CURRENT.set(None if memory is None else resolve(memory))
-    try:
-        yield
-    finally:
-        _CURRENT.reset(token)
 
 
 def _storage_key(t: torch.Tensor):

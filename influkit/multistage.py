@@ -16,32 +16,19 @@ so every z costs one per-example gradient and two solves serve them all:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-
-from torch import nn
+from collections.abc import Mapping, Sequence
 
 from .chain import Chain, Link, Measure
 from .errors import InputError
 from .results import InfluenceResult
-from .solvers import SolveConfig, solve_settings
+from .fitted import CurvatureConfig
+from .solvers import SolveConfig
 from .stage import Stage
 
 
-def _as_stage(obj, loss, data, params, regularizer, which: str) -> Stage:
-    if isinstance(obj, Stage):
-        return obj
-    if isinstance(obj, nn.Module):
-        if loss is None or data is None:
-            raise InputError(
-                f"{which} is a plain nn.Module: also pass {which}_loss= and {which}_data= (or give a Stage)."
-            )
-        return Stage(obj, loss, data, params=params, regularizer=regularizer)
-    raise InputError(f"{which} must be an influkit.Stage or an nn.Module, got {type(obj).__name__}.")
-
-
 def score(
-    pretrain: Stage | nn.Module,
-    finetune: Stage | nn.Module,
+    pretrain: Stage,
+    finetune: Stage,
     z,
     x_test,
     *,
@@ -49,23 +36,16 @@ def score(
     case: int = 1,
     alpha: float = 0.01,
     solve: SolveConfig | Sequence[SolveConfig] | None = None,
+    curvature: CurvatureConfig | Sequence[CurvatureConfig] | None = None,
     measure: Measure | None = None,
     per_test: bool = False,
     chunk_size: int | None = None,
     progress: bool = False,
-    pretrain_loss: Callable | None = None,
-    pretrain_data=None,
-    pretrain_params: str | Iterable[str] | None = None,
-    pretrain_regularizer: Callable | None = None,
-    finetune_loss: Callable | None = None,
-    finetune_data=None,
-    finetune_params: str | Iterable[str] | None = None,
-    finetune_regularizer: Callable | None = None,
-    **deprecated,
 ) -> InfluenceResult:
     """Influence I(z, T) of each pretraining example z on the finetuned model's summed test loss f(T).
 
-    pretrain, finetune: Stages, or nn.Modules with the ``pretrain_*``/``finetune_*`` keywords.
+    pretrain, finetune: the two stages (:class:`~influkit.stage.Stage`: model, loss, data, trained parameters,
+    regularizer).
     z: pretraining examples, (inputs, targets) or indices into the pretrain data; x_test likewise for the
     finetune stage (the test loss is the finetune stage's loss, or ``measure``: see :meth:`influkit.Chain.query`).
     shared: the shared parameters W (module prefix, or {finetune_name: pretrain_name}).
@@ -74,18 +54,16 @@ def score(
     ``solver="auto"``, no damping, the choice recorded in ``diagnostics["solves"]``). The paper's MNIST setting is
     ``[SolveConfig(solver="cg", damping=1e-2), SolveConfig(solver="cg", damping=1e-8)]`` (for ``cg`` the damping
     is added to H²); ``SolveConfig(solver="identity")`` is its ablation (every H⁻¹ replaced by I).
-    The keywords ``solver``, ``damping``, ``hessian_samples`` (one value or a pair; one value of
-    ``hessian_samples`` samples the pretraining Hessian only), ``tol``, ``max_iter`` and ``seed`` still work for
-    one release, with a DeprecationWarning.
+    curvature: one :class:`~influkit.fitted.CurvatureConfig` or a (pretrain, finetune) pair (which matrix,
+    ``hessian_samples``, how approximations are fitted; default ``CurvatureConfig()``).
     per_test: return the (len(z), len(x_test)) matrix, from batched right-hand sides (still two solves).
     """
+    for which, stage in (("pretrain", pretrain), ("finetune", finetune)):
+        if not isinstance(stage, Stage):
+            raise InputError(f"{which} must be an influkit.Stage, got {type(stage).__name__}; wrap a model as "
+                             f"influkit.Stage(model, loss, data, params=..., regularizer=...).")
     link = Link(shared, case=case, alpha=alpha)
-    pre = _as_stage(pretrain, pretrain_loss, pretrain_data, pretrain_params, pretrain_regularizer, "pretrain")
-    fin = _as_stage(finetune, finetune_loss, finetune_data, finetune_params, finetune_regularizer, "finetune")
-    samples = deprecated.get("hessian_samples")
-    if samples is not None and not isinstance(samples, (tuple, list)):
-        deprecated["hessian_samples"] = (samples, None)  # as before: one value samples the pretraining Hessian
-    configs = solve_settings(solve, deprecated, "influkit.score", stages=2)
-    chain = Chain([pre, fin], [link], solve=configs)
+    chain = Chain([pretrain, finetune], [link], solve=SolveConfig() if solve is None else solve,
+                  curvature=curvature or CurvatureConfig())
     query = chain.query(x_test, measure=measure, per_test=per_test, chunk_size=chunk_size, progress=progress)
     return query.scores(z, chunk_size=chunk_size, progress=progress)

@@ -53,6 +53,7 @@ class SymmetricFactor:
         self.damping = float(damping)
         self.cholesky, info = torch.linalg.cholesky_ex(self.shifted)
         self.eigen: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.indefinite = False  # H has eigenvalues below −cutoff (known when Cholesky failed)
         if int(info) != 0:
             self.cholesky = None
             evals, evecs = torch.linalg.eigh(matrix)
@@ -61,6 +62,7 @@ class SymmetricFactor:
             shifted = evals + damping
             cutoff = shifted.abs().max() * matrix.shape[0] * torch.finfo(matrix.dtype).eps
             keep = shifted.abs() > cutoff
+            self.indefinite = bool(evals.min() < -cutoff)
             if not keep.all():
                 warn(_singular_advice(evals, damping, int((~keep).sum()), float(cutoff)), ConvergenceWarning)
             inverse = torch.where(keep, 1.0 / torch.where(keep, shifted, torch.ones_like(shifted)), torch.zeros_like(shifted))
@@ -83,8 +85,9 @@ def _singular_advice(evals: torch.Tensor, damping: float, dropped: int, cutoff: 
         negative = int((evals + damping < -cutoff).sum())
         return (f"the Hessian is indefinite: {negative} eigenvalues of H + λI are negative (H's smallest {lowest:.2e}), "
                 f"so the stage is not at a minimum (e.g. trained for a few Adam steps, or a saddle); {head}. Solve the "
-                "positive semi-definite Gauss-Newton matrix instead, SolveConfig(curvature='gauss-newton', "
-                f"damping={1e-3 * largest:.1e}) (1e-3 of ‖H‖), or use damping > {-lowest:.2e} (−λ_min(H)).")
+                "positive semi-definite Gauss-Newton matrix instead, curvature=CurvatureConfig(matrix='gauss-newton') "
+                f"with SolveConfig(damping={1e-3 * largest:.1e}) (1e-3 of ‖H‖), or use damping > {-lowest:.2e} "
+                "(−λ_min(H)).")
     return (f"the Hessian is singular: {head}; add damping (e.g. damping={max(1e-3 * largest, 10 * cutoff):.1e}, "
             "1e-3 of ‖H‖) or a regularizer for a unique answer.")
 

@@ -6,9 +6,10 @@ the distribution of the scores, the solve diagnostics, and the validation scatte
 the test loss on removal) when there is one. Nothing is fetched when it opens: the CSS is inline and every
 picture is a base64 PNG ``data:`` URI, so the file can be mailed or archived alone.
 
-What the page needs beyond the scores — the renderings of the examples it shows, the queries, the validation
-pairs — is kept in ``result.diagnostics["report"]`` (JSON: texts and small PNGs), so a result saved after
-:func:`write_report` renders the same page again from the file alone (``influkit report RESULT -o page.html``).
+The report only reads a result. What the page needs beyond the scores — the renderings of the examples it
+shows, the queries, the validation pairs (JSON: texts and small PNGs) — :func:`attach` puts into the
+``diagnostics["report"]`` of a *copy* of the result, so that copy, saved, renders the same page again from the
+file alone (``influkit report RESULT -o page.html``); :func:`write_report` never changes the result it is given.
 """
 
 from __future__ import annotations
@@ -22,18 +23,20 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import torch
-from matplotlib.figure import Figure
 
 from .errors import InputError
+from .extras import require
+from .results import InfluenceResult
 
-if TYPE_CHECKING:  # annotations only: results.py imports this module lazily for InfluenceResult.report
-    from .results import InfluenceResult
+if TYPE_CHECKING:  # annotations only: matplotlib is the `plot` extra, loaded when a page is written
+    from matplotlib.figure import Figure
 
 MAX_TEXT = 600  # characters of a text example shown
 
@@ -65,7 +68,7 @@ img.plot { max-width: 100%; }
 
 def _png(array: np.ndarray) -> str:
     """A base64 PNG of a (H, W) grey image (min–max scaled, dark = high) or a (H, W, 3|4) colour image."""
-    from matplotlib import image as mpimg
+    mpimg = require("matplotlib.image", "the report page")
 
     buffer = io.BytesIO()
     lo, hi = float(array.min()), float(array.max())
@@ -136,7 +139,7 @@ def _validation_pairs(validation) -> dict[str, list]:
     return {"predicted": frame["predicted"].astype(float).tolist(), "actual": frame["actual"].astype(float).tolist()}
 
 
-def remember(
+def attach(
     result: InfluenceResult,
     *,
     examples=None,
@@ -148,8 +151,8 @@ def remember(
     k: int | None = None,
     max_queries: int | None = None,
     title: str | None = None,
-) -> dict[str, Any]:
-    """Store in ``result.diagnostics["report"]`` what the page shows beyond the scores, and return it.
+) -> InfluenceResult:
+    """A copy of ``result`` whose ``diagnostics["report"]`` holds what the page shows beyond the scores.
 
     examples: the training examples, indexable by the result's example ids (``result.index``): a list of
     strings, or images as an (N, H, W), (N, C, H, W), (N, H, W, C) tensor/array (or (N, D) with
@@ -157,7 +160,7 @@ def remember(
     per-test result (else a strip of the test set). validation: a leave-out frame with ``predicted`` and
     ``actual``. labels / query_labels: a caption per training / test example (e.g. the class).
     k: examples per list (default 8); max_queries: test columns shown of a per-test result (default 12).
-    Arguments left None keep what an earlier call stored.
+    Arguments left None keep what an earlier :func:`attach` stored. ``result`` itself is not changed.
     """
     stored = dict(result.diagnostics.get("report") or {})
     k = int(stored.get("k", 8) if k is None else k)
@@ -190,8 +193,7 @@ def remember(
         stored["query_labels"] = [str(v) for v in list(query_labels)[: max(max_queries, 16)]]
     if validation is not None:
         stored["validation"] = _validation_pairs(validation)
-    result.diagnostics["report"] = stored
-    return stored
+    return replace(result, diagnostics=dict(result.diagnostics) | {"report": stored})
 
 
 def _example_card(example_id: int, score: float, removal: float, stored: dict, wide: bool) -> str:
@@ -229,7 +231,7 @@ def _removal_eps(result: InfluenceResult, example_id: int) -> float:
 
 def _histogram(result: InfluenceResult) -> str:
     scores = result.total.detach().cpu().double().numpy()
-    fig = Figure(figsize=(5.2, 4.2))
+    fig = require("matplotlib.figure", "the report page").Figure(figsize=(5.2, 4.2))
     ax = fig.add_subplot()
     ax.hist(scores, bins=min(60, max(10, int(math.sqrt(scores.size)) * 2)), color="#5d6d7e")
     ax.axvline(0, color="black", lw=0.8)
@@ -242,15 +244,19 @@ def _histogram(result: InfluenceResult) -> str:
     return _figure_png(fig)
 
 
-def _scatter(pairs: dict[str, list]) -> tuple[str, str]:
-    from scipy.stats import pearsonr, spearmanr
+def _mean_tied_ranks(v: np.ndarray) -> np.ndarray:
+    ordered = np.sort(v)
+    return (np.searchsorted(ordered, v, "left") + np.searchsorted(ordered, v, "right") + 1) / 2.0
 
+
+def _scatter(pairs: dict[str, list]) -> tuple[str, str]:
     p, a = np.asarray(pairs["predicted"], float), np.asarray(pairs["actual"], float)
     if p.size >= 2 and p.std() > 0 and a.std() > 0:
-        stats = f"Pearson r = {pearsonr(p, a)[0]:.3f}, Spearman ρ = {spearmanr(p, a)[0]:.3f}, {p.size} removals"
+        r, rho = np.corrcoef(p, a)[0, 1], np.corrcoef(_mean_tied_ranks(p), _mean_tied_ranks(a))[0, 1]
+        stats = f"Pearson r = {r:.3f}, Spearman ρ = {rho:.3f}, {p.size} removals"
     else:
         stats = f"{p.size} removals (no correlation: fewer than two distinct predicted or actual values)"
-    fig = Figure(figsize=(4.8, 4.2))
+    fig = require("matplotlib.figure", "the report page").Figure(figsize=(4.8, 4.2))
     ax = fig.add_subplot()
     ax.scatter(p, a, s=16, alpha=0.8)
     if p.size:
@@ -271,13 +277,22 @@ def _cell(value):
     return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
 
 
+def _convergence(solve: dict) -> dict:
+    """A solve's ``converged`` as words: residual ≤ tol, above it, or no residual computed (None: not checked)."""
+    if "converged" not in solve:
+        return solve
+    state = solve["converged"]
+    return solve | {"converged": "not checked" if state is None else "converged" if state else "unconverged"}
+
+
 def _stage_first(item: tuple[str, Any]) -> tuple[bool, str]:
     return item[0] != "stage", item[0]  # one column order, whatever order a saved file's JSON keeps
 
 
 def _diagnostics(result: InfluenceResult) -> str:
     parts = []
-    solves = [{k: _cell(v) for k, v in sorted(s.items(), key=_stage_first)} for s in result.diagnostics.get("solves") or []]
+    solves = [{k: _cell(v) for k, v in sorted(_convergence(s).items(), key=_stage_first)}
+              for s in result.diagnostics.get("solves") or []]
     parts.append(_table(pd.DataFrame(solves)) if solves else '<p class="note">no solves recorded</p>')
     seconds = dict(sorted((result.diagnostics.get("seconds") or {}).items()))
     if seconds:
@@ -290,7 +305,7 @@ def _diagnostics(result: InfluenceResult) -> str:
 
 
 def render(result: InfluenceResult) -> str:
-    """The HTML page of ``result`` from its scores, diagnostics and what :func:`remember` stored."""
+    """The HTML page of ``result`` from its scores, diagnostics and what :func:`attach` stored."""
     stored = result.diagnostics.get("report") or {}
     k, max_queries = int(stored.get("k", 8)), int(stored.get("max_queries", 12))
     wide = any("text" in v for v in (stored.get("examples") or {}).values())
@@ -333,11 +348,10 @@ def render(result: InfluenceResult) -> str:
 
 
 def write_report(result: InfluenceResult, path: str | Path, **attachments) -> Path:
-    """Write the HTML page of ``result`` to ``path``; ``attachments`` as in :func:`remember` (stored first)."""
-    remember(result, **attachments)
+    """Write the HTML page of ``result`` (with ``attachments`` as in :func:`attach`) to ``path``; return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(result), encoding="utf-8")
+    path.write_text(render(attach(result, **attachments) if attachments else result), encoding="utf-8")
     return path
 
 

@@ -7,6 +7,8 @@ removed is ``removal = removal_eps · values``, with ``removal_eps`` the ε that
 - −1/n for objectives that *average* over n examples (influence, multi-stage, the default);
 - −λ_u for the SSL weight hypergradient (values are ∂L_S/∂λ_u; removing u sets its weight λ_u to 0);
 - −1 for turn-over dropout, whose values are already whole-removal differences L(with i) − L(without i).
+- −1 for unrolled attribution (``influkit.unrolled``), whose values are d f/d w_z of the data weight w_z = 1
+  that removal sets to 0.
 
 ``diagnostics`` has one shape everywhere: ``{"solves": [Solution summaries, each with a "stage" key],
 "seconds": {phase: seconds}, "settings": {...}}`` (empty lists/dicts where a method has none).
@@ -134,18 +136,6 @@ class InfluenceResult:
         if not torch.is_tensor(self.removal_eps):
             meta["removal_eps"] = self.removal_eps
         return files.write(path, KIND, tensors, meta)
-
-    def report(self, path: str | Path, **attachments) -> Path:
-        """Write a self-contained HTML page of this result (:mod:`influkit.report`) and return its path.
-
-        attachments: ``examples=`` (training texts or images, indexable by example id), ``queries=`` (the test
-        examples), ``validation=`` (a leave-out frame with ``predicted`` and ``actual``), ``labels=``, ``k=``…
-        (:func:`influkit.report.remember`); what the page shows is kept in ``diagnostics["report"]``, so a
-        result saved afterwards renders the same page again (``influkit report RESULT -o page.html``).
-        """
-        from .report import write_report
-
-        return write_report(self, path, **attachments)
 
     def __repr__(self) -> str:
         shape = tuple(self.values.shape)

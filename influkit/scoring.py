@@ -2,25 +2,21 @@
 
 The inner products are taken by contraction of the layers' inputs and output-gradients
 (:mod:`influkit.contraction`), never forming the (chunk, p) gradient matrix; per-example gradients remain the
-fallback and the reference (``method="per-example"``). The chunk size comes from the memory budget
+fallback and the reference (``gradients="per-example"``). The chunk size comes from the memory budget
 (:class:`Scorer`, :mod:`influkit.memory`) unless given.
 
 Rows are split into chunks of ``chunk_size``; under ``torch.distributed`` rank r of R scores the r-th
 contiguous range of chunks and the rows are gathered in order, so every rank returns the whole result.
 
-With ``out=DIR`` the scores are *streamed*: every finished chunk is written to ``DIR/chunk-NNNNNN.safetensors``
-(atomic rename; the rank that wrote it is recorded inside), next to ``DIR/manifest.json``, which holds the
-query's fingerprint (chain, parameters, stage data sizes, links, solve settings, test set), the rows' digest
-and the chunk size. Re-running the same call skips every chunk already on disk and computes only the rest,
-so a process killed at any moment loses at most the chunks in flight; a run against a different query or
-different rows is refused. At the end the chunks are copied into ``DIR/values.npy`` and ``DIR/index.npy``
-(plain appends, chunk by chunk) and the result's tensors are memory-mapped from them: memory stays
-O(chunk_size · p) however many rows. After every chunk the C allocator's freed pages are returned to the
-system (glibc ``malloc_trim``): each chunk allocates and frees buffers of chunk_size · p floats, and once glibc
-has raised its mmap threshold past that size they come from the heap, whose freed pages otherwise stay resident
-and fragment — measured +30 MB of anonymous memory by 3·10⁵ rows without the trim, none with it
-(``benchmarks/bench_distributed.py --part rss --rss-without-trim``). Scoring all rows of a stage holds no
-O(m) index array (ids are ranges, hashed in pieces for the manifest).
+With ``out=DIR`` the scores are *streamed* into a :class:`~influkit.store.ScoreStore` (:mod:`influkit.store`: the
+manifest, one file per finished chunk, resumable): re-running the same call skips every chunk already on disk
+and computes only the rest, so a process killed at any moment loses at most the chunks in flight, and the
+result's tensors are memory-mapped from the store: memory stays O(chunk_size · p) however many rows. After every
+chunk the C allocator's freed pages are returned to the system (glibc ``malloc_trim``): each chunk allocates and
+frees buffers of chunk_size · p floats, and once glibc has raised its mmap threshold past that size they come
+from the heap, whose freed pages otherwise stay resident and fragment — measured +30 MB of anonymous memory by
+3·10⁵ rows without the trim, none with it (``benchmarks/bench_distributed.py --part rss --rss-without-trim``).
+Scoring all rows of a stage holds no O(m) index array (ids are ranges, hashed in pieces for the store's manifest).
 """
 
 from __future__ import annotations
@@ -28,8 +24,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
-import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +32,7 @@ from tqdm.auto import tqdm
 
 from . import distributed, files
 from .data import as_examples
-from .errors import FileFormatError, InputError
+from .errors import InputError
 from .contraction import Contractor
 from .gradients import backward_bytes, project_per_example_grads
 from .memory import PROBE_EXAMPLES
@@ -46,10 +40,9 @@ from .memory import plan as memory_plan
 from .memory import given as budget_given
 from .memory import resolve as budget_of
 from .stage import Stage, check_example_shape
+from .store import ScoreStore
 
-CHUNK_KIND = "score-chunk"
-SCORING_METHODS = ("contraction", "per-example")
-MANIFEST = "manifest.json"
+GRADIENTS = ("contraction", "per-example")
 _HASH_ROWS = 1 << 20
 
 
@@ -142,19 +135,19 @@ class Scorer:
     (:mod:`influkit.contraction`, memory O(chunk · activations)) or by per-example gradients (``vmap``, memory
     O(chunk · p)), and the chunk size that keeps one chunk inside the memory budget (:mod:`influkit.memory`).
 
-    method: "contraction" (default), or "per-example" (the reference). chunk_size: rows per chunk, or None to
+    gradients: "contraction" (default), or "per-example" (the reference). chunk_size: rows per chunk, or None to
     size it from ``memory`` (bytes; None: the default budget) by probing the method on two rows.
     autocast: bfloat16/float16 passes for the contraction (float32 accumulation).
     """
 
-    def __init__(self, stage: Stage, names, s: torch.Tensor, rows: "Rows", *, method: str = "contraction",
+    def __init__(self, stage: Stage, names, s: torch.Tensor, rows: "Rows", *, gradients: str = "contraction",
                  chunk_size: int | None = None, memory: int | None = None, autocast: torch.dtype | None = None):
-        if method not in SCORING_METHODS:
-            raise InputError(f"unknown scoring method {method!r}; choose one of {SCORING_METHODS}.")
-        if method == "per-example" and autocast is not None:
-            raise InputError("autocast applies to method='contraction' only.")
-        self.stage, self.names, self.method = stage, list(names), method
-        self.contractor = Contractor(stage, names, autocast=autocast) if method == "contraction" else None
+        if gradients not in GRADIENTS:
+            raise InputError(f"unknown gradients={gradients!r}; choose one of {GRADIENTS}.")
+        if gradients == "per-example" and autocast is not None:
+            raise InputError("autocast applies to gradients='contraction' only.")
+        self.stage, self.names, self.gradients = stage, list(names), gradients
+        self.contractor = Contractor(stage, names, autocast=autocast) if gradients == "contraction" else None
         s = s.reshape(s.shape[0], -1)
         if chunk_size is None:
             budget = budget_of(memory, s.device)
@@ -177,8 +170,8 @@ class Scorer:
 
     def describe(self) -> dict:
         detail = self.contractor.describe() if self.contractor is not None else {}
-        method = "per-example" if self.contractor is None or self.contractor.fallback_all else self.method
-        return {"method": method, "chunk_size": self.chunk_size, **detail}
+        gradients = "per-example" if self.contractor is None or self.contractor.fallback_all else self.gradients
+        return {"gradients": gradients, "chunk_size": self.chunk_size, **detail}
 
 
 def _chunk_scores(s: torch.Tensor, scorer: Scorer, rows: Rows, c: int, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,96 +196,32 @@ def score_rows(s: torch.Tensor, scorer: Scorer, rows: Rows, *, progress: bool) -
 
 
 def stream_rows(query_fingerprint: str, s: torch.Tensor, scorer: Scorer, rows: Rows, *, out: str | Path, progress: bool):
-    """Streamed, resumable :func:`score_rows` into the directory ``out`` (module docstring)."""
-    out = Path(out)
+    """:func:`score_rows` streamed into the :class:`~influkit.store.ScoreStore` ``out``: the chunks already there
+    are reused, the others computed and written one by one; returns (values, index) memory-mapped, chunk counts."""
     chunk_size = scorer.chunk_size
     s = s.reshape(s.shape[0], -1)
-    manifest = {"format": "influkit-scores", "version": files.VERSION, "query": query_fingerprint,
-                "rows": rows.digest(), "n_rows": len(rows), "chunk_size": chunk_size, "columns": s.shape[1]}
+    store = ScoreStore(out, {"format": "influkit-scores", "version": files.VERSION, "query": query_fingerprint,
+                             "rows": rows.digest(), "n_rows": len(rows), "chunk_size": chunk_size, "columns": s.shape[1]})
     if distributed.rank() == 0:
-        _claim(out, manifest)
+        store.claim()
     distributed.barrier()
     if distributed.rank() != 0:
-        _claim(out, manifest)
+        store.claim()
     mine, _ = _my_chunks(len(rows), chunk_size)
     rank = distributed.rank()
     counts = {"computed": 0, "reused": 0}
     for c in tqdm(mine, desc="scoring", disable=not progress or rank != 0, leave=False):
-        path = out / f"chunk-{c:06d}.safetensors"
-        if _finished(path, query_fingerprint):
+        if store.has(c):
             counts["reused"] += 1
             continue
         values, ids = _chunk_scores(s, scorer, rows, c, chunk_size)
-        files.write(path, CHUNK_KIND, {"values": values, "index": ids}, {"query": query_fingerprint, "chunk": c, "rank": rank})
+        store.put(c, values, ids, rank)
         counts["computed"] += 1
         del values, ids
         release_freed_memory()
     distributed.barrier()
     if rank == 0:
-        _assemble(out, -(-len(rows) // chunk_size), len(rows), s.shape[1], s.dtype)
+        store.assemble(s.dtype)
     distributed.barrier()
-    values = torch.from_numpy(np.load(out / "values.npy", mmap_mode="c"))
-    index = torch.from_numpy(np.load(out / "index.npy", mmap_mode="c"))
+    values, index = store.arrays()
     return values, index, counts
-
-
-def resumed_chunk_size(out: str | Path) -> int | None:
-    """The chunk size recorded in ``out``'s manifest (a run to resume), or None."""
-    path = Path(out) / MANIFEST
-    try:
-        return int(json.loads(path.read_text())["chunk_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _claim(out: Path, manifest: dict) -> None:
-    """Create ``out`` with ``manifest``, or check that the manifest already there describes the same job."""
-    path = out / MANIFEST
-    if path.exists():
-        try:
-            existing = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise FileFormatError(f"{path} is not an influkit scores manifest; use another directory.") from exc
-        if existing != manifest:
-            changed = sorted(k for k in manifest if existing.get(k) != manifest[k])
-            raise InputError(
-                f"{out} holds scores of another job (different {', '.join(changed)}: the chain, its parameters, "
-                "data sizes, links, solve settings, test set, rows or chunk size changed); refusing to resume into "
-                "it — pass a new directory or delete this one."
-            )
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    partial = out / (MANIFEST + ".partial")
-    partial.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    os.replace(partial, path)
-
-
-def _finished(path: Path, fingerprint: str) -> bool:
-    if not path.exists():
-        return False
-    try:
-        _, meta = files.read(path, CHUNK_KIND)
-    except FileFormatError:
-        return False  # torn or foreign: recompute it
-    return meta.get("query") == fingerprint
-
-
-def _assemble(out: Path, n_chunks: int, n_rows: int, columns: int, dtype: torch.dtype) -> None:
-    """Append the chunks in order to ``values.npy`` (n_rows, columns) and ``index.npy`` (plain writes, no map kept)."""
-    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-    with open(out / "values.npy.partial", "wb") as values, open(out / "index.npy.partial", "wb") as index:
-        for handle, kind, shape in ((values, np_dtype, (n_rows, columns)), (index, np.dtype(np.int64), (n_rows,))):
-            np.lib.format.write_array_header_1_0(
-                handle, {"descr": np.lib.format.dtype_to_descr(kind), "fortran_order": False, "shape": shape})
-        row = 0
-        for c in range(n_chunks):
-            tensors, _ = files.read(out / f"chunk-{c:06d}.safetensors", CHUNK_KIND)
-            k = tensors["values"].shape[0]
-            values.write(np.ascontiguousarray(tensors["values"].reshape(k, columns).numpy(), dtype=np_dtype).data)
-            index.write(np.ascontiguousarray(tensors["index"].numpy(), dtype=np.int64).data)
-            row += k
-            del tensors
-        if row != n_rows:
-            raise FileFormatError(f"{out}: the chunks hold {row} rows, the manifest {n_rows}; delete the directory and rerun.")
-    os.replace(out / "values.npy.partial", out / "values.npy")
-    os.replace(out / "index.npy.partial", out / "index.npy")

@@ -1,9 +1,10 @@
 """Inverse-Hessian solvers as objects behind one interface, chosen from a :class:`SolveConfig` by a registry.
 
-A :class:`Solver` is built for one config (``SolveConfig.build``), prepared once on an operator (``prepare``:
-the dense factorization, the fitted factored curvature or eigenpairs the method needs, kept on
-``operator.fitted``/the operator's factor cache), then solves any number of right-hand sides (``solve(b)``);
-``state``/``load`` persist what ``prepare`` built. ``solve(operator, b, solver, damping=λ)`` is the one-call form.
+A :class:`Solver` is built for one config (``SolveConfig.build``) on a stage's
+:class:`~influkit.fitted.FittedCurvature` (the operator H and its fitted approximations, which the chain owns and
+hands over), prepared once (``prepare``: the dense factorization, or the approximation the method needs, asked of
+the FittedCurvature, which fits it once), then solves any number of right-hand sides (``solve(b)``).
+``solve(operator, b, solver, damping=λ)`` is the one-call form.
 Each method returns a :class:`Solution` (x, iterations, relative residual, converged flag, time, number of
 Hessian-vector products). ``b`` may hold several right-hand sides as columns, shape (p, k). The iterations themselves
 are in :mod:`influkit.krylov`.
@@ -15,7 +16,8 @@ are in :mod:`influkit.krylov`.
 |            |                           |                 |                | any symmetric H, indefinite too    |
 | ``cg_spd`` | (H + λI) x = b            | 1 HVP / step    | κ(M⁻¹H)        | H + λI must be positive definite   |
 | ``minres`` | (H + λI) x = b            | 1 HVP / step    | κ(M⁻¹H)        | any symmetric H, indefinite too    |
-| ``lissa``  | (H + λI) x = b            | 1 HVP / step    | κ(H) (slow)    | Richardson iteration with a scale  |
+| ``lissa``  | (H + λI) x = b            | 1 HVP / step    | κ(H) (slow)    | Richardson iteration, step α       |
+| ``neumann`` | x = α Σ_{j<K} (I − α(H + λI))^j b | K − 1 HVPs | —        | approximate: K = ``max_iter`` terms |
 | ``identity`` | x = b                   | nothing         | —              | the paper's ablation (H := I)      |
 | ``kfac``, ``ekfac`` | x = (C + λI)⁻¹ b | the fitted factors | —           | approximate: C the (E)K-FAC curvature |
 | ``arnoldi`` | x = V (Θ + λ)⁻¹ Vᵀ b     | k eigenpairs    | —              | approximate: top-k subspace only   |
@@ -36,15 +38,17 @@ its H² system), reported as :attr:`Solution.residual` for every method (the app
 per column). The default (:func:`default_tol`) is reachable in the operator's precision: 1e-10 in float64,
 1e-4 in float32, where one HVP itself carries a relative error of ~1e-6·κ; Krylov vectors are kept in float64
 whatever the operator's dtype (float32 HVPs are cast), and a float32 solve that stalls at its floor stops and
-says so (``Solution.floor``: the residual float32 arithmetic can certify for that x).
+says so (``Solution.floor``: the residual float32 arithmetic can certify for that x). Approximate inverses
+are judged by :data:`APPROXIMATE_TOL` (0.5) unless ``tol`` is given. ``Solution.converged`` is residual ≤ tol for
+every method — a pseudo-inverse of a singular H and an approximate inverse can be unconverged — and None where no
+residual was computed (``identity``; approximate inverses with ``residual=False``).
 """
 
 from __future__ import annotations
 
 import math
 import time
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
@@ -52,15 +56,14 @@ import torch
 from tqdm.auto import tqdm
 
 from . import krylov
-from .curvature import CURVATURES
 from .errors import ConvergenceWarning, InputError, NumericalError, warn
-from .factored import FISHER, ArnoldiInverse, FactoredCurvature, FactoredCurvatureError, deflated, fit_curvature, lanczos
+from .factored import deflated
+from .fitted import CurvatureConfig, FittedCurvature
 from .operators import DenseOperator, Operator, SymmetricFactor
-from .params import ParamSpace, point
 
-METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "identity")
-APPROXIMATIONS = ("kfac", "ekfac", "arnoldi")
-SOLVERS = METHODS + APPROXIMATIONS  # the built-in solvers; :func:`register` adds more
+METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "neumann", "identity")
+APPROXIMATE_INVERSES = ("kfac", "ekfac", "arnoldi")  # x = C⁻¹b for a fitted approximation C (factored.approximations)
+SOLVERS = METHODS + APPROXIMATE_INVERSES  # the built-in solvers; :func:`register` adds more
 PRECONDITIONERS = ("kfac", "ekfac", "diagonal")
 
 
@@ -69,7 +72,10 @@ class Solution:
     """The result of one (batched) inverse-Hessian solve.
 
     residual: the largest relative residual ‖A x − c‖ / ‖c‖ over the columns, for the system A x = c the
-    method solves (see the module table); NaN for ``identity``, which solves nothing.
+    method solves (see the module table); NaN where none was computed (``identity``, which solves nothing, and
+    approximate inverses with ``residual=False``).
+    tol: the tolerance the residual is judged by; converged: residual ≤ tol, for every method (direct and
+    pseudo-inverse solves and approximate inverses too), or None where no residual was computed (not checked).
     choice: why this method (and preconditioner) ran (set when :class:`SolveConfig` chose it with ``solver="auto"``).
     preconditioner: what preconditioned an iterative solve, or which fitted approximation gave x ("" if none).
     floor: the relative residual the operator's precision can certify for this x, ε·(‖A‖‖x‖/‖b‖ + 1)
@@ -77,10 +83,11 @@ class Solution:
     """
 
     x: torch.Tensor
-    method: str
+    solver: str
     iterations: int
     residual: float
-    converged: bool
+    tol: float
+    converged: bool | None
     seconds: float
     products: int
     damping: float
@@ -108,46 +115,35 @@ AUTO_DIRECT_MAX = 3000
 
 @dataclass(frozen=True)
 class SolveConfig:
-    """How one inverse-Hessian system (H + λI) x = b is solved: the settings every influence method shares.
+    """How one inverse-Hessian system (H + λI) x = b is solved (which H, and how its approximations are fitted, is
+    the stage's :class:`~influkit.fitted.CurvatureConfig`).
 
     solver: one of ``SOLVERS`` or ``"auto"`` (``direct`` for p ≤ ``AUTO_DIRECT_MAX``, else ``minres``, with
     ``preconditioner`` if one is given; the choice and its reason are recorded in :attr:`Solution.choice`).
     ``"kfac"``/``"ekfac"``/``"arnoldi"`` are approximate inverses (x = C⁻¹ b, no iteration).
-    damping: λ ≥ 0 added to H (to H² for ``cg``). tol, max_iter: stopping rule of iterative solvers
-    (defaults: :func:`default_tol`, min(10·p, 2,000)). hessian_samples: estimate H on a seeded random
-    sample of this many examples (seed ``seed``). preconditioner: for ``minres``/``cg_spd``, ``"ekfac"``,
-    ``"kfac"`` or ``"diagonal"`` (M = C + λI from :func:`influkit.factored.fit_curvature`; with λ = 0,
-    1e-3·trace(C)/p keeps M ≻ 0), or M⁻¹ as a callable on (p, k) residuals, M ≈ H + λI positive definite.
-    fisher: how the factored curvature estimates the Gauss-Newton matrix: ``"sampled"`` labels (default;
-    cross-entropy or squared-error losses), ``"empirical"`` (true labels, any loss), ``"exact"``
-    (:mod:`influkit.factored.fisher`). rank: eigenpairs of ``"arnoldi"`` and of ``deflate`` (Lanczos steps:
-    max(2·rank, rank + 20)). deflate: also deflate the preconditioner with the top-``rank`` eigenpairs of H.
-    curvature: the matrix H of every solve, ``"hessian"`` (default: the exact Hessian of the stage objective) or
-    ``"gauss-newton"`` (the generalized Gauss-Newton matrix G ⪰ 0, :mod:`influkit.curvature`): G's damped system
-    is positive definite for convex losses, so MINRES/CG converge where an indefinite H + λI stalls, and it is
-    the matrix K-FAC/EK-FAC approximate, which makes them good preconditioners of it. The links between stages
-    (the Case 1/2 cross derivatives) stay exact Hessian products either way. residual: with ``True``, approximate
-    inverses (``kfac``/``ekfac``/``arnoldi``) report the true relative residual of their x, at the cost of one exact
-    Hessian-vector product over the stage's data per solve: 2-3 times the scoring of the whole data set, and
-    resident memory for its double-backward graph (benchmarks/bench_transformer.py, 5.4 M BERT: 17.8 s of a
-    22.3 s query + scoring, peak RSS 8.0 GB vs 0.64 GB without); the default ``False`` skips it and reports NaN,
-    as kronfluence and TRAK never check. Iterative and direct solves always report it.
-
-    Fitted factors and eigenpairs are kept on the operator (``operator.fitted``), so one fit serves every solve
-    with it; :meth:`influkit.Chain.fit` fits them up front and :meth:`influkit.Chain.save` stores them.
+    damping: λ ≥ 0 added to H (to H² for ``cg``). tol: the relative residual a solve must reach to be converged
+    (default: :func:`default_tol` for exact methods, :data:`APPROXIMATE_TOL` for approximate inverses and the
+    truncated ``neumann`` series); max_iter: iterations of iterative solvers (default min(10·p, 2,000)).
+    preconditioner: for ``minres``/``cg_spd``, ``"ekfac"``, ``"kfac"`` or ``"diagonal"`` (M = C + λI with C that
+    fitted approximation; with λ = 0, 1e-3·trace(C)/p keeps M ≻ 0), or M⁻¹ as a callable on (p, k) residuals,
+    M ≈ H + λI positive definite. deflate: also deflate the preconditioner with the top Lanczos eigenpairs of H
+    (their number: ``CurvatureConfig.rank``). step: the step α of ``lissa`` and ``neumann``,
+    x ← x + α(b − (H + λI)x) (default 1/(1.05·|λ_max(H + λI)|), by power iteration); ``neumann`` stops after
+    K = ``max_iter`` terms (default 20), Lorraine et al.'s truncated series, whatever its residual.
+    residual: with ``True``, approximate inverses report the true relative residual of their x, at the cost of one
+    exact Hessian-vector product over the stage's data per solve: 2-3 times the scoring of the whole data set, and
+    resident memory for its double-backward graph (benchmarks/bench_transformer.py, 5.4 M BERT: 17.8 s of a 22.3 s
+    query + scoring, peak RSS 8.0 GB vs 0.64 GB without); the default ``False`` skips it (residual NaN, converged
+    None: not checked), as kronfluence and TRAK never check. Iterative and direct solves always report it.
     """
 
     solver: str = "auto"
     damping: float = 0.0
     tol: float | None = None
     max_iter: int | None = None
-    hessian_samples: int | None = None
+    step: float | None = None
     preconditioner: str | Callable[[torch.Tensor], torch.Tensor] | None = None
-    seed: int = 0
-    fisher: str = "sampled"
-    rank: int = 50
     deflate: bool = False
-    curvature: str = "hessian"
     residual: bool = False
 
     def __post_init__(self) -> None:
@@ -155,8 +151,12 @@ class SolveConfig:
             raise InputError(f"unknown solver {self.solver!r}; choose 'auto' or one of {tuple(REGISTRY)}.")
         if not self.damping >= 0:
             raise InputError(f"damping must be ≥ 0, got {self.damping}.")
-        if self.hessian_samples is not None and self.hessian_samples <= 0:
-            raise InputError(f"hessian_samples must be positive, got {self.hessian_samples}.")
+        if self.step is not None and not self.step > 0:
+            raise InputError(f"step must be > 0, got {self.step}.")
+        if self.tol is not None and not self.tol >= 0:
+            raise InputError(f"tol must be a relative residual ≥ 0 (or None for the default), got {self.tol!r}.")
+        if self.max_iter is not None and (isinstance(self.max_iter, bool) or not self.max_iter >= 1):
+            raise InputError(f"max_iter must be ≥ 1 (or None for the default), got {self.max_iter!r}.")
         if isinstance(self.preconditioner, str):
             if self.preconditioner not in PRECONDITIONERS:
                 raise InputError(f"unknown preconditioner {self.preconditioner!r}; choose one of {PRECONDITIONERS} or pass "
@@ -166,14 +166,8 @@ class SolveConfig:
         if (self.preconditioner is not None or self.deflate) and not (
                 self.solver == "auto" or REGISTRY[self.solver].accepts_preconditioner):
             raise InputError(f"a preconditioner (or deflate) applies to solver='minres' or 'cg_spd', not {self.solver!r}.")
-        if self.fisher not in FISHER:
-            raise InputError(f"unknown fisher {self.fisher!r}; choose one of {FISHER}.")
-        if self.rank <= 0:
-            raise InputError(f"rank must be positive, got {self.rank}.")
-        if self.curvature not in CURVATURES:
-            raise InputError(f"unknown curvature {self.curvature!r}; choose one of {CURVATURES}.")
 
-    def method(self, dim: int) -> tuple[str, str]:
+    def choose(self, dim: int) -> tuple[str, str]:
         """(the method to run on a p = ``dim`` system, why)."""
         if self.solver != "auto":
             return self.solver, ""
@@ -181,18 +175,28 @@ class SolveConfig:
             return "direct", f"auto: p = {dim} ≤ {AUTO_DIRECT_MAX}, a dense factorization is fastest"
         return "minres", f"auto: p = {dim} > {AUTO_DIRECT_MAX}, MINRES (indefinite-safe, one HVP per step)"
 
-    def build(self, operator: Operator) -> "Solver":
-        """The (unprepared) :class:`Solver` of this config for ``operator`` (``auto`` resolved for its size)."""
-        method, why = self.method(operator.dim)
-        return REGISTRY[method](self, operator, choice=why)
+    def build(self, operator: "Operator | torch.Tensor | FittedCurvature",
+              curvature: CurvatureConfig | None = None) -> "Solver":
+        """The (unprepared) :class:`Solver` of this config (``auto`` resolved for the size).
 
-    def prepare(self, operator: Operator, *, progress: bool = False) -> "Solver":
-        """The :class:`Solver` of this config, prepared on ``operator`` (what it needs fitted, fitted once)."""
-        return self.build(operator).prepare(progress=progress)
+        operator: a stage's :class:`FittedCurvature` (what a Chain hands over), or an Operator / dense tensor, which
+        gets a FittedCurvature of its own with the settings ``curvature`` (default ``CurvatureConfig()``)."""
+        if not isinstance(operator, FittedCurvature):
+            operator = FittedCurvature(operator, curvature if curvature is not None else CurvatureConfig())
+        elif curvature is not None and curvature != operator.config:
+            raise InputError("give the curvature settings once: the FittedCurvature was fitted with its own CurvatureConfig.")
+        name, why = self.choose(operator.operator.dim)
+        return REGISTRY[name](self, operator, choice=why)
 
-    def solve(self, operator: Operator, b: torch.Tensor, *, progress: bool = False, warn: bool = True) -> "Solution":
+    def prepare(self, operator: "Operator | torch.Tensor | FittedCurvature", curvature: CurvatureConfig | None = None,
+                *, progress: bool = False) -> "Solver":
+        """The :class:`Solver` of this config, prepared (what it needs fitted, fitted once: see :meth:`build`)."""
+        return self.build(operator, curvature).prepare(progress=progress)
+
+    def solve(self, operator: "Operator | torch.Tensor | FittedCurvature", b: torch.Tensor,
+              curvature: CurvatureConfig | None = None, *, progress: bool = False, warn: bool = True) -> "Solution":
         """x ≈ (H + λI)⁻¹ b with these settings: :meth:`prepare` then :meth:`Solver.solve`."""
-        return self.prepare(operator, progress=progress).solve(b, progress=progress, warn=warn)
+        return self.prepare(operator, curvature, progress=progress).solve(b, progress=progress, warn=warn)
 
     def summary(self) -> dict:
         """The settings as JSON-friendly values (a callable preconditioner is named by its type)."""
@@ -200,47 +204,6 @@ class SolveConfig:
         if callable(self.preconditioner):
             out["preconditioner"] = getattr(self.preconditioner, "__qualname__", type(self.preconditioner).__name__)
         return out
-
-
-# keywords the entry points took before ``solve=SolveConfig(...)``; still accepted for one release, with a warning
-DEPRECATED_SOLVE_KEYWORDS = ("solver", "damping", "tol", "max_iter", "hessian_samples", "seed")
-
-
-def solve_settings(solve: "SolveConfig | Sequence[SolveConfig] | None", deprecated: Mapping[str, object], where: str,
-                   stages: int = 1, default: "SolveConfig | None" = None) -> "SolveConfig | list[SolveConfig]":
-    """The SolveConfig (one, or one per stage when ``stages`` > 1) of an entry point called with ``solve=`` or with
-    the deprecated solve keywords (``solver=``, ``damping=``, ... — each warns, naming its replacement).
-
-    deprecated: the extra keywords the entry point received; a keyword that is not a solve setting is a TypeError,
-    as for any function. A deprecated keyword holding a (value, value, ...) tuple gives one value per stage.
-    The keywords change the fields of ``default`` (or of ``SolveConfig()``); with ``solve=`` too they are refused.
-    """
-    unknown = sorted(set(deprecated) - set(DEPRECATED_SOLVE_KEYWORDS))
-    if unknown:
-        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
-    if solve is not None and deprecated:
-        raise InputError(f"{where}: give the solve settings once, in solve=SolveConfig(...) (or one per stage), not "
-                         f"also as {', '.join(deprecated)}=.")
-    if not deprecated:
-        solve = solve if solve is not None else default if default is not None else SolveConfig()
-        return solve if stages == 1 or not isinstance(solve, SolveConfig) else [solve] * stages
-    solve = default if default is not None else SolveConfig()
-    per_stage: list[dict] = [{} for _ in range(stages)]
-    for key, value in deprecated.items():
-        example = (f"solve=[influkit.SolveConfig({key}=...), ...] (one per stage)" if isinstance(value, (tuple, list))
-                   else f"solve=influkit.SolveConfig({key}=...)")
-        warnings.warn(f"{where}({key}=...) is deprecated and will be removed in the next release; pass {example}.",
-                      DeprecationWarning, stacklevel=3)
-        if isinstance(value, (tuple, list)):
-            if len(value) != stages:
-                raise InputError(f"{key} must be one value or one per stage ({stages}), got {value!r}.")
-            for settings, v in zip(per_stage, value):
-                settings[key] = v
-        else:
-            for settings in per_stage:
-                settings[key] = value
-    configs = [replace(solve, **settings) for settings in per_stage]
-    return configs[0] if stages == 1 else configs
 
 
 # ------------------------------------------------------------------------------------------------ solvers
@@ -261,38 +224,25 @@ def register(*names: str):
     return add
 
 
-def _fitted(operator) -> dict:
-    """The dict on ``operator`` holding what solvers fitted on it ({"curvature", "arnoldi", "notes"}), created once."""
-    fitted = getattr(operator, "fitted", None)
-    if fitted is None:
-        fitted = {"notes": []}
-        try:
-            operator.fitted = fitted
-        except AttributeError:  # an operator that takes no attributes: the fit lives as long as this solver
-            pass
-    return fitted
-
-
 class Solver:
-    """(H + λI)⁻¹ b, or the method's version of it, for one :class:`SolveConfig` on one operator.
+    """(H + λI)⁻¹ b, or the method's version of it, for one :class:`SolveConfig` on one stage's curvature.
 
-    ``prepare()`` fits what the method needs (once per operator: fitted objects are kept on ``operator.fitted``);
-    ``solve(b)`` returns a :class:`Solution` for b of shape (p,) or (p, k); ``state(prefix)`` → (tensors, JSON meta)
-    and ``load(tensors, meta, prefix)`` persist what ``prepare`` fitted, bit for bit. Subclasses fill in
-    ``_prepare`` and ``_run(rhs, tol, max_iter, bar) -> (x, iterations, residual, floor)``.
+    curvature: the stage's :class:`FittedCurvature` (its operator H and fitted approximations; ``prepare()`` asks
+    it for what the method needs, fitted once there and shared by every solver handed the same object);
+    ``solve(b)`` returns a :class:`Solution` for b of shape (p,) or (p, k). Subclasses fill in ``_prepare`` and
+    ``_run(rhs, tol, max_iter, bar) -> (x, iterations, residual, floor)`` (residual NaN: not computed).
     """
 
-    exact: ClassVar[bool] = False  # True: converged by construction (no residual test)
+    approximate: ClassVar[bool] = False  # True: x = C⁻¹b for a fitted approximation C (default tol APPROXIMATE_TOL)
     iterative: ClassVar[bool] = False  # True: runs ``max_iter`` steps at most, with a progress bar
     accepts_preconditioner: ClassVar[bool] = False  # True: SolveConfig(preconditioner=..., deflate=...) applies
+    default_max_iter: ClassVar[int | None] = None  # None: min(10·p, 2,000)
 
-    def __init__(self, config: SolveConfig, operator: Operator, *, choice: str = ""):
-        if torch.is_tensor(operator):
-            operator = DenseOperator(operator)
-        self.config, self.operator, self.choice = config, operator, choice
-        self.name = config.method(operator.dim)[0]
+    def __init__(self, config: SolveConfig, curvature: FittedCurvature, *, choice: str = ""):
+        self.config, self.curvature, self.choice = config, curvature, choice
+        self.operator = curvature.operator
+        self.name = config.choose(self.operator.dim)[0]
         self.preconditioner_name = ""
-        self.fitted = _fitted(operator)
 
     def prepare(self, *, progress: bool = False) -> "Solver":
         """Fit what this method needs on the operator (nothing by default). Returns self."""
@@ -311,8 +261,9 @@ class Solver:
             raise InputError(f"right-hand side has {rhs.shape[0]} rows, the Hessian is {operator.dim}×{operator.dim}.")
         if not torch.isfinite(rhs).all():
             raise NumericalError("the right-hand side holds NaN or Inf (a gradient overflowed); check the model and data.")
-        tol = default_tol(rhs.dtype) if self.config.tol is None else self.config.tol
-        max_iter = min(10 * operator.dim, 2000) if self.config.max_iter is None else self.config.max_iter
+        tol = self.config.tol if self.config.tol is not None else APPROXIMATE_TOL if self.approximate else \
+            default_tol(rhs.dtype)
+        max_iter = self.config.max_iter or self.default_max_iter or min(10 * operator.dim, 2000)
         start_products = getattr(operator, "products", 0)
         start = time.perf_counter()
         bar = tqdm(total=max_iter, desc=f"{self.name} solve", disable=not (progress and self.iterative), leave=False)
@@ -323,17 +274,16 @@ class Solver:
                 f"the {self.name} solve produced NaN/Inf after {iterations} iterations; increase damping or use "
                 "float64."
             )
-        converged = self.exact or residual <= tol
-        if not converged and warn:
-            _warn_unconverged(self.name, iterations, residual, tol, floor, rhs.dtype, self.config.damping,
-                              getattr(self, "stats", {}))
-        notes = list(self.fitted.get("notes", []))
+        converged = None if math.isnan(residual) else bool(residual <= tol)  # None: not checked
+        if converged is False and warn:
+            self._warn_unconverged(iterations, residual, tol, floor, rhs.dtype)
+        notes = list(self.curvature.notes)
         why = self.choice
         if why and self.preconditioner_name:
             why = f"{why}, preconditioned by {self.preconditioner_name}"
         return Solution(
-            x=x.reshape(-1) if single else x, method=self.name, iterations=iterations, residual=float(residual),
-            converged=bool(converged), seconds=time.perf_counter() - start,
+            x=x.reshape(-1) if single else x, solver=self.name, iterations=iterations, residual=float(residual),
+            tol=float(tol), converged=converged, seconds=time.perf_counter() - start,
             products=getattr(operator, "products", 0) - start_products, damping=float(damping),
             choice="; ".join([why] + notes) if notes else why, preconditioner=self.preconditioner_name,
             floor=float(floor),
@@ -342,6 +292,10 @@ class Solver:
     def _run(self, rhs: torch.Tensor, tol: float, max_iter: int, bar) -> tuple[torch.Tensor, int, float, float]:
         raise NotImplementedError
 
+    def _warn_unconverged(self, iterations: int, residual: float, tol: float, floor: float, dtype) -> None:
+        _warn_unconverged(self.name, iterations, residual, tol, floor, dtype, self.config.damping,
+                          getattr(self, "stats", {}))
+
     def _system(self, rhs: torch.Tensor, squared: bool = False):
         """(A, c) of the system A x = c solved: (H + λI) x = b, or (H² + λI) x = H b with ``squared``."""
         op, damping = self.operator, self.config.damping
@@ -349,71 +303,15 @@ class Solver:
             return (lambda v: op.matvec(op.matvec(v)) + damping * v), op.matvec(rhs)
         return (lambda v: op.matvec(v) + damping * v), rhs
 
-    def state(self, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
-        """(tensors, JSON meta) of what :meth:`prepare` fitted on the operator, for :meth:`load` (bit-identical)."""
-        tensors: dict[str, torch.Tensor] = {}
-        meta: dict = {"notes": list(self.fitted.get("notes", []))}
-        for key in ("curvature", "arnoldi"):
-            if self.fitted.get(key) is not None:
-                t, meta[key] = self.fitted[key].state(f"{prefix}{key}.")
-                tensors.update(t)
-        return tensors, meta
-
-    def load(self, tensors: Mapping[str, torch.Tensor], meta: Mapping, prefix: str = "") -> "Solver":
-        """Put what :meth:`state` saved back on the operator instead of fitting it again. Returns self."""
-        op = self.operator
-        self.fitted.clear()
-        self.fitted["notes"] = list(meta.get("notes", []))
-        if "curvature" in meta:
-            space = ParamSpace(point(op.stage.state(), op.names, getattr(op, "at", None)))
-            self.fitted["curvature"] = FactoredCurvature.from_state(tensors, meta["curvature"], space, prefix + "curvature.")
-        if "arnoldi" in meta:
-            self.fitted["arnoldi"] = ArnoldiInverse.from_state(tensors, meta["arnoldi"], op.dtype, op.device,
-                                                               prefix + "arnoldi.")
-        return self.prepare()  # finds what was just restored: nothing is fitted again
-
-    # what several methods fit: the factored curvature C and the top Lanczos eigenpairs of H
-
-    def _curvature(self, kind: str, progress: bool):
-        """The fitted factored curvature of ``kind`` on the operator (fitted now unless a matching one is kept)."""
-        if not _matches(self.fitted.get("curvature"), kind, self.config):
-            self.fitted["curvature"] = self._fit_curvature(kind, progress)
-        return self.fitted["curvature"]
-
-    def _fit_curvature(self, kind: str, progress: bool):
-        config, op, notes = self.config, self.operator, self.fitted.setdefault("notes", [])
-        stage = getattr(op, "stage", None)
-        if stage is None:
-            if config.solver == "auto":
-                notes.append("no preconditioner: the operator has no Stage to fit factors on")
-                return None
-            raise InputError(
-                f"{kind!r} needs the Hessian operator of a Stage (the factors come from the model's layers); "
-                f"got a {type(op).__name__}. Use influkit.curvature.HessianOperator or a Chain."
-            )
-        args = dict(names=op.names, kind=kind, indices=op.indices, extra=op.extra, at=getattr(op, "at", None),
-                    seed=config.seed, progress=progress)
-        try:
-            return fit_curvature(stage, fisher=config.fisher, **args)
-        except FactoredCurvatureError:
-            if config.solver != "auto" or config.fisher != "sampled":
-                raise
-            notes.append("EK-FAC on the empirical Fisher: the loss's predictive distribution is not recognised")
-            return fit_curvature(stage, fisher="empirical", **args)
-
-    def _eigenpairs(self, progress: bool) -> ArnoldiInverse:
-        """The top-``rank`` Lanczos eigenpairs of H (computed now unless matching ones are kept)."""
-        if not _matches_eigen(self.fitted.get("arnoldi"), self.config):
-            theta, vectors, info = lanczos(self.operator, self.config.rank, seed=self.config.seed, progress=progress)
-            self.fitted["arnoldi"] = ArnoldiInverse(theta, vectors, self.operator.dtype, info | {"seed": self.config.seed})
-        return self.fitted["arnoldi"]
+    def _approximation(self, name: str, progress: bool):
+        """The stage's fitted approximation ``name`` (fitted now unless its FittedCurvature keeps one); under
+        ``auto`` an unrecognised loss falls back to the empirical Fisher, and no stage to no preconditioner."""
+        return self.curvature.approximation(name, progress=progress, fallback=self.config.solver == "auto")
 
 
 @register("identity")
 class Identity(Solver):
-    """x = b: every H⁻¹ replaced by I (the multi-stage paper's ablation)."""
-
-    exact = True
+    """x = b: every H⁻¹ replaced by I (the multi-stage paper's ablation); no residual (converged None)."""
 
     def _run(self, rhs, tol, max_iter, bar):
         return rhs.clone(), 0, math.nan, math.nan
@@ -421,9 +319,10 @@ class Identity(Solver):
 
 @register("direct")
 class Direct(Solver):
-    """x = (H + λI)⁻¹ b from a factorization of the dense H (Cholesky, else an eigh pseudo-inverse), built once."""
+    """x = (H + λI)⁻¹ b from a factorization of the dense H (Cholesky, else an eigh pseudo-inverse), built once.
 
-    exact = True
+    Its residual is checked like any other method's: a pseudo-inverse of a singular H solves b only when b has no
+    component in H's null space, and is reported unconverged otherwise."""
 
     def _prepare(self, progress: bool) -> None:
         self._factor()
@@ -441,19 +340,21 @@ class Direct(Solver):
     def _run(self, rhs, tol, max_iter, bar):
         factor = self._factor()
         x = factor.solve(rhs)
-        residual = float(((factor.shifted @ x - rhs).norm(dim=0) / rhs.norm(dim=0).clamp_min(1e-300)).max())
+        residual = krylov_residual(lambda v: factor.shifted @ v, x, rhs)
         return x, 1, residual, math.nan
 
-    def state(self, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
-        tensors, meta = super().state(prefix)
-        if getattr(self.operator, "has_dense", False):
-            tensors[f"{prefix}hessian"] = self.operator.dense()
-        return tensors, meta
-
-    def load(self, tensors, meta, prefix: str = "") -> "Solver":
-        if f"{prefix}hessian" in tensors:
-            self.operator.restore_dense(tensors[f"{prefix}hessian"])
-        return super().load(tensors, meta, prefix)
+    def _warn_unconverged(self, iterations, residual, tol, floor, dtype) -> None:
+        if self._factor().eigen is None:
+            return super()._warn_unconverged(iterations, residual, tol, floor, dtype)
+        if self._factor().indefinite:
+            warn(f"direct: the pseudo-inverse leaves relative residual {residual:.2e} > tol {tol:.0e}: H + λI is "
+                 "indefinite, with eigenvalues at zero; the stage is not at a minimum. Solve the positive semi-definite "
+                 "Gauss-Newton matrix with damping instead (the factorization's warning names the values).",
+                 ConvergenceWarning)
+            return
+        warn(f"direct: the pseudo-inverse leaves relative residual {residual:.2e} > tol {tol:.0e}: H + λI is singular "
+             "and the right-hand side has a part in its null space, which no x can match (x is the least-squares "
+             "answer). Add damping (SolveConfig(damping=...)) for a unique solution.", ConvergenceWarning)
 
 
 class _Krylov(Solver):
@@ -461,8 +362,8 @@ class _Krylov(Solver):
 
     iterative = True
 
-    def __init__(self, config: SolveConfig, operator: Operator, *, choice: str = ""):
-        super().__init__(config, operator, choice=choice)
+    def __init__(self, config: SolveConfig, curvature: FittedCurvature, *, choice: str = ""):
+        super().__init__(config, curvature, choice=choice)
         self.apply_preconditioner: Callable | None = None
 
     def _prepare(self, progress: bool) -> None:
@@ -472,12 +373,12 @@ class _Krylov(Solver):
             return
         base, name = (pre, getattr(pre, "__qualname__", type(pre).__name__)) if callable(pre) else (None, "")
         if isinstance(pre, str):
-            curvature = self._curvature(pre, progress)
+            curvature = self._approximation(pre, progress)
             if curvature is not None:
                 shift = config.damping if config.damping > 0 else 1e-3 * curvature.mean_eigenvalue()
                 base, name = (lambda r: curvature.solve(r, shift)), f"{pre} ({curvature.info['fisher']} Fisher)"
         if config.deflate and self.accepts_preconditioner:
-            pairs = self._eigenpairs(progress)
+            pairs = self._approximation("arnoldi", progress)
             base = deflated(base, pairs.eigenvalues, pairs.eigenvectors, config.damping)
             name = f"{name or 'identity'} deflated by {pairs.eigenvalues.numel()} Lanczos eigenpairs"
         self.apply_preconditioner, self.preconditioner_name = base, name
@@ -530,21 +431,37 @@ class CGSquared(CG):
 
 @register("lissa")
 class LiSSA(_Krylov):
-    """Richardson iteration x ← x + (b − (H + λI) x)/s (LiSSA, deterministic): s = ``scale`` or 1.05·|λ_max|."""
-
-    scale: float | None = None
+    """Richardson iteration x ← x + α(b − (H + λI) x) (LiSSA, deterministic): α = ``step`` or 1/(1.05·|λ_max|)."""
 
     def _run(self, rhs, tol, max_iter, bar):
         apply, target = self._system(rhs)
-        step = self.scale if self.scale is not None else 1.05 * krylov.largest_eigenvalue(apply, rhs)
-        x, iterations = krylov.richardson(apply, target, step, tol, max_iter, bar)
+        step = self.config.step
+        scale = 1.0 / step if step is not None else 1.05 * krylov.largest_eigenvalue(apply, rhs)
+        x, iterations = krylov.richardson(apply, target, scale, tol, max_iter, bar)
         return x, iterations, krylov_residual(apply, x, target), math.nan
 
 
-class _Approximation(Solver):
-    """x = C⁻¹ b for a fitted approximation C of H + λI (no iteration); the residual is that of the true system."""
+@register("neumann")
+class Neumann(LiSSA):
+    """Lorraine et al.'s truncated Neumann series x = α Σ_{j<K} (I − α(H + λI))^j b, K = ``max_iter`` terms (default
+    20): LiSSA stopped after K terms whatever its residual — an approximate inverse, like ``kfac`` (the residual of
+    its x is reported and judged by ``APPROXIMATE_TOL`` unless ``tol`` is given)."""
 
-    exact = True
+    approximate = True
+    default_max_iter = 20
+
+    def _run(self, rhs, tol, max_iter, bar):
+        return super()._run(rhs, 0.0, max_iter - 1, bar)  # x starts at α b, the first term
+
+
+class _Approximation(Solver):
+    """x = C⁻¹ b for a fitted approximation C of H + λI (no iteration); the residual is that of the true system
+    (one exact Hessian-vector product per column; ``residual=False`` skips it: converged None).
+
+    Judged by ``APPROXIMATE_TOL`` unless ``tol`` is given: C is not H, so x is not (H + λI)⁻¹b; a residual above
+    it means C⁻¹ misses b by more than half of b on this system."""
+
+    approximate = True
     approximation = None  # set by prepare (or given to :func:`solve`)
 
     def _run(self, rhs, tol, max_iter, bar):
@@ -554,6 +471,15 @@ class _Approximation(Solver):
         apply, target = self._system(rhs)
         return x, 0, krylov_residual(apply, x, target), math.nan
 
+    def _warn_unconverged(self, iterations, residual, tol, floor, dtype) -> None:
+        remedy = (f"SolveConfig(solver='minres', preconditioner='{self.name}')" if self.name in PRECONDITIONERS
+                  else "SolveConfig(solver='minres', deflate=True)")
+        warn(
+            f"{self.name}: the approximate inverse leaves relative residual {residual:.2e} > tol {tol:.0e} on "
+            f"(H + λI)x = b: its x solves the fitted approximation, not the stage's Hessian, so the scores are "
+            f"{self.name}'s, not the influence function's. For an exact solve (the same fit as its preconditioner) "
+            f"pass {remedy}; to accept the approximation, pass a larger tol.", ConvergenceWarning)
+
 
 @register("kfac", "ekfac")
 class Factored(_Approximation):
@@ -561,7 +487,7 @@ class Factored(_Approximation):
 
     def _prepare(self, progress: bool) -> None:
         if self.approximation is None:
-            self.approximation = self._curvature(self.name, progress)
+            self.approximation = self._approximation(self.name, progress)
         self.preconditioner_name = f"{self.name} ({self.approximation.info['fisher']} Fisher)"
 
 
@@ -571,7 +497,7 @@ class Arnoldi(_Approximation):
 
     def _prepare(self, progress: bool) -> None:
         if self.approximation is None:
-            self.approximation = self._eigenpairs(progress)
+            self.approximation = self._approximation("arnoldi", progress)
         self.preconditioner_name = f"arnoldi (rank {self.approximation.eigenvalues.numel()})"
 
 
@@ -587,7 +513,8 @@ def _warn_unconverged(method: str, iterations: int, residual: float, tol: float,
         advice = (f"CG met negative curvature: H + λI (λ = {damping:g}) is not positive definite, so the stage is not at "
                   "a minimum (e.g. trained for a few Adam steps, or a saddle). Use solver='minres' (or 'cg', on H²), "
                   "which solve the same indefinite system, or the positive semi-definite Gauss-Newton matrix with "
-                  "damping, SolveConfig(curvature='gauss-newton', damping=λ > 0, e.g. 1e-3 of ‖H‖), on which CG "
+                  "damping, curvature=CurvatureConfig(matrix='gauss-newton') with SolveConfig(damping=λ > 0, e.g. 1e-3 of ‖H‖), "
+                  "on which CG "
                   "converges.")
     elif "lanczos" in stats and (negative := krylov.negative_ritz_values(stats["lanczos"])) > 0:
         scale = stats["norm"]
@@ -595,7 +522,8 @@ def _warn_unconverged(method: str, iterations: int, residual: float, tol: float,
                   "eigenvalues, Ritz values of H + λI), so the "
                   "stage is not at a minimum (e.g. trained for a few Adam steps, or a saddle), and its eigenvalues near "
                   "zero stall the solve. Solve the positive semi-definite Gauss-Newton system instead, "
-                  f"SolveConfig(curvature='gauss-newton', damping={1e-3 * scale:.1e}) (1e-3 of ‖H‖ ≈ {scale:.1e}), or "
+                  f"curvature=CurvatureConfig(matrix='gauss-newton') with SolveConfig(damping={1e-3 * scale:.1e}) "
+                  f"(1e-3 of ‖H‖ ≈ {scale:.1e}), or "
                   "add damping above |λ_min(H)| (H + λI then positive definite).")
     elif method == "lissa":
         advice = "use solver='minres' (its steps grow with √κ(H) where LiSSA's grow with κ(H))."
@@ -607,14 +535,9 @@ def _warn_unconverged(method: str, iterations: int, residual: float, tol: float,
          + advice, ConvergenceWarning)
 
 
-def _matches(curvature, kind: str, config: SolveConfig) -> bool:
-    return curvature is not None and curvature.kind == kind and curvature.info.get("seed") == config.seed and (
-        curvature.info.get("fisher") == config.fisher or config.solver == "auto")
-
-
-def _matches_eigen(arnoldi, config: SolveConfig) -> bool:
-    return arnoldi is not None and arnoldi.eigenvalues.numel() >= min(config.rank, arnoldi.eigenvectors.shape[0]) and \
-        arnoldi.info.get("seed") == config.seed
+# The default tolerance of approximate inverses (kfac, ekfac, arnoldi): their x = C⁻¹b is judged by the true
+# relative residual ‖(H + λI)x − b‖/‖b‖; above 0.5 the fitted C misses b by more than half of b (x = 0 scores 1).
+APPROXIMATE_TOL = 0.5
 
 
 def default_tol(dtype: torch.dtype) -> float:
@@ -644,32 +567,26 @@ def solve(
     damping: float = 0.0,
     tol: float | None = None,
     max_iter: int | None = None,
-    scale: float | None = None,
+    step: float | None = None,
     preconditioner: Callable[[torch.Tensor], torch.Tensor] | None = None,
     approximation=None,
     progress: bool = False,
     warn: bool = True,
-    **deprecated,
 ) -> Solution:
     """Approximately x = H⁻¹ b (with damping λ as in the module table), for b of shape (p,) or (p, k).
 
     operator: an :class:`~influkit.operators.Operator` (e.g. :class:`~influkit.curvature.HessianOperator`), or
     a dense symmetric (p, p) tensor. ``direct`` also needs ``operator.dense()`` (or a cached ``factor``).
     solver: one of ``SOLVERS`` or ``"auto"`` (default; as in :class:`SolveConfig`, ``minres`` when the operator
-    has no dense form). ``method=`` is its deprecated name. tol: relative residual to stop at (default
-    :func:`default_tol`); max_iter: cap on iterations (default min(10·p, 2,000)); scale: LiSSA's step 1/scale
-    (default 1.05·|λ_max| by power iteration).
+    has no dense form). tol: relative residual to stop at (default
+    :func:`default_tol`); max_iter: cap on iterations (default min(10·p, 2,000); for ``neumann``
+    the number of terms, default 20); step: the step α of ``lissa`` and ``neumann`` (default 1/(1.05·|λ_max|), by
+    power iteration).
     preconditioner: for ``minres`` and ``cg_spd``, M⁻¹ applied to (p, k) residuals, M ≈ H + λI symmetric
     positive definite (they then converge with κ(M⁻¹H) instead of κ(H)).
     approximation: for ``kfac``/``ekfac``/``arnoldi``, the fitted object whose ``solve(rhs, damping)`` gives x
     (:class:`~influkit.factored.FactoredCurvature`, :class:`~influkit.factored.ArnoldiInverse`).
     """
-    if "method" in deprecated:
-        warnings.warn("influkit.solve(method=...) is deprecated and will be removed in the next release; pass "
-                      "solver=... (the third positional argument).", DeprecationWarning, stacklevel=2)
-        solver = deprecated.pop("method")
-    if deprecated:
-        raise TypeError(f"solve() got an unexpected keyword argument {next(iter(deprecated))!r}")
     if torch.is_tensor(operator):
         operator = DenseOperator(operator)
     if solver != "auto" and solver not in REGISTRY:
@@ -678,20 +595,18 @@ def solve(
         raise InputError(f"damping must be ≥ 0, got {damping}.")
     if preconditioner is not None and not (solver != "auto" and REGISTRY[solver].accepts_preconditioner):
         raise InputError(f"a preconditioner applies to 'minres' and 'cg_spd', not {solver!r}.")
-    if solver in APPROXIMATIONS and approximation is None:
+    if solver != "auto" and issubclass(REGISTRY[solver], _Approximation) and approximation is None:
         raise InputError(
             f"solver={solver!r} needs its fitted approximation: use SolveConfig(solver={solver!r}).solve(operator, b) "
             "or a Chain, which fit it, or pass approximation=influkit.factored.fit_curvature(...)."
         )
-    config = SolveConfig(solver=solver, damping=damping, tol=tol, max_iter=max_iter)
+    config = SolveConfig(solver=solver, damping=damping, tol=tol, max_iter=max_iter, step=step)
     instance = config.build(operator)
     if isinstance(instance, Direct) and solver == "auto" and not (hasattr(operator, "dense") or hasattr(operator, "factor")):
         instance = replace(config, solver="minres").build(operator)
         instance.choice = "auto: the operator has no dense() to factor, MINRES (indefinite-safe, one HVP per step)"
     if isinstance(instance, _Krylov):
         instance.apply_preconditioner = preconditioner
-    if isinstance(instance, LiSSA):
-        instance.scale = scale
     if isinstance(instance, _Approximation):
         instance.approximation = approximation
     return instance.solve(b, progress=progress, warn=warn)

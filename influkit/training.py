@@ -178,3 +178,12 @@ def newton_fit(
                 for name, delta in step.items():
                     named[name].add_(t * delta)
     return gradient_norm(stage)
+
+
+def train_to_stationarity(stage: Stage, *, max_iter: int = 1000, tol: float = 1e-10) -> float:
+    """Minimize the stage objective in place — full-batch L-BFGS, then Newton steps — and return ‖∇L‖ at the end.
+
+    A dense Newton factor at the L-BFGS end point: for stages of up to a few thousand parameters.
+    """
+    fit_lbfgs(stage, max_iter=max_iter, tol=10 * tol, restarts=0)
+    return newton_fit(stage, tol=tol)

@@ -5,7 +5,7 @@
 # kronfluence 1.0.1 goes in with --no-deps: it declares torchvision but never imports it, and PyPI's torchvision
 # for torch 2.13.0 is built against the CUDA torch, fails to import beside the CPU wheel and takes
 # `from transformers import BertForMaskedLM` down with it (pyproject.toml, the bench extra).
-# Usage: bash scripts/bench-env.sh [VENV_DIR]   then   VENV_DIR/bin/python benchmarks/bench_peers.py --quick
+# Usage: bash scripts/bench-env.sh [VENV_DIR]   then   VENV_DIR/bin/python -m benchmarks.bench_peers --quick
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${1:-$root/.bench-venv}"

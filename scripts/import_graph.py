@@ -1,12 +1,15 @@
-"""influkit's import graph, read from the source (nothing is imported): circles and arrows from core to methods.
+"""The import graphs of influkit and of the benchmarks package, read from the source (nothing is imported): circles,
+arrows from core to methods, and ``sys.path`` edits.
 
-    python scripts/import_graph.py            # print the graph's circles and forbidden arrows
+    python scripts/import_graph.py            # print both graphs' circles and forbidden arrows
     python scripts/import_graph.py --check    # exit 1 if there is any (tests/test_imports.py runs this)
 
-An arrow A → B means module A imports module B, at module level or inside a function (``lazy``). The package
-splits into the **core** (the gradient path every method shares) and the **method and application packages**
-built on it (and the presets and tools: influence, multistage, training, jobs, cli); the core imports nothing
-outside itself, and no set of modules may import each other in a circle.
+An arrow A → B means module A imports module B, at module level or inside a function (``lazy``); a bare
+``import sibling`` inside a package (a script importing the file beside it) counts as an arrow to that sibling.
+influkit splits into the **core** (the gradient path every method shares) and the **method and application
+packages** built on it (and the presets and tools: influence, multistage, training, jobs, cli); the core imports
+nothing outside itself, and no set of modules may import each other in a circle. The benchmarks are a package
+(``python -m benchmarks.bench_fidelity ...``): no circle, and no module edits ``sys.path`` to find its siblings.
 """
 
 from __future__ import annotations
@@ -17,17 +20,19 @@ import sys
 from pathlib import Path
 
 PACKAGE = "influkit"
+PACKAGES = (PACKAGE, "benchmarks")  # the graphs checked
 CORE = {f"{PACKAGE}.{name}" for name in (
     "stage", "data", "params", "curvature", "gradients", "solvers", "operators", "chain", "results", "scoring",
-    "files", "distributed", "errors", "vectorize", "philox", "krylov", "report", "ensemble", "memory", "contraction")}
-CORE_PACKAGES = (f"{PACKAGE}.factored",)
-METHOD_PACKAGES = tuple(f"{PACKAGE}.{name}" for name in ("ssl", "turnover", "elmo", "hf", "apps", "validation"))
+    "files", "distributed", "errors", "vectorize", "philox", "krylov", "report", "ensemble", "memory", "contraction",
+    "links", "store", "extras", "fitted")}
+CORE_PACKAGES = (f"{PACKAGE}.factored", f"{PACKAGE}.layers")
+METHOD_PACKAGES = tuple(f"{PACKAGE}.{name}" for name in ("ssl", "turnover", "elmo", "hf", "apps", "validation", "unrolled"))
 
 
-def modules(root: Path) -> dict[str, Path]:
-    """{dotted module name: file} for every .py file of the package under ``root``."""
+def modules(root: Path, package: str = PACKAGE) -> dict[str, Path]:
+    """{dotted module name: file} for every .py file of ``package`` under ``root``."""
     out = {}
-    for path in sorted((root / PACKAGE).rglob("*.py")):
+    for path in sorted((root / package).rglob("*.py")):
         parts = list(path.relative_to(root).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
@@ -55,9 +60,9 @@ def _runtime_nodes(tree: ast.AST):
             stack.append(child)
 
 
-def edges(root: Path) -> list[tuple[str, str, bool]]:
-    """(importer, imported, lazy) for every import of one influkit module by another."""
-    known = modules(root)
+def edges(root: Path, package: str = PACKAGE) -> list[tuple[str, str, bool]]:
+    """(importer, imported, lazy) for every import of one module of ``package`` by another."""
+    known = modules(root, package)
     out = set()
     for name, path in known.items():
         tree = ast.parse(path.read_text(), str(path))
@@ -73,13 +78,33 @@ def edges(root: Path) -> list[tuple[str, str, bool]]:
                 # `from pkg import sub` imports the module pkg.sub when it is one, else a name of pkg
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
             for target in targets:
+                sibling = f"{name.rpartition('.')[0]}.{target}"
+                if not node_is_relative(node) and target not in known and sibling in known:
+                    target = sibling  # `import common` beside it: a script-style sibling import
                 while target and target not in known:  # `import influkit.a.b` → the deepest known module
                     target = target.rpartition(".")[0]
-                if target and target.startswith(PACKAGE) and target != name:
+                if target and target.startswith(package) and target != name:
                     out.add((name, target, lazy))
     # an arrow imported both ways counts as eager
     eager = {(a, b) for a, b, lazy in out if not lazy}
     return sorted((a, b, lazy) for a, b, lazy in out if not (lazy and (a, b) in eager))
+
+
+def node_is_relative(node: ast.AST) -> bool:
+    return isinstance(node, ast.ImportFrom) and node.level > 0
+
+
+def path_edits(root: Path, package: str) -> list[str]:
+    """The modules of ``package`` that change ``sys.path`` (a call of one of its methods: insert, append, ...)."""
+    found = []
+    for name, path in modules(root, package).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            target = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else None
+            if target is not None and isinstance(target, ast.Attribute) and target.attr == "path" and \
+                    getattr(target.value, "id", None) == "sys":
+                found.append(name)
+                break
+    return found
 
 
 def is_core(module: str) -> bool:
@@ -140,19 +165,29 @@ def core_arrows(graph: list[tuple[str, str, bool]]) -> list[tuple[str, str, bool
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", default=str(Path(__file__).resolve().parents[1]))
-    parser.add_argument("--check", action="store_true", help="exit 1 on any circle or core → method arrow")
+    parser.add_argument("--check", action="store_true", help="exit 1 on any circle, core → method arrow or sys.path edit")
     args = parser.parse_args(argv)
-    graph = edges(Path(args.root))
-    found, arrows = circles(graph), core_arrows(graph)
-    print(f"{len(modules(Path(args.root)))} modules, {len(graph)} arrows "
-          f"({sum(lazy for *_, lazy in graph)} inside functions)")
-    print(f"import circles: {len(found)}")
-    for comp in found:
-        print("  " + " ⇄ ".join(comp))
-    print(f"core → outside-the-core arrows: {len(arrows)}")
-    for a, b, lazy in arrows:
-        print(f"  {a} → {b}" + (" (inside a function)" if lazy else ""))
-    return 1 if args.check and (found or arrows) else 0
+    root, bad = Path(args.root), 0
+    for package in PACKAGES:
+        if not (root / package).is_dir():
+            continue
+        graph = edges(root, package)
+        found = circles(graph)
+        edits = path_edits(root, package) if package != PACKAGE else []  # influkit.jobs loads a user's factory file
+        arrows = core_arrows(graph) if package == PACKAGE else []
+        print(f"{package}: {len(modules(root, package))} modules, {len(graph)} arrows "
+              f"({sum(lazy for *_, lazy in graph)} inside functions)")
+        print(f"  import circles: {len(found)}")
+        for comp in found:
+            print("    " + " ⇄ ".join(comp))
+        if package == PACKAGE:
+            print(f"  core → outside-the-core arrows: {len(arrows)}")
+            for a, b, lazy in arrows:
+                print(f"    {a} → {b}" + (" (inside a function)" if lazy else ""))
+        if package != PACKAGE:
+            print(f"  sys.path edits: {len(edits)}" + "".join(f"\n    {m}" for m in edits))
+        bad += len(found) + len(arrows) + len(edits)
+    return 1 if args.check and bad else 0
 
 
 if __name__ == "__main__":

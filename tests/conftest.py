@@ -7,12 +7,31 @@ import torch
 from torch import nn
 
 import influkit as ik
-from influkit.apps.datasets import load_digits_tensors
-from influkit.apps.objectives import cross_entropy, l2  # noqa: F401  (the one loss and regularizer, shared by the tests)
 from influkit.training import fit_lbfgs, newton_refine
 from influkit.validation.reference import explicit_hessian  # noqa: F401  (the tests' explicit-Hessian truth)
 
 torch.set_default_dtype(torch.float64)
+
+# what an optional dependency is installed by: tests needing one skip, saying so, where it is missing
+INSTALLED_BY = {"sklearn": "influkit[apps]", "matplotlib": "influkit[plot]", "h5py": "influkit[elmo]",
+                "scipy": "influkit[dev] (the tests' reference statistics)", "nbformat": "influkit[dev]",
+                "nbclient": "influkit[dev]"}
+
+
+def need(module: str):
+    """The imported ``module``, or a skip of the calling test (module) naming what installs it."""
+    top = module.split(".")[0]
+    return pytest.importorskip(module, reason=f"{top} is not installed: pip install '{INSTALLED_BY[top]}'")
+
+
+def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-example cross-entropy, shape (B,): the tests' one loss."""
+    return nn.functional.cross_entropy(outputs, targets, reduction="none")
+
+
+def l2(weight: float):
+    """R(θ) = (weight/2)·‖θ‖² over the trained parameters (Hessian weight·I): the tests' one regularizer."""
+    return lambda params: 0.5 * weight * sum((p**2).sum() for p in params.values())
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -25,8 +44,9 @@ def one_thread():
 
 
 def digits(n: int | None = None, seed: int = 0):
-    """Real scikit-learn digits, scaled to [0, 1], float64; a seeded subset of n if given."""
-    x, y = load_digits_tensors(torch.float64)
+    """Real scikit-learn digits, scaled to [0, 1], float64; a seeded subset of n if given (skips without sklearn)."""
+    data = need("sklearn.datasets").load_digits()
+    x, y = torch.tensor(data.data / 16.0, dtype=torch.float64), torch.tensor(data.target, dtype=torch.long)
     if n is not None:
         idx = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))[:n]
         x, y = x[idx], y[idx]

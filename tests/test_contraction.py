@@ -88,7 +88,7 @@ def test_query_scores_use_contraction_and_match_per_example_chain():
     q = chain.query(torch.arange(3), per_test=True)
     res = q.scores()
     expected = -(per_example_grads(stage, *stage.data.take(torch.arange(len(stage)))) @ q.s)
-    assert res.diagnostics["scoring"]["method"] == "contraction"
+    assert res.diagnostics["scoring"]["gradients"] == "contraction"
     torch.testing.assert_close(res.values, expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max()))
 
 

@@ -107,5 +107,5 @@ def test_more_hessian_samples_than_examples_is_refused(mlp_stage):
     with pytest.raises(ik.InputError, match=r"hessian_samples=41 .*n = 40.*<= 40"):
         HessianOperator(mlp_stage, samples=41)
     with pytest.raises(ik.InputError, match=r"n = 40"):
-        ik.influence(mlp_stage, torch.arange(3), torch.arange(2), solver="direct", hessian_samples=1000,
-                     progress=False)
+        ik.influence(mlp_stage, torch.arange(3), torch.arange(2), solve=ik.SolveConfig(solver="direct"),
+                     curvature=ik.CurvatureConfig(hessian_samples=1000), progress=False)

@@ -6,13 +6,15 @@ import json
 import os
 from pathlib import Path
 
-import h5py
 import numpy as np
 import pytest
 import torch
+from conftest import need
 from torch.func import functional_call, grad, vmap
 
-from influkit.elmo import (
+h5py = need("h5py")  # influkit.elmo reads allennlp files with it (influkit[elmo])
+
+from influkit.elmo import (  # noqa: E402
     PAD_ID,
     BiLMWithSoftmax,
     ElmoBiLM,

@@ -1,4 +1,4 @@
-"""The ELMo multi-stage influence experiment (examples/elmo_influence.py) in its CI-sized ``--quick`` form."""
+"""The ELMo multi-stage influence experiment (experiments/elmo_influence.py) in its CI-sized ``--quick`` form."""
 
 from __future__ import annotations
 
@@ -12,9 +12,13 @@ import pandas as pd
 import pytest
 import torch
 
-from influkit.elmo import corpora
+from conftest import need
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "elmo_influence.py"
+need("h5py")  # influkit.elmo (influkit[elmo])
+
+from influkit.elmo import corpora  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "experiments" / "elmo_influence.py"
 
 
 def _load_example():

@@ -10,7 +10,7 @@ import influkit as ik
 from influkit.ensemble import Ensemble, average
 from influkit.training import fit_lbfgs, newton_refine
 
-from influkit.apps.objectives import cross_entropy, l2
+from conftest import cross_entropy, l2
 
 
 class Net(nn.Module):

@@ -68,3 +68,32 @@ def test_torchvision_imports_when_installed():
     assert done.returncode == 0, (
         "torchvision is installed but does not import beside this torch (a CUDA build next to the CPU wheel?); "
         f"it breaks transformers: pip uninstall torchvision\n{done.stderr[-2000:]}")
+
+
+# ---- influkit.extras: an optional dependency that is missing names the extra that installs it ----
+
+BLOCKED = {"h5py": ("import influkit.elmo", "elmo"),
+           "sklearn": ("from influkit.apps.datasets import load_digits_tensors; load_digits_tensors()", "apps"),
+           "matplotlib": ("import influkit.apps.plotting", "plot")}
+
+
+@pytest.mark.parametrize("module", sorted(BLOCKED))
+def test_a_missing_extra_is_an_influence_error_naming_its_pip_install(module):
+    """In a fresh interpreter where ``module`` cannot be imported, using what needs it raises MissingDependencyError."""
+    statement, extra = BLOCKED[module]
+    code = (f"import sys; sys.modules[{module!r}] = None\n"
+            "import influkit as ik\n"
+            f"try:\n    {statement}\nexcept ik.MissingDependencyError as e:\n"
+            "    assert isinstance(e, ik.InfluenceError) and isinstance(e, ImportError); print('ERROR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=os.environ | {"MPLBACKEND": "Agg"})
+    assert out.stdout.startswith("ERROR ") and f"pip install 'influkit[{extra}]'" in out.stdout, out.stdout + out.stderr
+
+
+def test_import_influkit_and_its_core_need_no_extra():
+    """The core, ssl, turnover and validation import with h5py, scikit-learn, matplotlib and scipy all missing."""
+    code = ("import sys\nfor m in ('h5py', 'sklearn', 'matplotlib', 'scipy'): sys.modules[m] = None\n"
+            "import influkit as ik, influkit.ssl, influkit.turnover, influkit.validation, influkit.report\n"
+            "print(ik.validation.spearman([1, 2, 3, 4], [1, 3, 2, 4]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(out.stdout) == pytest.approx(0.8, abs=1e-12)  # 1 − 6·Σd²/(n(n²−1)) = 1 − 6·2/60

@@ -401,8 +401,8 @@ def test_score_equals_the_explicit_hessian_formula(pretrained, case):
     test = hf.pack(labelled(4, 99))
 
     config = ik.SolveConfig(solver="direct")
-    res = ik.score(pre, fin, None, test, shared="bert", case=case, alpha=ALPHA, solver="direct", damping=0.0,
-                   progress=False)  # fmt: skip
+    res = ik.score(pre, fin, None, test, shared="bert", case=case, alpha=ALPHA,
+                   solve=ik.SolveConfig(solver="direct", damping=0.0), progress=False)  # fmt: skip
     chain = ik.Chain([pre, fin], [ik.Link("bert", case=case, alpha=ALPHA)], solve=config)
     assert sorted(chain.plans[1].inherited) == sorted(shared)  # the classifier's pooler is its own, not shared
 
@@ -447,7 +447,7 @@ def _expanded(stage: ik.Stage, names: list[str]) -> list[str]:
 
 # --- the experiment, CI-sized ---------------------------------------------------------------------------
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "bert_pretrain_finetune.py"
+EXAMPLE = Path(__file__).resolve().parents[1] / "experiments" / "bert_pretrain_finetune.py"
 
 
 def _run_example(*args: str) -> object:
@@ -465,7 +465,7 @@ def _run_example(*args: str) -> object:
 
 @pytest.fixture(scope="module")
 def example_run(tmp_path_factory):
-    """``examples/bert_pretrain_finetune.py --quick`` once: pretraining, both cases, Table 1, leave-out."""
+    """``experiments/bert_pretrain_finetune.py --quick`` once: pretraining, both cases, Table 1, leave-out."""
     from influkit.elmo import corpora
 
     try:

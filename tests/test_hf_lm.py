@@ -272,7 +272,7 @@ def test_single_stage_equals_the_explicit_hessian_formula(kind):
     stage = pretrain_stage(kind)
     names = list(stage.param_names)
     test = hf.pack(completions(3, 9))
-    res = ik.influence(stage, None, test, solver="direct", per_test=True, progress=False)
+    res = ik.influence(stage, None, test, solve=ik.SolveConfig(solver="direct"), per_test=True, progress=False)
     h = flat_hessian(stage, names)
     g_z = per_example_grads_serial(stage, *stage.data.take(torch.arange(len(stage))), names)
     g_t = per_example_grads_serial(stage, *test, names)
@@ -369,7 +369,7 @@ def test_lora_chain_equals_the_explicit_hessian_formula(pretrained, case):
 
 @pytest.mark.slow
 def test_lm_example_quick_runs_end_to_end(tmp_path):
-    """``examples/lm_pretrain_lora.py --quick``: pretraining, LoRA, three solves, leave-out, plot (~15 s)."""
+    """``experiments/lm_pretrain_lora.py --quick``: pretraining, LoRA, three solves, leave-out, plot (~15 s)."""
     import importlib.util
     import json
     import sys
@@ -384,7 +384,7 @@ def test_lm_example_quick_runs_end_to_end(tmp_path):
         corpora.vader_archive()
     except corpora.DataUnavailable as exc:
         pytest.skip(f"vaderSentiment sdist unavailable: {exc}")
-    path = Path(__file__).resolve().parents[1] / "examples" / "lm_pretrain_lora.py"
+    path = Path(__file__).resolve().parents[1] / "experiments" / "lm_pretrain_lora.py"
     spec = importlib.util.spec_from_file_location("lm_pretrain_lora", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up here

@@ -102,6 +102,6 @@ def test_ekfac_runs_on_an_adam_trained_float32_masked_lm_stage():
     approximate = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-3)).query((x[:3], y[:3]))
     assert approximate.solves[0]["preconditioner"] == "ekfac (sampled Fisher)"
     # as a preconditioner of the Gauss-Newton system (the matrix EK-FAC approximates): still an exact solve
-    config = ik.SolveConfig(solver="minres", preconditioner="ekfac", curvature="gauss-newton", damping=1e-3, tol=1e-3)
-    solved = ik.Chain([stage], solve=config).query((x[:3], y[:3])).solves[0]
+    config = ik.SolveConfig(solver="minres", preconditioner="ekfac", damping=1e-3, tol=1e-3)
+    solved = ik.Chain([stage], solve=config, curvature=ik.CurvatureConfig(matrix="gauss-newton")).query((x[:3], y[:3])).solves[0]
     assert solved["preconditioner"] == "ekfac (sampled Fisher)" and solved["residual"] <= 1e-3

@@ -73,6 +73,26 @@ def test_the_walker_finds_circles_and_forbidden_arrows():
                                                ("influkit.solvers", "influkit.training", False)]
 
 
+def test_benchmarks_are_a_package_without_circles_or_path_edits():
+    """``python -m benchmarks.bench_fidelity``: the benchmark modules import each other as a package, in no circle,
+    and none edits sys.path to find its siblings."""
+    assert (ROOT / "benchmarks" / "__init__.py").exists()
+    graph = import_graph.edges(ROOT, "benchmarks")
+    assert ("benchmarks.bench_fidelity", "benchmarks.fidelity_tasks", False) in graph  # the walker sees the package
+    assert import_graph.circles(graph) == []
+    assert import_graph.path_edits(ROOT, "benchmarks") == []
+
+
+def test_the_walker_finds_sibling_circles_and_path_edits(tmp_path):
+    """Planted: two script-style siblings importing each other (one lazily) and a sys.path edit are reported."""
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "a.py").write_text("import sys\nsys.path.insert(0, '.')\nfrom b import f\n")
+    (tmp_path / "benchmarks" / "b.py").write_text("def f():\n    from a import g\n")
+    graph = import_graph.edges(tmp_path, "benchmarks")
+    assert import_graph.circles(graph) == [["benchmarks.a", "benchmarks.b"]]
+    assert import_graph.path_edits(tmp_path, "benchmarks") == ["benchmarks.a"]
+
+
 def test_check_script_exits_zero_on_this_tree():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "import_graph.py"), "--check"], capture_output=True,
                          text=True)

@@ -1,12 +1,12 @@
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 import influkit as ik
 from influkit.gradients import per_example_grads_serial
-from influkit.training import HessianFactor, newton_fit
-from conftest import explicit_hessian
+from influkit.training import HessianFactor, fit_lbfgs, newton_fit
+from conftest import cross_entropy, explicit_hessian, l2, need
+from test_multistage import build
 
 
 def closed_form(stage, z_idx, test):
@@ -24,10 +24,10 @@ def test_influence_equals_closed_form(logreg_digits, solver):
     test = (test[0][:20], test[1][:20])
     z = torch.arange(0, 300, 7)
     expected = closed_form(stage, z, test)
-    res = ik.influence(stage, z, test, solver=solver, progress=False)
+    res = ik.influence(stage, z, test, solve=ik.SolveConfig(solver=solver), progress=False)
     tol = 1e-8 if solver == "direct" else 1e-6
     assert torch.allclose(res.values, expected.sum(1), rtol=0, atol=tol * expected.sum(1).abs().max())
-    per = ik.influence(stage, z, test, solver=solver, per_test=True, progress=False)
+    per = ik.influence(stage, z, test, solve=ik.SolveConfig(solver=solver), per_test=True, progress=False)
     assert per.values.shape == (len(z), 20)
     assert torch.allclose(per.values, expected, rtol=0, atol=tol * expected.abs().max())
     assert torch.allclose(res.removal, -res.values / 300)
@@ -36,8 +36,8 @@ def test_influence_equals_closed_form(logreg_digits, solver):
 def test_influence_by_index_equals_by_tensors(logreg_digits):
     stage, test = logreg_digits
     z = torch.tensor([3, 17, 250])
-    by_index = ik.influence(stage, z, test, solver="direct", progress=False)
-    by_tensor = ik.influence(stage, stage.data.take(z), test, solver="direct", progress=False)
+    by_index = ik.influence(stage, z, test, solve=ik.SolveConfig(solver="direct"), progress=False)
+    by_tensor = ik.influence(stage, stage.data.take(z), test, solve=ik.SolveConfig(solver="direct"), progress=False)
     assert torch.allclose(by_index.values, by_tensor.values)
     assert by_index.index.tolist() == [3, 17, 250]
 
@@ -49,7 +49,7 @@ def test_self_influence_matches_closed_form(logreg_digits):
     g = per_example_grads_serial(stage, *stage.data.take(z))
     expected = -(g * torch.linalg.solve(h, g.T).T).sum(1)
     for solver in ("direct", "minres"):
-        res = ik.self_influence(stage, z, solver=solver, rhs_chunk=4, progress=False)
+        res = ik.self_influence(stage, z, solve=ik.SolveConfig(solver=solver), rhs_chunk=4, progress=False)
         assert torch.allclose(res.values, expected, rtol=1e-6)
     assert (res.values < 0).all()
 
@@ -57,7 +57,7 @@ def test_self_influence_matches_closed_form(logreg_digits):
 def test_loo_retraining_agrees_on_real_digits(logreg_digits):
     """Predicted removal effect vs actual leave-one-out refit of L2 logistic regression (Koh & Liang Fig. 2)."""
     stage, test = logreg_digits
-    res = ik.influence(stage, torch.arange(300), test, solver="direct", progress=False)
+    res = ik.influence(stage, torch.arange(300), test, solve=ik.SolveConfig(solver="direct"), progress=False)
     order = torch.argsort(res.values.abs(), descending=True)
     rng = np.random.default_rng(0)
     chosen = list(order[:20].tolist()) + list(rng.choice(order[20:].numpy(), 20, replace=False))
@@ -76,11 +76,58 @@ def test_loo_retraining_agrees_on_real_digits(logreg_digits):
         actual.append(float(loo.losses(loo.trained(), *test).sum()) - base_loss)
     # the objective is a mean: removing one of n examples also rescales the others by n/(n-1)
     predicted = res.removal[chosen].numpy()
+    stats = need("scipy.stats")
     pearson = stats.pearsonr(predicted, actual)[0]
     spearman = stats.spearmanr(predicted, actual)[0]
     assert pearson >= 0.95, pearson
     assert spearman >= 0.9, spearman
 
+
+
+@pytest.fixture(scope="module")
+def small_stage():
+    torch.manual_seed(0)
+    x, y = torch.randn(50, 4, dtype=torch.float64), torch.randint(0, 3, (50,))
+    stage = ik.Stage(torch.nn.Linear(4, 3).double(), cross_entropy, (x, y), regularizer=l2(1e-2))
+    fit_lbfgs(stage, max_iter=300)
+    return stage
+
+
+def test_unknown_keywords_are_refused(small_stage):
+    test = small_stage.data.take(torch.arange(5))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'solvr'"):
+        ik.influence(small_stage, torch.arange(3), test, solvr="direct")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'damping'"):  # solve settings: solve=SolveConfig
+        ik.self_influence(small_stage, torch.arange(3), damping=0.1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rhs'"):
+        ik.solve(torch.eye(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), rhs=1)
+    pre, fin, x_test = build(1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'solver'"):
+        ik.score(pre, fin, torch.arange(3), x_test, shared="embedding", solver="direct")
+
+
+def test_auto_is_the_default_everywhere_and_its_choice_is_recorded(small_stage):
+    test = small_stage.data.take(torch.arange(5))
+    res = ik.influence(small_stage, torch.arange(10), test)
+    (solve,) = res.diagnostics["solves"]
+    assert solve["solver"] == "direct" and solve["choice"].startswith("auto: p = 15")
+    pre, fin, x_test = build(1)
+    res = ik.score(pre, fin, torch.arange(8), x_test, shared="embedding")
+    assert [s["solver"] for s in res.diagnostics["solves"]] == ["direct", "direct"]
+    assert all(s["choice"].startswith("auto:") for s in res.diagnostics["solves"])
+    assert all(c["solver"] == "auto" and c["damping"] == 0.0 for c in res.diagnostics["settings"]["solve"])
+    sol = ik.solve(torch.eye(3, dtype=torch.float64) * 2, torch.ones(3, dtype=torch.float64))
+    assert sol.solver == "direct" and sol.choice.startswith("auto:")
+
+    class MatvecOnly:  # an Operator with no dense form: auto cannot factor it and runs MINRES
+        dim, dtype, device = 3, torch.float64, torch.device("cpu")
+
+        def matvec(self, v):
+            return 2 * v
+
+    sol = ik.solve(MatvecOnly(), torch.ones(3, dtype=torch.float64))
+    assert sol.solver == "minres" and "no dense()" in sol.choice and sol.converged
+    torch.testing.assert_close(sol.x, torch.full((3,), 0.5, dtype=torch.float64))
 
 
 def test_suspicious_self_influence_finds_flipped_labels_on_real_digits():

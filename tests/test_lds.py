@@ -6,15 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 from torch import nn
+from conftest import need
 from torch.func import functional_call
 
 import influkit as ik
 from influkit.gradients import per_example_grads
 from influkit.apps import lds as H  # the re-training harness and baselines
 from influkit.validation import lds as L  # the metric
-from influkit.validation.loo import proximal_stage
+from influkit.links import StagePlan
+from influkit.training import train_to_stationarity
+from influkit.validation.retrain import Retrainer, reset_parameters
 
 LAM = 0.05
 
@@ -34,6 +36,7 @@ def test_random_subsets_are_seeded_and_exactly_sized():
 
 
 def test_lds_is_the_mean_of_scipy_spearman_per_query():
+    stats = need("scipy.stats")
     gen = np.random.default_rng(0)
     masks = L.random_subsets(30, 20, seed=1).numpy()
     scores = gen.normal(size=(30, 6))
@@ -123,7 +126,7 @@ def test_ridge_exact_influence_has_lds_near_one_and_shuffled_near_zero(ridge, tm
 
 def test_chain_retrain_matches_closed_form_ridge(ridge):
     idx = L.random_subsets(ridge.n, 3, seed=5)[0].nonzero().reshape(-1)
-    retrain = H.ChainRetrain(ridge.chain, (ridge.tx, ridge.ty))
+    retrain = H.ChainOutputs(ridge.chain, (ridge.tx, ridge.ty))
     torch.testing.assert_close(retrain(idx, seed=1), ridge.retrain(idx, 1), rtol=1e-8, atol=1e-12)
     assert retrain.gradient_norms[-1][0] < 1e-9
     torch.testing.assert_close(ridge.stage.model.weight.detach()[0], ridge.fit(torch.arange(ridge.n)))  # untouched
@@ -179,7 +182,7 @@ def test_harness_refuses_nan_outputs_and_stores_nothing(ridge, tmp_path):
 
 
 def test_plot_and_long_frame(ridge, tmp_path):
-    import matplotlib
+    matplotlib = need("matplotlib")
 
     matplotlib.use("Agg")
     scores = ridge.chain.query((ridge.tx, ridge.ty), per_test=True).scores()
@@ -223,13 +226,13 @@ def data(seed: int, n: int = 30):
 
 def two_stage(case: int) -> tuple[ik.Chain, tuple]:
     pre = ik.Stage(Net(0), ce, data(1), regularizer=l2)
-    H.train_to_stationarity(pre)
+    train_to_stationarity(pre)
     fin_model = Net(1)
     fin_model.enc.load_state_dict(pre.model.enc.state_dict())
     fin = ik.Stage(fin_model, ce, data(2), params="head" if case == 1 else None, regularizer=l2)
-    centre = {n: t.clone() for n, t in pre.state().items() if n.startswith("enc.")}
-    H.train_to_stationarity(fin if case == 1 else proximal_stage(fin, centre, ALPHA))
-    chain = ik.Chain([pre, fin], [ik.Link("enc", case=case, alpha=ALPHA)], solve=ik.SolveConfig(solver="direct"))
+    link = ik.Link("enc", case=case, alpha=ALPHA)
+    train_to_stationarity(StagePlan(fin, link, StagePlan(pre)).objective(fin, pre.state()))
+    chain = ik.Chain([pre, fin], [link], solve=ik.SolveConfig(solver="direct"))
     return chain, data(3, n=7)
 
 
@@ -238,7 +241,7 @@ def test_chain_retrain_warm_on_everything_reproduces_the_trained_chain(case):
     """At the chain's own optimum the re-training objectives (loss, L2, Case 2 proximal term) are stationary."""
     chain, test = two_stage(case)
     before = {n: t.clone() for n, t in chain.stages[1].state().items()}
-    retrain = H.ChainRetrain(chain, test, init="warm")
+    retrain = H.ChainOutputs(chain, test, Retrainer(optimizer=train_to_stationarity, init="warm", keep_weights=False))
     out = retrain(torch.arange(len(chain.stages[0])), seed=0)
     with torch.no_grad():
         expected = chain.stages[1].losses(chain.stages[1].trained(), *test)
@@ -251,7 +254,7 @@ def test_chain_retrain_on_a_subset_reaches_the_subset_chain_optimum(case):
     """Stationarity of each re-trained stage, checked on objectives written out here independently."""
     chain, test = two_stage(case)
     subset = L.random_subsets(30, 3, seed=0)[1].nonzero().reshape(-1)
-    pre, fin = H.ChainRetrain(chain, test).retrain(subset, seed=2)
+    (pre, fin), _ = H.ChainOutputs(chain, test).retrainer(chain, subset, seed=2)
     x, y = data(1)
     p = {n: t.detach().clone().requires_grad_() for n, t in pre.model.named_parameters()}
     objective = ce(functional_call(pre.model, p, (x[subset],)), y[subset]).mean() + l2(p)
@@ -272,7 +275,7 @@ def test_chain_retrain_on_a_subset_reaches_the_subset_chain_optimum(case):
 
 def test_chain_retrain_from_scratch_is_seeded():
     chain, test = two_stage(1)
-    retrain = H.ChainRetrain(chain, test)
+    retrain = H.ChainOutputs(chain, test)
     subset = L.random_subsets(len(chain.stages[0]), 3, seed=0)[0].nonzero().reshape(-1)
     a, b = retrain(subset, seed=3), retrain(subset, seed=3)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -280,7 +283,7 @@ def test_chain_retrain_from_scratch_is_seeded():
     model = Net(5)
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.manual_seed(9)
-    H._reset(model, ["head.weight", "head.bias"])
+    reset_parameters(model, ["head.weight", "head.bias"])
     named = dict(model.named_parameters())
     assert torch.equal(named["enc.weight"], original["enc.weight"])
     assert not torch.equal(named["head.weight"], original["head.weight"])

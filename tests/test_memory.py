@@ -18,6 +18,7 @@ import influkit as ik
 from influkit import memory
 from influkit.curvature import HessianOperator
 from influkit.factored import fit_curvature
+from influkit.gradients import per_example_grads, total_grad
 from influkit.memory import MemoryBudgetError, SavedBytes
 
 transformers = pytest.importorskip("transformers")
@@ -44,11 +45,19 @@ def test_saved_bytes_counts_activations_not_parameters():
 def test_resolve_default_explicit_and_bad():
     assert 0 < memory.resolve(None) <= memory.available_bytes()
     assert memory.resolve(12345) == 12345
-    with memory.scope(2**20):
-        assert memory.resolve(None) == 2**20
     for bad in (0, -5, "1G", True):
         with pytest.raises(MemoryBudgetError, match="positive number of bytes"):
             memory.resolve(bad)
+
+
+def test_the_budget_is_an_argument_of_each_phase():
+    """No hidden budget: a phase sizes its chunks from the memory= it is given (here too small for one example)."""
+    stage = mlp_stage()
+    x, y = stage.data.take(torch.arange(4))
+    for phase, call in (("the test gradient", total_grad), ("per-example gradients", per_example_grads)):
+        with pytest.raises(MemoryBudgetError, match=phase):
+            call(stage, x, y, memory=64)
+        assert call(stage, x, y, memory=10**9).shape[-1] == sum(p.numel() for p in stage.model.parameters())
 
 
 def test_too_small_budget_says_what_one_example_needs():

@@ -2,9 +2,11 @@
 
 from pathlib import Path
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+from conftest import need
+
+nbformat = need("nbformat")
+NotebookClient = need("nbclient").NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 

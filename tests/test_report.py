@@ -12,9 +12,13 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import need
+
+need("matplotlib")  # the report page draws with it (influkit[plot])
+
 import influkit as ik
 from influkit.cli import main as cli
-from influkit.report import screenshot
+from influkit.report import attach, screenshot, write_report
 from influkit.validation.metrics import pearson
 
 K = 4
@@ -49,14 +53,14 @@ class Page(HTMLParser):
 def digits_scores(logreg_digits):
     """Per-test influence of 300 real training digits on 3 test digits (multinomial logistic regression)."""
     stage, (test_x, test_y) = logreg_digits
-    res = ik.influence(stage, torch.arange(len(stage)), (test_x[:3], test_y[:3]), solver="direct", per_test=True,
+    res = ik.influence(stage, torch.arange(len(stage)), (test_x[:3], test_y[:3]), solve=ik.SolveConfig(solver="direct"), per_test=True,
                        progress=False)
     return res, stage.data.take(torch.arange(len(stage))), (test_x, test_y)
 
 
 @pytest.fixture
 def digits_result(digits_scores):
-    """A fresh copy per test: a report stores what it shows in the result's diagnostics."""
+    """A fresh copy per test."""
     res, train, test = digits_scores
     copy = ik.InfluenceResult(values=res.values.clone(), n_train=res.n_train, method=res.method,
                               diagnostics={k: v for k, v in res.diagnostics.items() if k != "report"})
@@ -65,8 +69,10 @@ def digits_result(digits_scores):
 
 def test_page_shows_each_querys_extremes_as_thumbnails(digits_result, tmp_path):
     res, (train_x, train_y), (test_x, test_y) = digits_result
-    path = res.report(tmp_path / "page.html", examples=train_x.reshape(-1, 8, 8), labels=train_y.tolist(),
-                      queries=test_x.reshape(-1, 8, 8), k=K)
+    before = dict(res.diagnostics)
+    shown = attach(res, examples=train_x.reshape(-1, 8, 8), labels=train_y.tolist(), queries=test_x.reshape(-1, 8, 8), k=K)
+    assert res.diagnostics == before and "report" not in res.diagnostics  # the report only reads the result
+    path = write_report(shown, tmp_path / "page.html")
     text = path.read_text()
     page = Page(text)
     expected = []
@@ -81,7 +87,7 @@ def test_page_shows_each_querys_extremes_as_thumbnails(digits_result, tmp_path):
     assert not any(t in ("script", "link", "iframe") for t, _ in page.tags)
     assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:|//)|url\(|@import", text)
     assert "<style>" in text and "single-stage" in text and "direct" in text  # method and solve diagnostics
-    stored = res.diagnostics["report"]
+    stored = shown.diagnostics["report"]
     assert set(stored["examples"]) == {str(i) for _, i in expected}  # only what is shown is kept
 
 
@@ -89,22 +95,22 @@ def test_text_examples_are_shown_as_escaped_text(tmp_path):
     values = torch.tensor([3.0, -1.0, 0.5, -7.0, 2.0])
     texts = ["a fine review", "<script>alert(1)</script> & more", "meh", "the best film ever", "dull " * 300]
     res = ik.InfluenceResult(values=values, n_train=5, method="turn-over dropout", removal_eps=-1.0)
-    text = res.report(tmp_path / "t.html", examples=texts, queries=["a query sentence"], k=2).read_text()
+    text = write_report(res, tmp_path / "t.html", examples=texts, queries=["a query sentence"], k=2).read_text()
     assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; more" in text and "<script>" not in text
     assert Page(text).cards == [("harmful", 0), ("harmful", 4), ("helpful", 3), ("helpful", 1)]
     assert "a query sentence" in text and "dull " * 100 in text and "dull " * 130 not in text  # long text cut
     assert "removal -3" in text  # removal_eps · score with removal_eps = −1
     weighted = ik.InfluenceResult(values=values, n_train=5, removal_eps=torch.tensor([-0.5, 1, 1, 1, -2.0]),
                                   index=torch.tensor([10, 11, 12, 13, 14]))  # one ε per row (SSL weights)
-    text = weighted.report(tmp_path / "w.html", examples=texts * 3, k=1).read_text()
+    text = write_report(weighted, tmp_path / "w.html", examples=texts * 3, k=1).read_text()
     assert Page(text).cards == [("harmful", 10), ("helpful", 13)] and "removal -1.5" in text and "removal -7" in text
 
 
 def test_saved_result_renders_the_same_page_from_the_cli(digits_result, tmp_path, capsys):
     res, (train_x, train_y), (test_x, _) = digits_result
-    page = res.report(tmp_path / "page.html", examples=train_x.reshape(-1, 8, 8), queries=test_x.reshape(-1, 64),
-                      image_shape=(8, 8), k=K)
-    res.save(tmp_path / "res.safetensors")
+    shown = attach(res, examples=train_x.reshape(-1, 8, 8), queries=test_x.reshape(-1, 64), image_shape=(8, 8), k=K)
+    page = write_report(shown, tmp_path / "page.html")
+    shown.save(tmp_path / "res.safetensors")
     assert cli(["report", str(tmp_path / "res.safetensors"), "-o", str(tmp_path / "again.html")]) == 0
     assert (tmp_path / "again.html").read_text() == page.read_text()
     assert "wrote" in capsys.readouterr().out
@@ -114,13 +120,13 @@ def test_saved_result_renders_the_same_page_from_the_cli(digits_result, tmp_path
 
 def test_validation_scatter_when_there_is_one(digits_result, tmp_path):
     res = ik.InfluenceResult(values=digits_result[0].total.clone(), n_train=300, method="single-stage")
-    plain = res.report(tmp_path / "plain.html").read_text()
+    plain = write_report(res, tmp_path / "plain.html").read_text()
     assert "Validation" not in plain and plain.count("<img") == 1  # the histogram only
     gen = np.random.default_rng(0)
     predicted = gen.normal(size=12)
     loo = pd.DataFrame({"removed": [str(i) for i in range(12)], "predicted": predicted,
                         "actual": predicted + 0.3 * gen.normal(size=12)})
-    text = res.report(tmp_path / "v.html", validation=loo).read_text()
+    text = write_report(res, tmp_path / "v.html", validation=loo).read_text()
     assert "Validation" in text and text.count("<img") == 2
     assert f"Pearson r = {pearson(loo['predicted'], loo['actual']):.3f}" in text
 
@@ -128,13 +134,13 @@ def test_validation_scatter_when_there_is_one(digits_result, tmp_path):
 def test_bad_attachments_are_refused(digits_result, tmp_path):
     res, (train_x, _), _ = digits_result
     with pytest.raises(ik.InputError, match="examples has 10 entries"):
-        res.report(tmp_path / "x.html", examples=train_x[:10])
+        write_report(res, tmp_path / "x.html", examples=train_x[:10])
     with pytest.raises(ik.InputError, match="actual"):
-        res.report(tmp_path / "x.html", validation=pd.DataFrame({"predicted": [1.0, 2.0, 3.0]}))
+        write_report(res, tmp_path / "x.html", validation=pd.DataFrame({"predicted": [1.0, 2.0, 3.0]}))
     with pytest.raises(ik.InputError, match="one test example per column"):
-        res.report(tmp_path / "x.html", queries=["only one"])
+        write_report(res, tmp_path / "x.html", queries=["only one"])
     with pytest.raises(ik.InputError, match="positive"):
-        res.report(tmp_path / "x.html", k=0)
+        write_report(res, tmp_path / "x.html", k=0)
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Chromium not installed (apt-get install chromium)")
@@ -143,8 +149,8 @@ def test_chromium_renders_the_page(digits_result, tmp_path):
     from matplotlib import image as mpimg
 
     res, (train_x, train_y), (test_x, _) = digits_result
-    page = res.report(tmp_path / "page.html", examples=train_x.reshape(-1, 8, 8), labels=train_y.tolist(),
-                      queries=test_x.reshape(-1, 8, 8), k=K)
+    page = write_report(res, tmp_path / "page.html", examples=train_x.reshape(-1, 8, 8), labels=train_y.tolist(),
+                        queries=test_x.reshape(-1, 8, 8), k=K)
     png = screenshot(page, tmp_path / "shot.png", size=(900, 1300))
     pixels = mpimg.imread(png)[..., :3]
     assert pixels.shape == (1300, 900, 3)
@@ -153,3 +159,16 @@ def test_chromium_renders_the_page(digits_result, tmp_path):
     assert (rgb.sum(1) < 600).mean() > 0.02  # something dark drawn on the white page
     for colour in ((0xC0, 0x39, 0x2B), (0x24, 0x71, 0xA3)):  # the harmful (red) and helpful (blue) card borders
         assert (np.abs(rgb - colour).sum(1) <= 6).sum() > 100, colour
+
+
+def test_solves_table_says_converged_unconverged_or_not_checked(digits_result):
+    """converged True / False / None (no residual computed) are shown as what they are, None never as a blank."""
+    from influkit.report import render
+
+    res, _, _ = digits_result
+    base = {"method": "ekfac", "residual": 0.7, "tol": 0.5}
+    res.diagnostics["solves"] = [{"stage": 0, **base, "converged": False}, {"stage": 1, **base, "converged": True},
+                                 {"stage": 2, **base, "residual": float("nan"), "converged": None}]
+    page = render(res)
+    cells = re.findall(r"<td>(converged|unconverged|not checked)</td>", page)
+    assert cells == ["unconverged", "converged", "not checked"]

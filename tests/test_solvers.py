@@ -1,11 +1,14 @@
 
+import math
+
 import pytest
 import torch
 
 import influkit as ik
 from influkit.curvature import HessianOperator
-from influkit.solvers import METHODS, SOLVERS, default_tol, solve
-from conftest import explicit_hessian
+from influkit.gradients import total_grad
+from influkit.solvers import APPROXIMATE_TOL, METHODS, SOLVERS, default_tol, solve
+from conftest import cross_entropy, explicit_hessian
 
 
 def spd_matrix(p=30, cond=1e3, seed=0):
@@ -124,15 +127,30 @@ def test_diagnostics_are_reported():
     h, _ = spd_matrix()
     sol = solve(h, torch.ones(30), "cg", tol=1e-10)
     info = sol.summary()
-    assert set(info) == {"method", "iterations", "residual", "converged", "seconds", "products", "damping", "choice",
+    assert set(info) == {"solver", "iterations", "residual", "tol", "converged", "seconds", "products", "damping", "choice",
                          "preconditioner", "floor"}
     assert info["products"] == 2 * info["iterations"] + 2 + 1  # 2 per step, H·b, final residual check
 
 
 def test_all_methods_listed():
-    assert set(METHODS) == {"direct", "cg", "cg_spd", "minres", "lissa", "identity"}
+    assert set(METHODS) == {"direct", "cg", "cg_spd", "minres", "lissa", "neumann", "identity"}
     assert set(SOLVERS) == set(METHODS) | {"kfac", "ekfac", "arnoldi"}
 
+
+
+def test_neumann_is_the_truncated_series_with_k_terms():
+    """Lorraine et al.'s x = α Σ_{j<K} (I − α(H + λI))^j b, a registered solver: K = max_iter terms (default 20)."""
+    h, evals = spd_matrix(p=30, cond=50)
+    b = torch.randn(30, 2, generator=torch.Generator().manual_seed(9))
+    alpha, damping = 0.5 / float(evals.max()), 1e-2
+    series, power = torch.zeros_like(b), b.clone()
+    for _ in range(7):
+        series, power = series + alpha * power, power - alpha * ((h + damping * torch.eye(30)) @ power)
+    sol = ik.SolveConfig(solver="neumann", max_iter=7, step=alpha, damping=damping).solve(ik.DenseOperator(h), b)
+    assert torch.allclose(sol.x, series, rtol=1e-12, atol=1e-15) and sol.iterations == 6
+    assert solve(h, b, "neumann", step=alpha).iterations == 19
+    with pytest.raises(ik.InputError, match="step must be > 0"):
+        ik.SolveConfig(solver="neumann", step=0.0)
 
 @pytest.mark.parametrize("method", ["minres", "cg_spd"])
 def test_exact_preconditioner_solves_in_one_step(method):
@@ -224,14 +242,98 @@ def test_a_registered_solver_runs_through_solveconfig_and_a_chain(mlp_stage):
         b = torch.randn(10, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
         sol = ik.SolveConfig(solver="diagonal_jacobi", damping=0.5).solve(ik.DenseOperator(h), b)
         torch.testing.assert_close(sol.x, b / (torch.diagonal(h) + 0.5)[:, None])
-        assert sol.method == "diagonal_jacobi" and sol.damping == 0.5
+        assert sol.solver == "diagonal_jacobi" and sol.damping == 0.5
         stage = mlp_stage
         test = stage.data.take(torch.arange(3))
         res = ik.Chain([stage], solve=ik.SolveConfig(solver="diagonal_jacobi")).query(test).scores(torch.arange(5))
-        assert res.diagnostics["solves"][0]["method"] == "diagonal_jacobi"
+        assert res.diagnostics["solves"][0]["solver"] == "diagonal_jacobi"
         with pytest.raises(ik.InputError, match="preconditioner"):
             ik.SolveConfig(solver="diagonal_jacobi", preconditioner="ekfac")
     finally:
         REGISTRY.pop("diagonal_jacobi")
     with pytest.raises(ik.InputError, match="unknown solver 'diagonal_jacobi'"):
         ik.SolveConfig(solver="diagonal_jacobi")
+
+
+# ---- honest convergence: converged = residual ≤ tol for every method, None where no residual was computed
+
+
+def singular_stage():
+    """Logistic regression, 8 features → 2 classes (18 parameters), on 2 examples, no regularizer: rank(H) ≤ 2."""
+    gen = torch.Generator().manual_seed(3)
+    model = torch.nn.Linear(8, 2).double()
+    return ik.Stage(model, cross_entropy, (torch.randn(2, 8, generator=gen), torch.tensor([0, 1])))
+
+
+def test_direct_on_a_singular_hessian_reports_unconverged_with_its_residual():
+    stage = singular_stage()
+    h = explicit_hessian(stage)
+    assert h.shape == (18, 18) and int(torch.linalg.matrix_rank(h)) < 18
+    gen = torch.Generator().manual_seed(4)
+    test = (torch.randn(3, 8, generator=gen), torch.tensor([1, 0, 1]))
+    with pytest.warns(ik.ConvergenceWarning, match="pseudo-inverse leaves relative residual"):
+        res = ik.Chain([stage], solve=ik.SolveConfig(solver="direct")).query(test).scores()
+    solve_ = res.diagnostics["solves"][0]
+    rhs = total_grad(stage, *test, stage.param_names)
+    x = torch.linalg.pinv(h) @ rhs
+    true = float((h @ x - rhs).norm() / rhs.norm())
+    assert solve_["converged"] is False and solve_["tol"] == default_tol(torch.float64)
+    assert true > 0.1 and solve_["residual"] == pytest.approx(true, rel=1e-6)
+    # the warning's remedy: damping makes the system non-singular, and the solve converges
+    damped = ik.Chain([stage], solve=ik.SolveConfig(solver="direct", damping=1e-3)).query(test).scores()
+    assert damped.diagnostics["solves"][0]["converged"] is True
+
+
+@pytest.mark.parametrize("solver,remedy", [("ekfac", dict(preconditioner="ekfac")), ("kfac", dict(preconditioner="kfac")),
+                                           ("arnoldi", dict(deflate=True))])
+def test_an_approximate_inverse_far_from_the_hessian_is_unconverged_and_the_remedy_converges(mlp_stage, solver, remedy):
+    """The untrained tanh MLP's Hessian is indefinite, (E)K-FAC's curvature a Gauss-Newton matrix ⪰ 0 and 5 Lanczos
+    pairs a small part of H: far apart. One warning, naming the exact solve with the same fit, which converges."""
+    op = HessianOperator(mlp_stage)
+    b = torch.randn(op.dim, 2, generator=torch.Generator().manual_seed(6))
+    curvature = ik.CurvatureConfig(rank=5)
+    with pytest.warns(ik.ConvergenceWarning, match="approximate inverse") as caught:
+        sol = ik.SolveConfig(solver=solver, damping=1e-2, residual=True).solve(op, b, curvature)
+    warned = [str(w.message) for w in caught if issubclass(w.category, ik.ConvergenceWarning)]
+    assert len(warned) == 1 and "solver='minres'" in warned[0]
+    h = explicit_hessian(mlp_stage) + 1e-2 * torch.eye(op.dim)
+    true = float(((h @ sol.x - b).norm(dim=0) / b.norm(dim=0)).max())
+    assert sol.residual == pytest.approx(true, rel=1e-8) and sol.residual > sol.tol == APPROXIMATE_TOL
+    assert sol.converged is False
+    fixed = ik.SolveConfig(solver="minres", damping=1e-2, **remedy).solve(op, b, curvature)
+    assert fixed.converged is True and fixed.residual <= fixed.tol
+
+
+def test_no_residual_means_converged_none_and_no_hessian_product(mlp_stage):
+    op = HessianOperator(mlp_stage)
+    b = torch.randn(op.dim, generator=torch.Generator().manual_seed(7))
+    prepared = ik.SolveConfig(solver="ekfac", damping=1.0, residual=False).prepare(op)
+    before = op.products
+    sol = prepared.solve(b)
+    assert op.products == before and sol.products == 0
+    assert sol.converged is None and math.isnan(sol.residual)
+    assert ik.SolveConfig(solver="identity").solve(op, b).converged is None
+
+
+REGISTERED = sorted(__import__("influkit.solvers", fromlist=["REGISTRY"]).REGISTRY)
+
+
+@pytest.mark.parametrize("name", REGISTERED)
+def test_converged_is_residual_within_tol_for_every_solver(mlp_stage, name):
+    """Each registered solver's summary carries its tol, and converged is exactly residual ≤ tol (None: no residual),
+    the residual being that of the system the method solves, recomputed from the explicit Hessian."""
+    op = HessianOperator(mlp_stage)
+    b = torch.randn(op.dim, 2, generator=torch.Generator().manual_seed(8))
+    damping = 1.0  # H + λI positive definite here: every method applies
+    sol = ik.SolveConfig(solver=name, damping=damping, max_iter=50).solve(op, b, warn=False)
+    summary = sol.summary()
+    assert {"tol", "residual", "converged"} <= set(summary) and summary["tol"] == sol.tol > 0
+    if math.isnan(sol.residual):
+        assert sol.converged is None
+        return
+    assert sol.converged is (sol.residual <= sol.tol)
+    h = explicit_hessian(mlp_stage)
+    eye = torch.eye(op.dim)
+    system, target = (h @ h + damping * eye, h @ b) if name == "cg" else (h + damping * eye, b)
+    true = float(((system @ sol.x - target).norm(dim=0) / target.norm(dim=0)).max())
+    assert sol.residual == pytest.approx(true, rel=1e-6, abs=1e-13)

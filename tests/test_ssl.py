@@ -7,8 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import cross_entropy, l2, tanh_mlp
-from sklearn.datasets import make_moons
+from conftest import cross_entropy, l2, need, tanh_mlp
 from torch import nn
 
 import influkit as ik
@@ -19,6 +18,7 @@ from influkit.ssl import (
     Consistency,
     MaskedAdam,
     PseudoLabel,
+    SSLConfig,
     ShiftNoise,
     UnsupervisedLoss,
     hypergradient,
@@ -118,7 +118,7 @@ def test_hypergradient_matches_finite_differences(problem, params):
     solvers = ["direct"] if params == "2" else ["direct", "cg_spd", "minres"]
     for solver in solvers:
         res = hypergradient(
-            model, cross_entropy, teacher, labeled, u, val, w, params=params, regularizer=reg, solver=solver, tol=1e-13
+            model, cross_entropy, teacher, labeled, u, val, w, params=params, regularizer=reg, solve=ik.SolveConfig(solver=solver, tol=1e-13)
         )
         assert res.diagnostics["settings"]["cached_features"] == (params == "2")
         assert res.diagnostics["solves"][0]["converged"]
@@ -158,10 +158,10 @@ def test_result_diagnostics_and_round_trip_bit_identical(problem, tmp_path):
     labeled, u, val, w, teacher = problem
     model = tanh_mlp(4, 6, 3, seed=2)
     ids = torch.arange(100, 120)
-    res = hypergradient(model, cross_entropy, teacher, labeled, u, val, w, index=ids, params="2", damping=1e-3)
+    res = hypergradient(model, cross_entropy, teacher, labeled, u, val, w, index=ids, params="2", solve=ik.SolveConfig(damping=1e-3))
     assert set(res.diagnostics) == {"solves", "seconds", "settings"}
     (solve,) = res.diagnostics["solves"]
-    assert solve["stage"] == 0 and solve["method"] == "direct" and solve["damping"] == 1e-3
+    assert solve["stage"] == 0 and solve["solver"] == "direct" and solve["damping"] == 1e-3
     settings = res.diagnostics["settings"]
     assert settings["solver"] == "direct" and settings["damping"] == 1e-3 and settings["cached_features"]
     assert set(res.diagnostics["seconds"]) == {"setup", "solve", "scores"}
@@ -192,9 +192,9 @@ def test_paths_agree_and_baselines(problem):
     alpha, terms, series, power = 0.3, 12, torch.zeros_like(g_val), g_val.clone()
     for _ in range(terms):
         series, power = series + alpha * power, power - alpha * (hessian @ power)
-    neumann = hypergradient(*targs, params="2", regularizer=reg, solver="neumann", neumann_terms=terms, neumann_alpha=alpha).values
+    neumann = hypergradient(*targs, params="2", regularizer=reg, solve=ik.SolveConfig(solver="neumann", max_iter=terms, step=alpha)).values
     assert torch.allclose(neumann, -(grads @ series) / u.shape[0], rtol=1e-10, atol=1e-15)
-    identity = hypergradient(*targs, params="2", regularizer=reg, solver="identity").values
+    identity = hypergradient(*targs, params="2", regularizer=reg, solve=ik.SolveConfig(solver="identity")).values
     assert torch.allclose(identity, -(grads @ g_val) / u.shape[0], rtol=1e-12, atol=1e-16)
     exact = hypergradient(*targs, params="2", regularizer=reg).values
     assert torch.allclose(exact, -(grads @ torch.linalg.solve(hessian, g_val)) / u.shape[0], rtol=1e-9, atol=1e-15)
@@ -289,15 +289,15 @@ def test_shift_noise_moves_pixels_by_at_most_one():
 
 
 def test_trainer_smoke():
-    x, y = make_moons(160, noise=0.1, random_state=0)
+    x, y = need("sklearn.datasets").make_moons(160, noise=0.1, random_state=0)
     x, y = torch.tensor(x), torch.tensor(y)
     torch.manual_seed(0)
     seen = []
     for mode in ("per-example", "single"):
         model = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 2)).double()
         run = train_ssl(
-            model, cross_entropy, PseudoLabel(), (x[:10], y[:10]), x[40:], (x[10:40], y[10:40]), mode=mode,
-            steps=40, warmup=10, inner_steps=5, weight_lr=0.5, log_every=20, progress=False,
+            model, cross_entropy, PseudoLabel(), (x[:10], y[:10]), x[40:], (x[10:40], y[10:40]),
+            SSLConfig(mode=mode, steps=40, warmup=10, inner_steps=5, weight_lr=0.5, log_every=20), progress=False,
             test=(x[40:], y[40:]), callback=lambda step, m, w: seen.append(step),
         )
         h = run.history
@@ -326,8 +326,10 @@ def test_input_errors(problem):
     with pytest.raises(InputError, match="final"):
         hypergradient(*args, labeled, u, val, w, params="0", cache_features=True)
     with pytest.raises(InputError, match="solver"):
-        hypergradient(*args, labeled, u, val, w, solver="newton")
+        hypergradient(*args, labeled, u, val, w, solve=ik.SolveConfig(solver="newton"))
     with pytest.raises(InputError, match="empty"):
         train_ssl(model, cross_entropy, teacher, labeled, u[:0], val, progress=False)
     with pytest.raises(InputError, match="mode"):
-        train_ssl(model, cross_entropy, teacher, labeled, u, val, mode="all", progress=False)
+        SSLConfig(mode="all")
+    with pytest.raises(InputError, match="SSLConfig"):
+        train_ssl(model, cross_entropy, teacher, labeled, u, val, {"mode": "single"})

@@ -95,9 +95,9 @@ def test_class_targets_out_of_range_in_a_dataset_or_test_set_are_found_when_eval
         stage.objective()
     stage = ik.Stage(tanh_mlp(), cross_entropy, (x, y), regularizer=l2(1e-2))
     with pytest.raises(ik.InputError, match=r"\[0, 3\)"):  # the test set's summed gradient
-        ik.influence(stage, torch.arange(2), (x[:4], bad[6:10]), solver="direct", progress=False)
+        ik.influence(stage, torch.arange(2), (x[:4], bad[6:10]), solve=ik.SolveConfig(solver="direct"), progress=False)
     with pytest.raises(ik.InputError, match=r"\[0, 3\)"):  # per-example gradients of z, under vmap
-        ik.influence(stage, (x[:4], bad[6:10]), torch.arange(2), solver="direct", progress=False)
+        ik.influence(stage, (x[:4], bad[6:10]), torch.arange(2), solve=ik.SolveConfig(solver="direct"), progress=False)
 
 
 # ---- the objective ----

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from scipy.stats import binomtest
 from conftest import cross_entropy as ce
+from conftest import need
 from torch import nn
 
 import influkit as ik
@@ -123,7 +123,7 @@ def test_masks_distinct_across_examples_layers_and_seeds(make):
 
 
 def assert_binomial_rate(successes: int, trials: int, rate: float) -> None:
-    ci = binomtest(successes, trials).proportion_ci(confidence_level=0.9999)
+    ci = need("scipy.stats").binomtest(successes, trials).proportion_ci(confidence_level=0.9999)
     assert ci.low <= rate <= ci.high, (successes / trials, rate, ci)
 
 

@@ -1,4 +1,4 @@
-"""Leave-out retraining of a whole chain (influkit/validation/chain_loo.py) on a tiny float64 3-stage chain.
+"""Leave-out retraining of a whole chain (influkit/validation/retrain.py, loo.py) on a tiny float64 3-stage chain.
 
 Ground truths: (1) the retrained chain satisfies every stage's stationarity condition, written out here by hand
 (removed examples gone from stage 1, Case 1 blocks equal to the retrained previous stage, Case 2 proximal term
@@ -18,8 +18,9 @@ from torch.func import functional_call
 
 import influkit as ik
 from influkit.training import fit_lbfgs, newton_fit
-from influkit.validation import ChainRecipe, leave_out_retrain_chain, retrain_chain
-from influkit.validation.chain_loo import stage_objective
+from influkit.links import StagePlan
+from influkit.validation import Retrainer, leave_out_retrain
+from influkit.validation.retrain import kept
 from conftest import cross_entropy as ce, l2 as l2_of
 
 ALPHA = 0.05
@@ -59,7 +60,8 @@ def build_chain(cases, repeat: int = 1) -> tuple[ik.Chain, tuple]:
         HEAD if cases[1] == 1 else None,
     ]
     inherited = [[], ENC, ENC + ADAPTER]
-    stages = []
+    links = [ik.Link("enc", case=cases[0], alpha=ALPHA), ik.Link({"enc": "enc", "adapter": "adapter"}, case=cases[1], alpha=ALPHA)]
+    stages, plans = [], []
     for k in range(3):
         model = Net(k)
         if k:
@@ -69,15 +71,11 @@ def build_chain(cases, repeat: int = 1) -> tuple[ik.Chain, tuple]:
                     if name in inherited[k]:
                         p.copy_(previous[name])
         stage = ik.Stage(model, ce, sets[k], params=trained[k], regularizer=l2)
-        centre = {}
-        if k and cases[k - 1] == 2:
-            centre = {n: stages[-1].state()[n].clone() for n in inherited[k]}
-        objective = stage_objective(stage, [n for n in stage.param_names if k == 0 or cases[k - 1] == 2 or n not in inherited[k]],
-                                    centre, ALPHA)
+        plans.append(StagePlan(stage, links[k - 1] if k else None, plans[-1] if k else None))
+        objective = plans[-1].objective(stage, stages[-1].state() if k else None)
         fit_lbfgs(objective, max_iter=500, tol=1e-10, restarts=2)
         assert newton_fit(objective, tol=1e-12) <= 1e-12
         stages.append(stage)
-    links = [ik.Link("enc", case=cases[0], alpha=ALPHA), ik.Link({"enc": "enc", "adapter": "adapter"}, case=cases[1], alpha=ALPHA)]
     return ik.Chain(stages, links, solve=ik.SolveConfig(solver="direct")), data(13, n=10)
 
 
@@ -94,7 +92,7 @@ def test_retrained_chain_is_stationary_at_the_right_points(cases):
     chain, _ = build_chain(cases)
     originals = [{n: t.clone() for n, t in s.state().items()} for s in chain.stages]
     removed = torch.tensor([2, 5, 11])
-    stages, norms = retrain_chain(chain, removed)
+    stages, norms = Retrainer()(chain, kept(20, removed))
     assert max(norms) <= 1e-10
     for stage, before in zip(chain.stages, originals):  # the chain itself is untouched
         assert all(torch.equal(stage.state()[n], t) for n, t in before.items())
@@ -139,7 +137,7 @@ def test_leave_out_change_matches_influence_to_first_order(cases):
     for repeat in (2, 8):
         chain, test = build_chain(cases, repeat)
         res = chain.query(test).scores(torch.tensor(z))
-        frame = leave_out_retrain_chain(chain, z, test, predicted=res, progress=False)
+        frame = leave_out_retrain(chain, z, test, predicted=res, progress=False)
         assert (frame["grad_norm"] <= 1e-10).all()
         actual, predicted = torch.tensor(frame["actual"].values), torch.tensor(frame["predicted"].values)
         assert torch.equal(predicted, res.removal.double())
@@ -153,12 +151,12 @@ def test_groups_log_resume_and_lbfgs():
     chain, test = build_chain((2, 1))
     res = chain.query(test).scores()
     removals = [3, [4, 9], (0, 1, 2)]
-    frame = leave_out_retrain_chain(chain, removals, test, predicted=res, progress=False)
+    frame = leave_out_retrain(chain, removals, test, predicted=res, progress=False)
     assert list(frame["removed"]) == ["3", "4+9", "0+1+2"]
     removal = res.removal.double()
     assert frame["predicted"].tolist() == pytest.approx([float(removal[3]), float(removal[4] + removal[9]),
                                                          float(removal[:3].sum())], rel=1e-12)
-    lbfgs = leave_out_retrain_chain(chain, removals, test, ChainRecipe(optimizer="lbfgs", max_steps=500, tol=1e-9),
+    lbfgs = leave_out_retrain(chain, removals, test, Retrainer(optimizer="lbfgs", max_steps=500, tol=1e-9),
                                     progress=False)
     # L-BFGS's line search stalls near ‖∇‖ ~ 5e-8 here (measured), so it agrees with Newton to ~1e-6
     assert (lbfgs["grad_norm"] <= 1e-6).all()
@@ -169,18 +167,18 @@ def test_groups_log_resume_and_lbfgs():
 def test_log_rows_are_reused(tmp_path):
     chain, test = build_chain((1, 2))
     log = tmp_path / "runs.csv"
-    first = leave_out_retrain_chain(chain, [0, 5], test, log=log, progress=False)
+    first = leave_out_retrain(chain, [0, 5], test, log=log, progress=False)
     # a recipe that cannot reach the optimum would give other numbers: equal frames prove the log was read
-    again = leave_out_retrain_chain(chain, [0, 5], test, ChainRecipe(optimizer="lbfgs", max_steps=1), log=log, progress=False)
+    again = leave_out_retrain(chain, [0, 5], test, Retrainer(optimizer="lbfgs", max_steps=1), log=log, progress=False)
     assert again["actual"].tolist() == first["actual"].tolist()
     assert len(log.read_text().splitlines()) == 1 + 3  # header, baseline, two removals
 
 
 def test_errors():
     with pytest.raises(ik.InputError, match="unknown optimizer"):
-        ChainRecipe(optimizer="adam")
+        Retrainer(optimizer="adam")
     chain, test = build_chain((1, 1))
     with pytest.raises(ik.InputError, match="not indices"):
-        leave_out_retrain_chain(chain, [20], test, progress=False)
+        leave_out_retrain(chain, [20], test, progress=False)
     with pytest.raises(ik.InputError, match="empty"):
-        leave_out_retrain_chain(chain, [], test, progress=False)
+        leave_out_retrain(chain, [], test, progress=False)

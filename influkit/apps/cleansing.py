@@ -12,7 +12,6 @@ after fixing the ones found.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 import numpy as np
@@ -21,24 +20,24 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..chain import Chain
 from ..errors import InputError
 from ..influence import self_influence
 from ..multistage import score
 from ..solvers import SolveConfig
 from ..stage import Stage
 from ..training import fit_lbfgs, newton_refine
+from ..validation.retrain import kept
 from .datasets import load_digits_tensors
 from .digits import DigitsSetup, accuracy, train_stages
 from .objectives import cross_entropy, l2
 
 
-def _retrained_metrics(pre: Stage, fin: Stage, recipe, exclude, test) -> tuple[float, float]:
-    pre_copy = pre.with_(model=copy.deepcopy(pre.model))
-    fin_copy = fin.with_(model=copy.deepcopy(fin.model))
-    recipe(pre_copy, fin_copy, exclude)
+def _retrained_metrics(chain: Chain, retrainer, exclude, test) -> tuple[float, float]:
+    fin = retrainer(chain, kept(len(chain.stages[0]), exclude))[0][-1]
     with torch.no_grad():
-        loss = float(fin_copy.losses(fin_copy.trained(), *test).mean())
-    return accuracy(fin_copy, test), loss
+        loss = float(fin.losses(fin.trained(), *test).mean())
+    return accuracy(fin, test), loss
 
 
 def cleansing_table(
@@ -68,14 +67,15 @@ def cleansing_table(
         size = f"{fraction:.0%}" if removals is None else str(k)
         pre, fin = train_stages(run, split)
         test = tuple(t.to(run.device) for t in split.test)
-        recipe = run.recipe()  # one Hessian factorization per seed, shared by its three retrainings
+        chain = Chain([pre, fin], [run.link()])
+        retrainer = run.retrainer()  # one Hessian factorization per seed, shared by its three retrainings
         res = score(pre, fin, torch.arange(len(pre)), test, shared="embedding", case=run.case, alpha=run.alpha,
                     solve=SolveConfig(solver=solver), progress=False)
         harmful = torch.argsort(res.values, descending=True)[:k]
         rng = np.random.default_rng(seed)
         random = torch.as_tensor(rng.choice(len(pre), k, replace=False))
         for name, exclude in (("none", None), (f"top {size} harmful", harmful), (f"random {size}", random)):
-            acc, loss = _retrained_metrics(pre, fin, recipe, exclude, test)
+            acc, loss = _retrained_metrics(chain, retrainer, exclude, test)
             rows.append({"removed": name, "seed": seed, "test_accuracy": acc, "test_loss": loss})
     frame = pd.DataFrame(rows)
     return frame.groupby("removed", sort=False)[["test_accuracy", "test_loss"]].agg(["mean", "std"])

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from ..extras import require
 
 
 @dataclass
@@ -32,9 +33,7 @@ class TwoTaskSplit:
 
 def load_digits_tensors(dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's digits as (1797, 64) pixels in [0, 1] and integer labels."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
+    data = require("sklearn.datasets", "the digits data set").load_digits()
     return torch.tensor(data.data / 16.0, dtype=dtype), torch.tensor(data.target, dtype=torch.long)
 
 

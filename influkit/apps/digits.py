@@ -20,15 +20,16 @@ import torch
 
 from ..chain import Chain, Link
 from ..errors import InputError
+from ..extras import require
 from ..multistage import score
 from ..results import InfluenceResult
 from ..solvers import SolveConfig
 from ..stage import Stage
-from ..training import HessianFactor, fit_lbfgs, gradient_norm, newton_fit
-from ..validation import TwoStageRecipe, leave_out_retrain, loo_corr
-from ..validation.loo import proximal_stage
+from ..training import HessianFactor, fit_lbfgs, gradient_norm, newton_fit, train_to_stationarity
+from ..links import StagePlan
+from ..validation import Retrainer, leave_out_retrain, loo_corr
 from .datasets import TwoTaskSplit, load_digits_tensors, two_task_split
-from .lds import GRADIENT_DOT, ChainRetrain, LDSRun, run_lds, score_methods
+from .lds import GRADIENT_DOT, ChainOutputs, LDSRun, run_lds, score_methods
 from .models import digits_classifier
 from .objectives import cross_entropy, l2
 
@@ -58,8 +59,8 @@ class DigitsSetup:
     otherwise costs a dense refactorization per removal; the end point is the same ‖∇‖ ≤ ``tol`` optimum."""
     timings: dict = field(default_factory=dict)
     factors: dict = field(default_factory=dict, repr=False, compare=False)
-    """Hessian factors of both stage objectives near their optima, from training; ``recipe()`` hands them to the
-    leave-out retraining as its Newton preconditioners instead of factorizing the same Hessians again."""
+    """Hessian factors of both stage objectives near their optima by stage index, from training; ``retrainer()``
+    hands them to the leave-out retraining as its Newton preconditioners instead of factorizing the same Hessians again."""
 
     @classmethod
     def demo(cls, full: bool = False, **overrides) -> "DigitsSetup":
@@ -82,13 +83,15 @@ class DigitsSetup:
             n_pretrain=self.n_pretrain, n_finetune=self.n_finetune, n_test=self.n_test, seed=self.seed,
         )
 
-    def recipe(self) -> TwoStageRecipe:
-        """Leave-out retraining from the original weights to the exact leave-out optimum (Newton, ‖∇‖ ≤ 1e-10)."""
-        return TwoStageRecipe(
-            shared="embedding", case=self.case, alpha=self.alpha, optimizer="newton",
-            pretrain_steps=100, finetune_steps=100, tol=self.tol, warmup=self.warmup,
-            factors=dict(self.factors),  # a preconditioner only: every run still goes to ‖∇‖ ≤ tol
-        )
+    def link(self) -> Link:
+        """The link of the finetuning stage: the embedding, Case 1 (fixed) or Case 2 (finetuned, proximal α)."""
+        return Link("embedding", case=self.case, alpha=self.alpha)
+
+    def retrainer(self) -> Retrainer:
+        """Leave-out re-training from the original weights to the exact leave-out optimum (Newton, ‖∇‖ ≤ ``tol``),
+        the pretraining objective re-fitted as the mean over the kept examples."""
+        return Retrainer(optimizer="newton", tol=self.tol, max_steps=100, warmup=self.warmup, keep_weights=False,
+                         factors=dict(self.factors))  # a preconditioner only: every run still goes to ‖∇‖ ≤ tol
 
 
 DEMO_SETTINGS = dict(n_pretrain=240, tol=1e-8, warmup=100)
@@ -107,19 +110,17 @@ def train_stages(setup: DigitsSetup, split: TwoTaskSplit) -> tuple[Stage, Stage]
     pre_model = digits_classifier(len(setup.pretrain_classes), setup.channels).to(device, setup.dtype)
     pre = Stage(pre_model, cross_entropy, to(split.pretrain), regularizer=l2(setup.weight_decay), batch_size=2048)
     fit_lbfgs(pre, max_iter=setup.max_iter, tol=setup.lbfgs_tol, restarts=0)
-    setup.factors["pretrain"] = HessianFactor(pre)
-    newton_fit(pre, factor=setup.factors["pretrain"], tol=setup.tol)
+    setup.factors[0] = HessianFactor(pre)
+    newton_fit(pre, factor=setup.factors[0], tol=setup.tol)
     fin_model = digits_classifier(len(setup.finetune_classes), setup.channels).to(device, setup.dtype)
     fin_model.embedding.load_state_dict(pre_model.embedding.state_dict())
     params = "head" if setup.case == 1 else None
     fin = Stage(fin_model, cross_entropy, to(split.finetune), params=params, regularizer=l2(setup.weight_decay), batch_size=2048)
-    objective = fin  # Case 2 trains F + α‖W − W̄‖²; the returned stage stays F, as score() expects
-    if setup.case == 2:
-        centre = {n: t.clone() for n, t in pre.state().items() if n.startswith("embedding.")}
-        objective = proximal_stage(fin, centre, setup.alpha)
+    # the objective the link defines (Case 2 adds α‖W − W̄‖²); the returned stage stays F, as score() expects
+    objective = StagePlan(fin, setup.link(), StagePlan(pre)).objective(fin, pre.state())
     fit_lbfgs(objective, max_iter=setup.max_iter, tol=setup.lbfgs_tol, restarts=0)
-    setup.factors["finetune"] = HessianFactor(objective)
-    newton_fit(objective, factor=setup.factors["finetune"], tol=setup.tol)
+    setup.factors[1] = HessianFactor(objective)
+    newton_fit(objective, factor=setup.factors[1], tol=setup.tol)
     setup.timings["train"] = time.perf_counter() - start
     return pre, fin
 
@@ -184,7 +185,8 @@ def validate_digits(
     report("score", time.perf_counter() - start)
     removals = choose_removals(scores, n_removals, setup.seed)
     start = time.perf_counter()
-    loo = leave_out_retrain(pre, fin, removals, test, setup.recipe(), predicted=scores, log=log, progress=progress)
+    chain = Chain([pre, fin], [setup.link()])
+    loo = leave_out_retrain(chain, removals, test, setup.retrainer(), predicted=scores, log=log, progress=progress)
     setup.timings["loo"] = time.perf_counter() - start
     report("validate", setup.timings["loo"])
     ident_removal = identity.removal.cpu().double()
@@ -211,7 +213,7 @@ def write_validation(run: ValidationRun, out: Path, name: str) -> None:
     """Write a :class:`ValidationRun` to ``out``: ``{name}_loo.csv``, ``_scores.csv``, ``_summary.csv``, the scatter of
     predicted vs actual changes (and of the identity ablation), the gallery of the most harmful / helpful digits
     and ``_attrs.json``."""
-    import matplotlib.pyplot as plt
+    plt = require("matplotlib.pyplot", "influkit.apps.digits plots")
 
     from . import plotting
 
@@ -240,18 +242,21 @@ def write_validation(run: ValidationRun, out: Path, name: str) -> None:
         out / f"{name}_gallery.png",
     )
     (out / f"{name}_attrs.json").write_text(json.dumps(run.summary.attrs, indent=1, default=str))
-    report_page(run, out / f"{name}_report.html")
-    run.scores.save(out / f"{name}_result.safetensors")  # `influkit report` renders the page again from this file
+    shown = report_page(run, out / f"{name}_report.html")
+    shown.save(out / f"{name}_result.safetensors")  # `influkit report` renders the page again from this file
 
 
-def report_page(run: ValidationRun, path: Path) -> Path:
+def report_page(run: ValidationRun, path: Path) -> InfluenceResult:
     """Write the HTML report of a :class:`ValidationRun` (:mod:`influkit.report`): pretraining digits as thumbnails,
-    the test digits as queries, the leave-out validation scatter. Returns the page's path."""
+    the test digits as queries, the leave-out validation scatter. Returns the scores with what the page shows
+    attached (:func:`influkit.report.attach`), which render the same page again once saved."""
+    from ..report import attach, write_report
+
     images, classes = run.split.pretrain
     test_images, test_classes = run.split.test
     side = int(round(images[0].numel() ** 0.5))
-    return run.scores.report(
-        path,
+    shown = attach(
+        run.scores,
         examples=images.reshape(len(images), side, side),
         labels=[f"digit {run.setup.pretrain_classes[int(c)]}" for c in classes],
         queries=test_images.reshape(len(test_images), side, side),
@@ -260,6 +265,8 @@ def report_page(run: ValidationRun, path: Path) -> Path:
         title=f"Case {run.setup.case} multi-stage influence on digits: pretraining digits "
               f"{', '.join(map(str, run.setup.pretrain_classes))} → finetuned {', '.join(map(str, run.setup.finetune_classes))}",
     )
+    write_report(shown, path)
+    return shown
 
 
 # ------------------------------------------------------------------------------ the LDS of the digits setting
@@ -287,7 +294,7 @@ class DigitsLDS:
         pd.DataFrame(self.run.subsets.numpy().astype(int)).to_csv(paths[2], index_label="subset")
         ready = [k for k, v in self.scores.items() if isinstance(v, InfluenceResult)]
         method = plot_method or ready[0]
-        import matplotlib.pyplot as plt
+        plt = require("matplotlib.pyplot", "influkit.apps.digits plots")
 
         fig = self.run.plot(self.scores[method], title=f"{name}: {method}")
         fig.savefig(paths[3], dpi=120)
@@ -318,7 +325,7 @@ def digits_lds(
     finetuned on 4–9; Case 1 or 2), shrunk so that one re-training of both stages takes seconds.
 
     The chain is trained to stationarity (float64 L-BFGS then Newton), scored per test digit by each method,
-    and re-trained by :class:`ChainRetrain` (``init``) on ``n_subsets`` random subsets of a fraction
+    and re-trained (:class:`~influkit.validation.retrain.Retrainer`, ``init``) on ``n_subsets`` random subsets of a fraction
     ``subset_fraction`` of the pretraining digits, once per seed, resumably in ``directory`` (:func:`run_lds`).
     reuse: an earlier result of the same setting (e.g. the other ``init``) whose trained chain and scores are
     taken instead of training and scoring again (``methods`` is then ignored).
@@ -336,12 +343,12 @@ def digits_lds(
         split = setup.split()
         pre, fin = train_stages(setup, split)
         train_seconds = setup.timings.get("train")
-        chain = Chain([pre, fin], [Link("embedding", case=case, alpha=alpha)], solve=SolveConfig(solver="direct"))
+        chain = Chain([pre, fin], [setup.link()], solve=SolveConfig(solver="direct"))
         x_test = (split.test[0].to(device), split.test[1].to(device))
         start = time.perf_counter()
         scores = score_methods(chain, x_test, methods, progress=False)
         score_seconds = time.perf_counter() - start
-    retrain = ChainRetrain(chain, x_test, init=init)
+    retrain = ChainOutputs(chain, x_test, Retrainer(optimizer=train_to_stationarity, init=init, keep_weights=False))
     run = run_lds(retrain, len(chain.stages[0]), directory, n_subsets=n_subsets, alpha=subset_fraction, seeds=seeds,
                   setup=described, progress=progress)
     ready = {k: v for k, v in scores.items() if isinstance(v, InfluenceResult)}

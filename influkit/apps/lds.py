@@ -1,14 +1,14 @@
 """The linear datamodeling score's re-training harness, baselines and plots (the metric: :mod:`influkit.validation.lds`).
 
 :func:`run_lds` re-trains on M random subsets once per seed and stores each (subset, seed) output in its own
-safetensors file the moment it is computed, so an interrupted run resumes where it stopped; :class:`ChainRetrain`
-re-trains an influkit :class:`~influkit.chain.Chain` on a subset; :func:`gradient_dot` and :func:`score_methods`
+safetensors file the moment it is computed, so an interrupted run resumes where it stopped; :class:`ChainOutputs`
+gives the test losses of an influkit :class:`~influkit.chain.Chain` re-trained on a subset (by the one
+:class:`~influkit.validation.retrain.Retrainer`); :func:`gradient_dot` and :func:`score_methods`
 give the scores to compare; :func:`plot_lds` draws one method's LDS.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import time
@@ -25,13 +25,14 @@ from .. import files
 from ..chain import Chain
 from ..data import as_examples
 from ..errors import InfluenceError, InputError, NumericalError
+from ..extras import require
 from ..gradients import per_example_grads, project_per_example_grads
 from ..results import InfluenceResult
 from ..solvers import SolveConfig
-from ..stage import Stage, check_example_shape
-from ..training import fit_lbfgs, newton_fit
-from ..validation.chain_loo import stage_objective
+from ..stage import check_example_shape
+from ..training import train_to_stationarity
 from ..validation.lds import lds, lds_per_query, lds_table, predicted_outputs, random_subsets
+from ..validation.retrain import Retrainer
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -48,7 +49,7 @@ def plot_lds(scores, subsets, outputs, *, query: int | None = None, title: str =
     query: the query to scatter (default: the one with the median LDS). The scatter's title carries its Pearson r
     and Spearman ρ (= that query's LDS). Returns the matplotlib Figure.
     """
-    import matplotlib.pyplot as plt
+    plt = require("matplotlib.pyplot", "influkit.apps.lds plots")
 
     predicted = predicted_outputs(scores, subsets)
     per_query = lds_per_query(scores, subsets, outputs)
@@ -175,7 +176,7 @@ def run_lds(
     per finished re-training) are written. Rerunning with the same settings skips the finished re-trainings (an
     interrupted run resumes); different settings are refused.
     setup: a JSON-able description of what is re-trained (model, data, trainer), stored and compared on resume;
-    ``retrain.setup`` (as :class:`ChainRetrain` provides) is included automatically.
+    ``retrain.setup`` (as :class:`ChainOutputs` provides) is included automatically.
     """
     seeds = [int(s) for s in seeds]
     if not seeds or len(set(seeds)) != len(seeds):
@@ -264,113 +265,39 @@ def load_lds(directory: str | Path) -> LDSRun:
     return _assemble(results, seconds, subsets, meta, directory, infos)
 
 
-def train_to_stationarity(stage: Stage, *, max_iter: int = 1000, tol: float = 1e-10) -> float:
-    """Minimize the stage objective in place — full-batch L-BFGS, then Newton steps — and return ‖∇L‖ at the end.
+class ChainOutputs:
+    """outputs(subset, seed) -> (q,) per-query test losses of a :class:`~influkit.chain.Chain` re-trained on a subset
+    of its stage-1 examples by a :class:`~influkit.validation.retrain.Retrainer` (the ``retrain`` of :func:`run_lds`).
 
-    The digits experiment's recipe (a dense Newton factor: for stages of up to a few thousand parameters).
-    """
-    fit_lbfgs(stage, max_iter=max_iter, tol=10 * tol, restarts=0)
-    return newton_fit(stage, tol=tol)
-
-
-def _qualname(fn) -> str:
-    return getattr(fn, "__qualname__", type(fn).__name__)
-
-
-class ChainRetrain:
-    """retrain(subset, seed) -> (q,) per-query test losses of a :class:`~influkit.chain.Chain` re-trained on a subset.
-
-    Every stage is re-trained in order on copies of its model (the chain's own models are not touched): stage 1 on
-    the stage-1 examples ``subset`` only, each later stage on its full data. A Case 1 link copies the re-trained
-    shared block in and keeps it fixed; a Case 2 link starts the block at the re-trained values and adds
-    α‖S − S̄‖² around them — the objectives the chain's scores differentiate (same losses, regularizers, α).
-
-    init: "scratch" re-initializes, under ``torch.manual_seed(seed)``, every module holding parameters the stage
-    trains (other than the inherited block) with its ``reset_parameters()`` — so the seed selects the
-    initialization and, for non-convex models, which optimum is reached; "warm" starts every stage from the
-    chain's current weights (deterministic trainers then ignore the seed); or a callable ``init(model, seed)``.
-    train: ``train(stage) -> ‖∇L‖`` minimizing a stage objective in place (default :func:`train_to_stationarity`).
-    Each call's final gradient norms (one per stage) are appended to ``gradient_norms``; ``last_info`` holds the
-    latest ones, which :func:`run_lds` stores beside each output.
+    retrainer: default from scratch (``init="scratch"``: the seed selects the initialization and, for non-convex
+    models, which optimum is reached), every stage by :func:`~influkit.training.train_to_stationarity`, stage 1
+    re-fitted plainly on the subset (``keep_weights=False``). Each call's final gradient norms (one per stage) are
+    appended to ``gradient_norms``; ``last_info`` holds the latest ones, which :func:`run_lds` stores beside each
+    output; ``setup`` (the chain's fingerprint, the test set, the retrainer) is compared on resume.
     """
 
-    def __init__(self, chain, x_test, *, train: Callable[[Stage], float] | None = None, init="scratch"):
-        if not (init in ("scratch", "warm") or callable(init)):
-            raise InputError(f"init must be 'scratch', 'warm' or a callable init(model, seed), got {init!r}.")
+    def __init__(self, chain: Chain, x_test, retrainer: Retrainer | None = None):
         self.chain = chain
         last = chain.plans[-1].stage
         (tx, ty), _ = as_examples(x_test, last.data, "x_test")
         check_example_shape(last, tx, "x_test")
         self.x_test = (tx, ty)
-        self.train = train or train_to_stationarity
-        self.init = init
+        self.retrainer = retrainer or Retrainer(optimizer=train_to_stationarity, init="scratch", keep_weights=False)
         self.gradient_norms: list[list[float]] = []
         self.last_info: dict = {}
         test = hashlib.sha256(tx.detach().cpu().contiguous().numpy().tobytes() + ty.detach().cpu().numpy().tobytes())
-        self.setup = {
-            "chain": chain.fingerprint(), "n_test": int(tx.shape[0]), "test": test.hexdigest()[:16],
-            "init": init if isinstance(init, str) else _qualname(init), "train": _qualname(self.train),
-        }
+        self.setup = {"chain": chain.fingerprint(), "n_test": int(tx.shape[0]), "test": test.hexdigest()[:16]} | \
+            self.retrainer.setup
 
     def __call__(self, subset, seed: int) -> torch.Tensor:
-        """(q,) test losses of the last stage after :meth:`retrain` on ``subset`` with ``seed``."""
-        last = self.retrain(subset, seed)[-1]
+        """(q,) test losses of the last stage after re-training on ``subset`` with ``seed``."""
+        stages, norms = self.retrainer(self.chain, subset, seed)
+        self.gradient_norms.append(norms)
+        self.last_info = {"gradient_norms": norms}
+        last = stages[-1]
         tx, ty = self.x_test
         with torch.no_grad():
             return last.losses(last.trained(), tx, ty).detach().double().cpu()
-
-    def retrain(self, subset, seed: int) -> list[Stage]:
-        """The re-trained stage objectives, in chain order (their models are fresh copies; see the class docstring).
-
-        Stage 1 minimizes (1/|S|) Σ_{i∈S} ℓ_1(z_i) + R_1 over the subset S; a stage behind a Case 2 link minimizes
-        F_k + α‖S_k − S̄‖² with S̄ the re-trained previous stage's block.
-        """
-        subset = torch.as_tensor(subset, dtype=torch.long).reshape(-1)
-        previous, norms, stages = None, [], []
-        models = copy.deepcopy([stage.model for stage in self.chain.stages])  # modules shared by stages stay shared
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(seed))
-            for k, (plan, model) in enumerate(zip(self.chain.plans, models)):
-                if self.init == "scratch":
-                    _reset(model, [n for n in plan.trained if n not in plan.inherited])
-                elif callable(self.init):
-                    self.init(model, int(seed))
-                if previous is not None:
-                    before, own = dict(previous.named_parameters()), dict(model.named_parameters())
-                    with torch.no_grad():
-                        for name, earlier in plan.inherited.items():
-                            own[name].copy_(before[earlier])
-                base = plan.stage.with_(model=model, data=plan.stage.data.take(subset) if k == 0 else None)
-                centre = None
-                if plan.link is not None and plan.link.case == 2:
-                    centre = {n: p.detach().clone() for n, p in model.named_parameters() if n in plan.inherited}
-                stages.append(stage_objective(base, plan.trained, centre, plan.link.alpha if centre else 0.0))
-                norms.append(float(self.train(stages[-1])))
-                previous = model
-        self.gradient_norms.append(norms)
-        self.last_info = {"gradient_norms": norms}
-        return stages
-
-
-def _reset(model: torch.nn.Module, names: Sequence[str]) -> None:
-    """Re-initialize the modules owning ``names`` by their reset_parameters(), restoring every other parameter."""
-    fresh = set(names)
-    keep = {n: p.detach().clone() for n, p in model.named_parameters() if n not in fresh}
-    for prefix, module in model.named_modules():
-        own = [f"{prefix}.{p}" if prefix else p for p, _ in module.named_parameters(recurse=False)]
-        if not fresh.intersection(own):
-            continue
-        if not hasattr(module, "reset_parameters"):
-            raise InputError(
-                f"module {prefix or type(model).__name__!r} ({type(module).__name__}) holds trained parameters but has "
-                "no reset_parameters(), so it cannot be re-initialized from scratch; pass init=callable(model, seed) "
-                "or init='warm' to ChainRetrain."
-            )
-        module.reset_parameters()
-    named = dict(model.named_parameters())
-    with torch.no_grad():
-        for n, value in keep.items():
-            named[n].copy_(value)
 
 
 def gradient_dot(chain, x_test, z=None, *, chunk_size: int = 128) -> InfluenceResult:

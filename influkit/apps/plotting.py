@@ -8,10 +8,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import numpy as np
 
+from ..extras import require
 from ..validation.metrics import pearson, spearman
+
+plt = require("matplotlib.pyplot", "influkit.apps.plotting")
 
 
 def _axes(ax):

@@ -13,13 +13,15 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 
 from ..errors import InputError
+from ..extras import require
 from .bilm import ElmoBiLM, remove_sentence_boundaries
 from .characters import batch_to_char_ids
+
+h5py = require("h5py", "influkit.elmo (allennlp weight and embedding files)")
 
 SENTENCE_TO_INDEX = "sentence_to_index"
 

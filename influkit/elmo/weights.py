@@ -21,12 +21,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 
 from ..errors import InputError
+from ..extras import require
 from .bilm import ElmoBiLM, ElmoOptions
+
+h5py = require("h5py", "influkit.elmo (allennlp weight and embedding files)")
 
 
 def dataset_names(options: ElmoOptions) -> dict[str, str]:

@@ -10,16 +10,20 @@ with an exact inverse application, used two ways by :mod:`influkit.solvers`:
   factors only decide how fast it is reached.
 
 Modules: :mod:`.fisher` (pseudo output-gradients: sampled labels, empirical, exact), :mod:`.layers` (which
-parameters get Kronecker factors, hooks), :mod:`.curvature` (fitting, the operators, persistence),
-:mod:`.arnoldi` (Lanczos eigenpairs, the low-rank inverse, deflation).
+parameters get Kronecker factors; the layer types are :mod:`influkit.layers`), :mod:`.curvature` (fitting in
+passes, the operators, persistence), :mod:`.arnoldi` (Lanczos eigenpairs, the low-rank inverse, deflation),
+:mod:`.approximations` (the registry: one class per approximation, which :class:`influkit.FittedCurvature` fits by
+name).
 """
 
+from .approximations import APPROXIMATIONS
 from .arnoldi import ArnoldiInverse, deflated, lanczos
 from .curvature import KINDS, FactoredCurvature, InverseOperator, fit_curvature, regularizer_diagonal
 from .fisher import FISHER, FactoredCurvatureError
 from .layers import plan_layers
 
 __all__ = [
+    "APPROXIMATIONS",
     "ArnoldiInverse",
     "FISHER",
     "FactoredCurvature",

@@ -28,6 +28,10 @@ and the sums (covariances, token counts, squares; EK-FAC's corrections after the
 covariances) are all-reduced, so every rank holds the same factors, equal to one process's up to summation
 order; sampled labels depend on (seed, example index) only (:mod:`.fisher`).
 
+The fit is a :class:`FactorFit` run through its passes — the statistics pass, the eigendecomposition, EK-FAC's
+eigenvalue-correction pass — in the order the kind's registered class (:class:`Diagonal`, :class:`KFAC`,
+:class:`EKFAC`, :mod:`.approximations`) gives; :func:`fit_curvature` is the one-call form.
+
 ``matvec`` applies C, ``solve(rhs, damping)`` applies (C + λI)⁻¹ blockwise in the eigenbases (exactly, no
 iteration); ``inverse(λ)`` is that inverse as an Operator, the approximate inverse of ``solver="ekfac"``.
 """
@@ -38,6 +42,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import ClassVar
 
 import torch
 from torch.func import grad
@@ -45,6 +50,7 @@ from tqdm.auto import tqdm
 
 from .. import distributed
 from ..errors import FileFormatError, InputError, warn
+from ..layers import Layer, Recorder
 from ..memory import DEFAULT_WORKING, PROBE_EXAMPLES, fit_count, probe_bytes
 from ..memory import given as memory_given
 from ..memory import resolve as memory_budget
@@ -52,8 +58,9 @@ from ..operators import count_products
 from ..params import ParamSpace, point
 from ..stage import Stage
 from ..vectorize import vmap_or_loop
+from .approximations import APPROXIMATIONS, Approximation, register, space_of
 from .fisher import FISHER, PseudoGradients
-from .layers import Layer, Recorder, check_calls, example_squares, layer_grads, layer_inputs, plan_layers, token_mask
+from .layers import plan_layers
 
 KINDS = ("kfac", "ekfac", "diagonal")
 CACHE_BYTES = 2**30  # at most this much of the first pass is kept for EK-FAC's correction (else a second pass)
@@ -68,7 +75,8 @@ class KroneckerBlock:
 
     left: rows × rows eigenvectors (None: the standard basis, an embedding's diagonal input factor);
     right: cols × cols eigenvectors; eigenvalues: rows × cols (K-FAC: outer product of the factors' eigenvalues;
-    EK-FAC: the corrected ones); shift: the regularizer's curvature on this block.
+    EK-FAC: the corrected ones); shift: the regularizer's curvature on this block. inputs_first: M = [W; bᵀ]
+    (weight stored (in, out), the bias its last row), else M = [W | b] (the bias its last column).
     """
 
     layer: str
@@ -81,30 +89,36 @@ class KroneckerBlock:
     right: torch.Tensor
     eigenvalues: torch.Tensor
     shift: float = 0.0
+    inputs_first: bool = False
 
     def gather(self, vecs: torch.Tensor, offsets: dict[str, int]) -> torch.Tensor:
         """(k, rows, cols) block matrices from (p, k) flat vectors."""
         k = vecs.shape[1]
         w0 = offsets[self.weight]
-        if self.kind == "embedding":
+        if self.bias is None:
             return vecs[w0 : w0 + self.rows * self.cols].T.reshape(k, self.rows, self.cols)
-        width = self.cols - (self.bias is not None)
+        b0 = offsets[self.bias]
+        if self.inputs_first:
+            m = vecs[w0 : w0 + (self.rows - 1) * self.cols].T.reshape(k, self.rows - 1, self.cols)
+            return torch.cat([m, vecs[b0 : b0 + self.cols].T.reshape(k, 1, self.cols)], dim=1)
+        width = self.cols - 1
         m = vecs[w0 : w0 + self.rows * width].T.reshape(k, self.rows, width)
-        if self.bias is not None:
-            b0 = offsets[self.bias]
-            m = torch.cat([m, vecs[b0 : b0 + self.rows].T.reshape(k, self.rows, 1)], dim=2)
-        return m
+        return torch.cat([m, vecs[b0 : b0 + self.rows].T.reshape(k, self.rows, 1)], dim=2)
 
     def scatter(self, m: torch.Tensor, out: torch.Tensor, offsets: dict[str, int]) -> None:
         """Write (k, rows, cols) block matrices into the (p, k) flat vectors ``out``."""
         k = m.shape[0]
         w0 = offsets[self.weight]
-        if self.kind == "embedding" or self.bias is None:
+        if self.bias is None:
             out[w0 : w0 + self.rows * self.cols] = m.reshape(k, -1).T
+            return
+        b0 = offsets[self.bias]
+        if self.inputs_first:
+            out[w0 : w0 + (self.rows - 1) * self.cols] = m[:, :-1].reshape(k, -1).T
+            out[b0 : b0 + self.cols] = m[:, -1].T
             return
         width = self.cols - 1
         out[w0 : w0 + self.rows * width] = m[:, :, :width].reshape(k, -1).T
-        b0 = offsets[self.bias]
         out[b0 : b0 + self.rows] = m[:, :, width].T
 
     def apply(self, m: torch.Tensor, fn) -> torch.Tensor:
@@ -258,7 +272,8 @@ class FactoredCurvature:
             if isinstance(block, KroneckerBlock):
                 blocks.append({"type": "kronecker", "layer": block.layer, "kind": block.kind, "weight": block.weight,
                                "bias": block.bias, "rows": block.rows, "cols": block.cols,
-                               "shift": block.shift.hex(), "left": block.left is not None})
+                               "shift": block.shift.hex(), "left": block.left is not None,
+                               "inputs_first": block.inputs_first})
             else:
                 blocks.append({"type": "diagonal", "names": block.names})
         meta = {"kind": self.kind, "names": self.space.names, "shapes": [list(s) for s in self.space.shapes],
@@ -278,7 +293,7 @@ class FactoredCurvature:
             if b["type"] == "kronecker":
                 blocks.append(KroneckerBlock(b["layer"], b["kind"], b["weight"], b["bias"], b["rows"], b["cols"],
                                              get("left") if b["left"] else None, get("right"), get("eigenvalues"),
-                                             float.fromhex(b["shift"])))
+                                             float.fromhex(b["shift"]), b["inputs_first"]))
             else:
                 blocks.append(DiagonalBlock(b["names"], get("index"), get("values"), get("shift")))
         return cls(space, meta["kind"], blocks, meta["info"])
@@ -348,59 +363,37 @@ class _Accumulator:
 
     def __init__(self, layer: Layer, device, diagonal: bool = False, dtype: torch.dtype = torch.float64):
         self.layer = layer
-        in_dim, out_dim = (0, 0) if diagonal else _factor_dims(layer)  # a diagonal block keeps only the squares
-        self.inputs = torch.zeros(in_dim, dtype=dtype, device=device) if layer.kind == "embedding" \
+        in_dim, out_dim = (0, 0) if diagonal else layer.factor_dims()  # a diagonal block keeps only the squares
+        self.inputs = torch.zeros(in_dim, dtype=dtype, device=device) if layer.one_hot \
             else torch.zeros(in_dim, in_dim, dtype=dtype, device=device)
         self.grads = torch.zeros(out_dim, out_dim, dtype=dtype, device=device)
-        self.squares = torch.zeros(layer.rows, layer.cols, dtype=dtype, device=device)
+        self.squares = torch.zeros(*layer.shape, dtype=dtype, device=device)
         self.tokens = 0
 
     def release_covariances(self) -> None:
         """Drop the covariance sums once their eigendecomposition is taken (an embedding's token counts stay)."""
-        if self.layer.kind != "embedding":
+        if not self.layer.one_hot:
             self.inputs = self.inputs.new_zeros(0, 0)
         self.grads = self.grads.new_zeros(0, 0)
 
     def covariances(self, a: torch.Tensor, g: torch.Tensor) -> None:
-        """Add one batch: Σ ā āᵀ (blockwise for the homogeneous coordinate, never materializing ā) and Σ g gᵀ."""
-        if self.layer.kind == "embedding":
-            keep = token_mask(self.layer, a)
-            self.inputs.index_add_(0, a[keep], torch.ones(int(keep.sum()), dtype=self.inputs.dtype, device=a.device))
-            self.tokens += int(keep.sum())
-            g = g * keep[None, :, :, None].to(g.dtype)
-        else:
-            flat = a.reshape(-1, a.shape[-1])
-            width = flat.shape[1]
-            self.inputs[:width, :width] += (flat.T @ flat).to(self.inputs.dtype)
-            if self.layer.bias is not None:
-                total = flat.sum(0).to(self.inputs.dtype)
-                self.inputs[:width, width] += total
-                self.inputs[width, :width] += total
-                self.inputs[width, width] += flat.shape[0]
-            self.tokens += flat.shape[0]
-        flat_g = g.reshape(-1, g.shape[-1])
-        self.grads += (flat_g.T @ flat_g).to(self.grads.dtype)
-
-
-def _factor_dims(layer: Layer) -> tuple[int, int]:
-    """(input factor size, output-gradient factor size) of a layer (an embedding's input factor is a diagonal)."""
-    return (layer.rows, layer.cols) if layer.kind == "embedding" else (layer.cols, layer.rows)
+        """Add one batch: Σ ā āᵀ (embedding: token counts) and Σ g gᵀ (:meth:`influkit.layers.Dense.add_covariances`)."""
+        self.tokens += self.layer.add_covariances(self.inputs, self.grads, a, g)
 
 
 def factor_bytes(layer: Layer) -> int:
     """Bytes of a layer's float64 factors and their eigenvectors: 2 · 8 · (in² + out²) (embedding: in, not in²)."""
-    a, g = _factor_dims(layer)
-    return 16 * ((a if layer.kind == "embedding" else a * a) + g * g)
+    a, g = layer.factor_dims()
+    return 16 * ((a if layer.one_hot else a * a) + g * g)
 
 
 def _forward_pass(stage, layers, leaves, x, y, pseudo_factory):
     """One hooked forward and the backward passes of the pseudo output-gradients: ({layer: (a, g)}, U, dead layers)."""
-    with Recorder(layers) as rec, torch.enable_grad():
+    with Recorder(layers, x.shape[0]) as rec, torch.enable_grad():
         outputs = stage.outputs(leaves, x)
     pseudo = pseudo_factory(outputs, y)
     u = pseudo(outputs, y)
-    batch = x.shape[0]
-    dead = {layer.name: why for layer in layers if (why := check_calls(layer, rec.calls[layer.name], batch))}
+    dead = rec.misfits()
     live = [layer for layer in layers if layer.name not in dead]
     handles = [(layer, inp, out) for layer in live for inp, out in rec.calls[layer.name]]
     per_call = [[] for _ in handles]
@@ -409,13 +402,13 @@ def _forward_pass(stage, layers, leaves, x, y, pseudo_factory):
             grads = torch.autograd.grad(outputs, [h[2] for h in handles], grad_outputs=u[j],
                                         retain_graph=j < u.shape[0] - 1, allow_unused=True)
             for c, ((layer, _, out), g) in enumerate(zip(handles, grads)):
-                per_call[c].append(layer_grads(layer, g, out))
+                per_call[c].append(layer.grads(torch.zeros_like(out) if g is None else g))
     data: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for layer in live:
         a_parts, g_parts = [], []
         for c, (owner, inp, _) in enumerate(handles):
             if owner is layer:
-                a_parts.append(layer_inputs(layer, inp))
+                a_parts.append(layer.inputs(inp))
                 g_parts.append(torch.stack(per_call[c]))
         if len(a_parts) == 1:
             data[layer.name] = (a_parts[0], g_parts[0])
@@ -458,12 +451,13 @@ def fit_curvature(
 ) -> FactoredCurvature:
     """The factored curvature C of ``stage``'s objective over ``names`` (default: its trained parameters).
 
-    kind: "kfac", "ekfac" or "diagonal" (module docstring). fisher: "sampled" (default), "empirical" or "exact"
+    kind: "kfac", "ekfac" or "diagonal" (module docstring; each a registered class running its passes on a
+    :class:`FactorFit`). fisher: "sampled" (default), "empirical" or "exact"
     (:mod:`influkit.factored.fisher`). indices: the examples the objective averages over (default: all; the
     Hessian's ``hessian_samples`` subset). extra: an additional term of the objective (the Case 2 proximal term),
     whose curvature is added like R's. seed: of the sampled labels (the same labels in both EK-FAC passes).
-    memory: the budget in bytes (default: :func:`influkit.memory.resolve`, the enclosing scope's or a share of what
-    is free); the statistics are streamed per module, so memory does not grow with the number of examples:
+    memory: the budget in bytes (default: a share of what is free, :func:`influkit.memory.resolve`);
+    the statistics are streamed per module, so memory does not grow with the number of examples:
     the accumulators (fixed) + a batch of activations and layer statistics (measured per example on a 2-example
     probe) + the cache. batch_size: examples per streamed batch (default: what half of the budget left after the
     accumulators holds, at most the stage's batch size and 1,024, and without ``memory=`` at most
@@ -474,232 +468,291 @@ def fit_curvature(
     max_factor_bytes: a layer whose factors (:func:`factor_bytes`, float64 plus eigenvectors) exceed this
     (default: budget / 8) gets a **diagonal block** instead of Kronecker factors, with a warning — e.g. a
     30,522-word decoder's output-gradient factor alone is 30,522² floats (7.5 GB in float64); its diagonal
-    Gauss-Newton comes from the same hooks (Σ_i (Σ_t g_it a_itᵀ)², :func:`.layers.example_squares`), memory
+    Gauss-Newton comes from the same hooks (Σ_i (Σ_t g_it a_itᵀ)², :meth:`influkit.layers.Dense.example_squares`), memory
     O(rows · cols). ``info["memory"]`` records the sizes chosen.
     """
     if kind not in KINDS:
         raise InputError(f"unknown factored curvature {kind!r}; choose one of {KINDS}.")
     if fisher not in FISHER:
         raise InputError(f"unknown fisher {fisher!r}; choose one of {FISHER}.")
-    start = time.perf_counter()
-    names = list(stage.param_names if names is None else names)
-    params = point(stage.state(), names, at)
-    space = ParamSpace(params)
-    layers, reasons = plan_layers(stage.model, names)
-    n = len(stage) if indices is None else len(indices)
-    local = distributed.shard(torch.arange(len(stage)) if indices is None else torch.as_tensor(indices).reshape(-1))
-    budget = memory_budget(memory, space.device)
-    limit = budget // 8 if max_factor_bytes is None else max_factor_bytes
-    wide = {layer.name for layer in layers if kind != "diagonal" and factor_bytes(layer) > limit}
-    for layer in layers:
-        if layer.name in wide:
-            warn(
-                f"layer {layer.name} ({layer.rows}×{layer.cols}) would need {factor_bytes(layer) / 2**30:.2f} GiB of "
-                f"Kronecker factors, more than max_factor_bytes = {limit / 2**30:.2f} GiB (1/8 of the memory budget); it "
-                "gets a diagonal Gauss-Newton block instead (raise memory= or max_factor_bytes= to factor it).")
-    leaves = {nm: t.detach().requires_grad_(True) for nm, t in params.items()}
-    pseudo_holder: dict[str, PseudoGradients] = {}
+    approximation = APPROXIMATIONS[kind]
+    fit = FactorFit(stage, names, kind=kind, fisher=fisher, indices=indices, extra=extra, at=at, seed=seed,
+                    batch_size=batch_size, cache_bytes=cache_bytes, memory=memory, max_factor_bytes=max_factor_bytes,
+                    progress=progress, kronecker=approximation.kronecker)
+    return approximation.passes(fit)
 
-    def pseudo_factory(outputs, targets):
-        if "p" not in pseudo_holder:
-            pseudo_holder["p"] = PseudoGradients(stage.loss, fisher, outputs, targets, seed=seed)
-        return pseudo_holder["p"]
 
-    tracked = list(layers)  # layers whose hooks give a and g (also used for the diagonal kind's squares)
-    accumulate = torch.promote_types(space.dtype, torch.float32)  # float64 models: float64; float32 (bf16) models: float32
-    accumulators = {layer.name: _Accumulator(layer, space.device, layer.name in wide, accumulate) for layer in tracked}
-    diag_names: list[str] = [nm for nm in names if nm in reasons]
-    # the sums; each layer's eigenbases replace its covariances, so they add at most one layer's
-    fixed = sum(t.numel() * t.element_size() for acc in accumulators.values() for t in (acc.inputs, acc.grads, acc.squares))
-    sizing = {"phase": "factor fitting", "budget": budget, "fixed_bytes": fixed, "diagonal_layers": sorted(wide)}
-    if batch_size is None:
+class FactorFit:
+    """The state one factored fit carries through its passes: the parameters and the layers that get Kronecker
+    factors (``tracked``; the rest get diagonal blocks, ``diag_names``), this rank's examples, the sizes chosen
+    from the memory budget, each layer's running sums (:class:`_Accumulator`) and the diagonal-block squares.
+
+    The passes — :meth:`statistics_pass` (covariances or squares, one streamed pass), :meth:`eigendecomposition`,
+    :meth:`correction_pass` (EK-FAC's eigenvalues in that basis) — and :meth:`assemble` (the blocks) are run in
+    order by each registered approximation's ``passes``. Arguments: those of :func:`fit_curvature`, and
+    ``kronecker``: whether the approximation has Kronecker factors (else no layer is too wide for them).
+    """
+
+    def __init__(self, stage: Stage, names, *, kind, fisher, indices, extra, at, seed, batch_size, cache_bytes, memory,
+                 max_factor_bytes, progress, kronecker=True):
+        self.start = time.perf_counter()
+        self.stage, self.kind, self.fisher, self.extra, self.at, self.seed = stage, kind, fisher, extra, at, seed
+        self.names = list(stage.param_names if names is None else names)
+        self.params = point(stage.state(), self.names, at)
+        self.space = ParamSpace(self.params)
+        layers, self.reasons = plan_layers(stage.model, self.names)
+        self.n = len(stage) if indices is None else len(indices)
+        self.local = distributed.shard(torch.arange(len(stage)) if indices is None else torch.as_tensor(indices).reshape(-1))
+        budget = memory_budget(memory, self.space.device)
+        limit = budget // 8 if max_factor_bytes is None else max_factor_bytes
+        self.wide = {layer.name for layer in layers if kronecker and factor_bytes(layer) > limit}
+        for layer in layers:
+            if layer.name in self.wide:
+                warn(
+                    f"layer {layer.name} ({layer.shape[0]}×{layer.shape[1]}) would need {factor_bytes(layer) / 2**30:.2f} GiB of "
+                    f"Kronecker factors, more than max_factor_bytes = {limit / 2**30:.2f} GiB (1/8 of the memory budget); "
+                    "it gets a diagonal Gauss-Newton block instead (raise memory= or max_factor_bytes= to factor it).")
+        self.leaves = {nm: t.detach().requires_grad_(True) for nm, t in self.params.items()}
+        self.tracked = list(layers)  # layers whose hooks give a and g (also used for the diagonal kind's squares)
+        accumulate = torch.promote_types(self.space.dtype, torch.float32)  # float64 models: float64; float32: float32
+        self.accumulators = {layer.name: _Accumulator(layer, self.space.device, layer.name in self.wide, accumulate)
+                             for layer in self.tracked}
+        self.diag_names: list[str] = [nm for nm in self.names if nm in self.reasons]
+        # the sums; each layer's eigenbases replace its covariances, so they add at most one layer's
+        fixed = sum(t.numel() * t.element_size() for acc in self.accumulators.values() for t in (acc.inputs, acc.grads, acc.squares))
+        self.sizing = {"phase": "factor fitting", "budget": budget, "fixed_bytes": fixed, "diagonal_layers": sorted(self.wide)}
+        self.statistics_bytes = 0  # per example, the layer statistics one batch keeps (set by the probe)
+        if batch_size is None:
+            per = self._probe_bytes()
+            share = (budget - fixed) // 2 if cache_bytes is None else budget - fixed
+            batch_size = fit_count(share + fixed, per, "factor fitting", fixed=fixed, most=min(stage.data.batch_size, 1024),
+                                   default=not memory_given(memory))
+            self.sizing["bytes_per_example"] = per
+        if cache_bytes is None:
+            cache_bytes = min(max(0, (budget - fixed) // 2), CACHE_BYTES if memory_given(memory) else DEFAULT_WORKING)
+            if "bytes_per_example" in self.sizing and self.statistics_bytes * len(self.local) > cache_bytes:
+                cache_bytes = 0  # the first pass would not fit: a second pass, without filling memory first
+        self.batch_size, self.cache_bytes = int(batch_size), int(cache_bytes)
+        self.sizing |= {"batch": self.batch_size, "cache_bytes": self.cache_bytes}
+        self.progress = progress and distributed.rank() == 0
+        self.diag_total: torch.Tensor | None = None  # Σ squared per-example gradients of the diagonal-block parameters
+        self.cache: list | None = None  # the first pass's (a, g) per batch, for EK-FAC's correction
+        self.dead: dict[str, str] = {}
+        self.pseudo: PseudoGradients | None = None
+        self.passes = 0
+        self.seconds: dict[str, float] = {}
+
+    def _probe_bytes(self) -> int:
+        """Measured bytes per example of one streamed batch (activations and layer statistics) + diagonal rows."""
+        stage, params = self.stage, self.params
+        local = self.local
         probe = torch.as_tensor(local[:PROBE_EXAMPLES]) if len(local) else torch.arange(min(PROBE_EXAMPLES, len(stage)))
         px, py = next(iter(stage.batches(probe, len(probe))))
-        probe_outputs = stage.outputs(params, px).detach()
-        probe_pseudo = PseudoGradients(stage.loss, fisher, probe_outputs, py, seed=seed)
-        row_bytes = 2 * sum(params[nm].numel() * params[nm].element_size() for nm in diag_names)
-        output_bytes = OUTPUT_COPIES * probe_outputs.numel() * probe_outputs.element_size() // max(len(probe), 1)
-        statistics_bytes = {}
+        outputs = stage.outputs(params, px).detach()
+        pseudo = PseudoGradients(stage.loss, self.fisher, outputs, py, seed=self.seed)
 
         def run(_):
-            data, _, _ = _forward_pass(stage, list(layers), leaves, px, py,
-                                       lambda outputs, targets: partial(probe_pseudo, index=probe))
+            data, _, _ = _forward_pass(stage, list(self.tracked), self.leaves, px, py,
+                                       lambda outputs, targets: partial(pseudo, index=probe))
             kept = [t for pair in data.values() for t in pair]
-            statistics_bytes["per"] = sum(t.numel() * t.element_size() for t in kept) // max(len(probe), 1)
+            self.statistics_bytes = sum(t.numel() * t.element_size() for t in kept) // max(len(probe), 1)
             return kept
 
-        per = probe_bytes(run, stage.model, len(probe)) + row_bytes + output_bytes
-        share = (budget - fixed) // 2 if cache_bytes is None else budget - fixed
-        batch_size = fit_count(share + fixed, per, "factor fitting", fixed=fixed, most=min(stage.data.batch_size, 1024),
-                               default=not memory_given(memory))
-        sizing["bytes_per_example"] = per
-    if cache_bytes is None:
-        cache_bytes = min(max(0, (budget - fixed) // 2), CACHE_BYTES if memory_given(memory) else DEFAULT_WORKING)
-        if "bytes_per_example" in sizing and statistics_bytes["per"] * len(local) > cache_bytes:
-            cache_bytes = 0  # the first pass would not fit: a second pass, without filling memory first
-    sizing |= {"batch": int(batch_size), "cache_bytes": int(cache_bytes)}
-    diag_total: torch.Tensor | None = None
-    seconds: dict[str, float] = {}
-    passes = 1
+        rows = 2 * sum(params[nm].numel() * params[nm].element_size() for nm in self.diag_names)
+        output_bytes = OUTPUT_COPIES * outputs.numel() * outputs.element_size() // max(len(probe), 1)
+        return probe_bytes(run, stage.model, len(probe)) + rows + output_bytes
 
-    cache: list | None = [] if kind == "ekfac" and cache_bytes > 0 else None
-    cached_bytes = 0
-    batches = -(-len(local) // batch_size)
-    progress = progress and distributed.rank() == 0
-    dead_seen: dict[str, str] = {}
-
-    def drop(name: str, why: str) -> None:
-        nonlocal diag_names
-        layer = next(item for item in tracked if item.name == name)
-        tracked.remove(layer)
-        accumulators.pop(name)
-        dead_seen[name] = why
+    def _drop(self, name: str, why: str) -> None:
+        """Layer ``name`` cannot be factored (found on the first batch): its parameters get a diagonal block."""
+        layer = next(item for item in self.tracked if item.name == name)
+        self.tracked.remove(layer)
+        self.accumulators.pop(name)
+        self.dead[name] = why
         for pname in (layer.weight, layer.bias):
             if pname is not None:
-                reasons[pname] = why
-        diag_names = [nm for nm in names if nm in reasons]
+                self.reasons[pname] = why
+        self.diag_names = [nm for nm in self.names if nm in self.reasons]
 
-    def run_pass(label: str, consume, want_diagonal: bool, keep: bool = False):
-        nonlocal diag_total, cache, cached_bytes
-        pseudo_holder.pop("p", None)  # same seed: the same labels in every pass
-        for start in tqdm(range(0, len(local), batch_size), total=batches, desc=label, disable=not progress, leave=False):
-            index = local[start : start + batch_size]
-            x, y = next(iter(stage.batches(index, batch_size)))
-            labelled = lambda outputs, targets: partial(pseudo_factory(outputs, targets), index=index)  # noqa: E731
-            data, u, dead = _forward_pass(stage, list(tracked), leaves, x, y, labelled)
+    def _labels(self, outputs, targets):
+        """The pseudo output-gradients' sampler, made once per pass from its first batch (same seed: same labels)."""
+        if self.pseudo is None:
+            self.pseudo = PseudoGradients(self.stage.loss, self.fisher, outputs, targets, seed=self.seed)
+        return self.pseudo
+
+    def stream(self, label: str, consume, *, diagonal: bool, keep: bool = False) -> None:
+        """One pass over this rank's examples: ``consume(layer, a, g)`` for each tracked layer and batch; with
+        ``diagonal`` the diagonal-block parameters' squared per-example gradients are summed too, and with ``keep``
+        the batches' (a, g) are cached while they fit ``cache_bytes``."""
+        self.pseudo, self.passes = None, self.passes + 1
+        cached = 0
+        batches = -(-len(self.local) // self.batch_size)
+        for start in tqdm(range(0, len(self.local), self.batch_size), total=batches, desc=label,
+                          disable=not self.progress, leave=False):
+            index = self.local[start : start + self.batch_size]
+            x, y = next(iter(self.stage.batches(index, self.batch_size)))
+            labelled = lambda outputs, targets: partial(self._labels(outputs, targets), index=index)  # noqa: E731
+            data, u, dead = _forward_pass(self.stage, list(self.tracked), self.leaves, x, y, labelled)
             for name, why in dead.items():  # found on the first batch: these layers fall back to diagonal blocks
-                if diag_total is not None:
+                if self.diag_total is not None:
                     raise InputError(f"layer {name} stopped being usable after the first batch ({why}).")
-                drop(name, why)
-            for layer in tracked:
+                self._drop(name, why)
+            for layer in self.tracked:
                 consume(layer, *data[layer.name])
-            if want_diagonal and diag_names:
-                part = _diagonal_squares(stage, diag_names, params, x, u.detach())
-                diag_total = part if diag_total is None else diag_total + part
-            if keep and cache is not None:
-                data = {name: pair for name, pair in data.items() if name not in wide}
-                cached_bytes += sum(t.numel() * t.element_size() for pair in data.values() for t in pair)
-                cache = cache + [data] if cached_bytes <= cache_bytes else None
+            if diagonal and self.diag_names:
+                part = _diagonal_squares(self.stage, self.diag_names, self.params, x, u.detach())
+                self.diag_total = part if self.diag_total is None else self.diag_total + part
+            if keep and self.cache is not None:
+                data = {name: pair for name, pair in data.items() if name not in self.wide}
+                cached += sum(t.numel() * t.element_size() for pair in data.values() for t in pair)
+                self.cache = self.cache + [data] if cached <= self.cache_bytes else None
 
-    t0 = time.perf_counter()
-    if kind == "diagonal":
-        run_pass("diagonal Fisher", lambda layer, a, g: accumulators[layer.name].squares.add_(example_squares(layer, a, g)), True)
-    else:
+    def statistics_pass(self, *, squares: bool, keep: bool = False) -> None:
+        """The first pass: each tracked layer's Kronecker covariances Σ ā āᵀ, Σ g gᵀ (or, with ``squares`` and for
+        layers too wide to factor, its squared per-example gradients) and the diagonal-block squares, summed over
+        the ranks. ``keep``: cache the batches for :meth:`correction_pass` (EK-FAC)."""
+        start = time.perf_counter()
+        self.cache = [] if keep and self.cache_bytes > 0 else None
+
         def statistics(layer, a, g):
-            acc = accumulators[layer.name]
-            acc.squares.add_(example_squares(layer, a, g)) if layer.name in wide else acc.covariances(a, g)
+            acc = self.accumulators[layer.name]
+            if squares or layer.name in self.wide:
+                acc.squares.add_(layer.example_squares(a, g))
+            else:
+                acc.covariances(a, g)
 
-        run_pass("K-FAC covariances", statistics, True, keep=True)
-    pseudo = pseudo_holder.get("p")
-    detail = pseudo.describe() if pseudo is not None else None
-    if distributed.active():  # every rank's sums over its shard, added up; same layers on every rank first
-        shared = distributed.gather_objects((len(local) > 0, sorted(dead_seen.items()), detail))
+        self.stream("diagonal Fisher" if squares else "K-FAC covariances", statistics, diagonal=True, keep=keep)
+        self.detail = self.pseudo.describe() if self.pseudo is not None else None
+        if distributed.active():
+            self._all_reduce(squares)
+        self.seconds["squares" if squares else "covariances"] = time.perf_counter() - start
+
+    def _all_reduce(self, squares: bool) -> None:
+        """Every rank's sums over its shard, added up; the same layers on every rank first."""
+        shared = distributed.gather_objects((len(self.local) > 0, sorted(self.dead.items()), self.detail))
         everywhere = dict(item for _, dead, _ in shared for item in dead)
         if any(busy and dict(dead) != everywhere for busy, dead, _ in shared):
             raise InputError(f"the layers usable for Kronecker factors differ between ranks' data ({everywhere}).")
         for name, why in everywhere.items():
-            if name not in dead_seen:
-                drop(name, why)
-        detail = next((d for _, _, d in shared if d is not None), None)
-        _all_reduce_sums(accumulators, tracked, squares=kind == "diagonal", wide=wide)
-        if diag_names:
-            if diag_total is None:
-                diag_total = torch.zeros(sum(params[nm].numel() for nm in diag_names), dtype=torch.float64, device=space.device)
-            distributed.all_reduce_(diag_total)
-    seconds["covariances" if kind != "diagonal" else "squares"] = time.perf_counter() - t0
+            if name not in self.dead:
+                self._drop(name, why)
+        self.detail = next((d for _, _, d in shared if d is not None), None)
+        _all_reduce_sums(self.accumulators, self.tracked, squares=squares, wide=self.wide)
+        if self.diag_names:
+            if self.diag_total is None:
+                size = sum(self.params[nm].numel() for nm in self.diag_names)
+                self.diag_total = torch.zeros(size, dtype=torch.float64, device=self.space.device)
+            distributed.all_reduce_(self.diag_total)
 
-    eigen: dict[str, tuple] = {}
-    if kind != "diagonal":
-        t0 = time.perf_counter()
-        for layer in tracked:
-            if layer.name in wide:
-                continue
-            acc = accumulators[layer.name]
-            g_cov = acc.grads.to(torch.float64) / n
+    def factored(self):
+        """The tracked layers that get Kronecker blocks (not too wide to factor)."""
+        return [layer for layer in self.tracked if layer.name not in self.wide]
+
+    def eigendecomposition(self) -> dict[str, tuple]:
+        """{layer: (A eigenvalues, A eigenvectors | None, G eigenvalues, G eigenvectors)} of the averaged
+        covariances (float64; eigenvectors stored like the parameters), each layer's covariances freed once done."""
+        start = time.perf_counter()
+        eigen = {}
+        for layer in self.factored():
+            acc = self.accumulators[layer.name]
+            g_cov = acc.grads.to(torch.float64) / self.n
             g_evals, g_evecs = torch.linalg.eigh(0.5 * (g_cov + g_cov.T))
-            if layer.kind == "embedding":
+            if layer.one_hot:
                 a_evals, a_evecs = acc.inputs.to(torch.float64) / max(acc.tokens, 1), None
             else:
                 a_cov = acc.inputs.to(torch.float64) / max(acc.tokens, 1)
                 a_evals, a_evecs = torch.linalg.eigh(0.5 * (a_cov + a_cov.T))
-            keep = space.dtype  # stored like the parameters (float32 model: half the bytes of float64)
+            keep = self.space.dtype  # stored like the parameters (float32 model: half the bytes of float64)
             eigen[layer.name] = (a_evals.clamp_min(0), None if a_evecs is None else a_evecs.to(keep).contiguous(),
                                  g_evals.clamp_min(0), g_evecs.to(keep).contiguous())
             acc.release_covariances()  # peak: the covariances or the bases, not both
-        seconds["eigendecomposition"] = time.perf_counter() - t0
-    if kind == "ekfac":
-        t0 = time.perf_counter()
+        self.seconds["eigendecomposition"] = time.perf_counter() - start
+        return eigen
+
+    def correction_pass(self, eigen: dict[str, tuple]) -> dict[str, torch.Tensor]:
+        """EK-FAC's eigenvalues {layer: (rows, cols)} = (1/n) Σ_{i,j} (Q_Gᵀ ∇_M ℓ_ij Q_A)², from the cached first
+        pass when it fit, else from a second streamed pass with the same sampled labels."""
+        start = time.perf_counter()
 
         def correct(layer, a, g):
-            if layer.name in wide:
+            if layer.name in self.wide:
                 return
-            a_evals, a_evecs, g_evals, g_evecs = eigen[layer.name]
-            if layer.kind == "embedding":
-                accumulators[layer.name].squares.add_(example_squares(layer, a, g, right=g_evecs))
-            else:
-                accumulators[layer.name].squares.add_(example_squares(layer, a, g, left=g_evecs, right=a_evecs))
+            _, a_evecs, _, g_evecs = eigen[layer.name]
+            left, right = layer.oriented(a_evecs, g_evecs)
+            self.accumulators[layer.name].squares.add_(layer.example_squares(a, g, left=left, right=right))
 
-        if cache is not None:  # the first pass's inputs and output-gradients fit in memory: no second data pass
-            for data in cache:
-                for layer in tracked:
-                    if layer.name not in wide:
-                        correct(layer, *data[layer.name])
-            cache = None
+        if self.cache is not None:  # the first pass's inputs and output-gradients fit in memory: no second data pass
+            for data in self.cache:
+                for layer in self.factored():
+                    correct(layer, *data[layer.name])
+            self.cache = None
         else:
-            run_pass("EK-FAC eigenvalue correction", correct, False)
-            passes += 1
-        for layer in tracked:
-            if layer.name not in wide:
-                distributed.all_reduce_(accumulators[layer.name].squares)
-        seconds["eigenvalue_correction"] = time.perf_counter() - t0
+            self.stream("EK-FAC eigenvalue correction", correct, diagonal=False)
+        values = {}
+        for layer in self.factored():
+            squares = self.accumulators[layer.name].squares
+            distributed.all_reduce_(squares)
+            values[layer.name] = squares.div_(self.n)
+        self.seconds["eigenvalue_correction"] = time.perf_counter() - start
+        return values
 
-    reg = regularizer_diagonal(stage, names, extra, at, seed)
-    offsets, offset = {}, 0
-    for nm, size in zip(space.names, space.sizes):
-        offsets[nm] = offset
-        offset += size
-    blocks: list = []
-    layer_info = []
-    for layer in tracked:
-        acc = accumulators[layer.name]
-        idx = _layer_index(layer, offsets, space.device)
-        shift = float(reg[idx].mean()) if reg is not None else 0.0
-        if kind == "diagonal" or layer.name in wide:
-            pos = idx.reshape(-1)
-            blocks.append(DiagonalBlock([layer.weight] + ([layer.bias] if layer.bias else []), pos,
-                                        (acc.squares.to(torch.float64) / n).reshape(-1), reg[pos] if reg is not None else torch.zeros_like(pos, dtype=torch.float64)))
-            acc.squares = None
-        else:
-            a_evals, a_evecs, g_evals, g_evecs = eigen[layer.name]
-            if layer.kind == "embedding":
-                left, right = None, g_evecs
-                values = acc.squares.div_(n) if kind == "ekfac" else a_evals[:, None] * g_evals[None, :]
+    def kfac_values(self, eigen: dict[str, tuple]) -> dict[str, torch.Tensor]:
+        """K-FAC's eigenvalues {layer: (rows, cols)}: the outer product of the two factors' eigenvalues, oriented
+        like the layer's block matrix M."""
+        values = {}
+        for layer in self.factored():
+            a_evals, _, g_evals, _ = eigen[layer.name]
+            rows, cols = layer.oriented(a_evals, g_evals)
+            values[layer.name] = rows[:, None] * cols[None, :]
+        return values
+
+    def assemble(self, eigen: dict[str, tuple], values: dict[str, torch.Tensor]) -> FactoredCurvature:
+        """The FactoredCurvature: a Kronecker block per layer in ``values`` (its eigenvalues in the bases ``eigen``),
+        a diagonal block per other tracked layer (its squares) and one for the remaining parameters, each shifted by
+        the regularizer's (and ``extra``'s) curvature."""
+        space, n = self.space, self.n
+        reg = regularizer_diagonal(self.stage, self.names, self.extra, self.at, self.seed)
+        offsets, offset = {}, 0
+        for nm, size in zip(space.names, space.sizes):
+            offsets[nm] = offset
+            offset += size
+        blocks: list = []
+        layer_info = []
+        for layer in self.tracked:
+            acc = self.accumulators[layer.name]
+            idx = _layer_index(layer, offsets, space.device)
+            if layer.name in values:
+                _, a_evecs, _, g_evecs = eigen[layer.name]
+                left, right = layer.oriented(a_evecs, g_evecs)
+                shift = float(reg[idx].mean()) if reg is not None else 0.0
+                blocks.append(KroneckerBlock(layer.name, layer.kind, layer.weight, layer.bias, *layer.shape,
+                                             left, right, values[layer.name].to(space.dtype), shift, layer.inputs_first))
             else:
-                left, right = g_evecs, a_evecs
-                values = acc.squares.div_(n) if kind == "ekfac" else g_evals[:, None] * a_evals[None, :]
-            values = values.to(space.dtype)
+                pos = idx.reshape(-1)
+                blocks.append(DiagonalBlock([layer.weight] + ([layer.bias] if layer.bias else []), pos,
+                                            (acc.squares.to(torch.float64) / n).reshape(-1),
+                                            reg[pos] if reg is not None else torch.zeros_like(pos, dtype=torch.float64)))
             acc.squares = None
-            blocks.append(KroneckerBlock(layer.name, layer.kind, layer.weight, layer.bias, layer.rows, layer.cols,
-                                         left, right, values, shift))
-        layer_info.append(layer.describe() | {"tokens_per_example": acc.tokens / max(n, 1)})
-    if diag_names:
-        pos = torch.cat([torch.arange(offsets[nm], offsets[nm] + params[nm].numel(), device=space.device) for nm in diag_names])
-        values = diag_total / n if diag_total is not None else torch.zeros(pos.shape[0], dtype=torch.float64, device=space.device)
-        blocks.append(DiagonalBlock(diag_names, pos, values, reg[pos] if reg is not None else torch.zeros_like(values)))
-    seconds["total"] = time.perf_counter() - start
-    info = {
-        "kind": kind,
-        "fisher": fisher,
-        "fisher_detail": detail if detail is not None else fisher,
-        "layers": layer_info,
-        "diagonal": {nm: reasons[nm] for nm in diag_names},
-        "examples": n,
-        "passes": passes,
-        "seed": seed,
-        "seconds": seconds,
-        "memory": sizing,
-    }
-    return FactoredCurvature(space, kind, blocks, info)
+            layer_info.append(layer.describe() | {"tokens_per_example": acc.tokens / max(n, 1)})
+        if self.diag_names:
+            pos = torch.cat([torch.arange(offsets[nm], offsets[nm] + self.params[nm].numel(), device=space.device)
+                             for nm in self.diag_names])
+            diag = self.diag_total / n if self.diag_total is not None else \
+                torch.zeros(pos.shape[0], dtype=torch.float64, device=space.device)
+            blocks.append(DiagonalBlock(self.diag_names, pos, diag, reg[pos] if reg is not None else torch.zeros_like(diag)))
+        self.seconds["total"] = time.perf_counter() - self.start
+        info = {
+            "kind": self.kind,
+            "fisher": self.fisher,
+            "fisher_detail": self.detail if self.detail is not None else self.fisher,
+            "layers": layer_info,
+            "diagonal": {nm: self.reasons[nm] for nm in self.diag_names},
+            "examples": n,
+            "passes": self.passes,
+            "seed": self.seed,
+            "seconds": self.seconds,
+            "memory": self.sizing,
+        }
+        return FactoredCurvature(space, self.kind, blocks, info)
 
 
 def _all_reduce_sums(accumulators: dict, tracked: list, squares: bool, wide=()) -> None:
@@ -717,10 +770,68 @@ def _all_reduce_sums(accumulators: dict, tracked: list, squares: bool, wide=()) 
 
 def _layer_index(layer: Layer, offsets: dict[str, int], device) -> torch.Tensor:
     """(rows, cols) flat positions of the layer's block matrix M."""
+    rows, cols = layer.shape
     w0 = offsets[layer.weight]
-    if layer.kind == "embedding" or layer.bias is None:
-        return torch.arange(w0, w0 + layer.rows * layer.cols, device=device).reshape(layer.rows, layer.cols)
-    width = layer.cols - 1
-    weight = torch.arange(w0, w0 + layer.rows * width, device=device).reshape(layer.rows, width)
+    if layer.bias is None:
+        return torch.arange(w0, w0 + rows * cols, device=device).reshape(rows, cols)
     b0 = offsets[layer.bias]
-    return torch.cat([weight, torch.arange(b0, b0 + layer.rows, device=device)[:, None]], dim=1)
+    if layer.inputs_first:
+        weight = torch.arange(w0, w0 + (rows - 1) * cols, device=device).reshape(rows - 1, cols)
+        return torch.cat([weight, torch.arange(b0, b0 + cols, device=device)[None, :]], dim=0)
+    weight = torch.arange(w0, w0 + rows * (cols - 1), device=device).reshape(rows, cols - 1)
+    return torch.cat([weight, torch.arange(b0, b0 + rows, device=device)[:, None]], dim=1)
+
+
+class _Factored(Approximation):
+    """A :class:`FactoredCurvature` fitted from the stage's layers by :func:`fit_curvature`: the registered class
+    of each kind says which passes of a :class:`FactorFit` it runs (``passes``)."""
+
+    kronecker: ClassVar[bool] = True  # False: no Kronecker factors (no layer is too wide for them)
+
+    @classmethod
+    def fit(cls, operator, config, *, memory=None, progress=False):
+        return fit_curvature(operator.stage, operator.names, kind=cls.name, fisher=config.fisher,
+                             indices=operator.indices, extra=operator.extra, at=getattr(operator, "at", None),
+                             seed=config.seed, memory=memory, progress=progress)
+
+    @classmethod
+    def from_state(cls, tensors, meta, operator, prefix=""):
+        return FactoredCurvature.from_state(tensors, meta, space_of(operator), prefix)
+
+    @classmethod
+    def passes(cls, fit: FactorFit) -> FactoredCurvature:
+        raise NotImplementedError
+
+
+@register("diagonal")
+class Diagonal(_Factored):
+    """diag(GGN) = (1/n) Σ_{i,j} (∇_θ ℓ_ij)²: one pass of squared per-example gradients, every parameter its block."""
+
+    kronecker = False
+
+    @classmethod
+    def passes(cls, fit):
+        fit.statistics_pass(squares=True)
+        return fit.assemble({}, {})
+
+
+@register("kfac")
+class KFAC(_Factored):
+    """C_M = G ⊗ A: one covariance pass, their eigendecompositions, eigenvalues the products of the factors'."""
+
+    @classmethod
+    def passes(cls, fit):
+        fit.statistics_pass(squares=False)
+        eigen = fit.eigendecomposition()
+        return fit.assemble(eigen, fit.kfac_values(eigen))
+
+
+@register("ekfac")
+class EKFAC(_Factored):
+    """K-FAC's eigenbases with the eigenvalues corrected to the per-example gradients' second moments in them."""
+
+    @classmethod
+    def passes(cls, fit):
+        fit.statistics_pass(squares=False, keep=True)
+        eigen = fit.eigendecomposition()
+        return fit.assemble(eigen, fit.correction_pass(eigen))

@@ -27,14 +27,17 @@ Decoders and LoRA (``peft``, the ``lora`` extra):
   block is named by its prefix (``shared="bert"``; a pooler the classification model adds is its own);
 - the masked-LM mask of each example is a deterministic function of its index (:mod:`~influkit.hf.masking`),
   so g(z) is a function, not a random variable;
-- :func:`check_eval_mode` understands transformers dropout; float32 by default, ``model.double()`` for float64.
+- :func:`check_eval_mode` understands transformers dropout; float32 by default, ``model.double()`` for float64;
+- importing it registers transformers' layer types with influkit's layer registry (:mod:`~influkit.hf.layers`:
+  GPT-2's ``Conv1D``), so contraction scoring and factored curvature handle them like ``nn.Linear``.
 
-Needs ``pip install influkit[hf]`` (``transformers``, ``tokenizers``) only for the models and the tokenizer;
-this package itself imports neither.
+Needs ``pip install influkit[hf]`` (``transformers``, ``tokenizers``); ``import influkit`` itself never loads
+transformers, this package does (``tokenizers`` only when a tokenizer is trained).
 """
 
 from .batches import FIELDS, pack, unpack
 from .causal import causal_lm_batch, completion_batch, context_length
+from .layers import TransposedLinear
 from .lora import is_adapter, lora_link, lora_shared, pretrained_name
 from .losses import causal_lm_losses, classification_losses, masked_lm_losses
 from .masking import example_seed, mask_tokens
@@ -47,6 +50,7 @@ __all__ = [
     "FIELDS",
     "HFModel",
     "SPECIAL_TOKENS",
+    "TransposedLinear",
     "causal_lm_batch",
     "causal_lm_losses",
     "causal_lm_stage",

@@ -17,7 +17,7 @@ unlabeled one (mean of λ_u ℓ_U, with λ_u carried in the targets), so every i
 paper's fast variant restricts θ to the final linear layer: its input features are computed once without a
 graph, and its Hessian (formed explicitly, then inverted) and per-example gradients come in closed form
 (:mod:`influkit.ssl.per_example`). The baselines
-of the paper's Table A1 are ``SolveConfig(solver="identity")`` (Luketina et al.: H⁻¹ := I) and :class:`Neumann`
+of the paper's Table A1 are ``SolveConfig(solver="identity")`` (Luketina et al.: H⁻¹ := I) and ``SolveConfig(solver="neumann", max_iter=K)``
 (Lorraine et al.: H⁻¹ ≈ α Σ_{j<K} (I − αH)^j).
 
 The result is an :class:`~influkit.results.InfluenceResult` over the unlabeled examples with
@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import copy
 import time
-import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -46,7 +44,7 @@ from ..params import ParamSpace, resolve_names
 from ..errors import InputError
 from ..gradients import project_per_example_grads
 from ..results import InfluenceResult
-from ..solvers import Solution, SolveConfig, solve, solve_settings
+from ..solvers import SolveConfig
 from ..stage import Regularizer, Stage
 from .losses import UnsupervisedLoss
 from .per_example import (
@@ -192,56 +190,6 @@ def _is_final_linear_block(model: nn.Module, params, names: list[str]) -> bool:
     return isinstance(head, nn.Linear) and names == [prefix + n for n, _ in head.named_parameters()]
 
 
-@dataclass(frozen=True)
-class Neumann:
-    """H⁻¹ ≈ α Σ_{j<K} (I − α(H + λI))^j, the truncated Neumann series of Lorraine et al. (Table A1's baseline).
-
-    terms: K; alpha: the step α (default 1/(1.05 λ_max(H)), by power iteration); damping: λ.
-    """
-
-    terms: int = 20
-    alpha: float | None = None
-    damping: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.terms < 1:
-            raise InputError(f"neumann_terms must be ≥ 1, got {self.terms}.")
-
-    def solve(self, operator, b: torch.Tensor) -> Solution:
-        scale = None if self.alpha is None else 1.0 / self.alpha
-        solution = solve(operator, b, "lissa", damping=self.damping, tol=0.0, max_iter=self.terms - 1, scale=scale,
-                         warn=False)
-        solution.method = "neumann"
-        return solution
-
-
-def solve_config(solve: SolveConfig | Neumann | None, deprecated: dict, where: str = "influkit.ssl.hypergradient",
-                 default: SolveConfig | None = None) -> SolveConfig | Neumann:
-    """The solve settings of ``where`` from ``solve`` or the deprecated keywords (each warns, naming its replacement):
-    ``solver``, ``damping``, ``tol``, ``max_iter``, and ``solver="neumann"`` with ``neumann_terms``, ``neumann_alpha``."""
-    neumann = {key: deprecated.pop(key) for key in ("neumann_terms", "neumann_alpha") if key in deprecated}
-    for key in neumann:
-        warnings.warn(f"{where}({key}=...) is deprecated and will be removed in the next release; "
-                      "pass solve=influkit.ssl.Neumann(terms=..., alpha=...).", DeprecationWarning, stacklevel=3)
-    if deprecated.get("solver") == "neumann":
-        if solve is not None:
-            raise InputError("give the solve settings once: solve=influkit.ssl.Neumann(...), not also solver='neumann'.")
-        warnings.warn(f"{where}(solver='neumann') is deprecated and will be removed in the next "
-                      "release; pass solve=influkit.ssl.Neumann(terms=..., alpha=..., damping=...).",
-                      DeprecationWarning, stacklevel=3)
-        deprecated.pop("solver")
-        unknown = sorted(set(deprecated) - {"damping", "tol", "max_iter"})
-        if unknown:
-            raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
-        damping = deprecated.get("damping", default.damping if default is not None else 0.0)
-        return Neumann(neumann.get("neumann_terms", 20), neumann.get("neumann_alpha"), damping)
-    if isinstance(solve, Neumann):
-        if deprecated:
-            raise InputError(f"give the solve settings once, in solve=Neumann(...), not also as {', '.join(deprecated)}=.")
-        return solve
-    return solve_settings(solve, deprecated, where, default=default)
-
-
 def hypergradient(
     model: nn.Module,
     sup_loss: Callable,
@@ -254,9 +202,8 @@ def hypergradient(
     index: torch.Tensor | None = None,
     params: str | Iterable[str] | None = None,
     regularizer: Regularizer | None = None,
-    solve: SolveConfig | Neumann | None = None,
+    solve: SolveConfig | None = None,
     cache_features: bool | None = None,
-    **deprecated,
 ) -> InfluenceResult:
     """Returns an InfluenceResult with values[u] = ∂L_S(V, θ*(Λ))/∂λ_u = −(1/|U|) ∇_θL_S(V)ᵀ H⁻¹ ∇_θℓ_U(u).
 
@@ -275,14 +222,14 @@ def hypergradient(
     params: names/prefixes of θ (default: all parameters requiring grad), e.g. the final layer "fc".
     regularizer: R(dict of the θ tensors) -> scalar.
     solve: a :class:`~influkit.solvers.SolveConfig` (default ``SolveConfig()``: ``auto``, which factors the
-    last layer's small Hessian exactly, as the paper does), or :class:`Neumann` (Lorraine et al.'s baseline);
-    ``SolveConfig(solver="identity")`` is Luketina et al.'s (H⁻¹ := I). The keywords ``solver``, ``damping``,
-    ``tol``, ``max_iter``, ``neumann_terms``, ``neumann_alpha`` still work for one release, with a DeprecationWarning.
+    last layer's small Hessian exactly, as the paper does); ``SolveConfig(solver="neumann", max_iter=K, step=α)`` is
+    Lorraine et al.'s baseline (a K-term Neumann series),
+    ``SolveConfig(solver="identity")`` is Luketina et al.'s (H⁻¹ := I).
     cache_features: compute the final linear layer's input features once (the paper's fast variant); default:
     whenever ``params`` names the final nn.Linear layer and ``unsup_loss`` is an UnsupervisedLoss.
     """
     start = time.perf_counter()
-    config = solve_config(solve, deprecated)
+    config = SolveConfig() if solve is None else solve
     if not callable(unsup_loss):
         raise InputError("unsup_loss must be callable as unsup_loss(model, inputs) -> (B,) per-example losses.")
     weights = _check_inputs(labeled, unlabeled, val, weights)
@@ -310,13 +257,10 @@ def hypergradient(
     setup = time.perf_counter() - start
     solution = config.solve(operator, g_val)
     settings = {
-        "solver": solution.method, "damping": float(config.damping), "cached_features": cached, "params": names,
+        "solver": solution.solver, "damping": float(config.damping), "cached_features": cached, "params": names,
         "n_labeled": labeled[0].shape[0], "n_val": val[0].shape[0],
     }
-    if isinstance(config, Neumann):
-        settings |= {"neumann_terms": config.terms, "neumann_alpha": config.alpha}
-    else:
-        settings |= {"tol": config.tol, "max_iter": config.max_iter}
+    settings |= {"tol": config.tol, "max_iter": config.max_iter, "step": config.step}
     start_scores = time.perf_counter()
     values = -scores(solution.x) / unlabeled.shape[0]
     return InfluenceResult(

@@ -14,7 +14,7 @@ by M-Adam (default), Adam or SGD, keeping λ ≥ 0. Modes: ``"per-example"`` (on
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from ..errors import InputError
 from ..stage import Regularizer
 from ..solvers import SolveConfig
-from .hypergradient import Neumann, hypergradient, solve_config
+from .hypergradient import hypergradient
 from .madam import MaskedAdam
 
 MODES = ("per-example", "single", "uniform", "supervised")
@@ -64,6 +64,50 @@ def _weight_optimizer(name: str, weights: torch.Tensor, lr: float) -> torch.opti
     return torch.optim.SGD([weights], lr=lr)
 
 
+@dataclass(frozen=True)
+class SSLConfig:
+    """The settings of Algorithm 1 (:func:`train_ssl`), checked when built.
+
+    mode: one of ``MODES``. steps: θ steps in all; inner_steps: N θ steps per Λ step; warmup: θ steps before the
+    first Λ step. lr: Adam's step on θ; weight_lr, weight_optimizer (one of ``WEIGHT_OPTIMIZERS``): the Λ update;
+    init_weight: λ at the start (≥ 0). labeled_batch, unlabeled_batch, val_batch: |D'|, |U'|, |V'| drawn per step
+    (val_batch None: all of V). hyper_params: names/prefixes of the θ the hypergradient differentiates (default: the
+    last nn.Linear layer, the paper's fast variant); solve: its :class:`~influkit.solvers.SolveConfig` (default
+    ``auto``, an exact solve of the small layer, with ridge 1e-2). log_every: θ steps between rows of the history.
+    seed: batch sampling.
+    """
+
+    mode: str = "per-example"
+    steps: int = 1000
+    inner_steps: int = 10
+    warmup: int = 100
+    lr: float = 1e-3
+    weight_lr: float = 1e-2
+    weight_optimizer: str = "madam"
+    init_weight: float = 1.0
+    labeled_batch: int = 64
+    unlabeled_batch: int = 128
+    val_batch: int | None = None
+    hyper_params: str | tuple[str, ...] | None = None
+    solve: SolveConfig = SolveConfig(damping=1e-2)
+    log_every: int = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InputError(f"unknown mode {self.mode!r}; choose one of {MODES}.")
+        if self.weight_optimizer not in WEIGHT_OPTIMIZERS:
+            raise InputError(f"unknown weight optimizer {self.weight_optimizer!r}; choose one of {WEIGHT_OPTIMIZERS}.")
+        if self.init_weight < 0:
+            raise InputError(f"init_weight must be ≥ 0, got {self.init_weight}.")
+        if self.inner_steps < 1 or self.steps < 0:
+            raise InputError("inner_steps must be ≥ 1 and steps ≥ 0.")
+        if min(self.labeled_batch, self.unlabeled_batch, self.log_every) < 1 or (self.val_batch or 1) < 1:
+            raise InputError("labeled_batch, unlabeled_batch, val_batch and log_every must be ≥ 1.")
+        if not isinstance(self.solve, SolveConfig):
+            raise InputError(f"solve must be an influkit.SolveConfig, got {type(self.solve).__name__}.")
+
+
 def train_ssl(
     model: nn.Module,
     sup_loss: Callable,
@@ -71,28 +115,13 @@ def train_ssl(
     labeled: tuple[torch.Tensor, torch.Tensor],
     unlabeled: torch.Tensor,
     val: tuple[torch.Tensor, torch.Tensor],
+    config: SSLConfig = SSLConfig(),
     *,
-    mode: str = "per-example",
-    steps: int = 1000,
-    inner_steps: int = 10,
-    warmup: int = 100,
-    lr: float = 1e-3,
-    weight_lr: float = 1e-2,
-    weight_optimizer: str = "madam",
-    init_weight: float = 1.0,
-    batch_size: int = 64,
-    unlabeled_batch: int = 128,
-    val_batch: int | None = None,
-    hyper_params: str | Iterable[str] | None = None,
-    solve: SolveConfig | Neumann = SolveConfig(damping=1e-2),
     regularizer: Regularizer | None = None,
     test: tuple[torch.Tensor, torch.Tensor] | None = None,
-    log_every: int = 50,
     callback: Callable | None = None,
-    seed: int = 0,
     device: torch.device | str | None = None,
     progress: bool = False,
-    **deprecated,
 ) -> SSLRun:
     """Returns an :class:`SSLRun` after training ``model`` in place by Algorithm 1 (Adam on θ, ``weight_optimizer`` on Λ).
 
@@ -100,27 +129,18 @@ def train_ssl(
     :class:`~influkit.ssl.losses.PseudoLabel`, :class:`~influkit.ssl.losses.Consistency`).
     labeled, val, test: (inputs, targets); unlabeled: inputs. The model stays in eval mode (no dropout or
     batch-norm statistics: the hypergradient needs a deterministic loss).
-    mode: one of ``MODES``; inner_steps: N θ steps per Λ step; warmup: θ steps before the first Λ step.
-    lr: Adam step on θ; weight_lr, weight_optimizer ("madam", "adam", "sgd"): the Λ update; init_weight: λ at start.
-    batch_size, unlabeled_batch, val_batch: |D'|, |U'|, |V'| (val_batch None: all of V).
-    hyper_params, solve, regularizer: passed to the hypergradient (default: the last nn.Linear layer — the paper's
-    fast variant —, ``SolveConfig(damping=1e-2)``: ``auto``, an exact solve of the small layer, ridge 1e-2); the
-    regularizer is also added to the θ loss. ``solver=`` and ``damping=`` still work for one release, with a
-    DeprecationWarning.
-    log_every: θ steps between rows of ``history`` (step, losses, accuracies, weight statistics);
-    callback(step, model, weights) is called at the same steps. seed: batch sampling; device: where to train.
+    config: the :class:`SSLConfig` (mode, steps, learning rates, batch sizes, the hypergradient's θ and solve).
+    regularizer: R(θ), added to the θ loss and to the hypergradient's objective.
+    callback(step, model, weights) is called at every row of ``history`` (every ``config.log_every`` θ steps);
+    device: where to train (default: the model's).
     """
-    if mode not in MODES:
-        raise InputError(f"unknown mode {mode!r}; choose one of {MODES}.")
-    if weight_optimizer not in WEIGHT_OPTIMIZERS:
-        raise InputError(f"unknown weight optimizer {weight_optimizer!r}; choose one of {WEIGHT_OPTIMIZERS}.")
-    solve = solve_config(None if deprecated else solve, deprecated, "influkit.ssl.train_ssl", default=solve)
-    if init_weight < 0:
-        raise InputError(f"init_weight must be ≥ 0, got {init_weight}.")
+    if not isinstance(config, SSLConfig):
+        raise InputError(f"config must be an influkit.ssl.SSLConfig, got {type(config).__name__}.")
     if unlabeled.shape[0] == 0:
         raise InputError("the unlabeled set is empty: give at least one unlabeled example.")
-    if inner_steps < 1 or steps < 0:
-        raise InputError("inner_steps must be ≥ 1 and steps ≥ 0.")
+    mode, steps, inner_steps, warmup = config.mode, config.steps, config.inner_steps, config.warmup
+    batch_size, unlabeled_batch, val_batch = config.labeled_batch, config.unlabeled_batch, config.val_batch
+    hyper_params, solve, log_every = config.hyper_params, config.solve, config.log_every
     hyper_params = last_linear(model) if hyper_params is None else hyper_params
     device = torch.device(device) if device is not None else next(model.parameters()).device
     model.to(device).eval()
@@ -132,11 +152,11 @@ def train_ssl(
     n_l, n_u, n_v = labeled[0].shape[0], unlabeled.shape[0], val[0].shape[0]
 
     size = 1 if mode in ("single", "uniform") else n_u
-    weights = torch.full((size,), float(init_weight), dtype=dtype, device=device, requires_grad=False)
+    weights = torch.full((size,), float(config.init_weight), dtype=dtype, device=device, requires_grad=False)
     learn = mode in ("per-example", "single")
-    weight_opt = _weight_optimizer(weight_optimizer, weights, weight_lr) if learn else None
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
-    gen = torch.Generator().manual_seed(seed)
+    weight_opt = _weight_optimizer(config.weight_optimizer, weights, config.weight_lr) if learn else None
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=config.lr)
+    gen = torch.Generator().manual_seed(config.seed)
 
     def draw(n: int, k: int | None) -> torch.Tensor:
         k = n if k is None else min(k, n)

@@ -21,7 +21,7 @@ as TRAK's τ on a margin) must be paired with outputs of that sign (e.g. minus t
 
 Per-query scores are ``chain.query(x_test, per_test=True).scores().values``, an (n, q) matrix. This module is the
 metric only (plain functions, like dattri's ``metric/``); the re-training harness that produces the outputs
-(:func:`influkit.apps.lds.run_lds`, :class:`influkit.apps.lds.ChainRetrain`) and the plots live in
+(:func:`influkit.apps.lds.run_lds`, :class:`influkit.apps.lds.ChainOutputs`) and the plots live in
 :mod:`influkit.apps.lds`.
 """
 
@@ -35,6 +35,7 @@ import torch
 
 from ..errors import InputError, warn
 from ..results import InfluenceResult
+from .metrics import ranks
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -112,10 +113,8 @@ def predicted_outputs(scores, subsets) -> np.ndarray:
 
 def _columnwise_spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Spearman ρ between the matching columns of a and b (NaN where either column is constant)."""
-    from scipy import stats
-
-    ra = stats.rankdata(a, axis=0)
-    rb = stats.rankdata(b, axis=0)
+    ra = np.stack([ranks(column) for column in np.asarray(a, float).T], axis=1)
+    rb = np.stack([ranks(column) for column in np.asarray(b, float).T], axis=1)
     ra = ra - ra.mean(0)
     rb = rb - rb.mean(0)
     denom = np.sqrt((ra**2).sum(0) * (rb**2).sum(0))

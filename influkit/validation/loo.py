@@ -1,108 +1,33 @@
-"""Leave-out retraining: the actual change of the summed test loss when pretraining examples are removed.
+"""Leave-out validation: the actual change of the last stage's summed test loss when stage-1 examples are removed
+and every stage of a :class:`~influkit.chain.Chain` is re-run, next to the change the scores predict.
 
-For each removal the harness copies both models at their original weights, re-runs pretraining without
-the removed example(s) and then finetuning (a :class:`TwoStageRecipe` or any callable with its signature),
-and measures Δ = f(T; retrained without z) − f(T; retrained with everything). The baseline is retrained the
-same way, so the drift of continued training cancels. Rows are appended to a CSV log as they come, so an
-interrupted run resumes where it stopped.
+For each removal group G the chain is re-trained without G by a :class:`~influkit.validation.retrain.Retrainer`
+(default: Newton steps from the chain's own weights to ‖∇F_k‖ ≤ 1e-10 in every stage, each removed example
+leaving the stage-1 sum while every other keeps its weight 1/m), and Δ = f(T; re-trained without G) −
+f(T; re-trained with everything) is measured, f the summed loss of the last stage on the test set T. The baseline
+is re-trained the same way, so whatever drift continued training adds cancels. The influence prediction of Δ for
+removing one stage-1 example z is −I(z, T)/m (``InfluenceResult.removal``); for a group, the sum over its members.
+Rows are appended to a CSV log as they come, so an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from ..chain import Chain
 from ..errors import InputError
-from ..params import shared_parameters
 from ..results import InfluenceResult
 from ..stage import Stage
-from ..training import HessianFactor, fit_lbfgs, newton_fit, train_adam
+from .retrain import Retrainer, kept
 
 BASELINE = "none"
 
-
-@dataclass(frozen=True)
-class TwoStageRecipe:
-    """Re-run pretraining, then finetuning, from the models' current weights, in place.
-
-    optimizer: "newton" (Newton-type steps with the Hessian at the original optimum, factorized once and
-    reused by every run, to ‖∇‖ ≤ tol: the exact leave-out optimum nearest the original one), "lbfgs" (full
-    batch, to ‖∇‖ ≤ tol or ``*_steps`` iterations) or "adam" (``*_steps`` seeded mini-batch steps, as the
-    paper; its optimization noise adds to the measured changes, see :func:`noise_floor`).
-    warmup: "newton" only — full-batch L-BFGS iterations before the Newton steps of every run; they carry a
-    large removal's run out of the region where its Hessian is indefinite (which would cost a dense
-    refactorization) and end at the same ‖∇‖ ≤ tol optimum. factors: Hessian factors of the original optima by
-    stage ("pretrain", "finetune"), e.g. kept from training; missing ones are built on the first run.
-    case 1 copies the retrained W into the finetune model and trains Θ. Case 2 shifts the finetuned W by the
-    change of the pretrained W̄ and trains (W, Θ) with the proximal term α‖W − W̄‖² (the model the Case 2
-    scores assume).
-    """
-
-    shared: str | Mapping[str, str]
-    case: int = 1
-    alpha: float = 0.01
-    optimizer: str = "newton"
-    pretrain_steps: int = 200
-    finetune_steps: int = 200
-    lr: float = 1e-3
-    batch_size: int = 128
-    seed: int = 0
-    tol: float = 1e-9
-    warmup: int = 0
-    factors: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def _train(self, stage: Stage, steps: int, exclude: torch.Tensor | None, which: str) -> None:
-        if self.optimizer == "newton":
-            if which not in self.factors:  # the first call starts from the original optimum
-                self.factors[which] = HessianFactor(stage)
-            if self.warmup:
-                fit_lbfgs(stage.without(exclude), max_iter=self.warmup, tol=self.tol, restarts=0)
-            newton_fit(stage.without(exclude), factor=self.factors[which], tol=self.tol, max_steps=steps)
-        elif self.optimizer == "lbfgs":
-            fit_lbfgs(stage.without(exclude), max_iter=steps, tol=self.tol)
-        elif self.optimizer == "adam":
-            train_adam(stage, steps=steps, lr=self.lr, batch_size=self.batch_size, seed=self.seed, exclude=exclude)
-        else:
-            raise InputError(f"unknown optimizer {self.optimizer!r}; use 'newton', 'lbfgs' or 'adam'.")
-
-    def __call__(self, pretrain: Stage, finetune: Stage, exclude: torch.Tensor | None) -> None:
-        mapping = shared_parameters(pretrain.model, finetune.model, self.shared)
-        before = {p: t.clone() for p, t in pretrain.state().items()}
-        self._train(pretrain, self.pretrain_steps, exclude, "pretrain")
-        after = pretrain.state()
-        fin_params = dict(finetune.model.named_parameters())
-        with torch.no_grad():
-            for f_name, p_name in mapping.items():
-                if self.case == 1:
-                    fin_params[f_name].copy_(after[p_name])
-                else:
-                    fin_params[f_name].add_(after[p_name] - before[p_name])
-        if self.case == 1:
-            self._train(finetune, self.finetune_steps, None, "finetune")
-            return
-        centre = {f: after[p].clone() for f, p in mapping.items()}
-        self._train(proximal_stage(finetune, centre, self.alpha), self.finetune_steps, None, "finetune")
-
-
-def proximal_stage(finetune: Stage, centre: Mapping[str, torch.Tensor], alpha: float) -> Stage:
-    """The Case 2 finetuning objective F(W, Θ) + α‖W − W̄‖² as a stage training W (``centre``'s keys) and Θ."""
-    own = finetune.regularizer
-
-    def regularizer(params):
-        value = alpha * sum(((params[f] - centre[f]) ** 2).sum() for f in centre)
-        return value + own(params) if own is not None else value
-
-    names = list(dict.fromkeys(list(centre) + finetune.param_names))
-    return Stage(finetune.model, finetune.loss, finetune._data, params=names, regularizer=regularizer)
-
-
-Recipe = Callable[[Stage, Stage, "torch.Tensor | None"], None]
+Retrain = Callable[..., "tuple[list[Stage], list[float]]"]  # retrain(chain, keep) -> (stages, ‖∇F_k‖), a Retrainer
 
 
 def group_label(group: Sequence[int] | None) -> str:
@@ -117,55 +42,59 @@ def summed_test_loss(stage: Stage, x_test) -> float:
         return float(stage.losses(stage.trained(), inputs.to(stage.device), targets.to(stage.device)).sum())
 
 
-def _retrain(pretrain: Stage, finetune: Stage, recipe: Recipe, group, x_test) -> float:
-    pre = pretrain.with_(model=copy.deepcopy(pretrain.model))
-    fin = finetune.with_(model=copy.deepcopy(finetune.model))
-    exclude = None if group is None else torch.as_tensor(list(group), dtype=torch.long)
-    recipe(pre, fin, exclude)
-    return summed_test_loss(fin, x_test)
-
-
 def leave_out_retrain(
-    pretrain: Stage,
-    finetune: Stage,
+    chain: Chain,
     removals: Sequence[int] | Sequence[Sequence[int]],
     x_test,
-    recipe: Recipe,
+    retrainer: Retrain | None = None,
     *,
     predicted: InfluenceResult | Sequence[float] | None = None,
     log: str | Path | None = None,
     progress: bool = True,
 ) -> pd.DataFrame:
-    """Actual change of the summed test loss for each removal, next to the predicted one.
+    """Actual change of the last stage's summed test loss for each removal of stage-1 examples, every stage re-run.
 
-    removals: pretraining example indices, or groups of indices removed together.
-    x_test: (inputs, targets) of the finetuning test set.
-    predicted: an InfluenceResult (its ``removal`` summed over each group) or one number per removal.
-    log: CSV file the rows are appended to; rows already there are reused (resume).
-    Returns a DataFrame with columns ``removed``, ``test_loss``, ``actual`` (and ``predicted``).
+    removals: stage-1 example indices, or groups of indices removed together.
+    x_test: (inputs, targets) of the last stage's test set.
+    retrainer: how the stages are re-run, called as ``retrainer(chain, keep)`` with the kept stage-1 indices
+    (default :class:`~influkit.validation.retrain.Retrainer`: Newton, ‖∇‖ ≤ 1e-10).
+    predicted: an InfluenceResult of the chain (its ``removal`` summed over each group) or one number per removal.
+    log: CSV file rows are appended to as they come; rows already there are reused (an interrupted run resumes).
+    Returns a DataFrame with ``removed``, ``test_loss``, ``actual`` (Δ against the re-trained baseline),
+    ``grad_norm`` (the largest final ‖∇F_k‖ over the stages; ~1e-10 means every stage is stationary) and
+    ``predicted`` when given.
     """
+    retrainer = retrainer or Retrainer()
     groups = [[int(r)] if not isinstance(r, (list, tuple, torch.Tensor)) else [int(i) for i in r] for r in removals]
     if not groups:
-        raise InputError("removals is empty: give the pretraining examples to leave out.")
-    done: dict[str, float] = {}
+        raise InputError("removals is empty: give the stage-1 examples to leave out.")
+    n = len(chain.stages[0])
+    outside = [i for g in groups for i in g if not 0 <= i < n]
+    if outside:
+        raise InputError(f"removals {outside[:5]} are not indices of the {n} stage-1 examples.")
+    done: dict[str, tuple[float, float]] = {}
     if log is not None and Path(log).exists():
         previous = pd.read_csv(log, dtype={"removed": str})
-        done = dict(zip(previous["removed"], previous["test_loss"]))
+        done = {key: (loss, norm) for key, loss, norm in zip(previous["removed"], previous["test_loss"], previous["grad_norm"])}
 
-    def record(group) -> float:
+    def record(group) -> tuple[float, float]:
         key = group_label(group)
         if key not in done:
-            done[key] = _retrain(pretrain, finetune, recipe, group, x_test)
+            stages, norms = retrainer(chain, kept(n, group))
+            done[key] = (summed_test_loss(stages[-1], x_test), max(norms))
             if log is not None:
-                row = pd.DataFrame({"removed": [key], "test_loss": [done[key]]})
+                row = pd.DataFrame({"removed": [key], "test_loss": [done[key][0]], "grad_norm": [done[key][1]]})
                 row.to_csv(log, mode="a", header=not Path(log).exists(), index=False)
         return done[key]
 
-    baseline = record(None)
-    losses = [record(g) for g in tqdm(groups, desc="leave-out retraining", disable=not progress)]
-    frame = pd.DataFrame(
-        {"removed": [group_label(g) for g in groups], "test_loss": losses, "actual": [v - baseline for v in losses]}
-    )
+    baseline, base_norm = record(None)
+    runs = [record(g) for g in tqdm(groups, desc="leave-out retraining", disable=not progress)]
+    frame = pd.DataFrame({
+        "removed": [group_label(g) for g in groups],
+        "test_loss": [loss for loss, _ in runs],
+        "actual": [loss - baseline for loss, _ in runs],
+        "grad_norm": [max(norm, base_norm) for _, norm in runs],
+    })
     if predicted is not None:
         frame["predicted"] = predicted_changes(predicted, groups)
     return frame
@@ -184,14 +113,3 @@ def predicted_changes(predicted, groups) -> list[float]:
     if len(values) != len(groups):
         raise InputError(f"predicted has {len(values)} values for {len(groups)} removals.")
     return values
-
-
-def noise_floor(
-    pretrain: Stage, finetune: Stage, x_test, recipe: TwoStageRecipe, seeds: Sequence[int] = (1, 2, 3)
-) -> float:
-    """Std of the summed test loss over no-removal reruns with different seeds: changes below it are noise.
-
-    Only the "adam" recipe uses its seed (mini-batch order); the deterministic "newton"/"lbfgs" recipes give 0.
-    """
-    losses = [_retrain(pretrain, finetune, replace(recipe, seed=s), None, x_test) for s in seeds]
-    return float(torch.tensor(losses).std())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-from scipy import stats
 
 from ..errors import InputError
 
@@ -20,16 +19,29 @@ def _pair(predicted, actual) -> tuple[np.ndarray, np.ndarray]:
     return p, a
 
 
+def ranks(values) -> np.ndarray:
+    """1-based ranks of a 1-D array, tied values sharing the mean of their ranks (as Spearman's ρ needs)."""
+    v = np.asarray(values, dtype=float)
+    ordered = np.sort(v)
+    return (np.searchsorted(ordered, v, "left") + np.searchsorted(ordered, v, "right") + 1) / 2.0
+
+
+def _correlation(p: np.ndarray, a: np.ndarray) -> float:
+    """Σ(p − p̄)(a − ā) / √(Σ(p − p̄)² Σ(a − ā)²); NaN when either side is constant."""
+    p, a = p - p.mean(), a - a.mean()
+    denom = np.sqrt((p**2).sum() * (a**2).sum())
+    return float((p * a).sum() / denom) if denom > 0 else float("nan")
+
+
 def pearson(predicted, actual) -> float:
-    """Pearson correlation r between predicted and actual changes."""
-    p, a = _pair(predicted, actual)
-    return float(stats.pearsonr(p, a)[0])
+    """Pearson correlation r between predicted and actual changes (NaN if either is constant)."""
+    return _correlation(*_pair(predicted, actual))
 
 
 def spearman(predicted, actual) -> float:
-    """Spearman rank correlation ρ between predicted and actual changes."""
+    """Spearman rank correlation ρ between predicted and actual changes: Pearson's r of their (mean-tied) ranks."""
     p, a = _pair(predicted, actual)
-    return float(stats.spearmanr(p, a)[0])
+    return _correlation(ranks(p), ranks(a))
 
 
 def sign_agreement(predicted, actual) -> float:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from conftest import need
+
+need("sklearn"), need("matplotlib")  # the digits experiment and its plots (influkit[apps])
+
 import influkit.cli
 from influkit.apps.cleansing import cleansing_table, mislabel_detection
 from influkit.apps.digits import DigitsSetup

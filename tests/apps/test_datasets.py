@@ -8,12 +8,15 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import need
+
 from influkit.apps.datasets import load_digits_tensors, load_fashion_mnist, read_idx, two_task_split
 from influkit.errors import InputError
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_digits_are_the_1797_real_images_scaled_to_unit_range(dtype):
+    need("sklearn")
     x, y = load_digits_tensors(dtype)
     assert x.shape == (1797, 64) and x.dtype == dtype and y.dtype == torch.long
     assert float(x.min()) == 0.0 and float(x.max()) == 1.0
@@ -21,6 +24,7 @@ def test_digits_are_the_1797_real_images_scaled_to_unit_range(dtype):
 
 
 def test_split_is_disjoint_relabelled_and_seeded():
+    need("sklearn")
     x, y = load_digits_tensors()
     split = two_task_split(x, y, (0, 1), (2, 3, 4), n_pretrain=50, n_finetune=40, n_test=30, seed=3)
     assert [len(t[1]) for t in (split.pretrain, split.finetune, split.test)] == [50, 40, 30]
@@ -32,6 +36,7 @@ def test_split_is_disjoint_relabelled_and_seeded():
 
 
 def test_same_task_twice_keeps_pretraining_and_finetuning_apart():
+    need("sklearn")
     x, y = load_digits_tensors()
     split = two_task_split(x, y, (0, 1), (0, 1), seed=0)
     pre = {tuple(r.tolist()) for r in split.pretrain[0]}
@@ -40,6 +45,7 @@ def test_same_task_twice_keeps_pretraining_and_finetuning_apart():
 
 
 def test_asking_for_more_examples_than_exist_says_what_to_lower():
+    need("sklearn")
     x, y = load_digits_tensors()
     with pytest.raises(InputError, match="lower n_finetune/n_test"):
         two_task_split(x, y, (0,), (1,), n_finetune=150, n_test=150)

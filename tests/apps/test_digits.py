@@ -5,6 +5,10 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
+from conftest import need
+
+need("sklearn"), need("matplotlib")  # the digits experiment and its plots (influkit[apps])
+
 import influkit.cli
 
 
@@ -49,26 +53,23 @@ def test_cli_demo_announces_and_chooses_size(monkeypatch, capsys, extra, removal
 
 
 def test_warm_newton_recipe_reaches_the_same_leave_out_optimum():
-    import copy
     from dataclasses import replace
 
-    import torch
-
     from influkit.apps.digits import DigitsSetup, train_stages
-    from influkit.training import gradient_norm
+    from influkit.chain import Chain
     from influkit.validation.loo import summed_test_loss
+    from influkit.validation.retrain import kept
 
     setup = DigitsSetup(n_pretrain=60, n_finetune=60, n_test=30, channels=(2, 4))
     split = setup.split()
     pre, fin = train_stages(setup, split)
+    chain = Chain([pre, fin], [setup.link()])
 
-    def retrain(recipe, removed):
-        p, f = pre.with_(model=copy.deepcopy(pre.model)), fin.with_(model=copy.deepcopy(fin.model))
-        exclude = torch.tensor([removed])
-        recipe(p, f, exclude)
-        return gradient_norm(p.without(exclude)), summed_test_loss(f, split.test)
+    def retrain(retrainer, removed):
+        stages, norms = retrainer(chain, kept(len(pre), [removed]))
+        return norms[0], summed_test_loss(stages[-1], split.test)
 
-    plain, warm = setup.recipe(), replace(setup, warmup=30).recipe()
+    plain, warm = setup.retrainer(), replace(setup, warmup=30).retrainer()
     agreed = 0
     for removed in range(4):
         (g_plain, loss_plain), (g_warm, loss_warm) = retrain(plain, removed), retrain(warm, removed)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import matplotlib
+from conftest import need
+
+matplotlib = need("matplotlib")
 
 matplotlib.use("Agg")
 

@@ -1,0 +1,96 @@
+"""Exact metagradients (``ik.unrolled.metagradients``): seconds and memory vs the number of recorded steps.
+
+The digits Case 1 chain of ``fidelity_replay`` (SGD + momentum, batches of 32, q = 100 test points summed into one
+measure) with T pretraining steps (finetuning: 100 steps), each configuration in a fresh process so that its peak
+resident memory (``ru_maxrss``) is its own. For each T: one training run's seconds (the verifying replay: the same
+steps) and the metagradient's, each the fastest of 3 interleaved runs, their ratio, and the growth of the peak
+resident memory during the first metagradient, with checkpoints every ⌈√T⌉ steps (the default) and with a
+single segment (every step's graph held at once).
+
+    python -m benchmarks.bench_unrolled --steps 64 256 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPEATS = 3
+
+
+def one(steps: int, every: int) -> dict:
+    """Record, verify and differentiate one configuration in this process; the measured numbers."""
+    import benchmarks.fidelity_replay as fr
+    from benchmarks.fidelity_tasks import TASKS, Task
+
+    import influkit as ik
+
+    torch.set_num_threads(1)
+    task = Task(TASKS["digits-case1"], HERE / "results" / "fidelity" / "cache")
+    config = task.config
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        pre_model, fin_model = task._model(len(config.pretrain_classes)), task._model(len(config.finetune_classes))
+    record = ik.unrolled.Record()
+    record.train(task.pretrain_stage(pre_model), fr.PRETRAIN["optimizer"], steps=steps, batch_size=32,
+                 checkpoint_every=every)
+    record.train(task.finetune_stage(fin_model), fr.FINETUNE["optimizer"], steps=100, batch_size=32, seed=1,
+                 link=ik.Link("embedding", case=1), checkpoint_every=min(every, 100))
+    error = ik.unrolled.verify(record)  # warms up torch.func's first calls
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result = ik.unrolled.metagradients(record, task.split.test)[0]
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    training, seconds = [], []
+    for _ in range(REPEATS):  # interleaved, the fastest of each: the machine is shared
+        start = time.perf_counter()
+        ik.unrolled.verify(record)
+        training.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        ik.unrolled.metagradients(record, task.split.test)
+        seconds.append(time.perf_counter() - start)
+    training, seconds = min(training), min(seconds)
+    memory = result.diagnostics["memory"]
+    return {"steps": steps, "every": every, "training_s": training, "metagradient_s": seconds,
+            "ratio": seconds / training, "peak_growth_MiB": (after - before) / 2**20,
+            "checkpoints_MiB": memory["checkpoint_bytes"] / 2**20, "replay_error": error,
+            "segment_replay_error": result.diagnostics["replay"]["max_error"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--one", type=int, nargs=2, metavar=("STEPS", "EVERY"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(*args.one)))
+        return
+    with open("/proc/loadavg") as handle:
+        print(f"load average before: {handle.read().split()[:3]}", flush=True)
+    print("| T (pretraining steps) | checkpoint every | one training run s | metagradient s | ratio | "
+          "peak RSS growth MiB | checkpoints MiB | replay error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for steps in args.steps:
+        for every in (math.ceil(math.sqrt(steps)), steps):
+            env = os.environ | {"OMP_NUM_THREADS": "1"}
+            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_unrolled", "--one", str(steps), str(every)],
+                                 env=env, cwd=HERE.parent, capture_output=True, text=True, check=True)
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"| {row['steps']} | {row['every']} | {row['training_s']:.2f} | {row['metagradient_s']:.2f} | "
+                  f"{row['ratio']:.2f} | {row['peak_growth_MiB']:.1f} | {row['checkpoints_MiB']:.3f} | "
+                  f"{max(row['replay_error'], row['segment_replay_error']):.1e} |", flush=True)
+    with open("/proc/loadavg") as handle:
+        print(f"load average after: {handle.read().split()[:3]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

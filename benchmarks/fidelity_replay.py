@@ -1,0 +1,260 @@
+"""The **replay** LDS protocol: attribute the training that ran, and check it against the same run replayed.
+
+A task's chain is trained once, recorded (``influkit.unrolled.Record``): pretraining, then finetuning from its
+result (Case 1: head only, shared block fixed; Case 2: everything, with α‖W − W̄‖²), both with SGD + heavy-ball
+momentum on seeded mini-batches of 32 and the task's L2 in the objective, from member 0's initialization — stopped
+after 150 + 100 steps, away from a stationary point (‖∇‖ ≈ 0.04). (With Adam pretraining the run is far less
+linear in the data weights: on digits Case 1, dropping one example changed the summed test loss with Pearson 0.71
+to −score over 15 examples, against 0.999 with SGD + momentum; see the README.) For each drop fraction
+f ∈ {1 %, 5 %, 10 %, 50 %}, M random sets D_j of ⌊f·n⌋ pretraining examples are dropped by **replaying** the record with w_z = 0 for z ∈ D_j (same
+initialization, batch order and learning rates; deterministic, so the noise ceiling is 1), and each method's
+per-test scores rank the replayed test losses:
+
+    LDS(t) = Spearman_j( Σ_{z∉D_j} score_z(t), test loss_t(replay without D_j) ),   mean ± sem over test points t.
+
+Methods, all on the recorded final models: the exact metagradient (``ik.unrolled.metagradients``, per test point),
+the approximate unrolling (``ik.unrolled.approximate``: 5 segments per stage, dense Hessian at each segment's end),
+influkit's influence functions on the same chain (exact, Gauss-Newton, EK-FAC, Arnoldi, identity), which assume the
+stages sit at minima, and — where installed (/work/bench-venv) — the single-stage peers TRAK, kronfluence and dattri
+as ``fidelity_methods`` wires them (K = 1). The metagradient's seconds are reported beside one training run's (its
+ratio; MAGIC's is 2–3×). Replayed outputs are cached under ``results/fidelity/cache/<task>/replay``.
+
+    python benchmarks/bench_fidelity.py retrain --task digits-case1 --protocol replay --subsets 50
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+import influkit as ik
+from benchmarks.fidelity_methods import INFLUKIT as INFLUENCE
+from benchmarks.fidelity_tasks import Task
+from influkit import Chain, Link
+from influkit.unrolled import SGD, Record
+from influkit.validation.lds import lds_per_query
+
+FRACTIONS = (0.01, 0.05, 0.1, 0.5)
+PRETRAIN = {"optimizer": SGD(lr=0.05, momentum=0.9), "steps": 150, "batch_size": 32}
+FINETUNE = {"optimizer": SGD(lr=0.05, momentum=0.9), "steps": 100, "batch_size": 32}
+APPROXIMATE_SEGMENTS = 5
+EXACT = "unrolled exact metagradient (replay)"
+APPROXIMATE = f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, dense Hessian)"
+SUBSET_SEED = 0
+
+
+PRETRAIN_LR = {"fashion-case1": 0.02}
+"""Per-task pretraining learning rates. On Fashion-MNIST, SGD + momentum at lr 0.05 is chaotic: the trained model
+depends on the data weights so irregularly that dropping one example changed the summed test loss with Pearson
+0.15 to the exact derivative's prediction (15 examples; 0.94 at lr 0.02), and every method's replay LDS was ≤ 0.2
+(exact metagradient 0.05 at 1 %: ``results/fidelity/replay_fashion-case1_pretrain-lr0.05.md``)."""
+
+
+def pretrain_optimizer(task: Task) -> SGD:
+    """The recorded pretraining optimizer of ``task`` (PRETRAIN's, with the task's learning rate if it has one)."""
+    optimizer = PRETRAIN["optimizer"]
+    lr = PRETRAIN_LR.get(task.config.name, optimizer.lr)
+    return SGD(lr=lr, momentum=optimizer.momentum, nesterov=optimizer.nesterov, weight_decay=optimizer.weight_decay)
+
+
+def settings_digest(task: Task) -> str:
+    """16 hex characters naming the task and the recorded training (cache keys carry it)."""
+    settings = {"task": task.config.digest(), "pre": repr(PRETRAIN), "fin": repr(FINETUNE)}
+    if task.config.name in PRETRAIN_LR:
+        settings["pre_lr"] = PRETRAIN_LR[task.config.name]
+    text = json.dumps(settings, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def record_task(task: Task) -> Record:
+    """Train and record the task's chain from member 0's initialization (module docstring)."""
+    config = task.config
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        pre_model = task._model(len(config.pretrain_classes))
+        fin_model = task._model(len(config.finetune_classes))
+    record = Record()
+    record.train(task.pretrain_stage(pre_model), pretrain_optimizer(task), steps=PRETRAIN["steps"],
+                 batch_size=PRETRAIN["batch_size"], seed=0)
+    record.train(task.finetune_stage(fin_model), FINETUNE["optimizer"], steps=FINETUNE["steps"],
+                 batch_size=FINETUNE["batch_size"], seed=1, link=Link("embedding", case=config.case, alpha=config.alpha))
+    return record
+
+
+def drop_sets(n: int, fraction: float, m: int) -> torch.Tensor:
+    """(m, n) bool *kept* masks: each drops ⌊fraction·n⌋ (at least 1) seeded random examples."""
+    gen = torch.Generator().manual_seed(SUBSET_SEED + int(round(fraction * 1e4)))
+    size = max(1, int(fraction * n))
+    keep = torch.ones(m, n, dtype=torch.bool)
+    for j in range(m):
+        keep[j, torch.randperm(n, generator=gen)[:size]] = False
+    return keep
+
+
+def replayed_outputs(task: Task, record: Record, keep: torch.Tensor, fraction: float, progress: bool) -> torch.Tensor:
+    """(M, q) test losses of the record replayed with each dropped set weighted 0 (cached)."""
+    directory = task.directory / "replay"
+    directory.mkdir(parents=True, exist_ok=True)
+    digest = settings_digest(task)
+    rows = []
+    for j in tqdm(range(keep.shape[0]), desc=f"{task.config.name} replay {fraction:g}", disable=not progress,
+                  mininterval=30):
+        mask_hash = hashlib.sha256(keep[j].numpy().tobytes()).hexdigest()[:8]
+        path = directory / f"drop{fraction:g}_{j:04d}_{digest}_{mask_hash}.safetensors"
+        if path.exists():
+            rows.append(load_file(path)["outputs"])
+            continue
+        start = time.perf_counter()
+        out = ik.unrolled.outputs(record, task.split.test, keep[j].double())
+        save_file({"outputs": out.contiguous()}, str(path), metadata={"seconds": f"{time.perf_counter() - start:.3f}"})
+        rows.append(out)
+    return torch.stack(rows)
+
+
+def method_scores(task: Task, record: Record) -> dict[str, tuple[np.ndarray, float, dict]]:
+    """{method: ((n, q) scores in influkit's sign, seconds, facts)} on the recorded final models."""
+    out = {}
+    start = time.perf_counter()
+    results = ik.unrolled.metagradients(record, task.split.test, per_test=True)
+    seconds = time.perf_counter() - start
+    diag = results[0].diagnostics
+    out[EXACT] = (results[0].values.numpy(), seconds,
+                  {"replay error (segment ends vs checkpoints)": diag["replay"]["max_error"],
+                   "checkpoints MiB": diag["memory"]["checkpoint_bytes"] / 2**20,
+                   "one segment's graphs, resident growth MiB": diag["memory"]["segment_resident_growth_bytes"] / 2**20})
+    start = time.perf_counter()
+    summed = ik.unrolled.metagradients(record, task.split.test)
+    out[EXACT][2]["seconds, summed measure (q = 1)"] = time.perf_counter() - start
+    out[EXACT][2]["check: per-test columns sum to q = 1"] = float(
+        (torch.as_tensor(out[EXACT][0]).sum(1) - summed[0].values).abs().max())
+    start = time.perf_counter()
+    approximate = ik.unrolled.approximate(record, task.split.test, segments=APPROXIMATE_SEGMENTS, per_test=True)
+    out[APPROXIMATE] = (approximate[0].values.numpy(), time.perf_counter() - start, {})
+    pre, fin = (run.stage for run in record.runs)
+    for name, (solve, curvature) in INFLUENCE.items():
+        start = time.perf_counter()
+        try:
+            chain = Chain([pre, fin], [record.runs[1].link], solve=solve, curvature=curvature)
+            result = chain.query(task.split.test, per_test=True).scores()
+            values = result.values[torch.argsort(result.index)].double().numpy()
+            out[name] = (values, time.perf_counter() - start, {})
+        except Exception as exc:  # a method that fails is reported, the others still run
+            print(f"{task.config.name} | {name} | FAILED: {type(exc).__name__}: {exc}", flush=True)
+    return out
+
+
+def peer_scores(task: Task, record: Record) -> dict[str, tuple[np.ndarray, float, dict]]:
+    """The single-stage peers of ``fidelity_methods`` (TRAK, kronfluence, dattri; K = 1, their conversions to influkit's
+    sign) on the recorded final models: the task's member 0 is the record's chain for the call. Empty when the
+    peers are not installed (they live in /work/bench-venv)."""
+    try:
+        from benchmarks.fidelity_methods import PEER_FUNCTIONS, PEERS, import_peers
+
+        import_peers()
+    except ImportError as exc:
+        print(f"{task.config.name} | peers skipped: {exc}", flush=True)
+        return {}
+    out, saved = {}, task._members.get(0)
+    task._members[0] = tuple(run.stage for run in record.runs)
+    try:
+        for name in PEERS:
+            start = time.perf_counter()
+            try:
+                out[name] = (np.asarray(PEER_FUNCTIONS[name](task, [0]), dtype=np.float64), time.perf_counter() - start, {})
+            except Exception as exc:  # a peer that fails is reported, the others still run
+                print(f"{task.config.name} | {name} | FAILED: {type(exc).__name__}: {exc}", flush=True)
+    finally:
+        if saved is None:
+            task._members.pop(0)
+        else:
+            task._members[0] = saved
+    return out
+
+
+def run_replay_protocol(task: Task, m: int, results: Path, fractions=FRACTIONS, progress: bool = True) -> dict:
+    """Record, score, replay at every fraction; write ``replay_<task>.md/.json`` and the LDS-vs-drop plot."""
+    torch.set_num_threads(1)
+    record = record_task(task)
+    training = sum(run.seconds for run in record.runs)
+    verify_start = time.perf_counter()
+    error = ik.unrolled.verify(record)
+    replay_seconds = time.perf_counter() - verify_start
+    scores = method_scores(task, record) | peer_scores(task, record)
+    n = len(task.split.pretrain[0])
+    table = {}
+    for fraction in fractions:
+        keep = drop_sets(n, fraction, m)
+        actual = replayed_outputs(task, record, keep, fraction, progress).numpy()
+        for name, (values, _, _) in scores.items():
+            per_query = lds_per_query(values, keep.numpy(), actual)
+            valid = per_query[np.isfinite(per_query)]
+            table[name, fraction] = (float(valid.mean()), float(valid.std(ddof=1) / np.sqrt(valid.size)))
+    facts = {"task": task.config.name, "M": m, "n": n, "q": len(task.split.test[0]),
+             "one training run, seconds (the verifying replay: same steps, warm)": replay_seconds,
+             "first training run, seconds (recorded, includes torch.func warm-up)": training,
+             "replay error (verify, max |Δ| over every checkpoint)": error,
+             "steps": [run.steps for run in record.runs], "optimizers": [repr(run.optimizer) for run in record.runs],
+             "test loss (recorded run, summed)": float(ik.unrolled.outputs(record, task.split.test).sum())}
+    write(task, table, scores, facts, results, fractions)
+    return {"table": table, "facts": facts, "scores": scores}
+
+
+def write(task: Task, table: dict, scores: dict, facts: dict, results: Path, fractions) -> None:
+    """results/fidelity/replay_<task>.md (table + facts) and .json; the plot of every task written so far."""
+    lines = [f"### {task.config.name}, replay protocol (M = {facts['M']} per fraction, q = {facts['q']})", "",
+             "| method | " + " | ".join(f"drop {f:.0%}" for f in fractions) + " | seconds | × training |",
+             "|---|" + "---|" * (len(fractions) + 2)]
+    training = facts["one training run, seconds (the verifying replay: same steps, warm)"]
+    for name, (_, seconds, _) in scores.items():
+        cells = [f"{table[name, f][0]:.3f} ± {table[name, f][1]:.3f}" for f in fractions]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {seconds:.2f} | {seconds / training:.2f} |")
+    lines += ["", *(f"- {k}: {v}" for k, v in facts.items()),
+              *(f"- {EXACT}: {k}: {v}" for k, v in scores[EXACT][2].items())]
+    (results / f"replay_{task.config.name}.md").write_text("\n".join(lines) + "\n")
+    payload = {"facts": facts, "fractions": list(fractions),
+               "lds": {name: {f"{f:g}": table[name, f] for f in fractions} for name in scores},
+               "seconds": {name: s for name, (_, s, _) in scores.items()}, "exact": scores[EXACT][2]}
+    (results / f"replay_{task.config.name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    print("\n".join(lines), flush=True)
+    plot(results)
+
+
+def plot(results: Path) -> None:
+    """replay_lds_vs_drop.png: LDS (± sem) vs drop fraction per method, one panel per task with results."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = sorted(results.glob("replay_*.json"))
+    if not files:
+        return
+    fig, axes = plt.subplots(1, len(files), figsize=(5.5 * len(files), 4.2), squeeze=False)
+    for ax, path in zip(axes[0], files):
+        payload = json.loads(path.read_text())
+        fractions = payload["fractions"]
+        for i, (name, cells) in enumerate(payload["lds"].items()):
+            mean = [cells[f"{f:g}"][0] for f in fractions]
+            sem = [cells[f"{f:g}"][1] for f in fractions]
+            ours = name.startswith(("unrolled", "influkit"))
+            ax.errorbar(fractions, mean, yerr=sem, marker="o" if ours else "s", capsize=2, label=name,
+                        color=plt.cm.tab20(i % 20), ls="-" if ours else "--", lw=2 if name == EXACT else 1)
+        ax.set_xscale("log")
+        ax.set_xticks(fractions, [f"{f:.0%}" for f in fractions])
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_ylim(-0.2, 1.02)
+        ax.set_xlabel("fraction of pretraining examples dropped")
+        ax.set_ylabel("LDS (mean ± sem over test points)")
+        ax.set_title(f"{payload['facts']['task']}, replay (M = {payload['facts']['M']})", fontsize=9)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    fig.savefig(results / "replay_lds_vs_drop.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,115 @@
+"""Layers that are one matrix product per token, y_t = W a_t + b, and ``nn.Linear``.
+
+With ā = [a; 1] when the bias is trained (a homogeneous coordinate), the per-example gradient of the block matrix
+M = [W | b] (out × in+1) is Σ_t g_t ā_tᵀ, so
+
+- contraction: ⟨∇W_i, S⟩ = Σ_t g_tᵀ S a_t and ⟨∇b_i, s⟩ = Σ_t g_tᵀ s, the cheaper side multiplied first;
+- K-FAC (Martens & Grosse 2015): A = Σ ā āᵀ over tokens, G = Σ g gᵀ; a weight stored (in, out) (``inputs_first``,
+  GPT-2's ``Conv1D``) takes M = [W; bᵀ] (in+1 × out), the same factors on the other sides.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .registry import Layer, register
+
+EXAMPLE_CHUNK_BYTES = 64 * 2**20  # per-example gradients of one layer formed at once by example_squares
+
+
+def bilinear(a: torch.Tensor, g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """(B,) Σ_t g_tᵀ S a_t for a (B, T, in), g (B, T, out), S (out, in): the cheaper side multiplied first."""
+    if s.shape[0] <= s.shape[1]:
+        return ((a @ s.T) * g).sum((1, 2))
+    return ((g @ s) * a).sum((1, 2))
+
+
+class Dense(Layer):
+    """A layer y_t = W a_t + b per token; subclasses say how the weight is stored (:meth:`matrix`) and what a
+    token is (:meth:`inputs`, :meth:`grads`)."""
+
+    kronecker = True
+
+    def matrix(self, w: torch.Tensor) -> torch.Tensor:
+        """The (out, in) matrix W of a tensor shaped like the weight."""
+        return w
+
+    @property
+    def features(self) -> tuple[int, int]:
+        """(out, in) of W."""
+        return tuple(self.matrix(self.module.weight).shape)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        out, width = self.features
+        width += self.bias is not None
+        return (width, out) if self.inputs_first else (out, width)
+
+    def factor_dims(self) -> tuple[int, int]:
+        """(size of the input factor A, size of the output-gradient factor G)."""
+        out, width = self.features
+        return width + (self.bias is not None), out
+
+    def inputs(self, inp: torch.Tensor) -> torch.Tensor:
+        return inp.reshape(inp.shape[0], -1, inp.shape[-1])
+
+    def contract(self, a, g, weight, bias):
+        out = torch.zeros(a.shape[0], dtype=g.dtype, device=g.device)
+        if weight is not None:
+            out += bilinear(a, g, self.matrix(weight))
+        if bias is not None:
+            out += g.sum(1) @ bias
+        return out
+
+    def add_covariances(self, inputs: torch.Tensor, grads: torch.Tensor, a: torch.Tensor, g: torch.Tensor) -> int:
+        """Add one batch's Σ ā āᵀ to ``inputs`` (blockwise for the homogeneous coordinate, never forming ā) and
+        Σ g gᵀ to ``grads`` (g: (k, B, T, out), every pseudo-gradient column); returns the batch's token count."""
+        flat = a.reshape(-1, a.shape[-1])
+        width = flat.shape[1]
+        inputs[:width, :width] += (flat.T @ flat).to(inputs.dtype)
+        if self.bias is not None:
+            total = flat.sum(0).to(inputs.dtype)
+            inputs[:width, width] += total
+            inputs[width, :width] += total
+            inputs[width, width] += flat.shape[0]
+        flat_g = g.reshape(-1, g.shape[-1])
+        grads += (flat_g.T @ flat_g).to(grads.dtype)
+        return flat.shape[0]
+
+    def _with_bias(self, a: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+        """ā Q for ā = [a, 1] (a trained bias) or a, without forming ā when Q is given (ā Q = a Q[:-1] + Q[-1])."""
+        if basis is not None:
+            basis = basis.to(a.dtype)
+            return a @ basis[:-1] + basis[-1] if self.bias is not None else a @ basis
+        if self.bias is None:
+            return a
+        return torch.cat([a, torch.ones(*a.shape[:-1], 1, dtype=a.dtype, device=a.device)], dim=-1)
+
+    def example_squares(self, a, g, left=None, right=None) -> torch.Tensor:
+        """Σ_{j,i} (Lᵀ ∇_M ℓ_ij R)² elementwise over pseudo-gradient columns j and examples i: (rows, cols) float64.
+
+        a: (B, T, in), g: (k, B, T, out); L, R: eigenbases of the factors on M's rows and columns (None: the
+        standard basis), so with them this is EK-FAC's eigenvalue correction and without them the diagonal of the
+        (sampled) Gauss-Newton block. Products in the model's dtype, per batch."""
+        g_basis, a_basis = (right, left) if self.inputs_first else (left, right)
+        a = self._with_bias(a, a_basis)
+        if g_basis is not None:
+            g = g @ g_basis.to(g.dtype)
+        k, batch, tokens, rows = g.shape
+        if tokens == 1:  # ∇_M ℓ_ij = g aᵀ: the squares factor, Σ_i (Σ_j g_ij²) (a_i²)ᵀ is one product
+            total = ((g[:, :, 0] ** 2).sum(0).T @ (a[:, 0] ** 2)).to(torch.float64)
+        else:
+            total = torch.zeros(rows, a.shape[2], dtype=torch.float64, device=a.device)
+            chunk = max(1, EXAMPLE_CHUNK_BYTES // (a.element_size() * k * rows * a.shape[2]))
+            for s in range(0, batch, chunk):
+                grads = torch.einsum("kbto,bti->kboi", g[:, s : s + chunk], a[s : s + chunk])
+                total += (grads**2).sum((0, 1)).to(torch.float64)
+        return total.T if self.inputs_first else total
+
+
+@register(nn.Linear)
+class Linear(Dense):
+    """``nn.Linear``: y = W a + b, W stored (out, in)."""
+
+    kind = "linear"

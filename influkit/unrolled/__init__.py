@@ -1,0 +1,21 @@
+"""Unrolled attribution: differentiate the training that actually ran, stage by stage, by exact replay.
+
+``Record`` records training (pure optimizer steps on data-weighted losses, checkpoints), ``replay`` re-runs it
+with other per-example weights, and ``metagradients`` returns d measure(final model) / d w_z for every example
+of every stage by reverse mode through the recorded steps (MAGIC-style), the adjoint handed across each
+pretrain → finetune boundary. A score is d measure / d w_z at w = 1; removing z predicts −score.
+
+    record = ik.unrolled.Record()
+    record.train(pre_stage, ik.unrolled.AdamW(lr=1e-2, weight_decay=1e-3), steps=300, batch_size=32)
+    record.train(fin_stage, ik.unrolled.SGD(lr=0.1, momentum=0.9), steps=200, batch_size=32,
+                 link=ik.Link("embedding", case=1))
+    pre_scores, fin_scores = ik.unrolled.metagradients(record, (x_test, y_test), per_test=True)
+"""
+
+from .metagradient import metagradients
+from .optimizers import SGD, Adam, AdamW
+from .record import Record, StageRecorder, StageRun
+from .replay import outputs, replay, verify
+from .segments import approximate
+
+__all__ = ["SGD", "Adam", "AdamW", "Record", "approximate", "StageRecorder", "StageRun", "metagradients", "outputs", "replay", "verify"]

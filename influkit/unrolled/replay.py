@@ -1,0 +1,104 @@
+"""Replay: the recorded run again — same start, batches, learning rates and optimizer — with other data weights.
+
+``replay(record, weights)`` re-runs every stage with the per-example weights w (1 = as recorded, 0 = dropped,
+1 ± ε = the finite differences that check the metagradient); a later stage starts from, and under Case 1 keeps,
+the *replayed* previous stage's shared block. ``outputs(record, measure, weights)`` is the measure of the
+replayed final model: the quantity the metagradient differentiates and the replay LDS protocol ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import InputError
+from .optimizers import Tensors
+from .record import Record, StageRun, stage_weights
+
+Measure = Callable[[Tensors], torch.Tensor]
+
+
+def start(run: StageRun, anchors: Tensors) -> Tensors:
+    """θ_0 of a stage given its inherited block: the recorded start, with inherited trained parameters from ``anchors``."""
+    theta = run.checkpoints[0][0]
+    return {n: anchors[n] if n in run.inherited else v for n, v in theta.items()}
+
+
+def unit_weights(run: StageRun, idx: torch.Tensor, weights: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The batch's data weights w_B (ones where no weights are given), on the stage's device."""
+    dtype = like.dtype if like.is_floating_point() else torch.get_default_dtype()
+    if weights is None:
+        return torch.ones(idx.numel(), dtype=dtype, device=run.stage.device)
+    return weights.to(run.stage.device, dtype)[idx.to(run.stage.device)]
+
+
+def replay_run(run: StageRun, anchors: Tensors, weights: torch.Tensor | None, *, check: bool = False,
+               progress: bool = False) -> tuple[Tensors, float]:
+    """(final values, largest |difference| from a recorded checkpoint — only with ``check``, else 0.0)."""
+    theta, state = start(run, anchors), run.checkpoints[0][1]
+    error = 0.0
+    for t in tqdm(range(run.steps), desc="replay", disable=not progress, leave=False):
+        idx, x, y = run.batch(t)
+        theta, state = run.step(t, theta, state, anchors, unit_weights(run, idx, weights, x), x, y)
+        if check and t + 1 in run.checkpoints:
+            error = max(error, deviation((theta, state), run.checkpoints[t + 1]))
+    return {n: anchors[n] for n in run.frozen} | theta, error
+
+
+def verify(record: Record) -> float:
+    """Replay every stage from its recorded start and return the largest |difference| from a recorded checkpoint
+    (θ and optimizer state, every checkpoint of every stage): 0.0 means bit-equal."""
+    error, previous = 0.0, None
+    for run in record.runs:
+        anchors = run.anchors if previous is None else {n: previous[m] for n, m in run.inherited.items()}
+        _, err = replay_run(run, anchors, None, check=True)
+        error = max(error, err)
+        previous = run.final
+    return error
+
+
+def deviation(a, b) -> float:
+    """Largest |a − b| over matching (nested dict / tuple of) tensors."""
+    if torch.is_tensor(a):
+        return float((a - b).abs().max()) if a.numel() else 0.0
+    if isinstance(a, dict):
+        return max((deviation(a[k], b[k]) for k in a), default=0.0)
+    return max((deviation(u, v) for u, v in zip(a, b)), default=0.0)
+
+
+def replay(record: Record, weights=None, *, progress: bool = False) -> list[Tensors]:
+    """Each stage's final values (trained θ_T and fixed shared block) after re-running the record with ``weights``.
+
+    weights: None (the recorded run), one tensor of per-example weights for stage 0, or one entry (tensor of
+    shape (n_k,) or None) per stage.
+    """
+    if not len(record):
+        raise InputError("the record has no stage; train one with record.train(...) or record.recorder(...).")
+    finals, previous = [], None
+    for run, w in zip(record.runs, stage_weights(record, weights)):
+        anchors = run.anchors if previous is None else {n: previous[m] for n, m in run.inherited.items()}
+        previous, _ = replay_run(run, anchors, w, progress=progress)
+        finals.append(previous)
+    return finals
+
+
+def as_measure(record: Record, measure) -> Measure:
+    """``measure`` as a function of the last stage's final values returning a scalar or a (q,) vector.
+
+    measure: a callable params → tensor, or an (inputs, targets) test set: its per-test losses under the last stage.
+    """
+    if callable(measure):
+        return measure
+    if isinstance(measure, (tuple, list)) and len(measure) == 2 and all(torch.is_tensor(t) for t in measure):
+        stage = record.runs[-1].stage
+        inputs, targets = (t.to(stage.device) for t in measure)
+        return lambda params: stage.losses(params, inputs, targets)
+    raise InputError("measure must be a callable params -> tensor or an (inputs, targets) pair of test tensors.")
+
+
+def outputs(record: Record, measure, weights=None, *, progress: bool = False) -> torch.Tensor:
+    """The measure (scalar or (q,)) of the final model after replaying the record with ``weights``."""
+    with torch.no_grad():
+        return as_measure(record, measure)(replay(record, weights, progress=progress)[-1]).detach()

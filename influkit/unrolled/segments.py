@@ -1,0 +1,140 @@
+"""Approximate unrolling (SOURCE, Bae, Lin, Lorraine & Grosse 2024) across stages: segments with a closed form each.
+
+Each stage's recorded steps are cut into ``segments`` contiguous pieces. Inside piece ℓ the run is linearized as
+(heavy-ball) gradient descent on the stage's full-data objective L(θ; S̄) with one Hessian H_ℓ, taken at the
+piece's last parameters θ_ℓ, and the recorded learning rates η_t; a data weight w_z enters every step's gradient
+with its expected weight 1/n (exact for full batches), and the shared block through C_ℓ = ∂∇_θL/∂S̄. In H_ℓ's
+eigenbasis every coordinate (eigenvalue λ) follows the 2×2 linear recursion of SGD with momentum μ,
+
+    b_{t+1} = μ b_t + λ δ_t + f,     δ_{t+1} = δ_t − η_t b_{t+1},     f = (1/n) ∇ℓ(z; θ_ℓ) δw_z + C_ℓ δS̄,
+
+so the reverse pass runs the transposed recursion over the piece's learning rates for all coordinates at once
+(from the adjoints (v, w) of (δθ, δb) at the end of the piece) and collects u = d measure / d f; then
+score_z += (1/n) ∇ℓ(z; θ_ℓ)·u, the shared block's adjoint += C_ℓᵀ u, and (v, w) move to the piece's start. Without
+momentum the collected u is −(I − A_ℓ) H_ℓ⁻¹ v with A_ℓ = Π_t (I − η_t H_ℓ): SOURCE's closed form (Bae, Lin,
+Lorraine & Grosse 2024), here with momentum kept exactly. The adjoints on the stage's start and on its inherited
+block are handed to the previous stage as in :mod:`.metagradient` (same sign: score = d measure / d w_z, removal
+predicts −score). Adam has no such linear recursion and is refused; so is Nesterov momentum.
+
+When the objective is quadratic and the per-example losses are linear in θ, every step is exactly this map and
+the result equals the exact metagradient (``tests/test_unrolled.py``). The Hessian here is dense (exact, for
+models of up to a few thousand trained parameters); EK-FAC eigenbases per segment (SOURCE's choice at scale) are
+not implemented yet.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.func import grad, hessian, jacrev, vmap
+
+from ..errors import InputError
+from ..results import InfluenceResult
+from .metagradient import hand_over, measure_adjoint
+from .optimizers import SGD
+from .record import Record, StageRun
+from .replay import start, unit_weights
+
+METHOD = "unrolled approximate (segments, dense Hessian)"
+
+
+def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = False) -> list[InfluenceResult]:
+    """One :class:`InfluenceResult` per stage: the segment-wise closed-form estimate of d measure / d w_z.
+
+    Same arguments and sign as :func:`influkit.unrolled.metagradients`; ``segments`` pieces per stage.
+    """
+    if int(segments) < 1:
+        raise InputError(f"segments must be ≥ 1, got {segments!r}.")
+    for run in record.runs:
+        if not isinstance(run.optimizer, SGD) or run.optimizer.nesterov:
+            raise InputError(
+                f"approximate unrolling needs SGD steps (with or without heavy-ball momentum); a stage was trained "
+                f"with {run.optimizer!r}. Use ik.unrolled.metagradients (exact) for it."
+            )
+    began = time.perf_counter()
+    adjoint, q, outputs = measure_adjoint(record, measure, per_test)
+    scores = [None] * len(record)
+    for k in range(len(record) - 1, -1, -1):
+        run = record.runs[k]
+        theta_bar, anchor_bar, scores[k] = _stage(run, adjoint, q, int(segments))
+        if k:
+            adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
+    diagnostics = {"seconds": {"approximate": time.perf_counter() - began},
+                   "settings": {"segments": int(segments), "curvature": "dense Hessian at each segment's end",
+                                "per_test": per_test, "measure_outputs": int(outputs)}}
+    return [InfluenceResult(values=scores[k] if per_test else scores[k][:, 0], n_train=len(run.stage),
+                            method=f"{METHOD}, stage {k}", diagnostics=diagnostics | {"stage": k}, removal_eps=-1.0)
+            for k, run in enumerate(record.runs)]
+
+
+def _boundaries(run: StageRun, pieces: int) -> list[tuple[int, int, dict]]:
+    """[(a, b, θ_b)] for the pieces of the run, θ_b replayed from the recorded start."""
+    cuts = sorted({round(run.steps * i / pieces) for i in range(pieces + 1)})
+    theta, state = start(run, run.anchors), run.checkpoints[0][1]
+    ends = {}
+    for t in range(run.steps):
+        idx, x, y = run.batch(t)
+        theta, state = run.step(t, theta, state, run.anchors, unit_weights(run, idx, None, x), x, y)
+        if t + 1 in cuts:
+            ends[t + 1] = theta
+    return [(a, b, ends[b]) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def _stage(run: StageRun, adjoint: dict, q: int, pieces: int):
+    """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, (n, q) scores)."""
+    names, anchor_names = list(run.trained), list(run.anchors)
+    shapes = {n: v.shape for n, v in run.checkpoints[0][0].items()} | {n: v.shape for n, v in run.anchors.items()}
+    sizes = {n: shapes[n].numel() for n in shapes}
+    reference = run.checkpoints[0][0][names[0]]
+
+    def flat(tensors: dict, keys: list[str]) -> torch.Tensor:  # (q, p) from {name: (q, *shape)}
+        return torch.cat([tensors[n].reshape(q, -1) for n in keys], dim=1)
+
+    def unflat(vector: torch.Tensor, keys: list[str]) -> dict:
+        if not keys:
+            return {}
+        return dict(zip(keys, (v.reshape(shapes[n]) for n, v in zip(keys, vector.split([sizes[n] for n in keys])))))
+
+    x_all, y_all = run.stage.data.take(torch.arange(len(run.stage)))
+    n = len(run.stage)
+    ones = torch.ones(n, dtype=reference.dtype, device=reference.device)
+
+    def objective(theta_flat, anchor_flat):  # the full-data stage objective L(θ; S̄)
+        return run.objective(unflat(theta_flat, names), unflat(anchor_flat, anchor_names), x_all, y_all, ones)
+
+    def example_loss(theta_flat, x, y):  # ℓ(z; θ) of one example
+        params = {m: run.anchors[m] for m in run.frozen} | unflat(theta_flat, names)
+        return run.stage.losses(params, x[None], y[None])[0]
+
+    def zeros(m: str) -> torch.Tensor:
+        return torch.zeros(q, *shapes[m], dtype=reference.dtype, device=reference.device)
+
+    v = flat({m: adjoint.get(m, zeros(m)) for m in names}, names)
+    anchor_flat = torch.cat([run.anchors[m].reshape(-1) for m in anchor_names]) if anchor_names else \
+        torch.zeros(0, dtype=reference.dtype, device=reference.device)
+    anchor_bar = flat({m: adjoint[m] if m in run.frozen and m in adjoint else zeros(m) for m in anchor_names},
+                      anchor_names) if anchor_names else torch.zeros(q, 0, dtype=reference.dtype)
+    scores = torch.zeros(n, q, dtype=reference.dtype, device=reference.device)
+    momentum, decay = run.optimizer.momentum, run.optimizer.weight_decay
+    w = torch.zeros_like(v)  # the adjoint of the momentum buffer (0 at the end: the measure does not read it)
+    for a, b, theta_end in reversed(_boundaries(run, pieces)):
+        theta_flat = torch.cat([theta_end[m].reshape(-1) for m in names])
+        lam, basis = torch.linalg.eigh(hessian(objective)(theta_flat, anchor_flat))
+        lam = lam + decay  # the optimizer's coupled weight decay adds λ_wd·I
+        alpha, beta = v @ basis, w @ basis  # adjoints of (δθ, δb) in H_ℓ's eigenbasis, (q, p)
+        forcing = torch.zeros_like(alpha)
+        for lr in reversed(run.lrs[a:b]):  # step t: b' = μb + λδ + f, δ' = δ − η b'
+            forcing = forcing + beta - lr * alpha
+            alpha, beta = alpha * (1 - lr * lam) + beta * lam, momentum * (beta - lr * alpha)
+        u = forcing @ basis.T  # (q, p): d measure / d f for a constant gradient forcing f over the segment
+        per_example = vmap(grad(example_loss), (None, 0, 0))(theta_flat, x_all, y_all)  # (n, p): ∇ℓ(z; θ_ℓ)
+        scores += per_example @ u.T / n
+        if anchor_names:
+            coupling = jacrev(grad(objective), argnums=1)(theta_flat, anchor_flat)  # C = ∂∇_θL/∂S̄, (p, c)
+            anchor_bar = anchor_bar + u @ coupling
+        v, w = alpha @ basis.T, beta @ basis.T
+    theta_bar = {m: t.reshape(q, *shapes[m]) for m, t in zip(names, v.split([sizes[m] for m in names], dim=1))}
+    anchors_out = {m: t.reshape(q, *shapes[m]) for m, t in zip(anchor_names, anchor_bar.split(
+        [sizes[m] for m in anchor_names], dim=1))} if anchor_names else {}
+    return theta_bar, anchors_out, scores

@@ -1,0 +1,283 @@
+"""Unrolled attribution (influkit.unrolled): the record replays exactly, and the exact metagradient equals central
+finite differences of the *re-run* training with w_z = 1 ± ε, for SGD + momentum and AdamW, one stage and
+pretrain → finetune (Case 1 fixed block, Case 2 proximal, LoRA adapters); full-batch descent run to convergence
+gives the influence function's I(z, T)/m."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import influkit as ik
+from influkit.unrolled import SGD, Adam, AdamW, Record
+
+from conftest import cross_entropy, l2
+
+EPS = 1e-5
+
+
+class Net(nn.Module):
+    """``head(embedding(x))`` with a one-layer tanh embedding (the shared block)."""
+
+    def __init__(self, classes: int, d_in: int = 5, width: int = 4):
+        super().__init__()
+        self.embedding = nn.Sequential(nn.Linear(d_in, width), nn.Tanh())
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.head(self.embedding(x))
+
+
+class LoRALinear(nn.Module):
+    """base(x) + B A x: the base layer (weight, bias) is the inherited block, A and B the trained adapters (B = 0
+    at the start, as LoRA initializes it)."""
+
+    def __init__(self, d_in: int, d_out: int, rank: int = 2):
+        super().__init__()
+        self.base = nn.Linear(d_in, d_out)
+        self.lora_A = nn.Parameter(0.3 * torch.randn(rank, d_in))
+        self.lora_B = nn.Parameter(torch.zeros(d_out, rank))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.lora_A.T @ self.lora_B.T
+
+
+class LoRANet(nn.Module):
+    def __init__(self, classes: int, d_in: int = 5, width: int = 4):
+        super().__init__()
+        self.embedding = nn.Sequential(LoRALinear(d_in, width), nn.Tanh())
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.head(self.embedding(x))
+
+
+def data(n: int, classes: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 5, generator=gen), torch.randint(0, classes, (n,), generator=gen)
+
+
+TEST = data(4, 2, seed=9)
+
+
+def pretrain(record: Record, optimizer, steps: int = 11, batch_size: int = 4) -> ik.Stage:
+    torch.manual_seed(0)
+    stage = ik.Stage(Net(3).eval(), cross_entropy, data(12, 3, seed=1), regularizer=l2(1e-2))
+    record.train(stage, optimizer, steps=steps, batch_size=batch_size, checkpoint_every=4)
+    return stage
+
+
+def finetune(record: Record, case: str, optimizer) -> ik.Stage:
+    torch.manual_seed(1)
+    if case == "lora":
+        model, params, link = LoRANet(2).eval(), ["embedding.0.lora_A", "embedding.0.lora_B", "head"], \
+            ik.Link({"embedding.0.base": "embedding.0"}, case=1)
+    else:
+        model, params = Net(2).eval(), ("head" if case == "case1" else None)
+        link = ik.Link("embedding", case=1 if case == "case1" else 2, alpha=0.05)
+    stage = ik.Stage(model, cross_entropy, data(10, 2, seed=2), params=params, regularizer=l2(1e-2))
+    schedule = lambda t: 0.1 * (1 - t / 20)  # noqa: E731 (a decaying learning rate, recorded step by step)
+    record.train(stage, optimizer, steps=9, batch_size=3, link=link, schedule=schedule, checkpoint_every=4)
+    return stage
+
+
+SCENARIOS = {
+    "one stage, SGD + momentum": (SGD(lr=0.2, momentum=0.9, weight_decay=1e-3), None, None),
+    "one stage, AdamW": (AdamW(lr=0.05, weight_decay=0.1), None, None),
+    "case 1: AdamW -> SGD + momentum": (AdamW(lr=0.05), "case1", SGD(lr=0.1, momentum=0.9)),
+    "case 2: SGD + momentum -> AdamW": (SGD(lr=0.2, momentum=0.8, nesterov=True), "case2", AdamW(lr=0.1)),
+    "LoRA: AdamW -> Adam": (AdamW(lr=0.05), "lora", Adam(lr=0.1, weight_decay=1e-3)),
+}
+
+
+def recorded(name: str) -> Record:
+    pre_opt, case, fin_opt = SCENARIOS[name]
+    record = Record()
+    pretrain(record, pre_opt)
+    if case is not None:
+        finetune(record, case, fin_opt)
+    return record
+
+
+def replayed_loss(record: Record, stage: int, z: int, eps: float) -> float:
+    weights = [torch.ones(len(run.stage)) for run in record.runs]
+    weights[stage][z] += eps
+    return float(ik.unrolled.outputs(record, TEST, weights).sum())
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_metagradient_equals_central_differences_of_the_rerun_training(name):
+    record = recorded(name)
+    results = ik.unrolled.metagradients(record, TEST)
+    assert len(results) == len(record)
+    for k, result in enumerate(results):
+        for z in (0, 3, 7):
+            fd = (replayed_loss(record, k, z, EPS) - replayed_loss(record, k, z, -EPS)) / (2 * EPS)
+            assert float(result.values[z]) == pytest.approx(fd, rel=1e-6, abs=1e-9), (k, z)
+        assert torch.equal(result.removal, -result.values)
+    assert results[0].diagnostics["replay"]["max_error"] == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_replay_reproduces_the_recorded_run_bit_for_bit(name):
+    record = recorded(name)
+    assert ik.unrolled.verify(record) == 0.0
+    finals = ik.unrolled.replay(record)
+    for run, final in zip(record.runs, finals):
+        named = dict(run.stage.model.named_parameters())
+        for n, value in final.items():
+            assert torch.equal(value, run.final[n])
+            assert torch.equal(value, named[n].detach())  # the trained model holds the recorded final values
+
+
+def test_dropping_an_example_changes_the_replayed_run_and_the_record_does_not():
+    record = recorded("case 1: AdamW -> SGD + momentum")
+    dropped = torch.ones(12)
+    dropped[5] = 0.0
+    assert not torch.equal(ik.unrolled.outputs(record, TEST, dropped), ik.unrolled.outputs(record, TEST))
+    assert ik.unrolled.verify(record) == 0.0
+
+
+def test_per_test_columns_sum_to_the_summed_measure_and_the_result_saves(tmp_path):
+    record = recorded("case 2: SGD + momentum -> AdamW")
+    summed = ik.unrolled.metagradients(record, TEST)
+    per_test = ik.unrolled.metagradients(record, TEST, per_test=True)
+    for a, b in zip(summed, per_test):
+        assert b.values.shape == (a.n_train, len(TEST[0]))
+        torch.testing.assert_close(b.values.sum(1), a.values, rtol=1e-12, atol=1e-14)
+    loaded = ik.load(per_test[0].save(tmp_path / "scores.safetensors"))
+    assert torch.equal(loaded.removal, -per_test[0].values) and loaded.method == per_test[0].method
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        (SGD(lr=0.1, momentum=0.9, weight_decay=0.01), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01, foreach=False)),
+        (SGD(lr=0.1, momentum=0.9, nesterov=True), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, foreach=False)),
+        (Adam(lr=0.01, weight_decay=0.1), lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1, foreach=False)),
+        (AdamW(lr=0.01, weight_decay=0.1), lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, foreach=False)),
+    ],
+)
+def test_update_rules_match_torch_optim(ours, theirs):
+    gen = torch.Generator().manual_seed(0)
+    start = {"a": torch.randn(3, 4, generator=gen), "b": torch.randn(4, generator=gen)}
+    grads = [{n: torch.randn(v.shape, generator=gen) for n, v in start.items()} for _ in range(6)]
+    leaves = {n: v.clone().requires_grad_(True) for n, v in start.items()}
+    optimizer = theirs(list(leaves.values()))
+    theta, state = dict(start), ours.init(start)
+    for t, g in enumerate(grads):
+        for n, leaf in leaves.items():
+            leaf.grad = g[n].clone()
+        optimizer.step()
+        theta, state = ours.update(theta, state, g, ours.lr, t + 1)
+    for n in start:
+        torch.testing.assert_close(theta[n], leaves[n].detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_full_batch_descent_to_convergence_gives_the_influence_function_over_m():
+    """dθ_∞/dw_z = −(1/m) H⁻¹∇ℓ(z), so the score → I(z, T)/m (DESIGN §1)."""
+    torch.manual_seed(0)
+    x, y = data(20, 3, seed=4)
+    stage = ik.Stage(nn.Linear(5, 3).double().eval(), cross_entropy, (x, y), regularizer=l2(0.1))
+    record = Record()
+    record.train(stage, SGD(lr=1.0), steps=400, batch_size=20)
+    test = data(6, 3, seed=5)
+    scores = ik.unrolled.metagradients(record, test)[0].values
+    influence = ik.influence(stage, torch.arange(20), test).values
+    torch.testing.assert_close(scores, influence / 20, rtol=1e-8, atol=1e-12)
+
+
+def test_a_users_loop_under_the_recorder_equals_the_training_helper():
+    helper, loop = Record(), Record()
+    pretrain(helper, SGD(lr=0.2, momentum=0.9), steps=6, batch_size=4)
+    torch.manual_seed(0)
+    stage = ik.Stage(Net(3).eval(), cross_entropy, data(12, 3, seed=1), regularizer=l2(1e-2))
+    with loop.recorder(stage, SGD(lr=0.2, momentum=0.9), checkpoint_every=4) as rec:
+        for idx in helper.runs[0].batches:
+            rec.step(idx)
+    assert loop.runs[0].lrs == helper.runs[0].lrs
+    for n, value in helper.runs[0].final.items():
+        assert torch.equal(loop.runs[0].final[n], value)
+
+
+def test_segmented_reverse_pass_equals_one_segment():
+    """Checkpoints every 4 steps (the reverse pass replays one 4-step segment at a time) give the scores of one
+    16-step segment."""
+    results = []
+    for every in (4, 16):
+        record = Record()
+        torch.manual_seed(0)
+        stage = ik.Stage(Net(3).eval(), cross_entropy, data(12, 3, seed=1), regularizer=l2(1e-2))
+        record.train(stage, AdamW(lr=0.05), steps=16, batch_size=4, checkpoint_every=every)
+        assert sorted(record.runs[0].checkpoints) == ([0, 4, 8, 12, 16] if every == 4 else [0, 16])
+        results.append(ik.unrolled.metagradients(record, TEST)[0])
+    torch.testing.assert_close(results[0].values, results[1].values, rtol=1e-12, atol=1e-15)
+    assert results[0].diagnostics["memory"]["segment_steps"] == 4
+
+
+def test_bad_records_are_refused_with_the_fix():
+    record = Record()
+    stage = pretrain(record, SGD(lr=0.1), steps=2)
+    with pytest.raises(ik.InputError, match="link="):
+        record.train(stage, SGD(lr=0.1), steps=1, batch_size=2)
+    with pytest.raises(ik.InputError, match="ik.unrolled.SGD, Adam or AdamW"):
+        Record().train(stage, torch.optim.SGD, steps=1, batch_size=2)
+    with pytest.raises(ik.InputError, match="momentum"):
+        SGD(lr=0.1, momentum=1.5)
+    with pytest.raises(ik.InputError, match="shape \\(12,\\)"):
+        ik.unrolled.replay(record, torch.ones(3))
+    adam = Record()
+    pretrain(adam, Adam(lr=0.1), steps=2)
+    with pytest.raises(ik.InputError, match="metagradients \\(exact\\)"):
+        ik.unrolled.approximate(adam, TEST)
+
+
+class LinearInTheta(nn.Module):
+    """Pretraining model whose output is linear in (embedding.weight, head.weight): x[:, :6]·vec(W) + x[:, 6:]·U."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Linear(3, 2, bias=False)
+        self.head = nn.Linear(2, 1, bias=False)
+
+    def forward(self, x):
+        return (x[:, :6] * self.embedding.weight.reshape(-1)).sum(1, keepdim=True) + x[:, 6:] @ self.head.weight.T
+
+
+class Bilinear(LinearInTheta):
+    """Finetuning model head(embedding(x)): bilinear in (W, Θ), so its objective is quadratic."""
+
+    def forward(self, x):
+        return self.head(self.embedding(x))
+
+
+def linear_loss(outputs, targets):
+    return outputs[:, 0] * targets
+
+
+@pytest.mark.parametrize("case", [1, 2])
+@pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("momentum", [0.0, 0.8])
+def test_approximate_unrolling_equals_the_exact_metagradient_where_its_closed_form_is_exact(case, segments, momentum):
+    """Full-batch SGD (a decaying learning rate, with and without momentum) on quadratic objectives with pretraining
+    losses linear in θ: every step is the segment's linear map, so the segment recursion is exact across the
+    boundary."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    pre = ik.Stage(LinearInTheta().eval(), linear_loss, (0.5 * torch.randn(10, 8, generator=gen),
+                   torch.randn(10, generator=gen)), regularizer=l2(1.0))
+    fin = ik.Stage(Bilinear().eval(), linear_loss, (0.5 * torch.randn(8, 3, generator=gen),
+                   torch.randn(8, generator=gen)), params="head" if case == 1 else None, regularizer=l2(1.0))
+    test = (0.5 * torch.randn(3, 3, generator=gen), torch.randn(3, generator=gen))
+    record = Record()
+    schedule = lambda t: 0.3 / (1 + 0.1 * t)  # noqa: E731
+    record.train(pre, SGD(lr=0.3, momentum=momentum, weight_decay=0.1), steps=12, batch_size=10, schedule=schedule)
+    record.train(fin, SGD(lr=0.3, momentum=momentum), steps=9, batch_size=8, schedule=schedule,
+                 link=ik.Link("embedding", case=case, alpha=0.5))
+    exact = ik.unrolled.metagradients(record, test, per_test=True)
+    approx = ik.unrolled.approximate(record, test, segments=segments, per_test=True)
+    torch.testing.assert_close(approx[0].values, exact[0].values, rtol=1e-9, atol=1e-12)
+    assert exact[0].values.abs().max() > 1e-4  # the pretraining examples do reach the finetuned model
+    if case == 1:  # the finetuning examples' gradients ∇_Θ ℓ = y·W x are constant too
+        torch.testing.assert_close(approx[1].values, exact[1].values, rtol=1e-9, atol=1e-12)
