@@ -41,7 +41,7 @@ whatever the operator's dtype (float32 HVPs are cast), and a float32 solve that 
 says so (``Solution.floor``: the residual float32 arithmetic can certify for that x). Approximate inverses
 are judged by :data:`APPROXIMATE_TOL` (0.5) unless ``tol`` is given. ``Solution.converged`` is residual ≤ tol for
 every method — a pseudo-inverse of a singular H and an approximate inverse can be unconverged — and None where no
-residual was computed (``identity``; approximate inverses with ``residual=False``).
+residual was computed (``identity``; approximate inverses unless ``SolveConfig(residual=True)``).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Solution:
 
     residual: the largest relative residual ‖A x − c‖ / ‖c‖ over the columns, for the system A x = c the
     method solves (see the module table); NaN where none was computed (``identity``, which solves nothing, and
-    approximate inverses with ``residual=False``).
+    approximate inverses unless ``SolveConfig(residual=True)``).
     tol: the tolerance the residual is judged by; converged: residual ≤ tol, for every method (direct and
     pseudo-inverse solves and approximate inverses too), or None where no residual was computed (not checked).
     choice: why this method (and preconditioner) ran (set when :class:`SolveConfig` chose it with ``solver="auto"``).
@@ -456,7 +456,8 @@ class Neumann(LiSSA):
 
 class _Approximation(Solver):
     """x = C⁻¹ b for a fitted approximation C of H + λI (no iteration); the residual is that of the true system
-    (one exact Hessian-vector product per column; ``residual=False`` skips it: converged None).
+    (one exact Hessian-vector product per column, with ``SolveConfig(residual=True)``; by default skipped:
+    converged None).
 
     Judged by ``APPROXIMATE_TOL`` unless ``tol`` is given: C is not H, so x is not (H + λI)⁻¹b; a residual above
     it means C⁻¹ misses b by more than half of b on this system."""
