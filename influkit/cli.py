@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .apps.digits import DEMO_REMOVALS, DigitsSetup, validate_digits, write_validation
+from .errors import InfluenceError
 
 # what the demo announces at start, measured on this project's 2-core machine (README "Set-up"): the default run
 # took 57–81 s with the machine busy (load 4–5), the --full run 244 s on one idle core and 334 s at load 4.7
@@ -115,6 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     page.add_argument("--max-queries", type=int, default=None, help="test columns shown (default: as stored, else 12)")
     page.add_argument("--title", default=None)
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (InfluenceError, OSError) as exc:  # bad input or an unreadable file: its message, not a traceback
+        print(f"influkit {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     if args.command == "report":
         from .report import write_report
         from .results import load

@@ -21,14 +21,13 @@ to per-example gradients with a warning. ``autocast`` runs the forward and backw
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .errors import ContractionWarning, InputError
+from .errors import ContractionWarning, InputError, warn
 from .gradients import project_per_example_grads
 from .layers import Layer, Recorder
 from .layers import plan as registered_layers
@@ -146,13 +145,12 @@ class Contractor:
             tol = 5e-2 if self.autocast is not None else 1e-8 if precise else 1e-3
             scale = scores.abs().sum(0) + expected.abs() + torch.finfo(dtype).tiny
             if not bool(((got - expected).abs() <= tol * scale).all()):
-                warnings.warn(
+                warn(
                     "contracted scores do not add up to the gradient of the summed loss (relative gap "
                     f"{float(((got - expected).abs() / scale).max()):.2e}): a trained parameter is used outside its "
                     "module's forward (e.g. through F.linear); scoring falls back to per-example gradients "
                     "(slower, memory O(chunk · p)).",
                     ContractionWarning,
-                    stacklevel=3,
                 )
                 return None
         return scores

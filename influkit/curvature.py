@@ -27,6 +27,7 @@ from . import distributed
 from .errors import InputError, NumericalError
 from .memory import PROBE_EXAMPLES, probe_bytes
 from .memory import plan as memory_plan
+from .memory import given as memory_given
 from .memory import resolve as memory_budget
 from .operators import DenseOperator, SymmetricFactor
 from .params import Params, ParamSpace, point
@@ -256,7 +257,8 @@ class HessianOperator:
             budget = memory_budget(memory, self.device)
             per = hvp_bytes_per_example(stage, self.names, at, extra)
             vectors = 4 * self.space.dim * torch.empty(0, dtype=self.space.dtype).element_size()  # ∇L, H·v, v, grads
-            self.memory = memory_plan(budget, per, "Hessian-vector products", most=max(n_local, 1), fixed=vectors)
+            self.memory = memory_plan(budget, per, "Hessian-vector products", most=max(n_local, 1), fixed=vectors,
+                                      default=not memory_given(memory))
             cache_graph = self.memory["batch"] >= n_local
             self.memory["cache_graph"] = cache_graph
             self.batch_size = None if cache_graph else self.memory["batch"]

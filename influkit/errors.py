@@ -1,4 +1,31 @@
-"""Errors and warnings raised by influkit; every message says what to change."""
+"""Errors and warnings raised by influkit; every message says what to change, and every warning points at the
+user's line (:func:`warn`)."""
+
+import contextlib
+import functools
+import os
+import sys
+import warnings
+
+import torch
+
+# frames in these directories are library code: a warning is attributed to the first frame outside them
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+_LIBRARY_FILES = (os.path.abspath(contextlib.__file__), os.path.abspath(functools.__file__))
+
+
+def _is_library(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_LIBRARY_DIRS) or path in _LIBRARY_FILES
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the user's line: the first caller outside influkit (and torch, whose
+    transforms and hooks call back into it), however deep the call that found the problem."""
+    frame, level = sys._getframe(1), 2  # stacklevel 2: warn's caller
+    while frame.f_back is not None and _is_library(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class InfluenceError(Exception):

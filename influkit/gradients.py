@@ -37,10 +37,10 @@ def _chunks(inputs: torch.Tensor, targets: torch.Tensor, chunk_size: int, progre
         yield inputs[s : s + chunk_size], targets[s : s + chunk_size]
 
 
-def chunk_for(stage: Stage, inputs, targets, names, at, row_bytes: int, phase: str, budget: int | None = None) -> int:
-    """Examples per chunk that fit the memory budget (bytes; None: a share of what is free): ``row_bytes`` per
-    example (the rows kept) plus the measured activations of one forward and backward
-    (:func:`influkit.memory.probe_bytes` on two examples)."""
+def backward_bytes(stage: Stage, inputs, targets, names=None, at=None) -> int:
+    """Measured bytes per example of one forward and backward over ``names`` (:func:`influkit.memory.probe_bytes` on
+    the first two examples): the activations a chunk of vmapped per-example gradients keeps too. Probed with plain
+    autograd, since ``torch.func`` transforms refuse to run under the probe's saved-tensor hooks."""
     names = stage.param_names if names is None else list(names)
     x, y = inputs[:PROBE_EXAMPLES], targets[:PROBE_EXAMPLES]
     leaves = {n: t.detach().requires_grad_(True) for n, t in point(stage.state(), names, at).items()}
@@ -49,8 +49,16 @@ def chunk_for(stage: Stage, inputs, targets, names, at, row_bytes: int, phase: s
         with torch.enable_grad():
             torch.autograd.grad(stage.losses(leaves, x, y).sum(), list(leaves.values()), allow_unused=True)
 
-    per = probe_bytes(run, stage.model, x.shape[0]) + row_bytes
-    return memory.fit_count(memory.resolve(budget, inputs.device), per, phase, most=max(inputs.shape[0], 1))
+    return probe_bytes(run, stage.model, x.shape[0])
+
+
+def chunk_for(stage: Stage, inputs, targets, names, at, row_bytes: int, phase: str, budget: int | None = None) -> int:
+    """Examples per chunk that fit the memory budget (bytes; None: the default rule, :mod:`influkit.memory`):
+    ``row_bytes`` per example (the rows kept) plus the measured activations of one forward and backward
+    (:func:`backward_bytes`)."""
+    per = backward_bytes(stage, inputs, targets, names, at) + row_bytes
+    return memory.fit_count(memory.resolve(budget, inputs.device), per, phase, most=max(inputs.shape[0], 1),
+                            default=not memory.given(budget))
 
 
 def _grad_rows(stage: Stage, inputs, targets, names, at, chunk_size: int | None, progress: bool,

@@ -8,15 +8,17 @@ an iteration cap and a progress bar, and knows nothing of Hessians, damping or d
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
-from .errors import ConvergenceWarning, NumericalError
+from .errors import NumericalError
 
 
-def cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner=None, warn: bool = True):
-    """Batched (preconditioned) conjugate gradients on A x = c, A symmetric positive definite, a column each."""
+def cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner=None, stats: dict | None = None):
+    """Batched (preconditioned) conjugate gradients on A x = c, A symmetric positive definite, a column each.
+
+    With ``require_positive`` it stops at a direction of non-positive curvature pᵀAp ≤ 0 (A is then not positive
+    definite) and sets ``stats["negative_curvature"]``."""
     precondition = preconditioner or (lambda r: r)
     x = torch.zeros_like(target)
     r = target.clone()
@@ -33,14 +35,8 @@ def cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner
         ap = apply(p)
         curvature = (p * ap).sum(0)
         if require_positive and (curvature[active] <= 0).any():
-            if not warn:
-                break
-            warnings.warn(
-                "plain CG met negative curvature: H + λI is not positive definite; use solver='cg' (on H²) "
-                "or 'minres'.",
-                ConvergenceWarning,
-                stacklevel=4,
-            )
+            if stats is not None:
+                stats["negative_curvature"] = True
             break
         alpha = torch.where(active, rz / torch.where(active, curvature, torch.ones_like(curvature)), torch.zeros_like(rz))
         x = x + alpha * p
@@ -54,7 +50,7 @@ def cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner
     return x, iterations
 
 
-def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | None = None):
+def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | None = None, stats: dict | None = None):
     """Batched MINRES (Paige & Saunders 1975) on A x = c for symmetric, possibly indefinite A.
 
     Lanczos builds a basis v_j of the Krylov space; a running QR of the tridiagonal matrix by Givens rotations
@@ -69,6 +65,9 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
     estimated from the products; measured on float32 matrices, the true residual stalls at 0.3-0.5 of it, so
     iterating further cannot be certified), and the call returns
     (x, iterations, largest floor); otherwise (x, iterations).
+
+    stats: a dict that receives ``norm``, the largest ‖Av‖/‖v‖ seen (a lower bound of ‖A‖), and ``lanczos``, the
+    Lanczos tridiagonal of each column (:func:`smallest_ritz_value` reads A's inertia off it).
     """
     tiny = torch.finfo(target.dtype).tiny
     track = preconditioner is not None or eps is not None
@@ -96,6 +95,7 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
     anorm = zeros.clone()
     floor = zeros.clone()
     active = beta1 > 0
+    diagonal, offdiagonal, steps = [], [], torch.zeros_like(beta1, dtype=torch.long)
     iterations = 0
     for iterations in range(1, max_iter + 1):
         if track:
@@ -124,6 +124,10 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
             oldb, beta = beta, (r2 * y).sum(0).clamp_min(0).sqrt()
         else:
             oldb, beta = beta, y.norm(dim=0)
+        if stats is not None:
+            diagonal.append(alfa)
+            offdiagonal.append(beta)
+            steps += active.long()
         oldeps = epsln
         delta = cs * dbar + sn * alfa
         gbar = sn * dbar - cs * alfa
@@ -141,9 +145,29 @@ def minres(apply, target, tol, max_iter, bar, preconditioner=None, eps: float | 
             aw = (av - oldeps * aw1 - delta * aw2) / gamma
             ax = torch.where(active, ax + phi * aw, ax)
         bar.update(1)
+    if stats is not None:
+        stats["norm"] = float(anorm.max())
+        stats["lanczos"] = (torch.stack(diagonal, 1) if diagonal else zeros[:, None],
+                            torch.stack(offdiagonal, 1) if offdiagonal else zeros[:, None], steps)
     if eps is not None:
         return x, iterations, float(floor.max())
     return x, iterations
+
+
+def negative_ritz_values(lanczos) -> int:
+    """The most negative eigenvalues of MINRES's Lanczos tridiagonal T_k (``stats["lanczos"]``) over the columns,
+    counted by Sylvester's law of inertia: the negative pivots d_1 = α_1, d_i = α_i − β_i² / d_(i−1) of T = LDLᵀ
+    (O(k)). Its eigenvalues are Ritz values of A (of M⁻¹A when preconditioned, whose inertia is A's): one negative
+    certifies that A is indefinite."""
+    diagonal, offdiagonal, steps = lanczos
+    most = 0
+    for alfa, beta, k in zip(diagonal.tolist(), offdiagonal.tolist(), steps.tolist()):
+        pivot, negative = 0.0, 0
+        for i in range(k):
+            pivot = alfa[i] - (beta[i - 1] ** 2 / pivot if i and pivot != 0.0 else 0.0)
+            negative += pivot < 0
+        most = max(most, negative)
+    return most
 
 
 def largest_eigenvalue(apply, like: torch.Tensor, steps: int = 30) -> float:

@@ -15,14 +15,13 @@ the block starts) read these plans, so both always agree on what each stage opti
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .errors import InputError, ParameterError
+from .errors import InputError, ParameterError, warn
 from .params import shared_parameters
 from .stage import Stage
 
@@ -91,11 +90,14 @@ class StagePlan:
             state, previous_state = stage.state(), previous.stage.state()
             drift = max(float((state[n] - previous_state[p]).abs().max()) for n, p in self.inherited.items())
             if drift > 0:
-                warnings.warn(
-                    f"a Case 1 link assumes the stage keeps the previous stage's shared block, but they differ by up "
-                    f"to {drift:.2e}: the block was not fixed. Use Link(..., case=2) if it was finetuned.",
-                    UserWarning,
-                    stacklevel=4,
+                size = max(float(previous_state[p].abs().max()) for p in self.inherited.values())
+                warn(
+                    f"a Case 1 link assumes {type(stage.model).__name__} keeps the previous stage's shared block "
+                    f"{self.link.shared!r} as it was pretrained, but its parameters differ by up to {drift:.2e} (the "
+                    f"pretrained ones are up to {size:.2e}). Most likely the pretrained weights were not copied into "
+                    "the finetuning model: load them before training its head (e.g. "
+                    "clf.bert.load_state_dict(mlm.bert.state_dict()), or build it with from_pretrained), then refit "
+                    "the head. If the block was finetuned on purpose, use Link(..., case=2)."
                 )
 
     @property

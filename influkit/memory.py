@@ -6,6 +6,15 @@ The budget: ``memory=`` bytes, or by default :data:`DEFAULT_SHARE` (half) of wha
 its data and the solver's vectors, which exist whatever the batch size. It is a ceiling, not a target: on a
 shared machine several processes each take their half of what is free when they start.
 
+**The default does not fill it.** Without ``memory=``, a phase's batch holds at most
+max(:data:`DEFAULT_EXAMPLES`, ⌊:data:`DEFAULT_WORKING` / (SAFETY · bytes per example)⌋) examples
+(:func:`default_count`). Larger batches buy no throughput on a CPU, only resident memory: scoring 64 sequences of
+the 5.4 M BERT of benchmarks/bench_transformer.py (2 layers, hidden 256, 32 tokens) in chunks of 8 / 32 / 64 took
+3.6 / 3.5 / 2.8 s and again 4.1 / 4.0 / 3.8 s (one process, load 14), while batches that filled half of the free
+memory took that job to a peak RSS of 8.0 GB against kronfluence's 0.64 GB (benchmarks/results/). Tiny examples
+(digits, small MLPs) still go in one batch (256 MiB of them). ``memory=`` lifts the cap: then
+the batches fill the given budget.
+
 A phase's cost per example is **measured**, not guessed: :func:`probe_bytes` runs the phase's computation once on
 a probe batch of :data:`PROBE_EXAMPLES` examples under ``torch.autograd.graph.saved_tensors_hooks`` and adds up
 the distinct storages autograd keeps for the backward pass (the activations: what grows with the batch), plus
@@ -30,6 +39,8 @@ import torch
 from .errors import MemoryBudgetError
 
 DEFAULT_SHARE = 0.5
+DEFAULT_EXAMPLES = 8  # without memory=: a batch holds at most this many examples ...
+DEFAULT_WORKING = 256 * 2**20  # ... or, for small examples, as many as fit these bytes (× SAFETY)
 PROBE_EXAMPLES = 2
 SAFETY = 2.0
 MiB = 2**20
@@ -64,6 +75,16 @@ def resolve(memory: int | float | None, device: torch.device | str = "cpu") -> i
     if isinstance(memory, bool) or not isinstance(memory, (int, float)) or not memory > 0:
         raise MemoryBudgetError(f"memory must be a positive number of bytes (e.g. 4 * 2**30), got {memory!r}.")
     return int(memory)
+
+
+def given(memory: int | float | None) -> bool:
+    """Whether a budget was asked for (else the default rule applies: :func:`default_count`)."""
+    return memory is not None
+
+
+def default_count(per_example: int) -> int:
+    """The most examples a batch holds under the default budget: max(DEFAULT_EXAMPLES, DEFAULT_WORKING / (SAFETY · per))."""
+    return max(DEFAULT_EXAMPLES, int(DEFAULT_WORKING // max(int(SAFETY * per_example), 1)))
 
 
 def _storage_key(t: torch.Tensor):
@@ -124,8 +145,10 @@ def probe_bytes(run: Callable[[int], Iterable[torch.Tensor] | None], model: torc
     return -(-saved.total // max(examples, 1))
 
 
-def fit_count(budget: int, per_example: int, phase: str, *, most: int | None = None, fixed: int = 0) -> int:
-    """How many examples a batch of ``phase`` holds: ⌊(budget − fixed) / (SAFETY · per_example)⌋, at most ``most``.
+def fit_count(budget: int, per_example: int, phase: str, *, most: int | None = None, fixed: int = 0,
+              default: bool = False) -> int:
+    """How many examples a batch of ``phase`` holds: ⌊(budget − fixed) / (SAFETY · per_example)⌋, at most ``most``,
+    and with ``default`` (no budget was given, :func:`given`) at most :func:`default_count`.
 
     Raises MemoryBudgetError when not even one fits.
     """
@@ -138,11 +161,15 @@ def fit_count(budget: int, per_example: int, phase: str, *, most: int | None = N
             + f"), but the memory budget is {budget:,} bytes ({budget / MiB:.1f} MiB); raise memory= or shorten "
             "the sequences."
         )
+    if default:
+        count = min(count, default_count(per_example))
     return int(min(count, most)) if most is not None else int(count)
 
 
-def plan(budget: int, per_example: int, phase: str, *, most: int | None = None, fixed: int = 0) -> dict:
-    """The diagnostics record of a sizing decision: {phase, budget, bytes_per_example, batch}."""
+def plan(budget: int, per_example: int, phase: str, *, most: int | None = None, fixed: int = 0,
+         default: bool = False) -> dict:
+    """The diagnostics record of a sizing decision: {phase, budget, bytes_per_example, batch, default}."""
     return {"phase": phase, "budget": int(budget), "bytes_per_example": int(per_example), "fixed_bytes": int(fixed),
-            "batch": fit_count(budget, per_example, phase, most=most, fixed=fixed)}
+            "batch": fit_count(budget, per_example, phase, most=most, fixed=fixed, default=default),
+            "default": bool(default)}
 

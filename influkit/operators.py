@@ -9,13 +9,12 @@ operators, and a dense matrix built on first use.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from .errors import ConvergenceWarning, InputError, NumericalError
+from .errors import ConvergenceWarning, InputError, NumericalError, warn
 
 
 @runtime_checkable
@@ -54,6 +53,7 @@ class SymmetricFactor:
         self.damping = float(damping)
         self.cholesky, info = torch.linalg.cholesky_ex(self.shifted)
         self.eigen: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.indefinite = False  # H has eigenvalues below −cutoff (known when Cholesky failed)
         if int(info) != 0:
             self.cholesky = None
             evals, evecs = torch.linalg.eigh(matrix)
@@ -62,13 +62,9 @@ class SymmetricFactor:
             shifted = evals + damping
             cutoff = shifted.abs().max() * matrix.shape[0] * torch.finfo(matrix.dtype).eps
             keep = shifted.abs() > cutoff
+            self.indefinite = bool(evals.min() < -cutoff)
             if not keep.all():
-                warnings.warn(
-                    f"the Hessian is singular: {int((~keep).sum())} eigenvalues below {float(cutoff):.1e} were "
-                    "treated as zero (pseudo-inverse); add damping or a regularizer for a unique answer.",
-                    ConvergenceWarning,
-                    stacklevel=3,
-                )
+                warn(_singular_advice(evals, damping, int((~keep).sum()), float(cutoff)), ConvergenceWarning)
             inverse = torch.where(keep, 1.0 / torch.where(keep, shifted, torch.ones_like(shifted)), torch.zeros_like(shifted))
             self.eigen = (inverse, evecs)
 
@@ -78,6 +74,22 @@ class SymmetricFactor:
             return torch.cholesky_solve(rhs, self.cholesky)
         inverse, evecs = self.eigen
         return evecs @ (inverse[:, None] * (evecs.T @ rhs))
+
+
+def _singular_advice(evals: torch.Tensor, damping: float, dropped: int, cutoff: float) -> str:
+    """Why H + λI has eigenvalues at zero, and what makes it invertible: an indefinite H (eigenvalues on both
+    sides of −λ: the stage is not at a minimum), or a positive semi-definite H without damping."""
+    lowest, largest = float(evals.min()), float(evals.abs().max())
+    head = f"{dropped} eigenvalues of H + λI (λ = {damping:g}) within {cutoff:.1e} of zero were treated as zero (pseudo-inverse)"
+    if lowest < -cutoff:
+        negative = int((evals + damping < -cutoff).sum())
+        return (f"the Hessian is indefinite: {negative} eigenvalues of H + λI are negative (H's smallest {lowest:.2e}), "
+                f"so the stage is not at a minimum (e.g. trained for a few Adam steps, or a saddle); {head}. Solve the "
+                "positive semi-definite Gauss-Newton matrix instead, curvature=CurvatureConfig(matrix='gauss-newton') "
+                f"with SolveConfig(damping={1e-3 * largest:.1e}) (1e-3 of ‖H‖), or use damping > {-lowest:.2e} "
+                "(−λ_min(H)).")
+    return (f"the Hessian is singular: {head}; add damping (e.g. damping={max(1e-3 * largest, 10 * cutoff):.1e}, "
+            "1e-3 of ‖H‖) or a regularizer for a unique answer.")
 
 
 class DenseOperator:

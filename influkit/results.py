@@ -110,15 +110,22 @@ class InfluenceResult:
         whole training set, or a mapping id → text); shown in a ``text`` column.
         """
         frame = self.to_frame()[["example", "score", "removal"]]
-        frame = frame.sort_values("score", ascending=not harmful).head(k).reset_index(drop=True)
-        if texts is not None:
-            try:
-                frame["text"] = [texts[int(i)] for i in frame["example"]]
-            except (IndexError, KeyError) as exc:
-                raise InputError(
-                    f"texts has no entry for example {exc}; pass one text per training example, indexed by its id."
-                ) from None
-        return frame
+        return _with_texts(frame.sort_values("score", ascending=not harmful).head(k).reset_index(drop=True), texts)
+
+    def suspicious(self, k: int = 10, texts=None) -> "pd.DataFrame":
+        """The k examples a self-influence result flags first: those whose removal would raise their own loss the
+        most (largest ``removal``) — the ones the model fits only by memorizing them: mislabelled, duplicated with
+        another label, atypical. No sign to remember: the self-influence I(z, z) = −∇ℓ(z)ᵀH⁻¹∇ℓ(z) of a
+        positive definite H is negative, and the most negative come first. texts: as in :meth:`top`.
+        """
+        if "self-influence" not in self.method:
+            raise InputError(
+                f"suspicious() ranks a self-influence result (ik.self_influence), not a {self.method!r} one; on "
+                "influence on a test set, top(k) gives the most harmful examples and top(k, harmful=False) the most "
+                "helpful."
+            )
+        frame = self.to_frame()[["example", "score", "removal"]]
+        return _with_texts(frame.sort_values("removal", ascending=False).head(k).reset_index(drop=True), texts)
 
     def save(self, path: str | Path) -> Path:
         """Write the result to ``path`` (safetensors + JSON header, any file name); read it with :func:`load`."""
@@ -133,6 +140,18 @@ class InfluenceResult:
     def __repr__(self) -> str:
         shape = tuple(self.values.shape)
         return f"InfluenceResult(method={self.method!r}, values{shape}, n_train={self.n_train})"
+
+
+def _with_texts(frame: "pd.DataFrame", texts) -> "pd.DataFrame":
+    """``frame`` with a ``text`` column from ``texts`` (indexed by example id), if given."""
+    if texts is not None:
+        try:
+            frame["text"] = [texts[int(i)] for i in frame["example"]]
+        except (IndexError, KeyError) as exc:
+            raise InputError(
+                f"texts has no entry for example {exc}; pass one text per training example, indexed by its id."
+            ) from None
+    return frame
 
 
 def load(path: str | Path) -> InfluenceResult:

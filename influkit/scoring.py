@@ -34,9 +34,10 @@ from . import distributed, files
 from .data import as_examples
 from .errors import InputError
 from .contraction import Contractor
-from .gradients import project_per_example_grads
-from .memory import PROBE_EXAMPLES, probe_bytes
+from .gradients import backward_bytes, project_per_example_grads
+from .memory import PROBE_EXAMPLES
 from .memory import plan as memory_plan
+from .memory import given as budget_given
 from .memory import resolve as budget_of
 from .stage import Stage, check_example_shape
 from .store import ScoreStore
@@ -154,9 +155,8 @@ class Scorer:
             if self.contractor is not None:
                 per = self.contractor.probe(x, y, s)
             else:
-                per = probe_bytes(lambda _: [project_per_example_grads(stage, x, y, s, names, chunk_size=x.shape[0])],
-                                  stage.model, x.shape[0]) + s.shape[0] * s.element_size()
-            self.memory = memory_plan(budget, per, "scoring", most=max(len(rows), 1))
+                per = backward_bytes(stage, x, y, names) + s.shape[0] * s.element_size()  # + one gradient row
+            self.memory = memory_plan(budget, per, "scoring", most=max(len(rows), 1), default=not budget_given(memory))
             chunk_size = min(distributed.gather_objects(self.memory["batch"])) if distributed.active() else \
                 self.memory["batch"]  # every rank the same chunks
         else:

@@ -41,14 +41,13 @@ whatever the operator's dtype (float32 HVPs are cast), and a float32 solve that 
 says so (``Solution.floor``: the residual float32 arithmetic can certify for that x). Approximate inverses
 are judged by :data:`APPROXIMATE_TOL` (0.5) unless ``tol`` is given. ``Solution.converged`` is residual ≤ tol for
 every method — a pseudo-inverse of a singular H and an approximate inverse can be unconverged — and None where no
-residual was computed (``identity``; approximate inverses with ``residual=False``).
+residual was computed (``identity``; approximate inverses unless ``SolveConfig(residual=True)``).
 """
 
 from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
@@ -57,7 +56,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import krylov
-from .errors import ConvergenceWarning, InputError, NumericalError
+from .errors import ConvergenceWarning, InputError, NumericalError, warn
 from .factored import deflated
 from .fitted import CurvatureConfig, FittedCurvature
 from .operators import DenseOperator, Operator, SymmetricFactor
@@ -74,7 +73,7 @@ class Solution:
 
     residual: the largest relative residual ‖A x − c‖ / ‖c‖ over the columns, for the system A x = c the
     method solves (see the module table); NaN where none was computed (``identity``, which solves nothing, and
-    approximate inverses with ``residual=False``).
+    approximate inverses unless ``SolveConfig(residual=True)``).
     tol: the tolerance the residual is judged by; converged: residual ≤ tol, for every method (direct and
     pseudo-inverse solves and approximate inverses too), or None where no residual was computed (not checked).
     choice: why this method (and preconditioner) ran (set when :class:`SolveConfig` chose it with ``solver="auto"``).
@@ -131,10 +130,11 @@ class SolveConfig:
     (their number: ``CurvatureConfig.rank``). step: the step α of ``lissa`` and ``neumann``,
     x ← x + α(b − (H + λI)x) (default 1/(1.05·|λ_max(H + λI)|), by power iteration); ``neumann`` stops after
     K = ``max_iter`` terms (default 20), Lorraine et al.'s truncated series, whatever its residual.
-    residual: approximate inverses report the true relative residual of their x, at the cost of one exact
-    Hessian-vector product over the stage's data per solve (at transformer scale as much as the rest of the
-    query); ``False`` skips it (residual NaN, converged None: not checked), as kronfluence and TRAK never check.
-    Iterative and direct solves always report it.
+    residual: with ``True``, approximate inverses report the true relative residual of their x, at the cost of one
+    exact Hessian-vector product over the stage's data per solve: 2-3 times the scoring of the whole data set, and
+    resident memory for its double-backward graph (benchmarks/bench_transformer.py, 5.4 M BERT: 17.8 s of a 22.3 s
+    query + scoring, peak RSS 8.0 GB vs 0.64 GB without); the default ``False`` skips it (residual NaN, converged
+    None: not checked), as kronfluence and TRAK never check. Iterative and direct solves always report it.
     """
 
     solver: str = "auto"
@@ -144,7 +144,7 @@ class SolveConfig:
     step: float | None = None
     preconditioner: str | Callable[[torch.Tensor], torch.Tensor] | None = None
     deflate: bool = False
-    residual: bool = True
+    residual: bool = False
 
     def __post_init__(self) -> None:
         if self.solver != "auto" and self.solver not in REGISTRY:
@@ -237,7 +237,6 @@ class Solver:
     iterative: ClassVar[bool] = False  # True: runs ``max_iter`` steps at most, with a progress bar
     accepts_preconditioner: ClassVar[bool] = False  # True: SolveConfig(preconditioner=..., deflate=...) applies
     default_max_iter: ClassVar[int | None] = None  # None: min(10·p, 2,000)
-    warn: bool = True  # warn on an unconverged solve (and, in CG, on negative curvature)
 
     def __init__(self, config: SolveConfig, curvature: FittedCurvature, *, choice: str = ""):
         self.config, self.curvature, self.choice = config, curvature, choice
@@ -267,7 +266,6 @@ class Solver:
         max_iter = self.config.max_iter or self.default_max_iter or min(10 * operator.dim, 2000)
         start_products = getattr(operator, "products", 0)
         start = time.perf_counter()
-        self.warn = warn
         bar = tqdm(total=max_iter, desc=f"{self.name} solve", disable=not (progress and self.iterative), leave=False)
         x, iterations, residual, floor = self._run(rhs, tol, max_iter, bar)
         bar.close()
@@ -295,7 +293,8 @@ class Solver:
         raise NotImplementedError
 
     def _warn_unconverged(self, iterations: int, residual: float, tol: float, floor: float, dtype) -> None:
-        _warn_unconverged(self.name, iterations, residual, tol, floor, dtype)
+        _warn_unconverged(self.name, iterations, residual, tol, floor, dtype, self.config.damping,
+                          getattr(self, "stats", {}))
 
     def _system(self, rhs: torch.Tensor, squared: bool = False):
         """(A, c) of the system A x = c solved: (H + λI) x = b, or (H² + λI) x = H b with ``squared``."""
@@ -347,10 +346,15 @@ class Direct(Solver):
     def _warn_unconverged(self, iterations, residual, tol, floor, dtype) -> None:
         if self._factor().eigen is None:
             return super()._warn_unconverged(iterations, residual, tol, floor, dtype)
-        warnings.warn(
-            f"direct: the pseudo-inverse leaves relative residual {residual:.2e} > tol {tol:.0e}: H + λI is singular "
-            "and the right-hand side has a part in its null space, which no x can match (x is the least-squares "
-            "answer). Add damping (SolveConfig(damping=...)) for a unique solution.", ConvergenceWarning, stacklevel=4)
+        if self._factor().indefinite:
+            warn(f"direct: the pseudo-inverse leaves relative residual {residual:.2e} > tol {tol:.0e}: H + λI is "
+                 "indefinite, with eigenvalues at zero; the stage is not at a minimum. Solve the positive semi-definite "
+                 "Gauss-Newton matrix with damping instead (the factorization's warning names the values).",
+                 ConvergenceWarning)
+            return
+        warn(f"direct: the pseudo-inverse leaves relative residual {residual:.2e} > tol {tol:.0e}: H + λI is singular "
+             "and the right-hand side has a part in its null space, which no x can match (x is the least-squares "
+             "answer). Add damping (SolveConfig(damping=...)) for a unique solution.", ConvergenceWarning)
 
 
 class _Krylov(Solver):
@@ -389,13 +393,14 @@ class MINRES(_Krylov):
     def _run(self, rhs, tol, max_iter, bar):
         apply, target = self._system(rhs)
         pre = self.apply_preconditioner
+        self.stats = {}
         if pre is None and rhs.dtype == torch.float64:
-            x, iterations = krylov.minres(apply, target, tol / 4, max_iter, bar)
+            x, iterations = krylov.minres(apply, target, tol / 4, max_iter, bar, stats=self.stats)
             floor = math.nan
         else:
             eps = torch.finfo(rhs.dtype).eps
             x, iterations, floor = krylov.minres(_widened(apply, rhs.dtype), target.to(torch.float64), tol / 4, max_iter,
-                                                 bar, preconditioner=_widened(pre, rhs.dtype), eps=eps)
+                                                 bar, preconditioner=_widened(pre, rhs.dtype), eps=eps, stats=self.stats)
             x = x.to(rhs.dtype)
         return x, iterations, krylov_residual(apply, x, target), floor
 
@@ -410,8 +415,9 @@ class CG(_Krylov):
     def _run(self, rhs, tol, max_iter, bar):
         apply, target = self._system(rhs, squared=self.squared)
         # the recurrence residual drifts from the true one: aim a little below tol
+        self.stats = {}
         x, iterations = krylov.cg(apply, target, tol / 4, max_iter, bar, require_positive=not self.squared,
-                                  preconditioner=self.apply_preconditioner, warn=self.warn)
+                                  preconditioner=self.apply_preconditioner, stats=self.stats)
         return x, iterations, krylov_residual(apply, x, target), math.nan
 
 
@@ -450,7 +456,8 @@ class Neumann(LiSSA):
 
 class _Approximation(Solver):
     """x = C⁻¹ b for a fitted approximation C of H + λI (no iteration); the residual is that of the true system
-    (one exact Hessian-vector product per column; ``residual=False`` skips it: converged None).
+    (one exact Hessian-vector product per column, with ``SolveConfig(residual=True)``; by default skipped:
+    converged None).
 
     Judged by ``APPROXIMATE_TOL`` unless ``tol`` is given: C is not H, so x is not (H + λI)⁻¹b; a residual above
     it means C⁻¹ misses b by more than half of b on this system."""
@@ -468,11 +475,11 @@ class _Approximation(Solver):
     def _warn_unconverged(self, iterations, residual, tol, floor, dtype) -> None:
         remedy = (f"SolveConfig(solver='minres', preconditioner='{self.name}')" if self.name in PRECONDITIONERS
                   else "SolveConfig(solver='minres', deflate=True)")
-        warnings.warn(
+        warn(
             f"{self.name}: the approximate inverse leaves relative residual {residual:.2e} > tol {tol:.0e} on "
             f"(H + λI)x = b: its x solves the fitted approximation, not the stage's Hessian, so the scores are "
             f"{self.name}'s, not the influence function's. For an exact solve (the same fit as its preconditioner) "
-            f"pass {remedy}; to accept the approximation, pass a larger tol.", ConvergenceWarning, stacklevel=4)
+            f"pass {remedy}; to accept the approximation, pass a larger tol.", ConvergenceWarning)
 
 
 @register("kfac", "ekfac")
@@ -495,18 +502,38 @@ class Arnoldi(_Approximation):
         self.preconditioner_name = f"arnoldi (rank {self.approximation.eigenvalues.numel()})"
 
 
-def _warn_unconverged(method: str, iterations: int, residual: float, tol: float, floor: float, dtype) -> None:
+def _warn_unconverged(method: str, iterations: int, residual: float, tol: float, floor: float, dtype, damping: float,
+                      stats: Mapping) -> None:
+    """The warning of an unconverged solve, with the remedy for its cause: the precision floor, an indefinite
+    H + λI (MINRES met a direction of negative curvature), or slow convergence on a positive definite system."""
     if not math.isnan(floor) and residual <= 10 * floor:
         advice = (f"that is the floor {str(dtype).replace('torch.', '')} arithmetic can certify for this system "
                   f"(~{floor:.1e}): pass tol ≥ {10 * floor:.0e}"
                   + (", or compute in float64." if dtype != torch.float64 else ", or add damping."))
-    elif method == "minres":
-        advice = "raise max_iter, add damping, or precondition (preconditioner='ekfac')."
+    elif stats.get("negative_curvature"):
+        advice = (f"CG met negative curvature: H + λI (λ = {damping:g}) is not positive definite, so the stage is not at "
+                  "a minimum (e.g. trained for a few Adam steps, or a saddle). Use solver='minres' (or 'cg', on H²), "
+                  "which solve the same indefinite system, or the positive semi-definite Gauss-Newton matrix with "
+                  "damping, curvature=CurvatureConfig(matrix='gauss-newton') with SolveConfig(damping=λ > 0, e.g. 1e-3 of ‖H‖), "
+                  "on which CG "
+                  "converges.")
+    elif "lanczos" in stats and (negative := krylov.negative_ritz_values(stats["lanczos"])) > 0:
+        scale = stats["norm"]
+        advice = (f"H + λI (λ = {damping:g}) is indefinite (MINRES's Lanczos matrix has {negative} negative "
+                  "eigenvalues, Ritz values of H + λI), so the "
+                  "stage is not at a minimum (e.g. trained for a few Adam steps, or a saddle), and its eigenvalues near "
+                  "zero stall the solve. Solve the positive semi-definite Gauss-Newton system instead, "
+                  f"curvature=CurvatureConfig(matrix='gauss-newton') with SolveConfig(damping={1e-3 * scale:.1e}) "
+                  f"(1e-3 of ‖H‖ ≈ {scale:.1e}), or "
+                  "add damping above |λ_min(H)| (H + λI then positive definite).")
+    elif method == "lissa":
+        advice = "use solver='minres' (its steps grow with √κ(H) where LiSSA's grow with κ(H))."
+    elif method == "cg":
+        advice = "raise max_iter, or use solver='minres' (converges with κ(H) where CG on H² needs κ(H)²)."
     else:
-        advice = ("raise max_iter, add damping, or try solver='minres' (indefinite-safe, converges with κ(H) "
-                  "instead of κ(H)²).")
-    warnings.warn(f"{method} stopped after {iterations} iterations at relative residual {residual:.2e} > tol {tol:.0e}; "
-                  + advice, ConvergenceWarning, stacklevel=4)
+        advice = "raise max_iter (no negative curvature was met)."
+    warn(f"{method} stopped after {iterations} iterations at relative residual {residual:.2e} > tol {tol:.0e}; "
+         + advice, ConvergenceWarning)
 
 
 # The default tolerance of approximate inverses (kfac, ekfac, arnoldi): their x = C⁻¹b is judged by the true

@@ -173,6 +173,7 @@ class Stage:
     def _check_loss(self) -> None:
         inputs, targets = self.data.take(torch.arange(min(2, len(self))))
         check_finite(inputs, "inputs")
+        check_input_dtype(self.model, inputs, "the data's inputs")
         with torch.no_grad():
             first = self.outputs(self.trained(), inputs[:1])
         if torch.is_tensor(first) and first.ndim:
@@ -225,8 +226,23 @@ def check_finite(tensor: torch.Tensor, what: str) -> None:
         raise InputError(f"{what} contain NaN or Inf; clean or impute them before computing influence.")
 
 
+def check_input_dtype(model: nn.Module, inputs: torch.Tensor, name: str) -> None:
+    """Raise :class:`InputError` if floating ``inputs`` have none of the floating dtypes of the model's parameters
+    (torch would fail inside the first layer with a bare dtype error)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if torch.is_tensor(inputs) and inputs.is_floating_point() and dtypes and inputs.dtype not in dtypes:
+        model_dtype = str(next(iter(dtypes))).replace("torch.", "")
+        data_dtype = str(inputs.dtype).replace("torch.", "")
+        raise InputError(
+            f"{name} are {data_dtype} but the model's parameters are {model_dtype}, and torch does not mix them in "
+            f"one layer: cast the data (inputs.to(torch.{model_dtype})) or the model (model.to(torch.{data_dtype}); "
+            "model.double() for float64 influence, the precision of influkit's exactness checks)."
+        )
+
+
 def check_example_shape(stage: Stage, inputs: torch.Tensor, name: str) -> None:
-    """Raise :class:`InputError` if ``inputs`` rows do not have the shape of the stage's data rows."""
+    """Raise :class:`InputError` if ``inputs`` rows do not have the shape (or dtype) of the stage's data rows."""
+    check_input_dtype(stage.model, inputs, name)
     expected = stage.data.take(torch.arange(1))[0].shape[1:]
     if inputs.shape[1:] != expected:
         raise InputError(

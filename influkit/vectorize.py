@@ -7,13 +7,12 @@ stage (naming the cause and the fix) and maps the function over the batch in a P
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
 from torch.func import vmap
 
-from .errors import VectorizationWarning
+from .errors import VectorizationWarning, warn
 
 _VMAP_FAILURES = ("vmap:", "doesn't have storage", "data-dependent", "Batching rule not implemented")
 
@@ -35,13 +34,12 @@ def vmap_or_loop(fn: Callable, in_dims: tuple, owner: object, *args):
     except RuntimeError as exc:
         if not _is_vmap_failure(exc):
             raise
-        warnings.warn(
+        warn(
             "the loss cannot run under torch.func.vmap (it calls .item()/.tolist() or branches on tensor values: "
             f"{str(exc).splitlines()[0][:120]}); per-example gradients and batched products now loop over examples, "
             "which is much slower. Rewrite the loss with tensor operations only (torch.where instead of if) to "
             "vectorize it.",
             VectorizationWarning,
-            stacklevel=3,
         )
         try:
             owner._vmap_fails = True

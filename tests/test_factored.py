@@ -379,7 +379,8 @@ def test_lanczos_finds_the_largest_eigenpairs_and_full_rank_arnoldi_is_exact(ill
     q, _ = torch.linalg.qr(torch.randn(40, 40, generator=torch.Generator().manual_seed(3)))
     dense = q @ torch.diag(torch.linspace(0.5, 5.0, 40)) @ q.T
     b = torch.randn(40, 2, generator=torch.Generator().manual_seed(4))
-    sol = ik.SolveConfig(solver="arnoldi", damping=0.1).solve(ik.DenseOperator(dense), b, ik.CurvatureConfig(rank=40))
+    sol = ik.SolveConfig(solver="arnoldi", damping=0.1, residual=True).solve(ik.DenseOperator(dense), b,
+                                                                            ik.CurvatureConfig(rank=40))
     torch.testing.assert_close(sol.x, torch.linalg.solve(dense + 0.1 * torch.eye(40), b), rtol=1e-8, atol=1e-10)
     assert sol.residual < 1e-8 and sol.preconditioner == "arnoldi (rank 40)"
 
@@ -388,7 +389,7 @@ def test_lanczos_finds_the_largest_eigenpairs_and_full_rank_arnoldi_is_exact(ill
 def test_factored_approximate_inverse_is_the_fitted_curvature_inverse(conv_stage, solver):
     op = HessianOperator(conv_stage)
     b = torch.randn(op.dim, 3, generator=torch.Generator().manual_seed(5))
-    solver_ = ik.SolveConfig(solver=solver, damping=0.1).prepare(op)
+    solver_ = ik.SolveConfig(solver=solver, damping=0.1, residual=True).prepare(op)
     sol = solver_.solve(b)
     curvature = solver_.curvature.approximations[solver]
     assert curvature.kind == solver
@@ -399,12 +400,12 @@ def test_factored_approximate_inverse_is_the_fitted_curvature_inverse(conv_stage
     assert sol.residual == pytest.approx(float(true.max()), rel=1e-8)
 
 
-def test_approximate_inverse_skips_the_residual_product_when_asked(conv_stage):
+def test_approximate_inverse_skips_the_residual_product_by_default(conv_stage):
     op = HessianOperator(conv_stage)
     b = torch.randn(op.dim, 2, generator=torch.Generator().manual_seed(5))
-    checked = ik.SolveConfig(solver="ekfac", damping=0.1).solve(op, b)
+    checked = ik.SolveConfig(solver="ekfac", damping=0.1, residual=True).solve(op, b)
     before = op.products
-    unchecked = ik.SolveConfig(solver="ekfac", damping=0.1, residual=False).solve(op, b)
+    unchecked = ik.SolveConfig(solver="ekfac", damping=0.1).solve(op, b)
     assert op.products == before  # no exact Hessian-vector product spent
     assert unchecked.products == 0 and checked.products > 0
     assert torch.isnan(torch.tensor(unchecked.residual)) and unchecked.converged is None  # not checked

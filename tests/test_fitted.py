@@ -170,7 +170,7 @@ def test_a_new_approximation_is_one_registered_class(mlp_stage, tmp_path):
 
     try:
         test = mlp_stage.data.take(torch.arange(3))
-        chain = ik.Chain([mlp_stage], solve=ik.SolveConfig(solver="scaled_identity", damping=0.5))
+        chain = ik.Chain([mlp_stage], solve=ik.SolveConfig(solver="scaled_identity", damping=0.5, residual=True))
         q = chain.query(test)
         c = float(torch.diagonal(explicit_hessian(mlp_stage)).mean())
         from influkit.gradients import total_grad

@@ -128,3 +128,31 @@ def test_auto_is_the_default_everywhere_and_its_choice_is_recorded(small_stage):
     sol = ik.solve(MatvecOnly(), torch.ones(3, dtype=torch.float64))
     assert sol.solver == "minres" and "no dense()" in sol.choice and sol.converged
     torch.testing.assert_close(sol.x, torch.full((3,), 0.5, dtype=torch.float64))
+
+
+def test_suspicious_self_influence_finds_flipped_labels_on_real_digits():
+    """The README's mislabel recipe, ``ik.self_influence(stage).suspicious(k)``: L2 logistic regression on 300 real
+    digits with 30 labels flipped; the 30 examples it flags first hold 25 of them (the 30 largest scores, what
+    ``top(30)`` returns, hold none: the suspicious self-influences are the most negative)."""
+    from torch import nn
+
+    from conftest import cross_entropy, digits, l2
+    from influkit.training import fit_lbfgs, newton_refine
+
+    x, y = digits(300, seed=3)
+    gen = torch.Generator().manual_seed(0)
+    flipped = torch.randperm(300, generator=gen)[:30]
+    noisy = y.clone()
+    noisy[flipped] = (y[flipped] + torch.randint(1, 10, (30,), generator=gen)) % 10
+    torch.manual_seed(0)
+    stage = ik.Stage(nn.Linear(64, 10).double(), cross_entropy, (x, noisy), regularizer=l2(1e-2))
+    fit_lbfgs(stage, max_iter=1000)
+    assert newton_refine(stage) < 1e-10
+    res = ik.self_influence(stage)
+    flagged = res.suspicious(30)
+    found = int(torch.isin(torch.tensor(flagged["example"].tolist()), flipped).sum())
+    assert found >= 24  # 30 flipped among 300; a random 30 would hold 3
+    assert (flagged["removal"].diff().dropna() <= 0).all() and (flagged["score"] < 0).all()
+    assert int(torch.isin(torch.tensor(res.top(30)["example"].tolist()), flipped).sum()) <= 3
+    with pytest.raises(ik.InputError, match="suspicious\\(\\) ranks a self-influence result"):
+        ik.influence(stage, torch.arange(5), (x[:3], noisy[:3])).suspicious(3)

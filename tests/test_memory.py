@@ -168,3 +168,22 @@ def test_scoring_stays_inside_the_budget_measured_resident_memory():
     assert bounded["growth"] <= budget, bounded
     unbounded = _scoring_growth(budget, 48)  # all rows in one chunk: the same measurement exceeds the budget
     assert unbounded["growth"] > budget, unbounded
+
+
+def test_default_budget_caps_batches_and_memory_lifts_the_cap(monkeypatch):
+    """Without memory=, a batch holds at most max(DEFAULT_EXAMPLES, DEFAULT_WORKING / (SAFETY · bytes per example))
+    examples however much is free (here DEFAULT_WORKING is made tiny: DEFAULT_EXAMPLES); memory= fills its budget.
+    The scores do not depend on the batches."""
+    monkeypatch.setattr(memory, "DEFAULT_WORKING", 1)
+    stage = mlp_stage()
+    assert len(stage) > memory.DEFAULT_EXAMPLES and memory.default_count(10**6) == memory.DEFAULT_EXAMPLES
+    default = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=0.1))
+    res = default.query(torch.arange(3)).scores()
+    plans = {p["phase"]: p for p in res.diagnostics["memory"]}
+    assert plans["scoring"]["batch"] == memory.DEFAULT_EXAMPLES and plans["scoring"]["default"]
+    assert plans["factor fitting"]["batch"] == memory.DEFAULT_EXAMPLES
+    given = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=0.1), memory=10**9)
+    full = given.query(torch.arange(3)).scores()
+    plans = {p["phase"]: p for p in full.diagnostics["memory"]}
+    assert plans["scoring"]["batch"] == len(stage) and not plans["scoring"]["default"]
+    torch.testing.assert_close(full.values, res.values, rtol=1e-10, atol=1e-12)

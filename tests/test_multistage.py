@@ -199,5 +199,5 @@ def test_errors():
         ik.score(pre.model, fin, z, test, shared="embedding", progress=False)
     with torch.no_grad():
         fin.model.embedding[0].weight.add_(0.01)
-    with pytest.warns(UserWarning, match="block was not fixed"):
+    with pytest.warns(UserWarning, match="pretrained weights were not copied"):
         ik.score(pre, fin, z, test, shared="embedding", solve=ik.SolveConfig(solver="direct"), progress=False)

@@ -184,3 +184,15 @@ def test_select_and_state():
     assert set(stage.state()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
     assert not any(t.requires_grad for t in stage.state().values())
     assert "n=12" in repr(stage)
+
+
+def test_float64_data_for_a_float32_model_names_the_cast():
+    model = nn.Linear(3, 2).float()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 0, 1])
+    with pytest.raises(ik.InputError, match=r"inputs are float64 but the model's parameters are float32.*"
+                                            r"inputs.to\(torch.float32\).*model.to\(torch.float64\)"):
+        ik.Stage(model, nn.CrossEntropyLoss(reduction="none"), (x, y))
+    stage = ik.Stage(model, nn.CrossEntropyLoss(reduction="none"), (x.float(), y), regularizer=l2(1e-2))  # the cast it names
+    with pytest.raises(ik.InputError, match="x_test are float64"):
+        ik.influence(stage, torch.arange(2), (x, y))
+    assert ik.influence(stage, torch.arange(2), (x.float(), y)).values.shape == (2,)

@@ -115,11 +115,11 @@ def mislabel_detection(
         return stage
 
     stage = fit(noisy)
-    removal = self_influence(stage, solve=SolveConfig(solver="direct"), progress=False).removal
+    suspicious = self_influence(stage, solve=SolveConfig(solver="direct"), progress=False).suspicious(n_train)
     with torch.no_grad():
         losses = stage.losses(stage.trained(), x[train], noisy)
     rankings = {
-        "self-influence": torch.argsort(removal, descending=True),
+        "self-influence": torch.tensor(suspicious["example"].tolist()),
         "training loss": torch.argsort(losses, descending=True),
         "random": torch.randperm(n_train, generator=gen),
     }

@@ -39,7 +39,6 @@ iteration); ``inverse(λ)`` is that inverse as an Operator, the approximate inve
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -50,9 +49,10 @@ from torch.func import grad
 from tqdm.auto import tqdm
 
 from .. import distributed
-from ..errors import FileFormatError, InputError
+from ..errors import FileFormatError, InputError, warn
 from ..layers import Layer, Recorder
-from ..memory import PROBE_EXAMPLES, fit_count, probe_bytes
+from ..memory import DEFAULT_WORKING, PROBE_EXAMPLES, fit_count, probe_bytes
+from ..memory import given as memory_given
 from ..memory import resolve as memory_budget
 from ..operators import count_products
 from ..params import ParamSpace, point
@@ -64,6 +64,9 @@ from .layers import plan_layers
 
 KINDS = ("kfac", "ekfac", "diagonal")
 CACHE_BYTES = 2**30  # at most this much of the first pass is kept for EK-FAC's correction (else a second pass)
+# a batch also holds output-sized tensors the saved-tensor probe does not see: the outputs, their pseudo-gradients
+# and the loss's log-probabilities for the sampled labels' scale (vocabulary-sized for a language model)
+OUTPUT_COPIES = 4
 
 
 @dataclass
@@ -161,7 +164,7 @@ class DiagonalBlock:
 class FactoredCurvature:
     """A fitted factored curvature C (K-FAC, EK-FAC or diagonal) over a stage's trained parameters, as an Operator.
 
-    ``dim``/``dtype``/``device`` are the parameters' (vectors are converted to float64 internally and back);
+    ``dim``/``dtype``/``device`` are the parameters' (vectors are worked on in their own precision, at least float32);
     ``matvec`` applies C, ``solve(rhs, damping)`` applies (C + λI)⁻¹, ``inverse(damping)`` is the latter as an
     Operator, ``dense()`` the explicit matrix (small models). ``info`` holds the diagnostics: kind, fisher, layers,
     the parameters with a diagonal block and why, examples, passes, seconds.
@@ -196,13 +199,15 @@ class FactoredCurvature:
         if vec.shape[0] != self.dim:
             raise InputError(f"vector has {vec.shape[0]} rows, the curvature is {self.dim}×{self.dim}.")
         single = vec.dim() == 1
-        vecs = vec.reshape(self.dim, -1).to(torch.float64)
+        # in the vectors' precision, at least float32 (a float32 model's solve as kronfluence's: its 24 BERT-base MLP
+        # blocks are ~440 GFLOP, 2x faster than in float64); float64 vectors (Krylov preconditioning) in float64
+        vecs = vec.reshape(self.dim, -1).to(torch.promote_types(vec.dtype, torch.float32))
         out = torch.zeros_like(vecs)
         for block in self.blocks:
             if isinstance(block, KroneckerBlock):
                 block.scatter(block.apply(block.gather(vecs, self.offsets), fn), out, self.offsets)
             else:
-                out[block.index] = vecs[block.index] * fn(block.values + block.shift)[:, None]
+                out[block.index] = (vecs[block.index] * fn(block.values + block.shift)[:, None]).to(out.dtype)
         out = out.to(vec.dtype)
         return out.reshape(-1) if single else out
 
@@ -455,10 +460,11 @@ def fit_curvature(
     the statistics are streamed per module, so memory does not grow with the number of examples:
     the accumulators (fixed) + a batch of activations and layer statistics (measured per example on a 2-example
     probe) + the cache. batch_size: examples per streamed batch (default: what half of the budget left after the
-    accumulators holds, at most the stage's batch size and 1,024). cache_bytes: EK-FAC keeps the first pass's
+    accumulators holds, at most the stage's batch size and 1,024, and without ``memory=`` at most
+    :func:`influkit.memory.default_count`). cache_bytes: EK-FAC keeps the first pass's
     layer inputs and output-gradients up to this size and corrects the eigenvalues from them, so the data are read
     once; larger data are streamed a second time (``info["passes"]``); default: the other half, at most
-    :data:`CACHE_BYTES` (1 GiB).
+    :data:`CACHE_BYTES` (1 GiB), or without ``memory=`` :data:`influkit.memory.DEFAULT_WORKING` (256 MiB).
     max_factor_bytes: a layer whose factors (:func:`factor_bytes`, float64 plus eigenvectors) exceed this
     (default: budget / 8) gets a **diagonal block** instead of Kronecker factors, with a warning — e.g. a
     30,522-word decoder's output-gradient factor alone is 30,522² floats (7.5 GB in float64); its diagonal
@@ -502,11 +508,10 @@ class FactorFit:
         self.wide = {layer.name for layer in layers if kronecker and factor_bytes(layer) > limit}
         for layer in layers:
             if layer.name in self.wide:
-                warnings.warn(
+                warn(
                     f"layer {layer.name} ({layer.shape[0]}×{layer.shape[1]}) would need {factor_bytes(layer) / 2**30:.2f} GiB of "
                     f"Kronecker factors, more than max_factor_bytes = {limit / 2**30:.2f} GiB (1/8 of the memory budget); "
-                    "it gets a diagonal Gauss-Newton block instead (raise memory= or max_factor_bytes= to factor it).",
-                    UserWarning, stacklevel=3)
+                    "it gets a diagonal Gauss-Newton block instead (raise memory= or max_factor_bytes= to factor it).")
         self.leaves = {nm: t.detach().requires_grad_(True) for nm, t in self.params.items()}
         self.tracked = list(layers)  # layers whose hooks give a and g (also used for the diagonal kind's squares)
         accumulate = torch.promote_types(self.space.dtype, torch.float32)  # float64 models: float64; float32: float32
@@ -516,13 +521,17 @@ class FactorFit:
         # the sums; each layer's eigenbases replace its covariances, so they add at most one layer's
         fixed = sum(t.numel() * t.element_size() for acc in self.accumulators.values() for t in (acc.inputs, acc.grads, acc.squares))
         self.sizing = {"phase": "factor fitting", "budget": budget, "fixed_bytes": fixed, "diagonal_layers": sorted(self.wide)}
+        self.statistics_bytes = 0  # per example, the layer statistics one batch keeps (set by the probe)
         if batch_size is None:
             per = self._probe_bytes()
             share = (budget - fixed) // 2 if cache_bytes is None else budget - fixed
-            batch_size = fit_count(share + fixed, per, "factor fitting", fixed=fixed, most=min(stage.data.batch_size, 1024))
+            batch_size = fit_count(share + fixed, per, "factor fitting", fixed=fixed, most=min(stage.data.batch_size, 1024),
+                                   default=not memory_given(memory))
             self.sizing["bytes_per_example"] = per
         if cache_bytes is None:
-            cache_bytes = min(max(0, (budget - fixed) // 2), CACHE_BYTES)
+            cache_bytes = min(max(0, (budget - fixed) // 2), CACHE_BYTES if memory_given(memory) else DEFAULT_WORKING)
+            if "bytes_per_example" in self.sizing and self.statistics_bytes * len(self.local) > cache_bytes:
+                cache_bytes = 0  # the first pass would not fit: a second pass, without filling memory first
         self.batch_size, self.cache_bytes = int(batch_size), int(cache_bytes)
         self.sizing |= {"batch": self.batch_size, "cache_bytes": self.cache_bytes}
         self.progress = progress and distributed.rank() == 0
@@ -539,15 +548,19 @@ class FactorFit:
         local = self.local
         probe = torch.as_tensor(local[:PROBE_EXAMPLES]) if len(local) else torch.arange(min(PROBE_EXAMPLES, len(stage)))
         px, py = next(iter(stage.batches(probe, len(probe))))
-        pseudo = PseudoGradients(stage.loss, self.fisher, stage.outputs(params, px).detach(), py, seed=self.seed)
+        outputs = stage.outputs(params, px).detach()
+        pseudo = PseudoGradients(stage.loss, self.fisher, outputs, py, seed=self.seed)
 
         def run(_):
             data, _, _ = _forward_pass(stage, list(self.tracked), self.leaves, px, py,
                                        lambda outputs, targets: partial(pseudo, index=probe))
-            return [t for pair in data.values() for t in pair]
+            kept = [t for pair in data.values() for t in pair]
+            self.statistics_bytes = sum(t.numel() * t.element_size() for t in kept) // max(len(probe), 1)
+            return kept
 
         rows = 2 * sum(params[nm].numel() * params[nm].element_size() for nm in self.diag_names)
-        return probe_bytes(run, stage.model, len(probe)) + rows
+        output_bytes = OUTPUT_COPIES * outputs.numel() * outputs.element_size() // max(len(probe), 1)
+        return probe_bytes(run, stage.model, len(probe)) + rows + output_bytes
 
     def _drop(self, name: str, why: str) -> None:
         """Layer ``name`` cannot be factored (found on the first batch): its parameters get a diagonal block."""

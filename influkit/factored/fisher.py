@@ -14,6 +14,11 @@ expectation; this is all K-FAC, EK-FAC and the diagonal Fisher need. Three choic
   ℓ = c_i·Σ CE, sampled as u = √c_i (softmax(f) − onehot(ŷ)), ŷ ~ softmax(f); and squared error
   ℓ = c_i·‖f − y‖² (sum or mean), whose Gauss-Newton matrix 2c_i·I is sampled as u = √(2c_i)·ξ, ξ ~ N(0, I).
   Any other loss raises :class:`FactoredCurvatureError` (use ``"empirical"`` or ``"exact"`` there).
+  A loss may instead **declare** itself a categorical negative log-likelihood (:func:`declare_categorical`:
+  which position predicts which target, and c_i): influkit's own ``hf.masked_lm_losses`` and
+  ``hf.causal_lm_losses`` (whose position t predicts the label at t + 1) do, so they are recognised whatever their
+  values — read off the loss, c_i and the ratio test lose their precision on a trained float32 model whose
+  losses are near 0.
   The draws of example i are a pure function of (seed, i) — counter-based Philox4x32-10 words
   (:func:`influkit.philox.random_words`) — not of a generator stream consumed in batch order, so the
   labels and hence the factors do not depend on the batch size, on which other examples are fitted
@@ -27,6 +32,9 @@ expectation; this is all K-FAC, EK-FAC and the diagonal Fisher need. Three choic
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +50,24 @@ _STREAM_CATEGORICAL, _STREAM_GAUSSIAN = 0, 1
 
 class FactoredCurvatureError(InputError):
     """The factored curvature cannot be built for this stage (loss, layers or settings); the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Categorical:
+    """A loss's declaration ℓ(f, y)_i = c_i · Σ_t CE(f_it, ŷ_it): cross-entropy of the logits at each position
+    (classes on ``class_dim``) against ``targets(y)`` (ignored where −100), weighted per example by
+    ``weights(y)`` = c_i (default 1)."""
+
+    class_dim: int = -1
+    targets: Callable[[torch.Tensor], torch.Tensor] | None = None
+    weights: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def declare_categorical(loss, *, class_dim: int = -1, targets=None, weights=None):
+    """Mark ``loss`` (a function of (outputs, targets)) as the categorical negative log-likelihood
+    :class:`Categorical` describes, so ``fisher="sampled"`` uses it without reading it off the values. Returns it."""
+    loss.categorical = Categorical(class_dim, targets, weights)
+    return loss
 
 
 def _categorical_reference(outputs: torch.Tensor, targets: torch.Tensor, class_dim: int) -> torch.Tensor:
@@ -121,7 +147,11 @@ class PseudoGradients:
         if fisher not in FISHER:
             raise InputError(f"unknown fisher {fisher!r}; choose one of {FISHER}.")
         self.loss, self.fisher = loss, fisher
-        self.family, self.class_dim = detect_family(loss, outputs, targets) if fisher == "sampled" else ("", 0)
+        self.declared: Categorical | None = getattr(loss, "categorical", None) if fisher == "sampled" else None
+        if self.declared is not None:
+            self.family, self.class_dim = "categorical", self.declared.class_dim
+        else:
+            self.family, self.class_dim = detect_family(loss, outputs, targets) if fisher == "sampled" else ("", 0)
         if fisher == "exact":
             size = outputs[0].numel()
             if size > EXACT_MAX_OUTPUTS:
@@ -160,10 +190,17 @@ class PseudoGradients:
         if self.fisher == "exact":
             return self._hessian_root(f, targets)
         with torch.no_grad():
+            shape = (-1,) + (1,) * (f.dim() - 1)
+            if self.declared is not None:
+                declared = self.declared
+                positions = declared.targets(targets) if declared.targets is not None else targets
+                scale = (declared.weights(targets).to(torch.float64) if declared.weights is not None
+                         else torch.ones(f.shape[0], dtype=torch.float64))
+                u = self._categorical_sample(f, positions, index)
+                return (u * scale.sqrt().to(f.dtype).to(f.device).reshape(shape))[None]
             ref = _reference(self.family, self.class_dim, f, targets).to(torch.float64)
             value = self.loss(f, targets).reshape(-1).to(torch.float64)
             scale = torch.where(ref > 1e-12, value / ref.clamp_min(1e-12), torch.zeros_like(ref)).clamp_min(0)
-            shape = (-1,) + (1,) * (f.dim() - 1)
             if self.family == "categorical":
                 u = self._categorical_sample(f, targets, index)
                 return (u * scale.sqrt().to(f.dtype).reshape(shape))[None]
@@ -175,17 +212,22 @@ class PseudoGradients:
             return (noise * (2 * scale).sqrt().to(f.dtype).reshape(shape))[None]
 
     def _categorical_sample(self, f: torch.Tensor, targets: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
-        """softmax(f) − onehot(ŷ), ŷ ~ softmax(f), zero where the target is ignored."""
+        """softmax(f) − onehot(ŷ), ŷ ~ softmax(f), zero where the target is ignored.
+
+        Computed (in float64) on the labelled positions only: a masked-LM batch labels 15% of them, and each
+        costs a vocabulary-sized row of probabilities and their cumulative sum (30,522 classes for BERT)."""
         logits = f if self.class_dim == -1 else f.movedim(1, -1)
-        probs = torch.softmax(logits.to(torch.float64), dim=-1)
-        flat = probs.reshape(-1, probs.shape[-1])
-        batch = f.shape[0]
-        positions = flat.shape[0] // batch if batch else 0
-        uniform = self._uniforms(index, batch, positions, _STREAM_CATEGORICAL).reshape(-1, 1).to(flat.device)
-        sampled = (flat.cumsum(-1) < uniform).sum(-1).clamp_max(flat.shape[-1] - 1)
-        u = flat - F.one_hot(sampled, flat.shape[-1]).to(flat.dtype)
-        u = u.reshape(probs.shape) * (targets != IGNORE_INDEX).unsqueeze(-1).to(probs.dtype)
-        u = u.to(f.dtype)
+        classes, batch = logits.shape[-1], f.shape[0]
+        rows = logits.reshape(-1, classes)
+        positions = rows.shape[0] // batch if batch else 0
+        uniform = self._uniforms(index, batch, positions, _STREAM_CATEGORICAL).reshape(-1).to(rows.device)
+        keep = (targets.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+        probs = torch.softmax(rows[keep].to(torch.float64), dim=-1)
+        sampled = (probs.cumsum(-1) < uniform[keep, None]).sum(-1).clamp_max(classes - 1)
+        probs[torch.arange(keep.numel(), device=rows.device), sampled] -= 1.0
+        u = torch.zeros_like(rows)
+        u[keep] = probs.to(f.dtype)
+        u = u.reshape(logits.shape)
         return u if self.class_dim == -1 else u.movedim(-1, 1)
 
     def _loss_gradient(self, f: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,11 @@ classification, LoRA finetuning.
     from influkit import hf
     tokenizer = hf.train_wordpiece(sentences, vocab_size=2000)          # trained locally, nothing downloaded
     enc = lambda texts: tokenizer(texts, padding="max_length", truncation=True, max_length=32, return_tensors="pt")
-    pre = hf.masked_lm_stage(BertForMaskedLM(config).eval(), enc(sentences), tokenizer=tokenizer)
-    fin = hf.classification_stage(BertForSequenceClassification(config).eval(), enc(tweets) | {"labels": y})
+    mlm = BertForMaskedLM(config).eval()
+    pre = hf.masked_lm_stage(mlm, enc(sentences), tokenizer=tokenizer)    # ... pretrain mlm
+    clf = BertForSequenceClassification(config).eval()
+    clf.bert.load_state_dict(mlm.bert.state_dict(), strict=False)         # the pretrained encoder (pooler new)
+    fin = hf.classification_stage(clf, enc(tweets) | {"labels": y})       # ... fit the classifier head
     res = ik.score(pre, fin, z, hf.pack(enc(test) | {"labels": y_test}), shared="bert", case=1)
 
 A pretrained checkpoint (a local directory or an installed package that ships one; nothing fetched) and real

@@ -10,6 +10,7 @@ import torch
 from torch.nn import functional as F
 
 from ..errors import LossError
+from ..factored.fisher import declare_categorical
 from .masking import IGNORE
 
 
@@ -30,6 +31,20 @@ def masked_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return -(picked * keep.to(logits.dtype)).sum(dim=1) / count
 
 
+def _inverse_counts(labels: torch.Tensor) -> torch.Tensor:
+    """(B,) 1/|M_z|: the weight of each position's cross-entropy in a per-sentence mean (1 where none)."""
+    return 1.0 / (labels != IGNORE).sum(dim=1).clamp(min=1).to(torch.float64)
+
+
+def _next_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """(B, L) the label position t predicts in a causal LM: labels[t + 1], −100 at the last position."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
+
+
+# what fisher="sampled" needs (influkit.factored.fisher): mean cross-entropies over the labelled positions
+declare_categorical(masked_lm_losses, weights=_inverse_counts)
+
+
 def causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """(B,): per document, the mean next-token negative log-likelihood over its labelled tokens.
 
@@ -43,6 +58,9 @@ def causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
             f"causal-LM logits must be (B, L, V) and labels (B, L), got {tuple(logits.shape)} and {tuple(labels.shape)}."
         )
     return masked_lm_losses(logits[:, :-1], labels[:, 1:])
+
+
+declare_categorical(causal_lm_losses, targets=_next_tokens, weights=lambda labels: _inverse_counts(labels[:, 1:]))
 
 
 def classification_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,11 @@ The uniforms are float32 whatever ``torch.get_default_dtype()`` is (a float64 de
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, warn
 
 IGNORE = -100
 _MASK64 = (1 << 64) - 1
@@ -71,9 +70,9 @@ def mask_tokens(
         raise InputError(f"got {idx.numel()} example indices for {ids.shape[0]} rows; give one index per row.")
     attend = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else torch.as_tensor(attention_mask).bool()
     if not len(special_token_ids):
-        warnings.warn("mask_tokens got no special_token_ids, so random replacements may draw [PAD] (whose embedding "
+        warn("mask_tokens got no special_token_ids, so random replacements may draw [PAD] (whose embedding "
                       "gradient BERT drops) or [CLS]/[SEP]: pass special_token_ids=tokenizer.all_special_ids "
-                      "(masked_lm_stage(..., tokenizer=tok) does).", UserWarning, stacklevel=2)
+                      "(masked_lm_stage(..., tokenizer=tok) does).")
     special = torch.as_tensor(sorted({int(i) for i in special_token_ids} | {int(mask_token_id)}), dtype=torch.long)
     if (special < vocab_size).sum() >= vocab_size:
         raise InputError(f"every id below vocab_size={vocab_size} is special: no token is left to draw as a random "

@@ -1,7 +1,8 @@
 """Stages for transformers models: masked-LM and causal-LM pretraining, sequence classification, from dict batches.
 
-    pre = hf.masked_lm_stage(BertForMaskedLM(config).eval(), tokenizer(sentences, ...), tokenizer=tokenizer)
-    fin = hf.classification_stage(BertForSequenceClassification(config).eval(), tokenizer(tweets, ...) | {"labels": y})
+    pre = hf.masked_lm_stage(mlm, tokenizer(sentences, ...), tokenizer=tokenizer)      # mlm: a BertForMaskedLM
+    clf.bert.load_state_dict(mlm.bert.state_dict(), strict=False)  # the classifier starts from the pretrained encoder
+    fin = hf.classification_stage(clf, tokenizer(tweets, ...) | {"labels": y})
     res = ik.score(pre, fin, z, x_test, shared="bert", case=1)
 
 Each factory returns a plain :class:`influkit.Stage` whose model is an :class:`~influkit.hf.model.HFModel`

@@ -27,14 +27,13 @@ metric only (plain functions, like dattri's ``metric/``); the re-training harnes
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, warn
 from ..results import InfluenceResult
 from .metrics import ranks
 
@@ -141,11 +140,9 @@ def _mean_over_queries(per_query: np.ndarray) -> float:
     if not valid.any():
         raise InputError("no query has outputs that vary across subsets: the LDS is undefined.")
     if not valid.all():
-        warnings.warn(
+        warn(
             f"{int((~valid).sum())} of {per_query.size} queries have constant outputs or predictions across subsets "
             "and are left out of the LDS mean.",
-            UserWarning,
-            stacklevel=3,
         )
     return float(per_query[valid].mean())
 
