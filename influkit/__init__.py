@@ -12,8 +12,10 @@ from .errors import (
     ModelModeError,
     NumericalError,
     ParameterError,
+    StationarityWarning,
     VectorizationWarning,
 )
+from .auto import Training
 from .influence import influence, self_influence
 from .multistage import score
 from .results import InfluenceResult, load
@@ -56,6 +58,8 @@ __all__ = [
     "ParameterError",
     "Query",
     "Solution",
+    "StationarityWarning",
+    "Training",
     "VectorizationWarning",
     "SolveConfig",
     "Stage",

@@ -34,12 +34,13 @@ import hashlib
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from . import distributed, files
+from . import distributed, files, stationarity
+from .auto import Choice
 from .curvature import HessianOperator, hvp
 from .data import as_examples
 from .errors import FileFormatError, InputError, LossError, ParameterError
@@ -51,6 +52,7 @@ from .memory import resolve as memory_budget
 from .memory import scope as memory_scope
 from .scoring import Rows, Scorer, resumed_chunk_size, score_rows, stream_rows
 from .solvers import Solution, SolveConfig, Solver
+from .stationarity import Position
 from .stage import Stage, check_example_shape
 
 QUERY_KIND = "query"
@@ -139,6 +141,10 @@ class Chain:
     ``Chain([stage])`` is single-stage influence (Koh & Liang); ``Chain([pre, fin], [Link("embedding")])`` the
     multi-stage paper's Case 1; longer chains (pretrain → adapt → finetune) follow the same adjoint recursion
     (module docstring). ``solve`` is one :class:`SolveConfig` for every stage or one per stage.
+
+    :meth:`fit` first measures where each stage stands (:mod:`influkit.stationarity`, ``positions``; in every
+    result's ``diagnostics["stages"]``, with one warning naming the stages not at a minimum), then prepares each
+    stage's solver as :func:`influkit.auto.decide` chooses from it (``solver="auto"``) or as configured.
     """
 
     def __init__(self, stages: Sequence[Stage], links: Sequence[Link] = (), solve: SolveConfig | Sequence[SolveConfig] = SolveConfig(),
@@ -158,10 +164,15 @@ class Chain:
         if len(configs) != len(stages) or not all(isinstance(c, SolveConfig) for c in configs):
             raise InputError(f"solve must be one SolveConfig or one per stage ({len(stages)}).")
         self.stages, self.links, self.configs = stages, links, configs
+        self._shared = isinstance(solve, SolveConfig)  # one config for every stage (auto.decide's ``shared``)
         self.plans: list[_StagePlan] = []
         for k, stage in enumerate(stages):
             self.plans.append(_StagePlan(stage, links[k - 1] if k else None, self.plans[-1] if k else None))
         self._solvers: list[Solver] | None = None
+        self._more_solvers: dict[tuple[int, str], Solver] = {}  # other choices for queries with many right-hand sides
+        self._operators: dict[tuple, HessianOperator] = {}
+        self._positions: dict[tuple, Position] = {}
+        self.positions: list[Position] | None = None
         self.fit_seconds: float | None = None
         self.memory = None if memory is None else memory_budget(memory)  # bytes; None: a share of what is free
 
@@ -194,38 +205,87 @@ class Chain:
         return self.fit()._solvers[k]
 
     def fit(self) -> "Chain":
-        """Build what does not depend on the test set: each stage's Hessian operator and its prepared
-        :class:`~influkit.solvers.Solver` (a dense factorization for ``direct``, the factored curvature or Lanczos
-        eigenpairs its SolveConfig asks for). Cached; :meth:`query` calls it when needed. Returns self."""
+        """Build what does not depend on the test set: where each stage stands (``positions``: one gradient pass,
+        per-example gradients of a sample of 64, 20 Hessian-vector products per stage), each stage's operator and
+        its prepared :class:`~influkit.solvers.Solver` (a dense factorization for ``direct``, the factored curvature
+        or Lanczos eigenpairs its SolveConfig asks for). Cached; :meth:`query` calls it when needed. Returns self."""
         if self._solvers is not None:
             return self
         start = time.perf_counter()
         with memory_scope(self.memory):  # factor fitting sizes its batches from the same budget
-            self._solvers = [config.prepare(self._operator(plan, config)) for plan, config in zip(self.plans, self.configs)]
+            self.positions = [self._position(k) for k in range(len(self))]
+            self._solvers = [self._prepare(k, self._choice(k)) for k in range(len(self))]
         self.fit_seconds = time.perf_counter() - start
+        self._warn_positions()
         return self
+
+    def _position(self, k: int) -> Position:
+        """Where stage k stands, measured on its exact Hessian (the configured sample), kept per sample and seed."""
+        config = self.configs[k]
+        key = (k, config.hessian_samples, config.seed)
+        if key not in self._positions:
+            plan = self.plans[k]
+            hessian = self._operator(k, replace(config, curvature="hessian"))
+            self._positions[key] = stationarity.assess(plan.stage, plan.trained, hessian, extra=plan.proximal,
+                                                       seed=config.seed)
+        return self._positions[key]
+
+    def _choice(self, k: int, n_rhs: int = 1) -> Choice:
+        """Stage k's solve for ``n_rhs`` right-hand sides: :func:`influkit.auto.decide` on its position."""
+        config, hessian = self.configs[k], self._operator(k, replace(self.configs[k], curvature="hessian"))
+        itemsize = torch.empty(0, dtype=hessian.dtype).element_size()
+        return config.decide(self.positions[k], hessian.dim, n_rhs=n_rhs, memory=memory_budget(self.memory),
+                             shared=self._shared, itemsize=itemsize)
+
+    def _prepare(self, k: int, choice: Choice) -> Solver:
+        config = self.configs[k]
+        return config.prepare(self._operator(k, config.chosen(choice)), choice)
+
+    def _query_solver(self, k: int, n_rhs: int) -> Solver:
+        """The fitted solver of stage k, or the one auto chooses for ``n_rhs`` > 1 right-hand sides (kept)."""
+        fitted = self._solvers[k]
+        if n_rhs == 1:
+            return fitted
+        choice = self._choice(k, n_rhs)
+        if choice.solver == fitted.name:
+            return fitted
+        if (k, choice.solver) not in self._more_solvers:
+            with memory_scope(self.memory):
+                self._more_solvers[k, choice.solver] = self._prepare(k, choice)
+        return self._more_solvers[k, choice.solver]
+
+    def _warn_positions(self) -> None:
+        remedies = []
+        for solver in self._solvers:
+            config = solver.config
+            how = (f"{config.solver} on the {'Gauss-Newton matrix' if config.curvature == 'gauss-newton' else 'Hessian'}"
+                   f" + λI, λ = {config.damping:.3g}")
+            remedies.append(f"solver='auto' solves it with {how}" if solver.automatic else
+                            f"it is solved as configured ({how}); solver='auto' decides from where it stands")
+        names = [type(plan.stage.model).__name__ for plan in self.plans]
+        stationarity.warn_not_at_minimum(self.positions, names, remedies)
 
     def with_solve(self, solve: SolveConfig | Sequence[SolveConfig]) -> "Chain":
         """This chain with other solve settings, fitted from what this one fitted where they allow: a stage whose
         Hessian is the same (same ``curvature``, ``hessian_samples``, ``seed``) keeps its operator, and with it the
         factored curvature and eigenpairs fitted on it (e.g. a damping sweep of EK-FAC or Arnoldi without refitting;
-        ``direct`` factors the kept dense Hessian for the new λ). Other stages are fitted anew."""
+        ``direct`` factors the kept dense Hessian for the new λ), and its position. Other stages are fitted anew."""
         other = Chain(self.stages, self.links, solve, memory=self.memory)
         if self._solvers is None:
             return other
-        start = time.perf_counter()
-        same = lambda a, b: (a.curvature, a.hessian_samples, a.seed) == (b.curvature, b.hessian_samples, b.seed)  # noqa: E731
-        with memory_scope(other.memory):
-            other._solvers = [
-                config.prepare(old.operator if same(config, old.config) else other._operator(plan, config))
-                for plan, config, old in zip(other.plans, other.configs, self._solvers)
-            ]
-        other.fit_seconds = time.perf_counter() - start
+        other._operators, other._positions = dict(self._operators), dict(self._positions)
+        other.fit()
         return other
 
-    def _operator(self, plan: "_StagePlan", config: SolveConfig) -> HessianOperator:
-        return HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples, seed=config.seed,
-                               extra=plan.proximal, curvature=config.curvature, memory=self.memory)
+    def _operator(self, k: int, config: SolveConfig) -> HessianOperator:
+        """Stage k's operator for ``config``'s matrix, sample and seed (built once, shared by every solver on it)."""
+        key = (k, config.curvature, config.hessian_samples, config.seed)
+        if key not in self._operators:
+            plan = self.plans[k]
+            self._operators[key] = HessianOperator(plan.stage, plan.trained, samples=config.hessian_samples,
+                                                   seed=config.seed, extra=plan.proximal, curvature=config.curvature,
+                                                   memory=self.memory)
+        return self._operators[key]
 
     def memory_plans(self) -> list[dict]:
         """The batch sizes each fitted stage chose from the memory budget (Hessian-vector products, factors)."""
@@ -263,16 +323,20 @@ class Chain:
             extra, fitted[str(k)] = solver.state(f"stage{k}.")
             tensors.update(extra)
         return files.write(path, FIT_KIND, tensors, {"fingerprint": self.fingerprint(), "fit_seconds": self.fit_seconds,
-                                                     "fitted": fitted})
+                                                     "fitted": fitted,
+                                                     "positions": [p.summary() for p in self.positions]})
 
     def load(self, path: str | Path) -> "Chain":
         """Restore a fit written by :meth:`save` for this same chain (refused otherwise). Returns self."""
         tensors, meta = files.read(path, FIT_KIND)
         if meta["fingerprint"] != self.fingerprint():
             raise FileFormatError(f"{path} was fitted for another chain (models, data sizes or solve settings differ).")
+        self.positions = [Position.from_summary(p) for p in meta["positions"]]
+        choices = [self._choice(k) for k in range(len(self))]
         self._solvers = [
-            config.build(self._operator(plan, config)).load(tensors, meta.get("fitted", {}).get(str(k), {}), f"stage{k}.")
-            for k, (plan, config) in enumerate(zip(self.plans, self.configs))
+            config.build(self._operator(k, config.chosen(choice)), choice).load(
+                tensors, meta.get("fitted", {}).get(str(k), {}), f"stage{k}.")
+            for k, (config, choice) in enumerate(zip(self.configs, choices))
         ]
         self.fit_seconds = meta["fit_seconds"]
         return self
@@ -315,7 +379,7 @@ class Chain:
         seconds = {"test_gradient": time.perf_counter() - start, "cross_products": 0.0}
         solutions: list[Solution] = [None] * len(self)  # type: ignore[list-item]
         for k in range(len(self) - 1, -1, -1):
-            plan, solver = self.plans[k], self._solvers[k]
+            plan, solver = self.plans[k], self._query_solver(k, flat.shape[1] if per_test else 1)
             op = solver.operator
             space = ParamSpace(_values(plan.stage, plan.trained))
             solutions[k] = solver.solve(space.flatten(a, batched=per_test), progress=progress)
@@ -335,7 +399,8 @@ class Chain:
         test_digest = Rows(last.stage, torch.arange(tx.shape[0]), (tx, ty)).digest()
         if measure is not None:
             test_digest += f"|measure={_qualname(measure)}"
-        return Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds, test_digest)
+        stages = [position.summary() for position in self.positions]
+        return Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds, test_digest, stages)
 
     def _pull_back(self, k: int, g: dict[str, torch.Tensor], per_test: bool, n_rhs: int | None):
         """Map df/dc_k (stage k's names) onto stage k−1: (a on what it trains, b on what it inherited fixed)."""
@@ -373,13 +438,15 @@ class Query:
     ``scores(z)`` turns s into influence scores of any stage-1 examples, in chunks, without solving again.
     """
 
-    def __init__(self, chain: Chain, s: torch.Tensor, per_test: bool, n_test: int, solutions, seconds: dict, test_digest: str):
+    def __init__(self, chain: Chain, s: torch.Tensor, per_test: bool, n_test: int, solutions, seconds: dict, test_digest: str,
+                 stages: Sequence[dict] = ()):
         self.chain, self.s, self.per_test, self.n_test = chain, s.contiguous(), per_test, n_test
         self.test_digest = test_digest
         self.solves = [
             {"stage": k, **(sol.summary() if isinstance(sol, Solution) else sol)} for k, sol in enumerate(solutions)
         ]
         self.seconds = dict(seconds)
+        self.stages = [dict(stage) for stage in stages]  # where each stage stands (stationarity.Position.summary)
 
     def __repr__(self) -> str:
         return f"Query({self.chain.method}, n_test={self.n_test}, per_test={self.per_test}, s{tuple(self.s.shape)})"
@@ -421,7 +488,7 @@ class Query:
             n_train=len(plan.stage),
             index=index,
             method=self.chain.method,
-            diagnostics={"solves": self.solves, "seconds": seconds, "settings": self.settings(),
+            diagnostics={"stages": self.stages, "solves": self.solves, "seconds": seconds, "settings": self.settings(),
                          "chunks": counts | {"chunk_size": chunk_size, "ranks": distributed.world_size()},
                          "scoring": scorer.describe(), "memory": self.chain.memory_plans() + [scorer.memory]},
         )
@@ -441,7 +508,7 @@ class Query:
     def save(self, path: str | Path) -> Path:
         """Write s and the diagnostics to ``path`` (safetensors + JSON); :func:`load_query` reads it back."""
         meta = {"fingerprint": self.chain.fingerprint(), "per_test": self.per_test, "n_test": self.n_test,
-                "solves": self.solves, "seconds": self.seconds, "test_digest": self.test_digest}
+                "solves": self.solves, "seconds": self.seconds, "test_digest": self.test_digest, "stages": self.stages}
         return files.write(path, QUERY_KIND, {"s": self.s}, meta)
 
 
@@ -453,4 +520,5 @@ def load_query(path: str | Path, chain: Chain) -> Query:
             f"{path} was computed for another chain (models, parameters, data sizes, links or solve settings differ)."
         )
     s = tensors["s"].to(chain.plans[0].stage.device)
-    return Query(chain, s, meta["per_test"], meta["n_test"], meta["solves"], meta["seconds"], meta["test_digest"])
+    return Query(chain, s, meta["per_test"], meta["n_test"], meta["solves"], meta["seconds"], meta["test_digest"],
+                 meta.get("stages", []))

@@ -19,7 +19,7 @@ are in :mod:`influkit.krylov`.
 | ``identity`` | x = b                   | nothing         | —              | the paper's ablation (H := I)      |
 | ``kfac``, ``ekfac`` | x = (C + λI)⁻¹ b | the fitted factors | —           | approximate: C the (E)K-FAC curvature |
 | ``arnoldi`` | x = V (Θ + λ)⁻¹ Vᵀ b     | k eigenpairs    | —              | approximate: top-k subspace only   |
-| ``auto``   | ``direct`` for p ≤ ``AUTO_DIRECT_MAX``, else ``minres`` | | | the default of every entry point |
+| ``auto``   | decided by :func:`influkit.auto.decide` from where the stage stands | | | the default everywhere |
 
 ``minres`` and ``cg_spd`` take a **preconditioner** M ≈ H + λI, symmetric positive definite: the fitted K-FAC,
 EK-FAC or diagonal-Fisher curvature (:mod:`influkit.factored`) plus λI, or any callable applying M⁻¹. The
@@ -52,6 +52,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import krylov
+from .auto import Choice, Training, decide
 from .curvature import CURVATURES
 from .errors import ConvergenceWarning, InputError, NumericalError
 from .factored import FISHER, ArnoldiInverse, FactoredCurvature, FactoredCurvatureError, deflated, fit_curvature, lanczos
@@ -95,23 +96,14 @@ class Solution:
         return out
 
 
-# ``solver="auto"`` factors the dense Hessian up to this many parameters and runs MINRES above it.
-# benchmarks/bench_auto.py: direct (p HVPs to build H, one Cholesky) beats MINRES to float64 tolerance on the
-# trained digits MLPs/CNNs measured there up to a few thousand parameters, and its factor is reused by every
-# later query of a fitted Chain; above it the O(p²) memory and p HVPs grow faster than MINRES' iterations.
-# Above it MINRES runs unpreconditioned: on the trained networks measured, EK-FAC preconditioning costs HVPs
-# instead of saving them (benchmarks/bench_scale.py, Fashion-MNIST CNN p = 39,109, λ = 1: 35 vs 23 HVPs to the
-# same tolerance, shifts 1-16 tried; λ = 0.1: residual 0.19 vs 0.087 after 60; bench_auto.py MLPs: 2-2.6x the
-# iterations). ``preconditioner=`` still asks for it (or auto + an explicit preconditioner).
-AUTO_DIRECT_MAX = 3000
-
-
 @dataclass(frozen=True)
 class SolveConfig:
     """How one inverse-Hessian system (H + λI) x = b is solved: the settings every influence method shares.
 
-    solver: one of ``SOLVERS`` or ``"auto"`` (``direct`` for p ≤ ``AUTO_DIRECT_MAX``, else ``minres``, with
-    ``preconditioner`` if one is given; the choice and its reason are recorded in :attr:`Solution.choice`).
+    solver: one of ``SOLVERS`` or ``"auto"`` (:func:`influkit.auto.decide`: in a Chain from where each stage
+    stands — exact solves at a minimum, the damped Gauss-Newton matrix off it; for a bare operator ``direct`` for
+    p ≤ ``auto.DIRECT_MAX``, else ``minres``; the choice and its reason are recorded in :attr:`Solution.choice`).
+    With ``"auto"``, a damping > 0, ``curvature="gauss-newton"`` and a ``preconditioner`` are kept as given.
     ``"kfac"``/``"ekfac"``/``"arnoldi"`` are approximate inverses (x = C⁻¹ b, no iteration).
     damping: λ ≥ 0 added to H (to H² for ``cg``). tol, max_iter: stopping rule of iterative solvers
     (defaults: :func:`default_tol`, min(10·p, 2,000)). hessian_samples: estimate H on a seeded random
@@ -131,6 +123,9 @@ class SolveConfig:
     Hessian-vector product over the stage's data per solve (at transformer scale as much as the rest of the query);
     ``False`` skips it and reports NaN, as kronfluence and TRAK never check. Iterative and direct solves always report it.
 
+    training: :class:`influkit.auto.Training` (lr, steps) of this stage, for auto's damping 1/(lr·steps) off a
+    minimum.
+
     Fitted factors and eigenpairs are kept on the operator (``operator.fitted``), so one fit serves every solve
     with it; :meth:`influkit.Chain.fit` fits them up front and :meth:`influkit.Chain.save` stores them.
     """
@@ -147,6 +142,7 @@ class SolveConfig:
     deflate: bool = False
     curvature: str = "hessian"
     residual: bool = True
+    training: Training | None = None
 
     def __post_init__(self) -> None:
         if self.solver != "auto" and self.solver not in REGISTRY:
@@ -170,23 +166,36 @@ class SolveConfig:
             raise InputError(f"rank must be positive, got {self.rank}.")
         if self.curvature not in CURVATURES:
             raise InputError(f"unknown curvature {self.curvature!r}; choose one of {CURVATURES}.")
+        if self.training is not None and not isinstance(self.training, Training):
+            raise InputError("training must be influkit.auto.Training(lr=..., steps=...).")
 
-    def method(self, dim: int) -> tuple[str, str]:
-        """(the method to run on a p = ``dim`` system, why)."""
-        if self.solver != "auto":
-            return self.solver, ""
-        if dim <= AUTO_DIRECT_MAX:
-            return "direct", f"auto: p = {dim} ≤ {AUTO_DIRECT_MAX}, a dense factorization is fastest"
-        return "minres", f"auto: p = {dim} > {AUTO_DIRECT_MAX}, MINRES (indefinite-safe, one HVP per step)"
+    def method(self, dim: int, dense: bool = True) -> tuple[str, str]:
+        """(the method to run on a p = ``dim`` system where the stage's position is unknown, why)."""
+        choice = self.decide(None, dim, dense=dense)
+        return choice.solver, choice.reason
 
-    def build(self, operator: Operator) -> "Solver":
-        """The (unprepared) :class:`Solver` of this config for ``operator`` (``auto`` resolved for its size)."""
-        method, why = self.method(operator.dim)
-        return REGISTRY[method](self, operator, choice=why)
+    def decide(self, position, dim: int, **context) -> Choice:
+        """:func:`influkit.auto.decide` for these settings (``context``: n_rhs, memory, dense, shared, itemsize)."""
+        pre = self.preconditioner if isinstance(self.preconditioner, str) or self.preconditioner is None else "given"
+        choice = decide(position, dim, training=self.training, solver=self.solver, damping=self.damping,
+                        matrix=self.curvature, preconditioner=pre, **context)
+        return replace(choice, preconditioner=self.preconditioner) if pre == "given" else choice
 
-    def prepare(self, operator: Operator, *, progress: bool = False) -> "Solver":
+    def chosen(self, choice: Choice) -> "SolveConfig":
+        """These settings with ``choice``'s matrix, solver, damping and preconditioner in place of ``auto``'s."""
+        return replace(self, solver=choice.solver, curvature=choice.matrix, damping=choice.damping,
+                       preconditioner=choice.preconditioner)
+
+    def build(self, operator: Operator, choice: Choice | None = None) -> "Solver":
+        """The (unprepared) :class:`Solver` of this config for ``operator``: ``choice`` (from :meth:`decide`), else
+        ``auto`` resolved for the operator's size alone."""
+        if choice is None:
+            choice = self.decide(None, operator.dim, dense=hasattr(operator, "dense") or hasattr(operator, "factor"))
+        return REGISTRY[choice.solver](self.chosen(choice), operator, choice=choice.reason)
+
+    def prepare(self, operator: Operator, choice: Choice | None = None, *, progress: bool = False) -> "Solver":
         """The :class:`Solver` of this config, prepared on ``operator`` (what it needs fitted, fitted once)."""
-        return self.build(operator).prepare(progress=progress)
+        return self.build(operator, choice).prepare(progress=progress)
 
     def solve(self, operator: Operator, b: torch.Tensor, *, progress: bool = False, warn: bool = True) -> "Solution":
         """x ≈ (H + λI)⁻¹ b with these settings: :meth:`prepare` then :meth:`Solver.solve`."""
@@ -289,7 +298,8 @@ class Solver:
         if torch.is_tensor(operator):
             operator = DenseOperator(operator)
         self.config, self.operator, self.choice = config, operator, choice
-        self.name = config.method(operator.dim)[0]
+        self.name = config.solver if config.solver != "auto" else config.method(operator.dim)[0]
+        self.automatic = choice.startswith("auto")  # chosen by influkit.auto, not named by the user
         self.preconditioner_name = ""
         self.fitted = _fitted(operator)
 
@@ -375,7 +385,7 @@ class Solver:
 
     def _curvature(self, kind: str, progress: bool):
         """The fitted factored curvature of ``kind`` on the operator (fitted now unless a matching one is kept)."""
-        if not _matches(self.fitted.get("curvature"), kind, self.config):
+        if not _matches(self.fitted.get("curvature"), kind, self.config, self.automatic):
             self.fitted["curvature"] = self._fit_curvature(kind, progress)
         return self.fitted["curvature"]
 
@@ -383,7 +393,7 @@ class Solver:
         config, op, notes = self.config, self.operator, self.fitted.setdefault("notes", [])
         stage = getattr(op, "stage", None)
         if stage is None:
-            if config.solver == "auto":
+            if self.automatic:
                 notes.append("no preconditioner: the operator has no Stage to fit factors on")
                 return None
             raise InputError(
@@ -395,7 +405,7 @@ class Solver:
         try:
             return fit_curvature(stage, fisher=config.fisher, **args)
         except FactoredCurvatureError:
-            if config.solver != "auto" or config.fisher != "sampled":
+            if not self.automatic or config.fisher != "sampled":
                 raise
             notes.append("EK-FAC on the empirical Fisher: the loss's predictive distribution is not recognised")
             return fit_curvature(stage, fisher="empirical", **args)
@@ -586,9 +596,9 @@ def _warn_unconverged(method: str, iterations: int, residual: float, tol: float,
                   + advice, ConvergenceWarning, stacklevel=4)
 
 
-def _matches(curvature, kind: str, config: SolveConfig) -> bool:
+def _matches(curvature, kind: str, config: SolveConfig, automatic: bool) -> bool:
     return curvature is not None and curvature.kind == kind and curvature.info.get("seed") == config.seed and (
-        curvature.info.get("fisher") == config.fisher or config.solver == "auto")
+        curvature.info.get("fisher") == config.fisher or automatic)
 
 
 def _matches_eigen(arnoldi, config: SolveConfig) -> bool:
@@ -664,9 +674,6 @@ def solve(
         )
     config = SolveConfig(solver=solver, damping=damping, tol=tol, max_iter=max_iter)
     instance = config.build(operator)
-    if isinstance(instance, Direct) and solver == "auto" and not (hasattr(operator, "dense") or hasattr(operator, "factor")):
-        instance = replace(config, solver="minres").build(operator)
-        instance.choice = "auto: the operator has no dense() to factor, MINRES (indefinite-safe, one HVP per step)"
     if isinstance(instance, _Krylov):
         instance.apply_preconditioner = preconditioner
     if isinstance(instance, LiSSA):
