@@ -158,10 +158,12 @@ def test_auto_is_the_default_everywhere_and_its_choice_is_recorded(stage, two_st
     test = stage.data.take(torch.arange(5))
     res = ik.influence(stage, torch.arange(10), test)
     (solve,) = res.diagnostics["solves"]
-    assert solve["method"] == "direct" and solve["choice"].startswith("auto: p = 15")
+    assert res.diagnostics["stages"][0]["verdict"] == "minimum"
+    assert solve["method"] == "cg_spd" and solve["choice"].startswith("auto: at a minimum")  # one query batch
     pre, fin, x_test = two_stages
     res = ik.score(pre, fin, torch.arange(8), x_test, shared="embedding")
-    assert [s["method"] for s in res.diagnostics["solves"]] == ["direct", "direct"]
+    by_verdict = {"minimum": "cg_spd", "singular": "direct", "saddle": "minres", "non-stationary": "minres"}
+    assert [s["method"] for s in res.diagnostics["solves"]] == [by_verdict[s["verdict"]] for s in res.diagnostics["stages"]]
     assert all(s["choice"].startswith("auto:") for s in res.diagnostics["solves"])
     assert all(c["solver"] == "auto" and c["damping"] == 0.0 for c in res.diagnostics["settings"]["solve"])
     sol = ik.solve(torch.eye(3, dtype=torch.float64) * 2, torch.ones(3, dtype=torch.float64))
