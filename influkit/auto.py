@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .errors import InputError
 from .stationarity import Position
 
 # the largest p solved with a dense factorization (p HVPs to build H, one Cholesky): benchmarks/bench_auto.py
@@ -57,8 +58,6 @@ class Training:
     steps: int
 
     def __post_init__(self) -> None:
-        from .errors import InputError
-
         if not (self.lr > 0 and self.steps > 0):
             raise InputError(f"Training needs lr > 0 and steps > 0, got lr={self.lr!r}, steps={self.steps!r}.")
 

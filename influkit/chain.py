@@ -215,6 +215,8 @@ class Chain:
         with memory_scope(self.memory):  # factor fitting sizes its batches from the same budget
             self.positions = [self._position(k) for k in range(len(self))]
             self._solvers = [self._prepare(k, self._choice(k)) for k in range(len(self))]
+        used = {id(solver.operator) for solver in self._solvers}  # an exact Hessian only measured: free its graph
+        self._operators = {key: op for key, op in self._operators.items() if id(op) in used}
         self.fit_seconds = time.perf_counter() - start
         self._warn_positions()
         return self
@@ -232,10 +234,11 @@ class Chain:
 
     def _choice(self, k: int, n_rhs: int = 1) -> Choice:
         """Stage k's solve for ``n_rhs`` right-hand sides: :func:`influkit.auto.decide` on its position."""
-        config, hessian = self.configs[k], self._operator(k, replace(self.configs[k], curvature="hessian"))
-        itemsize = torch.empty(0, dtype=hessian.dtype).element_size()
-        return config.decide(self.positions[k], hessian.dim, n_rhs=n_rhs, memory=memory_budget(self.memory),
-                             shared=self._shared, itemsize=itemsize)
+        values = _values(self.plans[k].stage, self.plans[k].trained)
+        dim = sum(t.numel() for t in values.values())
+        itemsize = next(iter(values.values())).element_size()
+        return self.configs[k].decide(self.positions[k], dim, n_rhs=n_rhs, memory=memory_budget(self.memory),
+                                      shared=self._shared, itemsize=itemsize)
 
     def _prepare(self, k: int, choice: Choice) -> Solver:
         config = self.configs[k]

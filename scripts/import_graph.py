@@ -19,7 +19,8 @@ from pathlib import Path
 PACKAGE = "influkit"
 CORE = {f"{PACKAGE}.{name}" for name in (
     "stage", "data", "params", "curvature", "gradients", "solvers", "operators", "chain", "results", "scoring",
-    "files", "distributed", "errors", "vectorize", "philox", "krylov", "report", "ensemble", "memory", "contraction")}
+    "files", "distributed", "errors", "vectorize", "philox", "krylov", "report", "ensemble", "memory", "contraction",
+    "stationarity", "auto")}
 CORE_PACKAGES = (f"{PACKAGE}.factored",)
 METHOD_PACKAGES = tuple(f"{PACKAGE}.{name}" for name in ("ssl", "turnover", "elmo", "hf", "apps", "validation"))
 
