@@ -36,8 +36,9 @@ from influkit import SolveConfig
 from influkit.ensemble import Ensemble
 
 INFLUKIT = {
-    "influkit exact (auto: direct on H)": SolveConfig(solver="auto"),
-    "influkit exact GN (auto on G)": SolveConfig(solver="auto", curvature="gauss-newton"),
+    "influkit default (auto from where each stage stands)": SolveConfig(),
+    "influkit exact (auto: direct on H)": SolveConfig(solver="direct"),  # what auto chose before it read positions
+    "influkit exact GN (auto on G)": SolveConfig(solver="direct", curvature="gauss-newton"),
     "influkit EK-FAC": SolveConfig(solver="ekfac"),
     "influkit Arnoldi": SolveConfig(solver="arnoldi"),
     "influkit identity": SolveConfig(solver="identity"),
