@@ -39,8 +39,9 @@ INFLUKIT = {
     "influkit default (auto from where each stage stands)": SolveConfig(),
     "influkit exact (auto: direct on H)": SolveConfig(solver="direct"),  # what auto chose before it read positions
     "influkit exact GN (auto on G)": SolveConfig(solver="direct", curvature="gauss-newton"),
-    "influkit EK-FAC": SolveConfig(solver="ekfac"),
-    "influkit Arnoldi": SolveConfig(solver="arnoldi"),
+    # one config per stage: a config shared by all stages solves the small ones exactly instead (influkit.auto)
+    "influkit EK-FAC": [SolveConfig(solver="ekfac")] * 2,
+    "influkit Arnoldi": [SolveConfig(solver="arnoldi")] * 2,
     "influkit identity": SolveConfig(solver="identity"),
 }
 PEERS = ("TRAK (traker)", "kronfluence EK-FAC", "dattri IF (explicit)", "dattri TracIn", "dattri TRAK")
