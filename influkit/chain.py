@@ -200,9 +200,10 @@ class Chain:
         """The Hessian of stage k's objective (with its proximal term) over what it trains, as fitted."""
         return self.fit()._solvers[k].operator
 
-    def solver(self, k: int) -> Solver:
-        """Stage k's prepared :class:`~influkit.solvers.Solver`."""
-        return self.fit()._solvers[k]
+    def solver(self, k: int, n_rhs: int = 1) -> Solver:
+        """Stage k's prepared :class:`~influkit.solvers.Solver` for ``n_rhs`` right-hand sides at a time (``auto``
+        may choose differently for several: one factorization for all of them)."""
+        return self.fit()._query_solver(k, n_rhs)
 
     def fit(self) -> "Chain":
         """Build what does not depend on the test set: where each stage stands (``positions``: one gradient pass,

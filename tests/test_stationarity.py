@@ -132,8 +132,11 @@ def test_every_result_says_where_each_stage_stands_and_warns_at_the_users_line(l
     with warnings.catch_warnings():
         warnings.simplefilter("error", ik.StationarityWarning)  # at a minimum: no warning
         res = ik.influence(stage, torch.arange(5), test)
+        own = ik.self_influence(stage, torch.arange(5))
     (minimum,) = res.diagnostics["stages"]
     assert KEYS <= set(minimum) and minimum["verdict"] == "minimum"
+    assert own.diagnostics["stages"][0]["verdict"] == "minimum"
+    assert own.diagnostics["solves"][0]["method"] == "direct"  # 5 right-hand sides at once: one factorization
     moved = untrained_stage()
     with pytest.warns(ik.StationarityWarning, match=r"stage 0 \(Sequential\) is not at a minimum — non-stationary") as seen:
         res = ik.influence(moved, torch.arange(5), (moved.data.take(torch.arange(3))))
