@@ -1,6 +1,6 @@
 """Benchmark behind ``SolveConfig(solver="auto")``: when is ``direct`` faster than ``minres`` through a Chain?
 
-``auto`` runs ``direct`` for p ≤ ``influkit.solvers.AUTO_DIRECT_MAX`` and ``minres`` above it. This script
+``auto`` runs ``direct`` for p ≤ ``influkit.auto.DIRECT_MAX`` and ``minres`` above it. This script
 measures the two on real data (the 1,797 scikit-learn digits) with trained models of growing size — tanh MLPs
 64→h→10 and the repo's digits CNN (``influkit.models.digits_classifier``) — each trained to near stationarity
 with ``influkit.training.fit_lbfgs`` in float64 and in float32 (L2 weight 1e-4, which keeps the optimum
@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 import influkit as ik
 from benchmarks.common import Tee, banner, cross_entropy, digits, digits_cnn, l2, rel_err, setup, tanh_mlp, timed
 from influkit.curvature import HessianOperator
-from influkit.solvers import AUTO_DIRECT_MAX
+from influkit.auto import DIRECT_MAX
 from influkit.training import fit_lbfgs
 
 L2_WEIGHT = 1e-4
@@ -209,7 +209,7 @@ def main(argv=None) -> None:
     test_idx = [slice(n_train + k * QUERY_SIZE, n_train + (k + 1) * QUERY_SIZE) for k in range(N_QUERIES)]
     log(f"n_train = {n_train} digits, {N_QUERIES} queries of {QUERY_SIZE} test digits each, L2 = {L2_WEIGHT:g}; "
         f"direct measured for p ≤ {direct_max}, estimated above; iterative queries measured while the rest fit in "
-        f"{budget:g}s per model (column n); current AUTO_DIRECT_MAX = {AUTO_DIRECT_MAX}; load average "
+        f"{budget:g}s per model (column n); current influkit.auto.DIRECT_MAX = {DIRECT_MAX}; load average "
         f"{os.getloadavg()[0]:.1f}")
 
     rows = []

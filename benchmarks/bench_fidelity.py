@@ -21,6 +21,10 @@ Resumable: every re-training, trained member and method score matrix is cached u
     python -m benchmarks.bench_fidelity table --task digits-case1     # every cached task: tables, plot, README
     python -m benchmarks.bench_fidelity retrain --task digits-case1 --protocol replay --subsets 50   # fidelity_replay
     python -m benchmarks.bench_fidelity retrain --task minilm-dapt --subsets 40   # optional: pretrained MiniLM
+    python -m benchmarks.bench_fidelity committed --task digits-case1 --protocol warm --methods "influkit default ..."
+
+``committed``: LDS (K = 1) of the named methods against the re-trainings committed in
+``results/fidelity/<task>_<protocol>_outputs.csv.gz`` (no re-training; member 0 is trained if not cached).
 """
 
 from __future__ import annotations
@@ -50,9 +54,39 @@ def retrain_all(task: Task, protocol: str, m: int, seeds: list[int], progress: b
     return torch.stack([torch.stack([outs[j, s] for s in seeds]) for j in range(m)])
 
 
+def committed_outputs(task: Task, protocol: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """((M, q) re-trained test losses averaged over seeds, (M,) subset ids) from the committed gzip CSV."""
+    import pandas as pd
+
+    frame = pd.read_csv(RESULTS / f"{task.config.name}_{protocol}_outputs.csv.gz")
+    table = frame.groupby(["subset", "test"]).loss.mean().unstack("test").sort_index()
+    return torch.tensor(table.to_numpy()), torch.tensor(table.index.to_numpy())
+
+
+def committed_lds(task: Task, protocol: str, m: int, methods: list[str]) -> None:
+    """Print (and append to results/fidelity/committed_lds.txt) each method's K = 1 LDS on the committed outputs."""
+    import os
+
+    from benchmarks.fidelity_methods import method_scores
+    from influkit.validation import lds_per_query
+
+    outputs, ids = committed_outputs(task, protocol)
+    masks = subsets_for(task, m)[ids].numpy()
+    for method in methods:
+        scores, seconds = method_scores(task, method, 1)
+        per_query = lds_per_query(scores, masks, outputs.numpy())
+        valid = per_query[torch.isfinite(torch.as_tensor(per_query)).numpy()]
+        line = (f"{task.config.name} {protocol} | {method} | LDS {valid.mean():.3f} ± "
+                f"{valid.std(ddof=1) / valid.size ** 0.5:.3f} (M = {len(ids)}, q = {valid.size}) | {seconds:.1f} s | "
+                f"load {os.getloadavg()[0]:.1f}")
+        print(line, flush=True)
+        with open(RESULTS / "committed_lds.txt", "a") as fh:
+            fh.write(line + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=("retrain", "score", "check", "table"))
+    parser.add_argument("step", choices=("retrain", "score", "check", "table", "committed"))
     parser.add_argument("--task", choices=sorted(TASKS) + [MINILM], required=True)
     parser.add_argument("--protocol", choices=(*PROTOCOLS, "replay"), default="warm",
                         help="replay: the recorded run replayed with dropped examples weighted 0 (fidelity_replay.py)")
@@ -86,6 +120,8 @@ def main() -> None:
         from benchmarks.fidelity_methods import check_peers
 
         check_peers(task)
+    elif args.step == "committed":
+        committed_lds(task, args.protocol, args.subsets, args.methods or [])
     else:
         from benchmarks.fidelity_report import write_tables
 

@@ -58,7 +58,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "fidelity"
 CACHE = RESULTS / "cache" / "lm-case1"
 TASK = "lm-case1"
 SUBSET_SEED = 0
-METHODS = ("exact", "ekfac", "identity", "gauss-newton", "exact-sgd-damped")
+METHODS = ("exact", "ekfac", "identity", "gauss-newton", "exact-sgd-damped", "default", "default-training")
 FINETUNE_ITERATIONS, FINETUNE_SAMPLES = 30, 64
 
 
@@ -153,10 +153,16 @@ class LMTask:
 def solve_settings(ex, cfg, method: str) -> tuple[ik.SolveConfig, ik.CurvatureConfig]:
     """The example's pretraining (solve, curvature) settings of ``method``, or ``exact-sgd-damped``: the exact solve with damping 1/(η·T),
     T the continuation's SGD steps. T steps of size η on a quadratic move θ by −[I − (I − ηH)^T] H⁻¹ ∇,
-    i.e. H⁻¹ for curvatures ≫ 1/(ηT) and ηT·I below: the warm-start response is H⁻¹ damped by about 1/(ηT)."""
+    i.e. H⁻¹ for curvatures ≫ 1/(ηT) and ηT·I below: the warm-start response is H⁻¹ damped by about 1/(ηT).
+    ``default``: every pretraining solve setting at its default (``solver="auto"`` decides from where the stage
+    stands); ``default-training``: the same, told the continuation's η and T (``ik.Training``)."""
+    steps = cfg.continue_epochs * -(-cfg.n_pretrain // cfg.pre_batch)
+    if method == "default":
+        return ik.SolveConfig(), ik.CurvatureConfig()
+    if method == "default-training":
+        return ik.SolveConfig(training=ik.Training(lr=cfg.continue_lr, steps=steps)), ik.CurvatureConfig()
     if method != "exact-sgd-damped":
         return ex.SOLVES[method](cfg)
-    steps = cfg.continue_epochs * -(-cfg.n_pretrain // cfg.pre_batch)
     solve, curvature = ex.SOLVES["exact"](cfg)
     return replace(solve, damping=1 / (cfg.continue_lr * steps)), curvature
 

@@ -55,7 +55,8 @@ def run_influkit(stage, test, solver: str, tol: float | None = None):
         warnings.simplefilter("ignore")
         res = ik.influence(stage, torch.arange(n), test, solve=ik.SolveConfig(solver=solver, tol=tol))
     d = res.diagnostics["solves"][0]
-    return res.removal, f"{d['iterations']} it, {d['products']} HVPs"
+    where = res.diagnostics["stages"][0]
+    return res.removal, f"{d['method']}, {d['iterations']} it, {d['products']} HVPs; {where['verdict']}"
 
 
 # --------------------------------------------------------------------------------------------- pyDVL
@@ -136,6 +137,7 @@ def main(argv=None) -> None:
         )
         p = stage.num_trained
         methods = [
+            ("influkit", "default (auto)", lambda: run_influkit(stage, test, "auto")),
             ("influkit", "direct", lambda: run_influkit(stage, test, "direct")),
             ("influkit", "cg_spd tol=1e-8", lambda: run_influkit(stage, test, "cg_spd", 1e-8)),
         ]
@@ -182,6 +184,11 @@ def main(argv=None) -> None:
                 f"{b.library} {b.setting} {b.seconds:.2f}s → influkit is {speedup:.2f}× faster (goal ≥ 2×: {verdict})\n"
             )
             summary.append((problem, a.setting, a.seconds, f"{b.library} {b.setting}", b.seconds, speedup))
+            default = ok[(ok.library == "influkit") & (ok.setting == "default (auto)")]
+            if len(default):
+                d = default.iloc[0]
+                log(f"[{problem}] every setting at its default: {d.seconds:.2f}s ({d.notes}) → {b.seconds / d.seconds:.2f}× "
+                    f"the fastest peer (goal ≥ 2×: {'MET' if b.seconds >= 2 * d.seconds else 'NOT MET'})\n")
         else:
             log(f"[{problem}] no influkit/peer pair reached rel.err ≤ {TARGET:.0e}\n")
     if summary:

@@ -35,11 +35,13 @@ from benchmarks.fidelity_tasks import Task
 from influkit import CurvatureConfig, SolveConfig
 from influkit.ensemble import Ensemble
 
-INFLUKIT = {  # name: (solve settings, curvature settings)
-    "influkit exact (auto: direct on H)": (SolveConfig(solver="auto"), CurvatureConfig()),
-    "influkit exact GN (auto on G)": (SolveConfig(solver="auto"), CurvatureConfig(matrix="gauss-newton")),
-    "influkit EK-FAC": (SolveConfig(solver="ekfac"), CurvatureConfig()),
-    "influkit Arnoldi": (SolveConfig(solver="arnoldi"), CurvatureConfig()),
+INFLUKIT = {  # name: (solve settings, curvature settings); a list: one SolveConfig per stage
+    "influkit default (auto from where each stage stands)": (SolveConfig(), CurvatureConfig()),
+    "influkit exact (auto: direct on H)": (SolveConfig(solver="direct"), CurvatureConfig()),  # auto's choice before positions
+    "influkit exact GN (auto on G)": (SolveConfig(solver="direct"), CurvatureConfig(matrix="gauss-newton")),
+    # one config per stage: a config shared by all stages solves the small ones exactly instead (influkit.auto)
+    "influkit EK-FAC": ([SolveConfig(solver="ekfac")] * 2, CurvatureConfig()),
+    "influkit Arnoldi": ([SolveConfig(solver="arnoldi")] * 2, CurvatureConfig()),
     "influkit identity": (SolveConfig(solver="identity"), CurvatureConfig()),
 }
 PEERS = ("TRAK (traker)", "kronfluence EK-FAC", "dattri IF (explicit)", "dattri TracIn", "dattri TRAK")

@@ -13,8 +13,10 @@ from .errors import (
     ModelModeError,
     NumericalError,
     ParameterError,
+    StationarityWarning,
     VectorizationWarning,
 )
+from .auto import Training
 from .fitted import CurvatureConfig, FittedCurvature
 from .influence import influence, self_influence
 from .multistage import score
@@ -62,6 +64,8 @@ __all__ = [
     "ParameterError",
     "Query",
     "Solution",
+    "StationarityWarning",
+    "Training",
     "VectorizationWarning",
     "SolveConfig",
     "Stage",

@@ -33,11 +33,13 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from . import distributed, files
+from . import distributed, files, stationarity
+from .auto import Choice
 from .curvature import hvp
 from .data import as_examples
 from .errors import FileFormatError, InputError, LossError
@@ -50,6 +52,7 @@ from .fitted import CurvatureConfig, FittedCurvature
 from .memory import resolve as memory_budget
 from .scoring import Rows, Scorer, score_rows, stream_rows
 from .solvers import Solution, SolveConfig, Solver
+from .stationarity import Position
 from .stage import Stage, check_example_shape
 from .store import resumed_chunk_size
 
@@ -69,6 +72,10 @@ class Chain:
     are fitted) are each one config for every stage or one per stage. The chain owns each stage's
     :class:`~influkit.fitted.FittedCurvature` and hands it to that stage's solver. ``memory``: the budget in bytes
     every phase sizes its batches from, passed to each (default: a share of what is free).
+
+    :meth:`fit` measures where each stage stands (:mod:`influkit.stationarity`, ``positions``; in every result's
+    ``diagnostics["stages"]``, with one warning naming the stages not at a minimum), then prepares each stage's
+    solver as :func:`influkit.auto.decide` chooses from it (``solver="auto"``) or as configured.
     """
 
     def __init__(self, stages: Sequence[Stage], links: Sequence[Link] = (),
@@ -88,11 +95,16 @@ class Chain:
         self.stages, self.links = stages, links
         self.solve_configs = _per_stage(solve, SolveConfig, "solve", len(stages))
         self.curvature_configs = _per_stage(curvature, CurvatureConfig, "curvature", len(stages))
+        self._shared = isinstance(solve, SolveConfig)  # one config for every stage (auto.decide's ``shared``)
         self.plans: list[StagePlan] = []
         for k, stage in enumerate(stages):
             self.plans.append(StagePlan(stage, links[k - 1] if k else None, self.plans[-1] if k else None))
         self._curvatures: list[FittedCurvature] | None = None
         self._solvers: list[Solver] | None = None
+        self._more_solvers: dict[tuple[int, str], Solver] = {}  # other choices for queries with many right-hand sides
+        self._derived: dict[tuple[int, str], FittedCurvature] = {}  # (stage, matrix) auto chose besides the configured
+        self._positions: dict[tuple, Position] = {}
+        self.positions: list[Position] | None = None
         self.fit_seconds: float | None = None
         self.memory = None if memory is None else memory_budget(memory)  # bytes; None: a share of what is free
 
@@ -121,24 +133,27 @@ class Chain:
         return self.curvature(k).operator
 
     def curvature(self, k: int) -> FittedCurvature:
-        """Stage k's :class:`~influkit.fitted.FittedCurvature` (its operator and the approximations fitted on it)."""
-        self.fit()
-        return self._curvatures[k]
+        """Stage k's :class:`~influkit.fitted.FittedCurvature` that its solver runs on (its operator and the
+        approximations fitted on it: the configured matrix, or the one ``auto`` chose)."""
+        return self.fit()._solvers[k].curvature
 
-    def solver(self, k: int) -> Solver:
-        """Stage k's prepared :class:`~influkit.solvers.Solver`."""
-        return self.fit()._solvers[k]
+    def solver(self, k: int, n_rhs: int = 1) -> Solver:
+        """Stage k's prepared :class:`~influkit.solvers.Solver` for ``n_rhs`` right-hand sides at a time (``auto``
+        may choose differently for several: one factorization for all of them)."""
+        return self.fit()._query_solver(k, n_rhs)
 
     def fit(self) -> "Chain":
-        """Build what does not depend on the test set: each stage's :class:`~influkit.fitted.FittedCurvature` (its
-        Hessian operator) and its prepared :class:`~influkit.solvers.Solver`, which fits there what its SolveConfig
-        needs (a dense factorization for ``direct``, the factored curvature or Lanczos eigenpairs). Cached;
-        :meth:`query` calls it when needed. Returns self."""
+        """Build what does not depend on the test set: each stage's :class:`~influkit.fitted.FittedCurvature`, where
+        each stage stands (``positions``: one gradient pass, per-example gradients of a sample of 64, 20
+        Hessian-vector products of the exact Hessian per stage) and its prepared :class:`~influkit.solvers.Solver`,
+        chosen by :func:`influkit.auto.decide` from that position (``solver="auto"``) or as configured, which fits on
+        its curvature what it needs (a dense factorization for ``direct``, the factored curvature or Lanczos
+        eigenpairs). Cached; :meth:`query` calls it when needed. Returns self."""
         if self._solvers is not None:
             return self
         start = time.perf_counter()
         self._curvatures = [self._new_curvature(plan, config) for plan, config in zip(self.plans, self.curvature_configs)]
-        return self._prepare(start)
+        return self._prepare_all(start)
 
     def with_solve(self, solve: SolveConfig | Sequence[SolveConfig] | None = None, *,
                    curvature: CurvatureConfig | Sequence[CurvatureConfig] | None = None) -> "Chain":
@@ -148,28 +163,88 @@ class Chain:
         kept dense Hessian for the new λ) and only an approximation not fitted yet is fitted; a stage whose
         CurvatureConfig changed gets :meth:`FittedCurvature.derive`: what read only unchanged settings is kept (a new
         ``rank`` keeps the operator and the factors; a new ``fisher`` the operator and the eigenpairs), the rest is
-        fitted for what its solver needs."""
+        fitted for what its solver needs. Where each stage stands is kept when its Hessian sample is."""
         other = Chain(self.stages, self.links, self.solve_configs if solve is None else solve,
                       curvature=self.curvature_configs if curvature is None else curvature, memory=self.memory)
         if self._solvers is None:
             return other
         start = time.perf_counter()
         other._curvatures = [old.derive(config) for config, old in zip(other.curvature_configs, self._curvatures)]
-        return other._prepare(start)
+        other._derived = {key: fitted.derive(replace(other.curvature_configs[key[0]], matrix=key[1]))
+                          for key, fitted in self._derived.items()}
+        other._positions = dict(self._positions)
+        return other._prepare_all(start)
 
     def _new_curvature(self, plan: StagePlan, config: CurvatureConfig) -> FittedCurvature:
         return FittedCurvature.of_stage(plan.stage, plan.trained, config, extra=plan.proximal, memory=self.memory)
 
-    def _prepare(self, start: float) -> "Chain":
-        """Each stage's solver, prepared on its FittedCurvature (fitting there only what is missing); the fit's
-        seconds counted from ``start``."""
-        self._solvers = [config.prepare(fitted) for config, fitted in zip(self.solve_configs, self._curvatures)]
+    def _prepare_all(self, start: float) -> "Chain":
+        """Where each stage stands, then each stage's solver prepared on the curvature its choice names (fitting there
+        only what is missing); the fit's seconds counted from ``start``."""
+        self.positions = [self._position(k) for k in range(len(self))]
+        self._solvers = [self._prepare(k, self._choice(k)) for k in range(len(self))]
         self.fit_seconds = time.perf_counter() - start
+        self._warn_positions()
         return self
+
+    def _curvature_for(self, k: int, matrix: str) -> FittedCurvature:
+        """Stage k's curvature on ``matrix``: the configured one, or (auto off a minimum) one derived from it."""
+        configured = self._curvatures[k]
+        if matrix == configured.config.matrix:
+            return configured
+        if (k, matrix) not in self._derived:
+            self._derived[k, matrix] = configured.derive(replace(configured.config, matrix=matrix))
+        return self._derived[k, matrix]
+
+    def _position(self, k: int) -> Position:
+        """Where stage k stands, measured on its exact Hessian (the configured sample), kept per sample and seed."""
+        config = self.curvature_configs[k]
+        key = (k, config.hessian_samples, config.seed)
+        if key not in self._positions:
+            plan = self.plans[k]
+            hessian = self._curvature_for(k, "hessian").operator
+            self._positions[key] = stationarity.assess(plan.stage, plan.trained, hessian, extra=plan.proximal,
+                                                       seed=config.seed)
+        return self._positions[key]
+
+    def _choice(self, k: int, n_rhs: int = 1) -> Choice:
+        """Stage k's solve for ``n_rhs`` right-hand sides: :func:`influkit.auto.decide` on its position."""
+        values = _values(self.plans[k].stage, self.plans[k].trained)
+        dim = sum(t.numel() for t in values.values())
+        itemsize = next(iter(values.values())).element_size()
+        return self.solve_configs[k].decide(self.positions[k], dim, matrix=self.curvature_configs[k].matrix,
+                                            n_rhs=n_rhs, memory=memory_budget(self.memory), shared=self._shared,
+                                            itemsize=itemsize)
+
+    def _prepare(self, k: int, choice: Choice) -> Solver:
+        return self.solve_configs[k].prepare(self._curvature_for(k, choice.matrix), choice=choice)
+
+    def _query_solver(self, k: int, n_rhs: int) -> Solver:
+        """The fitted solver of stage k, or the one auto chooses for ``n_rhs`` > 1 right-hand sides (kept)."""
+        fitted = self._solvers[k]
+        if n_rhs == 1:
+            return fitted
+        choice = self._choice(k, n_rhs)
+        if choice.solver == fitted.name:
+            return fitted
+        if (k, choice.solver) not in self._more_solvers:
+            self._more_solvers[k, choice.solver] = self._prepare(k, choice)
+        return self._more_solvers[k, choice.solver]
+
+    def _warn_positions(self) -> None:
+        remedies = []
+        for solver in self._solvers:
+            config, matrix = solver.config, solver.curvature.config.matrix
+            how = (f"{config.solver} on the {'Gauss-Newton matrix' if matrix == 'gauss-newton' else 'Hessian'}"
+                   f" + λI, λ = {config.damping:.3g}")
+            remedies.append(f"solver='auto' solves it with {how}" if solver.automatic else
+                            f"it is solved as configured ({how}); solver='auto' decides from where it stands")
+        names = [type(plan.stage.model).__name__ for plan in self.plans]
+        stationarity.warn_not_at_minimum(self.positions, names, remedies)
 
     def memory_plans(self) -> list[dict]:
         """The batch sizes each fitted stage chose from the memory budget (Hessian-vector products, factors)."""
-        return [{"stage": k} | plan for k, fitted in enumerate(self._curvatures or []) for plan in fitted.memory_plans()]
+        return [{"stage": k} | plan for k, solver in enumerate(self._solvers or []) for plan in solver.curvature.memory_plans()]
 
     def fingerprint(self) -> str:
         """A digest of what the scores depend on: every stage's model, parameters, data size, trained names,
@@ -193,22 +268,26 @@ class Chain:
         ``path``; :meth:`load` restores it bit for bit."""
         self.fit()
         tensors, fitted = {}, {}
-        for k, curvature in enumerate(self._curvatures):
-            extra, fitted[str(k)] = curvature.state(f"stage{k}.")
+        for k, solver in enumerate(self._solvers):
+            extra, fitted[str(k)] = solver.curvature.state(f"stage{k}.")
             tensors.update(extra)
         return files.write(path, FIT_KIND, tensors, {"fingerprint": self.fingerprint(), "fit_seconds": self.fit_seconds,
-                                                     "fitted": fitted})
+                                                     "fitted": fitted,
+                                                     "positions": [p.summary() for p in self.positions]})
 
     def load(self, path: str | Path) -> "Chain":
         """Restore a fit written by :meth:`save` for this same chain (refused otherwise). Returns self."""
         tensors, meta = files.read(path, FIT_KIND)
         if meta["fingerprint"] != self.fingerprint():
             raise FileFormatError(f"{path} was fitted for another chain (models, data sizes or settings differ).")
-        self._curvatures = [
-            self._new_curvature(plan, config).load(tensors, meta.get("fitted", {}).get(str(k), {}), f"stage{k}.")
-            for k, (plan, config) in enumerate(zip(self.plans, self.curvature_configs))
-        ]
-        self._prepare(time.perf_counter())  # finds what was just restored: nothing is fitted again
+        self._curvatures = [self._new_curvature(plan, config) for plan, config in zip(self.plans, self.curvature_configs)]
+        self.positions = [Position.from_summary(p) for p in meta["positions"]]
+        for k, (config, position) in enumerate(zip(self.curvature_configs, self.positions)):
+            self._positions[k, config.hessian_samples, config.seed] = position
+        for k in range(len(self)):
+            self._curvature_for(k, self._choice(k).matrix).load(tensors, meta.get("fitted", {}).get(str(k), {}),
+                                                                 f"stage{k}.")
+        self._prepare_all(time.perf_counter())  # finds what was just restored: nothing is fitted again
         self.fit_seconds = meta["fit_seconds"]
         return self
 
@@ -249,7 +328,7 @@ class Chain:
         seconds = {"test_gradient": time.perf_counter() - start, "cross_products": 0.0}
         solutions: list[Solution] = [None] * len(self)  # type: ignore[list-item]
         for k in range(len(self) - 1, -1, -1):
-            plan, solver = self.plans[k], self._solvers[k]
+            plan, solver = self.plans[k], self._query_solver(k, flat.shape[1] if per_test else 1)
             op = solver.operator
             space = ParamSpace(_values(plan.stage, plan.trained))
             solutions[k] = solver.solve(space.flatten(a, batched=per_test), progress=progress)
@@ -269,7 +348,8 @@ class Chain:
         test_digest = Rows(last.stage, torch.arange(tx.shape[0]), (tx, ty)).digest()
         if measure is not None:
             test_digest += f"|measure={_qualname(measure)}"
-        return Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds, test_digest)
+        stages = [position.summary() for position in self.positions]
+        return Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds, test_digest, stages)
 
     def _pull_back(self, k: int, g: dict[str, torch.Tensor], per_test: bool, n_rhs: int | None):
         """Map df/dc_k (stage k's names) onto stage k−1: (a on what it trains, b on what it inherited fixed)."""
@@ -315,13 +395,15 @@ class Query:
     ``scores(z)`` turns s into influence scores of any stage-1 examples, in chunks, without solving again.
     """
 
-    def __init__(self, chain: Chain, s: torch.Tensor, per_test: bool, n_test: int, solutions, seconds: dict, test_digest: str):
+    def __init__(self, chain: Chain, s: torch.Tensor, per_test: bool, n_test: int, solutions, seconds: dict, test_digest: str,
+                 stages: Sequence[dict] = ()):
         self.chain, self.s, self.per_test, self.n_test = chain, s.contiguous(), per_test, n_test
         self.test_digest = test_digest
         self.solves = [
             {"stage": k, **(sol.summary() if isinstance(sol, Solution) else sol)} for k, sol in enumerate(solutions)
         ]
         self.seconds = dict(seconds)
+        self.stages = [dict(stage) for stage in stages]  # where each stage stands (stationarity.Position.summary)
 
     def __repr__(self) -> str:
         return f"Query({self.chain.method}, n_test={self.n_test}, per_test={self.per_test}, s{tuple(self.s.shape)})"
@@ -363,7 +445,7 @@ class Query:
             n_train=len(plan.stage),
             index=index,
             method=self.chain.method,
-            diagnostics={"solves": self.solves, "seconds": seconds, "settings": self.settings(),
+            diagnostics={"stages": self.stages, "solves": self.solves, "seconds": seconds, "settings": self.settings(),
                          "chunks": counts | {"chunk_size": chunk_size, "ranks": distributed.world_size()},
                          "scoring": scorer.describe(), "memory": self.chain.memory_plans() + [scorer.memory]},
         )
@@ -384,7 +466,7 @@ class Query:
     def save(self, path: str | Path) -> Path:
         """Write s and the diagnostics to ``path`` (safetensors + JSON); :func:`load_query` reads it back."""
         meta = {"fingerprint": self.chain.fingerprint(), "per_test": self.per_test, "n_test": self.n_test,
-                "solves": self.solves, "seconds": self.seconds, "test_digest": self.test_digest}
+                "solves": self.solves, "seconds": self.seconds, "test_digest": self.test_digest, "stages": self.stages}
         return files.write(path, QUERY_KIND, {"s": self.s}, meta)
 
 
@@ -396,4 +478,5 @@ def load_query(path: str | Path, chain: Chain) -> Query:
             f"{path} was computed for another chain (models, parameters, data sizes, links or solve settings differ)."
         )
     s = tensors["s"].to(chain.plans[0].stage.device)
-    return Query(chain, s, meta["per_test"], meta["n_test"], meta["solves"], meta["seconds"], meta["test_digest"])
+    return Query(chain, s, meta["per_test"], meta["n_test"], meta["solves"], meta["seconds"], meta["test_digest"],
+                 meta.get("stages", []))

@@ -71,6 +71,11 @@ class ConvergenceWarning(UserWarning):
     """An iterative solver stopped before reaching its tolerance; the message gives the residual."""
 
 
+class StationarityWarning(UserWarning):
+    """A stage is not at a minimum of its objective (non-stationary, a saddle, or singular); the message gives
+    the numbers (:mod:`influkit.stationarity`) and what ``solver="auto"`` did about it."""
+
+
 class VectorizationWarning(UserWarning):
     """A loss could not be vectorized with ``torch.func.vmap`` and runs in a (slower) per-example loop instead."""
 

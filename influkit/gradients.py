@@ -92,6 +92,15 @@ def per_example_grads(
     return torch.cat(list(_grad_rows(stage, inputs, targets, names, at, chunk_size, progress, memory)), dim=0)
 
 
+def per_example_grad_norms(
+    stage: Stage, inputs: torch.Tensor, targets: torch.Tensor, names: Sequence[str] | None = None, *,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """(N,) = ‖∇ ℓ(x_i, y_i)‖ over ``names``, never holding more than a chunk of per-example gradients."""
+    rows = _grad_rows(stage, inputs, targets, names, None, chunk_size, False)
+    return torch.cat([block.norm(dim=1) for block in rows])
+
+
 def project_per_example_grads(
     stage: Stage,
     inputs: torch.Tensor,

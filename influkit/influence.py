@@ -74,17 +74,18 @@ def self_influence(
 
     Negative for a positive definite H; removing z raises its own loss by −I(z, z)/n = ``removal``, large for
     examples the model fits only by memorizing them (outliers, mislabelled points). z defaults to all data.
-    ``Chain([stage])``'s fitted solver (``direct`` factors H once) solves for ``rhs_chunk`` gradients at a time.
-    solve, curvature, chunk_size: as in :func:`influence`.
+    ``Chain([stage])``'s fitted solver (at a minimum ``auto`` factors H once) solves for ``rhs_chunk`` gradients at a
+    time. solve, curvature, chunk_size: as in :func:`influence`.
     """
     config = SolveConfig() if solve is None else solve
     if rhs_chunk < 1:
         raise InputError(f"rhs_chunk must be ≥ 1, got {rhs_chunk}.")
     chain = Chain([stage if params is None else stage.with_(params=params)], solve=config,
                   curvature=curvature or CurvatureConfig()).fit()
-    plan, solver = chain.plans[0], chain.solver(0)
+    plan = chain.plans[0]
     z = torch.arange(len(stage)) if z is None else z
     (zx, zy), z_ids = as_examples(z, plan.stage.data, "z")
+    solver = chain.solver(0, n_rhs=min(rhs_chunk, zx.shape[0]))
     check_example_shape(plan.stage, zx, "z")
     start = time.perf_counter()
     chunking = {} if chunk_size is None else {"chunk_size": chunk_size}
@@ -102,6 +103,7 @@ def self_influence(
         n_train=len(stage),
         index=z_ids,
         method="self-influence",
-        diagnostics={"solves": summaries, "seconds": seconds,
+        diagnostics={"stages": [position.summary() for position in chain.positions], "solves": summaries,
+                     "seconds": seconds,
                      "settings": config.summary() | {"curvature": chain.curvature_configs[0].summary()}},
     )

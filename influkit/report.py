@@ -304,6 +304,18 @@ def _diagnostics(result: InfluenceResult) -> str:
     return "\n".join(parts)
 
 
+def _stages(stages: list[dict]) -> str:
+    """The verdict of each stage with the numbers it rests on (:mod:`influkit.stationarity`)."""
+    keys = ("verdict", "gradient_norm", "min_eigenvalue", "max_eigenvalue", "lanczos_steps")
+    rows = [{"stage": k} | {key: stage.get(key) for key in keys} for k, stage in enumerate(stages)]
+    tol = stages[0].get("gradient_tol")
+    note = ('<p class="note">gradient_norm: ‖∇L‖ over the RMS per-example gradient norm (stationary at or below '
+            f"{tol:g}); min/max_eigenvalue: Lanczos estimates of the Hessian's extreme eigenvalues (a negative minimum "
+            "is certain, a positive one is not proof of a minimum). Influence functions assume a minimum; "
+            "<i>solver=auto</i> uses the damped Gauss-Newton matrix elsewhere (the solves' <i>choice</i>).</p>")
+    return note + _table(pd.DataFrame(rows))
+
+
 def render(result: InfluenceResult) -> str:
     """The HTML page of ``result`` from its scores, diagnostics and what :func:`attach` stored."""
     stored = result.diagnostics.get("report") or {}
@@ -342,6 +354,9 @@ def render(result: InfluenceResult) -> str:
         out.append(f'<p class="note">{html.escape(stats)}</p>')
         out.append(f'<img class="plot" alt="validation scatter" src="data:image/png;base64,{png}"></div>')
     out.append("</div>")
+    stages = result.diagnostics.get("stages") or []
+    if stages:
+        out.append("<h2>Where each stage stands</h2>" + _stages(stages))
     out.append("<h2>Solve diagnostics</h2>" + _diagnostics(result))
     out.append('<p class="note">written by influkit · self-contained: no scripts, no network</p></body></html>')
     return "\n".join(out)

@@ -21,7 +21,7 @@ are in :mod:`influkit.krylov`.
 | ``identity`` | x = b                   | nothing         | —              | the paper's ablation (H := I)      |
 | ``kfac``, ``ekfac`` | x = (C + λI)⁻¹ b | the fitted factors | —           | approximate: C the (E)K-FAC curvature |
 | ``arnoldi`` | x = V (Θ + λ)⁻¹ Vᵀ b     | k eigenpairs    | —              | approximate: top-k subspace only   |
-| ``auto``   | ``direct`` for p ≤ ``AUTO_DIRECT_MAX``, else ``minres`` | | | the default of every entry point |
+| ``auto``   | decided by :func:`influkit.auto.decide` from where the stage stands | | | the default everywhere |
 
 ``minres`` and ``cg_spd`` take a **preconditioner** M ≈ H + λI, symmetric positive definite: the fitted K-FAC,
 EK-FAC or diagonal-Fisher curvature (:mod:`influkit.factored`) plus λI, or any callable applying M⁻¹. The
@@ -56,6 +56,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import krylov
+from .auto import Choice, Training, decide
 from .errors import ConvergenceWarning, InputError, NumericalError, warn
 from .factored import deflated
 from .fitted import CurvatureConfig, FittedCurvature
@@ -102,24 +103,15 @@ class Solution:
         return out
 
 
-# ``solver="auto"`` factors the dense Hessian up to this many parameters and runs MINRES above it.
-# benchmarks/bench_auto.py: direct (p HVPs to build H, one Cholesky) beats MINRES to float64 tolerance on the
-# trained digits MLPs/CNNs measured there up to a few thousand parameters, and its factor is reused by every
-# later query of a fitted Chain; above it the O(p²) memory and p HVPs grow faster than MINRES' iterations.
-# Above it MINRES runs unpreconditioned: on the trained networks measured, EK-FAC preconditioning costs HVPs
-# instead of saving them (benchmarks/bench_scale.py, Fashion-MNIST CNN p = 39,109, λ = 1: 35 vs 23 HVPs to the
-# same tolerance, shifts 1-16 tried; λ = 0.1: residual 0.19 vs 0.087 after 60; bench_auto.py MLPs: 2-2.6x the
-# iterations). ``preconditioner=`` still asks for it (or auto + an explicit preconditioner).
-AUTO_DIRECT_MAX = 3000
-
-
 @dataclass(frozen=True)
 class SolveConfig:
     """How one inverse-Hessian system (H + λI) x = b is solved (which H, and how its approximations are fitted, is
     the stage's :class:`~influkit.fitted.CurvatureConfig`).
 
-    solver: one of ``SOLVERS`` or ``"auto"`` (``direct`` for p ≤ ``AUTO_DIRECT_MAX``, else ``minres``, with
-    ``preconditioner`` if one is given; the choice and its reason are recorded in :attr:`Solution.choice`).
+    solver: one of ``SOLVERS`` or ``"auto"`` (:func:`influkit.auto.decide`: in a Chain from where each stage
+    stands — exact solves at a minimum, the damped Gauss-Newton matrix off it; for a bare operator ``direct`` for
+    p ≤ ``auto.DIRECT_MAX``, else ``minres``; the choice and its reason are recorded in :attr:`Solution.choice`).
+    With ``"auto"``, a damping > 0, ``CurvatureConfig(matrix="gauss-newton")`` and a ``preconditioner`` are kept as given.
     ``"kfac"``/``"ekfac"``/``"arnoldi"`` are approximate inverses (x = C⁻¹ b, no iteration).
     damping: λ ≥ 0 added to H (to H² for ``cg``). tol: the relative residual a solve must reach to be converged
     (default: :func:`default_tol` for exact methods, :data:`APPROXIMATE_TOL` for approximate inverses and the
@@ -135,6 +127,8 @@ class SolveConfig:
     resident memory for its double-backward graph (benchmarks/bench_transformer.py, 5.4 M BERT: 17.8 s of a 22.3 s
     query + scoring, peak RSS 8.0 GB vs 0.64 GB without); the default ``False`` skips it (residual NaN, converged
     None: not checked), as kronfluence and TRAK never check. Iterative and direct solves always report it.
+    training: :class:`influkit.auto.Training` (lr, steps) of this stage, for auto's damping 1/(lr·steps) off a
+    minimum.
     """
 
     solver: str = "auto"
@@ -145,6 +139,7 @@ class SolveConfig:
     preconditioner: str | Callable[[torch.Tensor], torch.Tensor] | None = None
     deflate: bool = False
     residual: bool = False
+    training: Training | None = None
 
     def __post_init__(self) -> None:
         if self.solver != "auto" and self.solver not in REGISTRY:
@@ -166,18 +161,31 @@ class SolveConfig:
         if (self.preconditioner is not None or self.deflate) and not (
                 self.solver == "auto" or REGISTRY[self.solver].accepts_preconditioner):
             raise InputError(f"a preconditioner (or deflate) applies to solver='minres' or 'cg_spd', not {self.solver!r}.")
+        if self.training is not None and not isinstance(self.training, Training):
+            raise InputError("training must be influkit.auto.Training(lr=..., steps=...).")
 
-    def choose(self, dim: int) -> tuple[str, str]:
-        """(the method to run on a p = ``dim`` system, why)."""
-        if self.solver != "auto":
-            return self.solver, ""
-        if dim <= AUTO_DIRECT_MAX:
-            return "direct", f"auto: p = {dim} ≤ {AUTO_DIRECT_MAX}, a dense factorization is fastest"
-        return "minres", f"auto: p = {dim} > {AUTO_DIRECT_MAX}, MINRES (indefinite-safe, one HVP per step)"
+    def choose(self, dim: int, dense: bool = True) -> tuple[str, str]:
+        """(the method to run on a p = ``dim`` system where the stage's position is unknown, why)."""
+        choice = self.decide(None, dim, dense=dense)
+        return choice.solver, choice.reason
+
+    def decide(self, position, dim: int, *, matrix: str = "hessian", **context) -> Choice:
+        """:func:`influkit.auto.decide` for these settings on a stage whose curvature settings name ``matrix``
+        (``context``: n_rhs, memory, dense, shared, itemsize)."""
+        pre = self.preconditioner if isinstance(self.preconditioner, str) or self.preconditioner is None else "given"
+        choice = decide(position, dim, training=self.training, solver=self.solver, damping=self.damping,
+                        matrix=matrix, preconditioner=pre, **context)
+        return replace(choice, preconditioner=self.preconditioner) if pre == "given" else choice
+
+    def chosen(self, choice: Choice) -> "SolveConfig":
+        """These settings with ``choice``'s solver, damping and preconditioner in place of ``auto``'s (its matrix is
+        the curvature's: :meth:`influkit.Chain.fit` hands the solver that FittedCurvature)."""
+        return replace(self, solver=choice.solver, damping=choice.damping, preconditioner=choice.preconditioner)
 
     def build(self, operator: "Operator | torch.Tensor | FittedCurvature",
-              curvature: CurvatureConfig | None = None) -> "Solver":
-        """The (unprepared) :class:`Solver` of this config (``auto`` resolved for the size).
+              curvature: CurvatureConfig | None = None, choice: Choice | None = None) -> "Solver":
+        """The (unprepared) :class:`Solver` of this config: ``choice`` (from :meth:`decide`), else ``auto`` resolved
+        for the operator's size alone.
 
         operator: a stage's :class:`FittedCurvature` (what a Chain hands over), or an Operator / dense tensor, which
         gets a FittedCurvature of its own with the settings ``curvature`` (default ``CurvatureConfig()``)."""
@@ -185,13 +193,16 @@ class SolveConfig:
             operator = FittedCurvature(operator, curvature if curvature is not None else CurvatureConfig())
         elif curvature is not None and curvature != operator.config:
             raise InputError("give the curvature settings once: the FittedCurvature was fitted with its own CurvatureConfig.")
-        name, why = self.choose(operator.operator.dim)
-        return REGISTRY[name](self, operator, choice=why)
+        if choice is None:
+            op = operator.operator
+            choice = self.decide(None, op.dim, matrix=operator.config.matrix,
+                                 dense=hasattr(op, "dense") or hasattr(op, "factor"))
+        return REGISTRY[choice.solver](self.chosen(choice), operator, choice=choice.reason)
 
     def prepare(self, operator: "Operator | torch.Tensor | FittedCurvature", curvature: CurvatureConfig | None = None,
-                *, progress: bool = False) -> "Solver":
+                choice: Choice | None = None, *, progress: bool = False) -> "Solver":
         """The :class:`Solver` of this config, prepared (what it needs fitted, fitted once: see :meth:`build`)."""
-        return self.build(operator, curvature).prepare(progress=progress)
+        return self.build(operator, curvature, choice).prepare(progress=progress)
 
     def solve(self, operator: "Operator | torch.Tensor | FittedCurvature", b: torch.Tensor,
               curvature: CurvatureConfig | None = None, *, progress: bool = False, warn: bool = True) -> "Solution":
@@ -241,7 +252,8 @@ class Solver:
     def __init__(self, config: SolveConfig, curvature: FittedCurvature, *, choice: str = ""):
         self.config, self.curvature, self.choice = config, curvature, choice
         self.operator = curvature.operator
-        self.name = config.choose(self.operator.dim)[0]
+        self.name = config.solver if config.solver != "auto" else config.choose(self.operator.dim)[0]
+        self.automatic = choice.startswith("auto")  # chosen by influkit.auto, not named by the user
         self.preconditioner_name = ""
 
     def prepare(self, *, progress: bool = False) -> "Solver":
@@ -306,7 +318,7 @@ class Solver:
     def _approximation(self, name: str, progress: bool):
         """The stage's fitted approximation ``name`` (fitted now unless its FittedCurvature keeps one); under
         ``auto`` an unrecognised loss falls back to the empirical Fisher, and no stage to no preconditioner."""
-        return self.curvature.approximation(name, progress=progress, fallback=self.config.solver == "auto")
+        return self.curvature.approximation(name, progress=progress, fallback=self.automatic)
 
 
 @register("identity")
@@ -603,9 +615,6 @@ def solve(
         )
     config = SolveConfig(solver=solver, damping=damping, tol=tol, max_iter=max_iter, step=step)
     instance = config.build(operator)
-    if isinstance(instance, Direct) and solver == "auto" and not (hasattr(operator, "dense") or hasattr(operator, "factor")):
-        instance = replace(config, solver="minres").build(operator)
-        instance.choice = "auto: the operator has no dense() to factor, MINRES (indefinite-safe, one HVP per step)"
     if isinstance(instance, _Krylov):
         instance.apply_preconditioner = preconditioner
     if isinstance(instance, _Approximation):

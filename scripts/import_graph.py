@@ -24,7 +24,7 @@ PACKAGES = (PACKAGE, "benchmarks")  # the graphs checked
 CORE = {f"{PACKAGE}.{name}" for name in (
     "stage", "data", "params", "curvature", "gradients", "solvers", "operators", "chain", "results", "scoring",
     "files", "distributed", "errors", "vectorize", "philox", "krylov", "report", "ensemble", "memory", "contraction",
-    "links", "store", "extras", "fitted")}
+    "links", "store", "extras", "fitted", "stationarity", "auto")}
 CORE_PACKAGES = (f"{PACKAGE}.factored", f"{PACKAGE}.layers")
 METHOD_PACKAGES = tuple(f"{PACKAGE}.{name}" for name in ("ssl", "turnover", "elmo", "hf", "apps", "validation", "unrolled"))
 

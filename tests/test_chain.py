@@ -358,9 +358,13 @@ def test_tampered_or_foreign_query_file_is_refused(two, tmp_path):
 # ---- configuration and errors ----
 
 def test_auto_solver_says_what_it_chose(two):
-    res = ik.Chain([ik.Stage(two.models[0], ce, two.data[0], regularizer=l2)]).query(two.test).scores(two.z)
+    chain = ik.Chain([ik.Stage(two.models[0], ce, two.data[0], regularizer=l2)])
+    res = chain.query(two.test).scores(two.z)
     solve = res.diagnostics["solves"][0]
-    assert solve["solver"] == "direct" and "auto" in solve["choice"]
+    assert res.diagnostics["stages"][0]["verdict"] == "minimum"
+    assert solve["solver"] == "cg_spd" and solve["choice"].startswith("auto: at a minimum")  # one right-hand side
+    many = chain.query(two.test, per_test=True).scores(two.z).diagnostics["solves"][0]
+    assert many["solver"] == "direct" and "right-hand sides" in many["choice"]  # one factorization for them all
     assert ik.SolveConfig().choose(10**6)[0] == "minres"
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from torch.func import functional_call, hessian, jacrev, vmap
 
 import influkit as ik
-import influkit.solvers as solvers
+from influkit import auto
 from influkit.curvature import HessianOperator
 from influkit.factored import FactoredCurvatureError, fit_curvature, lanczos, plan_layers
 from influkit.params import ParamSpace
@@ -469,16 +469,22 @@ def test_chain_with_preconditioned_minres_equals_direct(case):
     assert all(s["preconditioner"].startswith("ekfac") for s in result.diagnostics["solves"])
 
 
-def test_auto_runs_plain_minres_above_the_direct_limit_and_honours_a_preconditioner(monkeypatch):
-    monkeypatch.setattr(solvers, "AUTO_DIRECT_MAX", 100)
-    stages, links, test = two_stage(2)
-    direct = ik.Chain(stages, links, solve=ik.SolveConfig(solver="direct", damping=1e-3)).query(test)
-    auto = ik.Chain(stages, links, solve=ik.SolveConfig(damping=1e-3)).query(test)
-    for solve in auto.solves:
+def test_auto_runs_an_unpreconditioned_krylov_solve_above_the_direct_limit_and_honours_a_preconditioner(monkeypatch):
+    monkeypatch.setattr(auto, "DIRECT_MAX", 100)
+    stages, links, test = two_stage(2)  # untrained: auto solves with the Gauss-Newton matrix (influkit.auto)
+    exact = ik.SolveConfig(solver="direct", damping=1e-3)
+    direct = ik.Chain(stages, links, solve=exact, curvature=ik.CurvatureConfig(matrix="gauss-newton")).query(test)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ik.StationarityWarning)
+        auto_query = ik.Chain(stages, links, solve=ik.SolveConfig(damping=1e-3)).query(test)
+    for solve in auto_query.solves:
         assert solve["solver"] == "minres" and solve["preconditioner"] == "" and solve["converged"]
-    assert (auto.s - direct.s).norm() / direct.s.norm() <= 1e-8
+        assert "Gauss-Newton" in solve["choice"] and solve["damping"] == 1e-3
+    assert (auto_query.s - direct.s).norm() / direct.s.norm() <= 1e-8
     chain = ik.Chain(stages, links, solve=ik.SolveConfig(damping=1e-3, preconditioner="ekfac"))
-    auto_ekfac = chain.query(test)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ik.StationarityWarning)
+        auto_ekfac = chain.query(test)
     for k, solve in enumerate(auto_ekfac.solves):
         assert solve["solver"] == "minres" and "preconditioned by ekfac" in solve["choice"] and solve["converged"]
         assert "ekfac" in chain.curvature(k).approximations

@@ -1,0 +1,178 @@
+"""Where a trained stage stands: its relative gradient norm, its extreme Hessian eigenvalues, and a verdict.
+
+Influence functions differentiate the optimality condition ∇L(θ̂) = 0 and invert H = ∇²L(θ̂); they hold at a
+minimum (∇L = 0, H ≻ 0). Models trained with Adam for a few epochs are rarely there. :func:`assess` measures it:
+
+- ``gradient_norm`` r = ‖∇L(θ̂)‖ / g, where ∇L is the gradient of the whole objective (mean loss + regularizer
+  + proximal term) and g = (mean_{i∈S} ‖∇ℓ_i(θ̂)‖²)^½ is the RMS of the per-example *loss* gradient norms over a
+  seeded sample S of min(n, ``SAMPLE``) examples — "typical": the size of one example's pull, which the influence
+  of one example is measured against.
+- ``min_eigenvalue`` θ_min, ``max_eigenvalue`` θ_max: the extreme Ritz values of H after m = min(p, ``STEPS``)
+  Lanczos steps (three-term recurrence from a seeded start, O(p) memory, m Hessian-vector products). They bound
+  the spectrum from inside, λ_min ≤ θ_min ≤ θ_max ≤ λ_max: a negative θ_min *certifies* negative curvature, a
+  small |θ_min| certifies a near-null direction, a positive θ_min does not certify H ≻ 0 (curvature Lanczos did
+  not reach in m steps is not seen).
+
+Verdict, with ε = √(machine epsilon of H's dtype) (1.5e-8 in float64, 3.5e-4 in float32: a float32
+Hessian-vector product carries a relative error well above float32's epsilon) and s = max(|θ_min|, |θ_max|):
+
+| verdict            | when                                                     |
+|--------------------|----------------------------------------------------------|
+| ``non-stationary`` | r > ``GRADIENT_TOL`` (1e-3)                              |
+| ``saddle``         | r ≤ ``GRADIENT_TOL`` and θ_min < −ε·s                    |
+| ``singular``       | r ≤ ``GRADIENT_TOL`` and |θ_min| ≤ ε·s (or H = 0)        |
+| ``minimum``        | r ≤ ``GRADIENT_TOL`` and θ_min > ε·s                     |
+
+Cost: one gradient pass over the stage's data, per-example gradients of the sample, m Hessian-vector products.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .curvature import gradient, sample_indices
+from .errors import StationarityWarning
+from .gradients import per_example_grad_norms
+from .operators import Operator
+from .params import ParamSpace
+from .stage import Stage
+
+GRADIENT_TOL = 1e-3  # r above it: not a stationary point
+SAMPLE = 64  # examples whose per-example gradient norms give the typical norm g
+STEPS = 20  # Lanczos steps (Hessian-vector products) for θ_min, θ_max
+VERDICTS = ("minimum", "saddle", "non-stationary", "singular")
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where one stage stands (module docstring): r, θ_min, θ_max, the verdict, and what it cost."""
+
+    gradient_norm: float  # r = ‖∇L‖ / g
+    min_eigenvalue: float  # θ_min ≥ λ_min
+    max_eigenvalue: float  # θ_max ≤ λ_max
+    verdict: str
+    objective_gradient: float  # ‖∇L‖
+    typical_gradient: float  # g, RMS per-example loss-gradient norm over the sample
+    sample: int  # |S|
+    lanczos_steps: int
+    eigenvalue_tol: float  # ε
+    seconds: float
+
+    @property
+    def at_minimum(self) -> bool:
+        return self.verdict == "minimum"
+
+    def summary(self) -> dict:
+        """JSON-friendly, for ``diagnostics["stages"][k]`` (plus ``gradient_tol``, the threshold on r)."""
+        return asdict(self) | {"gradient_tol": GRADIENT_TOL}
+
+    @classmethod
+    def from_summary(cls, summary: dict) -> "Position":
+        """The position :meth:`summary` wrote."""
+        return cls(**{k: v for k, v in summary.items() if k != "gradient_tol"})
+
+    def describe(self) -> str:
+        """One line: the verdict with the numbers it rests on."""
+        return (f"{self.verdict}: ‖∇L‖ = {self.gradient_norm:.2g} × the typical per-example gradient norm "
+                f"(stationary below {GRADIENT_TOL:g}), Hessian eigenvalues within [{self.min_eigenvalue:.3g}, "
+                f"{self.max_eigenvalue:.3g}] ({self.lanczos_steps} Lanczos steps)")
+
+
+def eigenvalue_tol(dtype: torch.dtype) -> float:
+    """ε = √(machine epsilon of ``dtype``): relative size below which an eigenvalue counts as zero."""
+    return math.sqrt(torch.finfo(dtype).eps)
+
+
+def verdict(gradient_norm: float, min_eigenvalue: float, max_eigenvalue: float, tol: float) -> str:
+    """The verdict of the module table for r = ``gradient_norm``, θ_min, θ_max and ε = ``tol``."""
+    if not gradient_norm <= GRADIENT_TOL:
+        return "non-stationary"
+    scale = max(abs(min_eigenvalue), abs(max_eigenvalue))
+    if min_eigenvalue < -tol * scale:
+        return "saddle"
+    if scale == 0 or min_eigenvalue <= tol * scale:
+        return "singular"
+    return "minimum"
+
+
+def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0) -> tuple[float, float, int]:
+    """(θ_min, θ_max, m): the extreme Ritz values of the symmetric ``operator`` after m ≤ ``steps`` Lanczos steps.
+
+    Plain three-term recurrence in float64 (no stored basis: O(p) memory); loss of orthogonality only adds copies of
+    converged Ritz values, not spurious extremes. Stops early on an invariant subspace (then the values are exact)."""
+    p = operator.dim
+    steps = max(1, min(steps, p))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(p, generator=gen, dtype=torch.float64).to(operator.device)
+    q /= q.norm()
+    previous = torch.zeros_like(q)
+    alphas, betas = [], []
+    beta = 0.0
+    for _ in range(steps):
+        w = operator.matvec(q.to(operator.dtype)).to(torch.float64) - beta * previous
+        alpha = float(q @ w)
+        w -= alpha * q
+        alphas.append(alpha)
+        beta = float(w.norm())
+        if beta <= 1e-12 * max(abs(a) for a in alphas) or len(alphas) == steps:
+            break
+        betas.append(beta)
+        previous, q = q, w / beta
+    m = len(alphas)
+    tri = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+    if m > 1:
+        off = torch.tensor(betas[: m - 1], dtype=torch.float64)
+        tri += torch.diag(off, 1) + torch.diag(off, -1)
+    theta = torch.linalg.eigvalsh(tri)
+    return float(theta[0]), float(theta[-1]), m
+
+
+def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, extra: Callable | None = None,
+           seed: int = 0, sample: int = SAMPLE, steps: int = STEPS) -> Position:
+    """Where ``stage`` stands at its current parameters ``names`` (module docstring).
+
+    operator: H of the objective over ``names`` (e.g. the chain's :class:`~influkit.curvature.HessianOperator`,
+    with its ``hessian_samples``); extra: the term the objective adds besides the stage's (Case 2's proximal term).
+    """
+    start = time.perf_counter()
+    names = stage.param_names if names is None else list(names)
+    full = gradient(stage, names, extra=extra)
+    objective = ParamSpace(full).flatten(full)
+    picked = sample_indices(len(stage), min(sample, len(stage)), seed)
+    x, y = stage.data.take(torch.arange(len(stage)) if picked is None else picked)
+    norms = per_example_grad_norms(stage, x, y, names)
+    typical = float(norms.double().pow(2).mean().sqrt())
+    absolute = float(objective.double().norm())
+    relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
+    low, high, m = extreme_eigenvalues(operator, steps, seed=seed)
+    tol = eigenvalue_tol(operator.dtype)
+    return Position(gradient_norm=relative, min_eigenvalue=low, max_eigenvalue=high,
+                    verdict=verdict(relative, low, high, tol), objective_gradient=absolute, typical_gradient=typical,
+                    sample=int(x.shape[0]), lanczos_steps=m, eigenvalue_tol=tol, seconds=time.perf_counter() - start)
+
+
+def warn_not_at_minimum(positions: Sequence[Position], names: Sequence[str], remedy: Sequence[str]) -> None:
+    """One :class:`~influkit.errors.StationarityWarning` naming every stage not at a minimum, pointing at the first
+    line outside influkit (the user's call). ``remedy[k]``: what ``auto`` did about stage k (or how to change it)."""
+    lines = [f"stage {k} ({names[k]}) is not at a minimum — {pos.describe()}; {remedy[k]}"
+             for k, pos in enumerate(positions) if not pos.at_minimum]
+    if lines:
+        warnings.warn("influence functions assume each stage is at a minimum of its objective (see "
+                      "diagnostics['stages']):\n  " + "\n  ".join(lines), StationarityWarning, stacklevel=_user_level())
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of the first frame outside the influkit package (the line that called into it)."""
+    package = str(Path(__file__).resolve().parent)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

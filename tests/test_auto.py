@@ -1,0 +1,254 @@
+"""influkit.auto: the decision table as a pure function, its damping rules on closed forms, the decision in a Chain
+checked against an explicit float64 Gauss-Newton solve, explicit settings winning, and models trained the way
+people train them (Adam, a few steps: tiny BERT MLM → classifier, tiny GPT-2 → LoRA, a small CNN) solved with
+every setting at its default."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev
+
+import influkit as ik
+from influkit import auto
+from influkit.auto import DAMPING_RATIO, DIRECT_MAX, Training, decide
+from influkit.solvers import default_tol
+from influkit.stationarity import Position
+
+from conftest import cross_entropy, l2
+
+
+def at(verdict: str, low: float = 0.1, high: float = 4.0, r: float = 0.0) -> Position:
+    return Position(gradient_norm=r, min_eigenvalue=low, max_eigenvalue=high, verdict=verdict, objective_gradient=r,
+                    typical_gradient=1.0, sample=10, lanczos_steps=20, eigenvalue_tol=1.5e-8, seconds=0.0)
+
+
+# ---- the decision table ----
+
+def test_at_a_minimum_the_fastest_exact_method_for_the_work_asked():
+    one = decide(at("minimum"), 650)
+    assert (one.matrix, one.solver, one.damping) == ("hessian", "cg_spd", 0.0)
+    many = decide(at("minimum"), 650, n_rhs=100)
+    assert (many.matrix, many.solver) == ("hessian", "direct") and "100 right-hand sides" in many.reason
+    assert decide(at("minimum"), DIRECT_MAX + 1, n_rhs=100).solver == "cg_spd"  # too large to factor
+    assert decide(at("minimum"), 650, n_rhs=100, memory=650 * 650 * 8).solver == "cg_spd"  # H does not fit
+    assert decide(at("minimum"), 650, damping=0.1).damping == 0.1
+
+
+@pytest.mark.parametrize("where", ["non-stationary", "saddle"])
+def test_off_a_minimum_the_damped_gauss_newton_matrix(where):
+    choice = decide(at(where, low=-0.5, high=4.0, r=0.2), 650)
+    assert (choice.matrix, choice.solver, choice.preconditioner) == ("gauss-newton", "minres", None)
+    assert choice.damping == pytest.approx(DAMPING_RATIO * 4.0) and where in choice.reason
+    trained = decide(at(where, r=0.2), 650, training=Training(lr=0.05, steps=40))
+    assert trained.damping == pytest.approx(1 / (0.05 * 40)) and "1/(ηT)" in trained.reason
+    assert decide(at(where, r=0.2), 650, damping=0.3, training=Training(lr=0.05, steps=40)).damping == 0.3
+    large = decide(at(where, r=0.2), auto.PRECONDITION_MIN + 1)
+    assert large.preconditioner == "ekfac" and "EK-FAC" in large.reason
+
+
+def test_a_singular_stationary_point():
+    small = decide(at("singular", low=1e-12), 100)
+    assert (small.matrix, small.solver, small.damping) == ("hessian", "direct", 0.0) and "pseudo-inverse" in small.reason
+    large = decide(at("singular", low=1e-12), DIRECT_MAX + 1)
+    assert (large.solver, large.damping) == ("minres", pytest.approx(DAMPING_RATIO * 4.0))
+
+
+def test_every_explicit_setting_wins():
+    named = decide(at("non-stationary", r=0.5), 650, solver="direct")
+    assert (named.matrix, named.solver, named.damping, named.reason) == ("hessian", "direct", 0.0, "")
+    assert decide(at("minimum"), 650, matrix="gauss-newton").matrix == "gauss-newton"
+    assert decide(at("non-stationary", r=0.5), 650, preconditioner="diagonal").preconditioner == "diagonal"
+    assert decide(at("non-stationary", r=0.5), 10**7, preconditioner="kfac").preconditioner == "kfac"
+
+
+def test_a_small_stage_under_a_shared_approximation_is_solved_exactly():
+    small = decide(at("minimum"), 165, solver="ekfac", shared=True)
+    assert small.solver == "cg_spd" and "solved exactly" in small.reason
+    assert decide(at("minimum"), DIRECT_MAX + 1, solver="ekfac", shared=True).solver == "ekfac"
+    assert decide(at("minimum"), 165, solver="ekfac").solver == "ekfac"  # one config per stage: as named
+
+
+def test_without_a_position_the_size_decides():
+    assert decide(None, 20).solver == "direct" and decide(None, DIRECT_MAX + 1).solver == "minres"
+    assert decide(None, 20, dense=False).solver == "minres"
+
+
+def test_the_training_rule_matches_t_steps_of_gradient_descent():
+    """T steps of size η from the optimum of L on L + ε·ℓ_z (a quadratic with H = diag(h)) move θ by
+    −[I − (I − ηH)^T] H⁻¹ ε∇ℓ_z; (H + I/(ηT))⁻¹ follows it within 40 % on every curvature, H⁻¹ does not."""
+    h = torch.logspace(-4, 0, 50, dtype=torch.float64)
+    lr, steps = 0.5, 40
+    walked = (1 - (1 - lr * h) ** steps) / h
+    damped = 1 / (h + Training(lr=lr, steps=steps).damping)
+    assert ((damped - walked).abs() / walked).max() < 0.4
+    assert ((1 / h - walked).abs() / walked).max() > 10
+
+
+# ---- in a Chain ----
+
+def untrained_mlp():
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(40, 8, generator=gen), torch.randint(0, 3, (40,), generator=gen)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3)).double().eval()
+    return ik.Stage(model, cross_entropy, (x, y), regularizer=l2(1e-3)), (x[:5], y[:5])
+
+
+def explicit_gauss_newton(stage: ik.Stage, weight: float) -> torch.Tensor:
+    """(1/n) Σ_i J_iᵀ (diag(p_i) − p_i p_iᵀ) J_i + weight·I, J_i the logits' Jacobian (float64, by jacrev)."""
+    names = list(stage.param_names)
+    params = {n: p.detach() for n, p in stage.model.named_parameters()}
+    x, _ = stage.data.take(torch.arange(len(stage)))
+    jac = jacrev(lambda p: functional_call(stage.model, p, (x,)))(params)
+    j = torch.cat([jac[n].reshape(x.shape[0], 3, -1) for n in names], dim=2)  # (n, c, p)
+    prob = torch.softmax(stage.model(x), -1).detach()
+    curv = torch.diag_embed(prob) - prob[:, :, None] * prob[:, None, :]
+    g = torch.einsum("ncp,ncd,ndq->pq", j, curv, j) / x.shape[0]
+    return g + weight * torch.eye(g.shape[0], dtype=g.dtype)
+
+
+def test_off_a_minimum_the_chain_solves_the_damped_gauss_newton_system_exactly():
+    stage, test = untrained_mlp()
+    with pytest.warns(ik.StationarityWarning, match="non-stationary"):
+        chain = ik.Chain([stage]).fit()
+    query = chain.query(test)
+    (solve,) = query.solves
+    position = chain.positions[0]
+    lam = DAMPING_RATIO * position.max_eigenvalue
+    assert solve["solver"] == "minres" and solve["damping"] == pytest.approx(lam) and "Gauss-Newton" in solve["choice"]
+    assert solve["residual"] <= default_tol(torch.float64) and solve["converged"]
+    b = ik.influence(stage, torch.arange(2), test, solve=ik.SolveConfig(solver="identity")).diagnostics
+    a = chain.operator(0)  # the Gauss-Newton operator it chose
+    assert a.curvature == "gauss-newton"
+    from influkit.gradients import total_grad
+
+    rhs = total_grad(stage, *test).double()
+    expected = torch.linalg.solve(explicit_gauss_newton(stage, 1e-3) + lam * torch.eye(rhs.numel()), rhs)
+    assert (query.s - expected).norm() / expected.norm() <= 1e-8  # residual ≤ 1e-10, κ(G + λI) ≤ 1 + 1/DAMPING_RATIO
+    timeless = lambda stages: [{k: v for k, v in s.items() if k != "seconds"} for s in stages]  # noqa: E731
+    assert timeless(b["stages"]) == timeless(query.stages)  # the same position whatever the solver
+
+
+def test_training_facts_give_the_damping_and_named_solvers_keep_the_hessian():
+    stage, test = untrained_mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ik.StationarityWarning)
+        trained = ik.Chain([stage], solve=ik.SolveConfig(training=Training(lr=0.1, steps=50))).query(test)
+        direct = ik.Chain([stage], solve=ik.SolveConfig(solver="direct")).query(test)
+    assert trained.solves[0]["damping"] == pytest.approx(0.2) and "1/(ηT)" in trained.solves[0]["choice"]
+    assert direct.solves[0]["solver"] == "direct" and direct.solves[0]["damping"] == 0.0
+    from influkit.curvature import HessianOperator
+    from influkit.gradients import total_grad
+
+    h = HessianOperator(stage).dense()
+    torch.testing.assert_close(direct.s, torch.linalg.solve(h, total_grad(stage, *test)), rtol=1e-8, atol=1e-12)
+
+
+def test_the_small_head_of_a_shared_ekfac_chain_is_solved_exactly(monkeypatch):
+    from conftest import digits
+
+    x, y = digits(120)
+    torch.manual_seed(0)
+    pre = nn.Sequential(nn.Linear(64, 12), nn.Tanh(), nn.Linear(12, 10)).double().eval()
+    fin_model = copy.deepcopy(pre).eval()
+    pre_stage = ik.Stage(pre, cross_entropy, (x, y), regularizer=l2(1e-2))
+    fin_stage = ik.Stage(fin_model, cross_entropy, (x, y % 2 * 3), params="2", regularizer=l2(1e-2))
+    monkeypatch.setattr(auto, "DIRECT_MAX", 200)  # the 910-parameter first stage counts as large
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ik.StationarityWarning)
+        shared = ik.Chain([pre_stage, fin_stage], [ik.Link("0", case=1)], solve=ik.SolveConfig(solver="ekfac", damping=1e-2))
+        solves = shared.query((x[:4], y[:4])).solves
+        apart = ik.Chain([pre_stage, fin_stage], [ik.Link("0", case=1)], solve=[ik.SolveConfig(solver="ekfac", damping=1e-2)] * 2)
+        named = apart.query((x[:4], y[:4])).solves
+    assert solves[0]["solver"] == "ekfac" and solves[1]["solver"] != "ekfac" and "solved exactly" in solves[1]["choice"]
+    assert solves[1]["residual"] <= default_tol(torch.float64)
+    assert [s["solver"] for s in named] == ["ekfac", "ekfac"]
+
+
+# ---- models trained with Adam for a few steps, every setting at its default ----
+
+def adam(stage: ik.Stage, steps: int, lr: float = 1e-2) -> None:
+    live = dict(stage.model.named_parameters())
+    params = {n: live[n] for n in stage.param_names}
+    opt = torch.optim.Adam(params.values(), lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        stage.objective(params).backward()
+        opt.step()
+
+
+def tiny_bert_chain():
+    transformers = pytest.importorskip("transformers")
+    from influkit import hf
+
+    from test_hf import MASK_ID, SPECIALS, labelled, tiny_config, tokens
+
+    torch.manual_seed(0)
+    pre_model = transformers.BertForMaskedLM(tiny_config(initializer_range=0.02)).float().eval()
+    pre = hf.masked_lm_stage(pre_model, tokens(24, 0), mask_token_id=MASK_ID, special_token_ids=SPECIALS, seed=7,
+                             regularizer=l2(1e-3))
+    adam(pre, 30)
+    fin_model = transformers.BertForSequenceClassification(tiny_config(initializer_range=0.02)).float().eval()
+    fin_model.bert.load_state_dict(pre_model.bert.state_dict(), strict=False)  # the pretrained encoder
+    fin = hf.classification_stage(fin_model, labelled(24, 11), params=["bert.pooler", "classifier"], regularizer=l2(1e-3))
+    adam(fin, 30)
+    return ik.Chain([pre, fin], [ik.Link("bert", case=1)]), hf.pack(labelled(4, 99))
+
+
+def tiny_gpt2_lora_chain():
+    pytest.importorskip("peft")
+    from influkit import hf
+
+    import peft
+    from test_hf_lm import completions, documents, gpt2
+
+    torch.manual_seed(0)
+    pre = hf.causal_lm_stage(gpt2(initializer_range=0.02).float().eval(), documents(24, 0), regularizer=l2(1e-3))
+    adam(pre, 30)
+    base = copy.deepcopy(pre.model.hf_model)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0,
+                             init_lora_weights=False)
+    fin = hf.causal_lm_stage(peft.get_peft_model(base, config).float().eval(), completions(24, 11), regularizer=l2(1e-3))
+    adam(fin, 30)
+    return ik.Chain([pre, fin], [hf.lora_link(pre, fin, case=1)]), hf.pack(completions(4, 99))
+
+
+def small_cnn_chain():
+    from influkit.apps.models import digits_classifier
+
+    from conftest import digits
+
+    x, y = digits(200)
+    x = x.float().reshape(-1, 64) * 16
+    torch.manual_seed(0)
+    pre_model = digits_classifier(10, (2, 4)).float().eval()
+    pre = ik.Stage(pre_model, cross_entropy, (x[:120], y[:120]), regularizer=l2(1e-3))
+    adam(pre, 30)
+    fin_model = digits_classifier(2, (2, 4)).float().eval()
+    fin_model.embedding.load_state_dict(pre_model.embedding.state_dict())
+    fin = ik.Stage(fin_model, cross_entropy, (x[120:180], y[120:180] % 2), params="head", regularizer=l2(1e-3))
+    adam(fin, 30)
+    return ik.Chain([pre, fin], [ik.Link("embedding", case=1)]), (x[180:], y[180:] % 2)
+
+
+@pytest.mark.parametrize("build", [tiny_bert_chain, tiny_gpt2_lora_chain, small_cnn_chain])
+def test_adam_trained_chains_with_default_settings_converge_and_say_where_they_stand(build):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ik.StationarityWarning)
+        chain, test = build()
+    with pytest.warns(ik.StationarityWarning, match="stage 0 .* is not at a minimum"):
+        res = chain.query(test).scores()
+    stages, solves = res.diagnostics["stages"], res.diagnostics["solves"]
+    assert len(stages) == len(solves) == 2
+    for stage, solve in zip(stages, solves):
+        assert {"gradient_norm", "min_eigenvalue", "max_eigenvalue", "verdict"} <= set(stage)
+        assert stage["verdict"] != "minimum"  # a few Adam steps do not reach one
+        assert solve["residual"] <= 1e-3, solve  # of the system auto chose
+        assert solve["converged"] == (solve["residual"] <= default_tol(torch.float32))
+        assert solve["choice"].startswith("auto:")
+    assert torch.isfinite(res.values).all()

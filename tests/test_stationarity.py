@@ -1,0 +1,162 @@
+"""influkit.stationarity: where a stage stands, on closed forms (a quadratic at and off its minimum, a saddle, a
+singular problem) whose gradient and Hessian spectrum are known exactly, and in a Chain's diagnostics, warning
+and report."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import influkit as ik
+from influkit.curvature import HessianOperator
+from influkit.operators import DenseOperator
+from influkit.stationarity import GRADIENT_TOL, assess, eigenvalue_tol, extreme_eigenvalues, verdict
+
+from conftest import cross_entropy, l2
+
+KEYS = {"gradient_norm", "min_eigenvalue", "max_eigenvalue", "verdict"}
+
+
+class Point(nn.Module):
+    """outputs = θ for every example: the loss alone shapes the objective (closed forms below)."""
+
+    def __init__(self, theta):
+        super().__init__()
+        self.theta = nn.Parameter(torch.as_tensor(theta, dtype=torch.float64).clone())
+
+    def forward(self, x):
+        return self.theta.expand(x.shape[0], -1)
+
+
+def quadratic_stage(diagonal, theta, pulls) -> ik.Stage:
+    """L(θ) = mean_i [½ θᵀ D θ + a_iᵀ θ], D = diag(``diagonal``), a_i = ``pulls``[i]: ∇L = Dθ + mean a, H = D, and
+    the per-example loss gradients are Dθ + a_i."""
+    d = torch.tensor(diagonal, dtype=torch.float64)
+    loss = lambda out, a: 0.5 * (out * d * out).sum(-1) + (a * out).sum(-1)  # noqa: E731
+    return ik.Stage(Point(theta).eval(), loss, (torch.zeros(len(pulls), 1), torch.as_tensor(pulls, dtype=torch.float64)))
+
+
+PULLS = [[1.0, -2.0, 0.5], [-1.0, 2.0, -0.5], [3.0, 0.0, 1.0], [-3.0, 0.0, -1.0]]  # mean 0: θ = 0 is stationary
+
+
+def position(stage):
+    return assess(stage, None, HessianOperator(stage))
+
+
+def typical(diagonal, theta):
+    d, t = torch.tensor(diagonal), torch.tensor(theta, dtype=torch.float64)
+    return float(torch.stack([(d * t + torch.tensor(a)).norm() for a in PULLS]).pow(2).mean().sqrt())
+
+
+def test_a_quadratic_at_its_minimum():
+    pos = position(quadratic_stage([4.0, 1.0, 0.25], [0.0, 0.0, 0.0], PULLS))
+    assert pos.verdict == "minimum" and pos.gradient_norm == 0.0
+    assert pos.min_eigenvalue == pytest.approx(0.25, rel=1e-12) and pos.max_eigenvalue == pytest.approx(4.0, rel=1e-12)
+    assert pos.typical_gradient == pytest.approx(typical([4.0, 1.0, 0.25], [0.0] * 3), rel=1e-12)
+
+
+def test_off_the_minimum_the_relative_gradient_norm_is_exact():
+    theta = [0.1, -0.2, 0.3]
+    pos = position(quadratic_stage([4.0, 1.0, 0.25], theta, PULLS))
+    expected = float((torch.tensor([4.0, 1.0, 0.25]) * torch.tensor(theta)).norm()) / typical([4.0, 1.0, 0.25], theta)
+    assert pos.verdict == "non-stationary" and pos.gradient_norm == pytest.approx(expected, rel=1e-12)
+    assert pos.gradient_norm > GRADIENT_TOL
+
+
+def test_a_saddle():
+    pos = position(quadratic_stage([2.0, -0.5, 1.0], [0.0, 0.0, 0.0], PULLS))
+    assert pos.verdict == "saddle"
+    assert pos.min_eigenvalue == pytest.approx(-0.5, rel=1e-12) and pos.max_eigenvalue == pytest.approx(2.0, rel=1e-12)
+
+
+def test_a_singular_problem():
+    pos = position(quadratic_stage([2.0, 0.0, 1.0], [0.0, 0.0, 0.0], PULLS))
+    assert pos.verdict == "singular" and abs(pos.min_eigenvalue) <= 1e-14
+
+
+def test_a_trained_logistic_regression_is_at_a_minimum(logreg_digits):
+    stage, _ = logreg_digits
+    pos = position(stage)
+    h = torch.linalg.eigvalsh(ik.DenseOperator(HessianOperator(stage).dense()).matrix)
+    assert pos.verdict == "minimum" and pos.gradient_norm < 1e-10
+    # Ritz values lie inside the spectrum; the largest has converged in 20 steps
+    assert h[0] <= pos.min_eigenvalue and pos.max_eigenvalue == pytest.approx(float(h[-1]), rel=1e-8)
+
+
+@pytest.mark.parametrize("r, low, high, expected", [
+    (0.0, 1.0, 2.0, "minimum"),
+    (2 * GRADIENT_TOL, 1.0, 2.0, "non-stationary"),
+    (2 * GRADIENT_TOL, -1.0, 2.0, "non-stationary"),
+    (0.5 * GRADIENT_TOL, -1e-3, 2.0, "saddle"),
+    (0.5 * GRADIENT_TOL, 1e-9, 2.0, "singular"),
+    (0.5 * GRADIENT_TOL, -1e-9, 2.0, "singular"),
+    (0.0, 0.0, 0.0, "singular"),
+    (math.inf, 1.0, 2.0, "non-stationary"),
+])
+def test_the_verdict_thresholds(r, low, high, expected):
+    assert verdict(r, low, high, eigenvalue_tol(torch.float64)) == expected
+
+
+def test_the_singular_threshold_follows_the_precision():
+    assert verdict(0.0, 1e-5, 1.0, eigenvalue_tol(torch.float64)) == "minimum"
+    assert verdict(0.0, 1e-5, 1.0, eigenvalue_tol(torch.float32)) == "singular"
+
+
+def test_ritz_values_bound_the_spectrum_and_are_exact_after_p_steps():
+    gen = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(60, 60, generator=gen, dtype=torch.float64))
+    eig = torch.linspace(-1.0, 5.0, 60, dtype=torch.float64)
+    op = DenseOperator(q @ torch.diag(eig) @ q.T)
+    low, high, m = extreme_eigenvalues(op, 10)
+    assert m == 10 and -1.0 <= low < 0 and 0 < high <= 5.0
+    low, high, _ = extreme_eigenvalues(op, 60)
+    assert low == pytest.approx(-1.0, abs=1e-8) and high == pytest.approx(5.0, abs=1e-8)
+
+
+# ---- in a Chain ----
+
+def untrained_stage():
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(40, 8, generator=gen), torch.randint(0, 3, (40,), generator=gen)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    return ik.Stage(model, cross_entropy, (x, y), regularizer=l2(1e-3))
+
+
+def test_every_result_says_where_each_stage_stands_and_warns_at_the_users_line(logreg_digits, tmp_path):
+    stage, test = logreg_digits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ik.StationarityWarning)  # at a minimum: no warning
+        res = ik.influence(stage, torch.arange(5), test)
+        own = ik.self_influence(stage, torch.arange(5))
+    (minimum,) = res.diagnostics["stages"]
+    assert KEYS <= set(minimum) and minimum["verdict"] == "minimum"
+    assert own.diagnostics["stages"][0]["verdict"] == "minimum"
+    assert own.diagnostics["solves"][0]["solver"] == "direct"  # 5 right-hand sides at once: one factorization
+    moved = untrained_stage()
+    with pytest.warns(ik.StationarityWarning, match=r"stage 0 \(Sequential\) is not at a minimum — non-stationary") as seen:
+        res = ik.influence(moved, torch.arange(5), (moved.data.take(torch.arange(3))))
+    assert len(seen) == 1 and seen[0].filename == __file__  # the user's line, not influkit's
+    assert res.diagnostics["stages"][0]["verdict"] == "non-stationary"
+    saved = ik.load(res.save(tmp_path / "r"))
+    assert saved.diagnostics["stages"] == res.diagnostics["stages"]
+    page = res.report(tmp_path / "page.html").read_text()
+    assert "Where each stage stands" in page and "non-stationary" in page
+
+
+def test_a_saved_fit_and_query_keep_the_positions(tmp_path):
+    stage = untrained_stage()
+    test = stage.data.take(torch.arange(3))
+    with pytest.warns(ik.StationarityWarning):
+        chain = ik.Chain([stage]).fit()
+        path = chain.save(tmp_path / "fit")
+        query = chain.query(test)
+    loaded = ik.Chain([stage]).load(path)
+    assert loaded.positions == chain.positions
+    torch.testing.assert_close(loaded.query(test).s, query.s, rtol=1e-12, atol=0)
+    again = ik.load_query(query.save(tmp_path / "q"), loaded)
+    assert again.scores().diagnostics["stages"] == query.scores().diagnostics["stages"]
