@@ -29,17 +29,14 @@ Cost: one gradient pass over the stage's data, per-example gradients of the samp
 from __future__ import annotations
 
 import math
-import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from .curvature import gradient, sample_indices
-from .errors import StationarityWarning
+from .errors import StationarityWarning, warn
 from .gradients import per_example_grad_norms
 from .operators import Operator
 from .params import ParamSpace
@@ -165,14 +162,5 @@ def warn_not_at_minimum(positions: Sequence[Position], names: Sequence[str], rem
     lines = [f"stage {k} ({names[k]}) is not at a minimum — {pos.describe()}; {remedy[k]}"
              for k, pos in enumerate(positions) if not pos.at_minimum]
     if lines:
-        warnings.warn("influence functions assume each stage is at a minimum of its objective (see "
-                      "diagnostics['stages']):\n  " + "\n  ".join(lines), StationarityWarning, stacklevel=_user_level())
-
-
-def _user_level() -> int:
-    """The ``stacklevel`` of the first frame outside the influkit package (the line that called into it)."""
-    package = str(Path(__file__).resolve().parent)
-    frame, level = sys._getframe(1), 1
-    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
+        warn("influence functions assume each stage is at a minimum of its objective (see diagnostics['stages']):"
+             "\n  " + "\n  ".join(lines), StationarityWarning)

@@ -14,6 +14,7 @@ from torch import nn
 import influkit as ik
 from influkit.curvature import HessianOperator
 from influkit.operators import DenseOperator
+from influkit.report import write_report
 from influkit.stationarity import GRADIENT_TOL, assess, eigenvalue_tol, extreme_eigenvalues, verdict
 
 from conftest import cross_entropy, l2
@@ -144,7 +145,7 @@ def test_every_result_says_where_each_stage_stands_and_warns_at_the_users_line(l
     assert res.diagnostics["stages"][0]["verdict"] == "non-stationary"
     saved = ik.load(res.save(tmp_path / "r"))
     assert saved.diagnostics["stages"] == res.diagnostics["stages"]
-    page = res.report(tmp_path / "page.html").read_text()
+    page = write_report(res, tmp_path / "page.html").read_text()
     assert "Where each stage stands" in page and "non-stationary" in page
 
 
