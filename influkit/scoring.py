@@ -146,17 +146,20 @@ class Scorer:
         if gradients == "per-example" and autocast is not None:
             raise InputError("autocast applies to gradients='contraction' only.")
         self.stage, self.names, self.gradients = stage, list(names), gradients
-        self.contractor = Contractor(stage, names, autocast=autocast) if gradients == "contraction" else None
         s = s.reshape(s.shape[0], -1)
+        budget = budget_of(memory, s.device)
+        self.contractor = Contractor(stage, names, autocast=autocast, memory=budget) \
+            if gradients == "contraction" else None
         if chunk_size is None:
-            budget = budget_of(memory, s.device)
             x, y = rows.take(0, min(PROBE_EXAMPLES, len(rows)))
-            if self.contractor is not None:
+            fixed = 0
+            if self.contractor is not None:  # the per-example gradient rows it forms are set aside, not per example
                 per = self.contractor.probe(x, y, s)
+                fixed = self.contractor.reserve(budget, per, max(len(rows), 1))
             else:
                 per = probe_bytes(lambda _: [project_per_example_grads(stage, x, y, s, names, chunk_size=x.shape[0])],
                                   stage.model, x.shape[0]) + s.shape[0] * s.element_size()
-            self.memory = memory_plan(budget, per, "scoring", most=max(len(rows), 1))
+            self.memory = memory_plan(budget, per, "scoring", most=max(len(rows), 1), fixed=fixed)
             chunk_size = min(distributed.gather_objects(self.memory["batch"])) if distributed.active() else \
                 self.memory["batch"]  # every rank the same chunks
         else:
