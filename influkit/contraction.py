@@ -234,9 +234,10 @@ class Contractor:
         at_once = self.rows_bytes // row_bytes
         if at_once >= 1 and layer.forms_rows(g.shape[1], directions.shape[1]):
             self.formed[layer.name] = row_bytes
-            block = self._rows(directions, layer.params)
-            return torch.cat([layer.example_gradients(a[s : s + at_once], g[s : s + at_once]) @ block
-                              for s in range(0, g.shape[0], at_once)])
+            blocks = [directions[self.offsets[name][0] : sum(self.offsets[name])] for name in layer.params]
+            return torch.cat([sum(rows @ block for rows, block in zip(
+                layer.example_gradients(a[s : s + at_once], g[s : s + at_once]), blocks))
+                for s in range(0, g.shape[0], at_once)])
         out = torch.zeros(g.shape[0], directions.shape[1], dtype=directions.dtype, device=directions.device)
         for j in range(directions.shape[1]):
             weight = None if layer.weight is None else self._direction(directions, layer.weight, j)

@@ -65,12 +65,12 @@ class Dense(Layer):
 
     def example_gradients(self, a, g):
         rows = []
-        if self.weight is not None:
-            grad = torch.einsum("bto,bti->boi", g, a)  # Σ_t g_t a_tᵀ, (B, out, in)
-            rows.append((grad.transpose(1, 2) if self.inputs_first else grad).reshape(g.shape[0], -1))
+        if self.weight is not None:  # Σ_t g_t a_tᵀ (B, out, in), or its transpose for a weight stored (in, out)
+            grad = a.transpose(1, 2) @ g if self.inputs_first else g.transpose(1, 2) @ a
+            rows.append(grad.reshape(g.shape[0], -1))
         if self.bias is not None:
             rows.append(g.sum(1))
-        return torch.cat(rows, 1)
+        return rows
 
     def contract_cost(self, tokens):
         """Per token: S a_t (r·c flops, r + c elements) for the weight, g_t summed for the bias."""

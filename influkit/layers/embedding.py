@@ -61,7 +61,7 @@ class Embedding(Layer):
         g = g * self.token_mask(ids).unsqueeze(-1).to(g.dtype)
         rows = torch.zeros(ids.shape[0], *self.shape, dtype=g.dtype, device=g.device)
         rows.scatter_add_(1, ids.unsqueeze(-1).expand(-1, -1, g.shape[-1]), g)
-        return rows.reshape(ids.shape[0], -1)
+        return [rows.reshape(ids.shape[0], -1)]
 
     def contract_cost(self, tokens):
         """Per token: gather S[x_t], multiply by g_t and sum (3·dim)."""

@@ -34,8 +34,7 @@ class Norm(Layer):
         return out
 
     def example_gradients(self, a, g):
-        rows = ([(g * a).sum(1)] if self.weight is not None else []) + ([g.sum(1)] if self.bias is not None else [])
-        return torch.cat(rows, 1)
+        return ([(g * a).sum(1)] if self.weight is not None else []) + ([g.sum(1)] if self.bias is not None else [])
 
     def contract_cost(self, tokens):
         """Per token: g ⊙ â and its sum (3·D) for the weight, g summed (D) for the bias; plus the dot products."""

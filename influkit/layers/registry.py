@@ -61,7 +61,7 @@ class Layer:
     - :meth:`inputs` / :meth:`grads`: the call's per-token inputs a (B, T, ·) and output-gradients g (B, T, out),
       tokens t being positions, patches or time steps, so that a per-example gradient is a sum over tokens;
     - :meth:`contract`: (B,) ⟨∇θ ℓ_i, S⟩ summed over the call's tokens, never forming ∇θ ℓ_i;
-    - optionally :meth:`example_gradients`: the (B, :attr:`size`) per-example gradient rows themselves, with the
+    - optionally :meth:`example_gradients`: the per-example gradient rows themselves (B × :attr:`size`), with the
       costs :meth:`contract_cost` and :meth:`gradient_cost` that :meth:`forms_rows` compares;
     - with ``kronecker``, the Kronecker statistics of the block matrix M (``shape`` = rows × cols) whose per-example
       gradient is Σ_t ā_t g_tᵀ or its transpose: :meth:`add_covariances` (Σ ā āᵀ, Σ g gᵀ) and
@@ -119,9 +119,9 @@ class Layer:
         return sum(getattr(self.module, part).numel() for part, name in (("weight", self.weight), ("bias", self.bias))
                    if name is not None)
 
-    def example_gradients(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """(B, n) per-example gradients of the call's trained parameters, in :attr:`params` order, each flattened
-        as the parameter is stored (so that rows @ directions[those parameters] = :meth:`contract` per column)."""
+    def example_gradients(self, a: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+        """Per-example gradients of the call, one (B, numel) block per trained parameter in :attr:`params` order,
+        flattened as the parameter is stored (so that Σ blocks @ their directions = :meth:`contract` per column)."""
         raise NotImplementedError
 
     def contract_cost(self, tokens: int) -> int | None:
