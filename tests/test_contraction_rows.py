@@ -1,7 +1,8 @@
 """Scoring against many directions forms a layer's per-example gradient rows once where its cost rule says so
 (influkit.layers.Layer.forms_rows): rows and per-direction contraction give the same float64 scores as
 per-example gradients for Linear, Conv2d, Embedding, LayerNorm and RMSNorm, also with the rows formed a few
-examples at a time, and the rule takes rows for many directions and the contraction for one."""
+examples at a time; the rule takes rows for many directions and the contraction for one; and the memory plan sets
+aside what the rows need, or, with no room for one row, none is formed."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from influkit.contraction import ROWS_SHARE, Contractor
+from influkit.memory import SAFETY
 from influkit.gradients import per_example_grads_serial as per_example_grads
 from influkit.layers import Embedding, LayerNorm, Linear
 from test_layers import conv2d_stage, tokens_stage
@@ -60,3 +62,24 @@ def test_rule_forms_rows_for_many_directions_and_contracts_for_few():
     assert not square.forms_rows(1, K) and square.forms_rows(8, K)
     norm = LayerNorm("n", nn.LayerNorm(8), "n.weight", "n.bias")
     assert norm.forms_rows(5, 2) and not norm.forms_rows(5, 1)  # its rows cost what one contraction costs
+
+
+def test_rows_are_set_aside_in_the_budget_or_not_formed():
+    """The scorer's plan reserves what the probe's rows need (a chunk's worth of the largest layer's rows, no more);
+    a budget with no room for one row beside one example's contraction forms none, with the same scores."""
+    stage = conv2d_stage()
+    x, y = stage.data.take(torch.arange(len(stage)))
+    directions = torch.randn(stage.num_trained, K, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    roomy = Contractor(stage, memory=2**30)
+    per_example = roomy.probe(x[:2], y[:2], directions)
+    largest = max(roomy.formed.values())
+    assert largest == max(layer.size for layer in roomy.plan.modules) * 8
+    assert roomy.reserve(2**30, per_example, most=9) == 9 * largest
+
+    budget = int(SAFETY * per_example) + largest - 1
+    tight = Contractor(stage, memory=budget)
+    tight.probe(x[:2], y[:2], directions)
+    assert tight.formed and tight.reserve(budget, per_example, most=9) == 0
+    expected = per_example_grads(stage, x, y) @ directions
+    torch.testing.assert_close(tight(x, y, directions), expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max()))
+    assert tight.describe()["formed_rows"] == []
