@@ -4,10 +4,11 @@ Measures what the layer cost rule (influkit.layers.Layer.forms_rows) changes: ``
 of digits-case1 member 0 (200 pretraining examples × 100 per-test directions) and each influkit fidelity method's
 seconds at K = 1 (``fidelity_methods.influkit_scores``: fit, query and scores, no score cache). One line per round::
 
-    cd CHECKOUT && PYTHONPATH=$PWD python /copy/of/bench_scoring_rows.py --cache DIR --rounds 3 --label mine
+    cd CHECKOUT && PYTHONPATH=$PWD:$PWD/benchmarks python /copy/of/bench_scoring_rows.py --cache DIR --label mine
 
 ``--cache``: a fidelity cache holding digits-case1's trained member 0 (``benchmarks/results/fidelity/cache``), read
-only. Alternate checkouts by running this once per checkout per round (results/scoring_rows.txt).
+only. ``$PWD/benchmarks`` on the path serves older checkouts (885c1da), whose benchmarks import each other flat.
+Alternate checkouts by running this once per checkout per round (results/scoring_rows.txt).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -29,7 +29,6 @@ def main() -> None:
     parser.add_argument("--no-methods", action="store_true", help="only Query.scores")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    sys.path.append(os.path.join(os.getcwd(), "benchmarks"))  # older checkouts import their benchmarks flat
     import influkit
     from benchmarks import fidelity_methods as fm
     from benchmarks.fidelity_tasks import TASKS, Task
