@@ -8,8 +8,17 @@ its class in the layer registry (:mod:`influkit.layers`: ``nn.Linear``, ``nn.Con
 ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``; :mod:`influkit.hf` adds transformers' ``Conv1D``).
 
 Every call of a module counts (a weight tied between the word embeddings and the decoder gets both terms).
-Each term costs one matrix product of the layer's size per direction — memory O(batch · tokens · min(in, out))
-per direction, never O(batch · p). Trained parameters outside these layers (and layers whose hooks cannot
+Each term is taken one of two ways, chosen per layer call and chunk by the layer's cost rule
+(:meth:`~influkit.layers.Layer.forms_rows`, flops + elements moved, k directions, T tokens per example):
+
+- contracted once per direction: k · contract_cost(T) per example, memory O(batch · tokens · min(in, out));
+- the layer's per-example gradient rows (batch, n) formed once and multiplied by its k direction rows:
+  gradient_cost(T) + n · (k + 2) per example — for a dense layer T·r·c + r·c·(k + 3) against k·T·(r·c + r + c),
+  so rows win as soon as T and k both exceed 2 (a convolution's positions against 100 per-test directions).
+  Rows are formed only within :data:`ROWS_SHARE` of the memory budget, in slices of the chunk if need be, one layer
+  at a time: a layer whose single row does not fit is contracted. Memory stays O(budget), never O(batch · p).
+
+Trained parameters outside these layers (and layers whose hooks cannot
 follow them: grouped convolutions, ``max_norm`` embeddings, modules not called through ``forward``) are
 scored from their own per-example gradients (``torch.func.vmap``, :mod:`influkit.gradients`), the fallback.
 
@@ -31,10 +40,13 @@ from .errors import ContractionWarning, InputError, warn
 from .gradients import project_per_example_grads
 from .layers import Layer, Recorder
 from .layers import plan as registered_layers
+from .memory import SAFETY
+from .memory import resolve as budget_of
 from .params import ParamSpace, point
 from .stage import Stage, check_finite
 
 AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+ROWS_SHARE = 0.25  # of the memory budget, at most, for one layer's per-example gradient rows formed at once
 
 
 @dataclass
@@ -62,9 +74,13 @@ class Contractor:
     """Contracted scores G·S of batches for one stage and parameter block (S given per call, (p, k)).
 
     ``verified``: whether the first batch's check passed; ``fallback_all``: every batch uses per-example gradients.
+    ``memory``: the budget in bytes (None: the default, :func:`influkit.memory.resolve`); ``rows_bytes``, at most
+    :data:`ROWS_SHARE` of it, bounds the per-example gradient rows formed at once; ``formed``: {layer: bytes of one
+    row} of the layers whose rows the last batch formed.
     """
 
-    def __init__(self, stage: Stage, names: Sequence[str] | None = None, *, autocast: torch.dtype | None = None):
+    def __init__(self, stage: Stage, names: Sequence[str] | None = None, *, autocast: torch.dtype | None = None,
+                 memory: int | None = None):
         if autocast is not None and autocast not in AUTOCAST_DTYPES:
             raise InputError(f"autocast must be one of {AUTOCAST_DTYPES} or None, got {autocast!r}.")
         self.stage = stage
@@ -72,6 +88,9 @@ class Contractor:
         self.space = ParamSpace(point(stage.state(), self.names))
         self.plan = plan_contraction(stage.model, self.names)
         self.autocast = autocast
+        device = next(iter(point(stage.state(), self.names).values())).device if self.names else "cpu"
+        self.rows_bytes = int(ROWS_SHARE * budget_of(memory, device))
+        self.formed: dict[str, int] = {}
         self.verified = False
         self.transient_bytes = 0
         self.fallback_all = not self.plan.covered
@@ -83,7 +102,8 @@ class Contractor:
 
     def describe(self) -> dict:
         return self.plan.describe() | {"verified": self.verified, "per_example_fallback": self.fallback_all,
-                                       "autocast": None if self.autocast is None else str(self.autocast)}
+                                       "autocast": None if self.autocast is None else str(self.autocast),
+                                       "formed_rows": sorted(self.formed), "rows_bytes": self.rows_bytes}
 
     def _rows(self, directions: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
         return torch.cat([directions[self.offsets[n][0] : sum(self.offsets[n])] for n in names])
@@ -131,6 +151,7 @@ class Contractor:
             (t.numel() * directions.element_size() for t in held), default=0)
         k = directions.shape[1]
         dtype = directions.dtype
+        self.formed = {}
         scores = torch.zeros(batch, k, dtype=dtype, device=directions.device)
         for (layer, a, _), g in zip(calls, grads[: len(calls)]):
             if g is not None:
@@ -182,6 +203,15 @@ class Contractor:
         again = saved.total if fallback and not self.fallback_all else 0
         return -(-(saved.total + again + self.transient_bytes) // batch) + rows
 
+    def reserve(self, budget: int, per_example: int, most: int) -> int:
+        """Bytes of the budget to set aside for the rows the probe formed (0: none formed, or no room for one row
+        beside one example's contraction, and then every layer is contracted): at most ``most`` rows of the largest
+        layer formed, within ``rows_bytes`` and what one example of ``per_example`` bytes leaves free."""
+        need = max(self.formed.values(), default=0)
+        room = min(self.rows_bytes, most * need, max(budget - int(SAFETY * per_example), 0))
+        self.rows_bytes = room if need and room >= need else 0
+        return self.rows_bytes
+
     def _demote(self, entries, why: str) -> None:
         """Move the parameters of ``entries`` to the per-example-gradient fallback, for this and every later batch.
 
@@ -194,8 +224,18 @@ class Contractor:
         self.fallback_all = not self.plan.covered
 
     def _call_term(self, layer: Layer, a, g, directions) -> torch.Tensor:
-        """(B, k) contribution of one call of one layer (a, g: its recorded input and output-gradient)."""
+        """(B, k) contribution of one call of one layer (a, g: its recorded input and output-gradient): its
+        per-example gradient rows times its direction rows where the layer's cost rule says so and a row fits in
+        ``rows_bytes`` (as many rows at a time as fit), else contracted direction by direction."""
         a, g = layer.inputs(a), layer.grads(g)
+        row_bytes = layer.size * directions.element_size()
+        at_once = self.rows_bytes // row_bytes
+        if at_once >= 1 and layer.forms_rows(g.shape[1], directions.shape[1]):
+            self.formed[layer.name] = row_bytes
+            blocks = [directions[self.offsets[name][0] : sum(self.offsets[name])] for name in layer.params]
+            return torch.cat([sum(rows @ block for rows, block in zip(
+                layer.example_gradients(a[s : s + at_once], g[s : s + at_once]), blocks))
+                for s in range(0, g.shape[0], at_once)])
         out = torch.zeros(g.shape[0], directions.shape[1], dtype=directions.dtype, device=directions.device)
         for j in range(directions.shape[1]):
             weight = None if layer.weight is None else self._direction(directions, layer.weight, j)
@@ -205,6 +245,7 @@ class Contractor:
 
 
 def contract_scores(stage: Stage, inputs: torch.Tensor, targets: torch.Tensor, directions: torch.Tensor,
-                    names: Sequence[str] | None = None, *, autocast: torch.dtype | None = None) -> torch.Tensor:
+                    names: Sequence[str] | None = None, *, autocast: torch.dtype | None = None,
+                    memory: int | None = None) -> torch.Tensor:
     """(N, k) = G · directions (G the per-example gradients over ``names``) by contraction, in one batch."""
-    return Contractor(stage, names, autocast=autocast)(inputs, targets, directions)
+    return Contractor(stage, names, autocast=autocast, memory=memory)(inputs, targets, directions)

@@ -147,16 +147,20 @@ class Scorer:
         if gradients == "per-example" and autocast is not None:
             raise InputError("autocast applies to gradients='contraction' only.")
         self.stage, self.names, self.gradients = stage, list(names), gradients
-        self.contractor = Contractor(stage, names, autocast=autocast) if gradients == "contraction" else None
         s = s.reshape(s.shape[0], -1)
+        budget = budget_of(memory, s.device)
+        self.contractor = Contractor(stage, names, autocast=autocast, memory=budget) \
+            if gradients == "contraction" else None
         if chunk_size is None:
-            budget = budget_of(memory, s.device)
             x, y = rows.take(0, min(PROBE_EXAMPLES, len(rows)))
-            if self.contractor is not None:
+            fixed = 0
+            if self.contractor is not None:  # the per-example gradient rows it forms are set aside, not per example
                 per = self.contractor.probe(x, y, s)
+                fixed = self.contractor.reserve(budget, per, max(len(rows), 1))
             else:
                 per = backward_bytes(stage, x, y, names) + s.shape[0] * s.element_size()  # + one gradient row
-            self.memory = memory_plan(budget, per, "scoring", most=max(len(rows), 1), default=not budget_given(memory))
+            self.memory = memory_plan(budget, per, "scoring", most=max(len(rows), 1), fixed=fixed,
+                                      default=not budget_given(memory))
             chunk_size = min(distributed.gather_objects(self.memory["batch"])) if distributed.active() else \
                 self.memory["batch"]  # every rank the same chunks
         else:

@@ -4,6 +4,7 @@ With ā = [a; 1] when the bias is trained (a homogeneous coordinate), the per-ex
 M = [W | b] (out × in+1) is Σ_t g_t ā_tᵀ, so
 
 - contraction: ⟨∇W_i, S⟩ = Σ_t g_tᵀ S a_t and ⟨∇b_i, s⟩ = Σ_t g_tᵀ s, the cheaper side multiplied first;
+- per-example gradient rows: ∇W_i = Σ_t g_t a_tᵀ, ∇b_i = Σ_t g_t (one product, then one per direction block);
 - K-FAC (Martens & Grosse 2015): A = Σ ā āᵀ over tokens, G = Σ g gᵀ; a weight stored (in, out) (``inputs_first``,
   GPT-2's ``Conv1D``) takes M = [W; bᵀ] (in+1 × out), the same factors on the other sides.
 """
@@ -61,6 +62,26 @@ class Dense(Layer):
         if bias is not None:
             out += g.sum(1) @ bias
         return out
+
+    def example_gradients(self, a, g):
+        rows = []
+        if self.weight is not None:  # Σ_t g_t a_tᵀ (B, out, in), or its transpose for a weight stored (in, out)
+            grad = a.transpose(1, 2) @ g if self.inputs_first else g.transpose(1, 2) @ a
+            rows.append(grad.reshape(g.shape[0], -1))
+        if self.bias is not None:
+            rows.append(g.sum(1))
+        return rows
+
+    def contract_cost(self, tokens):
+        """Per token: S a_t (r·c flops, r + c elements) for the weight, g_t summed for the bias."""
+        out, width = self.features
+        return tokens * ((out * width + out + width if self.weight is not None else 0) + (out if self.bias is not None else 0))
+
+    def gradient_cost(self, tokens):
+        """Σ_t g_t a_tᵀ: T·r·c flops, T·(r + c) read, r·c written; the bias T·r."""
+        out, width = self.features
+        weight = tokens * (out * width + out + width) + out * width if self.weight is not None else 0
+        return weight + (tokens * out if self.bias is not None else 0)
 
     def add_covariances(self, inputs: torch.Tensor, grads: torch.Tensor, a: torch.Tensor, g: torch.Tensor) -> int:
         """Add one batch's Σ ā āᵀ to ``inputs`` (blockwise for the homogeneous coordinate, never forming ā) and

@@ -1,6 +1,8 @@
 """``nn.Embedding``: y_t = W[x_t], so the per-example gradient of M = W (vocabulary × dim) is Σ_t e_{x_t} g_tᵀ.
 
 - contraction: ⟨∇W_i, S⟩ = Σ_t g_tᵀ S[x_t];
+- per-example gradient rows: the (vocabulary × dim) matrix Σ_t e_{x_t} g_tᵀ, dense (worth it only for a vocabulary
+  not much larger than the tokens per example, e.g. position embeddings);
 - K-FAC: the input factor of one-hot inputs is diagonal, A = diag(token frequencies); G = Σ g gᵀ.
 
 ``padding_idx`` tokens carry no gradient and are left out. Ids shared by the whole batch (position ids of shape
@@ -54,6 +56,21 @@ class Embedding(Layer):
     def contract(self, ids, g, weight, bias):
         g = g * self.token_mask(ids).unsqueeze(-1).to(g.dtype)
         return (weight[ids] * g).sum((1, 2))
+
+    def example_gradients(self, ids, g):
+        g = g * self.token_mask(ids).unsqueeze(-1).to(g.dtype)
+        rows = torch.zeros(ids.shape[0], *self.shape, dtype=g.dtype, device=g.device)
+        rows.scatter_add_(1, ids.unsqueeze(-1).expand(-1, -1, g.shape[-1]), g)
+        return [rows.reshape(ids.shape[0], -1)]
+
+    def contract_cost(self, tokens):
+        """Per token: gather S[x_t], multiply by g_t and sum (3·dim)."""
+        return 3 * tokens * self.shape[1]
+
+    def gradient_cost(self, tokens):
+        """Zero the vocabulary × dim rows, add the T tokens' g_t (2·T·dim)."""
+        vocab, dim = self.shape
+        return vocab * dim + 2 * tokens * dim
 
     def add_covariances(self, inputs, grads, ids, g) -> int:
         """Add token counts to ``inputs`` (vocabulary,) and Σ g gᵀ over the tokens that carry gradient to ``grads``."""

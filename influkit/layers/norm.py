@@ -1,5 +1,6 @@
 """``nn.LayerNorm`` and ``nn.RMSNorm``: y = â ⊙ w + b elementwise, â the normalized input, so
-⟨∇w_i, s⟩ = Σ_t (g_t ⊙ â_t)ᵀ s and ⟨∇b_i, s⟩ = Σ_t g_tᵀ s. Elementwise parameters have no Kronecker factors
+⟨∇w_i, s⟩ = Σ_t (g_t ⊙ â_t)ᵀ s and ⟨∇b_i, s⟩ = Σ_t g_tᵀ s: the per-example gradient rows Σ_t g_t ⊙ â_t and Σ_t g_t
+cost what one contraction costs, so with two directions or more (and tokens) they are formed once. Elementwise parameters have no Kronecker factors
 (factored curvature gives them diagonal blocks)."""
 
 from __future__ import annotations
@@ -31,6 +32,18 @@ class Norm(Layer):
         if bias is not None:
             out += g.sum(1) @ bias.reshape(-1)
         return out
+
+    def example_gradients(self, a, g):
+        return ([(g * a).sum(1)] if self.weight is not None else []) + ([g.sum(1)] if self.bias is not None else [])
+
+    def contract_cost(self, tokens):
+        """Per token: g ⊙ â and its sum (3·D) for the weight, g summed (D) for the bias; plus the dot products."""
+        dim = self.module.weight.numel()
+        return (tokens * 3 * dim + dim if self.weight is not None else 0) + (tokens * dim + dim if self.bias is not None else 0)
+
+    def gradient_cost(self, tokens):
+        dim = self.module.weight.numel()
+        return tokens * dim * ((3 if self.weight is not None else 0) + (1 if self.bias is not None else 0))
 
 
 @register(nn.LayerNorm)

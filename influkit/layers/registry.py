@@ -12,6 +12,9 @@ A layer type is written once and serves both users of recorded inputs and output
         def inputs(self, inp): ...          # per-token inputs of one recorded call
         def grads(self, grad): ...          # per-token output-gradients, (B, T, out)
         def contract(self, a, g, weight, bias): ...   # (B,) Σ_t ⟨∂ℓ_i/∂θ_t, direction⟩
+
+Optionally also :meth:`Layer.example_gradients` with its two costs, so that scoring against many directions can form
+the per-example gradient rows once instead of contracting once per direction (:meth:`Layer.forms_rows`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class Layer:
     - :meth:`inputs` / :meth:`grads`: the call's per-token inputs a (B, T, ·) and output-gradients g (B, T, out),
       tokens t being positions, patches or time steps, so that a per-example gradient is a sum over tokens;
     - :meth:`contract`: (B,) ⟨∇θ ℓ_i, S⟩ summed over the call's tokens, never forming ∇θ ℓ_i;
+    - optionally :meth:`example_gradients`: the per-example gradient rows themselves (B × :attr:`size`), with the
+      costs :meth:`contract_cost` and :meth:`gradient_cost` that :meth:`forms_rows` compares;
     - with ``kronecker``, the Kronecker statistics of the block matrix M (``shape`` = rows × cols) whose per-example
       gradient is Σ_t ā_t g_tᵀ or its transpose: :meth:`add_covariances` (Σ ā āᵀ, Σ g gᵀ) and
       :meth:`example_squares` (EK-FAC's corrected eigenvalues and the diagonal Gauss-Newton). ``inputs_first``:
@@ -107,6 +112,40 @@ class Layer:
     def contract(self, a: torch.Tensor, g: torch.Tensor, weight: torch.Tensor | None,
                  bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    @property
+    def size(self) -> int:
+        """n: how many trained numbers this layer owns (its per-example gradient row's length)."""
+        return sum(getattr(self.module, part).numel() for part, name in (("weight", self.weight), ("bias", self.bias))
+                   if name is not None)
+
+    def example_gradients(self, a: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+        """Per-example gradients of the call, one (B, numel) block per trained parameter in :attr:`params` order,
+        flattened as the parameter is stored (so that Σ blocks @ their directions = :meth:`contract` per column)."""
+        raise NotImplementedError
+
+    def contract_cost(self, tokens: int) -> int | None:
+        """Per example and direction: flops + elements read/written by :meth:`contract` (None: no cost model, and
+        then no :meth:`example_gradients` is used)."""
+        return None
+
+    def gradient_cost(self, tokens: int) -> int | None:
+        """Per example: flops + elements read/written by :meth:`example_gradients`."""
+        return None
+
+    def forms_rows(self, tokens: int, directions: int) -> bool:
+        """Whether forming the per-example gradient rows once and multiplying them by all k directions costs less
+        than k contractions, per example (flops + elements moved):
+
+            gradient_cost(T) + n · (k + 2)  <  k · contract_cost(T)
+
+        (n · k the product's flops, 2n writing and reading the rows back). For a dense layer (rows r, cols c,
+        T tokens) that is ≈ T·r·c + r·c·(k + 3) < k·T·(r·c + r + c): rows when both T and k exceed 1 or 2, the
+        contraction for one direction or one token per example (then both are the same product)."""
+        contract, form = self.contract_cost(tokens), self.gradient_cost(tokens)
+        if contract is None or form is None:
+            return False
+        return form + self.size * (directions + 2) < directions * contract
 
     def oriented(self, input_side, grad_side) -> tuple:
         """(rows side, cols side) of M from a pair given as (input factor's, output-gradient factor's)."""
