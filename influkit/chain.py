@@ -95,7 +95,8 @@ class Chain:
         self.stages, self.links = stages, links
         self.solve_configs = _per_stage(solve, SolveConfig, "solve", len(stages))
         self.curvature_configs = _per_stage(curvature, CurvatureConfig, "curvature", len(stages))
-        self._shared = isinstance(solve, SolveConfig)  # one config for every stage (auto.decide's ``shared``)
+        # one config for every stage of a multi-stage chain (auto.decide's ``shared``: a small stage is solved exactly)
+        self._shared = isinstance(solve, SolveConfig) and len(stages) > 1
         self.plans: list[StagePlan] = []
         for k, stage in enumerate(stages):
             self.plans.append(StagePlan(stage, links[k - 1] if k else None, self.plans[-1] if k else None))
