@@ -50,6 +50,7 @@ import influkit as ik
 from benchmarks.fidelity_tasks import random_halves
 from influkit import hf
 from influkit.chain import Query
+from influkit.params import ParamSpace
 from influkit.validation import lds_per_query
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,6 +149,115 @@ class LMTask:
         res = query.scores(progress=progress)
         values = res.values.double().numpy()
         return values.reshape(self.n, -1), time.perf_counter() - start, query.solves[0]
+
+
+UNROLLED = "unrolled-exact"
+
+
+def record_continuation(task: LMTask, progress: bool = True) -> ik.unrolled.Record:
+    """The warm protocol's SGD continuation on all documents, recorded (``ik.unrolled``); updates task.pre in place.
+
+    Same batches (``batch_order``, seed cfg.seed + 7: order 0) and learning rate as ``continue_pretraining``. There
+    a step's loss is Σ_{kept} ℓ / B with B = cfg.pre_batch fixed, so dropping a document is exactly weighting it 0
+    in its fixed batch — the record's w_z. The record averages over the batch actually given (1/|B_t|); the last
+    batch of each epoch has 400 − 12·32 = 16 documents, so it is recorded with lr·16/32, which makes its data term
+    the protocol's exactly and halves only its L2 term's step (pre_decay = 1e-4, 3 of 39 steps).
+    """
+    ex, cfg = task.ex, task.cfg
+    batches = ex.batch_order(task.n, cfg.pre_batch, cfg.continue_epochs, cfg.seed + 7)
+    record = ik.unrolled.Record()
+    every = int(np.ceil(np.sqrt(len(batches))))
+    with record.recorder(task.pre, ik.unrolled.SGD(lr=cfg.continue_lr), checkpoint_every=every) as rec:
+        for b in tqdm(batches, desc="continuation (recorded)", disable=not progress, leave=False):
+            rec.step(b, cfg.continue_lr * len(b) / cfg.pre_batch)
+    return record
+
+
+def unrolled_scores(task: LMTask, progress: bool = True) -> dict:
+    """(n, q) exact metagradients of the warm protocol: reverse mode through the recorded continuation, from the
+    finetuning stage's implicit-function adjoint on the base.
+
+    After the recorded full-data continuation the base goes into the LoRA model and the adapters are refit (as the
+    protocol does, cfg.refit_iter L-BFGS iterations); the adapters being (near) their optimum Θ*(W), the test NLL's
+    derivative with respect to the final base is the Case 1 chain's df/dW = b − H_WΘ H_F⁻¹ a (the identity chain's
+    pretraining right-hand side, with the same finetuning solve as the other rows), handed into the continuation's
+    reverse pass (``ik.unrolled.metagradients_from_adjoint``). score_z = d NLL_t / d w_z; removal predicts −score.
+    Also times one protocol re-training (continuation + refit, nothing dropped) and compares its base with the
+    record's final base.
+    """
+    ex, cfg = task.ex, task.cfg
+    pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
+    fin_state = {k: v.clone() for k, v in task.fin.model.state_dict().items()}
+    try:
+        start = time.perf_counter()
+        ex.continue_pretraining(task.pre, cfg, None, cfg.seed + 7)
+        protocol_base = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
+        ex.set_base(task.fin, task.pre, task.link)
+        ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
+        retrain_seconds = time.perf_counter() - start
+        task.pre.model.load_state_dict(pre_state)
+        task.fin.model.load_state_dict(fin_state)
+
+        start = time.perf_counter()
+        record = record_continuation(task, progress)
+        record_seconds = time.perf_counter() - start
+        final = record.runs[0].final
+        gap = max(float((final[n] - protocol_base[n]).abs().max()) for n in final)
+        scale = max(float(protocol_base[n].abs().max()) for n in final)
+        start = time.perf_counter()
+        ex.set_base(task.fin, task.pre, task.link)
+        grad_norm = ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
+        query = task.chain("identity").query(task.test, per_test=True, progress=progress)
+        adjoint_seconds = time.perf_counter() - start
+        chain = query.chain
+        names = chain.plans[0].trained
+        adjoint = ParamSpace({n: final[n] for n in names}).unflatten(query.s)
+        start = time.perf_counter()
+        result = ik.unrolled.metagradients_from_adjoint(record, adjoint, batched=True, progress=progress)[0]
+        reverse_seconds = time.perf_counter() - start
+    finally:
+        task.pre.model.load_state_dict(pre_state)
+        task.fin.model.load_state_dict(fin_state)
+    seconds = {"record (the continuation, recorded)": record_seconds, "refit + finetuning adjoint": adjoint_seconds,
+               "reverse pass": reverse_seconds, "one protocol re-training": retrain_seconds}
+    info = {"seconds": seconds, "record_vs_protocol_max_abs": gap, "base_max_abs": scale,
+            "refit_grad_norm": grad_norm, "finetuning_solve": query.solves[1], "replay": result.diagnostics["replay"],
+            "memory": result.diagnostics["memory"], "steps": record.runs[0].steps}
+    return {"values": result.values.double().numpy(), "info": info}
+
+
+def outputs_from_csv(order: int = 0) -> np.ndarray:
+    """(M, q) committed re-training NLLs of ``order`` (lm-case1_warm_outputs.csv.gz)."""
+    frame = pd.read_csv(RESULTS / f"{TASK}_warm_outputs.csv.gz")
+    frame = frame[frame.order == order]
+    return frame.pivot(index="subset", columns="test", values="nll").sort_index().to_numpy()
+
+
+def unrolled_rows(task: LMTask, progress: bool) -> None:
+    """Score the unrolled method(s), LDS against the committed outputs, and add the rows to the committed table."""
+    path = CACHE / f"scores_{UNROLLED}.npz"
+    if not path.exists():
+        computed = unrolled_scores(task, progress)
+        np.savez(path, values=computed["values"], info=json.dumps(computed["info"], default=str))
+    cached = np.load(path)
+    info = json.loads(str(cached["info"]))
+    outputs = outputs_from_csv(0)
+    subsets = random_halves(task.n, outputs.shape[0], SUBSET_SEED).numpy()
+    mean, sem, q = mean_sem(lds_per_query(cached["values"], subsets, outputs))
+    seconds = info["seconds"]
+    total = seconds["record (the continuation, recorded)"] + seconds["refit + finetuning adjoint"] + seconds["reverse pass"]
+    row = {"method": f"influkit {UNROLLED}", "K": 1, "lds": mean, "sem": sem, "queries": q, "M": outputs.shape[0],
+           "seconds": total, "pretraining_residual": None,
+           "ratio_to_retraining": total / seconds["one protocol re-training"]}
+    frame = pd.read_csv(RESULTS / f"{TASK}_warm.csv")
+    frame = pd.concat([frame[frame.method != row["method"]], pd.DataFrame([row])], ignore_index=True)
+    frame.to_csv(RESULTS / f"{TASK}_warm.csv", index=False)
+    summary = json.loads((RESULTS / f"{TASK}_warm.json").read_text())
+    summary["table"] = [r for r in summary["table"] if r["method"] != row["method"]] + [row]
+    summary[UNROLLED] = info | {"load": os.getloadavg()}
+    (RESULTS / f"{TASK}_warm.json").write_text(json.dumps(summary, indent=2, default=str))
+    (RESULTS / "lm_README_results.md").write_text(markdown(frame, summary))
+    print(frame.to_string(index=False), "\n", json.dumps(info, indent=1, default=str))
 
 
 def solve_settings(ex, cfg, method: str) -> tuple[ik.SolveConfig, ik.CurvatureConfig]:
@@ -255,12 +365,15 @@ def write_table(m: int) -> None:
 def markdown(frame: pd.DataFrame, summary: dict) -> str:
     """The table of lm_README_results.md: LDS ± sem, M, seconds per method, the noise ceiling last."""
     q = int(frame["queries"].max())
-    lines = [f"| method | LDS ± sem (q = {q}) | M | seconds | pretraining solve ‖Hx − b‖/‖b‖ |", "|---|---|---|---|---|"]
+    lines = [f"| method | LDS ± sem (q = {q}) | M | seconds | × one re-training | pretraining solve ‖Hx − b‖/‖b‖ |",
+             "|---|---|---|---|---|---|"]
     for row in frame.itertuples():
         seconds = "—" if np.isnan(row.seconds) else f"{row.seconds:.0f}"
         residual = row.pretraining_residual
         residual = "—" if residual is None or np.isnan(residual) else f"{residual:.2f}"
-        lines.append(f"| {row.method} | {row.lds:.3f} ± {row.sem:.3f} | {row.M} | {seconds} | {residual} |")
+        ratio = getattr(row, "ratio_to_retraining", float("nan"))
+        ratio = "—" if ratio is None or np.isnan(ratio) else f"{ratio:.1f}"
+        lines.append(f"| {row.method} | {row.lds:.3f} ± {row.sem:.3f} | {row.M} | {seconds} | {ratio} | {residual} |")
     load = ", ".join(f"{v:.1f}" for v in summary["load"])
     return (
         "# LDS on the transformer task (benchmarks/bench_fidelity_lm.py)\n\n"
@@ -276,7 +389,7 @@ def markdown(frame: pd.DataFrame, summary: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=["train", "retrain", "score", "table"])
+    parser.add_argument("step", choices=["train", "retrain", "score", "unrolled", "table"])
     parser.add_argument("--subsets", type=int, default=40)
     parser.add_argument("--order", type=int, default=0, help="batch order of the re-trainings (1: noise ceiling)")
     parser.add_argument("--methods", nargs="+", default=[*METHODS])
@@ -293,6 +406,8 @@ def main() -> None:
         retrain_all(task, args.subsets, args.order, progress)
     elif args.step == "score":
         score_all(task, args.methods, progress)
+    elif args.step == "unrolled":
+        unrolled_rows(task, progress)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import torch
 from torch.func import jacrev, vjp, vmap
 from tqdm.auto import tqdm
 
+from ..errors import InputError
 from ..results import InfluenceResult
 from .record import Record, StageRun, tensor_bytes
 from .replay import as_measure, deviation, start, unit_weights
@@ -57,6 +58,45 @@ def metagradients(record: Record, measure, *, per_test: bool = False, progress: 
     """
     start_time = time.perf_counter()
     adjoint, q, outputs = measure_adjoint(record, measure, per_test)
+    return _backward(record, adjoint, q, per_test, {"measure_outputs": int(outputs), "per_test": per_test},
+                     start_time, progress)
+
+
+def metagradients_from_adjoint(record: Record, adjoint: dict, *, batched: bool = False,
+                               progress: bool = False) -> list[InfluenceResult]:
+    """Metagradients from a given adjoint on the last stage's final values: values[z] = Σ_n adjoint_n · dθ_T,n/dw_z.
+
+    Use it when the measure is reached through something the record does not hold — e.g. a later stage refit to
+    its optimum after the recorded run, whose implicit-function adjoint on the shared block (the Case 1 chain's
+    df/dS̄ = b − H_{S,θ} H⁻¹ a) is computed outside. adjoint: {name of a final value of the last recorded stage
+    (trained θ_T or fixed shared block): d measure / d that tensor}, shape ``(*shape)``, or ``(q, *shape)`` for q
+    measure outputs with ``batched``; missing names count as 0. Returns what :func:`metagradients` returns (values
+    (n_k, q) with ``batched``, else (n_k,)), same sign: removing z predicts −score.
+    """
+    start_time = time.perf_counter()
+    if not len(record):
+        raise InputError("the record has no stage; train one with record.train(...) or record.recorder(...).")
+    final = record.runs[-1].final
+    unknown = [n for n in adjoint if n not in final]
+    if unknown:
+        raise InputError(f"adjoint names {unknown} are not final values of the last recorded stage; use names among "
+                         f"{list(final)[:5]}{' ...' if len(final) > 5 else ''}.")
+    lead = {tuple(v.shape[:1]) if batched else () for v in adjoint.values()}
+    bad = [n for n, v in adjoint.items() if tuple(v.shape[1 if batched else 0:]) != tuple(final[n].shape)]
+    if bad or len(lead) > 1 or (batched and lead == {(0,)}):
+        raise InputError(f"every adjoint tensor must have its parameter's shape{' after one common leading size q' if batched else ''} "
+                         f"(batched={batched}); mismatched: {bad or list(adjoint)}.")
+    if not adjoint:
+        raise InputError("the adjoint is empty; give d measure / d (final value) for at least one parameter.")
+    q = next(iter(lead))[0] if batched else 1
+    tensors = {n: (v if batched else v.unsqueeze(0)).to(final[n].device, final[n].dtype) for n, v in adjoint.items()}
+    return _backward(record, tensors, q, batched, {"measure_outputs": q, "per_test": batched,
+                                                   "adjoint": "given on the final values"}, start_time, progress)
+
+
+def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: dict, start_time: float,
+              progress: bool) -> list[InfluenceResult]:
+    """Reverse mode through every stage, last to first, from θ̄_T = ``adjoint`` ((q, *shape) per name)."""
     checkpoint_bytes = sum(run.checkpoint_bytes() for run in record.runs)
     stats = {"replay_error": 0.0, "segment_growth": 0, "adjoint_bytes": 0}
     scores: list[torch.Tensor] = [None] * len(record)  # type: ignore[list-item]
@@ -74,10 +114,9 @@ def metagradients(record: Record, measure, *, per_test: bool = False, progress: 
     training = sum(run.seconds for run in record.runs)
     diagnostics = {
         "seconds": {"metagradient": seconds, "training (recorded)": training},
-        "settings": {"measure_outputs": int(outputs), "per_test": per_test,
-                     "steps": [run.steps for run in record.runs],
-                     "checkpoint_every": [run.every for run in record.runs],
-                     "optimizers": [repr(run.optimizer) for run in record.runs]},
+        "settings": settings | {"steps": [run.steps for run in record.runs],
+                                "checkpoint_every": [run.every for run in record.runs],
+                                "optimizers": [repr(run.optimizer) for run in record.runs]},
         "replay": {"max_error": stats["replay_error"], "checked": "every segment's recomputed end vs its checkpoint"},
         "memory": {"checkpoint_bytes": checkpoint_bytes, "adjoint_bytes": stats["adjoint_bytes"],
                    "segment_steps": max(run.every for run in record.runs),
