@@ -304,8 +304,8 @@ def test_metagradients_from_a_given_final_adjoint_equal_central_differences_of_t
     rows = [torch.autograd.grad(values[i], list(final.values()), retain_graph=True, allow_unused=True) for i in range(2)]
     adjoint = {n: torch.stack([r[j] if r[j] is not None else torch.zeros_like(final[n]) for r in rows])
                for j, n in enumerate(final)}
-    batched = ik.unrolled.metagradients_from_adjoint(record, adjoint, batched=True)[0]
-    summed = ik.unrolled.metagradients_from_adjoint(record, {n: a.sum(0) for n, a in adjoint.items()})[0]
+    batched = ik.unrolled.metagradients(record, ik.unrolled.Adjoint(adjoint, batched=True), per_test=True)[0]
+    summed = ik.unrolled.metagradients(record, ik.unrolled.Adjoint({n: a.sum(0) for n, a in adjoint.items()}))[0]
     assert batched.values.shape == (12, 2) and summed.values.shape == (12,)
     torch.testing.assert_close(batched.values.sum(1), summed.values, rtol=1e-12, atol=1e-14)
     for z in (0, 5, 11):
@@ -319,9 +319,9 @@ def test_metagradients_from_a_given_final_adjoint_equal_central_differences_of_t
         torch.testing.assert_close(batched.values[z], expected, rtol=1e-6, atol=1e-9)
     assert batched.values.abs().max() > 1e-3 and torch.equal(batched.removal, -batched.values)
     with pytest.raises(ik.InputError, match="not final values"):
-        ik.unrolled.metagradients_from_adjoint(record, {"nope": torch.zeros(3)})
+        ik.unrolled.metagradients(record, ik.unrolled.Adjoint({"nope": torch.zeros(3)}))
     with pytest.raises(ik.InputError, match="parameter's shape"):
-        ik.unrolled.metagradients_from_adjoint(record, {"head.weight": torch.zeros(2, 2)})
+        ik.unrolled.metagradients(record, ik.unrolled.Adjoint({"head.weight": torch.zeros(2, 2)}))
 
 
 class Readout(nn.Module):
