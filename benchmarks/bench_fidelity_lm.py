@@ -272,14 +272,18 @@ def write_unrolled_table(m: int) -> None:
                "torch": torch.__version__, "python": platform.python_version()}
     (RESULTS / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str))
     table = markdown(frame, summary).split("\n\n")[2]
-    (RESULTS / f"{name}.md").write_text(
-        "# LDS of the unrolled methods on the transformer task, warm protocol (benchmarks/bench_fidelity_lm.py)\n\n"
+    section = (
+        "## LDS of the unrolled methods on the transformer task, warm protocol (benchmarks/bench_fidelity_lm.py)\n\n"
         f"All rows scored on one trained model (LoRA ‖∇‖ {info['lora_grad_norm']:.4f}, test NLL sum "
         f"{info['test_nll_sum']:.3f}: what `train` gives with today's code), against M = {m0} warm re-trainings of "
-        "that model (order 0; no noise ceiling re-run). The M = 100 outputs of lm_README_results.md come from an "
+        "that model (order 0; no noise ceiling re-run). The M = 100 outputs of lm_README_results.md (its first table) come from an "
         "earlier trained model (‖∇‖ 0.0548, NLL 125.435) that today's code no longer reproduces; scored on today's "
         "model, EK-FAC ranks those at LDS 0.09, so they cannot rank today's scores. Load average at table time "
         f"{', '.join(f'{v:.1f}' for v in summary['load'])} (2 shared cores, 1 torch thread).\n\n" + table + "\n")
+    (RESULTS / f"{name}.md").write_text(section.replace("## ", "# ", 1))
+    readme = RESULTS / "lm_README_results.md"
+    kept = readme.read_text().split("\n## LDS of the unrolled methods")[0].rstrip("\n")
+    readme.write_text(kept + "\n\n" + section)
     print(frame.to_string(index=False))
 
 
