@@ -25,6 +25,8 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm retrain --subsets 40 --order 0     # order 1: the noise ceiling
     python -m benchmarks.bench_fidelity_lm score     # exact, ekfac, identity, gauss-newton, exact-sgd-damped
     python -m benchmarks.bench_fidelity_lm table --subsets 40
+    python -m benchmarks.bench_fidelity_lm unrolled  # record the continuation: unrolled exact + segments (EK-FAC)
+    python -m benchmarks.bench_fidelity_lm unrolled-table --subsets 100   # every cached method, one trained model
 """
 
 from __future__ import annotations
