@@ -25,6 +25,8 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm retrain --subsets 40 --order 0     # order 1: the noise ceiling
     python -m benchmarks.bench_fidelity_lm score     # exact, ekfac, identity, gauss-newton, exact-sgd-damped
     python -m benchmarks.bench_fidelity_lm table --subsets 40
+    python -m benchmarks.bench_fidelity_lm unrolled  # record the continuation: unrolled exact + segments (EK-FAC)
+    python -m benchmarks.bench_fidelity_lm unrolled-table --subsets 100   # every cached method, one trained model
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import influkit as ik
 from benchmarks.fidelity_tasks import random_halves
 from influkit import hf
 from influkit.chain import Query
+from influkit.params import ParamSpace
 from influkit.validation import lds_per_query
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,6 +153,142 @@ class LMTask:
         return values.reshape(self.n, -1), time.perf_counter() - start, query.solves[0]
 
 
+UNROLLED = ("unrolled-exact", "unrolled-segments-ekfac")
+SEGMENTS = 3  # pieces of the 39-step continuation for the approximate unrolling (one per epoch)
+
+
+def record_continuation(task: LMTask, progress: bool = True) -> ik.unrolled.Record:
+    """The warm protocol's SGD continuation on all documents, recorded (``ik.unrolled``); updates task.pre in place.
+
+    Same batches (``batch_order``, seed cfg.seed + 7: order 0) and learning rate as ``continue_pretraining``. There
+    a step's loss is Σ_{kept} ℓ / B with B = cfg.pre_batch fixed, so dropping a document is exactly weighting it 0
+    in its fixed batch — the record's w_z. The record averages over the batch actually given (1/|B_t|); the last
+    batch of each epoch has 400 − 12·32 = 16 documents, so it is recorded with lr·16/32, which makes its data term
+    the protocol's exactly and halves only its L2 term's step (pre_decay = 1e-4, 3 of 39 steps).
+    """
+    ex, cfg = task.ex, task.cfg
+    batches = ex.batch_order(task.n, cfg.pre_batch, cfg.continue_epochs, cfg.seed + 7)
+    record = ik.unrolled.Record()
+    every = int(np.ceil(np.sqrt(len(batches))))
+    with record.recorder(task.pre, ik.unrolled.SGD(lr=cfg.continue_lr), checkpoint_every=every) as rec:
+        for b in tqdm(batches, desc="continuation (recorded)", disable=not progress, leave=False):
+            rec.step(b, cfg.continue_lr * len(b) / cfg.pre_batch)
+    return record
+
+
+def unrolled_scores(task: LMTask, progress: bool = True) -> dict:
+    """(n, q) exact metagradients of the warm protocol: reverse mode through the recorded continuation, from the
+    finetuning stage's implicit-function adjoint on the base.
+
+    After the recorded full-data continuation the base goes into the LoRA model and the adapters are refit (as the
+    protocol does, cfg.refit_iter L-BFGS iterations); the adapters being (near) their optimum Θ*(W), the test NLL's
+    derivative with respect to the final base is the Case 1 chain's df/dW = b − H_WΘ H_F⁻¹ a (the identity chain's
+    pretraining right-hand side, with the same finetuning solve as the other rows), handed into the continuation's
+    reverse pass (``ik.unrolled.Adjoint``). score_z = d NLL_t / d w_z; removal predicts −score. The approximate
+    unrolling (SOURCE) takes the same adjoint through SEGMENTS pieces with EK-FAC fitted at each piece's end (the
+    example's EK-FAC settings). Also times one protocol re-training (continuation + refit, nothing dropped) and
+    compares its base with the record's final base. Returns {method: (values (n, q), info)}.
+    """
+    ex, cfg = task.ex, task.cfg
+    pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
+    fin_state = {k: v.clone() for k, v in task.fin.model.state_dict().items()}
+    try:
+        start = time.perf_counter()
+        ex.continue_pretraining(task.pre, cfg, None, cfg.seed + 7)
+        protocol_base = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
+        ex.set_base(task.fin, task.pre, task.link)
+        ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
+        retrain_seconds = time.perf_counter() - start
+        task.pre.model.load_state_dict(pre_state)
+        task.fin.model.load_state_dict(fin_state)
+
+        start = time.perf_counter()
+        record = record_continuation(task, progress)
+        record_seconds = time.perf_counter() - start
+        final = record.runs[0].final
+        gap = max(float((final[n] - protocol_base[n]).abs().max()) for n in final)
+        scale = max(float(protocol_base[n].abs().max()) for n in final)
+        start = time.perf_counter()
+        ex.set_base(task.fin, task.pre, task.link)
+        grad_norm = ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
+        query = task.chain("identity").query(task.test, per_test=True, progress=progress)
+        adjoint_seconds = time.perf_counter() - start
+        chain = query.chain
+        names = chain.plans[0].trained
+        adjoint = ik.unrolled.Adjoint(ParamSpace({n: final[n] for n in names}).unflatten(query.s), batched=True)
+        start = time.perf_counter()
+        exact = ik.unrolled.metagradients(record, adjoint, per_test=True, progress=progress)[0]
+        reverse_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        curvature = ex.SOLVES["ekfac"](cfg)[1]
+        approx = ik.unrolled.approximate(record, adjoint, segments=SEGMENTS, per_test=True, curvature="ekfac",
+                                         config=curvature, progress=progress)[0]
+        approx_seconds = time.perf_counter() - start
+    finally:
+        task.pre.model.load_state_dict(pre_state)
+        task.fin.model.load_state_dict(fin_state)
+    seconds = {"record (the continuation, recorded)": record_seconds, "refit + finetuning adjoint": adjoint_seconds,
+               "reverse pass": reverse_seconds, "segments (EK-FAC per piece)": approx_seconds,
+               "one protocol re-training": retrain_seconds}
+    common = {"seconds": seconds, "record_vs_protocol_max_abs": gap, "base_max_abs": scale,
+              "refit_grad_norm": grad_norm, "finetuning_solve": query.solves[1], "steps": record.runs[0].steps}
+    shared = record_seconds + adjoint_seconds
+    return {UNROLLED[0]: (exact.values.double().numpy(), common | {
+                "total_seconds": shared + reverse_seconds, "replay": exact.diagnostics["replay"],
+                "memory": exact.diagnostics["memory"]}),
+            UNROLLED[1]: (approx.values.double().numpy(), common | {
+                "total_seconds": shared + approx_seconds, "settings": approx.diagnostics["settings"]})}
+
+
+def unrolled_scores_cached(task: LMTask, progress: bool) -> None:
+    """Score the unrolled methods once (cached as ``scores_<method>.npz`` with their ``info``)."""
+    paths = {method: CACHE / f"scores_{method}.npz" for method in UNROLLED}
+    if not all(path.exists() for path in paths.values()):
+        for method, (values, info) in unrolled_scores(task, progress).items():
+            np.savez(paths[method], values=values, info=json.dumps(info, default=str))
+
+
+def write_unrolled_table(m: int) -> None:
+    """lm-case1_warm_unrolled.{csv,json,md} and its outputs: every cached method's LDS on the re-trainings cached
+    under order 0 — all from the trained model in the cache, so scores and re-trainings belong to one model.
+
+    Seconds: influence rows, their pretraining solve and scoring + the shared finetuning solve; unrolled rows,
+    recording the continuation + refit and finetuning adjoint + their pass, and their ratio to one protocol
+    re-training (continuation + refit) timed in the same run.
+    """
+    outputs, m0 = cached_outputs(m, 0)
+    if m0 < 3:
+        raise SystemExit(f"only {m0} re-trainings cached: run `retrain` first")
+    subsets = random_halves(example().Config().n_pretrain, m0, SUBSET_SEED).numpy()
+    rows = [method_row(path, subsets, outputs) for path in sorted(CACHE.glob("scores_*.npz"))]
+    details = {path.stem.removeprefix("scores_"): json.loads(str(np.load(path)["info"]))
+               for path in sorted(CACHE.glob("scores_*.npz")) if "info" in np.load(path)}
+    frame = pd.DataFrame(rows).sort_values("lds", ascending=False)
+    name = f"{TASK}_warm_unrolled"
+    frame.to_csv(RESULTS / f"{name}.csv", index=False)
+    long = [{"subset": j, "order": 0, "test": t, "nll": float(v)} for j in range(m0) for t, v in enumerate(outputs[j])]
+    with gzip.GzipFile(RESULTS / f"{name}_outputs.csv.gz", "wb", mtime=0) as fh:
+        fh.write(pd.DataFrame(long).to_csv(index=False).encode())
+    info = torch.load(CACHE / "trained.pt")["info"]
+    summary = {"M": m0, "trained": info, "load": os.getloadavg(), "table": rows, "unrolled": details,
+               "torch": torch.__version__, "python": platform.python_version()}
+    (RESULTS / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str))
+    table = markdown(frame, summary).split("\n\n")[2]
+    section = (
+        "## LDS of the unrolled methods on the transformer task, warm protocol (benchmarks/bench_fidelity_lm.py)\n\n"
+        f"All rows scored on one trained model (LoRA ‖∇‖ {info['lora_grad_norm']:.4f}, test NLL sum "
+        f"{info['test_nll_sum']:.3f}: what `train` gives with today's code), against M = {m0} warm re-trainings of "
+        "that model (order 0; no noise ceiling re-run). The M = 100 outputs of lm_README_results.md (its first table) come from an "
+        "earlier trained model (‖∇‖ 0.0548, NLL 125.435) that today's code no longer reproduces; scored on today's "
+        "model, EK-FAC ranks those at LDS 0.09, so they cannot rank today's scores. Load average at table time "
+        f"{', '.join(f'{v:.1f}' for v in summary['load'])} (2 shared cores, 1 torch thread).\n\n" + table + "\n")
+    (RESULTS / f"{name}.md").write_text(section.replace("## ", "# ", 1))
+    readme = RESULTS / "lm_README_results.md"
+    kept = readme.read_text().split("\n## LDS of the unrolled methods")[0].rstrip("\n")
+    readme.write_text(kept + "\n\n" + section)
+    print(frame.to_string(index=False))
+
+
 def solve_settings(ex, cfg, method: str) -> tuple[ik.SolveConfig, ik.CurvatureConfig]:
     """The example's pretraining (solve, curvature) settings of ``method``, or ``exact-sgd-damped``: the exact solve with damping 1/(η·T),
     T the continuation's SGD steps. T steps of size η on a quadratic move θ by −[I − (I − ηH)^T] H⁻¹ ∇,
@@ -218,21 +357,30 @@ def columnwise_spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.array([spearmanr(a[:, t], b[:, t])[0] for t in range(a.shape[1])])
 
 
+def method_row(path: Path, subsets: np.ndarray, outputs: np.ndarray) -> dict:
+    """One table row from a cached ``scores_<method>.npz``: LDS ± sem over the test completions, seconds, and for
+    the unrolled methods (cached with ``info``) the ratio of their seconds to one protocol re-training."""
+    method = path.stem.removeprefix("scores_")
+    cached = np.load(path)
+    mean, sem, q = mean_sem(lds_per_query(cached["values"], subsets, outputs))
+    if "info" in cached:
+        info = json.loads(str(cached["info"]))
+        seconds, ratio = info["total_seconds"], info["total_seconds"] / info["seconds"]["one protocol re-training"]
+        residual = None
+    else:
+        seconds, ratio = float(cached["seconds"]), float("nan")
+        residual = json.loads(str(cached["solve"])).get("residual")
+    return {"method": f"influkit {method}", "K": 1, "lds": mean, "sem": sem, "queries": q, "M": len(outputs),
+            "seconds": seconds, "pretraining_residual": residual, "ratio_to_retraining": ratio}
+
+
 def write_table(m: int) -> None:
     """lm-case1_warm.csv/.json, the outputs as gzip CSV, and lm_README_results.md from the cached runs."""
     outputs, m0 = cached_outputs(m, 0)
     if m0 < 3:
         raise SystemExit(f"only {m0} re-trainings cached: run `retrain` first")
     subsets = random_halves(example().Config().n_pretrain, m0, SUBSET_SEED).numpy()
-    rows = []
-    for path in sorted(CACHE.glob("scores_*.npz")):
-        method = path.stem.removeprefix("scores_")
-        cached = np.load(path)
-        per_query = lds_per_query(cached["values"], subsets, outputs)
-        mean, sem, q = mean_sem(per_query)
-        solve = json.loads(str(cached["solve"]))
-        rows.append({"method": f"influkit {method}", "K": 1, "lds": mean, "sem": sem, "queries": q, "M": m0,
-                     "seconds": float(cached["seconds"]), "pretraining_residual": solve.get("residual")})  # fmt: skip
+    rows = [method_row(path, subsets, outputs) for path in sorted(CACHE.glob("scores_*.npz"))]
     second, m1 = cached_outputs(m0, 1)
     ceiling = None
     if m1 >= 3:
@@ -261,12 +409,15 @@ def write_table(m: int) -> None:
 def markdown(frame: pd.DataFrame, summary: dict) -> str:
     """The table of lm_README_results.md: LDS ± sem, M, seconds per method, the noise ceiling last."""
     q = int(frame["queries"].max())
-    lines = [f"| method | LDS ± sem (q = {q}) | M | seconds | pretraining solve ‖Hx − b‖/‖b‖ |", "|---|---|---|---|---|"]
+    lines = [f"| method | LDS ± sem (q = {q}) | M | seconds | × one re-training | pretraining solve ‖Hx − b‖/‖b‖ |",
+             "|---|---|---|---|---|---|"]
     for row in frame.itertuples():
         seconds = "—" if np.isnan(row.seconds) else f"{row.seconds:.0f}"
         residual = row.pretraining_residual
         residual = "—" if residual is None or np.isnan(residual) else f"{residual:.2f}"
-        lines.append(f"| {row.method} | {row.lds:.3f} ± {row.sem:.3f} | {row.M} | {seconds} | {residual} |")
+        ratio = getattr(row, "ratio_to_retraining", float("nan"))
+        ratio = "—" if ratio is None or np.isnan(ratio) else f"{ratio:.1f}"
+        lines.append(f"| {row.method} | {row.lds:.3f} ± {row.sem:.3f} | {row.M} | {seconds} | {ratio} | {residual} |")
     load = ", ".join(f"{v:.1f}" for v in summary["load"])
     return (
         "# LDS on the transformer task (benchmarks/bench_fidelity_lm.py)\n\n"
@@ -282,7 +433,7 @@ def markdown(frame: pd.DataFrame, summary: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=["train", "retrain", "score", "table"])
+    parser.add_argument("step", choices=["train", "retrain", "score", "unrolled", "table", "unrolled-table"])
     parser.add_argument("--subsets", type=int, default=40)
     parser.add_argument("--order", type=int, default=0, help="batch order of the re-trainings (1: noise ceiling)")
     parser.add_argument("--methods", nargs="+", default=[*METHODS])
@@ -293,12 +444,17 @@ def main() -> None:
     if args.step == "table":
         write_table(args.subsets)
         return
+    if args.step == "unrolled-table":
+        write_unrolled_table(args.subsets)
+        return
     task = LMTask(progress)
     print(f"trained: {task.info}", flush=True)
     if args.step == "retrain":
         retrain_all(task, args.subsets, args.order, progress)
     elif args.step == "score":
         score_all(task, args.methods, progress)
+    elif args.step == "unrolled":
+        unrolled_scores_cached(task, progress)
 
 
 if __name__ == "__main__":

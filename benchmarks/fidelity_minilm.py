@@ -170,19 +170,21 @@ def _plain(value):
 
 def time_iterative(task: MiniLMTask, curvature: str) -> dict:
     """Seconds of one product of stage 1's ``curvature`` matrix (one right-hand side, all snippets) under
-    ``SolveConfig(curvature=...)`` (the library defaults for "hessian") and the projected time of a MINRES solve
-    at the default iteration cap, per right-hand side (the LDS needs one per test snippet)."""
+    ``CurvatureConfig(matrix=...)`` and the projected time of a MINRES solve at the default iteration cap, per
+    right-hand side (the LDS needs one per test snippet)."""
     import influkit as ik
+    from influkit.curvature import HessianOperator
 
     chain = ik.Chain([task.trained.pre, task.trained.fin["case1"]], [task.ex.link(task.trained, "case1", task.cfg)],
-                     solve=ik.SolveConfig(curvature=curvature))
-    op = chain.operator(0)
+                     curvature=ik.CurvatureConfig(matrix=curvature))
+    plan = chain.plans[0]
+    op = HessianOperator(plan.stage, plan.trained, extra=plan.proximal, curvature=curvature)
     v = torch.randn(op.dim, dtype=op.dtype)
     start = time.perf_counter()
     op.matvec(v)
     product = time.perf_counter() - start
     iters = min(10 * op.dim, 2000)  # SolveConfig's max_iter default for MINRES
-    return {"solver": chain.solver(0).__class__.__name__, "curvature": curvature, "p": op.dim,
+    return {"solver": "MINRES (projected)", "curvature": curvature, "p": op.dim,
             "seconds_per_product": product, "default_max_iter": iters,
             "projected_hours_per_rhs": product * iters / 3600}
 

@@ -329,16 +329,19 @@ def chain(trained: Trained, variant: str, cfg: Config, setting: str = "ekfac", r
     residual: check each approximate solve's true residual (one exact Hessian-vector product over the stage's
     data per right-hand side: with per-test queries, one per test example)."""
     pre_solve, fin_solves = SETTINGS[setting]
+    pre_solve = dict(pre_solve)
+    curvature = [ik.CurvatureConfig(fisher=pre_solve.pop("fisher", "sampled")), ik.CurvatureConfig()]
     solves = [ik.SolveConfig(**pre_solve, residual=residual), ik.SolveConfig(**fin_solves[variant], residual=residual)]
-    fitted = ik.Chain([trained.pre, trained.fin[variant]], [link(trained, variant, cfg)], solve=solves).fit()
+    fitted = ik.Chain([trained.pre, trained.fin[variant]], [link(trained, variant, cfg)], solve=solves,
+                      curvature=curvature).fit()
     damped = [dataclasses.replace(s, damping=heuristic_damping(fitted, k, cfg)) for k, s in enumerate(solves)]
     return fitted.with_solve(damped) if damped != solves else fitted
 
 
 def heuristic_damping(fitted: ik.Chain, k: int, cfg: Config) -> float:
     """damping_scale × the mean eigenvalue of stage k's factored curvature (0 where none was fitted)."""
-    curvature = getattr(fitted.operator(k), "fitted", {}).get("curvature")
-    return cfg.damping_scale * curvature.mean_eigenvalue() if curvature is not None else 0.0
+    curvature = fitted.curvature(k).approximations.get(fitted.solver(k).name)
+    return cfg.damping_scale * curvature.mean_eigenvalue() if hasattr(curvature, "mean_eigenvalue") else 0.0
 
 
 def warm_retrain(trained: Trained, data: Data, cfg: Config, keep: torch.Tensor, order_seed: int = 1,

@@ -316,6 +316,18 @@ def _stages(stages: list[dict]) -> str:
     return note + _table(pd.DataFrame(rows))
 
 
+def _meaning(result: InfluenceResult) -> str:
+    """What a score of ``result`` is (HTML): an influence function's d/dε, or an unrolled result's d/dw_z."""
+    if (result.method or "").startswith("unrolled"):
+        return ("A score is d(test measure)/dw_z: the derivative with respect to z's data weight w_z (1 in the run) "
+                "through the recorded training, every optimizer step of every stage: <b>positive = harmful</b> "
+                "(up-weighting z raises the test loss), negative = helpful; removing z (w_z → 0) predicts a change "
+                "of −score, the <i>removal</i> shown.")
+    return ("A score is I(z, T) = d(test loss)/dε for training objective + ε·loss(z): <b>positive = harmful</b> "
+            "(up-weighting z raises the test loss), negative = helpful; <i>removal</i> is the predicted change of "
+            "the summed test loss when z is removed (removal_eps · score).")
+
+
 def render(result: InfluenceResult) -> str:
     """The HTML page of ``result`` from its scores, diagnostics and what :func:`attach` stored."""
     stored = result.diagnostics.get("report") or {}
@@ -326,10 +338,7 @@ def render(result: InfluenceResult) -> str:
            f"<style>{_CSS}</style></head><body>", f"<h1>{html.escape(title)}</h1>"]
     shape = "×".join(map(str, result.values.shape))
     out.append(f'<p class="note">{html.escape(result.method or "influence")} · scores of {result.values.shape[0]} '
-               f"training examples ({shape}) · n_train = {result.n_train}. A score is I(z, T) = d(test loss)/dε for "
-               "training objective + ε·loss(z): <b>positive = harmful</b> (up-weighting z raises the test loss), "
-               "negative = helpful; <i>removal</i> is the predicted change of the summed test loss when z is removed "
-               "(removal_eps · score).</p>")
+               f"training examples ({shape}) · n_train = {result.n_train}. {_meaning(result)}</p>")
     sections = _sections(result, k, max_queries)
     out.append("<h2>Most harmful and most helpful training examples</h2>")
     if result.per_test and result.values.shape[1] > len(sections):

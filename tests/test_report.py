@@ -172,3 +172,21 @@ def test_solves_table_says_converged_unconverged_or_not_checked(digits_result):
     page = render(res)
     cells = re.findall(r"<td>(converged|unconverged|not checked)</td>", page)
     assert cells == ["unconverged", "converged", "not checked"]
+
+
+def test_unrolled_results_say_what_their_score_is(tmp_path):
+    """An unrolled result's page explains d measure / d w_z through the recorded training and −score on removal,
+    not the influence function's d/dε."""
+    from influkit.report import render
+
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 3), torch.randint(0, 2, (12,))
+    stage = ik.Stage(torch.nn.Linear(3, 2).eval(), lambda out, t: torch.nn.functional.cross_entropy(out, t, reduction="none"),
+                     (x, y))
+    record = ik.unrolled.Record()
+    record.train(stage, ik.unrolled.SGD(lr=0.1), steps=3, batch_size=4)
+    page = render(ik.unrolled.metagradients(record, (x[:2], y[:2]))[0])
+    assert "d(test measure)/dw_z" in page and "through the recorded training" in page and "−score" in page
+    assert "training objective + ε·loss(z)" not in page
+    influence = render(ik.influence(stage, torch.arange(12), (x[:2], y[:2])))
+    assert "training objective + ε·loss(z)" in influence and "dw_z" not in influence

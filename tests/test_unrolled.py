@@ -281,3 +281,100 @@ def test_approximate_unrolling_equals_the_exact_metagradient_where_its_closed_fo
     assert exact[0].values.abs().max() > 1e-4  # the pretraining examples do reach the finetuned model
     if case == 1:  # the finetuning examples' gradients ∇_Θ ℓ = y·W x are constant too
         torch.testing.assert_close(approx[1].values, exact[1].values, rtol=1e-9, atol=1e-12)
+
+
+def ridge_refit_measure(final: dict) -> torch.Tensor:
+    """(2,) test losses of a head refit to its optimum on the pretrained embedding (ridge regression in closed form):
+    a later stage at its optimum that the record does not hold, reached by the implicit function Θ*(W)."""
+    gen = torch.Generator().manual_seed(3)
+    x, y, x_test = torch.randn(9, 5, generator=gen), torch.randn(9, generator=gen), torch.randn(2, 5, generator=gen)
+    features = lambda inputs: torch.tanh(inputs @ final["embedding.0.weight"].T + final["embedding.0.bias"])  # noqa: E731
+    h = features(x)
+    head = torch.linalg.solve(h.T @ h + 0.1 * torch.eye(h.shape[1], dtype=h.dtype), h.T @ y)
+    return (features(x_test) @ head - torch.tensor([0.5, -1.0], dtype=h.dtype)) ** 2
+
+
+def test_metagradients_from_a_given_final_adjoint_equal_central_differences_of_the_rerun_training():
+    """The adjoint d measure / d θ_T of a refit-to-optimum head, computed outside the record, handed into the
+    pretraining run's reverse pass: equals (measure(replay(w_z = 1 + ε)) − measure(replay(1 − ε))) / 2ε."""
+    record = Record()
+    pretrain(record, SGD(lr=0.2, momentum=0.9, weight_decay=1e-3))
+    final = {n: v.detach().requires_grad_(True) for n, v in record.runs[0].final.items()}
+    values = ridge_refit_measure(final)
+    rows = [torch.autograd.grad(values[i], list(final.values()), retain_graph=True, allow_unused=True) for i in range(2)]
+    adjoint = {n: torch.stack([r[j] if r[j] is not None else torch.zeros_like(final[n]) for r in rows])
+               for j, n in enumerate(final)}
+    batched = ik.unrolled.metagradients(record, ik.unrolled.Adjoint(adjoint, batched=True), per_test=True)[0]
+    summed = ik.unrolled.metagradients(record, ik.unrolled.Adjoint({n: a.sum(0) for n, a in adjoint.items()}))[0]
+    assert batched.values.shape == (12, 2) and summed.values.shape == (12,)
+    torch.testing.assert_close(batched.values.sum(1), summed.values, rtol=1e-12, atol=1e-14)
+    for z in (0, 5, 11):
+        fd = []
+        for eps in (EPS, -EPS):
+            w = torch.ones(12)
+            w[z] += eps
+            with torch.no_grad():
+                fd.append(ridge_refit_measure(ik.unrolled.replay(record, w)[0]))
+        expected = (fd[0] - fd[1]) / (2 * EPS)
+        torch.testing.assert_close(batched.values[z], expected, rtol=1e-6, atol=1e-9)
+    assert batched.values.abs().max() > 1e-3 and torch.equal(batched.removal, -batched.values)
+    with pytest.raises(ik.InputError, match="not final values"):
+        ik.unrolled.metagradients(record, ik.unrolled.Adjoint({"nope": torch.zeros(3)}))
+    with pytest.raises(ik.InputError, match="parameter's shape"):
+        ik.unrolled.metagradients(record, ik.unrolled.Adjoint({"head.weight": torch.zeros(2, 2)}))
+
+
+class Readout(nn.Module):
+    """head(embedding(x)) with linear layers: the finetuning model over a fixed linear embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Linear(4, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(self.embedding(x))
+
+
+class Embedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.embedding(x)
+
+
+def squared_error(outputs, targets):
+    return ((outputs - targets) ** 2).sum(-1)
+
+
+@pytest.mark.parametrize("kind", ["ekfac", "kfac"])
+@pytest.mark.parametrize("momentum", [0.0, 0.7])
+def test_factored_approximate_unrolling_equals_the_dense_one_where_the_factored_curvature_is_exact(kind, momentum):
+    """Each stage trains one linear layer under squared error (pretraining: the embedding; finetuning: the head on
+    the fixed embedding, Case 1): with the exact Fisher its (E)K-FAC equals the Hessian, so the factored pieces
+    (f(C)·v in each layer's Kronecker eigenbasis) give the dense ones' scores on both stages."""
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    pre = ik.Stage(Embedding().eval(), squared_error, (torch.randn(14, 4, generator=gen), torch.randn(14, 3, generator=gen)),
+                   regularizer=l2(0.1))
+    fin = ik.Stage(Readout().eval(), squared_error, (torch.randn(10, 4, generator=gen), torch.randn(10, 2, generator=gen)),
+                   params="head", regularizer=l2(0.1))
+    test = (torch.randn(3, 4, generator=gen), torch.randn(3, 2, generator=gen))
+    record = Record()
+    schedule = lambda t: 0.1 / (1 + 0.1 * t)  # noqa: E731
+    record.train(pre, SGD(lr=0.1, momentum=momentum, weight_decay=0.05), steps=10, batch_size=14, schedule=schedule)
+    record.train(fin, SGD(lr=0.1, momentum=momentum), steps=8, batch_size=10, schedule=schedule,
+                 link=ik.Link("embedding", case=1))
+    exact = ik.CurvatureConfig(fisher="exact")
+    dense = ik.unrolled.approximate(record, test, segments=3, per_test=True)
+    factored = ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature=kind, config=exact)
+    for d, f in zip(dense, factored):
+        torch.testing.assert_close(f.values, d.values, rtol=1e-8, atol=1e-11)
+        assert d.values.abs().max() > 1e-3
+    assert kind in factored[0].method
+    sampled = ik.unrolled.approximate(record, test, segments=3, curvature=kind)[0].values  # the sampled Fisher: close
+    assert torch.corrcoef(torch.stack([sampled, dense[0].values.sum(1)]))[0, 1] > 0.5
+    with pytest.raises(ik.InputError, match="unknown curvature"):
+        ik.unrolled.approximate(record, test, curvature="lanczos")

@@ -218,6 +218,11 @@ class FactoredCurvature:
 
     __call__ = matvec
 
+    def function(self, vec: torch.Tensor, fn) -> torch.Tensor:
+        """f(C)·vec for an elementwise function f of C's eigenvalues (``fn`` maps a tensor of them), in each
+        block's eigenbasis; vec (p,) or (p, k). fn = identity gives matvec."""
+        return self._apply(vec, fn)
+
     def solve(self, rhs: torch.Tensor, damping: float = 0.0) -> torch.Tensor:
         """(C + λI)⁻¹ rhs blockwise in the eigenbases; eigenvalues e + λ ≤ 1e-12·max are treated as zero."""
         floor = 1e-12 * max(self.largest() + damping, 1e-300)

@@ -12,10 +12,10 @@ pretrain → finetune boundary. A score is d measure / d w_z at w = 1; removing 
     pre_scores, fin_scores = ik.unrolled.metagradients(record, (x_test, y_test), per_test=True)
 """
 
-from .metagradient import metagradients
+from .metagradient import Adjoint, metagradients
 from .optimizers import SGD, Adam, AdamW
 from .record import Record, StageRecorder, StageRun
 from .replay import outputs, replay, verify
 from .segments import approximate
 
-__all__ = ["SGD", "Adam", "AdamW", "Record", "approximate", "StageRecorder", "StageRun", "metagradients", "outputs", "replay", "verify"]
+__all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "StageRecorder", "StageRun", "metagradients", "outputs", "replay", "verify"]

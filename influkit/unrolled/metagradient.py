@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch.func import jacrev, vjp, vmap
 from tqdm.auto import tqdm
 
+from ..errors import InputError
 from ..results import InfluenceResult
 from .record import Record, StageRun, tensor_bytes
 from .replay import as_measure, deviation, start, unit_weights
@@ -47,8 +50,9 @@ METHOD = "unrolled exact (replay)"
 def metagradients(record: Record, measure, *, per_test: bool = False, progress: bool = False) -> list[InfluenceResult]:
     """One :class:`InfluenceResult` per recorded stage: values[z] = d measure(final model) / d w_z at w = 1.
 
-    measure: an (inputs, targets) test set (its per-test losses under the last stage) or a callable
-    params → scalar or (q,) tensor of the last stage's final values (trained θ_T and fixed shared block).
+    measure: an (inputs, targets) test set (its per-test losses under the last stage), a callable params → scalar
+    or (q,) tensor of the last stage's final values (trained θ_T and fixed shared block), or an :class:`Adjoint`
+    (d measure / d those final values, computed outside the record).
     per_test: keep one column per measure output, values (n_k, q); else the outputs are summed.
     ``results[0]`` scores the pretraining examples, ``results[-1]`` the finetuning examples (the same pass).
     removal = −values (removal_eps = −1). diagnostics: seconds (this pass, and the recorded training, whose first
@@ -57,6 +61,13 @@ def metagradients(record: Record, measure, *, per_test: bool = False, progress: 
     """
     start_time = time.perf_counter()
     adjoint, q, outputs = measure_adjoint(record, measure, per_test)
+    return _backward(record, adjoint, q, per_test, {"measure_outputs": int(outputs), "per_test": per_test},
+                     start_time, progress)
+
+
+def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: dict, start_time: float,
+              progress: bool) -> list[InfluenceResult]:
+    """Reverse mode through every stage, last to first, from θ̄_T = ``adjoint`` ((q, *shape) per name)."""
     checkpoint_bytes = sum(run.checkpoint_bytes() for run in record.runs)
     stats = {"replay_error": 0.0, "segment_growth": 0, "adjoint_bytes": 0}
     scores: list[torch.Tensor] = [None] * len(record)  # type: ignore[list-item]
@@ -74,10 +85,9 @@ def metagradients(record: Record, measure, *, per_test: bool = False, progress: 
     training = sum(run.seconds for run in record.runs)
     diagnostics = {
         "seconds": {"metagradient": seconds, "training (recorded)": training},
-        "settings": {"measure_outputs": int(outputs), "per_test": per_test,
-                     "steps": [run.steps for run in record.runs],
-                     "checkpoint_every": [run.every for run in record.runs],
-                     "optimizers": [repr(run.optimizer) for run in record.runs]},
+        "settings": settings | {"steps": [run.steps for run in record.runs],
+                                "checkpoint_every": [run.every for run in record.runs],
+                                "optimizers": [repr(run.optimizer) for run in record.runs]},
         "replay": {"max_error": stats["replay_error"], "checked": "every segment's recomputed end vs its checkpoint"},
         "memory": {"checkpoint_bytes": checkpoint_bytes, "adjoint_bytes": stats["adjoint_bytes"],
                    "segment_steps": max(run.every for run in record.runs),
@@ -94,8 +104,27 @@ def metagradients(record: Record, measure, *, per_test: bool = False, progress: 
     return results
 
 
+@dataclass(frozen=True)
+class Adjoint:
+    """A measure given by its adjoint on the last stage's final values: {name: d measure / d that tensor}.
+
+    Use it when the measure is reached through something the record does not hold — e.g. a later stage refit to
+    its optimum after the recorded run, whose implicit-function adjoint on the shared block (the Case 1 chain's
+    df/dS̄ = b − H_{S,θ} H⁻¹ a) is computed outside. Names: final values of the last recorded stage (trained θ_T or
+    fixed shared block); missing names count as 0. Shapes: the parameter's, or ``(q, *shape)`` for q measure
+    outputs with ``batched``. Pass it as the ``measure`` of :func:`metagradients` or :func:`~.segments.approximate`.
+    """
+
+    tensors: Mapping[str, torch.Tensor]
+    batched: bool = False
+
+
 def measure_adjoint(record: Record, measure, per_test: bool) -> tuple[dict, int, int]:
     """(θ̄_T = ∂f/∂(final values) with a leading dimension q, q, the measure's number of outputs)."""
+    if not len(record):
+        raise InputError("the record has no stage; train one with record.train(...) or record.recorder(...).")
+    if isinstance(measure, Adjoint):
+        return given_adjoint(record, measure, per_test)
     fn = as_measure(record, measure)
     final = {n: v.detach() for n, v in record.runs[-1].final.items()}
     with torch.no_grad():
@@ -103,6 +132,28 @@ def measure_adjoint(record: Record, measure, per_test: bool) -> tuple[dict, int,
     q = outputs if per_test else 1
     vector = lambda params: fn(params).reshape(-1) if per_test else fn(params).sum().reshape(1)  # noqa: E731
     return {n: j.reshape(q, *final[n].shape) for n, j in jacrev(vector)(final).items()}, q, outputs
+
+
+def given_adjoint(record: Record, adjoint: Adjoint, per_test: bool) -> tuple[dict, int, int]:
+    """:func:`measure_adjoint` of an :class:`Adjoint`, checked against the record's final values."""
+    final, given, batched = record.runs[-1].final, dict(adjoint.tensors), adjoint.batched
+    unknown = [n for n in given if n not in final]
+    if unknown:
+        raise InputError(f"adjoint names {unknown} are not final values of the last recorded stage; use names among "
+                         f"{list(final)[:5]}{' ...' if len(final) > 5 else ''}.")
+    if not given:
+        raise InputError("the adjoint is empty; give d measure / d (final value) for at least one parameter.")
+    bad = [n for n, v in given.items() if tuple(v.shape[1 if batched else 0:]) != tuple(final[n].shape)]
+    lead = {v.shape[0] if batched else 1 for v in given.values()}
+    if bad or len(lead) > 1 or lead == {0}:
+        raise InputError(f"every adjoint tensor must have its parameter's shape"
+                         f"{' after one common leading size q' if batched else ''} (batched={batched}); "
+                         f"mismatched: {bad or list(given)}.")
+    outputs = lead.pop()
+    tensors = {n: (v if batched else v.unsqueeze(0)).to(final[n].device, final[n].dtype) for n, v in given.items()}
+    if not per_test:
+        tensors = {n: v.sum(0, keepdim=True) for n, v in tensors.items()}
+    return tensors, outputs if per_test else 1, outputs
 
 
 def hand_over(record: Record, k: int, theta_bar: dict, anchor_bar: dict, q: int) -> dict:

@@ -17,9 +17,16 @@ block are handed to the previous stage as in :mod:`.metagradient` (same sign: sc
 predicts −score). Adam has no such linear recursion and is refused; so is Nesterov momentum.
 
 When the objective is quadratic and the per-example losses are linear in θ, every step is exactly this map and
-the result equals the exact metagradient (``tests/test_unrolled.py``). The Hessian here is dense (exact, for
-models of up to a few thousand trained parameters); EK-FAC eigenbases per segment (SOURCE's choice at scale) are
-not implemented yet.
+the result equals the exact metagradient (``tests/test_unrolled.py``).
+
+Curvature per piece (``curvature=``): ``"hessian"`` — the dense Hessian of L at θ_ℓ and its eigendecomposition
+(exact; models of up to a few thousand trained parameters); ``"ekfac"`` or ``"kfac"`` — SOURCE's choice at scale: the
+factored Gauss-Newton approximation C_ℓ (:func:`influkit.factored.curvature.fit_curvature`, settings from
+``config``: fisher, hessian_samples, seed) fitted at θ_ℓ. C_ℓ is block diagonal with a Kronecker eigenbasis per
+layer, and the piece's map (v, w) → (v', w', u) is linear with coefficients that are functions of one eigenvalue,
+so it is applied as f(C_ℓ)·v, elementwise in each layer's eigenbasis (:meth:`FactoredCurvature.function`): memory
+O(the factors + q·p), never p². Where C_ℓ equals H (one linear layer under squared error with the exact Fisher)
+the two agree (a test).
 """
 
 from __future__ import annotations
@@ -27,9 +34,12 @@ from __future__ import annotations
 import time
 
 import torch
-from torch.func import grad, hessian, jacrev, vmap
+from torch.func import grad, hessian, vjp, vmap
+from tqdm.auto import tqdm
 
 from ..errors import InputError
+from ..factored.curvature import fit_curvature
+from ..fitted import CurvatureConfig
 from ..results import InfluenceResult
 from .metagradient import hand_over, measure_adjoint
 from .optimizers import SGD
@@ -37,15 +47,22 @@ from .record import Record, StageRun
 from .replay import start, unit_weights
 
 METHOD = "unrolled approximate (segments, dense Hessian)"
+CURVATURES = ("hessian", "ekfac", "kfac")
 
 
-def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = False) -> list[InfluenceResult]:
+def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = False, curvature: str = "hessian",
+                config: CurvatureConfig | None = None, progress: bool = False) -> list[InfluenceResult]:
     """One :class:`InfluenceResult` per stage: the segment-wise closed-form estimate of d measure / d w_z.
 
-    Same arguments and sign as :func:`influkit.unrolled.metagradients`; ``segments`` pieces per stage.
+    Same arguments and sign as :func:`influkit.unrolled.metagradients`; ``segments`` pieces per stage; curvature:
+    ``"hessian"`` (dense, exact) or ``"ekfac"``/``"kfac"`` (factored, fitted per piece with ``config``, default
+    ``CurvatureConfig()``: the sampled Fisher on every example) — module docstring.
     """
     if int(segments) < 1:
         raise InputError(f"segments must be ≥ 1, got {segments!r}.")
+    if curvature not in CURVATURES:
+        raise InputError(f"unknown curvature {curvature!r}; choose one of {CURVATURES}.")
+    config = CurvatureConfig() if config is None else config
     for run in record.runs:
         if not isinstance(run.optimizer, SGD) or run.optimizer.nesterov:
             raise InputError(
@@ -57,14 +74,17 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     scores = [None] * len(record)
     for k in range(len(record) - 1, -1, -1):
         run = record.runs[k]
-        theta_bar, anchor_bar, scores[k] = _stage(run, adjoint, q, int(segments))
+        theta_bar, anchor_bar, scores[k] = _stage(run, adjoint, q, int(segments), curvature, config, progress)
         if k:
             adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
+    where = "dense Hessian at each segment's end" if curvature == "hessian" else \
+        f"{curvature} ({config.fisher} Fisher, hessian_samples={config.hessian_samples}) fitted at each segment's end"
     diagnostics = {"seconds": {"approximate": time.perf_counter() - began},
-                   "settings": {"segments": int(segments), "curvature": "dense Hessian at each segment's end",
+                   "settings": {"segments": int(segments), "curvature": where,
                                 "per_test": per_test, "measure_outputs": int(outputs)}}
+    method = METHOD if curvature == "hessian" else f"unrolled approximate (segments, {curvature})"
     return [InfluenceResult(values=scores[k] if per_test else scores[k][:, 0], n_train=len(run.stage),
-                            method=f"{METHOD}, stage {k}", diagnostics=diagnostics | {"stage": k}, removal_eps=-1.0)
+                            method=f"{method}, stage {k}", diagnostics=diagnostics | {"stage": k}, removal_eps=-1.0)
             for k, run in enumerate(record.runs)]
 
 
@@ -77,11 +97,21 @@ def _boundaries(run: StageRun, pieces: int) -> list[tuple[int, int, dict]]:
         idx, x, y = run.batch(t)
         theta, state = run.step(t, theta, state, run.anchors, unit_weights(run, idx, None, x), x, y)
         if t + 1 in cuts:
-            ends[t + 1] = theta
+            ends[t + 1] = {n: v.detach() for n, v in theta.items()}
     return [(a, b, ends[b]) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-def _stage(run: StageRun, adjoint: dict, q: int, pieces: int):
+def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list[float], momentum: float):
+    """The transposed recursion of one piece, elementwise per eigen-coordinate (eigenvalue ``lam``): from the
+    adjoints (α, β) of (δθ, δb) at the piece's end, (α, β) at its start and the forcing's adjoint u."""
+    forcing = torch.zeros_like(alpha)
+    for lr in reversed(lrs):  # step t: b' = μb + λδ + f, δ' = δ − η b'
+        forcing = forcing + beta - lr * alpha
+        alpha, beta = alpha * (1 - lr * lam) + beta * lam, momentum * (beta - lr * alpha)
+    return alpha, beta, forcing
+
+
+def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, config: CurvatureConfig, progress: bool):
     """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, (n, q) scores)."""
     names, anchor_names = list(run.trained), list(run.anchors)
     shapes = {n: v.shape for n, v in run.checkpoints[0][0].items()} | {n: v.shape for n, v in run.anchors.items()}
@@ -96,12 +126,11 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int):
             return {}
         return dict(zip(keys, (v.reshape(shapes[n]) for n, v in zip(keys, vector.split([sizes[n] for n in keys])))))
 
-    x_all, y_all = run.stage.data.take(torch.arange(len(run.stage)))
     n = len(run.stage)
     ones = torch.ones(n, dtype=reference.dtype, device=reference.device)
 
-    def objective(theta_flat, anchor_flat):  # the full-data stage objective L(θ; S̄)
-        return run.objective(unflat(theta_flat, names), unflat(anchor_flat, anchor_names), x_all, y_all, ones)
+    def objective(theta_flat, anchor_flat, x, y, w):  # the stage objective L(θ; S̄) on (x, y) with weights w
+        return run.objective(unflat(theta_flat, names), unflat(anchor_flat, anchor_names), x, y, w)
 
     def example_loss(theta_flat, x, y):  # ℓ(z; θ) of one example
         params = {m: run.anchors[m] for m in run.frozen} | unflat(theta_flat, names)
@@ -117,24 +146,59 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int):
                       anchor_names) if anchor_names else torch.zeros(q, 0, dtype=reference.dtype)
     scores = torch.zeros(n, q, dtype=reference.dtype, device=reference.device)
     momentum, decay = run.optimizer.momentum, run.optimizer.weight_decay
+    chunk = run.stage.data.batch_size or 256
     w = torch.zeros_like(v)  # the adjoint of the momentum buffer (0 at the end: the measure does not read it)
-    for a, b, theta_end in reversed(_boundaries(run, pieces)):
+    for a, b, theta_end in tqdm(list(reversed(_boundaries(run, pieces))), desc="segments", disable=not progress,
+                                leave=False):
         theta_flat = torch.cat([theta_end[m].reshape(-1) for m in names])
-        lam, basis = torch.linalg.eigh(hessian(objective)(theta_flat, anchor_flat))
-        lam = lam + decay  # the optimizer's coupled weight decay adds λ_wd·I
-        alpha, beta = v @ basis, w @ basis  # adjoints of (δθ, δb) in H_ℓ's eigenbasis, (q, p)
-        forcing = torch.zeros_like(alpha)
-        for lr in reversed(run.lrs[a:b]):  # step t: b' = μb + λδ + f, δ' = δ − η b'
-            forcing = forcing + beta - lr * alpha
-            alpha, beta = alpha * (1 - lr * lam) + beta * lam, momentum * (beta - lr * alpha)
-        u = forcing @ basis.T  # (q, p): d measure / d f for a constant gradient forcing f over the segment
-        per_example = vmap(grad(example_loss), (None, 0, 0))(theta_flat, x_all, y_all)  # (n, p): ∇ℓ(z; θ_ℓ)
-        scores += per_example @ u.T / n
-        if anchor_names:
-            coupling = jacrev(grad(objective), argnums=1)(theta_flat, anchor_flat)  # C = ∂∇_θL/∂S̄, (p, c)
-            anchor_bar = anchor_bar + u @ coupling
-        v, w = alpha @ basis.T, beta @ basis.T
+        lrs = run.lrs[a:b]
+        if curvature == "hessian":
+            x_all, y_all = run.stage.data.take(torch.arange(n))
+            lam, basis = torch.linalg.eigh(hessian(objective)(theta_flat, anchor_flat, x_all, y_all, ones))
+            alpha, beta, forcing = _piece(lam + decay, v @ basis, w @ basis, lrs, momentum)
+            u, v, w = forcing @ basis.T, alpha @ basis.T, beta @ basis.T
+        else:
+            u, v, w = _factored_piece(run, curvature, config, theta_end, v, w, lrs, momentum, decay)
+        for idx in torch.arange(n).split(chunk):  # score_z += (1/n) ∇ℓ(z; θ_ℓ)·u, a chunk of examples at a time
+            x, y = run.stage.data.take(idx)
+            per_example = vmap(grad(example_loss), (None, 0, 0))(theta_flat, x, y)  # (chunk, p)
+            scores[idx.to(scores.device)] += (per_example @ u.T.to(per_example.dtype)).to(scores.dtype) / n
+        if anchor_names:  # S̄'s adjoint += Cᵀu, C = ∂∇_θL/∂S̄: one mixed vector-Jacobian product per output
+            x_all, y_all = run.stage.data.take(torch.arange(n))
+            gradient = lambda th, an: grad(objective)(th, an, x_all, y_all, ones)  # noqa: E731
+            _, pullback = vjp(lambda an: gradient(theta_flat, an), anchor_flat)
+            anchor_bar = anchor_bar + torch.stack([pullback(u[j])[0] for j in range(q)])
     theta_bar = {m: t.reshape(q, *shapes[m]) for m, t in zip(names, v.split([sizes[m] for m in names], dim=1))}
     anchors_out = {m: t.reshape(q, *shapes[m]) for m, t in zip(anchor_names, anchor_bar.split(
         [sizes[m] for m in anchor_names], dim=1))} if anchor_names else {}
     return theta_bar, anchors_out, scores
+
+
+def _factored_piece(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, v: torch.Tensor,
+                    w: torch.Tensor, lrs: list[float], momentum: float, decay: float):
+    """(u, v', w') of one piece with the factored curvature C fitted at θ_ℓ: each output is Σ f(C)·input with f
+    the piece's coefficient functions of one eigenvalue (``_piece`` run on unit inputs)."""
+    n = len(run.stage)
+    indices = None
+    if config.hessian_samples is not None and config.hessian_samples < n:
+        indices = torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))[:config.hessian_samples]
+    extra = None
+    if run.alpha:
+        anchors, alpha = run.anchors, run.alpha
+        extra = lambda p: alpha * sum(((p[m] - anchors[m]) ** 2).sum() for m in run.inherited)  # noqa: E731
+    fitted = fit_curvature(run.stage, run.trained, kind=kind, fisher=config.fisher, indices=indices, extra=extra,
+                           at=theta_end, seed=config.seed)
+
+    def coefficient(output: int, unit: int):
+        def fn(lam):
+            one, zero = torch.ones_like(lam), torch.zeros_like(lam)
+            start = (one, zero) if unit == 0 else (zero, one)
+            return _piece(lam + decay, *start, lrs, momentum)[output]
+        return fn
+
+    inputs = [v.T] + ([w.T] if momentum else [])  # (p, q) each; without momentum w stays 0
+    outputs = []
+    for output in (2, 0, 1):  # u, v', w'
+        total = sum(fitted.function(x, coefficient(output, unit)) for unit, x in enumerate(inputs))
+        outputs.append(total.T.to(v.dtype))
+    return tuple(outputs)
