@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call, hessian, jacrev, vmap
+from torch.func import hessian, jacrev, vmap
 
 import influkit as ik
 from influkit import auto
