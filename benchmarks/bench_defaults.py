@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 import influkit as ik
+from benchmarks.common import bert_mlm_classifier_chain
 from influkit import hf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,18 +41,8 @@ def lm_lora():
     return ik.Chain([task.pre, task.fin], [hf.lora_link(task.pre, task.fin, case=1)]), test
 
 
-def adam(stage: ik.Stage, steps: int, lr: float = 3e-3) -> None:
-    live = dict(stage.model.named_parameters())
-    params = {n: live[n] for n in stage.param_names}
-    opt = torch.optim.Adam(params.values(), lr=lr)
-    for _ in range(steps):
-        opt.zero_grad()
-        stage.objective(params).backward()
-        opt.step()
-
-
 def tiny_bert():
-    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+    from transformers import BertConfig
 
     vocab, length = 200, 16
     config = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -63,20 +54,13 @@ def tiny_bert():
         ids[:, 0], ids[:, -1] = 2, 3
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
+    def labelled(n):
+        batch = sentences(n)
+        return batch | {"labels": batch["input_ids"][:, 1] % 2}
+
     l2 = lambda p: 0.5 * 1e-4 * sum((v**2).sum() for v in p.values())  # noqa: E731
-    torch.manual_seed(0)
-    pre_model = BertForMaskedLM(config).eval()
-    pre = hf.masked_lm_stage(pre_model, sentences(128), mask_token_id=4, special_token_ids=(0, 1, 2, 3, 4),
-                             regularizer=l2)
-    adam(pre, 60)
-    fin_model = BertForSequenceClassification(config).eval()
-    fin_model.bert.load_state_dict(pre_model.bert.state_dict(), strict=False)  # the pretrained encoder
-    train = sentences(64)
-    fin = hf.classification_stage(fin_model, train | {"labels": (train["input_ids"][:, 1] % 2)},
-                                  params=["bert.pooler", "classifier"], regularizer=l2)
-    adam(fin, 60)
-    test = sentences(8)
-    return ik.Chain([pre, fin], [ik.Link("bert", case=1)]), hf.pack(test | {"labels": test["input_ids"][:, 1] % 2})
+    pretrain, train, test = sentences(128), labelled(64), labelled(8)
+    return bert_mlm_classifier_chain(config, pretrain, train, steps=60, lr=3e-3, regularizer=l2), hf.pack(test)
 
 
 RECIPES = {"lm-lora": lm_lora, "tiny-bert": tiny_bert}

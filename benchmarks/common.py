@@ -130,6 +130,43 @@ def mnist_cnn(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     ).to(dtype)
 
 
+# --------------------------------------------------------------------------------------------- recipes
+def adam(stage: ik.Stage, steps: int, lr: float) -> None:
+    """``steps`` full-batch Adam steps on the stage objective (``stage.objective``), in place: a model trained
+    the way people train one, short of a minimum (``influkit.training.train_adam`` takes seeded mini-batches)."""
+    live = dict(stage.model.named_parameters())
+    params = {n: live[n] for n in stage.param_names}
+    opt = torch.optim.Adam(params.values(), lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        stage.objective(params).backward()
+        opt.step()
+
+
+def bert_mlm_classifier_chain(config, sentences: dict, labelled: dict, *, steps: int, lr: float, regularizer,
+                              mask_token_id: int = 4, special_token_ids=(0, 1, 2, 3, 4), seed: int = 0) -> ik.Chain:
+    """The Case 1 chain masked LM → classifier (``shared="bert"``) of ``influkit.hf``, both stages Adam-trained.
+
+    A float32 ``BertForMaskedLM(config)`` (after ``torch.manual_seed(0)``) is pretrained on ``sentences``
+    (masked with ``seed``) by ``steps`` Adam steps; its encoder is copied into a ``BertForSequenceClassification``
+    whose pooler and classifier are trained the same way on ``labelled`` (a batch with ``labels``).
+    """
+    from transformers import BertForMaskedLM, BertForSequenceClassification
+
+    from influkit import hf
+
+    torch.manual_seed(0)
+    pre_model = BertForMaskedLM(config).float().eval()
+    pre = hf.masked_lm_stage(pre_model, sentences, mask_token_id=mask_token_id, special_token_ids=special_token_ids,
+                             seed=seed, regularizer=regularizer)
+    adam(pre, steps, lr)
+    fin_model = BertForSequenceClassification(config).float().eval()
+    fin_model.bert.load_state_dict(pre_model.bert.state_dict(), strict=False)  # the pretrained encoder
+    fin = hf.classification_stage(fin_model, labelled, params=["bert.pooler", "classifier"], regularizer=regularizer)
+    adam(fin, steps, lr)
+    return ik.Chain([pre, fin], [ik.Link("bert", case=1)])
+
+
 # --------------------------------------------------------------------------------------------- problems
 PROBLEMS = {
     # name: (model factory, L2 weight). The MLP's small L2 makes the optimum isolated (H ≻ 0) yet ill-conditioned.
