@@ -33,11 +33,9 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import importlib.util
 import json
 import os
 import platform
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -49,6 +47,7 @@ from scipy.stats import spearmanr
 from tqdm.auto import tqdm
 
 import influkit as ik
+from benchmarks.common import study
 from benchmarks.fidelity_tasks import random_halves
 from influkit import hf
 from influkit.chain import Query
@@ -67,11 +66,7 @@ FINETUNE_ITERATIONS, FINETUNE_SAMPLES = 30, 64
 
 def example():
     """The study module ``experiments/lm_pretrain_lora.py`` (experiments/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("lm_pretrain_lora", ROOT / "experiments" / "lm_pretrain_lora.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return study("lm_pretrain_lora")
 
 
 class LMTask:

@@ -7,6 +7,7 @@ comparable on a shared 2-core machine; the number of threads is printed in the h
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import io
 import os
 import platform
@@ -30,6 +31,7 @@ from influkit.training import fit_lbfgs, gradient_norm, newton_refine
 from influkit.validation.reference import explicit_hessian  # the one explicit-Hessian truth (tests use it too)
 
 RESULTS = Path(__file__).resolve().parent / "results"
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
 
 
 # --------------------------------------------------------------------------------------------- environment
@@ -90,6 +92,16 @@ def timed(fn: Callable, repeat: int = 1, warmup: int = 0):
         result = fn()
         best = min(best, time.perf_counter() - start)
     return best, result
+
+
+def study(name: str):
+    """The study module ``experiments/<name>.py``, executed from its file (experiments/ is not a package) and
+    registered as ``sys.modules[name]`` (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 # --------------------------------------------------------------------------------------------- data, models

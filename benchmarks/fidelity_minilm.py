@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import resource
@@ -58,6 +57,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from benchmarks.common import study
 from benchmarks.fidelity_tasks import random_halves
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,12 +77,7 @@ TEST_RHS = SIZES["n_test"]
 
 def example():
     """The study module (experiments/ is not a package)."""
-    path = ROOT / "experiments" / "minilm_domain_adaptation.py"
-    spec = importlib.util.spec_from_file_location("minilm_domain_adaptation", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return study("minilm_domain_adaptation")
 
 
 class MiniLMTask:
