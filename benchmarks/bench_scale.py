@@ -45,7 +45,6 @@ import copy
 import datetime
 import gzip
 import hashlib
-import io
 import os
 import platform
 import sys
@@ -62,9 +61,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import influkit as ik
+from benchmarks.common import Tee
 from influkit.curvature import HessianOperator
 
-RESULTS = Path(__file__).resolve().parent / "results"
 FASHION_DIRS = [os.environ.get("FASHION_MNIST", ""), "/usr/share/datasets/fashion-mnist"]
 INSTALL_NOTE = (
     "Fashion-MNIST is not installed. On Debian/Ubuntu: `sudo apt-get install -y dataset-fashion-mnist` "
@@ -77,24 +76,6 @@ TOP = 50
 
 
 # ------------------------------------------------------------------------------------------------ output
-class Tee:
-    """Print and keep a copy, written to ``benchmarks/results/<name>.txt``."""
-
-    def __init__(self):
-        self.buffer = io.StringIO()
-
-    def __call__(self, *args) -> None:
-        text = " ".join(str(a) for a in args)
-        print(text, flush=True)
-        self.buffer.write(text + "\n")
-
-    def save(self, name: str) -> Path:
-        RESULTS.mkdir(exist_ok=True)
-        path = RESULTS / f"{name}.txt"
-        path.write_text(self.buffer.getvalue())
-        return path
-
-
 def machine() -> str:
     cpu = platform.processor() or "cpu"
     try:
@@ -357,13 +338,11 @@ def main(argv=None) -> None:
     log("(stage batch = n: Hessian-vector products through one cached gradient graph)")
 
     ref = Reference(stage, test_pre, log)
-    heig = None
     if not args.quick:
         from influkit.factored import lanczos
 
         theta, _, _ = lanczos(HessianOperator(stage, curvature=CURVATURE), 60, iterations=60)
         theta = theta.sort().values
-        heig = theta
         log(f"{CURVATURE}: extreme Ritz values (60 Lanczos steps on the float32 H): smallest "
             f"{', '.join(f'{float(t):.3g}' for t in theta[:3])}; largest {', '.join(f'{float(t):.3g}' for t in theta[-3:])}")
 
