@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
+from benchmarks.common import study
 from conftest import need
 
 need("h5py")  # influkit.elmo (influkit[elmo])
 
 from influkit.elmo import corpora  # noqa: E402
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "experiments" / "elmo_influence.py"
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("elmo_influence", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -65,7 +53,7 @@ def test_missing_data_names_the_command(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_quick_experiment_writes_finite_results(vader_archive, tmp_path, one_thread):
-    example = _load_example()
+    example = study("elmo_influence")
     assert example.main(["--quick", "--out", str(tmp_path)]) == 0
     for name in ("summary.json", "scores.csv", "table1_top_bottom.csv", "loo.csv", "loo_scatter.png",
                  "elmo_options.json", "elmo_weights.hdf5"):  # fmt: skip

@@ -11,11 +11,8 @@ eager attention because forward-mode AD has no rule for CPU scaled-dot-product a
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -27,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import influkit as ik  # noqa: E402
+from benchmarks.common import study  # noqa: E402
 from influkit import hf  # noqa: E402
 from influkit.curvature import HessianOperator  # noqa: E402
 from influkit.errors import VectorizationWarning  # noqa: E402
@@ -447,14 +445,9 @@ def _expanded(stage: ik.Stage, names: list[str]) -> list[str]:
 
 # --- the experiment, CI-sized ---------------------------------------------------------------------------
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "experiments" / "bert_pretrain_finetune.py"
-
 
 def _run_example(*args: str) -> object:
-    spec = importlib.util.spec_from_file_location("bert_pretrain_finetune", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
+    module = study("bert_pretrain_finetune")
     threads = torch.get_num_threads()
     try:
         assert module.main(["--quick", "--no-progress", *args]) == 0

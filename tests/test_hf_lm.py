@@ -370,25 +370,19 @@ def test_lora_chain_equals_the_explicit_hessian_formula(pretrained, case):
 @pytest.mark.slow
 def test_lm_example_quick_runs_end_to_end(tmp_path):
     """``experiments/lm_pretrain_lora.py --quick``: pretraining, LoRA, three solves, leave-out, plot (~15 s)."""
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
     import numpy as np
     import pandas as pd
 
+    from benchmarks.common import study
     from influkit.elmo import corpora
 
     try:
         corpora.vader_archive()
     except corpora.DataUnavailable as exc:
         pytest.skip(f"vaderSentiment sdist unavailable: {exc}")
-    path = Path(__file__).resolve().parents[1] / "experiments" / "lm_pretrain_lora.py"
-    spec = importlib.util.spec_from_file_location("lm_pretrain_lora", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
+    module = study("lm_pretrain_lora")
     threads = torch.get_num_threads()
     try:
         assert module.main(["--quick", "--no-progress", "--out", str(tmp_path)]) == 0
