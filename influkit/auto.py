@@ -45,7 +45,7 @@ DIRECT_MAX = 3000
 DAMPING_RATIO = 1e-2
 # above this many parameters the Gauss-Newton solve off a minimum is preconditioned by EK-FAC
 PRECONDITION_MIN = 10**6
-APPROXIMATIONS: frozenset[str] = frozenset()  # the solver registry's approximate inverses: set by influkit.solvers
+APPROXIMATIONS = ("kfac", "ekfac", "arnoldi")
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from typing import ClassVar
 import torch
 from tqdm.auto import tqdm
 
-from . import auto, krylov
+from . import krylov
 from .auto import Choice, Training, decide
 from .errors import ConvergenceWarning, InputError, NumericalError, warn
 from .factored import deflated
@@ -512,10 +512,6 @@ class Arnoldi(_Approximation):
         if self.approximation is None:
             self.approximation = self._approximation("arnoldi", progress)
         self.preconditioner_name = f"arnoldi (rank {self.approximation.eigenvalues.numel()})"
-
-
-# auto.decide solves a small stage exactly under a shared approximate inverse; auto cannot import this registry
-auto.APPROXIMATIONS = frozenset(name for name, cls in REGISTRY.items() if issubclass(cls, _Approximation))
 
 
 def _warn_unconverged(method: str, iterations: int, residual: float, tol: float, floor: float, dtype, damping: float,
