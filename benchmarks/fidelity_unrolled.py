@@ -17,9 +17,10 @@ differentiate a recorded run that stands for the protocol's training (the decisi
   member 0's *initialization*, SGD + momentum on seeded mini-batches of 32, 150 + 100 steps, stopped away from a
   stationary point — a from-scratch run a user would record; the protocol's re-trainings start from other seeds.
 
-Methods (both per test point, K = 1): the exact metagradient (``ik.unrolled.metagradients``) and the approximate
-unrolling (``ik.unrolled.approximate``, the replay protocol's 5 segments per stage with the dense Hessian at each
-segment's end). Sign: each keeps its own, score = d test loss_t(θ_final(w)) / d w_z at w = 1 — positive = up-weighting
+Methods (per test point, K = 1): the exact metagradient (``ik.unrolled.metagradients``) and the approximate
+unrolling (``ik.unrolled.approximate``, the replay protocol's 5 segments per stage) with the dense Hessian at each
+segment's end, and with EK-FAC fitted there (SOURCE's curvature at scale; ``CurvatureConfig()``, the curvature of
+the "influkit EK-FAC" influence row). Sign: each keeps its own, score = d test loss_t(θ_final(w)) / d w_z at w = 1 — positive = up-weighting
 z raises the test loss, influkit's sign, which the LDS ranks directly (removing z predicts −score). Seconds: the
 reverse (or segment) pass; recording the run is training and is reported apart, as the other rows leave training out.
 
@@ -48,7 +49,8 @@ from benchmarks.fidelity_tasks import Task, subsets_for
 from influkit import Link
 from influkit.validation import lds_per_query
 
-METHODS = (EXACT, APPROXIMATE)
+APPROXIMATE_EKFAC = f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, EK-FAC)"
+METHODS = (EXACT, APPROXIMATE, APPROXIMATE_EKFAC)
 REPRODUCED = 1e-6
 """Largest |Δ test loss| between today's re-training of a committed subset and its committed output (written to 10
 significant digits) for which the committed outputs count as this code's."""
@@ -77,41 +79,48 @@ def _path(task: Task, protocol: str, method: str) -> Path:
     return task.directory / "unrolled" / f"{protocol}_{slug}_{settings_digest(task)}.safetensors"
 
 
+def _compute(method: str, record: ik.unrolled.Record, test) -> ik.InfluenceResult:
+    """Stage 0's per-test scores of ``method`` on ``record``."""
+    if method == EXACT:
+        return ik.unrolled.metagradients(record, test, per_test=True)[0]
+    curvature = "hessian" if method == APPROXIMATE else "ekfac"
+    return ik.unrolled.approximate(record, test, segments=APPROXIMATE_SEGMENTS, per_test=True, curvature=curvature)[0]
+
+
 def unrolled_scores(task: Task, protocol: str) -> tuple[dict[str, tuple[np.ndarray, float]], dict]:
-    """({method: ((n, q) scores, seconds)}, facts of the recorded run); scores cached under the task's cache."""
+    """({method: ((n, q) scores, seconds)}, facts of the recorded run); each method's scores cached on its own under
+    the task's cache (the run is recorded once when any is missing)."""
     paths = {m: _path(task, protocol, m) for m in METHODS}
     facts_path = task.directory / "unrolled" / f"{protocol}_facts_{settings_digest(task)}.json"
-    if all(p.exists() for p in paths.values()) and facts_path.exists():
-        loaded = {m: load_file(p) for m, p in paths.items()}
-        return ({m: (v["scores"].numpy(), float(v["seconds"])) for m, v in loaded.items()},
-                json.loads(facts_path.read_text()))
-    torch.set_num_threads(1)
-    start = time.perf_counter()
-    record = recorded_run(task, protocol)
-    record_seconds = time.perf_counter() - start
-    test = task.split.test
-    start = time.perf_counter()
-    exact = ik.unrolled.metagradients(record, test, per_test=True)[0]
-    exact_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    approx = ik.unrolled.approximate(record, test, segments=APPROXIMATE_SEGMENTS, per_test=True)[0]
-    approx_seconds = time.perf_counter() - start
-    scores = {EXACT: (exact.values.double().numpy(), exact_seconds),
-              APPROXIMATE: (approx.values.double().numpy(), approx_seconds)}
-    facts = {"run": "continued training from member 0's trained chain (full batch)" if protocol == "warm"
-             else "the replay protocol's from-scratch record (member 0's initialization, batches of 32)",
-             "steps": [run.steps for run in record.runs], "optimizers": [repr(run.optimizer) for run in record.runs],
-             "recording seconds (one run)": record_seconds,
-             "final gradient norms": final_gradient_norms(record),
-             "recorded test loss, summed": float(ik.unrolled.outputs(record, test).sum()),
-             "replay error (reverse pass, segment ends vs checkpoints)": exact.diagnostics["replay"]["max_error"],
-             "load when scored (1 min)": os.getloadavg()[0]}
-    for method, (values, seconds) in scores.items():
-        paths[method].parent.mkdir(parents=True, exist_ok=True)
-        save_file({"scores": torch.as_tensor(np.ascontiguousarray(values)), "seconds": torch.tensor(seconds)},
-                  str(paths[method]), metadata={"method": method, "protocol": protocol})
-    facts_path.write_text(json.dumps(facts, indent=1))
-    return scores, facts
+    facts_path.parent.mkdir(parents=True, exist_ok=True)
+    missing = [m for m, p in paths.items() if not p.exists()]
+    if missing or not facts_path.exists():
+        torch.set_num_threads(1)
+        start = time.perf_counter()
+        record = recorded_run(task, protocol)
+        record_seconds = time.perf_counter() - start
+        test = task.split.test
+        facts = json.loads(facts_path.read_text()) if facts_path.exists() else {
+            "run": "continued training from member 0's trained chain (full batch)" if protocol == "warm"
+            else "the replay protocol's from-scratch record (member 0's initialization, batches of 32)",
+            "steps": [run.steps for run in record.runs], "optimizers": [repr(run.optimizer) for run in record.runs],
+            "recording seconds (one run)": record_seconds, "final gradient norms": final_gradient_norms(record),
+            "recorded test loss, summed": float(ik.unrolled.outputs(record, test).sum()),
+            "load when scored (1 min)": os.getloadavg()[0]}
+        for method in missing:
+            start = time.perf_counter()
+            result = _compute(method, record, test)
+            seconds = time.perf_counter() - start
+            if method == EXACT:
+                facts["replay error (reverse pass, segment ends vs checkpoints)"] = result.diagnostics["replay"][
+                    "max_error"]
+            facts[f"load when scored (1 min): {method}"] = os.getloadavg()[0]
+            save_file({"scores": result.values.double().contiguous(), "seconds": torch.tensor(seconds)},
+                      str(paths[method]), metadata={"method": method, "protocol": protocol})
+        facts_path.write_text(json.dumps(facts, indent=1))
+    loaded = {m: load_file(p) for m, p in paths.items()}
+    return ({m: (v["scores"].numpy(), float(v["seconds"])) for m, v in loaded.items()},
+            json.loads(facts_path.read_text()))
 
 
 def final_gradient_norms(record: ik.unrolled.Record) -> list[float]:
@@ -194,11 +203,13 @@ def add_rows(task: Task, protocols, results: Path, m: int) -> None:
         table = pd.concat([table[~table.method.isin(METHODS)], pd.DataFrame(rows)], ignore_index=True)
         table.to_csv(f"{stem}.csv", index=False)
         summary = json.loads(Path(f"{stem}.json").read_text())
-        if protocol == "warm" and rows:
-            facts["horizon: approximate unrolling's LDS vs the continuation's steps"] = horizon(task, results, m)
+        key = "horizon: approximate unrolling's LDS vs the continuation's steps"
+        if protocol == "warm" and rows:  # kept from the committed JSON once measured (it re-records 3 runs)
+            facts[key] = summary.get("unrolled", {}).get(key) or horizon(task, results, m)
         summary["unrolled"] = facts
         Path(f"{stem}.json").write_text(json.dumps(summary, indent=1))
         for row in rows:
+            load = facts.get(f"load when scored (1 min): {row['method']}", facts["load when scored (1 min)"])
             print(f"{task.config.name} {protocol} | {row['method']} | LDS {row['LDS']:.3f} ± {row['sem']:.3f} | "
                   f"{row['seconds']:.1f} s | reproduction Δ {facts['reproduction']['max |Δ test loss|']:.1e} | "
-                  f"load when scored {facts['load when scored (1 min)']:.1f}", flush=True)
+                  f"load when scored {load:.1f}", flush=True)
