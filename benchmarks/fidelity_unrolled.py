@@ -9,9 +9,10 @@ differentiate a recorded run that stands for the protocol's training (the decisi
   from member 0's finetuned head on the continued embedding (Case 1: head only, embedding fixed; Case 2: embedding
   and head with α‖W − W̄‖², starting at W̄, as the protocol's re-training does), with the replay record's optimizers
   and step counts (``fidelity_replay``: SGD, momentum 0.9, lr 0.05 — Fashion pretraining 0.02 —, 150 + 100 steps).
-  At w = 1 the run stays at the trained (stationary) models; dropping z is w_z = 0 in every full-batch step — what
-  the protocol's continuation on S does, with gradient descent for a fixed horizon in place of L-BFGS/Newton to
-  convergence. On a quadratic this truncated descent moves θ by −[I − A_T] H⁻¹ ∇ (A_T the heavy-ball propagator):
+  At w = 1 pretraining stays at the trained (stationary) model (final ‖∇‖ ≤ 2e-13), and so does Case 1's finetuning;
+  Case 2's finetuning moves from W̄ back towards W* (final ‖∇‖ 0.009 on digits). Dropping z is w_z = 0 in every
+  full-batch step — what the protocol's continuation on S does, with gradient descent for a fixed horizon in place of
+  L-BFGS/Newton to convergence. On a quadratic this truncated descent moves θ by −[I − A_T] H⁻¹ ∇ (A_T the heavy-ball propagator):
   the exact influence damped below curvatures ≈ (1 − μ)/(η T); as T → ∞ (H ≻ 0) the score tends to I(z, T)/m.
 - **scratch — the recorded from-scratch run.** The replay protocol's record (``fidelity_replay.record_task``):
   member 0's *initialization*, SGD + momentum on seeded mini-batches of 32, 150 + 100 steps, stopped away from a
@@ -20,8 +21,9 @@ differentiate a recorded run that stands for the protocol's training (the decisi
 Methods (per test point, K = 1): the exact metagradient (``ik.unrolled.metagradients``) and the approximate
 unrolling (``ik.unrolled.approximate``, the replay protocol's 5 segments per stage) with the dense Hessian at each
 segment's end, and with EK-FAC fitted there (SOURCE's curvature at scale; ``CurvatureConfig()``, the curvature of
-the "influkit EK-FAC" influence row). Sign: each keeps its own, score = d test loss_t(θ_final(w)) / d w_z at w = 1 — positive = up-weighting
-z raises the test loss, influkit's sign, which the LDS ranks directly (removing z predicts −score). Seconds: the
+the "influkit EK-FAC" influence row). Sign: each keeps its own, score = d test loss_t(θ_final(w)) / d w_z at w = 1
+— positive = up-weighting z raises the test loss, influkit's sign, which the LDS ranks directly (removing z predicts
+−score; the influence rows' I(z, t) = m·score in the limit, the same sign). Seconds: the
 reverse (or segment) pass; recording the run is training and is reported apart, as the other rows leave training out.
 
 Scored against the committed re-trainings (``results/fidelity/<task>_<protocol>_outputs.csv.gz``) after checking
@@ -147,6 +149,12 @@ def reproduction_gap(task: Task, protocol: str, frame: pd.DataFrame) -> tuple[in
     return j, float(np.abs(out.numpy() - committed).max())
 
 
+def committed(task: Task, frame: pd.DataFrame, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """((M', n) kept masks, (M', q) test losses averaged over seeds) of the committed outputs ``frame``."""
+    table = frame.groupby(["subset", "test"]).loss.mean().unstack("test").sort_index()
+    return subsets_for(task, m)[torch.tensor(table.index.to_numpy())].numpy(), table.to_numpy()
+
+
 def protocol_rows(task: Task, protocol: str, results: Path, m: int) -> tuple[list[dict], dict]:
     """The unrolled rows (method, K = 1, LDS, sem, seconds) against the committed outputs, and the facts."""
     frame = pd.read_csv(results / f"{task.config.name}_{protocol}_outputs.csv.gz")
@@ -154,13 +162,12 @@ def protocol_rows(task: Task, protocol: str, results: Path, m: int) -> tuple[lis
     facts = {"reproduction": {"subset": j, "seed": 0, "max |Δ test loss|": gap, "reproduced": gap <= REPRODUCED}}
     if gap > REPRODUCED:  # the committed outputs are not this code's: no LDS against them
         return [], facts
-    table = frame.groupby(["subset", "test"]).loss.mean().unstack("test").sort_index()
-    masks = subsets_for(task, m)[torch.tensor(table.index.to_numpy())].numpy()
+    masks, outputs = committed(task, frame, m)
     scores, run_facts = unrolled_scores(task, protocol)
     facts |= run_facts
     rows = []
     for method, (values, seconds) in scores.items():
-        per_query = lds_per_query(values, masks, table.to_numpy())
+        per_query = lds_per_query(values, masks, outputs)
         valid = per_query[np.isfinite(per_query)]
         rows.append({"method": method, "K": 1, "LDS": float(valid.mean()),
                      "sem": float(valid.std(ddof=1) / np.sqrt(valid.size)), "seconds": seconds})
@@ -174,15 +181,14 @@ def horizon(task: Task, results: Path, m: int, scales=HORIZONS) -> dict[str, flo
     """{steps: LDS} of the approximate unrolling of the warm continuation run ``scale`` times longer, against the
     committed warm outputs. Where the continuation does not move at w = 1 (Case 1: the trained chain is stationary)
     it equals the exact metagradient (1.9e-13 relative on digits Case 1 at scale 1); as the steps grow, both tend to
-    the exact influence I(z, T)/m of the stationary chain (H ≻ 0), whose warm LDS is the "influkit exact" row."""
-    frame = pd.read_csv(results / f"{task.config.name}_warm_outputs.csv.gz")
-    table = frame.groupby(["subset", "test"]).loss.mean().unstack("test").sort_index()
-    masks = subsets_for(task, m)[torch.tensor(table.index.to_numpy())].numpy()
+    the exact influence I(z, T)/m of the stationary chain (H ≻ 0; its warm LDS is the "influkit exact" row), slowly
+    along the flattest directions (curvature ≲ (1 − μ)/(η T) is still damped)."""
+    masks, outputs = committed(task, pd.read_csv(results / f"{task.config.name}_warm_outputs.csv.gz"), m)
     out = {}
     for scale in scales:
         record = record_continuation(task, scale)
         values = ik.unrolled.approximate(record, task.split.test, segments=APPROXIMATE_SEGMENTS, per_test=True)[0]
-        per_query = lds_per_query(values.values.double().numpy(), masks, table.to_numpy())
+        per_query = lds_per_query(values.values.double().numpy(), masks, outputs)
         steps = " + ".join(str(run.steps) for run in record.runs)
         out[steps] = float(np.nanmean(per_query))
         print(f"{task.config.name} warm | approximate unrolling, continuation of {steps} steps | LDS {out[steps]:.3f}",
