@@ -20,11 +20,17 @@ Resumable: every re-training, trained member and method score matrix is cached u
     python -m benchmarks.bench_fidelity check --task digits-case1     # the peers' wiring vs an explicit Hessian
     python -m benchmarks.bench_fidelity table --task digits-case1     # every cached task: tables, plot, README
     python -m benchmarks.bench_fidelity retrain --task digits-case1 --protocol replay --subsets 50   # fidelity_replay
+    python -m benchmarks.bench_fidelity linearity --task fashion-case1   # why replay LDS falls with the drop size
     python -m benchmarks.bench_fidelity retrain --task minilm-dapt --subsets 40   # optional: pretrained MiniLM
     python -m benchmarks.bench_fidelity committed --task digits-case1 --protocol warm --methods "influkit default ..."
+    python -m benchmarks.bench_fidelity unrolled --task digits-case1   # + the unrolled rows (warm and scratch)
 
 ``committed``: LDS (K = 1) of the named methods against the re-trainings committed in
 ``results/fidelity/<task>_<protocol>_outputs.csv.gz`` (no re-training; member 0 is trained if not cached).
+``unrolled``: the exact metagradient and the approximate unrolling (``fidelity_unrolled``: which recorded run each
+protocol's rows differentiate) scored against those committed outputs, once today's code is checked to reproduce
+them; their rows go into the committed tables, and README_results.md and lds_vs_seconds.png are re-rendered from
+the committed tables of every task.
 """
 
 from __future__ import annotations
@@ -86,7 +92,7 @@ def committed_lds(task: Task, protocol: str, m: int, methods: list[str]) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=("retrain", "score", "check", "table", "committed"))
+    parser.add_argument("step", choices=("retrain", "score", "check", "table", "committed", "unrolled", "linearity"))
     parser.add_argument("--task", choices=sorted(TASKS) + [MINILM], required=True)
     parser.add_argument("--protocol", choices=(*PROTOCOLS, "replay"), default="warm",
                         help="replay: the recorded run replayed with dropped examples weighted 0 (fidelity_replay.py)")
@@ -103,7 +109,11 @@ def main() -> None:
         return run(args.step, args.subsets, args.methods, progress=not args.no_progress)
     task = Task(TASKS[args.task], CACHE)
     start = time.perf_counter()
-    if args.protocol == "replay":  # records, scores and replays in one step (fidelity_replay.py)
+    if args.step == "linearity":  # the replayed run's response along drop sets vs its linear prediction
+        from benchmarks.fidelity_replay import linearity
+
+        linearity(task, {0.01: 20, 0.05: args.subsets, 0.1: 20}, RESULTS, progress=not args.no_progress)
+    elif args.protocol == "replay":  # records, scores and replays in one step (fidelity_replay.py)
         from benchmarks.fidelity_replay import run_replay_protocol
 
         run_replay_protocol(task, args.subsets, RESULTS, progress=not args.no_progress)
@@ -122,6 +132,12 @@ def main() -> None:
         check_peers(task)
     elif args.step == "committed":
         committed_lds(task, args.protocol, args.subsets, args.methods or [])
+    elif args.step == "unrolled":
+        from benchmarks.fidelity_report import committed_tables, write_summary
+        from benchmarks.fidelity_unrolled import add_rows
+
+        add_rows(task, PROTOCOLS, RESULTS, args.subsets)
+        write_summary(committed_tables(list(TASKS), RESULTS), RESULTS)
     else:
         from benchmarks.fidelity_report import write_tables
 

@@ -18,11 +18,14 @@ import pandas as pd
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.fidelity_methods import all_methods, scores_path
+from benchmarks.fidelity_methods import PEERS, all_methods, scores_path
+from benchmarks.fidelity_replay import APPROXIMATE_SEGMENTS
 from benchmarks.fidelity_tasks import PROTOCOLS, Task, subsets_for
 from influkit.validation import lds_per_query  # the metric (influkit.validation.lds)
 
 ENSEMBLE_K = (1, 5)
+UNROLLED_APPROXIMATE = f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage"
+"""The prefix of the approximate-unrolling rows (dense-Hessian or EK-FAC segments, ``fidelity_unrolled``)."""
 
 
 def load_outputs(task: Task, protocol: str, subsets: torch.Tensor, seeds: list[int]) -> tuple[np.ndarray, list[int]]:
@@ -115,10 +118,12 @@ def markdown(frame: pd.DataFrame) -> str:
 def summary(tables: dict) -> str:
     """One GitHub table: a row per method, a column per (task, protocol), cells "LDS K=1 (K=5)"."""
     keys = [key for key, (frame, _) in tables.items() if not frame.empty]
+    present = [m for key in keys for m in tables[key][0].method]
+    methods = [m for m in dict.fromkeys(all_methods() + present) if m in present]
     header = "| method | " + " | ".join(f"{name} {protocol} (M = {tables[name, protocol][1]['M']})"
                                          for name, protocol in keys) + " |"
     lines = [header, "|---" * (len(keys) + 1) + "|"]
-    for method in all_methods():
+    for method in methods:
         cells = []
         for key in keys:
             frame = tables[key][0].set_index(["method", "K"])["LDS"]
@@ -133,17 +138,26 @@ def summary(tables: dict) -> str:
 def targets(tables: dict) -> list[str]:
     """The issue's two targets, per task, as sentences with the measured gap."""
     lines = []
-    for (name, protocol), (frame, _) in tables.items():
+    for (name, protocol), (frame, facts) in tables.items():
         if frame.empty:
             continue
         k1 = frame[frame.K == 1].set_index("method")["LDS"]
-        peers = k1[[m for m in k1.index if not m.startswith("influkit")]]
+        if "unrolled" in facts and not facts["unrolled"]["reproduction"]["reproduced"]:
+            lines.append(f"- {name}, {protocol}: approximate unrolling vs EK-FAC not measured (the committed re-trainings "
+                         "are not reproduced by today's code; see the table's note).")
+        peers = k1[[m for m in k1.index if m in PEERS]]
         exact = k1.get("influkit exact (auto: direct on H)")
         if protocol == "warm" and exact is not None and len(peers):
             best = peers.idxmax()
             gap = exact - peers.max()
             lines.append(f"- {name}, warm start: influkit exact {exact:.3f} vs best peer {best} {peers.max():.3f}: "
                          f"margin {gap:+.3f} (target ≥ +0.10: {'met' if gap >= 0.10 else 'missed'}).")
+        ekfac = k1.get("influkit EK-FAC")
+        for method in [m for m in k1.index if m.startswith(UNROLLED_APPROXIMATE) and ekfac is not None]:
+            approximate = k1[method]
+            lines.append(f"- {name}, {protocol}: {method} {approximate:.3f} vs influkit EK-FAC {ekfac:.3f} "
+                         f"(K = 1; target ≥ EK-FAC: {'met' if approximate >= ekfac else 'missed'}, "
+                         f"gap {approximate - ekfac:+.3f}).")
         if protocol == "scratch":
             k5 = frame[frame.K == 5].set_index("method")["LDS"]
             ours = k5[[m for m in k5.index if m.startswith("influkit")]]
@@ -168,8 +182,8 @@ def plot(tables: dict, path: Path) -> None:
     if not names:
         return
     fig, axes = plt.subplots(len(names), len(PROTOCOLS), figsize=(6 * len(PROTOCOLS), 4.2 * len(names)), squeeze=False)
-    methods = all_methods()
-    colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    methods = list(dict.fromkeys(all_methods() + [m for frame, _ in tables.values() for m in frame.method]))
+    colors = {m: plt.cm.tab20(i % 20) for i, m in enumerate(methods)}
     for r, name in enumerate(names):
         for c, protocol in enumerate(PROTOCOLS):
             ax = axes[r][c]
@@ -196,21 +210,67 @@ def plot(tables: dict, path: Path) -> None:
 
 
 def write_tables(task: Task, m: int, seeds: list[int], results: Path, all_tasks: list[Task] | None = None) -> None:
-    """Write results/fidelity/{task}_{protocol}.csv/.md for this task, then the combined README_results.md and
-    lds_vs_seconds.png over every task with cached results."""
+    """Write results/fidelity/{task}_{protocol}.csv/.json/_outputs.csv.gz from the cache for every task, then the
+    combined README_results.md and lds_vs_seconds.png. Rows of methods the cache lacks (the unrolled rows of
+    ``fidelity_unrolled``, scored against the committed outputs) and the JSON's ``unrolled`` facts are kept."""
     results.mkdir(parents=True, exist_ok=True)
     tables = {}
     for t in all_tasks or [task]:
         subsets = subsets_for(t, m)
         for protocol in PROTOCOLS:
             frame, facts = lds_rows(t, protocol, subsets, seeds)
+            stem = results / f"{t.config.name}_{protocol}"
+            if not frame.empty and Path(f"{stem}.csv").exists():
+                kept = pd.read_csv(f"{stem}.csv")
+                frame = pd.concat([frame, kept[~kept.method.isin(frame.method)]], ignore_index=True)
+                facts |= {k: v for k, v in json.loads(stem.with_suffix(".json").read_text()).items() if k == "unrolled"}
             tables[t.config.name, protocol] = (frame, facts)
             if frame.empty:
                 continue
-            stem = results / f"{t.config.name}_{protocol}"
             frame.to_csv(f"{stem}.csv", index=False)
             write_outputs(t, protocol, subsets, seeds, Path(f"{stem}_outputs.csv.gz"))
             stem.with_suffix(".json").write_text(json.dumps(facts, indent=1))
+    write_summary(tables, results)
+
+
+def committed_tables(names: list[str], results: Path) -> dict:
+    """{(task, protocol): (rows, facts)} read back from the committed results/<task>_<protocol>.csv and .json."""
+    tables = {}
+    for name in names:
+        for protocol in PROTOCOLS:
+            stem = results / f"{name}_{protocol}"
+            if Path(f"{stem}.csv").exists():
+                tables[name, protocol] = (pd.read_csv(f"{stem}.csv"), json.loads(stem.with_suffix(".json").read_text()))
+    return tables
+
+
+def unrolled_note(facts: dict) -> str:
+    """One sentence on the run the unrolled rows differentiate (``fidelity_unrolled``), or '' without them."""
+    info = facts.get("unrolled")
+    if not info:
+        return ""
+    check = info["reproduction"]
+    if not check["reproduced"]:
+        return (f"Unrolled rows: not reported — today's re-training of subset {check['subset']} (seed 0) differs from "
+                f"the committed outputs by up to {check['max |Δ test loss|']:.2g} in a test loss.")
+    norms = ", ".join(f"{v:.1e}" for v in info["final gradient norms"])
+    return (f"Unrolled rows (benchmarks/fidelity_unrolled.py): they differentiate {info['run']}, "
+            f"{' + '.join(map(str, info['steps']))} steps of {' / '.join(info['optimizers'])}; final ‖∇‖ {norms}; "
+            f"recording {info['recording seconds (one run)']:.1f} s (seconds column: the reverse or segment pass); "
+            f"today's re-training of subset {check['subset']} matches the committed outputs to "
+            f"{check['max |Δ test loss|']:.1e}." + _horizon_note(info))
+
+
+def _horizon_note(info: dict) -> str:
+    scan = info.get("horizon: approximate unrolling's LDS vs the continuation's steps")
+    if not scan:
+        return ""
+    return (" LDS of the approximate unrolling as the continuation lengthens: "
+            + ", ".join(f"{steps} steps {lds:.3f}" for steps, lds in scan.items()) + ".")
+
+
+def write_summary(tables: dict, results: Path) -> None:
+    """README_results.md (summary table, one table per task and protocol, targets) and lds_vs_seconds.png."""
     sections = [
         "## LDS head to head (benchmarks/bench_fidelity.py)", "",
         "Linear datamodeling score of every method on the same trained chains, subsets (α = 0.5) and re-trainings; "
@@ -229,7 +289,7 @@ def write_tables(task: Task, m: int, seeds: list[int], results: Path, all_tasks:
         ceiling = "1 (deterministic)" if protocol == "warm" else f"{facts['noise ceiling']:.3f}"
         sections += [f"**{name}, {protocol} re-training** — M = {facts['M']} subsets (α = 0.5 of n = {facts['n']}), "
                      f"{facts['seeds']} seed(s) per subset, q = {facts['q']} test points; noise ceiling {ceiling}.", "",
-                     markdown(frame), ""]
+                     markdown(frame), ""] + ([unrolled_note(facts), ""] if unrolled_note(facts) else [])
     sections += ["**Targets**", ""] + targets(tables) + [""]
     (results / "README_results.md").write_text("\n".join(sections))
     plot(tables, results / "lds_vs_seconds.png")
