@@ -145,8 +145,9 @@ class Chain:
 
     def fit(self) -> "Chain":
         """Build what does not depend on the test set: each stage's :class:`~influkit.fitted.FittedCurvature`, where
-        each stage stands (``positions``: one gradient pass, per-example gradients of a sample of 64, 20
-        Hessian-vector products of the exact Hessian per stage) and its prepared :class:`~influkit.solvers.Solver`,
+        each stage stands (``positions``: per-example gradients of a sample of 64 — a second gradient pass when
+        the stage has more examples — and 20 Hessian-vector products of the exact Hessian per stage, 6 above 5·10⁷
+        trained parameters: :mod:`influkit.stationarity`) and its prepared :class:`~influkit.solvers.Solver`,
         chosen by :func:`influkit.auto.decide` from that position (``solver="auto"``) or as configured, which fits on
         its curvature what it needs (a dense factorization for ``direct``, the factored curvature or Lanczos
         eigenpairs). Cached; :meth:`query` calls it when needed. Returns self."""
@@ -205,7 +206,7 @@ class Chain:
             plan = self.plans[k]
             hessian = self._curvature_for(k, "hessian").operator
             self._positions[key] = stationarity.assess(plan.stage, plan.trained, hessian, extra=plan.proximal,
-                                                       seed=config.seed)
+                                                       seed=config.seed, memory=self.memory)
         return self._positions[key]
 
     def _choice(self, k: int, n_rhs: int = 1) -> Choice:

@@ -8,7 +8,9 @@ minimum (∇L = 0, H ≻ 0). Models trained with Adam for a few epochs are rarel
   seeded sample S of min(n, ``SAMPLE``) examples — "typical": the size of one example's pull, which the influence
   of one example is measured against.
 - ``min_eigenvalue`` θ_min, ``max_eigenvalue`` θ_max: the extreme Ritz values of H after m = min(p, ``STEPS``)
-  Lanczos steps (three-term recurrence from a seeded start, O(p) memory, m Hessian-vector products). They bound
+  Lanczos steps (``LARGE_STEPS`` when p > ``LARGE``: one Hessian-vector product costs about three gradient
+  passes over the Hessian's sample, and at that size 20 of them cost more than the EK-FAC fit, whose data passes
+  are two; fewer steps bound the spectrum less tightly, never wrongly) (three-term recurrence from a seeded start, O(p) memory, m Hessian-vector products). They bound
   the spectrum from inside, λ_min ≤ θ_min ≤ θ_max ≤ λ_max: a negative θ_min *certifies* negative curvature, a
   small |θ_min| certifies a near-null direction, a positive θ_min does not certify H ≻ 0 (curvature Lanczos did
   not reach in m steps is not seen).
@@ -23,7 +25,9 @@ Hessian-vector product carries a relative error well above float32's epsilon) an
 | ``singular``       | r ≤ ``GRADIENT_TOL`` and |θ_min| ≤ ε·s (or H = 0)        |
 | ``minimum``        | r ≤ ``GRADIENT_TOL`` and θ_min > ε·s                     |
 
-Cost: one gradient pass over the stage's data, per-example gradients of the sample, m Hessian-vector products.
+Cost: per-example gradients of the sample and m Hessian-vector products; when the sample is the whole data set
+(n ≤ ``SAMPLE``) its per-example gradients also give ∇L (their mean plus the data-free part ∇(R + extra)), else one
+more gradient pass over the data. Both passes run in chunks sized from the memory budget (:mod:`influkit.memory`).
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .curvature import gradient, sample_indices
+from .curvature import gradient, penalty_gradient, sample_indices
 from .errors import StationarityWarning, warn
-from .gradients import per_example_grad_norms
+from .gradients import chunk_for, per_example_grad_rows
 from .operators import Operator
 from .params import ParamSpace
 from .stage import Stage
@@ -45,6 +49,7 @@ from .stage import Stage
 GRADIENT_TOL = 1e-3  # r above it: not a stationary point
 SAMPLE = 64  # examples whose per-example gradient norms give the typical norm g
 STEPS = 20  # Lanczos steps (Hessian-vector products) for θ_min, θ_max
+LARGE, LARGE_STEPS = 5 * 10**7, 6  # above LARGE trained parameters (BERT-base size), LARGE_STEPS steps
 VERDICTS = ("minimum", "saddle", "non-stationary", "singular")
 
 
@@ -132,24 +137,39 @@ def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0
     return float(theta[0]), float(theta[-1]), m
 
 
+def default_steps(p: int) -> int:
+    """Lanczos steps for p trained parameters: ``STEPS``, or ``LARGE_STEPS`` above ``LARGE`` (module docstring)."""
+    return LARGE_STEPS if p > LARGE else STEPS
+
+
 def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, extra: Callable | None = None,
-           seed: int = 0, sample: int = SAMPLE, steps: int = STEPS) -> Position:
-    """Where ``stage`` stands at its current parameters ``names`` (module docstring).
+           seed: int = 0, sample: int = SAMPLE, steps: int | None = None, memory: int | None = None) -> Position:
+    """Where ``stage`` stands at its current parameters ``names`` (module docstring); ``steps``: Lanczos steps
+    (None: :func:`default_steps`).
 
     operator: H of the objective over ``names`` (e.g. the chain's :class:`~influkit.curvature.HessianOperator`,
-    with its ``hessian_samples``); extra: the term the objective adds besides the stage's (Case 2's proximal term).
+    with its ``hessian_samples``); extra: the term the objective adds besides the stage's (Case 2's proximal term);
+    memory: the budget in bytes the gradient passes are chunked by (None: the default, :mod:`influkit.memory`).
     """
     start = time.perf_counter()
     names = stage.param_names if names is None else list(names)
-    full = gradient(stage, names, extra=extra)
-    objective = ParamSpace(full).flatten(full)
     picked = sample_indices(len(stage), min(sample, len(stage)), seed)
     x, y = stage.data.take(torch.arange(len(stage)) if picked is None else picked)
-    norms = per_example_grad_norms(stage, x, y, names)
-    typical = float(norms.double().pow(2).mean().sqrt())
+    norms, summed = [], 0.0
+    for rows in per_example_grad_rows(stage, x, y, names, memory=memory):
+        norms.append(rows.norm(dim=1))
+        summed = summed + rows.sum(0)
+    typical = float(torch.cat(norms).double().pow(2).mean().sqrt())
+    if picked is None:  # the sample is every example: ∇L = their mean gradient + ∇(R + extra), no second pass
+        penalty = penalty_gradient(stage, names, extra=extra)
+        objective = summed / len(stage) + (0.0 if penalty is None else ParamSpace(penalty).flatten(penalty))
+    else:
+        batch = chunk_for(stage, x, y, names, None, 0, "the stationarity gradient", memory)
+        full = gradient(stage, names, extra=extra, batch_size=batch)
+        objective = ParamSpace(full).flatten(full)
     absolute = float(objective.double().norm())
     relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
-    low, high, m = extreme_eigenvalues(operator, steps, seed=seed)
+    low, high, m = extreme_eigenvalues(operator, default_steps(operator.dim) if steps is None else steps, seed=seed)
     tol = eigenvalue_tol(operator.dtype)
     return Position(gradient_norm=relative, min_eigenvalue=low, max_eigenvalue=high,
                     verdict=verdict(relative, low, high, tol), objective_gradient=absolute, typical_gradient=typical,

@@ -68,6 +68,37 @@ def test_off_the_minimum_the_relative_gradient_norm_is_exact():
     assert pos.gradient_norm > GRADIENT_TOL
 
 
+@pytest.mark.parametrize("repeat", [1, 17])
+def test_the_objective_gradient_with_a_regularizer_is_exact(repeat, monkeypatch):
+    """∇L = Dθ + mean a_i + wθ (R = (w/2)‖θ‖²). With 4 examples (≤ SAMPLE) the sample's per-example gradients give
+    it — no second gradient pass; with 68 (> SAMPLE) a separate pass over all of them does."""
+    from influkit import stationarity
+
+    theta, d, w = [0.1, -0.2, 0.3], [4.0, 1.0, 0.25], 0.5
+    plain = quadratic_stage(d, theta, PULLS * repeat)
+    stage = ik.Stage(plain.model, plain.loss, plain.data.take(torch.arange(len(plain))), regularizer=l2(w))
+    if repeat == 1:
+        monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a second gradient pass"))
+    pos = position(stage)
+    expected = float(((torch.tensor(d) + w) * torch.tensor(theta, dtype=torch.float64)).norm())
+    assert pos.objective_gradient == pytest.approx(expected, rel=1e-12)
+    assert pos.gradient_norm == pytest.approx(expected / pos.typical_gradient, rel=1e-12)
+    assert pos.sample == min(len(stage), stationarity.SAMPLE)
+
+
+def test_large_stages_take_fewer_lanczos_steps_whose_values_still_bound_the_spectrum(monkeypatch):
+    from influkit import stationarity
+
+    d = [float(v) for v in range(1, 13)]
+    stage = quadratic_stage(d, [0.0] * 12, [[1.0] * 12, [-1.0] * 12])
+    assert position(stage).lanczos_steps == min(stationarity.STEPS, 12)
+    monkeypatch.setattr(stationarity, "LARGE", 11)  # p = 12 counts as large
+    pos = position(stage)
+    assert pos.lanczos_steps == stationarity.LARGE_STEPS < 12
+    assert f"{stationarity.LARGE_STEPS} Lanczos steps" in pos.describe()
+    assert 1.0 <= pos.min_eigenvalue < pos.max_eigenvalue <= 12.0 and pos.verdict == "minimum"
+
+
 def test_a_saddle():
     pos = position(quadratic_stage([2.0, -0.5, 1.0], [0.0, 0.0, 0.0], PULLS))
     assert pos.verdict == "saddle"
