@@ -8,9 +8,9 @@ minimum (∇L = 0, H ≻ 0). Models trained with Adam for a few epochs are rarel
   seeded sample S of min(n, ``SAMPLE``) examples — "typical": the size of one example's pull, which the influence
   of one example is measured against.
 - ``min_eigenvalue`` θ_min, ``max_eigenvalue`` θ_max: the extreme Ritz values of H after m = min(p, ``STEPS``)
-  Lanczos steps (``LARGE_STEPS`` when p > ``LARGE``: one Hessian-vector product costs about three gradient
-  passes over the Hessian's sample, and at that size 20 of them cost more than the EK-FAC fit, whose data passes
-  are two; fewer steps bound the spectrum less tightly, never wrongly) (three-term recurrence from a seeded start, O(p) memory, m Hessian-vector products). They bound
+  Lanczos steps (a :class:`~influkit.chain.Chain` asks ``FEW_STEPS`` for a stage solved by K-FAC/EK-FAC: one
+  Hessian-vector product costs about three gradient passes, and 20 of them more than that solve's whole fit, two
+  data passes and the eigendecompositions; fewer steps bound the spectrum less tightly, never wrongly) (three-term recurrence from a seeded start, O(p) memory, m Hessian-vector products). They bound
   the spectrum from inside, λ_min ≤ θ_min ≤ θ_max ≤ λ_max: a negative θ_min *certifies* negative curvature, a
   small |θ_min| certifies a near-null direction, a positive θ_min does not certify H ≻ 0 (curvature Lanczos did
   not reach in m steps is not seen).
@@ -49,7 +49,7 @@ from .stage import Stage
 GRADIENT_TOL = 1e-3  # r above it: not a stationary point
 SAMPLE = 64  # examples whose per-example gradient norms give the typical norm g
 STEPS = 20  # Lanczos steps (Hessian-vector products) for θ_min, θ_max
-LARGE, LARGE_STEPS = 5 * 10**7, 6  # above LARGE trained parameters (BERT-base size), LARGE_STEPS steps
+FEW_STEPS = 6  # the Lanczos steps a Chain asks for a stage solved by a factored inverse (kfac, ekfac)
 VERDICTS = ("minimum", "saddle", "non-stationary", "singular")
 
 
@@ -137,15 +137,9 @@ def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0
     return float(theta[0]), float(theta[-1]), m
 
 
-def default_steps(p: int) -> int:
-    """Lanczos steps for p trained parameters: ``STEPS``, or ``LARGE_STEPS`` above ``LARGE`` (module docstring)."""
-    return LARGE_STEPS if p > LARGE else STEPS
-
-
 def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, extra: Callable | None = None,
-           seed: int = 0, sample: int = SAMPLE, steps: int | None = None, memory: int | None = None) -> Position:
-    """Where ``stage`` stands at its current parameters ``names`` (module docstring); ``steps``: Lanczos steps
-    (None: :func:`default_steps`).
+           seed: int = 0, sample: int = SAMPLE, steps: int = STEPS, memory: int | None = None) -> Position:
+    """Where ``stage`` stands at its current parameters ``names`` (module docstring), after ``steps`` Lanczos steps.
 
     operator: H of the objective over ``names`` (e.g. the chain's :class:`~influkit.curvature.HessianOperator`,
     with its ``hessian_samples``); extra: the term the objective adds besides the stage's (Case 2's proximal term);
@@ -169,7 +163,7 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
         objective = ParamSpace(full).flatten(full)
     absolute = float(objective.double().norm())
     relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
-    low, high, m = extreme_eigenvalues(operator, default_steps(operator.dim) if steps is None else steps, seed=seed)
+    low, high, m = extreme_eigenvalues(operator, steps, seed=seed)
     tol = eigenvalue_tol(operator.dtype)
     return Position(gradient_norm=relative, min_eigenvalue=low, max_eigenvalue=high,
                     verdict=verdict(relative, low, high, tol), objective_gradient=absolute, typical_gradient=typical,
