@@ -19,7 +19,8 @@ Jobs, each in its own subprocess so peak RSS (``ru_maxrss``) is the job's own:
   damping), the summed test loss of ``--test`` sequences, every training sequence scored by contraction with
   default settings (memory budget and chunk sizes from :mod:`influkit.memory`). Also: the same scores with
   ``autocast=torch.bfloat16`` (Pearson and relative error vs float32), and one batched forward + backward of a
-  scoring chunk (the scoring-cost target).
+  scoring chunk (the scoring-cost target). Its fit includes where the stage stands (:mod:`influkit.stationarity`,
+  seconds and verdict reported); ``--fit-cache FILE`` saves the fit (or loads it, to time query and scoring again).
 - ``influkit-minres``: the same stage, ``solver="minres"`` for ``--iterations`` steps on ``--hessian-samples``
   sequences; seconds per Hessian-vector product, and one HVP vs one gradient of the same batch.
 - ``kronfluence``: kronfluence 1.0.1 EK-FAC on the same modules (GPT-2's Conv1D as ``nn.Linear``), data, λ and

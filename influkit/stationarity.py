@@ -27,7 +27,8 @@ Hessian-vector product carries a relative error well above float32's epsilon) an
 
 Cost: per-example gradients of the sample and m Hessian-vector products; when the sample is the whole data set
 (n ≤ ``SAMPLE``) its per-example gradients also give ∇L (their mean plus the data-free part ∇(R + extra)), else one
-more gradient pass over the data. Both passes run in chunks sized from the memory budget (:mod:`influkit.memory`).
+more gradient pass over the data. Both passes run in the chunks the per-example gradients fit in the memory budget
+(:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the per-example one).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .curvature import gradient, penalty_gradient, sample_indices
 from .errors import StationarityWarning, warn
 from .gradients import chunk_for, per_example_grad_rows
 from .operators import Operator
-from .params import ParamSpace
+from .params import ParamSpace, point
 from .stage import Stage
 
 GRADIENT_TOL = 1e-3  # r above it: not a stationary point
@@ -108,26 +109,29 @@ def verdict(gradient_norm: float, min_eigenvalue: float, max_eigenvalue: float, 
 def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0) -> tuple[float, float, int]:
     """(θ_min, θ_max, m): the extreme Ritz values of the symmetric ``operator`` after m ≤ ``steps`` Lanczos steps.
 
-    Plain three-term recurrence in float64 (no stored basis: O(p) memory); loss of orthogonality only adds copies of
-    converged Ritz values, not spurious extremes. Stops early on an invariant subspace (then the values are exact)."""
+    Plain three-term recurrence (no stored basis: three vectors, updated in place) in the operator's precision, at
+    least float32 (a float32 Hessian-vector product carries float32's error anyway; float64 would triple the
+    memory, 2 GB more at BERT-base); loss of orthogonality only adds copies of converged Ritz values, not spurious
+    extremes. Stops early on an invariant subspace (then the values are exact)."""
     p = operator.dim
     steps = max(1, min(steps, p))
+    dtype = torch.promote_types(operator.dtype, torch.float32)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(p, generator=gen, dtype=torch.float64).to(operator.device)
+    q = torch.randn(p, generator=gen, dtype=torch.float64).to(device=operator.device, dtype=dtype)
     q /= q.norm()
     previous = torch.zeros_like(q)
     alphas, betas = [], []
     beta = 0.0
     for _ in range(steps):
-        w = operator.matvec(q.to(operator.dtype)).to(torch.float64) - beta * previous
+        w = torch.sub(operator.matvec(q.to(operator.dtype)).to(dtype), previous, alpha=beta)  # a new vector
         alpha = float(q @ w)
-        w -= alpha * q
+        w.sub_(q, alpha=alpha)
         alphas.append(alpha)
         beta = float(w.norm())
         if beta <= 1e-12 * max(abs(a) for a in alphas) or len(alphas) == steps:
             break
         betas.append(beta)
-        previous, q = q, w / beta
+        previous, q = q, w.div_(beta)
     m = len(alphas)
     tri = torch.diag(torch.tensor(alphas, dtype=torch.float64))
     if m > 1:
@@ -149,8 +153,11 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     names = stage.param_names if names is None else list(names)
     picked = sample_indices(len(stage), min(sample, len(stage)), seed)
     x, y = stage.data.take(torch.arange(len(stage)) if picked is None else picked)
+    values = point(stage.state(), names)
+    row = 2 * sum(t.numel() * t.element_size() for t in values.values())  # a gradient row and vmap's copy of it
+    chunk = chunk_for(stage, x, y, names, None, row, "where the stage stands", memory)  # both passes' batch
     norms, summed = [], 0.0
-    for rows in per_example_grad_rows(stage, x, y, names, memory=memory):
+    for rows in per_example_grad_rows(stage, x, y, names, chunk_size=chunk):
         norms.append(rows.norm(dim=1))
         summed = summed + rows.sum(0)
     typical = float(torch.cat(norms).double().pow(2).mean().sqrt())
@@ -158,8 +165,7 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
         penalty = penalty_gradient(stage, names, extra=extra)
         objective = summed / len(stage) + (0.0 if penalty is None else ParamSpace(penalty).flatten(penalty))
     else:
-        batch = chunk_for(stage, x, y, names, None, 0, "the stationarity gradient", memory)
-        full = gradient(stage, names, extra=extra, batch_size=batch)
+        full = gradient(stage, names, extra=extra, batch_size=chunk)
         objective = ParamSpace(full).flatten(full)
     absolute = float(objective.double().norm())
     relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
