@@ -45,6 +45,7 @@ from .errors import StationarityWarning, warn
 from .gradients import chunk_for, per_example_grad_rows
 from .operators import Operator
 from .params import ParamSpace, point
+from .scoring import release_freed_memory
 from .stage import Stage
 
 GRADIENT_TOL = 1e-3  # r above it: not a stationary point
@@ -169,6 +170,7 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
         objective = ParamSpace(full).flatten(full)
     absolute = float(objective.double().norm())
     relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
+    release_freed_memory()  # the passes' freed buffers back to the system before the products allocate theirs
     low, high, m = extreme_eigenvalues(operator, steps, seed=seed)
     tol = eigenvalue_tol(operator.dtype)
     return Position(gradient_norm=relative, min_eigenvalue=low, max_eigenvalue=high,
