@@ -511,8 +511,9 @@ def summarize(model: str, work: Path, rows: list[dict], say) -> None:
         say(f"- fit seconds influkit / kronfluence: {ek['fit_s'] / kr['fit_s']:.2f}")
         if "stationarity" in ek:
             where = ek["stationarity"]
-            say(f"- influkit's fit includes where the stage stands (one gradient pass, {where['sample']} per-example "
-                f"gradient norms, {where['lanczos_steps']} Lanczos Hessian-vector products): {where['seconds']:.0f} s "
+            say(f"- influkit's fit includes where the stage stands (per-example gradients of {where['sample']} "
+                f"examples, one more gradient pass when the stage has more, {where['lanczos_steps']} Lanczos "
+                f"Hessian-vector products): {where['seconds']:.0f} s "
                 f"of its {ek['fit_s']:.0f} s ({ek['fit_cpu_s']:.0f} CPU s); verdict {where['verdict']}")
         say(f"- influkit EK-FAC vs kronfluence EK-FAC: Pearson {pearson(a, b):.6f} (target ≥ 0.999), "
             f"relative error {rel_err(a, b):.3g}")
