@@ -19,7 +19,8 @@ Jobs, each in its own subprocess so peak RSS (``ru_maxrss``) is the job's own:
   damping), the summed test loss of ``--test`` sequences, every training sequence scored by contraction with
   default settings (memory budget and chunk sizes from :mod:`influkit.memory`). Also: the same scores with
   ``autocast=torch.bfloat16`` (Pearson and relative error vs float32), and one batched forward + backward of a
-  scoring chunk (the scoring-cost target).
+  scoring chunk (the scoring-cost target). Its fit includes where the stage stands (:mod:`influkit.stationarity`,
+  seconds and verdict reported); ``--fit-cache FILE`` saves the fit (or loads it, to time query and scoring again).
 - ``influkit-minres``: the same stage, ``solver="minres"`` for ``--iterations`` steps on ``--hessian-samples``
   sequences; seconds per Hessian-vector product, and one HVP vs one gradient of the same batch.
 - ``kronfluence``: kronfluence 1.0.1 EK-FAC on the same modules (GPT-2's Conv1D as ``nn.Linear``), data, λ and
@@ -210,7 +211,16 @@ def job_influkit_ekfac(args, out: dict, work: Path):
     out["trained"] = stage.num_trained
     out["rss_model"] = rss_now()
     chain = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", residual=args.residual), memory=args.memory)
-    chain.fit()
+    cache = Path(args.fit_cache) if args.fit_cache else None
+    if cache is not None and cache.exists():  # an earlier run's fit (its seconds): query and scoring measured again
+        chain.load(cache)
+        fit_cpu_s = json.loads(cache.with_suffix(".json").read_text())["fit_cpu_s"]
+        out["fit_cached"] = str(cache)
+    else:
+        c0 = time.process_time()
+        chain.fit()
+        fit_cpu_s = time.process_time() - c0
+    fitted = chain
     curvature = chain.curvature(0).approximations["ekfac"]
     damping = 0.1 * curvature.mean_eigenvalue()
     fit_s = chain.fit_seconds
@@ -222,7 +232,8 @@ def job_influkit_ekfac(args, out: dict, work: Path):
     res = query.scores()
     score_s, score_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     chunk = res.diagnostics["chunks"]["chunk_size"]
-    out.update(damping=damping, fit_s=fit_s, query_s=query_s, score_s=score_s, query_cpu_s=query_cpu_s,
+    out.update(damping=damping, fit_s=fit_s, fit_cpu_s=fit_cpu_s, stationarity=chain.positions[0].summary(),
+               query_s=query_s, score_s=score_s, query_cpu_s=query_cpu_s,
                score_cpu_s=score_cpu_s,
                scored_per_s=len(stage) / score_s, chunk=chunk, memory=res.diagnostics["memory"],
                scoring=res.diagnostics["scoring"], factor_memory=curvature.info["memory"],
@@ -245,6 +256,9 @@ def job_influkit_ekfac(args, out: dict, work: Path):
     out["bf16_rel_err"] = rel_err(half.values, res.values)
     if not args.tag:
         torch.save({"labels": sampled_labels(stage)}, work / "labels.pt")
+    if cache is not None and "fit_cached" not in out:  # last: writing it counts in no timing and no peak
+        fitted.save(cache)
+        cache.with_suffix(".json").write_text(json.dumps({"fit_cpu_s": fit_cpu_s}))
 
 
 def job_influkit_minres(args, out: dict, work: Path):
@@ -414,6 +428,9 @@ def main(argv=None) -> None:
     parser.add_argument("--reuse", action="store_true", help="take jobs whose result is in --work from there")
     parser.add_argument("--memory", type=float, default=None, help="Chain(memory=) bytes of influkit-ekfac (default None)")
     parser.add_argument("--tag", default="", help="suffix of a worker's result files (a second setting of a job)")
+    parser.add_argument("--fit-cache", default=None,
+                        help="influkit-ekfac: a file its fit is saved to, or loaded from when present (fit seconds then "
+                             "the saving run's; query and scoring measured again)")
     parser.add_argument("--residual", action="store_true",
                         help="influkit-ekfac with SolveConfig(residual=True): one exact HVP checks the EK-FAC solve")
     parser.add_argument("--model", default="bert")
@@ -442,6 +459,7 @@ def main(argv=None) -> None:
                 f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                 ("layers", "hidden", "sequences", "length", "test", "iterations", "hessian_samples", "kron_batch")] + (
                 [f"--memory={args.memory}"] if args.memory else []) + ([f"--tag={args.tag}"] if args.tag else []) + (
+                [f"--fit-cache={args.fit_cache}"] if args.fit_cache else []) + (
                 ["--residual"] if args.residual else [])
             t0 = time.perf_counter()
             if args.reuse and (mwork / f"{job}{args.tag}.json").exists():  # finished in an earlier (interrupted) run
@@ -491,6 +509,12 @@ def summarize(model: str, work: Path, rows: list[dict], say) -> None:
                 f"influkit {ek['query_cpu_s'] + ek['score_cpu_s']:.1f} CPU s, kronfluence {kr['score_cpu_s']:.1f} CPU s: "
                 f"{cpu:.2f} (target ≥ 1)")
         say(f"- fit seconds influkit / kronfluence: {ek['fit_s'] / kr['fit_s']:.2f}")
+        if "stationarity" in ek:
+            where = ek["stationarity"]
+            say(f"- influkit's fit includes where the stage stands (per-example gradients of {where['sample']} "
+                f"examples, one more gradient pass when the stage has more, {where['lanczos_steps']} Lanczos "
+                f"Hessian-vector products): {where['seconds']:.0f} s "
+                f"of its {ek['fit_s']:.0f} s ({ek['fit_cpu_s']:.0f} CPU s); verdict {where['verdict']}")
         say(f"- influkit EK-FAC vs kronfluence EK-FAC: Pearson {pearson(a, b):.6f} (target ≥ 0.999), "
             f"relative error {rel_err(a, b):.3g}")
     if ek:

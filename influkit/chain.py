@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from . import distributed, files, stationarity
-from .auto import Choice
+from .auto import DIRECT_MAX, Choice
 from .curvature import hvp
 from .data import as_examples
 from .errors import FileFormatError, InputError, LossError
@@ -57,6 +57,7 @@ from .stage import Stage, check_example_shape
 from .store import resumed_chunk_size
 
 QUERY_KIND = "query"
+FACTORED = ("kfac", "ekfac")  # solvers whose stages get stationarity.FEW_STEPS Lanczos steps (Chain._lanczos_steps)
 FIT_KIND = "chain-fit"
 
 
@@ -145,8 +146,9 @@ class Chain:
 
     def fit(self) -> "Chain":
         """Build what does not depend on the test set: each stage's :class:`~influkit.fitted.FittedCurvature`, where
-        each stage stands (``positions``: one gradient pass, per-example gradients of a sample of 64, 20
-        Hessian-vector products of the exact Hessian per stage) and its prepared :class:`~influkit.solvers.Solver`,
+        each stage stands (``positions``: per-example gradients of a sample of 64 — a second gradient pass when
+        the stage has more examples — and 20 Hessian-vector products of the exact Hessian per stage, 6 for a stage
+        solved by ``kfac``/``ekfac``: :mod:`influkit.stationarity`, :meth:`_lanczos_steps`) and its prepared :class:`~influkit.solvers.Solver`,
         chosen by :func:`influkit.auto.decide` from that position (``solver="auto"``) or as configured, which fits on
         its curvature what it needs (a dense factorization for ``direct``, the factored curvature or Lanczos
         eigenpairs). Cached; :meth:`query` calls it when needed. Returns self."""
@@ -198,15 +200,25 @@ class Chain:
         return self._derived[k, matrix]
 
     def _position(self, k: int) -> Position:
-        """Where stage k stands, measured on its exact Hessian (the configured sample), kept per sample and seed."""
+        """Where stage k stands, measured on its exact Hessian (the configured sample), kept per sample, seed and
+        number of Lanczos steps (:meth:`_lanczos_steps`)."""
         config = self.curvature_configs[k]
-        key = (k, config.hessian_samples, config.seed)
+        key = (k, config.hessian_samples, config.seed, self._lanczos_steps(k))
         if key not in self._positions:
             plan = self.plans[k]
             hessian = self._curvature_for(k, "hessian").operator
             self._positions[key] = stationarity.assess(plan.stage, plan.trained, hessian, extra=plan.proximal,
-                                                       seed=config.seed)
+                                                       seed=config.seed, steps=key[-1], memory=self.memory)
         return self._positions[key]
+
+    def _lanczos_steps(self, k: int) -> int:
+        """``stationarity.FEW_STEPS`` for a stage of p > ``auto.DIRECT_MAX`` solved as configured by a factored
+        inverse (``kfac``/``ekfac``: no Hessian-vector product of its own, and a fit of two data passes, where
+        ``STEPS`` products, about three passes each, would cost more than the fit), else ``stationarity.STEPS``
+        (a smaller stage may be solved exactly, chosen from them)."""
+        dim = sum(t.numel() for t in _values(self.plans[k].stage, self.plans[k].trained).values())
+        factored = self.solve_configs[k].solver in FACTORED and dim > DIRECT_MAX
+        return stationarity.FEW_STEPS if factored else stationarity.STEPS
 
     def _choice(self, k: int, n_rhs: int = 1) -> Choice:
         """Stage k's solve for ``n_rhs`` right-hand sides: :func:`influkit.auto.decide` on its position."""
@@ -284,7 +296,7 @@ class Chain:
         self._curvatures = [self._new_curvature(plan, config) for plan, config in zip(self.plans, self.curvature_configs)]
         self.positions = [Position.from_summary(p) for p in meta["positions"]]
         for k, (config, position) in enumerate(zip(self.curvature_configs, self.positions)):
-            self._positions[k, config.hessian_samples, config.seed] = position
+            self._positions[k, config.hessian_samples, config.seed, self._lanczos_steps(k)] = position
         for k in range(len(self)):
             self._curvature_for(k, self._choice(k).matrix).load(tensors, meta.get("fitted", {}).get(str(k), {}),
                                                                  f"stage{k}.")

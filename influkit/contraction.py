@@ -73,7 +73,8 @@ def plan_contraction(model: nn.Module, names: Sequence[str]) -> ContractionPlan:
 class Contractor:
     """Contracted scores G·S of batches for one stage and parameter block (S given per call, (p, k)).
 
-    ``verified``: whether the first batch's check passed; ``fallback_all``: every batch uses per-example gradients.
+    ``verified``: whether the first batch's check passed; ``fallback_all``: every batch uses per-example gradients;
+    ``probed``: the scores (B, k) of the last :meth:`probe`'s batch (None if it fell back), as :meth:`__call__` gives.
     ``memory``: the budget in bytes (None: the default, :func:`influkit.memory.resolve`); ``rows_bytes``, at most
     :data:`ROWS_SHARE` of it, bounds the per-example gradient rows formed at once; ``formed``: {layer: bytes of one
     row} of the layers whose rows the last batch formed.
@@ -92,6 +93,7 @@ class Contractor:
         self.rows_bytes = int(ROWS_SHARE * budget_of(memory, device))
         self.formed: dict[str, int] = {}
         self.verified = False
+        self.probed: torch.Tensor | None = None
         self.transient_bytes = 0
         self.fallback_all = not self.plan.covered
         offsets, offset = {}, 0
@@ -124,6 +126,10 @@ class Contractor:
             self.fallback_all = True
             return self(inputs, targets, directions)
         self.verified = True
+        return self._with_fallback(out, inputs, targets, directions)
+
+    def _with_fallback(self, out, inputs, targets, directions) -> torch.Tensor:
+        """The contracted scores ``out`` plus those of the parameters left to per-example gradients."""
         if self.plan.fallback:
             out = out + project_per_example_grads(self.stage, inputs, targets, self._rows(directions, self.plan.fallback),
                                                   self.plan.fallback, chunk_size=max(inputs.shape[0], 1)).to(out.dtype)
@@ -180,7 +186,8 @@ class Contractor:
         """Measured bytes per example of :meth:`__call__` on this probe batch (:mod:`influkit.memory`): the saved
         activations, plus the output-gradients of every hooked call held at once and three temporaries the size of
         the largest output (the contraction's products), plus, for parameters left to the per-example-gradient
-        fallback, its rows and its own forward/backward (counted as much again as the measured one)."""
+        fallback, its rows and its own forward/backward (counted as much again as the measured one). The batch's
+        scores are kept in :attr:`probed` (the caller need not score these rows again)."""
         from .memory import SavedBytes
 
         self.transient_bytes = 0
@@ -195,8 +202,10 @@ class Contractor:
                     torch.autograd.grad(self.stage.losses(leaves, inputs, targets).sum(), list(leaves.values()))
         if out is None:
             self.fallback_all = True
+            self.probed = None
         else:
             self.verified = True
+            self.probed = self._with_fallback(out, inputs, targets, directions)
         batch = max(inputs.shape[0], 1)
         fallback = self.names if self.fallback_all else self.plan.fallback
         rows = sum(self.offsets[n][1] for n in fallback) * directions.element_size() * 2

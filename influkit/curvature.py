@@ -87,19 +87,27 @@ def _share(stage: Stage, indices: torch.Tensor | None) -> tuple[torch.Tensor | N
     return local, n, distributed.rank() == 0
 
 
+def penalty_gradient(stage: Stage, names: Sequence[str], at: Params | None = None, extra=None) -> Params | None:
+    """∇ over ``names`` of the objective's data-free part R (+ ``extra``), or None when the stage has neither."""
+    penalty = _penalty(stage, extra)
+    return None if penalty is None else grad(penalty)(point(stage.state(), names, at))
+
+
 def gradient(
     stage: Stage,
     names: Sequence[str],
     indices: torch.Tensor | None = None,
     at: Params | None = None,
     extra=None,
+    batch_size: int | None = None,
 ) -> Params:
-    """∇ over ``names`` of the objective mean loss + R (+ ``extra``), over ``indices`` (default: all data)."""
+    """∇ over ``names`` of the objective mean loss + R (+ ``extra``), over ``indices`` (default: all data), in
+    batches of ``batch_size`` (default: the stage's)."""
     params = point(stage.state(), names, at)
     local, n, owns_regularizer = _share(stage, indices)
     term = _batch_objective(stage, extra)
     total = {k: torch.zeros_like(v) for k, v in params.items()}
-    for b, (x, y) in enumerate(stage.batches(local)):
+    for b, (x, y) in enumerate(stage.batches(local, batch_size)):
         g = grad(term)(params, x, y, 1.0 / n, owns_regularizer and b == 0)
         for k in total:
             total[k] += g[k]

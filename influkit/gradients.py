@@ -37,27 +37,39 @@ def _chunks(inputs: torch.Tensor, targets: torch.Tensor, chunk_size: int, progre
         yield inputs[s : s + chunk_size], targets[s : s + chunk_size]
 
 
-def backward_bytes(stage: Stage, inputs, targets, names=None, at=None) -> int:
-    """Measured bytes per example of one forward and backward over ``names`` (:func:`influkit.memory.probe_bytes` on
-    the first two examples): the activations a chunk of vmapped per-example gradients keeps too. Probed with plain
-    autograd, since ``torch.func`` transforms refuse to run under the probe's saved-tensor hooks."""
+def probed_gradient(stage: Stage, inputs, targets, names=None, at=None) -> tuple[int, list[torch.Tensor]]:
+    """(measured bytes per example, the gradients over ``names`` of the summed loss) of one forward and backward on
+    the first two examples (:func:`influkit.memory.probe_bytes`): the activations a chunk of vmapped per-example
+    gradients keeps too, and a gradient a caller summing over all examples keeps instead of computing it again.
+    Probed with plain autograd, since ``torch.func`` transforms refuse to run under the probe's saved-tensor hooks."""
     names = stage.param_names if names is None else list(names)
     x, y = inputs[:PROBE_EXAMPLES], targets[:PROBE_EXAMPLES]
     leaves = {n: t.detach().requires_grad_(True) for n, t in point(stage.state(), names, at).items()}
+    grads: list[torch.Tensor] = []
 
     def run(_):
         with torch.enable_grad():
-            torch.autograd.grad(stage.losses(leaves, x, y).sum(), list(leaves.values()), allow_unused=True)
+            found = torch.autograd.grad(stage.losses(leaves, x, y).sum(), list(leaves.values()), allow_unused=True)
+        grads.extend(torch.zeros_like(t) if g is None else g for g, t in zip(found, leaves.values()))
 
-    return probe_bytes(run, stage.model, x.shape[0])
+    return probe_bytes(run, stage.model, x.shape[0]), grads
+
+
+def backward_bytes(stage: Stage, inputs, targets, names=None, at=None) -> int:
+    """Measured bytes per example of one forward and backward over ``names`` (:func:`probed_gradient`)."""
+    return probed_gradient(stage, inputs, targets, names, at)[0]
 
 
 def chunk_for(stage: Stage, inputs, targets, names, at, row_bytes: int, phase: str, budget: int | None = None) -> int:
     """Examples per chunk that fit the memory budget (bytes; None: the default rule, :mod:`influkit.memory`):
     ``row_bytes`` per example (the rows kept) plus the measured activations of one forward and backward
     (:func:`backward_bytes`)."""
-    per = backward_bytes(stage, inputs, targets, names, at) + row_bytes
-    return memory.fit_count(memory.resolve(budget, inputs.device), per, phase, most=max(inputs.shape[0], 1),
+    return _fitting(backward_bytes(stage, inputs, targets, names, at) + row_bytes, inputs, phase, budget)
+
+
+def _fitting(per_example: int, inputs, phase: str, budget: int | None) -> int:
+    """Examples of ``per_example`` bytes per chunk that fit the budget, at most all of ``inputs``."""
+    return memory.fit_count(memory.resolve(budget, inputs.device), per_example, phase, most=max(inputs.shape[0], 1),
                             default=not memory.given(budget))
 
 
@@ -92,13 +104,13 @@ def per_example_grads(
     return torch.cat(list(_grad_rows(stage, inputs, targets, names, at, chunk_size, progress, memory)), dim=0)
 
 
-def per_example_grad_norms(
+def per_example_grad_rows(
     stage: Stage, inputs: torch.Tensor, targets: torch.Tensor, names: Sequence[str] | None = None, *,
-    chunk_size: int | None = None,
-) -> torch.Tensor:
-    """(N,) = ‖∇ ℓ(x_i, y_i)‖ over ``names``, never holding more than a chunk of per-example gradients."""
-    rows = _grad_rows(stage, inputs, targets, names, None, chunk_size, False)
-    return torch.cat([block.norm(dim=1) for block in rows])
+    chunk_size: int | None = None, memory: int | None = None,
+):
+    """Yield the (chunk, p) blocks of :func:`per_example_grads` one at a time (chunks sized from the budget
+    ``memory`` in bytes when ``chunk_size`` is None): memory O(chunk · p) for a reduction over all rows."""
+    return _grad_rows(stage, inputs, targets, names, None, chunk_size, False, memory)
 
 
 def project_per_example_grads(
@@ -148,10 +160,13 @@ def total_grad(
     params = point(stage.state(), names, at)
     space = ParamSpace(params)
     check_finite(inputs, "inputs")
-    if chunk_size is None:
-        chunk_size = min(512, chunk_for(stage, inputs, targets, names, at, 0, "the test gradient", memory))
-    summed = grad(lambda p, x, y: stage.losses(p, x, y).sum())
     total = space.zeros()
+    if chunk_size is None:  # the probe that sizes the chunks computes the first examples' gradient: kept, not redone
+        per, head = probed_gradient(stage, inputs, targets, names, at)
+        chunk_size = min(512, _fitting(per, inputs, "the test gradient", memory))
+        total += torch.cat([g.reshape(-1) for g in head])
+        inputs, targets = inputs[PROBE_EXAMPLES:], targets[PROBE_EXAMPLES:]
+    summed = grad(lambda p, x, y: stage.losses(p, x, y).sum())
     for x, y in _chunks(inputs, targets, chunk_size, False, ""):
         total += space.flatten(summed(params, x, y))
     return total

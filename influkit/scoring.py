@@ -3,7 +3,8 @@
 The inner products are taken by contraction of the layers' inputs and output-gradients
 (:mod:`influkit.contraction`), never forming the (chunk, p) gradient matrix; per-example gradients remain the
 fallback and the reference (``gradients="per-example"``). The chunk size comes from the memory budget
-(:class:`Scorer`, :mod:`influkit.memory`) unless given.
+(:class:`Scorer`, :mod:`influkit.memory`) unless given; the contraction's probe that measures it scores the first
+two rows, and those scores are kept, not computed again.
 
 Rows are split into chunks of ``chunk_size``; under ``torch.distributed`` rank r of R scores the r-th
 contiguous range of chunks and the rows are gathered in order, so every rank returns the whole result.
@@ -138,6 +139,8 @@ class Scorer:
     gradients: "contraction" (default), or "per-example" (the reference). chunk_size: rows per chunk, or None to
     size it from ``memory`` (bytes; None: the default budget) by probing the method on two rows.
     autocast: bfloat16/float16 passes for the contraction (float32 accumulation).
+    ``probed``: (h, k) G·S of the first h rows, which the contraction's probe computed (h = 0 without a probe):
+    :func:`_chunk_scores` takes them instead of scoring those rows again.
     """
 
     def __init__(self, stage: Stage, names, s: torch.Tensor, rows: "Rows", *, gradients: str = "contraction",
@@ -148,6 +151,7 @@ class Scorer:
             raise InputError("autocast applies to gradients='contraction' only.")
         self.stage, self.names, self.gradients = stage, list(names), gradients
         s = s.reshape(s.shape[0], -1)
+        self.probed = s.new_zeros(0, s.shape[1])
         budget = budget_of(memory, s.device)
         self.contractor = Contractor(stage, names, autocast=autocast, memory=budget) \
             if gradients == "contraction" else None
@@ -156,6 +160,8 @@ class Scorer:
             fixed = 0
             if self.contractor is not None:  # the per-example gradient rows it forms are set aside, not per example
                 per = self.contractor.probe(x, y, s)
+                if self.contractor.probed is not None:
+                    self.probed = self.contractor.probed
                 fixed = self.contractor.reserve(budget, per, max(len(rows), 1))
             else:
                 per = backward_bytes(stage, x, y, names) + s.shape[0] * s.element_size()  # + one gradient row
@@ -179,10 +185,14 @@ class Scorer:
 
 
 def _chunk_scores(s: torch.Tensor, scorer: Scorer, rows: Rows, c: int, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids) of chunk ``c``: −∇ℓ(z)ᵀ s for its rows."""
+    """(values, ids) of chunk ``c``: −∇ℓ(z)ᵀ s for its rows (those the scorer's probe scored taken from it)."""
     start, stop = c * chunk_size, min((c + 1) * chunk_size, len(rows))
-    x, y = rows.take(start, stop)
-    return -scorer(x, y, s), rows.id_range(start, stop)
+    values = scorer.probed[start:stop]
+    rest = start + values.shape[0]
+    if rest < stop:
+        new = scorer(*rows.take(rest, stop), s)
+        values = torch.cat([values.to(new.dtype), new]) if values.shape[0] else new
+    return -values, rows.id_range(start, stop)
 
 
 def score_rows(s: torch.Tensor, scorer: Scorer, rows: Rows, *, progress: bool) -> tuple[torch.Tensor, dict]:

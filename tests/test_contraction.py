@@ -143,6 +143,9 @@ def test_free_parameter_is_scored_by_the_per_example_fallback():
     got = contractor(x, y, directions)
     assert contractor.plan.fallback == ["shift"] and not contractor.fallback_all
     torch.testing.assert_close(got, per_example_grads(stage, x, y) @ directions, rtol=1e-12, atol=1e-12)
+    probing = Contractor(stage)  # the probe's kept scores include the fallback parameters' part
+    probing.probe(x[:2], y[:2], directions)
+    torch.testing.assert_close(probing.probed, got[:2], rtol=1e-12, atol=1e-12)
 
 
 def test_autocast_scores_are_close_to_float32():

@@ -56,3 +56,16 @@ def test_unvectorizable_loss_falls_back_to_a_loop_and_warns_once(mlp_stage, loss
         warnings.simplefilter("error", ik.VectorizationWarning)  # once per stage
         again = per_example_grads(stage, x, y, chunk_size=5)
     assert torch.equal(again, fast)
+
+
+def test_total_grad_sized_from_the_budget_keeps_the_probe_gradient(mlp_stage):
+    """Without chunk_size the probe that sizes the chunks computes the first two examples' gradient; it is part of
+    the sum, not computed again: each example passes through the model once."""
+    x, y = mlp_stage.data.take(torch.arange(len(mlp_stage)))
+    expected = per_example_grads_serial(mlp_stage, x, y).sum(0)
+    seen = []
+    counted = ik.Stage(mlp_stage.model, lambda out, t: (seen.append(out.shape[0]), mlp_stage.loss(out, t))[1],
+                       (x, y))
+    seen.clear()
+    assert torch.allclose(total_grad(counted, x, y), expected, atol=1e-13)
+    assert sum(seen) == len(x)

@@ -17,7 +17,7 @@ from influkit.operators import DenseOperator
 from influkit.report import write_report
 from influkit.stationarity import GRADIENT_TOL, assess, eigenvalue_tol, extreme_eigenvalues, verdict
 
-from conftest import cross_entropy, l2
+from conftest import cross_entropy, digits, l2
 
 KEYS = {"gradient_norm", "min_eigenvalue", "max_eigenvalue", "verdict"}
 
@@ -66,6 +66,44 @@ def test_off_the_minimum_the_relative_gradient_norm_is_exact():
     expected = float((torch.tensor([4.0, 1.0, 0.25]) * torch.tensor(theta)).norm()) / typical([4.0, 1.0, 0.25], theta)
     assert pos.verdict == "non-stationary" and pos.gradient_norm == pytest.approx(expected, rel=1e-12)
     assert pos.gradient_norm > GRADIENT_TOL
+
+
+@pytest.mark.parametrize("repeat", [1, 17])
+def test_the_objective_gradient_with_a_regularizer_is_exact(repeat, monkeypatch):
+    """∇L = Dθ + mean a_i + wθ (R = (w/2)‖θ‖²). With 4 examples (≤ SAMPLE) the sample's per-example gradients give
+    it — no second gradient pass; with 68 (> SAMPLE) a separate pass over all of them does."""
+    from influkit import stationarity
+
+    theta, d, w = [0.1, -0.2, 0.3], [4.0, 1.0, 0.25], 0.5
+    plain = quadratic_stage(d, theta, PULLS * repeat)
+    stage = ik.Stage(plain.model, plain.loss, plain.data.take(torch.arange(len(plain))), regularizer=l2(w))
+    if repeat == 1:
+        monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a second gradient pass"))
+    pos = position(stage)
+    expected = float(((torch.tensor(d) + w) * torch.tensor(theta, dtype=torch.float64)).norm())
+    assert pos.objective_gradient == pytest.approx(expected, rel=1e-12)
+    assert pos.gradient_norm == pytest.approx(expected / pos.typical_gradient, rel=1e-12)
+    assert pos.sample == min(len(stage), stationarity.SAMPLE)
+
+
+@pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum
+def test_a_stage_solved_by_ekfac_takes_fewer_lanczos_steps_inside_the_longer_runs_values():
+    """A stage of p > DIRECT_MAX solved by EK-FAC (no Hessian-vector product of its own) gets FEW_STEPS Lanczos
+    steps, any other solver STEPS; from the same start the shorter run's Ritz values lie inside the longer run's
+    (nested Krylov spaces), so the short run claims no curvature the long one does not see."""
+    from influkit import stationarity
+    from influkit.auto import DIRECT_MAX
+
+    x, y = digits(200)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 50), nn.Tanh(), nn.Linear(50, 10)).double()
+    stage = ik.Stage(model, cross_entropy, (x, y), regularizer=l2(1e-2))
+    assert stage.num_trained > DIRECT_MAX
+    short = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-2)).fit().positions[0]
+    long = ik.Chain([stage], solve=ik.SolveConfig(solver="minres", damping=1e-2, max_iter=2)).fit().positions[0]
+    assert (short.lanczos_steps, long.lanczos_steps) == (stationarity.FEW_STEPS, stationarity.STEPS)
+    assert long.min_eigenvalue <= short.min_eigenvalue < short.max_eigenvalue <= long.max_eigenvalue
+    assert short.gradient_norm == long.gradient_norm and short.verdict == long.verdict == "non-stationary"
 
 
 def test_a_saddle():
