@@ -377,10 +377,11 @@ def write_defaults_table(m: int) -> None:
         f"{info['test_nll_sum']:.3f}, re-trained by `train` here) against the M = {m0} committed warm re-trainings of "
         f"that model ({TASK}_warm_unrolled_outputs.csv.gz), beside that table's rows. `default`/`default-training`: "
         "every solve setting of both stages at its default (`default-training` told the continuation's η, T); "
-        "the committed rows use the example's finetuning solve (30 MINRES iterations, 64 completions). Noise ceiling: "
+        "the committed rows use the example's finetuning solve (30 MINRES iterations on H_F + 0.001·I sampled on 64 "
+        "completions: residual 0.54, not converged; lm-case1_warm_unrolled.json). Noise ceiling: "
         f"{m1} subsets re-trained under a second batch order. Load average at table time "
         f"{', '.join(f'{v:.1f}' for v in summary['load'])} (2 shared cores, 1 torch thread).\n\n"
-        + "\n".join(lines) + "\n\nWhat auto chose:\n\n" + "\n".join(choices) + "\n")
+        + "\n".join(lines) + "\n" + ("\nWhat auto chose:\n\n" + "\n".join(choices) + "\n" if choices else ""))
     (RESULTS / f"{name}.md").write_text(section.replace("## ", "# ", 1))
     readme = RESULTS / "lm_README_results.md"
     kept = readme.read_text().split("\n## LDS of the default settings")[0].rstrip("\n")
