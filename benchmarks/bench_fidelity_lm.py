@@ -319,9 +319,7 @@ def write_unrolled_table(m: int) -> None:
         "model, EK-FAC ranks those at LDS 0.09, so they cannot rank today's scores. Load average at table time "
         f"{', '.join(f'{v:.1f}' for v in summary['load'])} (2 shared cores, 1 torch thread).\n\n" + table + "\n")
     (RESULTS / f"{name}.md").write_text(section.replace("## ", "# ", 1))
-    readme = RESULTS / "lm_README_results.md"
-    kept = readme.read_text().split("\n## LDS of the unrolled methods")[0].rstrip("\n")
-    readme.write_text(kept + "\n\n" + section)
+    replace_section(RESULTS / "lm_README_results.md", section)
     print(frame.to_string(index=False))
 
 
@@ -383,10 +381,20 @@ def write_defaults_table(m: int) -> None:
         f"{', '.join(f'{v:.1f}' for v in summary['load'])} (2 shared cores, 1 torch thread).\n\n"
         + "\n".join(lines) + "\n" + ("\nWhat auto chose:\n\n" + "\n".join(choices) + "\n" if choices else ""))
     (RESULTS / f"{name}.md").write_text(section.replace("## ", "# ", 1))
-    readme = RESULTS / "lm_README_results.md"
-    kept = readme.read_text().split("\n## LDS of the default settings")[0].rstrip("\n")
-    readme.write_text(kept + "\n\n" + section)
+    replace_section(RESULTS / "lm_README_results.md", section)
     print(frame.drop(columns=["pretraining_choice", "finetuning_choice"], errors="ignore").to_string(index=False))
+
+
+def replace_section(readme: Path, section: str) -> None:
+    """Put ``section`` (a "## " heading and its text) into ``readme`` in place of the section with the same heading,
+    or at its end; the other sections are kept."""
+    heading = section.split("\n", 1)[0]
+    parts = ("\n" + readme.read_text()).split("\n## ")
+    sections = [parts[0].strip("\n")] + ["## " + part.strip("\n") for part in parts[1:]]
+    replaced = [section.strip("\n") if part.split("\n", 1)[0] == heading else part for part in sections]
+    if heading not in (part.split("\n", 1)[0] for part in sections):
+        replaced.append(section.strip("\n"))
+    readme.write_text("\n\n".join(replaced) + "\n")
 
 
 def cell(value, spec: str = "") -> str:
