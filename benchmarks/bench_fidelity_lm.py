@@ -328,12 +328,19 @@ def write_defaults_table(m: int) -> None:
     defaults' finetuning adjoint) on the committed order-0 re-trainings of today's trained model
     (lm-case1_warm_unrolled_outputs.csv.gz, copied into the cache), beside that table's committed rows (same model,
     same subsets) and the noise ceiling: per test completion, Spearman over the subsets re-trained under both batch
-    orders between their two NLLs (order-1 outputs in lm-case1_warm_ceiling_outputs.csv.gz)."""
+    orders between their two NLLs (order-1 outputs in lm-case1_warm_ceiling_outputs.csv.gz). With EK-FAC scored here
+    too (a cached row replaces the committed one), each cached row's LDS − EK-FAC's, paired over the test completions."""
     outputs, m0 = cached_outputs(m, 0)
     if m0 < 3:
         raise SystemExit(f"only {m0} re-trainings cached: copy the committed outputs or run `retrain` first")
     subsets = random_halves(example().Config().n_pretrain, m0, SUBSET_SEED).numpy()
     rows = [method_row(path, subsets, outputs) | {"source": "this run"} for path in sorted(CACHE.glob("scores_*.npz"))]
+    reference = CACHE / "scores_ekfac.npz"
+    if reference.exists():  # paired over the test completions: LDS_t(method) − LDS_t(ekfac)
+        ekfac = lds_per_query(np.load(reference)["values"], subsets, outputs)
+        for row, path in zip(rows, sorted(CACHE.glob("scores_*.npz"))):
+            diff = mean_sem(lds_per_query(np.load(path)["values"], subsets, outputs) - ekfac)
+            row["minus_ekfac"], row["minus_ekfac_sem"] = diff[0], diff[1]
     committed = pd.read_csv(RESULTS / f"{TASK}_warm_unrolled.csv")
     rows += [row | {"source": f"{TASK}_warm_unrolled (committed)"} for row in committed.to_dict("records")
              if row["method"] not in {r["method"] for r in rows}]
@@ -357,10 +364,11 @@ def write_defaults_table(m: int) -> None:
     summary = {"M": m0, "M_ceiling": m1, "trained": info, "load": os.getloadavg(), "table": rows, "details": details,
                "torch": torch.__version__, "python": platform.python_version()}
     (RESULTS / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str))
-    lines = ["| method | LDS ± sem (q = 20) | M | seconds | × one re-training | pretraining solve: residual, "
-             "converged | finetuning solve: residual, converged | source |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | LDS ± sem (q = 20) | − EK-FAC, paired | M | seconds | × one re-training | pretraining solve: "
+             "residual, converged | finetuning solve: residual, converged | source |", "|---|---|---|---|---|---|---|---|---|"]
     for row in frame.to_dict("records"):
-        lines.append(f"| {row['method']} | {row['lds']:.3f} ± {row['sem']:.3f} | {row['M']} | {cell(row.get('seconds'), '.0f')} "
+        paired = "—" if pd.isna(row.get("minus_ekfac", np.nan)) else f"{row['minus_ekfac']:+.3f} ± {row['minus_ekfac_sem']:.3f}"
+        lines.append(f"| {row['method']} | {row['lds']:.3f} ± {row['sem']:.3f} | {paired} | {row['M']} | {cell(row.get('seconds'), '.0f')} "
                      f"| {cell(row.get('ratio_to_retraining'), '.1f')} | {cell(row.get('pretraining_residual'), '.2g')}, "
                      f"{cell(row.get('pretraining_converged'))} | {cell(row.get('finetuning_residual'), '.2g')}, "
                      f"{cell(row.get('finetuning_converged'))} | {row['source']} |")
