@@ -13,7 +13,9 @@ the adapters are refit (40 L-BFGS iterations from their solution); each test com
     (``influkit.validation.lds_per_query``; scores in influkit's sign, positive = up-weighting raises the NLL).
 
 Methods: the example's pretraining solves (``SOLVES``: exact, gauss-newton, ekfac, identity) and
-``exact-sgd-damped``, the exact solve damped by 1/(η·T) to match the warm start's short SGD continuation.
+``exact-sgd-damped``, the exact solve damped by 1/(η·T) to match the warm start's short SGD continuation, all with
+the example's finetuning solve (``LMTask.chain``); ``default`` and ``default-training``, every solve setting of
+both stages at its default (``DEFAULTS``; the second told the continuation's η and T).
 
 Noise ceiling: the same subsets re-trained under another batch order (seed + 1); its LDS is the Spearman, per test
 completion, between the two re-trainings' NLLs.
@@ -27,6 +29,9 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm table --subsets 40
     python -m benchmarks.bench_fidelity_lm unrolled  # record the continuation: unrolled exact + segments (EK-FAC)
     python -m benchmarks.bench_fidelity_lm unrolled-table --subsets 100   # every cached method, one trained model
+    python -m benchmarks.bench_fidelity_lm restore   # the committed M = 100 outputs of lm-case1_warm_unrolled
+    python -m benchmarks.bench_fidelity_lm unrolled --finetuning default  # exact, adjoint from the default solve
+    python -m benchmarks.bench_fidelity_lm defaults-table --subsets 100   # cached rows + committed rows + ceiling
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ CACHE = RESULTS / "cache" / "lm-case1"
 TASK = "lm-case1"
 SUBSET_SEED = 0
 METHODS = ("exact", "ekfac", "identity", "gauss-newton", "exact-sgd-damped", "default", "default-training")
+# methods whose finetuning (adapters) solve is at its defaults too, every solve setting of the chain at its default
+DEFAULTS = ("default", "default-training")
 FINETUNE_ITERATIONS, FINETUNE_SAMPLES = 30, 64
 
 
@@ -119,36 +126,55 @@ class LMTask:
             self.pre.model.load_state_dict(pre_state)
             self.fin.model.load_state_dict(fin_state)
 
-    def chain(self, method: str) -> ik.Chain:
-        """The Case 1 chain with the example's pretraining solve ``method``; the finetuning solve is the example's
-        MINRES on H_F with fewer iterations and a sampled Hessian (FINETUNE_ITERATIONS, FINETUNE_SAMPLES): with 20 right-hand sides the
-        example's (100 iterations, all 300 completions) costs ~13 s an iteration here, 22 min in all."""
+    def chain(self, method: str, finetuning: str = "example") -> ik.Chain:
+        """The Case 1 chain with the example's pretraining solve ``method``. The finetuning solve: ``"example"``,
+        the example's MINRES on H_F with fewer iterations and a sampled Hessian (FINETUNE_ITERATIONS,
+        FINETUNE_SAMPLES: with 20 right-hand sides the example's, 100 iterations on all 300 completions, costs ~13 s
+        an iteration here, 22 min in all); ``"default"``, every setting at its default (``auto``)."""
         ex, cfg = self.ex, self.cfg
         pre_solve, pre_curvature = solve_settings(ex, cfg, method)
-        solve = [pre_solve, ik.SolveConfig(solver="minres", damping=cfg.damping[1], max_iter=FINETUNE_ITERATIONS)]
-        curvature = [pre_curvature, ik.CurvatureConfig(hessian_samples=FINETUNE_SAMPLES, seed=cfg.seed)]
-        return ik.Chain([self.pre, self.fin], [self.link], solve=solve, curvature=curvature)
+        if finetuning == "default":
+            fin_solve, fin_curvature = ik.SolveConfig(), ik.CurvatureConfig()
+        else:
+            fin_solve = ik.SolveConfig(solver="minres", damping=cfg.damping[1], max_iter=FINETUNE_ITERATIONS)
+            fin_curvature = ik.CurvatureConfig(hessian_samples=FINETUNE_SAMPLES, seed=cfg.seed)
+        return ik.Chain([self.pre, self.fin], [self.link], solve=[pre_solve, fin_solve],
+                        curvature=[pre_curvature, fin_curvature])
 
-    def pretraining_rhs(self, progress: bool = True) -> tuple[torch.Tensor, dict, float]:
+    def pretraining_rhs(self, progress: bool = True, finetuning: str = "example") -> tuple[torch.Tensor, dict, float]:
         """(rhs, finetuning solve summary, seconds): the per-test right-hand sides b_t − H_WΘ H_F⁻¹ a_t of the
         pretraining solve. They do not depend on the pretraining solver, so the per-test finetuning solve (20
-        MINRES right-hand sides, the costly part) is done once: the identity chain's s is its right-hand side."""
+        right-hand sides, the costly part) is done once per ``finetuning`` setting (``chain``): the identity
+        chain's s is its right-hand side. The summary carries where the LoRA stage stands."""
         start = time.perf_counter()
-        query = self.chain("identity").query(self.test, per_test=True, progress=progress)
-        return query.s, query.solves[1], time.perf_counter() - start
+        query = self.chain("identity", finetuning).query(self.test, per_test=True, progress=progress)
+        return query.s, query.solves[1] | {"stage_position": query.stages[1]}, time.perf_counter() - start
 
     def scores(self, method: str, rhs: torch.Tensor, finetuning_solve: dict, progress: bool = True):
-        """((n, q) per-test-completion scores, seconds of the pretraining solve and the scoring) of ``method``."""
+        """((n, q) per-test-completion scores, seconds of the pretraining solve and the scoring, the pretraining
+        solve's summary with where the pretraining stage stands) of ``method``."""
         start = time.perf_counter()
-        chain = self.chain(method)
+        chain = self.chain(method, finetuning_of(method))
         solution = chain.solver(0).solve(rhs, progress=progress)
         query = Query(chain, solution.x, True, self.test[0].shape[0], [solution, finetuning_solve], {}, "lm-test")
         res = query.scores(progress=progress)
         values = res.values.double().numpy()
-        return values.reshape(self.n, -1), time.perf_counter() - start, query.solves[0]
+        return values.reshape(self.n, -1), time.perf_counter() - start, query.solves[0] | {
+            "stage_position": chain.positions[0].summary()}
+
+
+def finetuning_of(method: str) -> str:
+    """The finetuning solve setting (``LMTask.chain``) a method is scored with: the defaults' own, or the example's."""
+    return "default" if method in DEFAULTS else "example"
+
+
+def rhs_path(finetuning: str) -> Path:
+    return CACHE / ("pretraining_rhs.pt" if finetuning == "example" else f"pretraining_rhs_{finetuning}.pt")
 
 
 UNROLLED = ("unrolled-exact", "unrolled-segments-ekfac")
+# the exact unrolling from the adjoint of the finetuning solve at its defaults (converged), not the example's
+UNROLLED_DEFAULT_ADJOINT = "unrolled-exact-default-adjoint"
 SEGMENTS = 3  # pieces of the 39-step continuation for the approximate unrolling (one per epoch)
 
 
@@ -171,9 +197,9 @@ def record_continuation(task: LMTask, progress: bool = True) -> ik.unrolled.Reco
     return record
 
 
-def unrolled_scores(task: LMTask, progress: bool = True) -> dict:
+def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "example") -> dict:
     """(n, q) exact metagradients of the warm protocol: reverse mode through the recorded continuation, from the
-    finetuning stage's implicit-function adjoint on the base.
+    finetuning stage's implicit-function adjoint on the base (its solve: ``finetuning``, ``LMTask.chain``).
 
     After the recorded full-data continuation the base goes into the LoRA model and the adapters are refit (as the
     protocol does, cfg.refit_iter L-BFGS iterations); the adapters being (near) their optimum Θ*(W), the test NLL's
@@ -182,7 +208,8 @@ def unrolled_scores(task: LMTask, progress: bool = True) -> dict:
     reverse pass (``ik.unrolled.Adjoint``). score_z = d NLL_t / d w_z; removal predicts −score. The approximate
     unrolling (SOURCE) takes the same adjoint through SEGMENTS pieces with EK-FAC fitted at each piece's end (the
     example's EK-FAC settings). Also times one protocol re-training (continuation + refit, nothing dropped) and
-    compares its base with the record's final base. Returns {method: (values (n, q), info)}.
+    compares its base with the record's final base. Returns {method: (values (n, q), info)}: both UNROLLED
+    methods for the example's finetuning solve, UNROLLED_DEFAULT_ADJOINT (exact only) for ``"default"``.
     """
     ex, cfg = task.ex, task.cfg
     pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
@@ -206,7 +233,7 @@ def unrolled_scores(task: LMTask, progress: bool = True) -> dict:
         start = time.perf_counter()
         ex.set_base(task.fin, task.pre, task.link)
         grad_norm = ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
-        query = task.chain("identity").query(task.test, per_test=True, progress=progress)
+        query = task.chain("identity", finetuning).query(task.test, per_test=True, progress=progress)
         adjoint_seconds = time.perf_counter() - start
         chain = query.chain
         names = chain.plans[0].trained
@@ -214,6 +241,14 @@ def unrolled_scores(task: LMTask, progress: bool = True) -> dict:
         start = time.perf_counter()
         exact = ik.unrolled.metagradients(record, adjoint, per_test=True, progress=progress)[0]
         reverse_seconds = time.perf_counter() - start
+        if finetuning != "example":
+            seconds = {"record (the continuation, recorded)": record_seconds, "refit + finetuning adjoint": adjoint_seconds,
+                       "reverse pass": reverse_seconds, "one protocol re-training": retrain_seconds}
+            return {UNROLLED_DEFAULT_ADJOINT: (exact.values.double().numpy(), {
+                "seconds": seconds, "record_vs_protocol_max_abs": gap, "base_max_abs": scale,
+                "refit_grad_norm": grad_norm, "finetuning_solve": query.solves[1] | {"stage_position": query.stages[1]},
+                "steps": record.runs[0].steps, "total_seconds": record_seconds + adjoint_seconds + reverse_seconds,
+                "replay": exact.diagnostics["replay"], "memory": exact.diagnostics["memory"]})}
         start = time.perf_counter()
         curvature = ex.SOLVES["ekfac"](cfg)[1]
         approx = ik.unrolled.approximate(record, adjoint, segments=SEGMENTS, per_test=True, curvature="ekfac",
@@ -235,11 +270,12 @@ def unrolled_scores(task: LMTask, progress: bool = True) -> dict:
                 "total_seconds": shared + approx_seconds, "settings": approx.diagnostics["settings"]})}
 
 
-def unrolled_scores_cached(task: LMTask, progress: bool) -> None:
+def unrolled_scores_cached(task: LMTask, progress: bool, finetuning: str = "example") -> None:
     """Score the unrolled methods once (cached as ``scores_<method>.npz`` with their ``info``)."""
-    paths = {method: CACHE / f"scores_{method}.npz" for method in UNROLLED}
+    methods = UNROLLED if finetuning == "example" else (UNROLLED_DEFAULT_ADJOINT,)
+    paths = {method: CACHE / f"scores_{method}.npz" for method in methods}
     if not all(path.exists() for path in paths.values()):
-        for method, (values, info) in unrolled_scores(task, progress).items():
+        for method, (values, info) in unrolled_scores(task, progress, finetuning).items():
             np.savez(paths[method], values=values, info=json.dumps(info, default=str))
 
 
@@ -278,10 +314,97 @@ def write_unrolled_table(m: int) -> None:
         "model, EK-FAC ranks those at LDS 0.09, so they cannot rank today's scores. Load average at table time "
         f"{', '.join(f'{v:.1f}' for v in summary['load'])} (2 shared cores, 1 torch thread).\n\n" + table + "\n")
     (RESULTS / f"{name}.md").write_text(section.replace("## ", "# ", 1))
-    readme = RESULTS / "lm_README_results.md"
-    kept = readme.read_text().split("\n## LDS of the unrolled methods")[0].rstrip("\n")
-    readme.write_text(kept + "\n\n" + section)
+    replace_section(RESULTS / "lm_README_results.md", section)
     print(frame.to_string(index=False))
+
+
+def write_defaults_table(m: int) -> None:
+    """lm-case1_warm_defaults.{csv,json,md}: the rows cached here (the defaults, the exact unrolling from the
+    defaults' finetuning adjoint) on the committed order-0 re-trainings of today's trained model
+    (lm-case1_warm_unrolled_outputs.csv.gz, copied into the cache), beside that table's committed rows (same model,
+    same subsets) and the noise ceiling: per test completion, Spearman over the subsets re-trained under both batch
+    orders between their two NLLs (order-1 outputs in lm-case1_warm_ceiling_outputs.csv.gz). With EK-FAC scored here
+    too (a cached row replaces the committed one), each cached row's LDS − EK-FAC's, paired over the test completions."""
+    outputs, m0 = cached_outputs(m, 0)
+    if m0 < 3:
+        raise SystemExit(f"only {m0} re-trainings cached: copy the committed outputs or run `retrain` first")
+    subsets = random_halves(example().Config().n_pretrain, m0, SUBSET_SEED).numpy()
+    rows = [method_row(path, subsets, outputs) | {"source": "this run"} for path in sorted(CACHE.glob("scores_*.npz"))]
+    reference = CACHE / "scores_ekfac.npz"
+    if reference.exists():  # paired over the test completions: LDS_t(method) − LDS_t(ekfac)
+        ekfac = lds_per_query(np.load(reference)["values"], subsets, outputs)
+        for row, path in zip(rows, sorted(CACHE.glob("scores_*.npz"))):
+            diff = mean_sem(lds_per_query(np.load(path)["values"], subsets, outputs) - ekfac)
+            row["minus_ekfac"], row["minus_ekfac_sem"] = diff[0], diff[1]
+    committed = pd.read_csv(RESULTS / f"{TASK}_warm_unrolled.csv")
+    rows += [row | {"source": f"{TASK}_warm_unrolled (committed)"} for row in committed.to_dict("records")
+             if row["method"] not in {r["method"] for r in rows}]
+    second, m1 = cached_outputs(m0, 1)
+    if m1 >= 3:
+        mean, sem, q = mean_sem(columnwise_spearman(outputs[:m1], second))
+        rows.append({"method": "noise ceiling (another batch order)", "K": 1, "lds": mean, "sem": sem, "queries": q,
+                     "M": m1, "seconds": float("nan"), "source": "this run"})
+        long = [{"subset": j, "order": 1, "test": t, "nll": float(v)} for j in range(m1) for t, v in enumerate(second[j])]
+        with gzip.GzipFile(RESULTS / f"{TASK}_warm_ceiling_outputs.csv.gz", "wb", mtime=0) as fh:
+            fh.write(pd.DataFrame(long).to_csv(index=False).encode())
+    frame = pd.DataFrame(rows).sort_values("lds", ascending=False)
+    name = f"{TASK}_warm_defaults"
+    frame.to_csv(RESULTS / f"{name}.csv", index=False)
+    details = {}
+    for path in sorted(CACHE.glob("scores_*.npz")):
+        cached = np.load(path)
+        details[path.stem.removeprefix("scores_")] = {key: json.loads(str(cached[key])) for key in
+                                                      ("info", "solve", "finetuning_solve") if key in cached}
+    info = torch.load(CACHE / "trained.pt")["info"]
+    summary = {"M": m0, "M_ceiling": m1, "trained": info, "load": os.getloadavg(), "table": rows, "details": details,
+               "torch": torch.__version__, "python": platform.python_version()}
+    (RESULTS / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str))
+    lines = ["| method | LDS ± sem (q = 20) | − EK-FAC, paired | M | seconds | × one re-training | pretraining solve: "
+             "residual, converged | finetuning solve: residual, converged | source |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in frame.to_dict("records"):
+        paired = "—" if pd.isna(row.get("minus_ekfac", np.nan)) else f"{row['minus_ekfac']:+.3f} ± {row['minus_ekfac_sem']:.3f}"
+        lines.append(f"| {row['method']} | {row['lds']:.3f} ± {row['sem']:.3f} | {paired} | {row['M']} | {cell(row.get('seconds'), '.0f')} "
+                     f"| {cell(row.get('ratio_to_retraining'), '.1f')} | {cell(row.get('pretraining_residual'), '.2g')}, "
+                     f"{cell(row.get('pretraining_converged'))} | {cell(row.get('finetuning_residual'), '.2g')}, "
+                     f"{cell(row.get('finetuning_converged'))} | {row['source']} |")
+    choices = [f"- {method}: pretraining — {d['solve'].get('choice') or '(as configured)'}; finetuning — "
+               f"{d['finetuning_solve'].get('choice') or '(as configured)'}"
+               for method, d in details.items() if "solve" in d and "finetuning_solve" in d]
+    choices += [f"- {method}: finetuning adjoint — {d['info']['finetuning_solve'].get('choice') or '(as configured)'}"
+                for method, d in details.items() if "info" in d]
+    section = (
+        "## LDS of the default settings on the transformer task, warm protocol (benchmarks/bench_fidelity_lm.py)\n\n"
+        f"Scored on today's trained model (LoRA ‖∇‖ {info['lora_grad_norm']:.4f}, test NLL sum "
+        f"{info['test_nll_sum']:.3f}, re-trained by `train` here) against the M = {m0} committed warm re-trainings of "
+        f"that model ({TASK}_warm_unrolled_outputs.csv.gz), beside that table's rows. `default`/`default-training`: "
+        "every solve setting of both stages at its default (`default-training` told the continuation's η, T); "
+        "the committed rows use the example's finetuning solve (30 MINRES iterations on H_F + 0.001·I sampled on 64 "
+        "completions: residual 0.54, not converged; lm-case1_warm_unrolled.json). Noise ceiling: "
+        f"{m1} subsets re-trained under a second batch order. Load average at table time "
+        f"{', '.join(f'{v:.1f}' for v in summary['load'])} (2 shared cores, 1 torch thread).\n\n"
+        + "\n".join(lines) + "\n" + ("\nWhat auto chose:\n\n" + "\n".join(choices) + "\n" if choices else ""))
+    (RESULTS / f"{name}.md").write_text(section.replace("## ", "# ", 1))
+    replace_section(RESULTS / "lm_README_results.md", section)
+    print(frame.drop(columns=["pretraining_choice", "finetuning_choice"], errors="ignore").to_string(index=False))
+
+
+def replace_section(readme: Path, section: str) -> None:
+    """Put ``section`` (a "## " heading and its text) into ``readme`` in place of the section with the same heading,
+    or at its end; the other sections are kept."""
+    heading = section.split("\n", 1)[0]
+    parts = ("\n" + readme.read_text()).split("\n## ")
+    sections = [parts[0].strip("\n")] + ["## " + part.strip("\n") for part in parts[1:]]
+    replaced = [section.strip("\n") if part.split("\n", 1)[0] == heading else part for part in sections]
+    if heading not in (part.split("\n", 1)[0] for part in sections):
+        replaced.append(section.strip("\n"))
+    readme.write_text("\n\n".join(replaced) + "\n")
+
+
+def cell(value, spec: str = "") -> str:
+    """A table cell: — for a missing value (None, NaN), else ``value`` formatted by ``spec``."""
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return "—"
+    return format(value, spec)
 
 
 def solve_settings(ex, cfg, method: str) -> tuple[ik.SolveConfig, ik.CurvatureConfig]:
@@ -317,6 +440,18 @@ def retrain_all(task: LMTask, m: int, order: int, progress: bool) -> None:
         print(f"subset {j} order {order}: {time.perf_counter() - start:.1f} s, NLL sum {losses.sum():.3f}", flush=True)
 
 
+def restore_outputs(name: str) -> None:
+    """Copy committed re-training outputs (``<name>_outputs.csv.gz``: subset, order, test, nll) into the cache, so
+    new scores are ranked against them; cached re-trainings are kept. They belong to the trained model they were
+    re-trained from: check ``train``'s test NLL sum against the one the committed table states."""
+    frame = pd.read_csv(RESULTS / f"{name}_outputs.csv.gz")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    for (order, j), group in frame.groupby(["order", "subset"]):
+        if not retrain_path(j, order).exists():
+            np.save(retrain_path(j, order), group.sort_values("test")["nll"].to_numpy(np.float64))
+    print(f"{name}: {frame.groupby(['order', 'subset']).ngroups} re-trainings in {CACHE}")
+
+
 def cached_outputs(m: int, order: int) -> tuple[np.ndarray, int]:
     """((M', q) NLLs, M') of the first M' ≤ m subsets re-trained under ``order`` (consecutive from 0)."""
     rows = []
@@ -327,19 +462,26 @@ def cached_outputs(m: int, order: int) -> tuple[np.ndarray, int]:
     return np.stack(rows) if rows else np.zeros((0, 0)), len(rows)
 
 
+def shared_rhs(task: LMTask, finetuning: str, progress: bool) -> dict:
+    """The pretraining right-hand sides of one finetuning setting, solved once and cached."""
+    path = rhs_path(finetuning)
+    if not path.exists():
+        torch.save(dict(zip(("rhs", "finetuning_solve", "seconds"), task.pretraining_rhs(progress, finetuning))), path)
+    shared = torch.load(path)
+    print(f"finetuning solve ({finetuning}, shared): {shared['seconds']:.1f} s, {shared['finetuning_solve']}", flush=True)
+    return shared
+
+
 def score_all(task: LMTask, methods: list[str], progress: bool) -> None:
     """Every method's (n, q) scores; seconds = its pretraining solve + scoring + the shared finetuning solve."""
-    rhs_path = CACHE / "pretraining_rhs.pt"
-    if not rhs_path.exists():
-        torch.save(dict(zip(("rhs", "finetuning_solve", "seconds"), task.pretraining_rhs(progress))), rhs_path)
-    shared = torch.load(rhs_path)
-    print(f"finetuning solve (shared): {shared['seconds']:.1f} s, {shared['finetuning_solve']}", flush=True)
     for method in methods:
         path = CACHE / f"scores_{method}.npz"
         if path.exists():
             continue
+        shared = shared_rhs(task, finetuning_of(method), progress)
         values, seconds, solve = task.scores(method, shared["rhs"], shared["finetuning_solve"], progress)
-        np.savez(path, values=values, seconds=seconds + shared["seconds"], solve=json.dumps(solve, default=str))
+        np.savez(path, values=values, seconds=seconds + shared["seconds"], solve=json.dumps(solve, default=str),
+                 finetuning_solve=json.dumps(shared["finetuning_solve"], default=str))
         print(f"{method}: {seconds:.1f} s + {shared['seconds']:.1f} s shared, solve {solve}", flush=True)
 
 
@@ -358,15 +500,21 @@ def method_row(path: Path, subsets: np.ndarray, outputs: np.ndarray) -> dict:
     method = path.stem.removeprefix("scores_")
     cached = np.load(path)
     mean, sem, q = mean_sem(lds_per_query(cached["values"], subsets, outputs))
+    pretraining, finetuning = {}, {}
     if "info" in cached:
         info = json.loads(str(cached["info"]))
         seconds, ratio = info["total_seconds"], info["total_seconds"] / info["seconds"]["one protocol re-training"]
-        residual = None
+        finetuning = info["finetuning_solve"]
     else:
         seconds, ratio = float(cached["seconds"]), float("nan")
-        residual = json.loads(str(cached["solve"])).get("residual")
+        pretraining = json.loads(str(cached["solve"]))
+        if "finetuning_solve" in cached:
+            finetuning = json.loads(str(cached["finetuning_solve"]))
     return {"method": f"influkit {method}", "K": 1, "lds": mean, "sem": sem, "queries": q, "M": len(outputs),
-            "seconds": seconds, "pretraining_residual": residual, "ratio_to_retraining": ratio}
+            "seconds": seconds, "pretraining_residual": pretraining.get("residual"), "ratio_to_retraining": ratio,
+            "pretraining_converged": pretraining.get("converged"), "pretraining_choice": pretraining.get("choice"),
+            "finetuning_residual": finetuning.get("residual"), "finetuning_converged": finetuning.get("converged"),
+            "finetuning_choice": finetuning.get("choice")}
 
 
 def write_table(m: int) -> None:
@@ -428,10 +576,14 @@ def markdown(frame: pd.DataFrame, summary: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=["train", "retrain", "score", "unrolled", "table", "unrolled-table"])
+    parser.add_argument("step", choices=["train", "retrain", "score", "unrolled", "table", "unrolled-table",
+                                         "defaults-table", "restore"])
     parser.add_argument("--subsets", type=int, default=40)
     parser.add_argument("--order", type=int, default=0, help="batch order of the re-trainings (1: noise ceiling)")
     parser.add_argument("--methods", nargs="+", default=[*METHODS])
+    parser.add_argument("--finetuning", choices=["example", "default"], default="example",
+                        help="unrolled: the finetuning solve giving the adjoint (default: every setting at its default)")
+    parser.add_argument("--outputs", default=f"{TASK}_warm_unrolled", help="restore: the committed outputs' table")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -442,6 +594,12 @@ def main() -> None:
     if args.step == "unrolled-table":
         write_unrolled_table(args.subsets)
         return
+    if args.step == "restore":
+        restore_outputs(args.outputs)
+        return
+    if args.step == "defaults-table":
+        write_defaults_table(args.subsets)
+        return
     task = LMTask(progress)
     print(f"trained: {task.info}", flush=True)
     if args.step == "retrain":
@@ -449,7 +607,7 @@ def main() -> None:
     elif args.step == "score":
         score_all(task, args.methods, progress)
     elif args.step == "unrolled":
-        unrolled_scores_cached(task, progress)
+        unrolled_scores_cached(task, progress, args.finetuning)
 
 
 if __name__ == "__main__":
