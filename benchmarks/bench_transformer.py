@@ -39,6 +39,10 @@ Jobs, each in its own subprocess so peak RSS (``ru_maxrss``) is the job's own:
   per piece). Both with default memory budgets; seconds and peak RSS per job, and the Pearson correlation of the
   two score vectors (they estimate different things: the run as it went vs the optimum it did not reach).
   ``--unrolled-basis each`` fits EK-FAC per piece (SOURCE as published; the validation on a small model).
+- ``case1-both``: both in one subprocess, the approximate unrolling taking the plain query's fitted stage-1
+  EK-FAC (fitted at the same final parameters) as its last piece's curvature and shared eigenbasis
+  (``basis=[curvature, None]``): the unrolling's marginal cost over the plain query, and the peak RSS after the
+  plain query and after the unrolling (the chain and its query released in between).
 
 Run (kronfluence lives in /work/bench-venv): ``PYTHONPATH=. /work/bench-venv/bin/python
 benchmarks/bench_transformer.py --sequences 16 --length 128`` (``--layers 2 --hidden 128`` for a quick check).
@@ -67,7 +71,7 @@ import torch
 from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results"
-JOBS = ("influkit-ekfac", "influkit-minres", "kronfluence", "case1", "case1-recorded", "case1-unrolled")
+JOBS = ("influkit-ekfac", "influkit-minres", "kronfluence", "case1", "case1-recorded", "case1-unrolled", "case1-both")
 IGNORE = -100
 
 
@@ -455,6 +459,46 @@ def job_case1_unrolled(args, out: dict, work: Path):
                memory=[r.diagnostics["memory"] for r in results], peak_rss=peak_rss())
 
 
+def job_case1_both(args, out: dict, work: Path):
+    """The plain EK-FAC Case 1 query, then the approximate unrolling reusing its stage-1 EK-FAC as the shared basis."""
+    import gc
+
+    import influkit as ik
+
+    record, pre, fin, shared = recorded_case1(args, out)
+    t0 = time.perf_counter()
+    chain = ik.Chain([pre, fin], [ik.Link(shared, case=1)],
+                     solve=[ik.SolveConfig(solver="ekfac"), ik.SolveConfig(solver="direct", damping=1e-3)])
+    chain.fit()
+    curvature = chain.curvature(0).approximations["ekfac"]
+    fit_s = chain.fit_seconds
+    chain = chain.with_solve([replace(chain.solve_configs[0], damping=0.1 * curvature.mean_eigenvalue()),
+                              chain.solve_configs[1]])
+    t1 = time.perf_counter()
+    query = chain.query(torch.arange(args.test))
+    query_s = time.perf_counter() - t1
+    t1 = time.perf_counter()
+    res = query.scores()
+    score_s = time.perf_counter() - t1
+    plain_s = time.perf_counter() - t0
+    np.save(work / "case1_both_plain.npy", res.values.numpy())
+    out.update(plain_fit_s=fit_s, plain_query_s=query_s, plain_score_s=score_s, plain_s=plain_s,
+               plain_memory=res.diagnostics["memory"], peak_rss_plain=peak_rss())
+    del chain, query, res
+    gc.collect()
+    out["rss_between"] = rss_now()
+    tx, ty = fin.data.take(torch.arange(args.test))
+    t0 = time.perf_counter()
+    results = ik.unrolled.approximate(record, (tx, ty), segments=args.segments, curvature="ekfac",
+                                      basis=[curvature, None])
+    out["unrolled_marginal_s"] = time.perf_counter() - t0
+    np.save(work / "case1_both_unrolled.npy", results[0].values.numpy())
+    out.update(unrolled_pieces_s=results[0].diagnostics["seconds"]["approximate (pieces)"],
+               unrolled_score_s=sum(r.diagnostics["seconds"]["example terms"] for r in results),
+               unrolled_memory=[r.diagnostics["memory"] for r in results], segments=args.segments,
+               unrolled_s=out["unrolled_marginal_s"] + fit_s, peak_rss=peak_rss())
+
+
 def worker(args) -> None:
     torch.set_num_threads(1)
     work = Path(args.work)
@@ -462,7 +506,8 @@ def worker(args) -> None:
            "load_start": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
     t0 = time.perf_counter()
     {"influkit-ekfac": job_influkit_ekfac, "influkit-minres": job_influkit_minres, "kronfluence": job_kronfluence,
-     "case1": job_case1, "case1-recorded": job_case1_recorded, "case1-unrolled": job_case1_unrolled}[args.worker](
+     "case1": job_case1, "case1-recorded": job_case1_recorded, "case1-unrolled": job_case1_unrolled,
+     "case1-both": job_case1_both}[args.worker](
         args, out, work)
     out["wall_s"] = time.perf_counter() - t0
     (work / f"{args.worker}{args.tag}.json").write_text(json.dumps(out, indent=1, default=str))
@@ -599,6 +644,17 @@ def summarize(model: str, work: Path, rows: list[dict], say) -> None:
             f"EK-FAC Case 1 query on the same recorded chain: {unr['total_s']:.0f} s vs {rec['total_s']:.0f} s "
             f"({unr['total_s'] / rec['total_s']:.2f}×), peak RSS {unr['peak_rss'] / 1e9:.2f} vs {rec['peak_rss'] / 1e9:.2f} GB "
             f"(recording {unr['record_s']:.0f} s, not counted)" + (f"; Pearson of the scores {pearson(a, b):.3f}" if a is not None else ""))
+    both = by.get("case1-both")
+    if both:
+        a, b = np.load(work / "case1_both_unrolled.npy"), np.load(work / "case1_both_plain.npy")
+        say(f"- one process, the plain EK-FAC Case 1 query then the approximate unrolling ({both['segments']} segments "
+            f"per stage) reusing its stage-1 EK-FAC as the shared eigenbasis: plain {both['plain_s']:.0f} s (fit "
+            f"{both['plain_fit_s']:.0f}, query {both['plain_query_s']:.0f}, scores {both['plain_score_s']:.0f}); "
+            f"unrolling +{both['unrolled_marginal_s']:.0f} s (pieces {both['unrolled_pieces_s']:.0f}, example terms "
+            f"{both['unrolled_score_s']:.0f}), standalone = fit + that = {both['unrolled_s']:.0f} s "
+            f"({both['unrolled_s'] / both['plain_s']:.2f}× the plain query); peak RSS after the plain query "
+            f"{both['peak_rss_plain'] / 1e9:.2f} GB, after the unrolling {both['peak_rss'] / 1e9:.2f} GB; Pearson of "
+            f"the scores {pearson(a, b):.3f}")
     each = work / "case1_unrolled_each.npy"
     if each.exists() and (work / "case1_unrolled.npy").exists():
         say(f"- shared eigenbasis vs a fit per piece: Pearson {pearson(np.load(work / 'case1_unrolled.npy'), np.load(each)):.4f}, "

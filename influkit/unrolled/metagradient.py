@@ -203,10 +203,17 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors):
     else:
         g = {n: torch.zeros_like(v) for n, v in theta.items()}
     if distributed.active():
-        g = {n: distributed.all_reduce_(v.clone()) for n, v in g.items()}
+        g = {n: _summed(v) for n, v in g.items()}
     update = lambda th, st, gr: run.optimizer.update(th, st, gr, run.lrs[t], t + 1)  # noqa: E731
     (theta, state), pull_update = vjp(update, theta, state, g)
     return theta, state, (ids, pull_update, pull_gradient)
+
+
+def _summed(tensor: torch.Tensor) -> torch.Tensor:
+    """A dense copy of ``tensor`` summed over the ranks (a pullback's output may be an expanded view)."""
+    if not distributed.active():
+        return tensor
+    return distributed.all_reduce_(tensor.clone(memory_format=torch.contiguous_format))
 
 
 def _pull(pullback, cotangent, q: int):
@@ -228,8 +235,11 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
         if journal.done(j):  # finished by an earlier run: its terms from disk, and the adjoint after the last one
             ids, values = journal.terms(j)
             scores.index_add_(0, ids.to(scores.device), values.to(scores.device, scores.dtype))
-            if j == journal.finished - 1:
-                theta_bar, state_bar, anchor_bar = journal.adjoint()
+            if j == journal.finished - 1:  # in the record's name order (the pullbacks' tree structure)
+                theta, state, anchor = journal.adjoint()
+                theta_bar, anchor_bar = {n: theta[n] for n in theta_bar}, {n: anchor[n] for n in anchor_bar}
+                slots = run.checkpoints[a][1]
+                state_bar = {slot: {n: state[slot][n] for n in slots[slot]} for slot in slots}
             stats["reused"] += 1
             continue
         theta, state = run.checkpoints[a]
@@ -255,9 +265,9 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
                 anchors_grad = {n: torch.zeros_like(v) for n, v in anchor_bar.items()}
                 w_grad = None
             for n in through_gradient:  # H_t ḡ_t: every rank's share
-                theta_bar[n] = theta_bar[n] + distributed.all_reduce_(through_gradient[n])
+                theta_bar[n] = theta_bar[n] + _summed(through_gradient[n])
             for n in anchor_bar:
-                anchor_bar[n] = anchor_bar[n] + distributed.all_reduce_(anchors_grad[n])
+                anchor_bar[n] = anchor_bar[n] + _summed(anchors_grad[n])
             if w_grad is not None:
                 scores.index_add_(0, ids.to(scores.device), w_grad.T.to(scores.dtype))
                 terms_ids.append(ids)

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 from .. import distributed
 from ..errors import InputError
-from ..factored.curvature import fit_curvature
+from ..factored.curvature import FactoredCurvature, fit_curvature
 from ..fitted import CurvatureConfig
 from ..results import InfluenceResult
 from .metagradient import hand_over, measure_adjoint
@@ -72,7 +72,9 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     removing z predicts −score: ``removal``); ``segments`` pieces per stage; curvature: ``"hessian"`` (dense,
     exact) or ``"ekfac"``/``"kfac"`` (factored, fitted with ``config``, default ``CurvatureConfig()``: the sampled
     Fisher on every example); basis: ``"each"`` (a fit per piece) or ``"shared"`` (EK-FAC: one eigenbasis per stage,
-    eigenvalues re-estimated per piece) — module docstring. The example terms as :meth:`influkit.Query.scores`:
+    eigenvalues re-estimated per piece) — module docstring — or one fitted EK-FAC curvature (or None) per stage, fitted
+    at that stage's final parameters over its trained parameters, e.g. ``chain.curvature(0).approximations["ekfac"]``
+    of the plain chain on the recorded models: used as its last piece's curvature and shared basis, not refitted. The example terms as :meth:`influkit.Query.scores`:
     ``chunk_size`` rows at a time (default: what ``memory`` bytes hold, default budget when None), ``gradients``
     "contraction" or "per-example", split over the ranks under ``torch.distributed``, and with ``out=DIR`` streamed
     to a score store per stage (``DIR/stage-k``), resumable: a re-run skips the chunks already written.
@@ -81,9 +83,15 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
         raise InputError(f"segments must be ≥ 1, got {segments!r}.")
     if curvature not in CURVATURES:
         raise InputError(f"unknown curvature {curvature!r}; choose one of {CURVATURES}.")
+    given = None if isinstance(basis, str) else list(basis)
+    if given is not None:
+        if len(given) != len(record) or not all(b is None or isinstance(b, FactoredCurvature) for b in given):
+            raise InputError(f"basis as a list needs one fitted EK-FAC curvature (or None) per recorded stage "
+                             f"({len(record)}), e.g. [chain.curvature(0).approximations['ekfac'], None].")
+        basis = "shared"
     if basis not in BASES or (basis == "shared" and curvature != "ekfac"):
-        raise InputError(f"basis must be one of {BASES}, and 'shared' (one eigenbasis, eigenvalues per piece) needs "
-                         f"curvature='ekfac'; got basis={basis!r} with curvature={curvature!r}.")
+        raise InputError(f"basis must be one of {BASES} or a list of fitted curvatures, and a shared eigenbasis "
+                         f"needs curvature='ekfac'; got basis={basis!r} with curvature={curvature!r}.")
     config = CurvatureConfig() if config is None else config
     for run in record.runs:
         if not isinstance(run.optimizer, SGD) or run.optimizer.nesterov:
@@ -97,7 +105,7 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     for k in range(len(record) - 1, -1, -1):
         run = record.runs[k]
         theta_bar, anchor_bar, pieces[k] = _stage(run, adjoint, q, int(segments), curvature, basis, config, memory,
-                                                  progress)
+                                                  progress, given[k] if given else None)
         if k:
             adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
     directions_s = time.perf_counter() - began
@@ -148,8 +156,9 @@ def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list
 
 
 def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, basis: str, config: CurvatureConfig,
-           memory: int | None, progress: bool):
-    """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, [(θ_ℓ, u_ℓ (q, p))] in run order)."""
+           memory: int | None, progress: bool, fitted_end=None):
+    """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, [(θ_ℓ, u_ℓ (q, p))] in run order).
+    fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its last piece's), reused."""
     names, anchor_names = list(run.trained), list(run.anchors)
     shapes = {n: v.shape for n, v in run.checkpoints[0][0].items()} | {n: v.shape for n, v in run.anchors.items()}
     sizes = {n: shapes[n].numel() for n in shapes}
@@ -191,7 +200,8 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
             alpha, beta, forcing = _piece(lam + decay, v @ eigvecs, w @ eigvecs, lrs, momentum)
             u, v, w = forcing @ eigvecs.T, alpha @ eigvecs.T, beta @ eigvecs.T
         else:
-            fitted = _fit(run, curvature, config, theta_end, kept, memory)
+            fitted = fitted_end if b == run.steps and fitted_end is not None else \
+                _fit(run, curvature, config, theta_end, kept, memory)
             kept = fitted if basis == "shared" else None
             u, v, w = _factored_piece(fitted, v, w, lrs, momentum, decay)
         out.append((theta_end, u))
