@@ -42,7 +42,9 @@ Jobs, each in its own subprocess so peak RSS (``ru_maxrss``) is the job's own:
 - ``case1-both``: both in one subprocess, the approximate unrolling taking the plain query's fitted stage-1
   EK-FAC (fitted at the same final parameters) as its last piece's curvature and shared eigenbasis
   (``basis=[curvature, None]``): the unrolling's marginal cost over the plain query, and the peak RSS after the
-  plain query and after the unrolling (the chain and its query released in between).
+  plain query and after the unrolling (the chain and its query released in between). ``--memory`` sets the plain
+  chain's budget (its default is a share of the memory free at the time, which a crowded machine shrinks below one
+  Hessian-vector product's example); the unrolling keeps its default.
 
 Run (kronfluence lives in /work/bench-venv): ``PYTHONPATH=. /work/bench-venv/bin/python
 benchmarks/bench_transformer.py --sequences 16 --length 128`` (``--layers 2 --hidden 128`` for a quick check).
@@ -467,7 +469,7 @@ def job_case1_both(args, out: dict, work: Path):
 
     record, pre, fin, shared = recorded_case1(args, out)
     t0 = time.perf_counter()
-    chain = ik.Chain([pre, fin], [ik.Link(shared, case=1)],
+    chain = ik.Chain([pre, fin], [ik.Link(shared, case=1)], memory=args.memory,
                      solve=[ik.SolveConfig(solver="ekfac"), ik.SolveConfig(solver="direct", damping=1e-3)])
     chain.fit()
     curvature = chain.curvature(0).approximations["ekfac"]
@@ -541,7 +543,8 @@ def main(argv=None) -> None:
     parser.add_argument("--name", default="bench_transformer")
     parser.add_argument("--work", default=None)
     parser.add_argument("--reuse", action="store_true", help="take jobs whose result is in --work from there")
-    parser.add_argument("--memory", type=float, default=None, help="Chain(memory=) bytes of influkit-ekfac (default None)")
+    parser.add_argument("--memory", type=float, default=None,
+                        help="Chain(memory=) bytes of influkit-ekfac and of case1-both's plain chain (default None)")
     parser.add_argument("--tag", default="", help="suffix of a worker's result files (a second setting of a job)")
     parser.add_argument("--residual", action="store_true",
                         help="influkit-ekfac with SolveConfig(residual=True): one exact HVP checks the EK-FAC solve")
