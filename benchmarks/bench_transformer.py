@@ -420,27 +420,36 @@ def recorded_case1(args, out: dict):
     return record, pre, fin, shared
 
 
-def job_case1_recorded(args, out: dict, work: Path):
-    """The plain EK-FAC Case 1 query (fit, query, scores with defaults) on the recorded chain's final models."""
+def plain_case1_query(pre, fin, shared: str, args, memory=None) -> dict:
+    """The plain EK-FAC Case 1 query (fit, query, scores) on the stages' current models: seconds, scores, the
+    stage-1 EK-FAC, the memory plans."""
     import influkit as ik
 
-    _, pre, fin, shared = recorded_case1(args, out)
-    chain = ik.Chain([pre, fin], [ik.Link(shared, case=1)],
+    chain = ik.Chain([pre, fin], [ik.Link(shared, case=1)], memory=memory,
                      solve=[ik.SolveConfig(solver="ekfac"), ik.SolveConfig(solver="direct", damping=1e-3)])
     chain.fit()
     curvature = chain.curvature(0).approximations["ekfac"]
     fit_s = chain.fit_seconds
     chain = chain.with_solve([replace(chain.solve_configs[0], damping=0.1 * curvature.mean_eigenvalue()),
-                              chain.solve_configs[1]])
+                              chain.solve_configs[1]])  # the fitted factors kept, λ set
     t0 = time.perf_counter()
     query = chain.query(torch.arange(args.test))
     query_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     res = query.scores()
     score_s = time.perf_counter() - t0
-    np.save(work / "case1_recorded.npy", res.values.numpy())
-    out.update(fit_s=fit_s, query_s=query_s, score_s=score_s, total_s=fit_s + query_s + score_s,
-               scored_per_s=len(pre) / score_s, memory=res.diagnostics["memory"], peak_rss=peak_rss())
+    return {"fit_s": fit_s, "query_s": query_s, "score_s": score_s, "values": res.values.numpy(),
+            "curvature": curvature, "memory": res.diagnostics["memory"]}
+
+
+def job_case1_recorded(args, out: dict, work: Path):
+    """The plain EK-FAC Case 1 query (fit, query, scores with defaults) on the recorded chain's final models."""
+    _, pre, fin, shared = recorded_case1(args, out)
+    plain = plain_case1_query(pre, fin, shared, args)
+    np.save(work / "case1_recorded.npy", plain["values"])
+    out.update(fit_s=plain["fit_s"], query_s=plain["query_s"], score_s=plain["score_s"],
+               total_s=plain["fit_s"] + plain["query_s"] + plain["score_s"], scored_per_s=len(pre) / plain["score_s"],
+               memory=plain["memory"], peak_rss=peak_rss())
 
 
 def job_case1_unrolled(args, out: dict, work: Path):
@@ -469,24 +478,12 @@ def job_case1_both(args, out: dict, work: Path):
 
     record, pre, fin, shared = recorded_case1(args, out)
     t0 = time.perf_counter()
-    chain = ik.Chain([pre, fin], [ik.Link(shared, case=1)], memory=args.memory,
-                     solve=[ik.SolveConfig(solver="ekfac"), ik.SolveConfig(solver="direct", damping=1e-3)])
-    chain.fit()
-    curvature = chain.curvature(0).approximations["ekfac"]
-    fit_s = chain.fit_seconds
-    chain = chain.with_solve([replace(chain.solve_configs[0], damping=0.1 * curvature.mean_eigenvalue()),
-                              chain.solve_configs[1]])
-    t1 = time.perf_counter()
-    query = chain.query(torch.arange(args.test))
-    query_s = time.perf_counter() - t1
-    t1 = time.perf_counter()
-    res = query.scores()
-    score_s = time.perf_counter() - t1
-    plain_s = time.perf_counter() - t0
-    np.save(work / "case1_both_plain.npy", res.values.numpy())
-    out.update(plain_fit_s=fit_s, plain_query_s=query_s, plain_score_s=score_s, plain_s=plain_s,
-               plain_memory=res.diagnostics["memory"], peak_rss_plain=peak_rss())
-    del chain, query, res
+    plain = plain_case1_query(pre, fin, shared, args, memory=args.memory)
+    np.save(work / "case1_both_plain.npy", plain["values"])
+    out.update(plain_fit_s=plain["fit_s"], plain_query_s=plain["query_s"], plain_score_s=plain["score_s"],
+               plain_s=time.perf_counter() - t0, plain_memory=plain["memory"], peak_rss_plain=peak_rss())
+    curvature = plain.pop("curvature")
+    del plain
     gc.collect()
     out["rss_between"] = rss_now()
     tx, ty = fin.data.take(torch.arange(args.test))
@@ -498,7 +495,7 @@ def job_case1_both(args, out: dict, work: Path):
     out.update(unrolled_pieces_s=results[0].diagnostics["seconds"]["approximate (pieces)"],
                unrolled_score_s=sum(r.diagnostics["seconds"]["example terms"] for r in results),
                unrolled_memory=[r.diagnostics["memory"] for r in results], segments=args.segments,
-               unrolled_s=out["unrolled_marginal_s"] + fit_s, peak_rss=peak_rss())
+               unrolled_s=out["unrolled_marginal_s"] + out["plain_fit_s"], peak_rss=peak_rss())
 
 
 def worker(args) -> None:
