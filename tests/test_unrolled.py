@@ -349,19 +349,25 @@ def squared_error(outputs, targets):
     return ((outputs - targets) ** 2).sum(-1)
 
 
+def linear_layer_stages(seed: int):
+    """(pretraining stage, finetuning stage, test set): one linear layer per stage under squared error (the
+    embedding; then the head on the fixed embedding), where EK-FAC with the exact Fisher is the Hessian."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    pre = ik.Stage(Embedding().eval(), squared_error, (torch.randn(14, 4, generator=gen), torch.randn(14, 3, generator=gen)),
+                   regularizer=l2(0.1))
+    fin = ik.Stage(Readout().eval(), squared_error, (torch.randn(10, 4, generator=gen), torch.randn(10, 2, generator=gen)),
+                   params="head", regularizer=l2(0.1))
+    return pre, fin, (torch.randn(3, 4, generator=gen), torch.randn(3, 2, generator=gen))
+
+
 @pytest.mark.parametrize("kind", ["ekfac", "kfac"])
 @pytest.mark.parametrize("momentum", [0.0, 0.7])
 def test_factored_approximate_unrolling_equals_the_dense_one_where_the_factored_curvature_is_exact(kind, momentum):
     """Each stage trains one linear layer under squared error (pretraining: the embedding; finetuning: the head on
     the fixed embedding, Case 1): with the exact Fisher its (E)K-FAC equals the Hessian, so the factored pieces
     (f(C)·v in each layer's Kronecker eigenbasis) give the dense ones' scores on both stages."""
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    pre = ik.Stage(Embedding().eval(), squared_error, (torch.randn(14, 4, generator=gen), torch.randn(14, 3, generator=gen)),
-                   regularizer=l2(0.1))
-    fin = ik.Stage(Readout().eval(), squared_error, (torch.randn(10, 4, generator=gen), torch.randn(10, 2, generator=gen)),
-                   params="head", regularizer=l2(0.1))
-    test = (torch.randn(3, 4, generator=gen), torch.randn(3, 2, generator=gen))
+    pre, fin, test = linear_layer_stages(seed=0)
     record = Record()
     schedule = lambda t: 0.1 / (1 + 0.1 * t)  # noqa: E731
     record.train(pre, SGD(lr=0.1, momentum=momentum, weight_decay=0.05), steps=10, batch_size=14, schedule=schedule)
@@ -383,13 +389,7 @@ def test_factored_approximate_unrolling_equals_the_dense_one_where_the_factored_
 def test_factored_pieces_sharing_one_eigenbasis_equal_the_dense_ones_where_the_curvature_is_exact():
     """basis="shared": one EK-FAC eigenbasis per stage, eigenvalues re-estimated at each piece's end — exact here
     (one linear layer under squared error, exact Fisher: C = H at every θ), so equal to the dense pieces."""
-    gen = torch.Generator().manual_seed(1)
-    torch.manual_seed(1)
-    pre = ik.Stage(Embedding().eval(), squared_error, (torch.randn(14, 4, generator=gen), torch.randn(14, 3, generator=gen)),
-                   regularizer=l2(0.1))
-    fin = ik.Stage(Readout().eval(), squared_error, (torch.randn(10, 4, generator=gen), torch.randn(10, 2, generator=gen)),
-                   params="head", regularizer=l2(0.1))
-    test = (torch.randn(3, 4, generator=gen), torch.randn(3, 2, generator=gen))
+    pre, fin, test = linear_layer_stages(seed=1)
     record = Record()
     record.train(pre, SGD(lr=0.1, momentum=0.6), steps=9, batch_size=14)
     record.train(fin, SGD(lr=0.1, momentum=0.6), steps=6, batch_size=10, link=ik.Link("embedding", case=1))
