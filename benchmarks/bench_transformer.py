@@ -460,7 +460,7 @@ def job_case1_unrolled(args, out: dict, work: Path):
     tx, ty = fin.data.take(torch.arange(args.test))
     t0 = time.perf_counter()
     results = ik.unrolled.approximate(record, (tx, ty), segments=args.segments, curvature="ekfac",
-                                      basis=args.unrolled_basis)
+                                      basis=args.unrolled_basis, memory=args.memory)
     total_s = time.perf_counter() - t0
     tag = "" if args.unrolled_basis == "shared" else f"_{args.unrolled_basis}"
     np.save(work / f"case1_unrolled{tag}.npy", results[0].values.numpy())
@@ -542,7 +542,7 @@ def main(argv=None) -> None:
     parser.add_argument("--work", default=None)
     parser.add_argument("--reuse", action="store_true", help="take jobs whose result is in --work from there")
     parser.add_argument("--memory", type=float, default=None,
-                        help="Chain(memory=) bytes of influkit-ekfac and of case1-both's plain chain (default None)")
+                        help="memory= bytes of influkit-ekfac, case1-both's plain chain and case1-unrolled (default None)")
     parser.add_argument("--tag", default="", help="suffix of a worker's result files (a second setting of a job)")
     parser.add_argument("--residual", action="store_true",
                         help="influkit-ekfac with SolveConfig(residual=True): one exact HVP checks the EK-FAC solve")
