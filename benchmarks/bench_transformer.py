@@ -445,7 +445,7 @@ def plain_case1_query(pre, fin, shared: str, args, memory=None) -> dict:
 def job_case1_recorded(args, out: dict, work: Path):
     """The plain EK-FAC Case 1 query (fit, query, scores with defaults) on the recorded chain's final models."""
     _, pre, fin, shared = recorded_case1(args, out)
-    plain = plain_case1_query(pre, fin, shared, args)
+    plain = plain_case1_query(pre, fin, shared, args, memory=args.memory)
     np.save(work / "case1_recorded.npy", plain["values"])
     out.update(fit_s=plain["fit_s"], query_s=plain["query_s"], score_s=plain["score_s"],
                total_s=plain["fit_s"] + plain["query_s"] + plain["score_s"], scored_per_s=len(pre) / plain["score_s"],
