@@ -30,6 +30,22 @@ Jobs, each in its own subprocess so peak RSS (``ru_maxrss``) is the job's own:
   included: its Kronecker factors would be vocabulary² floats, so the memory policy gives it a diagonal block) →
   a classification head (``BertForSequenceClassification``/``GPT2ForSequenceClassification`` sharing the
   encoder, head trained), EK-FAC on stage 1, every pretraining sequence scored.
+- ``case1-recorded`` / ``case1-unrolled`` (issue 26): the same Case 1 chain *trained and recorded*
+  (``ik.unrolled.Record``: ``--unrolled-steps`` steps of SGD + momentum 0.9 with a decaying learning rate on
+  mini-batches of half the pretraining sequences, then as many on the head — a schedule to unroll, not a trained
+  model), then in one subprocess each: the plain EK-FAC Case 1 query on the recorded final models (fit, query,
+  scores: what ``case1`` times), and the approximate unrolling (``ik.unrolled.approximate``, ``--segments``
+  pieces per stage, EK-FAC with ``basis="shared"``: one eigenbasis per stage fitted at its end, the eigenvalues
+  re-estimated at each other piece's end — one full fit plus one streamed pass per further piece, instead of a fit
+  per piece). Both with default memory budgets; seconds and peak RSS per job, and the Pearson correlation of the
+  two score vectors (they estimate different things: the run as it went vs the optimum it did not reach).
+  ``--unrolled-basis each`` fits EK-FAC per piece (SOURCE as published; the validation on a small model).
+- ``case1-both``: both in one subprocess, the approximate unrolling taking the plain query's fitted stage-1
+  EK-FAC (fitted at the same final parameters) as its last piece's curvature and shared eigenbasis
+  (``basis=[curvature, None]``): the unrolling's marginal cost over the plain query, and the peak RSS after the
+  plain query and after the unrolling (the chain and its query released in between). ``--memory`` sets the plain
+  chain's budget (its default is a share of the memory free at the time, which a crowded machine shrinks below one
+  Hessian-vector product's example); the unrolling keeps its default.
 
 Run (kronfluence lives in /work/bench-venv): ``PYTHONPATH=. /work/bench-venv/bin/python
 benchmarks/bench_transformer.py --sequences 16 --length 128`` (``--layers 2 --hidden 128`` for a quick check).
@@ -58,7 +74,7 @@ import torch
 from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results"
-JOBS = ("influkit-ekfac", "influkit-minres", "kronfluence", "case1")
+JOBS = ("influkit-ekfac", "influkit-minres", "kronfluence", "case1", "case1-recorded", "case1-unrolled", "case1-both")
 IGNORE = -100
 
 
@@ -386,6 +402,117 @@ def job_case1(args, out: dict, work: Path):
                diagonal_layers=curvature.info["memory"]["diagonal_layers"], peak_rss=peak_rss())
 
 
+def recorded_case1(args, out: dict):
+    """The Case 1 chain (masked-LM pretraining over all parameters → classification head on the fixed encoder)
+    trained and recorded: ``--unrolled-steps`` SGD + momentum steps per stage, decaying learning rates."""
+    import influkit as ik
+    from influkit import hf
+    from influkit.unrolled import SGD, Record
+
+    config = config_of(args.model, args.layers, args.hidden, args.length)
+    model = lm_model(args.model, config)
+    x, y = lm_data(args.model, args.sequences, args.length, 0, config.vocab_size)
+    pre = ik.Stage(hf.HFModel(model), token_summed_losses, (x, y))
+    out["parameters"] = sum(p.numel() for p in model.parameters())
+    out["rss_model"] = rss_now()
+    steps = args.unrolled_steps
+    record = Record()
+    t0 = time.perf_counter()
+    record.train(pre, SGD(lr=1e-4, momentum=0.9), steps=steps, batch_size=max(1, args.sequences // 2),
+                 schedule=lambda t: 1e-4 * (1 - 0.5 * t / steps), checkpoint_every=steps)
+    fin_model = hf.HFModel(classifier_model(args.model, config, model))  # the encoder as pretraining left it
+    tx, _ = lm_data(args.model, 3 * args.test, args.length, 2, config.vocab_size)
+    ty = torch.arange(tx.shape[0]) % 2
+    fin = ik.Stage(fin_model, classification_losses, (tx, ty), params="classifier" if args.model == "bert" else "score")
+    shared = "bert" if args.model == "bert" else "transformer"
+    record.train(fin, SGD(lr=0.1, momentum=0.9), steps=steps, batch_size=tx.shape[0],
+                 schedule=lambda t: 0.1 * (1 - 0.5 * t / steps), link=ik.Link(shared, case=1), checkpoint_every=steps)
+    out["record_s"] = time.perf_counter() - t0
+    out["recorded"] = {"steps": [run.steps for run in record.runs], "optimizer": [repr(run.optimizer) for run in record.runs],
+                       "batch": [len(run.batches[0]) for run in record.runs],
+                       "checkpoint_bytes": sum(run.checkpoint_bytes() for run in record.runs)}
+    return record, pre, fin, shared
+
+
+def plain_case1_query(pre, fin, shared: str, args, memory=None) -> dict:
+    """The plain EK-FAC Case 1 query (fit, query, scores) on the stages' current models: seconds, scores, the
+    stage-1 EK-FAC, the memory plans."""
+    import influkit as ik
+
+    chain = ik.Chain([pre, fin], [ik.Link(shared, case=1)], memory=memory,
+                     solve=[ik.SolveConfig(solver="ekfac"), ik.SolveConfig(solver="direct", damping=1e-3)])
+    chain.fit()
+    curvature = chain.curvature(0).approximations["ekfac"]
+    fit_s = chain.fit_seconds
+    chain = chain.with_solve([replace(chain.solve_configs[0], damping=0.1 * curvature.mean_eigenvalue()),
+                              chain.solve_configs[1]])  # the fitted factors kept, λ set
+    t0 = time.perf_counter()
+    query = chain.query(torch.arange(args.test))
+    query_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    res = query.scores()
+    score_s = time.perf_counter() - t0
+    return {"fit_s": fit_s, "query_s": query_s, "score_s": score_s, "values": res.values.numpy(),
+            "curvature": curvature, "memory": res.diagnostics["memory"]}
+
+
+def job_case1_recorded(args, out: dict, work: Path):
+    """The plain EK-FAC Case 1 query (fit, query, scores with defaults) on the recorded chain's final models."""
+    _, pre, fin, shared = recorded_case1(args, out)
+    plain = plain_case1_query(pre, fin, shared, args, memory=args.memory)
+    np.save(work / "case1_recorded.npy", plain["values"])
+    out.update(fit_s=plain["fit_s"], query_s=plain["query_s"], score_s=plain["score_s"],
+               total_s=plain["fit_s"] + plain["query_s"] + plain["score_s"], scored_per_s=len(pre) / plain["score_s"],
+               memory=plain["memory"], peak_rss=peak_rss())
+
+
+def job_case1_unrolled(args, out: dict, work: Path):
+    """The approximate unrolling of the recorded chain (EK-FAC pieces, ``--unrolled-basis``), default budgets."""
+    import influkit as ik
+
+    record, _, fin, _ = recorded_case1(args, out)
+    tx, ty = fin.data.take(torch.arange(args.test))
+    t0 = time.perf_counter()
+    results = ik.unrolled.approximate(record, (tx, ty), segments=args.segments, curvature="ekfac",
+                                      basis=args.unrolled_basis, memory=args.memory)
+    total_s = time.perf_counter() - t0
+    tag = "" if args.unrolled_basis == "shared" else f"_{args.unrolled_basis}"
+    np.save(work / f"case1_unrolled{tag}.npy", results[0].values.numpy())
+    out.update(total_s=total_s, basis=args.unrolled_basis, segments=args.segments,
+               pieces_s=results[0].diagnostics["seconds"]["approximate (pieces)"],
+               score_s=sum(r.diagnostics["seconds"]["example terms"] for r in results),
+               memory=[r.diagnostics["memory"] for r in results], peak_rss=peak_rss())
+
+
+def job_case1_both(args, out: dict, work: Path):
+    """The plain EK-FAC Case 1 query, then the approximate unrolling reusing its stage-1 EK-FAC as the shared basis."""
+    import gc
+
+    import influkit as ik
+
+    record, pre, fin, shared = recorded_case1(args, out)
+    t0 = time.perf_counter()
+    plain = plain_case1_query(pre, fin, shared, args, memory=args.memory)
+    np.save(work / "case1_both_plain.npy", plain["values"])
+    out.update(plain_fit_s=plain["fit_s"], plain_query_s=plain["query_s"], plain_score_s=plain["score_s"],
+               plain_s=time.perf_counter() - t0, plain_memory=plain["memory"], peak_rss_plain=peak_rss())
+    curvature = plain.pop("curvature")
+    out["ekfac_fit_s"] = curvature.info["seconds"]  # the stage-1 EK-FAC alone (the chain's fit also places each stage)
+    del plain
+    gc.collect()
+    out["rss_between"] = rss_now()
+    tx, ty = fin.data.take(torch.arange(args.test))
+    t0 = time.perf_counter()
+    results = ik.unrolled.approximate(record, (tx, ty), segments=args.segments, curvature="ekfac",
+                                      basis=[curvature, None])
+    out["unrolled_marginal_s"] = time.perf_counter() - t0
+    np.save(work / "case1_both_unrolled.npy", results[0].values.numpy())
+    out.update(unrolled_pieces_s=results[0].diagnostics["seconds"]["approximate (pieces)"],
+               unrolled_score_s=sum(r.diagnostics["seconds"]["example terms"] for r in results),
+               unrolled_memory=[r.diagnostics["memory"] for r in results], segments=args.segments,
+               unrolled_s=out["unrolled_marginal_s"] + out["ekfac_fit_s"]["total"], peak_rss=peak_rss())
+
+
 def worker(args) -> None:
     torch.set_num_threads(1)
     work = Path(args.work)
@@ -393,7 +520,9 @@ def worker(args) -> None:
            "load_start": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
     t0 = time.perf_counter()
     {"influkit-ekfac": job_influkit_ekfac, "influkit-minres": job_influkit_minres, "kronfluence": job_kronfluence,
-     "case1": job_case1}[args.worker](args, out, work)
+     "case1": job_case1, "case1-recorded": job_case1_recorded, "case1-unrolled": job_case1_unrolled,
+     "case1-both": job_case1_both}[args.worker](
+        args, out, work)
     out["wall_s"] = time.perf_counter() - t0
     (work / f"{args.worker}{args.tag}.json").write_text(json.dumps(out, indent=1, default=str))
 
@@ -426,13 +555,18 @@ def main(argv=None) -> None:
     parser.add_argument("--name", default="bench_transformer")
     parser.add_argument("--work", default=None)
     parser.add_argument("--reuse", action="store_true", help="take jobs whose result is in --work from there")
-    parser.add_argument("--memory", type=float, default=None, help="Chain(memory=) bytes of influkit-ekfac (default None)")
+    parser.add_argument("--memory", type=float, default=None,
+                        help="memory= bytes of influkit-ekfac, case1-both's plain chain and case1-unrolled (default None)")
     parser.add_argument("--tag", default="", help="suffix of a worker's result files (a second setting of a job)")
     parser.add_argument("--fit-cache", default=None,
                         help="influkit-ekfac: a file its fit is saved to, or loaded from when present (fit seconds then "
                              "the saving run's; query and scoring measured again)")
     parser.add_argument("--residual", action="store_true",
                         help="influkit-ekfac with SolveConfig(residual=True): one exact HVP checks the EK-FAC solve")
+    parser.add_argument("--unrolled-steps", type=int, default=4, help="recorded SGD steps per stage (case1-*)")
+    parser.add_argument("--segments", type=int, default=2, help="pieces per stage of case1-unrolled")
+    parser.add_argument("--unrolled-basis", default="shared", choices=("shared", "each"),
+                        help="case1-unrolled: one EK-FAC eigenbasis per stage, or a fit per piece")
     parser.add_argument("--model", default="bert")
     parser.add_argument("--worker", default=None)
     args = parser.parse_args(argv)
@@ -457,7 +591,8 @@ def main(argv=None) -> None:
         for job in args.jobs.split(","):
             cmd = [sys.executable, __file__, "--worker", job, "--model", model, "--work", str(mwork)] + [
                 f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-                ("layers", "hidden", "sequences", "length", "test", "iterations", "hessian_samples", "kron_batch")] + (
+                ("layers", "hidden", "sequences", "length", "test", "iterations", "hessian_samples", "kron_batch",
+                 "unrolled_steps", "segments", "unrolled_basis")] + (
                 [f"--memory={args.memory}"] if args.memory else []) + ([f"--tag={args.tag}"] if args.tag else []) + (
                 [f"--fit-cache={args.fit_cache}"] if args.fit_cache else []) + (
                 ["--residual"] if args.residual else [])
@@ -491,6 +626,7 @@ def summarize(model: str, work: Path, rows: list[dict], say) -> None:
             continue
         table.append({"model": model, "job": job, "peak RSS GB": r["peak_rss"] / 1e9,
                       "fit s": r.get("fit_s"), "query s": r.get("query_s"), "score s": r.get("score_s"),
+                      "total s": r.get("total_s"),
                       "scored/s": r.get("scored_per_s"), "s/HVP": r.get("hvp_s")})
     if table:
         say(pd.DataFrame(table).to_string(index=False, float_format=lambda v: f"{v:.3g}"))
@@ -525,6 +661,30 @@ def summarize(model: str, work: Path, rows: list[dict], say) -> None:
             f"(target ≤ 2; chunk {ek['chunk']})")
         say(f"- bfloat16 autocast scores vs float32: Pearson {ek['bf16_pearson']:.4f}, relative error "
             f"{ek['bf16_rel_err']:.3g}, {ek['bf16_score_s']:.1f} s vs {ek['score_s']:.1f} s")
+    rec, unr = by.get("case1-recorded"), by.get("case1-unrolled")
+    if rec and unr:
+        a = np.load(work / "case1_unrolled.npy") if (work / "case1_unrolled.npy").exists() else None
+        b = np.load(work / "case1_recorded.npy")
+        say(f"- approximate unrolling ({unr['segments']} segments per stage, EK-FAC basis {unr['basis']}) vs the plain "
+            f"EK-FAC Case 1 query on the same recorded chain: {unr['total_s']:.0f} s vs {rec['total_s']:.0f} s "
+            f"({unr['total_s'] / rec['total_s']:.2f}×), peak RSS {unr['peak_rss'] / 1e9:.2f} vs {rec['peak_rss'] / 1e9:.2f} GB "
+            f"(recording {unr['record_s']:.0f} s, not counted)" + (f"; Pearson of the scores {pearson(a, b):.3f}" if a is not None else ""))
+    both = by.get("case1-both")
+    if both:
+        a, b = np.load(work / "case1_both_unrolled.npy"), np.load(work / "case1_both_plain.npy")
+        say(f"- one process, the plain EK-FAC Case 1 query then the approximate unrolling ({both['segments']} segments "
+            f"per stage) reusing its stage-1 EK-FAC as the shared eigenbasis: plain {both['plain_s']:.0f} s (fit "
+            f"{both['plain_fit_s']:.0f}, query {both['plain_query_s']:.0f}, scores {both['plain_score_s']:.0f}); "
+            f"unrolling +{both['unrolled_marginal_s']:.0f} s (pieces {both['unrolled_pieces_s']:.0f}, example terms "
+            f"{both['unrolled_score_s']:.0f}), standalone = its stage-1 EK-FAC fit ({both['ekfac_fit_s']['total']:.0f} s) "
+            f"+ that = {both['unrolled_s']:.0f} s "
+            f"({both['unrolled_s'] / both['plain_s']:.2f}× the plain query); peak RSS after the plain query "
+            f"{both['peak_rss_plain'] / 1e9:.2f} GB, after the unrolling {both['peak_rss'] / 1e9:.2f} GB; Pearson of "
+            f"the scores {pearson(a, b):.3f}")
+    each = work / "case1_unrolled_each.npy"
+    if each.exists() and (work / "case1_unrolled.npy").exists():
+        say(f"- shared eigenbasis vs a fit per piece: Pearson {pearson(np.load(work / 'case1_unrolled.npy'), np.load(each)):.4f}, "
+            f"relative error {rel_err(np.load(work / 'case1_unrolled.npy'), np.load(each)):.3g}")
     if mr:
         say(f"- one HVP / one gradient of the same {mr['hvp_batch']} sequences: "
             f"{mr['one_hvp_s'] / mr['one_gradient_s']:.2f} (target ≤ 3; {mr['one_hvp_s']:.2f} s vs "

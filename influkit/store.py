@@ -71,6 +71,11 @@ class ScoreStore:
         files.write(self._chunk(c), CHUNK_KIND, {"values": values, "index": ids},
                     {"query": self.manifest["query"], "chunk": c, "rank": rank})
 
+    def get(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, ids) of chunk c, as :meth:`put` wrote them."""
+        tensors, _ = files.read(self._chunk(c), CHUNK_KIND)
+        return tensors["values"], tensors["index"]
+
     def assemble(self, dtype: torch.dtype) -> None:
         """Append the chunks in order to ``values.npy`` (n_rows, columns) and ``index.npy`` (plain writes, no map kept)."""
         n_rows, columns = self.manifest["n_rows"], self.manifest["columns"]

@@ -349,19 +349,25 @@ def squared_error(outputs, targets):
     return ((outputs - targets) ** 2).sum(-1)
 
 
+def linear_layer_stages(seed: int):
+    """(pretraining stage, finetuning stage, test set): one linear layer per stage under squared error (the
+    embedding; then the head on the fixed embedding), where EK-FAC with the exact Fisher is the Hessian."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    pre = ik.Stage(Embedding().eval(), squared_error, (torch.randn(14, 4, generator=gen), torch.randn(14, 3, generator=gen)),
+                   regularizer=l2(0.1))
+    fin = ik.Stage(Readout().eval(), squared_error, (torch.randn(10, 4, generator=gen), torch.randn(10, 2, generator=gen)),
+                   params="head", regularizer=l2(0.1))
+    return pre, fin, (torch.randn(3, 4, generator=gen), torch.randn(3, 2, generator=gen))
+
+
 @pytest.mark.parametrize("kind", ["ekfac", "kfac"])
 @pytest.mark.parametrize("momentum", [0.0, 0.7])
 def test_factored_approximate_unrolling_equals_the_dense_one_where_the_factored_curvature_is_exact(kind, momentum):
     """Each stage trains one linear layer under squared error (pretraining: the embedding; finetuning: the head on
     the fixed embedding, Case 1): with the exact Fisher its (E)K-FAC equals the Hessian, so the factored pieces
     (f(C)·v in each layer's Kronecker eigenbasis) give the dense ones' scores on both stages."""
-    gen = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
-    pre = ik.Stage(Embedding().eval(), squared_error, (torch.randn(14, 4, generator=gen), torch.randn(14, 3, generator=gen)),
-                   regularizer=l2(0.1))
-    fin = ik.Stage(Readout().eval(), squared_error, (torch.randn(10, 4, generator=gen), torch.randn(10, 2, generator=gen)),
-                   params="head", regularizer=l2(0.1))
-    test = (torch.randn(3, 4, generator=gen), torch.randn(3, 2, generator=gen))
+    pre, fin, test = linear_layer_stages(seed=0)
     record = Record()
     schedule = lambda t: 0.1 / (1 + 0.1 * t)  # noqa: E731
     record.train(pre, SGD(lr=0.1, momentum=momentum, weight_decay=0.05), steps=10, batch_size=14, schedule=schedule)
@@ -378,3 +384,46 @@ def test_factored_approximate_unrolling_equals_the_dense_one_where_the_factored_
     assert torch.corrcoef(torch.stack([sampled, dense[0].values.sum(1)]))[0, 1] > 0.5
     with pytest.raises(ik.InputError, match="unknown curvature"):
         ik.unrolled.approximate(record, test, curvature="lanczos")
+
+
+def test_factored_pieces_sharing_one_eigenbasis_equal_the_dense_ones_where_the_curvature_is_exact():
+    """basis="shared": one EK-FAC eigenbasis per stage, eigenvalues re-estimated at each piece's end — exact here
+    (one linear layer under squared error, exact Fisher: C = H at every θ), so equal to the dense pieces."""
+    pre, fin, test = linear_layer_stages(seed=1)
+    record = Record()
+    record.train(pre, SGD(lr=0.1, momentum=0.6), steps=9, batch_size=14)
+    record.train(fin, SGD(lr=0.1, momentum=0.6), steps=6, batch_size=10, link=ik.Link("embedding", case=1))
+    exact = ik.CurvatureConfig(fisher="exact")
+    dense = ik.unrolled.approximate(record, test, segments=3, per_test=True)
+    shared = ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature="ekfac", basis="shared",
+                                     config=exact)
+    for d, s in zip(dense, shared):
+        torch.testing.assert_close(s.values, d.values, rtol=1e-8, atol=1e-11)
+    with pytest.raises(ik.InputError, match="shared eigenbasis"):
+        ik.unrolled.approximate(record, test, curvature="kfac", basis="shared")
+
+
+def test_eigenvalues_in_a_kept_eigenbasis_are_the_gradients_second_moments_in_it():
+    """fit_curvature(basis=C₀, at=θ'): C' = Q diag(qₖᵀ F(θ') qₖ) Qᵀ with Q C₀'s eigenvectors and F(θ') the empirical
+    Fisher (1/n) Σ_i ∇ℓ_i ∇ℓ_iᵀ at θ' (explicit per-example gradients); at C₀'s own point it is C₀ again."""
+    from torch.func import functional_call, grad, vmap
+
+    from influkit.factored import fit_curvature
+
+    gen = torch.Generator().manual_seed(2)
+    torch.manual_seed(2)
+    x, y = torch.randn(30, 4, generator=gen), torch.randint(0, 3, (30,), generator=gen)
+    stage = ik.Stage(nn.Linear(4, 3).eval(), cross_entropy, (x, y))
+    start = fit_curvature(stage, kind="ekfac", fisher="empirical")
+    same = fit_curvature(stage, kind="ekfac", fisher="empirical", basis=start)
+    torch.testing.assert_close(same.dense(), start.dense(), rtol=1e-12, atol=1e-14)
+    moved = {n: p.detach() + 0.5 * torch.randn(p.shape, generator=gen) for n, p in stage.model.named_parameters()}
+    rebased = fit_curvature(stage, kind="ekfac", fisher="empirical", basis=start, at=moved)
+    per_example = vmap(grad(lambda p, xi, yi: cross_entropy(functional_call(stage.model, p, (xi[None],)), yi[None])[0]),
+                       (None, 0, 0))(moved, x, y)
+    rows = torch.cat([per_example[n].reshape(30, -1) for n in start.space.names], dim=1)
+    fisher = rows.T @ rows / 30
+    _, q = torch.linalg.eigh(start.dense())
+    expected = q @ torch.diag(torch.diagonal(q.T @ fisher @ q)) @ q.T
+    torch.testing.assert_close(rebased.dense(), expected, rtol=1e-9, atol=1e-12)
+    assert (rebased.dense() - start.dense()).abs().max() > 1e-3  # the eigenvalues did move with θ

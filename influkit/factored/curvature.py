@@ -452,6 +452,7 @@ def fit_curvature(
     cache_bytes: int | None = None,
     memory: int | None = None,
     max_factor_bytes: int | None = None,
+    basis: FactoredCurvature | None = None,
     progress: bool = False,
 ) -> FactoredCurvature:
     """The factored curvature C of ``stage``'s objective over ``names`` (default: its trained parameters).
@@ -475,15 +476,23 @@ def fit_curvature(
     30,522-word decoder's output-gradient factor alone is 30,522² floats (7.5 GB in float64); its diagonal
     Gauss-Newton comes from the same hooks (Σ_i (Σ_t g_it a_itᵀ)², :meth:`influkit.layers.Dense.example_squares`), memory
     O(rows · cols). ``info["memory"]`` records the sizes chosen.
+    basis: an EK-FAC curvature fitted earlier over the same parameters (kind "ekfac" only): its Kronecker
+    eigenbases are kept and only the eigenvalues Λ (and the diagonal blocks) are re-estimated at ``at`` — one
+    streamed pass, no covariances and no eigendecompositions (SOURCE's segments sharing one eigenbasis).
     """
     if kind not in KINDS:
         raise InputError(f"unknown factored curvature {kind!r}; choose one of {KINDS}.")
     if fisher not in FISHER:
         raise InputError(f"unknown fisher {fisher!r}; choose one of {FISHER}.")
     approximation = APPROXIMATIONS[kind]
+    if basis is not None and (kind != "ekfac" or basis.kind != "ekfac"):
+        raise InputError(f"a kept eigenbasis (basis=) re-estimates EK-FAC eigenvalues: kind and the basis must be "
+                         f"'ekfac', got kind={kind!r} and a {basis.kind!r} basis.")
     fit = FactorFit(stage, names, kind=kind, fisher=fisher, indices=indices, extra=extra, at=at, seed=seed,
                     batch_size=batch_size, cache_bytes=cache_bytes, memory=memory, max_factor_bytes=max_factor_bytes,
-                    progress=progress, kronecker=approximation.kronecker)
+                    progress=progress, kronecker=approximation.kronecker, basis=basis)
+    if basis is not None:
+        return fit.assemble(fit.kept_eigenbasis(), fit.eigenvalues_in_kept_basis())
     return approximation.passes(fit)
 
 
@@ -495,11 +504,13 @@ class FactorFit:
     The passes — :meth:`statistics_pass` (covariances or squares, one streamed pass), :meth:`eigendecomposition`,
     :meth:`correction_pass` (EK-FAC's eigenvalues in that basis) — and :meth:`assemble` (the blocks) are run in
     order by each registered approximation's ``passes``. Arguments: those of :func:`fit_curvature`, and
-    ``kronecker``: whether the approximation has Kronecker factors (else no layer is too wide for them).
+    ``kronecker``: whether the approximation has Kronecker factors (else no layer is too wide for them); ``basis``:
+    a fitted EK-FAC curvature whose eigenbases are kept (then no covariance is accumulated: its Kronecker layers get
+    Λ from :meth:`eigenvalues_in_kept_basis`, its other layers diagonal blocks).
     """
 
     def __init__(self, stage: Stage, names, *, kind, fisher, indices, extra, at, seed, batch_size, cache_bytes, memory,
-                 max_factor_bytes, progress, kronecker=True):
+                 max_factor_bytes, progress, kronecker=True, basis=None):
         self.start = time.perf_counter()
         self.stage, self.kind, self.fisher, self.extra, self.at, self.seed = stage, kind, fisher, extra, at, seed
         self.names = list(stage.param_names if names is None else names)
@@ -510,8 +521,15 @@ class FactorFit:
         self.local = distributed.shard(torch.arange(len(stage)) if indices is None else torch.as_tensor(indices).reshape(-1))
         budget = memory_budget(memory, self.space.device)
         limit = budget // 8 if max_factor_bytes is None else max_factor_bytes
-        self.wide = {layer.name for layer in layers if kronecker and factor_bytes(layer) > limit}
-        for layer in layers:
+        self.basis = basis
+        if basis is not None:
+            if basis.space.names != self.space.names:
+                raise InputError("the kept eigenbasis (basis=) was fitted over other parameters; fit it over these names.")
+            kept = {b.layer for b in basis.blocks if isinstance(b, KroneckerBlock)}
+            self.wide = {layer.name for layer in layers if layer.name not in kept}
+        else:
+            self.wide = {layer.name for layer in layers if kronecker and factor_bytes(layer) > limit}
+        for layer in layers if basis is None else ():
             if layer.name in self.wide:
                 warn(
                     f"layer {layer.name} ({layer.shape[0]}×{layer.shape[1]}) would need {factor_bytes(layer) / 2**30:.2f} GiB of "
@@ -520,7 +538,8 @@ class FactorFit:
         self.leaves = {nm: t.detach().requires_grad_(True) for nm, t in self.params.items()}
         self.tracked = list(layers)  # layers whose hooks give a and g (also used for the diagonal kind's squares)
         accumulate = torch.promote_types(self.space.dtype, torch.float32)  # float64 models: float64; float32: float32
-        self.accumulators = {layer.name: _Accumulator(layer, self.space.device, layer.name in self.wide, accumulate)
+        self.accumulators = {layer.name: _Accumulator(layer, self.space.device, layer.name in self.wide or basis is not None,
+                                                      accumulate)
                              for layer in self.tracked}
         self.diag_names: list[str] = [nm for nm in self.names if nm in self.reasons]
         # the sums; each layer's eigenbases replace its covariances, so they add at most one layer's
@@ -698,6 +717,42 @@ class FactorFit:
             distributed.all_reduce_(squares)
             values[layer.name] = squares.div_(self.n)
         self.seconds["eigenvalue_correction"] = time.perf_counter() - start
+        return values
+
+    def kept_eigenbasis(self) -> dict[str, tuple]:
+        """{layer: (None, A eigenvectors | None, None, G eigenvectors)} of the ``basis`` curvature's Kronecker blocks."""
+        eigen = {}
+        for block in self.basis.blocks:
+            if isinstance(block, KroneckerBlock):
+                layer = next(item for item in self.tracked if item.name == block.layer)
+                a_evecs, g_evecs = layer.oriented(block.left, block.right)  # (rows, cols) sides back to (A, G)
+                eigen[block.layer] = (None, a_evecs, None, g_evecs)
+        return eigen
+
+    def eigenvalues_in_kept_basis(self) -> dict[str, torch.Tensor]:
+        """EK-FAC's Λ {layer: (rows, cols)} = (1/n) Σ_{i,j} (Q_Gᵀ ∇_M ℓ_ij Q_A)² in the kept bases, at ``at``, and the
+        other layers' and parameters' squared per-example gradients: one streamed pass, summed over the ranks."""
+        start = time.perf_counter()
+        eigen = self.kept_eigenbasis()
+
+        def squares(layer, a, g):
+            if layer.name in self.wide:
+                self.accumulators[layer.name].squares.add_(layer.example_squares(a, g))
+                return
+            left, right = layer.oriented(eigen[layer.name][1], eigen[layer.name][3])
+            self.accumulators[layer.name].squares.add_(layer.example_squares(a, g, left=left, right=right))
+
+        self.stream("EK-FAC eigenvalues in a kept basis", squares, diagonal=True)
+        self.detail = self.pseudo.describe() if self.pseudo is not None else None
+        for layer in self.tracked:
+            distributed.all_reduce_(self.accumulators[layer.name].squares)
+        if self.diag_names and distributed.active():
+            if self.diag_total is None:
+                size = sum(self.params[nm].numel() for nm in self.diag_names)
+                self.diag_total = torch.zeros(size, dtype=torch.float64, device=self.space.device)
+            distributed.all_reduce_(self.diag_total)
+        values = {layer.name: self.accumulators[layer.name].squares / self.n for layer in self.factored()}
+        self.seconds["eigenvalues_in_kept_basis"] = time.perf_counter() - start
         return values
 
     def kfac_values(self, eigen: dict[str, tuple]) -> dict[str, torch.Tensor]:

@@ -26,6 +26,15 @@ whole record (``diagnostics["replay"]``).
 
 A measure with q outputs (per-test losses) is differentiated for all q at once: the adjoints carry a leading
 dimension q and the VJPs are vmapped.
+
+Ranks (``torch.distributed``, as :meth:`influkit.Query.scores`): a step is split into the gradient of the batch's
+loss, g_t = Σ_r g_t^r with rank r's contiguous share of B_t (:func:`influkit.distributed.shard`; R(θ) and the
+proximal term on the rank holding the batch's first example), summed by ``all_reduce``, and the optimizer's update
+of g_t. Backwards the update's VJP gives ḡ_t (the same on every rank), each rank pulls ḡ_t back through its share —
+its examples' terms and its part of H_t ḡ_t and of the shared block's adjoint, summed over the ranks — so every rank
+holds the same adjoints and the terms of its own examples; the per-example scores are summed over the ranks at the
+end. Equal to one process up to the summation order. Streaming (``out=DIR``, :mod:`.journal`): every finished
+segment's terms and the adjoint after it go to disk, and a re-run resumes after the last finished segment.
 """
 
 from __future__ import annotations
@@ -34,42 +43,51 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from torch.func import jacrev, vjp, vmap
+from torch.func import grad, jacrev, vjp, vmap
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..errors import InputError
 from ..results import InfluenceResult
+from .journal import Journal, fingerprint
 from .record import Record, StageRun, tensor_bytes
 from .replay import as_measure, deviation, start, unit_weights
 
 METHOD = "unrolled exact (replay)"
 
 
-def metagradients(record: Record, measure, *, per_test: bool = False, progress: bool = False) -> list[InfluenceResult]:
+def metagradients(record: Record, measure, *, per_test: bool = False, out: str | Path | None = None,
+                  progress: bool = False) -> list[InfluenceResult]:
     """One :class:`InfluenceResult` per recorded stage: values[z] = d measure(final model) / d w_z at w = 1.
 
     measure: an (inputs, targets) test set (its per-test losses under the last stage), a callable params → scalar
     or (q,) tensor of the last stage's final values (trained θ_T and fixed shared block), or an :class:`Adjoint`
     (d measure / d those final values, computed outside the record).
     per_test: keep one column per measure output, values (n_k, q); else the outputs are summed.
+    out: a directory journaling the pass (each finished segment's example terms and the adjoint after it,
+    :mod:`.journal`): a re-run of the same call resumes after the last finished segment.
     ``results[0]`` scores the pretraining examples, ``results[-1]`` the finetuning examples (the same pass).
-    removal = −values (removal_eps = −1). diagnostics: seconds (this pass, and the recorded training, whose first
-    steps include torch.func's warm-up), the replay check, the memory held (checkpoints, adjoints, one segment's
-    step graphs).
+    removal = −values (removal_eps = −1): a score is d measure / d w_z, so removing z predicts a change of −score.
+    Under ``torch.distributed`` each step's batch is split over the ranks (module docstring) and every rank
+    returns the whole result. diagnostics: seconds (this pass, and the recorded training, whose first steps
+    include torch.func's warm-up), the replay check, the memory held (checkpoints, adjoints, one segment's step
+    graphs), the segments computed and reused.
     """
     start_time = time.perf_counter()
     adjoint, q, outputs = measure_adjoint(record, measure, per_test)
+    journal = Journal(out, fingerprint(record, adjoint), q)
     return _backward(record, adjoint, q, per_test, {"measure_outputs": int(outputs), "per_test": per_test},
-                     start_time, progress)
+                     start_time, progress, journal)
 
 
 def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: dict, start_time: float,
-              progress: bool) -> list[InfluenceResult]:
+              progress: bool, journal: Journal) -> list[InfluenceResult]:
     """Reverse mode through every stage, last to first, from θ̄_T = ``adjoint`` ((q, *shape) per name)."""
     checkpoint_bytes = sum(run.checkpoint_bytes() for run in record.runs)
-    stats = {"replay_error": 0.0, "segment_growth": 0, "adjoint_bytes": 0}
+    stats = {"replay_error": 0.0, "segment_growth": 0, "adjoint_bytes": 0, "segment": 0, "computed": 0, "reused": 0}
     scores: list[torch.Tensor] = [None] * len(record)  # type: ignore[list-item]
     for k in range(len(record) - 1, -1, -1):
         run = record.runs[k]
@@ -78,9 +96,11 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
         anchor_bar = {n: adjoint.get(n, torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device))
                       if n in run.frozen else torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device)
                       for n, v in run.anchors.items()}
-        theta_bar, anchor_bar, scores[k] = _reverse(run, theta_bar, anchor_bar, q, stats, progress)
+        theta_bar, anchor_bar, scores[k] = _reverse(run, theta_bar, anchor_bar, q, stats, progress, journal)
         if k:
             adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
+    for k in range(len(record)):  # each rank holds the terms of its own share of every batch
+        distributed.all_reduce_(scores[k])
     seconds = time.perf_counter() - start_time
     training = sum(run.seconds for run in record.runs)
     diagnostics = {
@@ -88,12 +108,14 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
         "settings": settings | {"steps": [run.steps for run in record.runs],
                                 "checkpoint_every": [run.every for run in record.runs],
                                 "optimizers": [repr(run.optimizer) for run in record.runs]},
-        "replay": {"max_error": stats["replay_error"], "checked": "every segment's recomputed end vs its checkpoint"},
+        "replay": {"max_error": stats["replay_error"], "checked": "every computed segment's recomputed end vs its "
+                   "checkpoint"},
         "memory": {"checkpoint_bytes": checkpoint_bytes, "adjoint_bytes": stats["adjoint_bytes"],
                    "segment_steps": max(run.every for run in record.runs),
                    "segment_resident_growth_bytes": stats["segment_growth"],
                    "note": "checkpoints and adjoints counted exactly; one segment's step graphs measured as the "
                            "growth of resident memory while it is held (0 where the allocator reused freed pages)"},
+        "segments": {"computed": stats["computed"], "reused": stats["reused"], "ranks": distributed.world_size()},
         "ratio_to_recorded_training": seconds / training if training > 0 else None,
     }
     results = []
@@ -165,40 +187,96 @@ def hand_over(record: Record, k: int, theta_bar: dict, anchor_bar: dict, q: int)
     return adjoint
 
 
-def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress: bool):
-    """Reverse mode through one stage: (θ̄_0, S̄̄ accumulated, (n, q) per-example scores)."""
+def _forward_step(run: StageRun, t: int, theta, state, anchors):
+    """Step t forward, keeping its pullbacks: (θ_{t+1}, state_{t+1}, (this rank's batch ids, update's pullback,
+    gradient's pullback or None)); the gradient is this rank's share of the batch, summed over the ranks."""
+    idx, x, y = run.batch(t)
+    part = distributed.shard(torch.arange(idx.numel()))
+    ids = idx[part]
+    lead = part.numel() > 0 and int(part[0]) == 0  # the rank holding the batch's first example adds R and the prox
+    pull_gradient = None
+    if part.numel():
+        where = part.to(x.device)
+        xs, ys = x[where], y[where]
+        local = lambda th, an, wb: grad(run.objective)(th, an, xs, ys, wb, size=idx.numel(), penalties=lead)  # noqa: E731
+        g, pull_gradient = vjp(local, theta, anchors, unit_weights(run, ids, None, xs))
+    else:
+        g = {n: torch.zeros_like(v) for n, v in theta.items()}
+    if distributed.active():
+        g = {n: _summed(v) for n, v in g.items()}
+    update = lambda th, st, gr: run.optimizer.update(th, st, gr, run.lrs[t], t + 1)  # noqa: E731
+    (theta, state), pull_update = vjp(update, theta, state, g)
+    return theta, state, (ids, pull_update, pull_gradient)
+
+
+def _summed(tensor: torch.Tensor) -> torch.Tensor:
+    """A dense copy of ``tensor`` summed over the ranks (a pullback's output may be an expanded view)."""
+    if not distributed.active():
+        return tensor
+    return distributed.all_reduce_(tensor.clone(memory_format=torch.contiguous_format))
+
+
+def _pull(pullback, cotangent, q: int):
+    """The pullback applied to a cotangent with a leading dimension q (vmapped), the outputs with it too."""
+    if q == 1:
+        return tuple(_unsqueeze(o) for o in pullback(_index(cotangent)))
+    return vmap(pullback)(cotangent)
+
+
+def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress: bool, journal: Journal):
+    """Reverse mode through one stage: (θ̄_0, S̄̄ accumulated, (n, q) scores of this rank's batch shares)."""
     anchors = run.anchors
     first = next(iter(theta_bar.values()))
     scores = torch.zeros(len(run.stage), q, dtype=first.dtype, device=first.device)
     state_bar = None
     for a, b in tqdm(list(reversed(run.segments())), desc="metagradient", disable=not progress, leave=False):
+        j = stats["segment"]
+        stats["segment"] += 1
+        if journal.done(j):  # finished by an earlier run: its terms from disk, and the adjoint after the last one
+            ids, values = journal.terms(j)
+            scores.index_add_(0, ids.to(scores.device), values.to(scores.device, scores.dtype))
+            if j == journal.finished - 1:  # in the record's name order (the pullbacks' tree structure)
+                theta, state, anchor = journal.adjoint()
+                theta_bar, anchor_bar = {n: theta[n] for n in theta_bar}, {n: anchor[n] for n in anchor_bar}
+                slots = run.checkpoints[a][1]
+                state_bar = {slot: {n: state[slot][n] for n in slots[slot]} for slot in slots}
+            stats["reused"] += 1
+            continue
         theta, state = run.checkpoints[a]
         if a == 0:
             theta = start(run, anchors)
         held, before = [], _resident_bytes()
-        for t in range(a, b):  # forward through the segment, keeping each step's pullback (its autograd graph)
-            idx, x, y = run.batch(t)
-            step = lambda th, st, an, wb: run.step(t, th, st, an, wb, x, y)  # noqa: E731 (x, y, t of step t)
-            (theta, state), pullback = vjp(step, theta, state, anchors, unit_weights(run, idx, None, x))
-            held.append((idx, pullback))
+        for t in range(a, b):  # forward through the segment, keeping each step's pullbacks (its autograd graph)
+            theta, state, pullbacks = _forward_step(run, t, theta, state, anchors)
+            held.append(pullbacks)
         stats["replay_error"] = max(stats["replay_error"], deviation((theta, state), run.checkpoints[b]))
         stats["segment_growth"] = max(stats["segment_growth"], _resident_bytes() - before)
         if state_bar is None:
             state_bar = {slot: {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in s.items()}
                          for slot, s in state.items()}
+        terms_ids, terms = [], []
         while held:
-            idx, pullback = held.pop()
-            if q == 1:
-                out = pullback(({n: v[0] for n, v in theta_bar.items()},
-                                {s: {n: v[0] for n, v in d.items()} for s, d in state_bar.items()}))
-                out = tuple(_unsqueeze(o) for o in out)
+            ids, pull_update, pull_gradient = held.pop()
+            theta_bar, state_bar, g_bar = _pull(pull_update, (theta_bar, state_bar), q)
+            if pull_gradient is not None:
+                through_gradient, anchors_grad, w_grad = _pull(pull_gradient, g_bar, q)
             else:
-                out = vmap(pullback)((theta_bar, state_bar))
-            theta_bar, state_bar, anchors_grad, w_grad = out
+                through_gradient = {n: torch.zeros_like(v) for n, v in theta_bar.items()}
+                anchors_grad = {n: torch.zeros_like(v) for n, v in anchor_bar.items()}
+                w_grad = None
+            for n in through_gradient:  # H_t ḡ_t: every rank's share
+                theta_bar[n] = theta_bar[n] + _summed(through_gradient[n])
             for n in anchor_bar:
-                anchor_bar[n] = anchor_bar[n] + anchors_grad[n]
-            scores.index_add_(0, idx.to(scores.device), w_grad.T.to(scores.dtype))
+                anchor_bar[n] = anchor_bar[n] + _summed(anchors_grad[n])
+            if w_grad is not None:
+                scores.index_add_(0, ids.to(scores.device), w_grad.T.to(scores.dtype))
+                terms_ids.append(ids)
+                terms.append(w_grad.T.to(scores.dtype))
             stats["adjoint_bytes"] = max(stats["adjoint_bytes"], tensor_bytes((theta_bar, state_bar, anchor_bar)))
+        empty = torch.zeros(0, q, dtype=scores.dtype)
+        journal.finish(j, torch.cat(terms_ids) if terms_ids else torch.zeros(0, dtype=torch.long),
+                       torch.cat(terms) if terms else empty, theta_bar, state_bar, anchor_bar)
+        stats["computed"] += 1
     return theta_bar, anchor_bar, scores
 
 
@@ -211,7 +289,18 @@ def _resident_bytes() -> int:
         return 0
 
 
+def _index(tree):
+    """The first entry along the leading dimension of every tensor in a (nested dict / tuple) tree."""
+    if torch.is_tensor(tree):
+        return tree[0]
+    if isinstance(tree, dict):
+        return {k: _index(v) for k, v in tree.items()}
+    return tuple(_index(v) for v in tree)
+
+
 def _unsqueeze(tree):
     if torch.is_tensor(tree):
         return tree.unsqueeze(0)
-    return {k: _unsqueeze(v) for k, v in tree.items()}
+    if isinstance(tree, dict):
+        return {k: _unsqueeze(v) for k, v in tree.items()}
+    return tuple(_unsqueeze(v) for v in tree)

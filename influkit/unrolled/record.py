@@ -98,11 +98,16 @@ class StageRun:
 
     # ------------------------------------------------------------------------------------------ the pure step
     def objective(self, theta: Tensors, anchors: Tensors, x: torch.Tensor, y: torch.Tensor,
-                  w: torch.Tensor) -> torch.Tensor:
-        """L_t(θ; w) on one batch (module docstring): the data-weighted mean loss + R(θ) + the proximal term."""
+                  w: torch.Tensor, *, size: int | None = None, penalties: bool = True) -> torch.Tensor:
+        """L_t(θ; w) on one batch (module docstring): the data-weighted mean loss + R(θ) + the proximal term.
+
+        size: the divisor of the data term (default the batch's length; a part of a batch passes the whole one's);
+        penalties: False leaves out R and the proximal term (the data term of one part of a sum over parts)."""
         params = {n: anchors[n] for n in self.frozen} | theta
         losses = self.stage.losses(params, x, y)
-        value = (w * losses).sum() / losses.shape[0]
+        value = (w * losses).sum() / (losses.shape[0] if size is None else size)
+        if not penalties:
+            return value
         reg = self.stage.regularization(theta)
         if reg is not None:
             value = value + reg

@@ -26,42 +26,72 @@ factored Gauss-Newton approximation C_ℓ (:func:`influkit.factored.curvature.fi
 layer, and the piece's map (v, w) → (v', w', u) is linear with coefficients that are functions of one eigenvalue,
 so it is applied as f(C_ℓ)·v, elementwise in each layer's eigenbasis (:meth:`FactoredCurvature.function`): memory
 O(the factors + q·p), never p². Where C_ℓ equals H (one linear layer under squared error with the exact Fisher)
-the two agree (a test).
+the two agree (a test). ``basis="shared"`` (EK-FAC only) fits one eigenbasis per stage, at its final parameters,
+and re-estimates only the eigenvalues at each other piece's end (:func:`fit_curvature` with ``basis=``): one full
+fit per stage plus one streamed pass per further piece, instead of a fit (covariances and eigendecompositions, most
+of EK-FAC's cost at scale) per piece — SOURCE's practical variant.
+
+The scores are computed in two passes. First the reverse pass over the pieces (every rank the same) gives each
+piece's θ_ℓ and u_ℓ and the adjoints handed across the boundary; then the example terms
+score_z = Σ_ℓ (1/n) ∇ℓ(z; θ_ℓ)·u_ℓ are computed chunk by chunk like :meth:`influkit.Query.scores` rows
+(:mod:`.terms`: by contraction within the memory budget, sharded over ranks, streamed to ``out`` and resumable).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
-from torch.func import grad, hessian, vjp, vmap
+from torch.func import grad, hessian, vjp
 from tqdm.auto import tqdm
 
+from .. import distributed
 from ..errors import InputError
-from ..factored.curvature import fit_curvature
+from ..factored.curvature import FactoredCurvature, fit_curvature
 from ..fitted import CurvatureConfig
 from ..results import InfluenceResult
 from .metagradient import hand_over, measure_adjoint
 from .optimizers import SGD
 from .record import Record, StageRun
 from .replay import start, unit_weights
+from .terms import Terms, fingerprint
 
 METHOD = "unrolled approximate (segments, dense Hessian)"
 CURVATURES = ("hessian", "ekfac", "kfac")
+BASES = ("each", "shared")
 
 
 def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = False, curvature: str = "hessian",
-                config: CurvatureConfig | None = None, progress: bool = False) -> list[InfluenceResult]:
+                basis: str = "each", config: CurvatureConfig | None = None, chunk_size: int | None = None,
+                out: str | Path | None = None, gradients: str = "contraction", memory: int | None = None,
+                progress: bool = False) -> list[InfluenceResult]:
     """One :class:`InfluenceResult` per stage: the segment-wise closed-form estimate of d measure / d w_z.
 
-    Same arguments and sign as :func:`influkit.unrolled.metagradients`; ``segments`` pieces per stage; curvature:
-    ``"hessian"`` (dense, exact) or ``"ekfac"``/``"kfac"`` (factored, fitted per piece with ``config``, default
-    ``CurvatureConfig()``: the sampled Fisher on every example) — module docstring.
+    Same arguments and sign as :func:`influkit.unrolled.metagradients` (score = d measure / d w_z at w = 1;
+    removing z predicts −score: ``removal``); ``segments`` pieces per stage; curvature: ``"hessian"`` (dense,
+    exact) or ``"ekfac"``/``"kfac"`` (factored, fitted with ``config``, default ``CurvatureConfig()``: the sampled
+    Fisher on every example); basis: ``"each"`` (a fit per piece) or ``"shared"`` (EK-FAC: one eigenbasis per stage,
+    eigenvalues re-estimated per piece) — module docstring — or one fitted EK-FAC curvature (or None) per stage, fitted
+    at that stage's final parameters over its trained parameters, e.g. ``chain.curvature(0).approximations["ekfac"]``
+    of the plain chain on the recorded models: used as its last piece's curvature and shared basis, not refitted. The example terms as :meth:`influkit.Query.scores`:
+    ``chunk_size`` rows at a time (default: what ``memory`` bytes hold, default budget when None), ``gradients``
+    "contraction" or "per-example", split over the ranks under ``torch.distributed``, and with ``out=DIR`` streamed
+    to a score store per stage (``DIR/stage-k``), resumable: a re-run skips the chunks already written.
     """
     if int(segments) < 1:
         raise InputError(f"segments must be ≥ 1, got {segments!r}.")
     if curvature not in CURVATURES:
         raise InputError(f"unknown curvature {curvature!r}; choose one of {CURVATURES}.")
+    given = None if isinstance(basis, str) else list(basis)
+    if given is not None:
+        if len(given) != len(record) or not all(b is None or isinstance(b, FactoredCurvature) for b in given):
+            raise InputError(f"basis as a list needs one fitted EK-FAC curvature (or None) per recorded stage "
+                             f"({len(record)}), e.g. [chain.curvature(0).approximations['ekfac'], None].")
+        basis = "shared"
+    if basis not in BASES or (basis == "shared" and curvature != "ekfac"):
+        raise InputError(f"basis must be one of {BASES} or a list of fitted curvatures, and a shared eigenbasis "
+                         f"needs curvature='ekfac'; got basis={basis!r} with curvature={curvature!r}.")
     config = CurvatureConfig() if config is None else config
     for run in record.runs:
         if not isinstance(run.optimizer, SGD) or run.optimizer.nesterov:
@@ -71,21 +101,35 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
             )
     began = time.perf_counter()
     adjoint, q, outputs = measure_adjoint(record, measure, per_test)
-    scores = [None] * len(record)
+    pieces: list = [None] * len(record)
     for k in range(len(record) - 1, -1, -1):
         run = record.runs[k]
-        theta_bar, anchor_bar, scores[k] = _stage(run, adjoint, q, int(segments), curvature, config, progress)
+        theta_bar, anchor_bar, pieces[k] = _stage(run, adjoint, q, int(segments), curvature, basis, config, memory,
+                                                  progress, given[k] if given else None)
         if k:
             adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
+    directions_s = time.perf_counter() - began
     where = "dense Hessian at each segment's end" if curvature == "hessian" else \
-        f"{curvature} ({config.fisher} Fisher, hessian_samples={config.hessian_samples}) fitted at each segment's end"
-    diagnostics = {"seconds": {"approximate": time.perf_counter() - began},
-                   "settings": {"segments": int(segments), "curvature": where,
-                                "per_test": per_test, "measure_outputs": int(outputs)}}
+        f"{curvature} ({config.fisher} Fisher, hessian_samples={config.hessian_samples}) " + \
+        ("fitted at each segment's end" if basis == "each" else "eigenbasis fitted at the stage's end, eigenvalues at "
+         "each segment's end")
     method = METHOD if curvature == "hessian" else f"unrolled approximate (segments, {curvature})"
-    return [InfluenceResult(values=scores[k] if per_test else scores[k][:, 0], n_train=len(run.stage),
-                            method=f"{method}, stage {k}", diagnostics=diagnostics | {"stage": k}, removal_eps=-1.0)
-            for k, run in enumerate(record.runs)]
+    results = []
+    for k, run in enumerate(record.runs):
+        t0 = time.perf_counter()
+        stage_out = None if out is None else Path(out) / f"stage-{k}"
+        terms = Terms(run.stage, run.trained, pieces[k], chunk_size=chunk_size, gradients=gradients, memory=memory,
+                      out=stage_out)
+        values, index, counts = terms.compute(fingerprint=fingerprint(f"{method}|{basis}", k, pieces[k]),
+                                              out=stage_out, progress=progress)
+        diagnostics = {"seconds": {"approximate (pieces)": directions_s, "example terms": time.perf_counter() - t0},
+                       "settings": {"segments": int(segments), "curvature": where, "basis": basis,
+                                    "per_test": per_test, "measure_outputs": int(outputs)},
+                       "chunks": counts | {"chunk_size": terms.chunk_size, "ranks": distributed.world_size()},
+                       "scoring": terms.describe(), "memory": [terms.scorer.memory], "stage": k}
+        results.append(InfluenceResult(values=values if per_test else values[:, 0], n_train=len(run.stage), index=index,
+                                       method=f"{method}, stage {k}", diagnostics=diagnostics, removal_eps=-1.0))
+    return results
 
 
 def _boundaries(run: StageRun, pieces: int) -> list[tuple[int, int, dict]]:
@@ -111,8 +155,10 @@ def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list
     return alpha, beta, forcing
 
 
-def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, config: CurvatureConfig, progress: bool):
-    """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, (n, q) scores)."""
+def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, basis: str, config: CurvatureConfig,
+           memory: int | None, progress: bool, fitted_end=None):
+    """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, [(θ_ℓ, u_ℓ (q, p))] in run order).
+    fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its last piece's), reused."""
     names, anchor_names = list(run.trained), list(run.anchors)
     shapes = {n: v.shape for n, v in run.checkpoints[0][0].items()} | {n: v.shape for n, v in run.anchors.items()}
     sizes = {n: shapes[n].numel() for n in shapes}
@@ -129,12 +175,8 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, co
     n = len(run.stage)
     ones = torch.ones(n, dtype=reference.dtype, device=reference.device)
 
-    def objective(theta_flat, anchor_flat, x, y, w):  # the stage objective L(θ; S̄) on (x, y) with weights w
-        return run.objective(unflat(theta_flat, names), unflat(anchor_flat, anchor_names), x, y, w)
-
-    def example_loss(theta_flat, x, y):  # ℓ(z; θ) of one example
-        params = {m: run.anchors[m] for m in run.frozen} | unflat(theta_flat, names)
-        return run.stage.losses(params, x[None], y[None])[0]
+    def objective(theta_flat, anchor_flat, x, y, w, **parts):  # the stage objective L(θ; S̄) on (x, y) with weights w
+        return run.objective(unflat(theta_flat, names), unflat(anchor_flat, anchor_names), x, y, w, **parts)
 
     def zeros(m: str) -> torch.Tensor:
         return torch.zeros(q, *shapes[m], dtype=reference.dtype, device=reference.device)
@@ -144,40 +186,40 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, co
         torch.zeros(0, dtype=reference.dtype, device=reference.device)
     anchor_bar = flat({m: adjoint[m] if m in run.frozen and m in adjoint else zeros(m) for m in anchor_names},
                       anchor_names) if anchor_names else torch.zeros(q, 0, dtype=reference.dtype)
-    scores = torch.zeros(n, q, dtype=reference.dtype, device=reference.device)
     momentum, decay = run.optimizer.momentum, run.optimizer.weight_decay
     chunk = run.stage.data.batch_size or 256
     w = torch.zeros_like(v)  # the adjoint of the momentum buffer (0 at the end: the measure does not read it)
+    out, kept = [], None
     for a, b, theta_end in tqdm(list(reversed(_boundaries(run, pieces))), desc="segments", disable=not progress,
                                 leave=False):
         theta_flat = torch.cat([theta_end[m].reshape(-1) for m in names])
         lrs = run.lrs[a:b]
         if curvature == "hessian":
             x_all, y_all = run.stage.data.take(torch.arange(n))
-            lam, basis = torch.linalg.eigh(hessian(objective)(theta_flat, anchor_flat, x_all, y_all, ones))
-            alpha, beta, forcing = _piece(lam + decay, v @ basis, w @ basis, lrs, momentum)
-            u, v, w = forcing @ basis.T, alpha @ basis.T, beta @ basis.T
+            lam, eigvecs = torch.linalg.eigh(hessian(objective)(theta_flat, anchor_flat, x_all, y_all, ones))
+            alpha, beta, forcing = _piece(lam + decay, v @ eigvecs, w @ eigvecs, lrs, momentum)
+            u, v, w = forcing @ eigvecs.T, alpha @ eigvecs.T, beta @ eigvecs.T
         else:
-            u, v, w = _factored_piece(run, curvature, config, theta_end, v, w, lrs, momentum, decay)
-        for idx in torch.arange(n).split(chunk):  # score_z += (1/n) ∇ℓ(z; θ_ℓ)·u, a chunk of examples at a time
-            x, y = run.stage.data.take(idx)
-            per_example = vmap(grad(example_loss), (None, 0, 0))(theta_flat, x, y)  # (chunk, p)
-            scores[idx.to(scores.device)] += (per_example @ u.T.to(per_example.dtype)).to(scores.dtype) / n
-        if anchor_names:  # S̄'s adjoint += Cᵀu, C = ∂∇_θL/∂S̄: one mixed vector-Jacobian product per output
-            x_all, y_all = run.stage.data.take(torch.arange(n))
-            gradient = lambda th, an: grad(objective)(th, an, x_all, y_all, ones)  # noqa: E731
-            _, pullback = vjp(lambda an: gradient(theta_flat, an), anchor_flat)
-            anchor_bar = anchor_bar + torch.stack([pullback(u[j])[0] for j in range(q)])
+            fitted = fitted_end if b == run.steps and fitted_end is not None else \
+                _fit(run, curvature, config, theta_end, kept, memory)
+            kept = fitted if basis == "shared" else None
+            u, v, w = _factored_piece(fitted, v, w, lrs, momentum, decay)
+        out.append((theta_end, u))
+        if anchor_names:  # S̄'s adjoint += Cᵀu, C = ∂∇_θL/∂S̄: mixed vector-Jacobian products, a chunk of data at a time
+            for i, idx in enumerate(torch.arange(n).split(chunk)):
+                x, y = run.stage.data.take(idx)
+                weights = ones[: idx.numel()]
+                gradient = lambda th, an: grad(objective)(th, an, x, y, weights, size=n, penalties=i == 0)  # noqa: E731
+                _, pullback = vjp(lambda an: gradient(theta_flat, an), anchor_flat)
+                anchor_bar = anchor_bar + torch.stack([pullback(u[j])[0] for j in range(q)])
     theta_bar = {m: t.reshape(q, *shapes[m]) for m, t in zip(names, v.split([sizes[m] for m in names], dim=1))}
     anchors_out = {m: t.reshape(q, *shapes[m]) for m, t in zip(anchor_names, anchor_bar.split(
         [sizes[m] for m in anchor_names], dim=1))} if anchor_names else {}
-    return theta_bar, anchors_out, scores
+    return theta_bar, anchors_out, out[::-1]
 
 
-def _factored_piece(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, v: torch.Tensor,
-                    w: torch.Tensor, lrs: list[float], momentum: float, decay: float):
-    """(u, v', w') of one piece with the factored curvature C fitted at θ_ℓ: each output is Σ f(C)·input with f
-    the piece's coefficient functions of one eigenvalue (``_piece`` run on unit inputs)."""
+def _fit(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, basis, memory: int | None):
+    """The factored curvature C_ℓ at θ_ℓ (with ``basis``: its eigenvalues in that curvature's kept eigenbases)."""
     n = len(run.stage)
     indices = None
     if config.hessian_samples is not None and config.hessian_samples < n:
@@ -186,14 +228,19 @@ def _factored_piece(run: StageRun, kind: str, config: CurvatureConfig, theta_end
     if run.alpha:
         anchors, alpha = run.anchors, run.alpha
         extra = lambda p: alpha * sum(((p[m] - anchors[m]) ** 2).sum() for m in run.inherited)  # noqa: E731
-    fitted = fit_curvature(run.stage, run.trained, kind=kind, fisher=config.fisher, indices=indices, extra=extra,
-                           at=theta_end, seed=config.seed)
+    return fit_curvature(run.stage, run.trained, kind=kind, fisher=config.fisher, indices=indices, extra=extra,
+                         at=theta_end, seed=config.seed, memory=memory, basis=basis)
+
+
+def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], momentum: float, decay: float):
+    """(u, v', w') of one piece with the factored curvature C fitted at θ_ℓ: each output is Σ f(C)·input with f
+    the piece's coefficient functions of one eigenvalue (``_piece`` run on unit inputs)."""
 
     def coefficient(output: int, unit: int):
         def fn(lam):
             one, zero = torch.ones_like(lam), torch.zeros_like(lam)
-            start = (one, zero) if unit == 0 else (zero, one)
-            return _piece(lam + decay, *start, lrs, momentum)[output]
+            begin = (one, zero) if unit == 0 else (zero, one)
+            return _piece(lam + decay, *begin, lrs, momentum)[output]
         return fn
 
     inputs = [v.T] + ([w.T] if momentum else [])  # (p, q) each; without momentum w stays 0
