@@ -121,7 +121,7 @@ class Rows:
         return h.hexdigest()
 
 
-def _my_chunks(n_rows: int, chunk_size: int) -> tuple[range, list[int]]:
+def rank_chunks(n_rows: int, chunk_size: int) -> tuple[range, list[int]]:
     """(this rank's contiguous range of chunk numbers, rows held by each rank)."""
     if chunk_size < 1:
         raise InputError(f"chunk_size must be ≥ 1, got {chunk_size}.")
@@ -199,7 +199,7 @@ def score_rows(s: torch.Tensor, scorer: Scorer, rows: Rows, *, progress: bool) -
     """(values (len(rows), k), chunk counts) of −∇ℓ(z)ᵀ s, sharded over ranks and gathered in order."""
     s = s.reshape(s.shape[0], -1)
     chunk_size = scorer.chunk_size
-    mine, counts = _my_chunks(len(rows), chunk_size)
+    mine, counts = rank_chunks(len(rows), chunk_size)
     bar = tqdm(mine, desc="scoring", disable=not progress or distributed.rank() != 0, leave=False)
     blocks = []
     for c in bar:
@@ -221,7 +221,7 @@ def stream_rows(query_fingerprint: str, s: torch.Tensor, scorer: Scorer, rows: R
     distributed.barrier()
     if distributed.rank() != 0:
         store.claim()
-    mine, _ = _my_chunks(len(rows), chunk_size)
+    mine, _ = rank_chunks(len(rows), chunk_size)
     rank = distributed.rank()
     counts = {"computed": 0, "reused": 0}
     for c in tqdm(mine, desc="scoring", disable=not progress or rank != 0, leave=False):

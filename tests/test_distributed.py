@@ -25,7 +25,7 @@ from torch import nn
 
 import influkit as ik
 from influkit import distributed
-from influkit.scoring import _my_chunks
+from influkit.scoring import rank_chunks
 
 from test_chain import ThreeStages, ce, l2
 
@@ -92,7 +92,7 @@ def test_shards_are_disjoint_and_complete(monkeypatch, world, n):
     for r in range(world):
         monkeypatch.setattr(distributed, "rank", lambda r=r: r)
         examples.append(distributed.shard(torch.arange(n)))
-        mine, counts = _my_chunks(n, 5)
+        mine, counts = rank_chunks(n, 5)
         chunks.extend(mine)
         rows = counts
     assert torch.equal(torch.cat(examples), torch.arange(n))

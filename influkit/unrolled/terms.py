@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import distributed, files
-from ..scoring import Rows, Scorer, _my_chunks, release_freed_memory
+from ..scoring import Rows, Scorer, rank_chunks, release_freed_memory
 from ..store import ScoreStore, resumed_chunk_size
 
 
@@ -76,7 +76,7 @@ class Terms:
     def compute(self, *, fingerprint: str, out: str | Path | None, progress: bool):
         """(values (n, q), index, chunk counts): every rank's chunks gathered in order, or streamed to ``out``."""
         n, q = len(self.rows), self.pieces[0][1].shape[0]
-        mine, counts = _my_chunks(n, self.chunk_size)
+        mine, counts = rank_chunks(n, self.chunk_size)
         rank = distributed.rank()
         bar = tqdm(mine, desc="example terms", disable=not progress or rank != 0, leave=False)
         if out is None:
