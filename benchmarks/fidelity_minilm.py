@@ -67,8 +67,9 @@ RESULTS = ROOT / "benchmarks" / "results" / "fidelity"
 CACHE = RESULTS / "cache" / TASK_NAME
 SUBSET_SEED = 0
 ORDERS = (1, 2)  # batch-order seeds of the warm continuation: the LDS order, the noise-ceiling order
-METHODS = ("ekfac", "identity", "kronfluence", "trak")
-TIMED = {"defaults": "hessian", "gauss-newton": "gauss-newton"}  # timed, projected: too slow to run here
+METHODS = ("defaults", "defaults-training", "ekfac", "identity", "kronfluence", "trak")
+PAIRED = ("defaults", "ekfac")  # the influkit rows each method is compared with, paired over test snippets
+TIMED = {"minres-hessian": "hessian", "minres-gauss-newton": "gauss-newton"}  # timed, projected: too slow to run
 TRAK_PROJ_DIM = 128
 QUERY_BLOCK = 8  # test snippets per influkit query (40 at once reached 11.6 GB RSS here)
 SIZES = {"per_source": 30, "n_finetune": 100, "n_test": 40}
@@ -141,13 +142,38 @@ def retrain_all(task: MiniLMTask, m: int, order: int, progress: bool = True) -> 
 
 
 # ------------------------------------------------------------------------------------------------ influkit
+def continuation(task: MiniLMTask) -> "ik.Training":
+    """The warm protocol's continued pretraining as :class:`influkit.Training` facts: T = its optimizer steps
+    (``continue_epochs`` over the corpus in batches), η = the mean of its linearly decaying step sizes, so that
+    ηT = Σ_t η_t, what the 1/(ηT) rule reads. (The rule is derived for gradient descent; the protocol runs AdamW.)"""
+    import influkit as ik
+
+    steps = len(task.ex.batch_order(task.n, task.cfg.batch, task.cfg.continue_epochs, ORDERS[0]))
+    return ik.Training(lr=sum(task.cfg.pre_lr * (1 - k / steps) for k in range(steps)) / steps, steps=steps)
+
+
+def influkit_chain(task: MiniLMTask, method: str):
+    """The fitted Case 1 chain of ``method``: the example's settings (``ekfac``, ``identity``: the head direct), or
+    the library's defaults — ``defaults``: ``ik.Chain([pre, fin], [link])`` with nothing set; ``defaults-training``:
+    the same with stage 1's ``SolveConfig(training=continuation(task))`` (auto's damping 1/(ηT))."""
+    import influkit as ik
+
+    ex, cfg, trained = task.ex, task.cfg, task.trained
+    if method in ex.SETTINGS:
+        return ex.chain(trained, "case1", cfg, method, residual=False)  # a residual costs one HVP per test snippet
+    solve = {"defaults": ik.SolveConfig(),
+             "defaults-training": [ik.SolveConfig(training=continuation(task)), ik.SolveConfig()]}[method]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ik.StationarityWarning)  # recorded in diagnostics["stages"]
+        return ik.Chain([trained.pre, trained.fin["case1"]], [ex.link(trained, "case1", cfg)], solve=solve).fit()
+
+
 def influkit_scores(task: MiniLMTask, method: str) -> tuple[np.ndarray, dict]:
-    """(n, q) Case 1 chain scores with stage 1 solved by ``method``; the head's solve direct (exact)."""
+    """(n, q) Case 1 chain scores of ``method`` (:func:`influkit_chain`), queried QUERY_BLOCK test snippets at a time."""
     from influkit import hf
     from influkit.chain import Query
 
-    ex, cfg, trained = task.ex, task.cfg, task.trained
-    chain = ex.chain(trained, "case1", cfg, method, residual=False)  # a residual costs one HVP per test snippet
+    chain = influkit_chain(task, method)
     inputs, targets = hf.pack(task.data.test[1])
     blocks = [chain.query((inputs[b], targets[b]), per_test=True)  # bounded memory: the per-test cross terms
               for b in torch.arange(task.q).split(QUERY_BLOCK)]  # are vmapped over the test snippets
@@ -155,7 +181,7 @@ def influkit_scores(task: MiniLMTask, method: str) -> tuple[np.ndarray, dict]:
     query = Query(chain, torch.cat([q.s for q in blocks], dim=1), True, task.q, first.solves, first.seconds,
                   "|".join(q.test_digest for q in blocks))
     res = query.scores()  # one pass of per-example gradients for all 40 columns
-    solves = [{k: _plain(d.get(k)) for k in ("method", "iterations", "residual", "converged", "damping")}
+    solves = [{k: _plain(d.get(k)) for k in ("solver", "iterations", "residual", "converged", "damping", "choice")}
               for d in res.diagnostics["solves"]]
     stages = [{k: _plain(v) for k, v in d.items() if k in ("gradient_norm", "min_eigenvalue", "max_eigenvalue",
                                                             "verdict")} for d in res.diagnostics.get("stages", [])]
@@ -384,11 +410,13 @@ def table(m: int, noise: int) -> None:
         valid = per_query[np.isfinite(per_query)]
         rows.append({"method": method, "LDS": valid.mean(), "sem": valid.std(ddof=1) / np.sqrt(len(valid)),
                      "seconds": meta["seconds"], "peak_rss_mib": meta["peak_rss_mib"], "load": meta["load"]})
-    for row in rows:  # paired over the test snippets: influkit's EK-FAC chain minus this method
-        if "ekfac" in lds and row["method"] != "ekfac":
-            diff = lds["ekfac"] - lds[row["method"]]
-            diff = diff[np.isfinite(diff)]
-            row["ekfac_minus_this"], row["paired_sem"] = diff.mean(), diff.std(ddof=1) / np.sqrt(len(diff))
+    for ref in PAIRED:  # paired over the test snippets: influkit's chain (defaults, EK-FAC) minus this method
+        for row in rows:
+            if ref in lds and row["method"] != ref:
+                diff = lds[ref] - lds[row["method"]]
+                diff = diff[np.isfinite(diff)]
+                row[f"{ref}_minus_this"] = diff.mean()
+                row[f"{ref}_paired_sem"] = diff.std(ddof=1) / np.sqrt(len(diff))
     if noise:
         second = torch.stack([load_file(CACHE / f"order{ORDERS[1]}" / f"subset{j:04d}.safetensors")["outputs"]
                               for j in range(noise)]).numpy()
@@ -402,6 +430,12 @@ def table(m: int, noise: int) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     frame.to_csv(RESULTS / f"{TASK_NAME}.csv", index=False)
     text = f"# {TASK_NAME}: LDS (M = {m}, warm protocol)\n\n" + _markdown(frame) + "\n"
+    for method in scored:  # what each influkit chain's stage-1 solve was
+        solves = json.loads((CACHE / "scores" / f"{method}.json").read_text()).get("solves")
+        if solves:
+            first = solves[0]
+            text += (f"\n{method}, stage 1: {first['solver']}, λ = {first['damping']:.3g}"
+                     + (f" — {first['choice']}" if first.get("choice") else "") + "\n")
     for method in TIMED:
         path = CACHE / "scores" / f"{method}.json"
         if path.exists():
