@@ -14,22 +14,26 @@ snippet's cross-entropy. LDS(t) = Spearman_j(Σ_{i∈S_j} score_i(t), loss_t(S_j
 snippets (``influkit.validation.lds_per_query``). Noise ceiling: the first ``noise`` subsets again under batch
 order seed 2; per test snippet the Spearman between the two re-trainings' losses.
 
-Methods (each scored in its own process, so its peak RSS is its own: model, data and scoring):
-- influkit, the Case 1 chain with stage 1 solved by ``ekfac`` (the example's: empirical Fisher, λ = 0.1 × mean
-  eigenvalue; no residual check, which would cost one exact HVP over the corpus per test snippet) or
-  ``identity``; the head's solve is direct (exact) in both.
-  The library defaults (``SolveConfig()``: MINRES on the exact Hessian, no damping, up to 2,000 iterations) and
-  MINRES on the Gauss-Newton matrix are timed (``defaults``, ``gauss-newton``): one product of stage 1's matrix
-  and the projected time of a solve, per right-hand side — days for the 40 test snippets here.
+Methods (each scored in its own process, so its peak RSS is its own: both stage models (``MiniLMTask``, every
+method's process holds them), data and scoring):
+- influkit, the Case 1 chain: ``defaults`` (``ik.Chain([pre, fin], [link])``, nothing set: auto finds stage 1
+  non-stationary and, at p = 3.7 M with QUERY_BLOCK right-hand sides, takes the EK-FAC approximate inverse of the
+  Gauss-Newton matrix, sampled Fisher, λ by the spectral rule; the head MINRES on its G + λI); ``defaults-training``
+  (the same, stage 1 told the continuation's optimizer facts, :func:`continuation`: λ = 1/(ηT)); the example's
+  settings ``ekfac`` (empirical Fisher, λ = 0.1 × mean eigenvalue, the head direct) and ``identity``. No residual
+  check (it would cost one exact HVP over the corpus per test snippet).
+  MINRES on the exact Hessian (auto's choice before) and on the Gauss-Newton matrix are timed (``minres-hessian``,
+  ``minres-gauss-newton``): one product of stage 1's matrix and the projected time of a solve at the default
+  iteration cap, per right-hand side.
 - single-stage peers on one model whose trainable parameters are stage 1's (W, U), whose training loss is the
   masked-LM loss and whose query is the finetuned classifier's test loss (its gradient lives on W; the head's
   response to W, which the chain adds, is what a single-stage tool cannot represent; as
   ``fidelity_methods.CrossStageModel``): kronfluence 1.0.1 EK-FAC (one factor block per Linear of W, its
   damping heuristic), TRAK (traker, proj_dim 128, margins).
 
-    python -m benchmarks.bench_fidelity retrain --task minilm-dapt --subsets 40     # trains once, cached
-    python -m benchmarks.bench_fidelity score --task minilm-dapt --methods ekfac identity kronfluence trak
-    python -m benchmarks.bench_fidelity table --task minilm-dapt --subsets 40
+    python -m benchmarks.bench_fidelity retrain --task minilm-dapt --subsets 80     # trains once, cached
+    python -m benchmarks.bench_fidelity score --task minilm-dapt --methods defaults ekfac identity kronfluence trak
+    python -m benchmarks.bench_fidelity table --task minilm-dapt --subsets 80
     python -m benchmarks.fidelity_minilm leaveout     # top-12 harmful / helpful and 4 random groups removed
     (or python -m benchmarks.fidelity_minilm STEP ...; ``--noise 20`` re-trains the noise-ceiling order)
 
@@ -430,11 +434,15 @@ def table(m: int, noise: int) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     frame.to_csv(RESULTS / f"{TASK_NAME}.csv", index=False)
     text = f"# {TASK_NAME}: LDS (M = {m}, warm protocol)\n\n" + _markdown(frame) + "\n"
+    peaks = {row["method"]: row["peak_rss_mib"] for row in rows if "peak_rss_mib" in row}
+    if "kronfluence" in peaks:
+        text += "\nPeak RSS / kronfluence's: " + ", ".join(
+            f"{method} {peak / peaks['kronfluence']:.2f}×" for method, peak in peaks.items() if method != "kronfluence") + "\n"
     for method in scored:  # what each influkit chain's stage-1 solve was
         solves = json.loads((CACHE / "scores" / f"{method}.json").read_text()).get("solves")
         if solves:
             first = solves[0]
-            text += (f"\n{method}, stage 1: {first['solver']}, λ = {first['damping']:.3g}"
+            text += (f"\n{method}, stage 1: {first.get('solver') or first.get('method')}, λ = {first['damping']:.3g}"
                      + (f" — {first['choice']}" if first.get("choice") else "") + "\n")
     for method in TIMED:
         path = CACHE / "scores" / f"{method}.json"
@@ -487,7 +495,7 @@ def _markdown(frame) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
 
 
-def run(step: str, subsets: int = 40, methods=None, noise: int = 20, progress: bool = True) -> None:
+def run(step: str, subsets: int = 80, methods=None, noise: int = 20, progress: bool = True) -> None:
     """One step of the task (``bench_fidelity.py`` calls this for ``--task minilm-dapt``)."""
     torch.set_num_threads(1)
     if step == "retrain":
@@ -513,7 +521,7 @@ def run(step: str, subsets: int = 40, methods=None, noise: int = 20, progress: b
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step", choices=("retrain", "score", "table", "leaveout", "score-one"))
-    parser.add_argument("--subsets", type=int, default=40)
+    parser.add_argument("--subsets", type=int, default=80)
     parser.add_argument("--noise", type=int, default=20)
     parser.add_argument("--methods", nargs="*", default=None)
     parser.add_argument("--method", default=None)

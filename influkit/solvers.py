@@ -292,7 +292,7 @@ class Solver:
         notes = list(self.curvature.notes)
         why = self.choice
         if why and self.preconditioner_name:
-            why = f"{why}, preconditioned by {self.preconditioner_name}"
+            why = f"{why}, {'fitted as' if self.approximate else 'preconditioned by'} {self.preconditioner_name}"
         return Solution(
             x=x.reshape(-1) if single else x, solver=self.name, iterations=iterations, residual=float(residual),
             tol=float(tol), converged=converged, seconds=time.perf_counter() - start,
