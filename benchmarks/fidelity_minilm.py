@@ -146,7 +146,7 @@ def retrain_all(task: MiniLMTask, m: int, order: int, progress: bool = True) -> 
 
 
 # ------------------------------------------------------------------------------------------------ influkit
-def continuation(task: MiniLMTask) -> "ik.Training":
+def continuation(task: MiniLMTask):
     """The warm protocol's continued pretraining as :class:`influkit.Training` facts: T = its optimizer steps
     (``continue_epochs`` over the corpus in batches), η = the mean of its linearly decaying step sizes, so that
     ηT = Σ_t η_t, what the 1/(ηT) rule reads. (The rule is derived for gradient descent; the protocol runs AdamW.)"""
