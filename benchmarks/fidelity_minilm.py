@@ -75,7 +75,7 @@ METHODS = ("defaults", "defaults-training", "ekfac", "identity", "kronfluence", 
 PAIRED = ("defaults", "ekfac")  # the influkit rows each method is compared with, paired over test snippets
 TIMED = {"minres-hessian": "hessian", "minres-gauss-newton": "gauss-newton"}  # timed, projected: too slow to run
 TRAK_PROJ_DIM = 128
-QUERY_BLOCK = 8  # test snippets per influkit query (40 at once reached 11.6 GB RSS here)
+QUERY_BLOCK = 8  # test snippets per influkit query and scoring pass (bounded memory)
 SIZES = {"per_source": 30, "n_finetune": 100, "n_test": 40}
 TEST_RHS = SIZES["n_test"]
 
@@ -173,23 +173,21 @@ def influkit_chain(task: MiniLMTask, method: str):
 
 
 def influkit_scores(task: MiniLMTask, method: str) -> tuple[np.ndarray, dict]:
-    """(n, q) Case 1 chain scores of ``method`` (:func:`influkit_chain`), queried QUERY_BLOCK test snippets at a time."""
+    """(n, q) Case 1 chain scores of ``method`` (:func:`influkit_chain`), queried and scored QUERY_BLOCK test
+    snippets at a time: one block's s (p × QUERY_BLOCK) and cross terms in memory, not all 40 columns (scoring
+    the concatenated s of every block at once added 1.0 GB to the peak here)."""
     from influkit import hf
-    from influkit.chain import Query
 
     chain = influkit_chain(task, method)
     inputs, targets = hf.pack(task.data.test[1])
-    blocks = [chain.query((inputs[b], targets[b]), per_test=True)  # bounded memory: the per-test cross terms
-              for b in torch.arange(task.q).split(QUERY_BLOCK)]  # are vmapped over the test snippets
-    first = blocks[0]
-    query = Query(chain, torch.cat([q.s for q in blocks], dim=1), True, task.q, first.solves, first.seconds,
-                  "|".join(q.test_digest for q in blocks))
-    res = query.scores()  # one pass of per-example gradients for all 40 columns
+    results = [chain.query((inputs[b], targets[b]), per_test=True).scores()
+               for b in torch.arange(task.q).split(QUERY_BLOCK)]
+    res = results[0]
     solves = [{k: _plain(d.get(k)) for k in ("solver", "iterations", "residual", "converged", "damping", "choice")}
               for d in res.diagnostics["solves"]]
     stages = [{k: _plain(v) for k, v in d.items() if k in ("gradient_norm", "min_eigenvalue", "max_eigenvalue",
                                                             "verdict")} for d in res.diagnostics.get("stages", [])]
-    return res.values.double().numpy(), {"solves": solves, "stages": stages}
+    return torch.cat([r.values for r in results], dim=1).double().numpy(), {"solves": solves, "stages": stages}
 
 
 def _plain(value):
