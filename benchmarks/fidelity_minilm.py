@@ -14,22 +14,26 @@ snippet's cross-entropy. LDS(t) = Spearman_j(Σ_{i∈S_j} score_i(t), loss_t(S_j
 snippets (``influkit.validation.lds_per_query``). Noise ceiling: the first ``noise`` subsets again under batch
 order seed 2; per test snippet the Spearman between the two re-trainings' losses.
 
-Methods (each scored in its own process, so its peak RSS is its own: model, data and scoring):
-- influkit, the Case 1 chain with stage 1 solved by ``ekfac`` (the example's: empirical Fisher, λ = 0.1 × mean
-  eigenvalue; no residual check, which would cost one exact HVP over the corpus per test snippet) or
-  ``identity``; the head's solve is direct (exact) in both.
-  The library defaults (``SolveConfig()``: MINRES on the exact Hessian, no damping, up to 2,000 iterations) and
-  MINRES on the Gauss-Newton matrix are timed (``defaults``, ``gauss-newton``): one product of stage 1's matrix
-  and the projected time of a solve, per right-hand side — days for the 40 test snippets here.
+Methods (each scored in its own process, so its peak RSS is its own: both stage models (``MiniLMTask``, every
+method's process holds them), data and scoring):
+- influkit, the Case 1 chain: ``defaults`` (``ik.Chain([pre, fin], [link])``, nothing set: auto finds stage 1
+  non-stationary and, at p = 3.7 M with QUERY_BLOCK right-hand sides, takes the EK-FAC approximate inverse of the
+  Gauss-Newton matrix, sampled Fisher, λ by the spectral rule; the head MINRES on its G + λI); ``defaults-training``
+  (the same, stage 1 told the continuation's optimizer facts, :func:`continuation`: λ = 1/(ηT)); the example's
+  settings ``ekfac`` (empirical Fisher, λ = 0.1 × mean eigenvalue, the head direct) and ``identity``. No residual
+  check (it would cost one exact HVP over the corpus per test snippet).
+  MINRES on the exact Hessian (auto's choice before) and on the Gauss-Newton matrix are timed (``minres-hessian``,
+  ``minres-gauss-newton``): one product of stage 1's matrix and the projected time of a solve at the default
+  iteration cap, per right-hand side.
 - single-stage peers on one model whose trainable parameters are stage 1's (W, U), whose training loss is the
   masked-LM loss and whose query is the finetuned classifier's test loss (its gradient lives on W; the head's
   response to W, which the chain adds, is what a single-stage tool cannot represent; as
   ``fidelity_methods.CrossStageModel``): kronfluence 1.0.1 EK-FAC (one factor block per Linear of W, its
   damping heuristic), TRAK (traker, proj_dim 128, margins).
 
-    python -m benchmarks.bench_fidelity retrain --task minilm-dapt --subsets 40     # trains once, cached
-    python -m benchmarks.bench_fidelity score --task minilm-dapt --methods ekfac identity kronfluence trak
-    python -m benchmarks.bench_fidelity table --task minilm-dapt --subsets 40
+    python -m benchmarks.bench_fidelity retrain --task minilm-dapt --subsets 80     # trains once, cached
+    python -m benchmarks.bench_fidelity score --task minilm-dapt --methods defaults ekfac identity kronfluence trak
+    python -m benchmarks.bench_fidelity table --task minilm-dapt --subsets 80
     python -m benchmarks.fidelity_minilm leaveout     # top-12 harmful / helpful and 4 random groups removed
     (or python -m benchmarks.fidelity_minilm STEP ...; ``--noise 20`` re-trains the noise-ceiling order)
 
@@ -67,10 +71,11 @@ RESULTS = ROOT / "benchmarks" / "results" / "fidelity"
 CACHE = RESULTS / "cache" / TASK_NAME
 SUBSET_SEED = 0
 ORDERS = (1, 2)  # batch-order seeds of the warm continuation: the LDS order, the noise-ceiling order
-METHODS = ("ekfac", "identity", "kronfluence", "trak")
-TIMED = {"defaults": "hessian", "gauss-newton": "gauss-newton"}  # timed, projected: too slow to run here
+METHODS = ("defaults", "defaults-training", "ekfac", "identity", "kronfluence", "trak")
+PAIRED = ("defaults", "ekfac")  # the influkit rows each method is compared with, paired over test snippets
+TIMED = {"minres-hessian": "hessian", "minres-gauss-newton": "gauss-newton"}  # timed, projected: too slow to run
 TRAK_PROJ_DIM = 128
-QUERY_BLOCK = 8  # test snippets per influkit query (40 at once reached 11.6 GB RSS here)
+QUERY_BLOCK = 8  # test snippets per influkit query and scoring pass (bounded memory)
 SIZES = {"per_source": 30, "n_finetune": 100, "n_test": 40}
 TEST_RHS = SIZES["n_test"]
 
@@ -136,25 +141,48 @@ def retrain_all(task: MiniLMTask, m: int, order: int, progress: bool = True) -> 
 
 
 # ------------------------------------------------------------------------------------------------ influkit
-def influkit_scores(task: MiniLMTask, method: str) -> tuple[np.ndarray, dict]:
-    """(n, q) Case 1 chain scores with stage 1 solved by ``method``; the head's solve direct (exact)."""
-    from influkit import hf
-    from influkit.chain import Query
+def continuation(task: MiniLMTask):
+    """The warm protocol's continued pretraining as :class:`influkit.Training` facts: T = its optimizer steps
+    (``continue_epochs`` over the corpus in batches), η = the mean of its linearly decaying step sizes, so that
+    ηT = Σ_t η_t, what the 1/(ηT) rule reads. (The rule is derived for gradient descent; the protocol runs AdamW.)"""
+    import influkit as ik
+
+    steps = len(task.ex.batch_order(task.n, task.cfg.batch, task.cfg.continue_epochs, ORDERS[0]))
+    return ik.Training(lr=sum(task.cfg.pre_lr * (1 - k / steps) for k in range(steps)) / steps, steps=steps)
+
+
+def influkit_chain(task: MiniLMTask, method: str):
+    """The fitted Case 1 chain of ``method``: the example's settings (``ekfac``, ``identity``: the head direct), or
+    the library's defaults — ``defaults``: ``ik.Chain([pre, fin], [link])`` with nothing set; ``defaults-training``:
+    the same with stage 1's ``SolveConfig(training=continuation(task))`` (auto's damping 1/(ηT))."""
+    import influkit as ik
 
     ex, cfg, trained = task.ex, task.cfg, task.trained
-    chain = ex.chain(trained, "case1", cfg, method, residual=False)  # a residual costs one HVP per test snippet
+    if method in ex.SETTINGS:
+        return ex.chain(trained, "case1", cfg, method, residual=False)  # a residual costs one HVP per test snippet
+    solve = {"defaults": ik.SolveConfig(),
+             "defaults-training": [ik.SolveConfig(training=continuation(task)), ik.SolveConfig()]}[method]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ik.StationarityWarning)  # recorded in diagnostics["stages"]
+        return ik.Chain([trained.pre, trained.fin["case1"]], [ex.link(trained, "case1", cfg)], solve=solve).fit()
+
+
+def influkit_scores(task: MiniLMTask, method: str) -> tuple[np.ndarray, dict]:
+    """(n, q) Case 1 chain scores of ``method`` (:func:`influkit_chain`), queried and scored QUERY_BLOCK test
+    snippets at a time: one block's s (p × QUERY_BLOCK) and cross terms in memory, not all 40 columns (scoring
+    the concatenated s of every block at once added 1.0 GB to the peak here)."""
+    from influkit import hf
+
+    chain = influkit_chain(task, method)
     inputs, targets = hf.pack(task.data.test[1])
-    blocks = [chain.query((inputs[b], targets[b]), per_test=True)  # bounded memory: the per-test cross terms
-              for b in torch.arange(task.q).split(QUERY_BLOCK)]  # are vmapped over the test snippets
-    first = blocks[0]
-    query = Query(chain, torch.cat([q.s for q in blocks], dim=1), True, task.q, first.solves, first.seconds,
-                  "|".join(q.test_digest for q in blocks))
-    res = query.scores()  # one pass of per-example gradients for all 40 columns
-    solves = [{k: _plain(d.get(k)) for k in ("method", "iterations", "residual", "converged", "damping")}
+    results = [chain.query((inputs[b], targets[b]), per_test=True).scores()
+               for b in torch.arange(task.q).split(QUERY_BLOCK)]
+    res = results[0]
+    solves = [{k: _plain(d.get(k)) for k in ("solver", "iterations", "residual", "converged", "damping", "choice")}
               for d in res.diagnostics["solves"]]
     stages = [{k: _plain(v) for k, v in d.items() if k in ("gradient_norm", "min_eigenvalue", "max_eigenvalue",
                                                             "verdict")} for d in res.diagnostics.get("stages", [])]
-    return res.values.double().numpy(), {"solves": solves, "stages": stages}
+    return torch.cat([r.values for r in results], dim=1).double().numpy(), {"solves": solves, "stages": stages}
 
 
 def _plain(value):
@@ -379,11 +407,13 @@ def table(m: int, noise: int) -> None:
         valid = per_query[np.isfinite(per_query)]
         rows.append({"method": method, "LDS": valid.mean(), "sem": valid.std(ddof=1) / np.sqrt(len(valid)),
                      "seconds": meta["seconds"], "peak_rss_mib": meta["peak_rss_mib"], "load": meta["load"]})
-    for row in rows:  # paired over the test snippets: influkit's EK-FAC chain minus this method
-        if "ekfac" in lds and row["method"] != "ekfac":
-            diff = lds["ekfac"] - lds[row["method"]]
-            diff = diff[np.isfinite(diff)]
-            row["ekfac_minus_this"], row["paired_sem"] = diff.mean(), diff.std(ddof=1) / np.sqrt(len(diff))
+    for ref in PAIRED:  # paired over the test snippets: influkit's chain (defaults, EK-FAC) minus this method
+        for row in rows:
+            if ref in lds and row["method"] != ref:
+                diff = lds[ref] - lds[row["method"]]
+                diff = diff[np.isfinite(diff)]
+                row[f"{ref}_minus_this"] = diff.mean()
+                row[f"{ref}_paired_sem"] = diff.std(ddof=1) / np.sqrt(len(diff))
     if noise:
         second = torch.stack([load_file(CACHE / f"order{ORDERS[1]}" / f"subset{j:04d}.safetensors")["outputs"]
                               for j in range(noise)]).numpy()
@@ -397,6 +427,16 @@ def table(m: int, noise: int) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     frame.to_csv(RESULTS / f"{TASK_NAME}.csv", index=False)
     text = f"# {TASK_NAME}: LDS (M = {m}, warm protocol)\n\n" + _markdown(frame) + "\n"
+    peaks = {row["method"]: row["peak_rss_mib"] for row in rows if "peak_rss_mib" in row}
+    if "kronfluence" in peaks:
+        text += "\nPeak RSS / kronfluence's: " + ", ".join(
+            f"{method} {peak / peaks['kronfluence']:.2f}×" for method, peak in peaks.items() if method != "kronfluence") + "\n"
+    for method in scored:  # what each influkit chain's stage-1 solve was
+        solves = json.loads((CACHE / "scores" / f"{method}.json").read_text()).get("solves")
+        if solves:
+            first = solves[0]
+            text += (f"\n{method}, stage 1: {first.get('solver') or first.get('method')}, λ = {first['damping']:.3g}"
+                     + (f" — {first['choice']}" if first.get("choice") else "") + "\n")
     for method in TIMED:
         path = CACHE / "scores" / f"{method}.json"
         if path.exists():
@@ -448,7 +488,7 @@ def _markdown(frame) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
 
 
-def run(step: str, subsets: int = 40, methods=None, noise: int = 20, progress: bool = True) -> None:
+def run(step: str, subsets: int = 80, methods=None, noise: int = 20, progress: bool = True) -> None:
     """One step of the task (``bench_fidelity.py`` calls this for ``--task minilm-dapt``)."""
     torch.set_num_threads(1)
     if step == "retrain":
@@ -474,7 +514,7 @@ def run(step: str, subsets: int = 40, methods=None, noise: int = 20, progress: b
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step", choices=("retrain", "score", "table", "leaveout", "score-one"))
-    parser.add_argument("--subsets", type=int, default=40)
+    parser.add_argument("--subsets", type=int, default=80)
     parser.add_argument("--noise", type=int, default=20)
     parser.add_argument("--methods", nargs="*", default=None)
     parser.add_argument("--method", default=None)

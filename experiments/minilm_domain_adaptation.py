@@ -22,8 +22,8 @@ Domain-adaptive pretraining (Gururangan et al. 2020) on real weights and real te
   EK-FAC approximate inverse (empirical Fisher: the per-token-mean MLM loss is not a form the sampled Fisher
   recognises) with kronfluence's damping heuristic λ = 0.1 × mean eigenvalue; the Case 1 head by the direct
   solve (exact); Case 2's and LoRA's finetuning stage by EK-FAC (sampled Fisher) with the same heuristic. The
-  library's defaults (``SolveConfig()``: auto → MINRES on the exact Hessian, up to 2,000 iterations) are reported
-  separately by ``benchmarks/fidelity_minilm.py`` (one Hessian-vector product of stage 1 over 120 snippets costs 15.6 s here: 8.7 h per solve).
+  library's defaults (nothing set: auto → the EK-FAC inverse of the Gauss-Newton matrix with the spectral damping
+  for this non-stationary 3.7 M-value stage) are measured beside these settings by ``benchmarks/fidelity_minilm.py``.
 - Reported: mean score per source (a positive score = up-weighting the snippet raises the test loss: harmful),
   the top helpful/harmful snippets with their texts, the influkit report page, a plot of mean score per source.
 

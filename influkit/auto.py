@@ -10,11 +10,19 @@ Gauss-Newton G), the solver, the damping λ, the preconditioner, and the reason,
 |---------------------------------------|--------|-------------------------------------------------|--------------------|
 | ``minimum`` (∇L ≈ 0, no negative curvature seen) | H | ``direct`` for several right-hand sides and p ≤ ``DIRECT_MAX`` (one factorization serves them all), else ``cg_spd`` | as given (0) |
 | ``singular`` (∇L ≈ 0, H ⪰ 0 with near-null directions) | H | ``direct`` (pseudo-inverse: the minimum-norm response) for p ≤ ``DIRECT_MAX``, else ``minres`` | as given, else the spectral rule |
-| ``saddle`` / ``non-stationary``       | G      | ``minres`` (EK-FAC-preconditioned for p > ``PRECONDITION_MIN``) | as given, else 1/(ηT) with :class:`Training`, else the spectral rule |
+| ``saddle`` / ``non-stationary``       | G      | ``minres`` (EK-FAC-preconditioned for p > ``PRECONDITION_MIN``); the ``ekfac`` approximate inverse when also p·n_rhs > ``APPROXIMATE_WORK`` | as given, else 1/(ηT) with :class:`Training`, else the spectral rule |
 | unknown (no stage)                    | H      | ``direct`` for p ≤ ``DIRECT_MAX`` when H can be formed, else ``minres`` | as given |
 
 Why G off a minimum: the Hessian's indefinite part Σ_i Σ_c ∂ℓ/∂f_c ∇²f_c is what a non-zero gradient leaves; G
 drops it, is ⪰ 0 for convex losses, and G + λI is positive definite, so the solve converges to its tolerance.
+
+Why the approximate inverse when p·n_rhs is large: MINRES costs one product over the stage's data per step and
+right-hand side, tens of steps each even preconditioned, while EK-FAC (C ≈ G fitted once, x = (C + λI)⁻¹b) costs
+one fitting pass and then nothing per right-hand side. Its x is EK-FAC's, not the exact solve's (the reason says
+so; ``SolveConfig(residual=True)`` measures the gap, at one exact product per right-hand side). Measured on
+benchmarks/fidelity_minilm.py (MiniLM, p = 3.7 M, 120 sequences of 32 tokens, 40 test snippets): one product
+takes 16-20 s on one idle core, so tens of steps per test snippet are hours; the approximate inverse with the
+spectral λ has LDS 0.161 ± 0.029 there (M = 80), above the example's hand-set EK-FAC, 0.095 ± 0.024.
 
 Damping rules (off a minimum, when the user gave none):
 
@@ -45,7 +53,8 @@ DIRECT_MAX = 3000
 DAMPING_RATIO = 1e-2
 # above this many parameters the Gauss-Newton solve off a minimum is preconditioned by EK-FAC
 PRECONDITION_MIN = 10**6
-APPROXIMATIONS = ("kfac", "ekfac", "arnoldi")
+# off a minimum, above PRECONDITION_MIN parameters and p·n_rhs > this, the EK-FAC approximate inverse replaces MINRES
+APPROXIMATE_WORK = 2 * 10**6
 
 
 @dataclass(frozen=True)
@@ -88,16 +97,17 @@ def spectral_damping(position: Position) -> float:
 
 def decide(position: Position | None, p: int, *, n_rhs: int = 1, memory: int | None = None,
            training: Training | None = None, solver: str = "auto", damping: float = 0.0, matrix: str = "hessian",
-           preconditioner: str | None = None, dense: bool = True, shared: bool = False, itemsize: int = 8) -> Choice:
+           preconditioner: str | None = None, dense: bool = True, shared_approximation: bool = False, itemsize: int = 8) -> Choice:
     """The :class:`Choice` for a stage at ``position`` with p trained parameters (module table).
 
     n_rhs: right-hand sides solved at once (1 for a summed test loss, the test-set size with ``per_test``).
     memory: the budget in bytes (None: unbounded); a dense H needs 3·p²·``itemsize`` of it.
     solver, damping, matrix, preconditioner: what the user set (``solver != "auto"`` ends the decision).
     dense: the operator can form H (False for a bare operator without ``dense()``).
-    shared: the settings are one SolveConfig shared by every stage of a chain.
+    shared_approximation: the settings are one SolveConfig shared by every stage of a chain, and its solver is an
+    approximate inverse (:data:`influkit.solvers.APPROXIMATE_INVERSES`).
     """
-    if solver != "auto" and not (shared and solver in APPROXIMATIONS and p <= DIRECT_MAX and position is not None):
+    if solver != "auto" and not (shared_approximation and p <= DIRECT_MAX and position is not None):
         return Choice(matrix, solver, damping, preconditioner, "")
     prefix = "auto: " if solver == "auto" else (
         f"auto: p = {p} ≤ {DIRECT_MAX} under a shared solver={solver!r}, solved exactly instead (one SolveConfig "
@@ -131,11 +141,16 @@ def decide(position: Position | None, p: int, *, n_rhs: int = 1, memory: int | N
                       f"{prefix}stationary but singular (θ_min = {position.min_eigenvalue:.2g}): MINRES on H + λI, "
                       f"λ = {lam:.3g} ({rule})")
     lam, rule = _damping(position, damping, training)
+    off = f"{prefix}{where} ({position.describe().split(': ', 1)[1]}): the exact Hessian is not a minimum's; "
+    if preconditioner is None and p > PRECONDITION_MIN and p * n_rhs > APPROXIMATE_WORK:
+        return Choice("gauss-newton", "ekfac", lam, None,
+                      f"{off}the EK-FAC approximate inverse of the Gauss-Newton matrix, (C + λI)⁻¹ with C ≈ G, "
+                      f"λ = {lam:.3g} ({rule}): p·n_rhs = {p}·{n_rhs} > {APPROXIMATE_WORK:.0e}, where MINRES would "
+                      "take tens of products over the data per right-hand side")
     pre = preconditioner if preconditioner is not None else ("ekfac" if p > PRECONDITION_MIN else None)
     how = f", preconditioned by EK-FAC (p = {p} > {PRECONDITION_MIN:.0e})" if pre == "ekfac" and preconditioner is None else ""
     return Choice("gauss-newton", "minres", lam, pre,
-                  f"{prefix}{where} ({position.describe().split(': ', 1)[1]}): the exact Hessian is not a minimum's; "
-                  f"MINRES on the Gauss-Newton matrix G + λI (positive definite), λ = {lam:.3g} ({rule}){how}")
+                  f"{off}MINRES on the Gauss-Newton matrix G + λI (positive definite), λ = {lam:.3g} ({rule}){how}")
 
 
 def _damping(position: Position, given: float, training: Training | None) -> tuple[float, str]:

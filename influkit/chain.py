@@ -40,7 +40,7 @@ import torch
 
 from . import distributed, files, stationarity
 from .auto import DIRECT_MAX, Choice
-from .curvature import hvp
+from .curvature import hvp, hvp_bytes_per_example
 from .data import as_examples
 from .errors import FileFormatError, InputError, LossError
 from .gradients import per_example_grads, total_grad
@@ -49,6 +49,7 @@ from .links import Link, StagePlan
 from .params import ParamSpace
 from .results import InfluenceResult
 from .fitted import CurvatureConfig, FittedCurvature
+from .memory import plan as memory_plan
 from .memory import resolve as memory_budget
 from .scoring import Rows, Scorer, score_rows, stream_rows
 from .solvers import Solution, SolveConfig, Solver
@@ -351,7 +352,8 @@ class Chain:
             start = time.perf_counter()
             if plan.link.case == 1:
                 tangent = {n: torch.zeros_like(b[n]) for n in plan.fixed} | v
-                cross = hvp(plan.stage, tangent, indices=op.indices, batched=per_test, batch_size=getattr(op, "batch_size", None))
+                cross = hvp(plan.stage, tangent, indices=op.indices, batched=per_test,
+                            batch_size=self._cross_batch(plan, list(tangent), flat.shape[1] if per_test else 1))
                 g = {n: b[n] - cross[n] for n in plan.fixed}
             else:
                 g = {n: 2 * plan.link.alpha * v[n] for n in plan.inherited}
@@ -363,6 +365,14 @@ class Chain:
             test_digest += f"|measure={_qualname(measure)}"
         stages = [position.summary() for position in self.positions]
         return Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds, test_digest, stages)
+
+    def _cross_batch(self, plan: StagePlan, names: list[str], n_rhs: int) -> int:
+        """Examples per batch of the Case 1 cross product ∂²F/∂S∂θ · v over ``names`` = S ∪ θ, from its own measured
+        bytes per example (a double backward through the shared block, far more than the stage's own products over
+        θ when θ is a small head) × the ``n_rhs`` tangents vmapped at once, under the chain's memory budget."""
+        per = hvp_bytes_per_example(plan.stage, names) * max(n_rhs, 1)
+        return memory_plan(memory_budget(self.memory), per, "cross products", most=max(len(plan.stage), 1),
+                           default=self.memory is None)["batch"]
 
     def _pull_back(self, k: int, g: dict[str, torch.Tensor], per_test: bool, n_rhs: int | None):
         """Map df/dc_k (stage k's names) onto stage k−1: (a on what it trains, b on what it inherited fixed)."""

@@ -173,8 +173,9 @@ class SolveConfig:
         """:func:`influkit.auto.decide` for these settings on a stage whose curvature settings name ``matrix``
         (``context``: n_rhs, memory, dense, shared, itemsize)."""
         pre = self.preconditioner if isinstance(self.preconditioner, str) or self.preconditioner is None else "given"
+        shared = context.pop("shared", False) and self.solver in APPROXIMATE_INVERSES
         choice = decide(position, dim, training=self.training, solver=self.solver, damping=self.damping,
-                        matrix=matrix, preconditioner=pre, **context)
+                        matrix=matrix, preconditioner=pre, shared_approximation=shared, **context)
         return replace(choice, preconditioner=self.preconditioner) if pre == "given" else choice
 
     def chosen(self, choice: Choice) -> "SolveConfig":
@@ -292,7 +293,7 @@ class Solver:
         notes = list(self.curvature.notes)
         why = self.choice
         if why and self.preconditioner_name:
-            why = f"{why}, preconditioned by {self.preconditioner_name}"
+            why = f"{why}, {'fitted as' if self.approximate else 'preconditioned by'} {self.preconditioner_name}"
         return Solution(
             x=x.reshape(-1) if single else x, solver=self.name, iterations=iterations, residual=float(residual),
             tol=float(tol), converged=converged, seconds=time.perf_counter() - start,

@@ -52,6 +52,22 @@ def test_off_a_minimum_the_damped_gauss_newton_matrix(where):
     assert large.preconditioner == "ekfac" and "EK-FAC" in large.reason
 
 
+def test_off_a_minimum_many_right_hand_sides_on_a_large_stage_take_the_ekfac_inverse():
+    p = auto.PRECONDITION_MIN + 1
+    rhs = auto.APPROXIMATE_WORK // p + 1
+    many = decide(at("non-stationary", r=0.2), p, n_rhs=rhs)
+    assert (many.matrix, many.solver, many.preconditioner) == ("gauss-newton", "ekfac", None)
+    assert many.damping == pytest.approx(DAMPING_RATIO * 4.0) and "approximate inverse" in many.reason
+    trained = decide(at("saddle", low=-0.5, r=0.0), p, n_rhs=rhs, training=Training(lr=0.05, steps=40))
+    assert (trained.solver, trained.damping) == ("ekfac", pytest.approx(1 / (0.05 * 40)))
+    assert decide(at("non-stationary", r=0.2), p, n_rhs=rhs, damping=0.3).damping == 0.3
+    assert decide(at("non-stationary", r=0.2), p, n_rhs=rhs - 1).solver == "minres"  # p·n_rhs within the work
+    assert decide(at("non-stationary", r=0.2), auto.PRECONDITION_MIN, n_rhs=10**4).solver == "minres"  # small p
+    given = decide(at("non-stationary", r=0.2), p, n_rhs=rhs, preconditioner="kfac")
+    assert (given.solver, given.preconditioner) == ("minres", "kfac")  # an explicit preconditioner wins
+    assert decide(at("minimum"), p, n_rhs=rhs).solver == "cg_spd"  # at a minimum: exact, as before
+
+
 def test_a_singular_stationary_point():
     small = decide(at("singular", low=1e-12), 100)
     assert (small.matrix, small.solver, small.damping) == ("hessian", "direct", 0.0) and "pseudo-inverse" in small.reason
@@ -68,9 +84,9 @@ def test_every_explicit_setting_wins():
 
 
 def test_a_small_stage_under_a_shared_approximation_is_solved_exactly():
-    small = decide(at("minimum"), 165, solver="ekfac", shared=True)
+    small = decide(at("minimum"), 165, solver="ekfac", shared_approximation=True)
     assert small.solver == "cg_spd" and "solved exactly" in small.reason
-    assert decide(at("minimum"), DIRECT_MAX + 1, solver="ekfac", shared=True).solver == "ekfac"
+    assert decide(at("minimum"), DIRECT_MAX + 1, solver="ekfac", shared_approximation=True).solver == "ekfac"
     assert decide(at("minimum"), 165, solver="ekfac").solver == "ekfac"  # one config per stage: as named
 
 
@@ -133,6 +149,27 @@ def test_off_a_minimum_the_chain_solves_the_damped_gauss_newton_system_exactly()
     assert (query.s - expected).norm() / expected.norm() <= 1e-8  # residual ≤ 1e-10, κ(G + λI) ≤ 1 + 1/DAMPING_RATIO
     timeless = lambda stages: [{k: v for k, v in s.items() if k != "seconds"} for s in stages]  # noqa: E731
     assert timeless(b["stages"]) == timeless(query.stages)  # the same position whatever the solver
+
+
+def test_the_chain_takes_the_ekfac_inverse_for_many_right_hand_sides_and_minres_for_one(monkeypatch):
+    """With the thresholds lowered to this 75-parameter stage, a per-test query of 5 right-hand sides gets exactly
+    what SolveConfig(solver="ekfac") on the Gauss-Newton matrix with the same λ gives; the summed query stays
+    MINRES on G + λI, converged."""
+    stage, test = untrained_mlp()
+    monkeypatch.setattr(auto, "PRECONDITION_MIN", 10)
+    monkeypatch.setattr(auto, "APPROXIMATE_WORK", 4 * 75)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ik.StationarityWarning)
+        chain = ik.Chain([stage]).fit()
+        many = chain.query(test, per_test=True)
+        one = chain.query(test)
+        lam = DAMPING_RATIO * chain.positions[0].max_eigenvalue
+        named = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=lam),
+                         curvature=ik.CurvatureConfig(matrix="gauss-newton")).query(test, per_test=True)
+    (solve,) = many.solves
+    assert solve["solver"] == "ekfac" and solve["damping"] == pytest.approx(lam) and "p·n_rhs" in solve["choice"]
+    torch.testing.assert_close(many.s, named.s, rtol=1e-10, atol=0)
+    assert one.solves[0]["solver"] == "minres" and one.solves[0]["converged"]
 
 
 def test_training_facts_give_the_damping_and_named_solvers_keep_the_hessian():

@@ -187,3 +187,38 @@ def test_default_budget_caps_batches_and_memory_lifts_the_cap(monkeypatch):
     plans = {p["phase"]: p for p in full.diagnostics["memory"]}
     assert plans["scoring"]["batch"] == len(stage) and not plans["scoring"]["default"]
     torch.testing.assert_close(full.values, res.values, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")
+def test_the_gradient_pass_and_the_cross_product_stream_in_capped_batches(monkeypatch):
+    """Without memory=, the objective's gradient and the Case 1 cross product ∂²F/∂S∂θ·v (sized from its own cost
+    × the right-hand sides, not from the head's products) hold at most DEFAULT_EXAMPLES examples at a time
+    (DEFAULT_WORKING made tiny); the numbers equal those of one batch holding everything (memory=10**9)."""
+    from influkit import chain as chain_module
+    from influkit.curvature import gradient
+
+    monkeypatch.setattr(memory, "DEFAULT_WORKING", 1)
+    stage = mlp_stage()
+    seen = []
+    batches = stage.data.batches
+    monkeypatch.setattr(stage.data, "batches", lambda idx=None, size=None: seen.append(size) or batches(idx, size))
+    names = list(stage.param_names)
+    streamed = gradient(stage, names)
+    assert seen and all(s is not None and s <= memory.DEFAULT_EXAMPLES for s in seen)
+    whole = gradient(stage, names, memory=10**9)
+    assert seen[-1] >= len(stage)
+    for n in names:
+        torch.testing.assert_close(streamed[n], whole[n], rtol=1e-12, atol=1e-15)
+
+    head = mlp_stage(30)
+    fin = ik.Stage(head.model, head.loss, head._data, params="2")
+    sizes = []
+    hvp = chain_module.hvp
+    monkeypatch.setattr(chain_module, "hvp", lambda *a, **k: sizes.append(k["batch_size"]) or hvp(*a, **k))
+    solve = [ik.SolveConfig(solver="direct", damping=0.1)] * 2
+    test = fin.data.take(torch.arange(3))
+    capped = ik.Chain([mlp_stage(), fin], [ik.Link("0", case=1)], solve=solve).query(test, per_test=True)
+    assert sizes == [memory.DEFAULT_EXAMPLES]
+    full = ik.Chain([mlp_stage(), fin], [ik.Link("0", case=1)], solve=solve, memory=10**9).query(test, per_test=True)
+    assert sizes[-1] >= len(fin)
+    torch.testing.assert_close(capped.s, full.s, rtol=1e-10, atol=1e-13)
