@@ -57,12 +57,13 @@ class Ensemble:
             chain.fit()
         return self
 
-    def scores(self, x_test, z=None, *, per_test: bool = False, chunk_size: int = 128,
+    def scores(self, x_test, z=None, *, per_test: bool = False, chunk_size: int | None = None,
                progress: bool = False) -> InfluenceResult:
         """Ī(z, T) = (1/K) Σ_k I_k(z, T): each member's ``query(x_test).scores(z)``, averaged.
 
         per_test: (len(z), len(x_test)) values instead of the sum over the test set. The diagnostics hold each
-        member's diagnostics (``members``) and the total seconds.
+        member's diagnostics (``members``) and the total seconds. chunk_size: as :meth:`influkit.Chain.query` and
+        its ``scores`` (None: sized from the memory budget), so an ensemble of one is its chain exactly.
         """
         start = time.perf_counter()
         results = [
