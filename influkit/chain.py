@@ -49,6 +49,7 @@ from .links import Link, StagePlan
 from .params import ParamSpace
 from .results import InfluenceResult
 from .fitted import CurvatureConfig, FittedCurvature
+from .memory import DEFAULT_EXAMPLES
 from .memory import plan as memory_plan
 from .memory import resolve as memory_budget
 from .scoring import Rows, Scorer, score_rows, stream_rows
@@ -210,20 +211,26 @@ class Chain:
         if key not in self._positions:
             plan = self.plans[k]
             hessian = self._check_operator(k, self._curvature_for(k, "hessian").operator)
+            least = 1 if self._lean_check(k) else DEFAULT_EXAMPLES
             self._positions[key] = stationarity.assess(plan.stage, plan.trained, hessian, extra=plan.proximal,
-                                                       seed=config.seed, steps=key[-1], memory=self.memory)
+                                                       seed=config.seed, steps=key[-1], memory=self.memory, least=least)
         return self._positions[key]
 
+    def _lean_check(self, k: int) -> bool:
+        """The rule: without ``memory=``, the stationarity check of a stage solved by a factored inverse
+        (:meth:`_factored`: its fit has no Hessian-vector product nor per-example gradient rows, so the check's would
+        set its peak memory) runs its per-example gradient passes and its Hessian-vector products in batches of at
+        most ``memory.DEFAULT_WORKING`` (× SAFETY), at least one example (:func:`influkit.memory.default_count` with
+        ``least=1``), not the ``DEFAULT_EXAMPLES`` floor — the least working memory a default phase holds (the factor
+        fit's default batch holds DEFAULT_WORKING or 8 examples), one example when that one alone is more. The
+        results are the same: sums over batches."""
+        return self.memory is None and self._factored(k)
+
     def _check_operator(self, k: int, operator: Operator) -> Operator:
-        """The operator stage k's stationarity check multiplies with. Rule: without ``memory=``, a stage solved by a
-        factored inverse (:meth:`_factored`: its fit has no Hessian-vector product, so the check's would set its peak
-        memory) streams the check's products in batches of at most ``memory.DEFAULT_WORKING`` of double-backward
-        graph (× SAFETY), at least one example (:func:`influkit.memory.default_count` with ``least=1``), not the
-        ``DEFAULT_EXAMPLES`` floor — the least working memory a default phase holds (the factor fit's default batch
-        holds DEFAULT_WORKING or 8 examples), one example when that one alone is more. The same H: a product is a
-        sum over batches. Else the chain's operator itself. The plan is in :meth:`memory_plans`."""
+        """The operator stage k's stationarity check multiplies with: streamed in the batches of :meth:`_lean_check`
+        (same H: a product is a sum over batches; the plan is in :meth:`memory_plans`), else the chain's own."""
         record = getattr(operator, "memory", {})
-        if self.memory is not None or not self._factored(k) or "bytes_per_example" not in record:
+        if not self._lean_check(k) or "bytes_per_example" not in record:
             return operator
         plan = memory_plan(record["budget"], record["bytes_per_example"], "stationarity check", most=record["batch"],
                            fixed=record["fixed_bytes"], default=True, least=1)
