@@ -28,7 +28,9 @@ Hessian-vector product carries a relative error well above float32's epsilon) an
 Cost: per-example gradients of the sample and m Hessian-vector products; when the sample is the whole data set
 (n ≤ ``SAMPLE``) its per-example gradients also give ∇L (their mean plus the data-free part ∇(R + extra)), else one
 more gradient pass over the data. Both passes run in the chunks the per-example gradients fit in the memory budget
-(:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the per-example one).
+(:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the per-example one); a
+:class:`~influkit.chain.Chain` without ``memory=`` runs a ``kfac``/``ekfac`` stage's passes and products in batches
+of at most ``memory.DEFAULT_WORKING`` (``least=1``: :meth:`~influkit.chain.Chain._lean_check`).
 """
 
 from __future__ import annotations
