@@ -49,6 +49,7 @@ from .links import Link, StagePlan
 from .params import ParamSpace
 from .results import InfluenceResult
 from .fitted import CurvatureConfig, FittedCurvature
+from .memory import DEFAULT_EXAMPLES
 from .memory import plan as memory_plan
 from .memory import resolve as memory_budget
 from .scoring import Rows, Scorer, score_rows, stream_rows
@@ -107,6 +108,7 @@ class Chain:
         self._more_solvers: dict[tuple[int, str], Solver] = {}  # other choices for queries with many right-hand sides
         self._derived: dict[tuple[int, str], FittedCurvature] = {}  # (stage, matrix) auto chose besides the configured
         self._positions: dict[tuple, Position] = {}
+        self._check_memory: dict[int, dict] = {}  # stage → the batch plan of its stationarity check's own products
         self.positions: list[Position] | None = None
         self.fit_seconds: float | None = None
         self.memory = None if memory is None else memory_budget(memory)  # bytes; None: a share of what is free
@@ -177,6 +179,7 @@ class Chain:
         other._derived = {key: fitted.derive(replace(other.curvature_configs[key[0]], matrix=key[1]))
                           for key, fitted in self._derived.items()}
         other._positions = dict(self._positions)
+        other._check_memory = dict(self._check_memory)
         return other._prepare_all(start)
 
     def _new_curvature(self, plan: StagePlan, config: CurvatureConfig) -> FittedCurvature:
@@ -207,19 +210,45 @@ class Chain:
         key = (k, config.hessian_samples, config.seed, self._lanczos_steps(k))
         if key not in self._positions:
             plan = self.plans[k]
-            hessian = self._curvature_for(k, "hessian").operator
+            hessian = self._check_operator(k, self._curvature_for(k, "hessian").operator)
+            least = 1 if self._lean_check(k) else DEFAULT_EXAMPLES
             self._positions[key] = stationarity.assess(plan.stage, plan.trained, hessian, extra=plan.proximal,
-                                                       seed=config.seed, steps=key[-1], memory=self.memory)
+                                                       seed=config.seed, steps=key[-1], memory=self.memory, least=least)
         return self._positions[key]
 
-    def _lanczos_steps(self, k: int) -> int:
-        """``stationarity.FEW_STEPS`` for a stage of p > ``auto.DIRECT_MAX`` solved as configured by a factored
-        inverse (``kfac``/``ekfac``: no Hessian-vector product of its own, and a fit of two data passes, where
-        ``STEPS`` products, about three passes each, would cost more than the fit), else ``stationarity.STEPS``
-        (a smaller stage may be solved exactly, chosen from them)."""
+    def _lean_check(self, k: int) -> bool:
+        """The rule: without ``memory=``, the stationarity check of a stage solved by a factored inverse
+        (:meth:`_factored`: its fit has no Hessian-vector product nor per-example gradient rows, so the check's would
+        set its peak memory) runs its per-example gradient passes and its Hessian-vector products in batches of at
+        most ``memory.DEFAULT_WORKING`` (× SAFETY), at least one example (:func:`influkit.memory.default_count` with
+        ``least=1``), not the ``DEFAULT_EXAMPLES`` floor — the least working memory a default phase holds (the factor
+        fit's default batch holds DEFAULT_WORKING or 8 examples), one example when that one alone is more. The
+        results are the same: sums over batches."""
+        return self.memory is None and self._factored(k)
+
+    def _check_operator(self, k: int, operator: Operator) -> Operator:
+        """The operator stage k's stationarity check multiplies with: streamed in the batches of :meth:`_lean_check`
+        (same H: a product is a sum over batches; the plan is in :meth:`memory_plans`), else the chain's own."""
+        record = getattr(operator, "memory", {})
+        if not self._lean_check(k) or "bytes_per_example" not in record:
+            return operator
+        plan = memory_plan(record["budget"], record["bytes_per_example"], "stationarity check", most=record["batch"],
+                           fixed=record["fixed_bytes"], default=True, least=1)
+        if plan["batch"] >= record["batch"]:
+            return operator
+        self._check_memory[k] = plan | {"cache_graph": False}
+        return operator.streamed(self._check_memory[k])
+
+    def _factored(self, k: int) -> bool:
+        """Whether stage k, of p > ``auto.DIRECT_MAX``, is solved as configured by a factored inverse (``kfac``/``ekfac``)."""
         dim = sum(t.numel() for t in _values(self.plans[k].stage, self.plans[k].trained).values())
-        factored = self.solve_configs[k].solver in FACTORED and dim > DIRECT_MAX
-        return stationarity.FEW_STEPS if factored else stationarity.STEPS
+        return self.solve_configs[k].solver in FACTORED and dim > DIRECT_MAX
+
+    def _lanczos_steps(self, k: int) -> int:
+        """``stationarity.FEW_STEPS`` for a :meth:`_factored` stage (no Hessian-vector product of its own, and a fit of
+        two data passes, where ``STEPS`` products, about three passes each, would cost more than the fit), else
+        ``stationarity.STEPS`` (a smaller stage may be solved exactly, chosen from them)."""
+        return stationarity.FEW_STEPS if self._factored(k) else stationarity.STEPS
 
     def _choice(self, k: int, n_rhs: int = 1) -> Choice:
         """Stage k's solve for ``n_rhs`` right-hand sides: :func:`influkit.auto.decide` on its position."""
@@ -257,8 +286,10 @@ class Chain:
         stationarity.warn_not_at_minimum(self.positions, names, remedies)
 
     def memory_plans(self) -> list[dict]:
-        """The batch sizes each fitted stage chose from the memory budget (Hessian-vector products, factors)."""
-        return [{"stage": k} | plan for k, solver in enumerate(self._solvers or []) for plan in solver.curvature.memory_plans()]
+        """The batch sizes each fitted stage chose from the memory budget (Hessian-vector products, factors, and the
+        stationarity check's own products where :meth:`_check_operator` sized them)."""
+        fitted = [{"stage": k} | plan for k, solver in enumerate(self._solvers or []) for plan in solver.curvature.memory_plans()]
+        return fitted + [{"stage": k} | plan for k, plan in sorted(self._check_memory.items())]
 
     def fingerprint(self) -> str:
         """A digest of what the scores depend on: every stage's model, parameters, data size, trained names,

@@ -18,6 +18,7 @@ term Σ_i Σ_c ∂ℓ/∂f_c · ∇²f_c that makes H indefinite away from a min
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -288,6 +289,14 @@ class HessianOperator:
         self._graph: tuple[list[torch.Tensor], torch.Tensor] | None = None
         self._gauss_newton_graphs: list[_GaussNewtonBatch] | None = None
         self._dense: DenseOperator | None = None
+
+    def streamed(self, plan: dict) -> "HessianOperator":
+        """This operator with products streamed in batches of ``plan["batch"]`` examples (``plan``: its memory
+        record) and no cached graph of its own: the same H (a product is a sum over batches), in less memory."""
+        out = copy.copy(self)
+        out.batch_size, out.memory, out._use_graph, out.products = plan["batch"], plan, False, 0
+        out._graph, out._gauss_newton_graphs, out._dense = None, None, None
+        return out
 
     @property
     def dim(self) -> int:

@@ -60,17 +60,18 @@ def backward_bytes(stage: Stage, inputs, targets, names=None, at=None) -> int:
     return probed_gradient(stage, inputs, targets, names, at)[0]
 
 
-def chunk_for(stage: Stage, inputs, targets, names, at, row_bytes: int, phase: str, budget: int | None = None) -> int:
-    """Examples per chunk that fit the memory budget (bytes; None: the default rule, :mod:`influkit.memory`):
-    ``row_bytes`` per example (the rows kept) plus the measured activations of one forward and backward
-    (:func:`backward_bytes`)."""
-    return _fitting(backward_bytes(stage, inputs, targets, names, at) + row_bytes, inputs, phase, budget)
+def chunk_for(stage: Stage, inputs, targets, names, at, row_bytes: int, phase: str, budget: int | None = None,
+              least: int = memory.DEFAULT_EXAMPLES) -> int:
+    """Examples per chunk that fit the memory budget (bytes; None: the default rule, :mod:`influkit.memory`, with
+    ``least`` its floor of examples): ``row_bytes`` per example (the rows kept) plus the measured activations of one
+    forward and backward (:func:`backward_bytes`)."""
+    return _fitting(backward_bytes(stage, inputs, targets, names, at) + row_bytes, inputs, phase, budget, least)
 
 
-def _fitting(per_example: int, inputs, phase: str, budget: int | None) -> int:
+def _fitting(per_example: int, inputs, phase: str, budget: int | None, least: int = memory.DEFAULT_EXAMPLES) -> int:
     """Examples of ``per_example`` bytes per chunk that fit the budget, at most all of ``inputs``."""
     return memory.fit_count(memory.resolve(budget, inputs.device), per_example, phase, most=max(inputs.shape[0], 1),
-                            default=not memory.given(budget))
+                            default=not memory.given(budget), least=least)
 
 
 def _grad_rows(stage: Stage, inputs, targets, names, at, chunk_size: int | None, progress: bool,

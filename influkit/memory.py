@@ -82,9 +82,10 @@ def given(memory: int | float | None) -> bool:
     return memory is not None
 
 
-def default_count(per_example: int) -> int:
-    """The most examples a batch holds under the default budget: max(DEFAULT_EXAMPLES, DEFAULT_WORKING / (SAFETY · per))."""
-    return max(DEFAULT_EXAMPLES, int(DEFAULT_WORKING // max(int(SAFETY * per_example), 1)))
+def default_count(per_example: int, least: int = DEFAULT_EXAMPLES) -> int:
+    """The most examples a batch holds under the default budget: max(``least``, DEFAULT_WORKING / (SAFETY · per)),
+    ``least`` = DEFAULT_EXAMPLES (1 for a phase held to the working memory alone, e.g. the Chain's stationarity check)."""
+    return max(least, int(DEFAULT_WORKING // max(int(SAFETY * per_example), 1)))
 
 
 def _storage_key(t: torch.Tensor):
@@ -146,9 +147,9 @@ def probe_bytes(run: Callable[[int], Iterable[torch.Tensor] | None], model: torc
 
 
 def fit_count(budget: int, per_example: int, phase: str, *, most: int | None = None, fixed: int = 0,
-              default: bool = False) -> int:
+              default: bool = False, least: int = DEFAULT_EXAMPLES) -> int:
     """How many examples a batch of ``phase`` holds: ⌊(budget − fixed) / (SAFETY · per_example)⌋, at most ``most``,
-    and with ``default`` (no budget was given, :func:`given`) at most :func:`default_count`.
+    and with ``default`` (no budget was given, :func:`given`) at most :func:`default_count` (per_example, ``least``).
 
     Raises MemoryBudgetError when not even one fits.
     """
@@ -162,14 +163,14 @@ def fit_count(budget: int, per_example: int, phase: str, *, most: int | None = N
             "the sequences."
         )
     if default:
-        count = min(count, default_count(per_example))
+        count = min(count, default_count(per_example, least))
     return int(min(count, most)) if most is not None else int(count)
 
 
 def plan(budget: int, per_example: int, phase: str, *, most: int | None = None, fixed: int = 0,
-         default: bool = False) -> dict:
+         default: bool = False, least: int = DEFAULT_EXAMPLES) -> dict:
     """The diagnostics record of a sizing decision: {phase, budget, bytes_per_example, batch, default}."""
     return {"phase": phase, "budget": int(budget), "bytes_per_example": int(per_example), "fixed_bytes": int(fixed),
-            "batch": fit_count(budget, per_example, phase, most=most, fixed=fixed, default=default),
+            "batch": fit_count(budget, per_example, phase, most=most, fixed=fixed, default=default, least=least),
             "default": bool(default)}
 

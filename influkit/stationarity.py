@@ -28,7 +28,9 @@ Hessian-vector product carries a relative error well above float32's epsilon) an
 Cost: per-example gradients of the sample and m Hessian-vector products; when the sample is the whole data set
 (n ≤ ``SAMPLE``) its per-example gradients also give ∇L (their mean plus the data-free part ∇(R + extra)), else one
 more gradient pass over the data. Both passes run in the chunks the per-example gradients fit in the memory budget
-(:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the per-example one).
+(:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the per-example one); a
+:class:`~influkit.chain.Chain` without ``memory=`` runs a ``kfac``/``ekfac`` stage's passes and products in batches
+of at most ``memory.DEFAULT_WORKING`` (``least=1``: :meth:`~influkit.chain.Chain._lean_check`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 from .curvature import gradient, penalty_gradient, sample_indices
 from .errors import StationarityWarning, warn
 from .gradients import chunk_for, per_example_grad_rows
+from .memory import DEFAULT_EXAMPLES
 from .operators import Operator
 from .params import ParamSpace, point
 from .scoring import release_freed_memory
@@ -143,12 +146,14 @@ def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0
 
 
 def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, extra: Callable | None = None,
-           seed: int = 0, sample: int = SAMPLE, steps: int = STEPS, memory: int | None = None) -> Position:
+           seed: int = 0, sample: int = SAMPLE, steps: int = STEPS, memory: int | None = None,
+           least: int = DEFAULT_EXAMPLES) -> Position:
     """Where ``stage`` stands at its current parameters ``names`` (module docstring), after ``steps`` Lanczos steps.
 
     operator: H of the objective over ``names`` (e.g. the chain's :class:`~influkit.curvature.HessianOperator`,
     with its ``hessian_samples``); extra: the term the objective adds besides the stage's (Case 2's proximal term);
-    memory: the budget in bytes the gradient passes are chunked by (None: the default, :mod:`influkit.memory`).
+    memory: the budget in bytes the gradient passes are chunked by (None: the default, :mod:`influkit.memory`, whose
+    floor of examples per chunk is ``least``).
     """
     start = time.perf_counter()
     names = stage.param_names if names is None else list(names)
@@ -156,7 +161,7 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     x, y = stage.data.take(torch.arange(len(stage)) if picked is None else picked)
     values = point(stage.state(), names)
     row = 2 * sum(t.numel() * t.element_size() for t in values.values())  # a gradient row and vmap's copy of it
-    chunk = chunk_for(stage, x, y, names, None, row, "where the stage stands", memory)  # both passes' batch
+    chunk = chunk_for(stage, x, y, names, None, row, "where the stage stands", memory, least)  # both passes' batch
     norms, summed = [], 0.0
     for rows in per_example_grad_rows(stage, x, y, names, chunk_size=chunk):
         norms.append(rows.norm(dim=1))

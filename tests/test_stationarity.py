@@ -199,3 +199,49 @@ def test_a_saved_fit_and_query_keep_the_positions(tmp_path):
     torch.testing.assert_close(loaded.query(test).s, query.s, rtol=1e-12, atol=0)
     again = ik.load_query(query.save(tmp_path / "q"), loaded)
     assert again.scores().diagnostics["stages"] == query.scores().diagnostics["stages"]
+
+
+@pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum
+def test_without_memory_the_check_of_an_ekfac_stage_streams_the_rules_batch_and_finds_the_same_position(monkeypatch):
+    """Without memory=, the check of a stage solved by EK-FAC runs its per-example gradient pass and its
+    Hessian-vector products in batches of at most DEFAULT_WORKING (at least one example), not the DEFAULT_EXAMPLES
+    floor: with DEFAULT_WORKING shrunk to one byte the operator plans 8 examples and the check 1, the gradient pass
+    and every product the check runs use batches of 1, and the position equals the one a given budget finds on the
+    cached graph (sums over batches: float64 rounding). A given memory= keeps the chain's operator for the check."""
+    from influkit import curvature, memory, stationarity
+
+    x, y = digits(100)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 50), nn.Tanh(), nn.Linear(50, 10)).double()
+    stage = ik.Stage(model, cross_entropy, (x, y), regularizer=l2(1e-2))
+    solve = ik.SolveConfig(solver="ekfac", damping=1e-2)
+    given = ik.Chain([stage], solve=solve, memory=2**30).fit()
+    assert [p["phase"] for p in given.memory_plans()].count("stationarity check") == 0
+
+    monkeypatch.setattr(memory, "DEFAULT_WORKING", 1)
+    batches = []
+    streamed = curvature.hvp
+
+    def recorded(*args, batch_size=None, **kwargs):
+        batches.append(batch_size)
+        return streamed(*args, batch_size=batch_size, **kwargs)
+
+    monkeypatch.setattr(curvature, "hvp", recorded)
+    chunks = []
+    rows = stationarity.per_example_grad_rows
+
+    def chunked(*args, chunk_size=None, **kwargs):
+        chunks.append(chunk_size)
+        return rows(*args, chunk_size=chunk_size, **kwargs)
+
+    monkeypatch.setattr(stationarity, "per_example_grad_rows", chunked)
+    chain = ik.Chain([stage], solve=solve).fit()
+    plans = {p["phase"]: p for p in chain.memory_plans()}
+    assert plans["Hessian-vector products"]["batch"] == memory.DEFAULT_EXAMPLES
+    assert plans["stationarity check"]["batch"] == 1
+    assert batches == [1] * stationarity.FEW_STEPS
+    assert chunks == [1]  # the per-example gradient pass under the same rule (8 without it)
+    small, normal = chain.positions[0], given.positions[0]
+    for field in ("gradient_norm", "min_eigenvalue", "max_eigenvalue", "objective_gradient", "typical_gradient"):
+        assert getattr(small, field) == pytest.approx(getattr(normal, field), rel=1e-10, abs=0), field
+    assert (small.verdict, small.lanczos_steps) == (normal.verdict, normal.lanczos_steps)
