@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+import torch.multiprocessing as mp
 from torch import nn
 
 import influkit as ik
@@ -78,3 +81,24 @@ def logreg_digits():
     fit_lbfgs(stage, max_iter=1000)
     assert newton_refine(stage) < 1e-12
     return stage, (test_x, test_y)
+
+
+def assert_a_failing_rank_fails_the_others(worker, tmp_path) -> None:
+    """Run ``worker(rank, 2, init_file, out)`` on 2 spawned ranks, rank 1 raising InputError: within 90 s both end,
+    and rank 0 (which records what it saw in out/rank0) raised DistributedError naming another rank, not a hang."""
+    procs = [mp.get_context("spawn").Process(target=worker, args=(r, 2, str(tmp_path / "init"), str(tmp_path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    start = time.time()
+    for p in procs:
+        p.join(timeout=90)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, "a rank hung instead of failing"
+    assert time.time() - start < 90
+    assert (tmp_path / "rank1").read_text().startswith("InputError")
+    seen = (tmp_path / "rank0").read_text()
+    assert seen.startswith("DistributedError") and "another rank" in seen, seen

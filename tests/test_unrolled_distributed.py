@@ -13,17 +13,16 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import influkit as ik
 from influkit.unrolled import SGD, AdamW, Record
 
+from conftest import assert_a_failing_rank_fails_the_others
 from test_unrolled import TEST, finetune, pretrain
 
 TESTS = Path(__file__).parent
@@ -188,19 +187,4 @@ def _failing_worker(rank: int, world: int, init_file: str, out: str) -> None:
 
 
 def test_a_failing_rank_fails_the_others(tmp_path):
-    context = mp.get_context("spawn")
-    procs = [context.Process(target=_failing_worker, args=(r, 2, str(tmp_path / "init"), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    start = time.time()
-    for p in procs:
-        p.join(timeout=90)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert not hung, "a rank hung instead of failing"
-    assert time.time() - start < 90
-    assert (tmp_path / "rank1").read_text().startswith("InputError")
-    seen = (tmp_path / "rank0").read_text()
-    assert seen.startswith("DistributedError") and "another rank" in seen, seen
+    assert_a_failing_rank_fails_the_others(_failing_worker, tmp_path)
