@@ -380,25 +380,11 @@ def job_case1(args, out: dict, work: Path):
     shared = "bert" if args.model == "bert" else "transformer"
     out["parameters"] = sum(p.numel() for p in model.parameters())
     out["rss_model"] = rss_now()
-    chain = ik.Chain([pre, fin], [ik.Link(shared, case=1)],
-                     solve=[ik.SolveConfig(solver="ekfac"), ik.SolveConfig(solver="direct", damping=1e-3)])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        chain.fit()
-    out["warnings"] = sorted({str(w.message)[:160] for w in caught})
-    curvature = chain.curvature(0).approximations["ekfac"]
-    fit_s = chain.fit_seconds
-    chain = chain.with_solve([replace(chain.solve_configs[0], damping=0.1 * curvature.mean_eigenvalue()),
-                              chain.solve_configs[1]])
-    t0 = time.perf_counter()
-    query = chain.query(torch.arange(args.test))
-    query_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    res = query.scores()
-    score_s = time.perf_counter() - t0
-    out.update(fit_s=fit_s, query_s=query_s, score_s=score_s, scored_per_s=len(pre) / score_s,
-               chunk=res.diagnostics["chunks"]["chunk_size"], scoring=res.diagnostics["scoring"],
-               memory=res.diagnostics["memory"], diagonal=sorted(curvature.info["diagonal"]),
+    plain = plain_case1_query(pre, fin, shared, args)
+    curvature = plain["curvature"]
+    out.update(fit_s=plain["fit_s"], query_s=plain["query_s"], score_s=plain["score_s"],
+               scored_per_s=len(pre) / plain["score_s"], warnings=plain["warnings"], chunk=plain["chunk"],
+               scoring=plain["scoring"], memory=plain["memory"], diagonal=sorted(curvature.info["diagonal"]),
                diagonal_layers=curvature.info["memory"]["diagonal_layers"], peak_rss=peak_rss())
 
 
@@ -436,12 +422,14 @@ def recorded_case1(args, out: dict):
 
 def plain_case1_query(pre, fin, shared: str, args, memory=None) -> dict:
     """The plain EK-FAC Case 1 query (fit, query, scores) on the stages' current models: seconds, scores, the
-    stage-1 EK-FAC, the memory plans."""
+    stage-1 EK-FAC, the memory plans, the scoring chunk and record, the fit's warnings."""
     import influkit as ik
 
     chain = ik.Chain([pre, fin], [ik.Link(shared, case=1)], memory=memory,
                      solve=[ik.SolveConfig(solver="ekfac"), ik.SolveConfig(solver="direct", damping=1e-3)])
-    chain.fit()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chain.fit()
     curvature = chain.curvature(0).approximations["ekfac"]
     fit_s = chain.fit_seconds
     chain = chain.with_solve([replace(chain.solve_configs[0], damping=0.1 * curvature.mean_eigenvalue()),
@@ -453,7 +441,8 @@ def plain_case1_query(pre, fin, shared: str, args, memory=None) -> dict:
     res = query.scores()
     score_s = time.perf_counter() - t0
     return {"fit_s": fit_s, "query_s": query_s, "score_s": score_s, "values": res.values.numpy(),
-            "curvature": curvature, "memory": res.diagnostics["memory"]}
+            "curvature": curvature, "memory": res.diagnostics["memory"], "chunk": res.diagnostics["chunks"]["chunk_size"],
+            "scoring": res.diagnostics["scoring"], "warnings": sorted({str(w.message)[:160] for w in caught})}
 
 
 def job_case1_recorded(args, out: dict, work: Path):
