@@ -195,47 +195,66 @@ def _chunk_scores(s: torch.Tensor, scorer: Scorer, rows: Rows, c: int, chunk_siz
     return -values, rows.id_range(start, stop)
 
 
-def score_rows(s: torch.Tensor, scorer: Scorer, rows: Rows, *, progress: bool) -> tuple[torch.Tensor, dict]:
-    """(values (len(rows), k), chunk counts) of −∇ℓ(z)ᵀ s, sharded over ranks and gathered in order."""
-    s = s.reshape(s.shape[0], -1)
-    chunk_size = scorer.chunk_size
-    mine, counts = rank_chunks(len(rows), chunk_size)
-    bar = tqdm(mine, desc="scoring", disable=not progress or distributed.rank() != 0, leave=False)
+def gather_chunks(chunk, n_rows: int, chunk_size: int, empty: torch.Tensor, *, progress: bool,
+                  desc: str = "scoring") -> tuple[torch.Tensor, dict]:
+    """(values (n_rows, k), chunk counts): ``chunk(c)`` → (values, ids) for this rank's chunks c
+    (:func:`rank_chunks`), gathered from every rank in order; ``empty``: the (0, k) block of a rank with none."""
+    mine, counts = rank_chunks(n_rows, chunk_size)
     blocks = []
-    for c in bar:
-        blocks.append(_chunk_scores(s, scorer, rows, c, chunk_size)[0])
+    for c in tqdm(mine, desc=desc, disable=not progress or distributed.rank() != 0, leave=False):
+        blocks.append(chunk(c)[0])
         release_freed_memory()
-    local = torch.cat(blocks) if blocks else s.new_zeros(0, s.shape[1])
+    local = torch.cat(blocks) if blocks else empty
     return distributed.gather_rows(local, counts), {"computed": len(mine), "reused": 0}
 
 
-def stream_rows(query_fingerprint: str, s: torch.Tensor, scorer: Scorer, rows: Rows, *, out: str | Path, progress: bool):
-    """:func:`score_rows` streamed into the :class:`~influkit.store.ScoreStore` ``out``: the chunks already there
-    are reused, the others computed and written one by one; returns (values, index) memory-mapped, chunk counts."""
-    chunk_size = scorer.chunk_size
-    s = s.reshape(s.shape[0], -1)
-    store = ScoreStore(out, {"format": "influkit-scores", "version": files.VERSION, "query": query_fingerprint,
-                             "rows": rows.digest(), "n_rows": len(rows), "chunk_size": chunk_size, "columns": s.shape[1]})
+def stream_chunks(chunk, n_rows: int, chunk_size: int, header: dict, dtype: torch.dtype, *, out: str | Path,
+                  progress: bool, desc: str = "scoring"):
+    """:func:`gather_chunks` streamed into the :class:`~influkit.store.ScoreStore` ``out`` (``header``: what must
+    match to resume): the chunks already there are reused, the others computed and written one by one; returns
+    (values, index) memory-mapped, chunk counts."""
+    store = ScoreStore(out, header)
     if distributed.rank() == 0:
         store.claim()
     distributed.barrier()
     if distributed.rank() != 0:
         store.claim()
-    mine, _ = rank_chunks(len(rows), chunk_size)
+    mine, _ = rank_chunks(n_rows, chunk_size)
     rank = distributed.rank()
     counts = {"computed": 0, "reused": 0}
-    for c in tqdm(mine, desc="scoring", disable=not progress or rank != 0, leave=False):
+    for c in tqdm(mine, desc=desc, disable=not progress or rank != 0, leave=False):
         if store.has(c):
             counts["reused"] += 1
             continue
-        values, ids = _chunk_scores(s, scorer, rows, c, chunk_size)
+        values, ids = chunk(c)
         store.put(c, values, ids, rank)
         counts["computed"] += 1
         del values, ids
         release_freed_memory()
     distributed.barrier()
     if rank == 0:
-        store.assemble(s.dtype)
+        store.assemble(dtype)
     distributed.barrier()
     values, index = store.arrays()
     return values, index, counts
+
+
+def store_header(fingerprint: str, rows: Rows, chunk_size: int, columns: int) -> dict:
+    """The score store's header: what a resumed stream must match."""
+    return {"format": "influkit-scores", "version": files.VERSION, "query": fingerprint, "rows": rows.digest(),
+            "n_rows": len(rows), "chunk_size": chunk_size, "columns": columns}
+
+
+def score_rows(s: torch.Tensor, scorer: Scorer, rows: Rows, *, progress: bool) -> tuple[torch.Tensor, dict]:
+    """(values (len(rows), k), chunk counts) of −∇ℓ(z)ᵀ s, sharded over ranks and gathered in order."""
+    s = s.reshape(s.shape[0], -1)
+    return gather_chunks(lambda c: _chunk_scores(s, scorer, rows, c, scorer.chunk_size), len(rows),
+                         scorer.chunk_size, s.new_zeros(0, s.shape[1]), progress=progress)
+
+
+def stream_rows(query_fingerprint: str, s: torch.Tensor, scorer: Scorer, rows: Rows, *, out: str | Path, progress: bool):
+    """:func:`score_rows` streamed into the :class:`~influkit.store.ScoreStore` ``out`` (:func:`stream_chunks`)."""
+    s = s.reshape(s.shape[0], -1)
+    return stream_chunks(lambda c: _chunk_scores(s, scorer, rows, c, scorer.chunk_size), len(rows), scorer.chunk_size,
+                         store_header(query_fingerprint, rows, scorer.chunk_size, s.shape[1]), s.dtype, out=out,
+                         progress=progress)

@@ -18,11 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from .. import distributed, files
-from ..scoring import Rows, Scorer, rank_chunks, release_freed_memory
-from ..store import ScoreStore, resumed_chunk_size
+from ..scoring import Rows, Scorer, gather_chunks, store_header, stream_chunks
+from ..store import resumed_chunk_size
 
 
 @contextmanager
@@ -76,40 +74,13 @@ class Terms:
     def compute(self, *, fingerprint: str, out: str | Path | None, progress: bool):
         """(values (n, q), index, chunk counts): every rank's chunks gathered in order, or streamed to ``out``."""
         n, q = len(self.rows), self.pieces[0][1].shape[0]
-        mine, counts = rank_chunks(n, self.chunk_size)
-        rank = distributed.rank()
-        bar = tqdm(mine, desc="example terms", disable=not progress or rank != 0, leave=False)
+        dtype = self.pieces[0][1].dtype
         if out is None:
-            blocks = []
-            for c in bar:
-                blocks.append(self.chunk(c)[0])
-                release_freed_memory()
-            dtype = self.pieces[0][1].dtype
-            local = torch.cat(blocks) if blocks else torch.zeros(0, q, dtype=dtype)
-            return distributed.gather_rows(local, counts), self.rows.ids, {"computed": len(mine), "reused": 0}
-        store = ScoreStore(out, {"format": "influkit-scores", "version": files.VERSION, "query": fingerprint,
-                                 "rows": self.rows.digest(), "n_rows": n, "chunk_size": self.chunk_size, "columns": q})
-        if rank == 0:
-            store.claim()
-        distributed.barrier()
-        if rank != 0:
-            store.claim()
-        done = {"computed": 0, "reused": 0}
-        for c in bar:
-            if store.has(c):
-                done["reused"] += 1
-                continue
-            values, ids = self.chunk(c)
-            store.put(c, values, ids, rank)
-            done["computed"] += 1
-            del values, ids
-            release_freed_memory()
-        distributed.barrier()
-        if rank == 0:
-            store.assemble(self.pieces[0][1].dtype)
-        distributed.barrier()
-        values, index = store.arrays()
-        return values, index, done
+            values, counts = gather_chunks(self.chunk, n, self.chunk_size, torch.zeros(0, q, dtype=dtype),
+                                           progress=progress, desc="example terms")
+            return values, self.rows.ids, counts
+        return stream_chunks(self.chunk, n, self.chunk_size, store_header(fingerprint, self.rows, self.chunk_size, q),
+                             dtype, out=out, progress=progress, desc="example terms")
 
     def describe(self) -> dict:
         return self.scorer.describe()
