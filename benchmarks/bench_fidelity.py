@@ -21,7 +21,7 @@ Resumable: every re-training, trained member and method score matrix is cached u
     python -m benchmarks.bench_fidelity table --task digits-case1     # every cached task: tables, plot, README
     python -m benchmarks.bench_fidelity retrain --task digits-case1 --protocol replay --subsets 50   # fidelity_replay
     python -m benchmarks.bench_fidelity linearity --task fashion-case1   # why replay LDS falls with the drop size
-    python -m benchmarks.bench_fidelity retrain --task minilm-dapt --subsets 40   # optional: pretrained MiniLM
+    python -m benchmarks.bench_fidelity retrain --task minilm-dapt --subsets 120  # optional: pretrained MiniLM
     python -m benchmarks.bench_fidelity committed --task digits-case1 --protocol warm --methods "influkit default ..."
     python -m benchmarks.bench_fidelity unrolled --task digits-case1   # + the unrolled rows (warm and scratch)
 

