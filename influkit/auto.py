@@ -22,7 +22,7 @@ one fitting pass and then nothing per right-hand side. Its x is EK-FAC's, not th
 so; ``SolveConfig(residual=True)`` measures the gap, at one exact product per right-hand side). Measured on
 benchmarks/fidelity_minilm.py (MiniLM, p = 3.7 M, 120 sequences of 32 tokens, 40 test snippets): one product
 takes 16-20 s on one idle core, so tens of steps per test snippet are hours; the approximate inverse with the
-spectral λ has LDS 0.161 ± 0.029 there (M = 80), above the example's hand-set EK-FAC, 0.095 ± 0.024.
+spectral λ has LDS 0.164 ± 0.026 there (M = 120), above the example's hand-set EK-FAC, 0.100 ± 0.020.
 
 Damping rules (off a minimum, when the user gave none):
 
