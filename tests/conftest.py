@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 import time
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
@@ -81,6 +84,23 @@ def logreg_digits():
     fit_lbfgs(stage, max_iter=1000)
     assert newton_refine(stage) < 1e-12
     return stage, (test_x, test_y)
+
+
+def run_a_rank_that_may_fail(rank: int, world: int, init_file: str, out: str, work) -> None:
+    """One rank of a failing-rank test: float64, 1 thread, gloo with a 15 s timeout; rank 1 raises InputError,
+    the others run ``work()``; each rank writes what it saw (``finished`` or the exception) to out/rank<r>."""
+    torch.set_default_dtype(torch.float64)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=15))
+    try:
+        if rank == 1:
+            raise ik.InputError("rank 1 was given bad data")
+        work()
+        Path(out, f"rank{rank}").write_text("finished")
+    except Exception as exc:  # record what each rank saw
+        Path(out, f"rank{rank}").write_text(f"{type(exc).__name__}: {exc}")
+        raise
 
 
 def assert_a_failing_rank_fails_the_others(worker, tmp_path) -> None:

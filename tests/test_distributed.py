@@ -27,7 +27,7 @@ import influkit as ik
 from influkit import distributed
 from influkit.scoring import rank_chunks
 
-from conftest import assert_a_failing_rank_fails_the_others
+from conftest import assert_a_failing_rank_fails_the_others, run_a_rank_that_may_fail
 from test_chain import ThreeStages, ce, l2
 
 TESTS = Path(__file__).parent
@@ -100,22 +100,15 @@ def test_shards_are_disjoint_and_complete(monkeypatch, world, n):
     assert chunks == list(range(-(-n // 5))) and sum(rows) == n
 
 
+def _query_small_chain() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(30, 4, generator=gen), torch.randint(0, 2, (30,), generator=gen)
+    stage = ik.Stage(torch.nn.Linear(4, 2), ce, (x, y), regularizer=l2)
+    ik.Chain([stage], solve=ik.SolveConfig(solver="minres")).query((x[:3], y[:3])).scores()
+
+
 def _failing_worker(rank: int, world: int, init_file: str, out: str) -> None:
-    torch.set_default_dtype(torch.float64)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=15))
-    try:
-        gen = torch.Generator().manual_seed(0)
-        x, y = torch.randn(30, 4, generator=gen), torch.randint(0, 2, (30,), generator=gen)
-        stage = ik.Stage(torch.nn.Linear(4, 2), ce, (x, y), regularizer=l2)
-        if rank == 1:
-            raise ik.InputError("rank 1 was given bad data")
-        ik.Chain([stage], solve=ik.SolveConfig(solver="minres")).query((x[:3], y[:3])).scores()
-        Path(out, f"rank{rank}").write_text("finished")
-    except Exception as exc:  # record what each rank saw
-        Path(out, f"rank{rank}").write_text(f"{type(exc).__name__}: {exc}")
-        raise
+    run_a_rank_that_may_fail(rank, world, init_file, out, _query_small_chain)
 
 
 def test_a_failing_rank_fails_the_others(tmp_path):

@@ -8,7 +8,6 @@ with a DistributedError instead of hanging.
 
 from __future__ import annotations
 
-import datetime
 import os
 import subprocess
 import sys
@@ -17,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import influkit as ik
 from influkit.unrolled import SGD, AdamW, Record
 
-from conftest import assert_a_failing_rank_fails_the_others
+from conftest import assert_a_failing_rank_fails_the_others, run_a_rank_that_may_fail
 from test_unrolled import TEST, finetune, pretrain
 
 TESTS = Path(__file__).parent
@@ -170,20 +168,12 @@ def test_two_ranks_under_torchrun_return_the_single_process_result(tmp_path):
             torch.testing.assert_close(rank[name], value, rtol=1e-10, atol=1e-13, msg=name)
 
 
+def _metagradients_of_a_chain() -> None:
+    ik.unrolled.metagradients(sgd_chain(), TEST)
+
+
 def _failing_worker(rank: int, world: int, init_file: str, out: str) -> None:
-    torch.set_default_dtype(torch.float64)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=15))
-    try:
-        record = sgd_chain()
-        if rank == 1:
-            raise ik.InputError("rank 1 was given bad data")
-        ik.unrolled.metagradients(record, TEST)
-        Path(out, f"rank{rank}").write_text("finished")
-    except Exception as exc:  # record what each rank saw
-        Path(out, f"rank{rank}").write_text(f"{type(exc).__name__}: {exc}")
-        raise
+    run_a_rank_that_may_fail(rank, world, init_file, out, _metagradients_of_a_chain)
 
 
 def test_a_failing_rank_fails_the_others(tmp_path):
