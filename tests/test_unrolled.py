@@ -140,6 +140,8 @@ def test_metagradient_at_other_weights_equals_central_differences_of_the_trainin
             assert float(result.values[z]) == pytest.approx((fd[0] - fd[1]) / (2 * EPS), rel=1e-6, abs=1e-9), (k, z)
         assert torch.equal(result.removal, -result.values)
         assert (result.values - plain[k].values).abs().max() > 1e-4 * plain[k].values.abs().max()
+    as_float = ik.unrolled.metagradients(record, TEST, at=[MIDPOINT])  # a float entry: every example of stage 0
+    assert all(torch.equal(a.values, b.values) for a, b in zip(as_float, results))
     diagnostics = results[0].diagnostics
     assert diagnostics["replay"]["max_error"] == 0.0
     assert diagnostics["settings"]["at"][0] == {"min": MIDPOINT, "mean": MIDPOINT, "max": MIDPOINT}
