@@ -10,7 +10,9 @@ Where the derivative is taken (``at``): removing a set D moves w from 1 to 1_D̄
 :func:`~.replay.reweighted`). At the midpoint m = (1 + 1_D̄)/2 this is exact for an f quadratic in w
 (f(1_D̄) − f(1) = ∇f(m)·(1_D̄ − 1)); one ``at`` for every set of a fraction f is the mean midpoint
 w̄ = (1 − f/2)·1, which keeps the mean part ½ E[Δw]ᵀ∇²f Δw of the second-order term (less data overall) and
-drops its fluctuation. ``at = 1`` (or None) is the plain linearization.
+drops its fluctuation. ``at = 1`` (or None) is the plain linearization. This is for removal as w_z = 0 in each
+step's (1/|B_t|) Σ w_z ℓ (the replay protocol); a re-training that averages over the kept set instead is
+w = 1_D̄/(1 − f), whose mean midpoint is w = 1.
 
 The reverse pass (MAGIC, Ilyas & Engstrom 2025, written here for chains of stages). A step is the pure map
 (θ_{t+1}, s_{t+1}) = Φ_t(θ_t, s_t, S̄, w_{B_t}) of :meth:`StageRun.step`. With the adjoint (θ̄_{t+1}, s̄_{t+1}),
