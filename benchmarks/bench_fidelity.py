@@ -20,11 +20,15 @@ Resumable: every re-training, trained member and method score matrix is cached u
     python -m benchmarks.bench_fidelity check --task digits-case1     # the peers' wiring vs an explicit Hessian
     python -m benchmarks.bench_fidelity table --task digits-case1     # every cached task: tables, plot, README
     python -m benchmarks.bench_fidelity retrain --task digits-case1 --protocol replay --subsets 50   # fidelity_replay
+    python -m benchmarks.bench_fidelity retrain --task digits-case1 --protocol replay --subsets 50 --methods \
+        "unrolled exact metagradient (replay)" "unrolled exact metagradient at the midpoint (w = 1 − f/2)"
     python -m benchmarks.bench_fidelity linearity --task fashion-case1   # why replay LDS falls with the drop size
     python -m benchmarks.bench_fidelity retrain --task minilm-dapt --subsets 120  # optional: pretrained MiniLM
     python -m benchmarks.bench_fidelity committed --task digits-case1 --protocol warm --methods "influkit default ..."
     python -m benchmarks.bench_fidelity unrolled --task digits-case1   # + the unrolled rows (warm and scratch)
 
+``--methods`` with the replay protocol computes only the named rows and takes the others from the committed
+``replay_<task>.json``.
 ``committed``: LDS (K = 1) of the named methods against the re-trainings committed in
 ``results/fidelity/<task>_<protocol>_outputs.csv.gz`` (no re-training; member 0 is trained if not cached).
 ``unrolled``: the exact metagradient and the approximate unrolling (``fidelity_unrolled``: which recorded run each
@@ -116,7 +120,7 @@ def main() -> None:
     elif args.protocol == "replay":  # records, scores and replays in one step (fidelity_replay.py)
         from benchmarks.fidelity_replay import run_replay_protocol
 
-        run_replay_protocol(task, args.subsets, RESULTS, progress=not args.no_progress)
+        run_replay_protocol(task, args.subsets, RESULTS, progress=not args.no_progress, methods=args.methods)
     elif args.step == "retrain":
         for k in range(args.members):
             task.member(k)

@@ -31,6 +31,7 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm unrolled-table --subsets 100   # every cached method, one trained model
     python -m benchmarks.bench_fidelity_lm restore   # the committed M = 100 outputs of lm-case1_warm_unrolled
     python -m benchmarks.bench_fidelity_lm unrolled --finetuning default  # exact, adjoint from the default solve
+    python -m benchmarks.bench_fidelity_lm unrolled --midpoint  # exact at continuation weights 0.75 (midpoint rule)
     python -m benchmarks.bench_fidelity_lm defaults-table --subsets 100   # cached rows + committed rows + ceiling
 """
 
@@ -175,6 +176,9 @@ def rhs_path(finetuning: str) -> Path:
 UNROLLED = ("unrolled-exact", "unrolled-segments-ekfac")
 # the exact unrolling from the adjoint of the finetuning solve at its defaults (converged), not the example's
 UNROLLED_DEFAULT_ADJOINT = "unrolled-exact-default-adjoint"
+# the exact unrolling at the mean midpoint of the protocol's removals: continuation weights 1 − α/2 (α = 0.5)
+UNROLLED_MIDPOINT = "unrolled-exact-midpoint"
+MIDPOINT_WEIGHT = 0.75
 SEGMENTS = 3  # pieces of the 39-step continuation for the approximate unrolling (one per epoch)
 
 
@@ -197,7 +201,7 @@ def record_continuation(task: LMTask, progress: bool = True) -> ik.unrolled.Reco
     return record
 
 
-def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "example") -> dict:
+def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "example", at: float | None = None) -> dict:
     """(n, q) exact metagradients of the warm protocol: reverse mode through the recorded continuation, from the
     finetuning stage's implicit-function adjoint on the base (its solve: ``finetuning``, ``LMTask.chain``).
 
@@ -209,7 +213,10 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
     unrolling (SOURCE) takes the same adjoint through SEGMENTS pieces with EK-FAC fitted at each piece's end (the
     example's EK-FAC settings). Also times one protocol re-training (continuation + refit, nothing dropped) and
     compares its base with the record's final base. Returns {method: (values (n, q), info)}: both UNROLLED
-    methods for the example's finetuning solve, UNROLLED_DEFAULT_ADJOINT (exact only) for ``"default"``.
+    methods for the example's finetuning solve, UNROLLED_DEFAULT_ADJOINT (exact only) for ``"default"``, and with
+    ``at`` UNROLLED_MIDPOINT (exact only): the continuation re-run with every document weighted ``at``
+    (``ik.unrolled.reweighted``), the adapters refit on that base, the finetuning adjoint taken there, and the
+    reverse pass through the re-run continuation — the metagradient at w = ``at``.
     """
     ex, cfg = task.ex, task.cfg
     pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
@@ -231,6 +238,15 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
         gap = max(float((final[n] - protocol_base[n]).abs().max()) for n in final)
         scale = max(float(protocol_base[n].abs().max()) for n in final)
         start = time.perf_counter()
+        if at is not None:  # the continuation re-run at w = at; its final base goes into the pretrained model
+            record = ik.unrolled.reweighted(record, torch.full((task.n,), at, dtype=torch.float64), progress=progress)
+            final = record.runs[0].final
+            named = dict(task.pre.model.named_parameters())
+            with torch.no_grad():
+                for n, value in final.items():
+                    named[n].copy_(value)
+        reweight_seconds = time.perf_counter() - start
+        start = time.perf_counter()
         ex.set_base(task.fin, task.pre, task.link)
         grad_norm = ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
         query = task.chain("identity", finetuning).query(task.test, per_test=True, progress=progress)
@@ -241,6 +257,15 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
         start = time.perf_counter()
         exact = ik.unrolled.metagradients(record, adjoint, per_test=True, progress=progress)[0]
         reverse_seconds = time.perf_counter() - start
+        if at is not None:
+            seconds = {"record (the continuation, recorded)": record_seconds,
+                       "re-run at w = at (reweighted)": reweight_seconds, "refit + finetuning adjoint": adjoint_seconds,
+                       "reverse pass": reverse_seconds, "one protocol re-training": retrain_seconds}
+            return {UNROLLED_MIDPOINT: (exact.values.double().numpy(), {
+                "at": at, "seconds": seconds, "record_vs_protocol_max_abs": gap, "base_max_abs": scale,
+                "refit_grad_norm": grad_norm, "finetuning_solve": query.solves[1], "steps": record.runs[0].steps,
+                "total_seconds": record_seconds + reweight_seconds + adjoint_seconds + reverse_seconds,
+                "replay": exact.diagnostics["replay"], "memory": exact.diagnostics["memory"]})}
         if finetuning != "example":
             seconds = {"record (the continuation, recorded)": record_seconds, "refit + finetuning adjoint": adjoint_seconds,
                        "reverse pass": reverse_seconds, "one protocol re-training": retrain_seconds}
@@ -270,12 +295,14 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
                 "total_seconds": shared + approx_seconds, "settings": approx.diagnostics["settings"]})}
 
 
-def unrolled_scores_cached(task: LMTask, progress: bool, finetuning: str = "example") -> None:
-    """Score the unrolled methods once (cached as ``scores_<method>.npz`` with their ``info``)."""
-    methods = UNROLLED if finetuning == "example" else (UNROLLED_DEFAULT_ADJOINT,)
+def unrolled_scores_cached(task: LMTask, progress: bool, finetuning: str = "example", midpoint: bool = False) -> None:
+    """Score the unrolled methods once (cached as ``scores_<method>.npz`` with their ``info``); ``midpoint``: only
+    UNROLLED_MIDPOINT (the example's finetuning solve)."""
+    methods = (UNROLLED_MIDPOINT,) if midpoint else UNROLLED if finetuning == "example" else (UNROLLED_DEFAULT_ADJOINT,)
     paths = {method: CACHE / f"scores_{method}.npz" for method in methods}
     if not all(path.exists() for path in paths.values()):
-        for method, (values, info) in unrolled_scores(task, progress, finetuning).items():
+        at = MIDPOINT_WEIGHT if midpoint else None
+        for method, (values, info) in unrolled_scores(task, progress, finetuning, at).items():
             np.savez(paths[method], values=values, info=json.dumps(info, default=str))
 
 
@@ -584,6 +611,9 @@ def main() -> None:
     parser.add_argument("--finetuning", choices=["example", "default"], default="example",
                         help="unrolled: the finetuning solve giving the adjoint (default: every setting at its default)")
     parser.add_argument("--outputs", default=f"{TASK}_warm_unrolled", help="restore: the committed outputs' table")
+    parser.add_argument("--midpoint", action="store_true",
+                        help=f"unrolled: only the exact metagradient at continuation weights {MIDPOINT_WEIGHT} "
+                             "(the mean midpoint of dropping half)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -607,7 +637,7 @@ def main() -> None:
     elif args.step == "score":
         score_all(task, args.methods, progress)
     elif args.step == "unrolled":
-        unrolled_scores_cached(task, progress, args.finetuning)
+        unrolled_scores_cached(task, progress, args.finetuning, args.midpoint)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,14 @@ per-test scores rank the replayed test losses:
     LDS(t) = Spearman_j( Σ_{z∉D_j} score_z(t), test loss_t(replay without D_j) ),   mean ± sem over test points t.
 
 Methods, all on the recorded final models: the exact metagradient (``ik.unrolled.metagradients``, per test point),
-the approximate unrolling (``ik.unrolled.approximate``: 5 segments per stage, dense Hessian at each segment's end),
+the same at the mean midpoint of each fraction's removals (``at``: pretraining weights 1 − f/2, one pass per
+fraction; −Σ_{z∈D} score_z is exact for a response quadratic in w at the midpoint (1 + 1_D̄)/2), the approximate unrolling (``ik.unrolled.approximate``: 5 segments per stage, dense Hessian at each segment's end),
 influkit's influence functions on the same chain (exact, Gauss-Newton, EK-FAC, Arnoldi, identity), which assume the
 stages sit at minima, and — where installed (/work/bench-venv) — the single-stage peers TRAK, kronfluence and dattri
 as ``fidelity_methods`` wires them (K = 1). The metagradient's seconds are reported beside one training run's (its
 ratio; MAGIC's is 2–3×). Replayed outputs are cached under ``results/fidelity/cache/<task>/replay``.
+``--methods`` computes only the named rows; the others are taken from the committed ``replay_<task>.json`` (the
+table says which).
 
     python benchmarks/bench_fidelity.py retrain --task digits-case1 --protocol replay --subsets 50
 """
@@ -47,6 +50,7 @@ PRETRAIN = {"optimizer": SGD(lr=0.05, momentum=0.9), "steps": 150, "batch_size":
 FINETUNE = {"optimizer": SGD(lr=0.05, momentum=0.9), "steps": 100, "batch_size": 32}
 APPROXIMATE_SEGMENTS = 5
 EXACT = "unrolled exact metagradient (replay)"
+MIDPOINT = "unrolled exact metagradient at the midpoint (w = 1 − f/2)"
 APPROXIMATE = f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, dense Hessian)"
 SUBSET_SEED = 0
 
@@ -119,27 +123,34 @@ def replayed_outputs(task: Task, record: Record, keep: torch.Tensor, fraction: f
     return torch.stack(rows)
 
 
-def method_scores(task: Task, record: Record) -> dict[str, tuple[np.ndarray, float, dict]]:
-    """{method: ((n, q) scores in influkit's sign, seconds, facts)} on the recorded final models."""
+def method_scores(task: Task, record: Record, wanted, fractions) -> dict[str, tuple]:
+    """{method: ((n, q) scores in influkit's sign — or {fraction: scores} for the midpoint row —, seconds, facts)}
+    on the recorded final models, for the methods in ``wanted``."""
     out = {}
-    start = time.perf_counter()
-    results = ik.unrolled.metagradients(record, task.split.test, per_test=True)
-    seconds = time.perf_counter() - start
-    diag = results[0].diagnostics
-    out[EXACT] = (results[0].values.numpy(), seconds,
-                  {"replay error (segment ends vs checkpoints)": diag["replay"]["max_error"],
-                   "checkpoints MiB": diag["memory"]["checkpoint_bytes"] / 2**20,
-                   "one segment's graphs, resident growth MiB": diag["memory"]["segment_resident_growth_bytes"] / 2**20})
-    start = time.perf_counter()
-    summed = ik.unrolled.metagradients(record, task.split.test)
-    out[EXACT][2]["seconds, summed measure (q = 1)"] = time.perf_counter() - start
-    out[EXACT][2]["check: per-test columns sum to q = 1"] = float(
-        (torch.as_tensor(out[EXACT][0]).sum(1) - summed[0].values).abs().max())
-    start = time.perf_counter()
-    approximate = ik.unrolled.approximate(record, task.split.test, segments=APPROXIMATE_SEGMENTS, per_test=True)
-    out[APPROXIMATE] = (approximate[0].values.numpy(), time.perf_counter() - start, {})
+    if EXACT in wanted:
+        start = time.perf_counter()
+        results = ik.unrolled.metagradients(record, task.split.test, per_test=True)
+        seconds = time.perf_counter() - start
+        diag = results[0].diagnostics
+        out[EXACT] = (results[0].values.numpy(), seconds,
+                      {"replay error (segment ends vs checkpoints)": diag["replay"]["max_error"],
+                       "checkpoints MiB": diag["memory"]["checkpoint_bytes"] / 2**20,
+                       "one segment's graphs, resident growth MiB": diag["memory"]["segment_resident_growth_bytes"] / 2**20})
+        start = time.perf_counter()
+        summed = ik.unrolled.metagradients(record, task.split.test)
+        out[EXACT][2]["seconds, summed measure (q = 1)"] = time.perf_counter() - start
+        out[EXACT][2]["check: per-test columns sum to q = 1"] = float(
+            (torch.as_tensor(out[EXACT][0]).sum(1) - summed[0].values).abs().max())
+    if MIDPOINT in wanted:
+        out[MIDPOINT] = midpoint_scores(task, record, fractions)
+    if APPROXIMATE in wanted:
+        start = time.perf_counter()
+        approximate = ik.unrolled.approximate(record, task.split.test, segments=APPROXIMATE_SEGMENTS, per_test=True)
+        out[APPROXIMATE] = (approximate[0].values.numpy(), time.perf_counter() - start, {})
     pre, fin = (run.stage for run in record.runs)
     for name, (solve, curvature) in INFLUENCE.items():
+        if name not in wanted:
+            continue
         start = time.perf_counter()
         try:
             chain = Chain([pre, fin], [record.runs[1].link], solve=solve, curvature=curvature)
@@ -151,10 +162,30 @@ def method_scores(task: Task, record: Record) -> dict[str, tuple[np.ndarray, flo
     return out
 
 
-def peer_scores(task: Task, record: Record) -> dict[str, tuple[np.ndarray, float, dict]]:
+def midpoint_scores(task: Task, record: Record, fractions) -> tuple[dict, float, dict]:
+    """({fraction f: (n, q) metagradient at pretraining weights 1 − f/2, finetuning as recorded}, seconds of one
+    pass (mean over the fractions; each re-runs the record at its weights first), facts)."""
+    n = len(record.runs[0].stage)
+    values, seconds = {}, []
+    for fraction in fractions:
+        start = time.perf_counter()
+        at = [torch.full((n,), 1 - fraction / 2, dtype=torch.float64)] + [None] * (len(record) - 1)
+        result = ik.unrolled.metagradients(record, task.split.test, per_test=True, at=at)[0]
+        values[fraction] = result.values.numpy()
+        seconds.append(time.perf_counter() - start)
+        replay_error = result.diagnostics["replay"]["max_error"]
+    return values, float(np.mean(seconds)), {"seconds per fraction (one pass each)": [round(s, 2) for s in seconds],
+                                             "replay error (segment ends vs checkpoints)": replay_error}
+
+
+def peer_scores(task: Task, record: Record, wanted) -> dict[str, tuple[np.ndarray, float, dict]]:
     """The single-stage peers of ``fidelity_methods`` (TRAK, kronfluence, dattri; K = 1, their conversions to influkit's
-    sign) on the recorded final models: the task's member 0 is the record's chain for the call. Empty when the
-    peers are not installed (they live in /work/bench-venv)."""
+    sign) on the recorded final models, for those in ``wanted``: the task's member 0 is the record's chain for the
+    call. Empty when the peers are not installed (they live in /work/bench-venv)."""
+    from benchmarks.fidelity_methods import PEERS
+
+    if not set(PEERS) & set(wanted):
+        return {}
     try:
         from benchmarks.fidelity_methods import PEER_FUNCTIONS, PEERS, import_peers
 
@@ -165,7 +196,7 @@ def peer_scores(task: Task, record: Record) -> dict[str, tuple[np.ndarray, float
     out, saved = {}, task._members.get(0)
     task._members[0] = tuple(run.stage for run in record.runs)
     try:
-        for name in PEERS:
+        for name in (p for p in PEERS if p in wanted):
             start = time.perf_counter()
             try:
                 out[name] = (np.asarray(PEER_FUNCTIONS[name](task, [0]), dtype=np.float64), time.perf_counter() - start, {})
@@ -179,49 +210,106 @@ def peer_scores(task: Task, record: Record) -> dict[str, tuple[np.ndarray, float
     return out
 
 
-def run_replay_protocol(task: Task, m: int, results: Path, fractions=FRACTIONS, progress: bool = True) -> dict:
-    """Record, score, replay at every fraction; write ``replay_<task>.md/.json`` and the LDS-vs-drop plot."""
+def all_methods() -> list[str]:
+    """Every row of the replay table, in its order."""
+    from benchmarks.fidelity_methods import PEERS
+
+    return [EXACT, MIDPOINT, APPROXIMATE, *INFLUENCE, *PEERS]
+
+
+def run_replay_protocol(task: Task, m: int, results: Path, fractions=FRACTIONS, progress: bool = True,
+                        methods: list[str] | None = None) -> dict:
+    """Record, score, replay at every fraction; write ``replay_<task>.md/.json`` and the LDS-vs-drop plot.
+
+    methods: the rows to compute (default all); the others are read from the committed ``replay_<task>.json``."""
     torch.set_num_threads(1)
+    wanted = all_methods() if methods is None else list(methods)
+    unknown = [name for name in wanted if name not in all_methods()]
+    if unknown:
+        raise SystemExit(f"unknown replay methods {unknown}; choose among {all_methods()}")
     record = record_task(task)
     training = sum(run.seconds for run in record.runs)
     verify_start = time.perf_counter()
     error = ik.unrolled.verify(record)
     replay_seconds = time.perf_counter() - verify_start
-    scores = method_scores(task, record) | peer_scores(task, record)
+    scores = method_scores(task, record, wanted, fractions) | peer_scores(task, record, wanted)
     n = len(task.split.pretrain[0])
-    table = {}
+    table, seconds = {}, {name: s for name, (_, s, _) in scores.items()}
+    paired = {}
     for fraction in fractions:
         keep = drop_sets(n, fraction, m)
         actual = replayed_outputs(task, record, keep, fraction, progress).numpy()
+        per_query = {}
         for name, (values, _, _) in scores.items():
-            per_query = lds_per_query(values, keep.numpy(), actual)
-            valid = per_query[np.isfinite(per_query)]
+            values = values[fraction] if isinstance(values, dict) else values
+            per_query[name] = lds_per_query(values, keep.numpy(), actual)
+            valid = per_query[name][np.isfinite(per_query[name])]
             table[name, fraction] = (float(valid.mean()), float(valid.std(ddof=1) / np.sqrt(valid.size)))
+        if EXACT in per_query and MIDPOINT in per_query:
+            gain = per_query[MIDPOINT] - per_query[EXACT]
+            gain = gain[np.isfinite(gain)]
+            paired[f"{fraction:g}"] = f"{gain.mean():+.3f} ± {gain.std(ddof=1) / np.sqrt(gain.size):.3f}"
     facts = {"task": task.config.name, "M": m, "n": n, "q": len(task.split.test[0]),
              "one training run, seconds (the verifying replay: same steps, warm)": replay_seconds,
              "first training run, seconds (recorded, includes torch.func warm-up)": training,
              "replay error (verify, max |Δ| over every checkpoint)": error,
              "steps": [run.steps for run in record.runs], "optimizers": [repr(run.optimizer) for run in record.runs],
-             "test loss (recorded run, summed)": float(ik.unrolled.outputs(record, task.split.test).sum())}
-    write(task, table, scores, facts, results, fractions)
+             "test loss (recorded run, summed)": float(ik.unrolled.outputs(record, task.split.test).sum()),
+             "load average": ", ".join(f"{v:.1f}" for v in os.getloadavg())}
+    if paired:
+        facts["midpoint − exact LDS, paired over test points (mean ± sem), per drop fraction"] = paired
+    names, training = list(scores), {name: replay_seconds for name in scores}
+    if methods is not None:
+        committed = committed_rows(task, results, m, fractions, table, seconds, training)
+        names = [name for name in all_methods() if name in scores or name in committed]
+        if committed:
+            facts["rows from the committed json (not re-run here; their seconds and × training as committed)"] = \
+                sorted(committed, key=names.index)
+    details = {name: facts_ for name, (_, _, facts_) in scores.items()}
+    write(task, table, seconds, training, names, details, facts, results, fractions)
     return {"table": table, "facts": facts, "scores": scores}
 
 
-def write(task: Task, table: dict, scores: dict, facts: dict, results: Path, fractions) -> None:
-    """results/fidelity/replay_<task>.md (table + facts) and .json; the plot of every task written so far."""
+def committed_rows(task: Task, results: Path, m: int, fractions, table: dict, seconds: dict,
+                   training: dict) -> list[str]:
+    """Add to ``table``/``seconds``/``training`` (the one-run seconds each row's ratio divides by) the rows of the
+    committed replay_<task>.json that were not computed (same M and fractions, else none); returns their names."""
+    path = results / f"replay_{task.config.name}.json"
+    if not path.exists():
+        return []
+    payload = json.loads(path.read_text())
+    if payload["facts"]["M"] != m or payload["fractions"] != list(fractions):
+        print(f"{path.name}: committed M or fractions differ; its rows are not taken", flush=True)
+        return []
+    taken = [name for name in payload["lds"] if name not in seconds]
+    for name in taken:
+        for fraction in fractions:
+            table[name, fraction] = tuple(payload["lds"][name][f"{fraction:g}"])
+        seconds[name] = payload["seconds"][name]
+        training[name] = payload["training_seconds"].get(name) if "training_seconds" in payload else \
+            payload["facts"]["one training run, seconds (the verifying replay: same steps, warm)"]
+    return taken
+
+
+def write(task: Task, table: dict, seconds: dict, training: dict, names: list[str], details: dict, facts: dict,
+          results: Path, fractions) -> None:
+    """results/fidelity/replay_<task>.md (table + facts) and .json; the plot of every task written so far.
+
+    training: {row: seconds of one training run measured in the same run as the row's seconds (its ratio's divisor)}."""
     lines = [f"### {task.config.name}, replay protocol (M = {facts['M']} per fraction, q = {facts['q']})", "",
              "| method | " + " | ".join(f"drop {f:.0%}" for f in fractions) + " | seconds | × training |",
              "|---|" + "---|" * (len(fractions) + 2)]
-    training = facts["one training run, seconds (the verifying replay: same steps, warm)"]
-    for name, (_, seconds, _) in scores.items():
+    for name in names:
         cells = [f"{table[name, f][0]:.3f} ± {table[name, f][1]:.3f}" for f in fractions]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {seconds:.2f} | {seconds / training:.2f} |")
+        lines.append(f"| {name} | " + " | ".join(cells) +
+                     f" | {seconds[name]:.2f} | {seconds[name] / training[name]:.2f} |")
     lines += ["", *(f"- {k}: {v}" for k, v in facts.items()),
-              *(f"- {EXACT}: {k}: {v}" for k, v in scores[EXACT][2].items())]
+              *(f"- {name}: {k}: {v}" for name, facts_ in details.items() for k, v in facts_.items())]
     (results / f"replay_{task.config.name}.md").write_text("\n".join(lines) + "\n")
     payload = {"facts": facts, "fractions": list(fractions),
-               "lds": {name: {f"{f:g}": table[name, f] for f in fractions} for name in scores},
-               "seconds": {name: s for name, (_, s, _) in scores.items()}, "exact": scores[EXACT][2]}
+               "lds": {name: {f"{f:g}": table[name, f] for f in fractions} for name in names},
+               "seconds": {name: seconds[name] for name in names},
+               "training_seconds": {name: training[name] for name in names}, "details": details}
     (results / f"replay_{task.config.name}.json").write_text(json.dumps(payload, indent=1) + "\n")
     print("\n".join(lines), flush=True)
     plot(results)
@@ -234,7 +322,7 @@ def plot(results: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    files = sorted(results.glob("replay_*.json"))
+    files = [path for path in sorted(results.glob("replay_*.json")) if not path.stem.endswith("_linearity")]
     if not files:
         return
     fig, axes = plt.subplots(1, len(files), figsize=(5.5 * len(files), 4.2), squeeze=False)
@@ -246,7 +334,7 @@ def plot(results: Path) -> None:
             sem = [cells[f"{f:g}"][1] for f in fractions]
             ours = name.startswith(("unrolled", "influkit"))
             ax.errorbar(fractions, mean, yerr=sem, marker="o" if ours else "s", capsize=2, label=name,
-                        color=plt.cm.tab20(i % 20), ls="-" if ours else "--", lw=2 if name == EXACT else 1)
+                        color=plt.cm.tab20(i % 20), ls="-" if ours else "--", lw=2 if name in (EXACT, MIDPOINT) else 1)
         ax.set_xscale("log")
         ax.set_xticks(fractions, [f"{f:.0%}" for f in fractions])
         ax.axhline(0, color="k", lw=0.5)

@@ -119,6 +119,84 @@ def test_metagradient_equals_central_differences_of_the_rerun_training(name):
     assert results[0].diagnostics["replay"]["max_error"] == 0.0
 
 
+MIDPOINT = 0.75  # the mean midpoint 1 − f/2 of dropping half the pretraining set
+
+
+@pytest.mark.parametrize("name", ["one stage, SGD + momentum", "one stage, AdamW", "case 1: AdamW -> SGD + momentum"])
+def test_metagradient_at_other_weights_equals_central_differences_of_the_training_rerun_there(name):
+    """at = w̄ (pretraining examples weighted 0.75, finetuning ones as recorded): values[z] equals
+    (measure(replay(w̄ + ε e_z)) − measure(replay(w̄ − ε e_z))) / 2ε, and differs from the metagradient at w = 1."""
+    record = recorded(name)
+    at = [torch.full((12,), MIDPOINT)] + [None] * (len(record) - 1)
+    results = ik.unrolled.metagradients(record, TEST, at=at)
+    plain = ik.unrolled.metagradients(record, TEST)
+    for k, result in enumerate(results):
+        for z in (0, 3, 7):
+            fd = []
+            for eps in (EPS, -EPS):
+                weights = [torch.full((12,), MIDPOINT)] + [torch.ones(len(run.stage)) for run in record.runs[1:]]
+                weights[k][z] += eps
+                fd.append(float(ik.unrolled.outputs(record, TEST, weights).sum()))
+            assert float(result.values[z]) == pytest.approx((fd[0] - fd[1]) / (2 * EPS), rel=1e-6, abs=1e-9), (k, z)
+        assert torch.equal(result.removal, -result.values)
+        assert (result.values - plain[k].values).abs().max() > 1e-4 * plain[k].values.abs().max()
+    as_float = ik.unrolled.metagradients(record, TEST, at=[MIDPOINT])  # a float entry: every example of stage 0
+    assert all(torch.equal(a.values, b.values) for a, b in zip(as_float, results))
+    diagnostics = results[0].diagnostics
+    assert diagnostics["replay"]["max_error"] == 0.0
+    assert diagnostics["settings"]["at"][0] == {"min": MIDPOINT, "mean": MIDPOINT, "max": MIDPOINT}
+    moved = ik.unrolled.reweighted(record, at)
+    assert ik.unrolled.verify(moved) == 0.0 and ik.unrolled.verify(record) == 0.0
+    for a, b in zip(ik.unrolled.replay(moved), ik.unrolled.replay(record, at)):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("name", ["one stage, AdamW", "case 2: SGD + momentum -> AdamW"])
+def test_metagradient_at_one_is_the_recorded_runs_bit_for_bit(name):
+    record = recorded(name)
+    plain = ik.unrolled.metagradients(record, TEST, per_test=True)
+    for at in (None, 1.0, [torch.ones(12)]):
+        results = ik.unrolled.metagradients(record, TEST, per_test=True, at=at)
+        assert all(torch.equal(a.values, b.values) for a, b in zip(results, plain)), at
+    assert plain[0].diagnostics["settings"]["at"] is None
+
+
+def test_the_midpoint_rule_is_exact_where_the_measure_is_quadratic_in_the_weights():
+    """One full-batch gradient step of a linear model under squared error: θ_1 = θ_0 − η (1/n) Σ w_z ∇ℓ(z; θ_0) is
+    linear in w, the test loss quadratic, so removing D changes it by exactly −Σ_{z∈D} score_z(m) at the midpoint
+    m = (1 + 1_D̄)/2 — where the plain linearization at w = 1 is off."""
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    stage = ik.Stage(nn.Linear(3, 2).eval(), squared_error, (torch.randn(8, 3, generator=gen),
+                                                            torch.randn(8, 2, generator=gen)))
+    test = (torch.randn(4, 3, generator=gen), torch.randn(4, 2, generator=gen))
+    record = Record()
+    record.train(stage, SGD(lr=0.4, momentum=0.9), steps=1, batch_size=8)
+    dropped = torch.tensor([1, 4, 6])
+    keep = torch.ones(8)
+    keep[dropped] = 0.0
+    actual = float((ik.unrolled.outputs(record, test, keep) - ik.unrolled.outputs(record, test)).sum())
+    midpoint = ik.unrolled.metagradients(record, test, at=(1 + keep) / 2)[0].values
+    linear = ik.unrolled.metagradients(record, test)[0].values
+    assert float(-midpoint[dropped].sum()) == pytest.approx(actual, rel=1e-12, abs=1e-14)
+    assert abs(float(-linear[dropped].sum()) - actual) > 1e-2 * abs(actual)
+
+
+def test_bad_at_is_refused_with_the_fix():
+    record = recorded("case 1: AdamW -> SGD + momentum")
+    with pytest.raises(ik.InputError, match="at\\[0\\] must be a tensor of shape \\(12,\\)"):
+        ik.unrolled.metagradients(record, TEST, at=torch.ones(5))
+    with pytest.raises(ik.InputError, match="3 entries for a record of 2 stages"):
+        ik.unrolled.metagradients(record, TEST, at=[0.5, None, 0.5])
+    with pytest.raises(ik.InputError, match="w ≥ 0"):
+        ik.unrolled.metagradients(record, TEST, at=-0.5)
+    with pytest.raises(ik.InputError, match="w ≥ 0"):
+        ik.unrolled.metagradients(record, TEST, at=[None, torch.full((10,), float("nan"))])
+    adjoint = ik.unrolled.Adjoint({"head.weight": torch.zeros(2, 4)})
+    with pytest.raises(ik.InputError, match="reweighted"):
+        ik.unrolled.metagradients(record, adjoint, at=0.75)
+
+
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_replay_reproduces_the_recorded_run_bit_for_bit(name):
     record = recorded(name)

@@ -27,7 +27,7 @@ ADJOINT_KIND = "unrolled-adjoint"
 
 def fingerprint(record: Record, adjoint: dict) -> str:
     """A digest of what the reverse pass computes: every stage's optimizer, learning rates, batches, trained names,
-    start and final values, the measure's adjoint, and the number of ranks."""
+    start and final values, data weights (a reweighted record's), the measure's adjoint, and the number of ranks."""
     digest = hashlib.sha256(f"ranks {distributed.world_size()}".encode())
 
     def add(tensors: dict) -> None:
@@ -41,6 +41,8 @@ def fingerprint(record: Record, adjoint: dict) -> str:
         add({f"batch{t}": idx for t, idx in enumerate(run.batches)})
         add(run.checkpoints[0][0])
         add(run.final)
+        if run.weights is not None:
+            add({"weights": run.weights})
     add(adjoint)
     return digest.hexdigest()
 

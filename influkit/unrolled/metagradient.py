@@ -5,6 +5,15 @@ through every recorded step of every stage; removing z (w_z: 1 → 0) predicts a
 (``InfluenceResult.removal`` with ``removal_eps = −1``). For full-batch descent run to convergence the score
 tends to I(z, T)/m, the influence function's value.
 
+Where the derivative is taken (``at``): removing a set D moves w from 1 to 1_D̄ (0 on D); the prediction is
+Δf ≈ −Σ_{z∈D} score_z(at), with score(at) = ∇_w f at w = ``at`` (the run replayed at those weights,
+:func:`~.replay.reweighted`). At the midpoint m = (1 + 1_D̄)/2 this is exact for an f quadratic in w
+(f(1_D̄) − f(1) = ∇f(m)·(1_D̄ − 1)); one ``at`` for every set of a fraction f is the mean midpoint
+w̄ = (1 − f/2)·1, which keeps the mean part ½ E[Δw]ᵀ∇²f Δw of the second-order term (less data overall) and
+drops its fluctuation. ``at = 1`` (or None) is the plain linearization. This is for removal as w_z = 0 in each
+step's (1/|B_t|) Σ w_z ℓ (the replay protocol); a re-training that averages over the kept set instead is
+w = 1_D̄/(1 − f), whose mean midpoint is w = 1.
+
 The reverse pass (MAGIC, Ilyas & Engstrom 2025, written here for chains of stages). A step is the pure map
 (θ_{t+1}, s_{t+1}) = Φ_t(θ_t, s_t, S̄, w_{B_t}) of :meth:`StageRun.step`. With the adjoint (θ̄_{t+1}, s̄_{t+1}),
 one vector-Jacobian product of Φ_t gives (θ̄_t, s̄_t), adds ∂/∂S̄ to the shared block's adjoint, and gives the
@@ -53,15 +62,15 @@ from .. import distributed
 from ..errors import InputError
 from ..results import InfluenceResult
 from .journal import Journal, fingerprint
-from .record import Record, StageRun, tensor_bytes
-from .replay import as_measure, deviation, start, unit_weights
+from .record import Record, StageRun, stage_weights, tensor_bytes
+from .replay import as_measure, deviation, reweighted, start, unit_weights
 
 METHOD = "unrolled exact (replay)"
 
 
 def metagradients(record: Record, measure, *, per_test: bool = False, out: str | Path | None = None,
-                  progress: bool = False) -> list[InfluenceResult]:
-    """One :class:`InfluenceResult` per recorded stage: values[z] = d measure(final model) / d w_z at w = 1.
+                  at=None, progress: bool = False) -> list[InfluenceResult]:
+    """One :class:`InfluenceResult` per recorded stage: values[z] = d measure(final model) / d w_z at w = ``at``.
 
     measure: an (inputs, targets) test set (its per-test losses under the last stage), a callable params → scalar
     or (q,) tensor of the last stage's final values (trained θ_T and fixed shared block), or an :class:`Adjoint`
@@ -69,18 +78,57 @@ def metagradients(record: Record, measure, *, per_test: bool = False, out: str |
     per_test: keep one column per measure output, values (n_k, q); else the outputs are summed.
     out: a directory journaling the pass (each finished segment's example terms and the adjoint after it,
     :mod:`.journal`): a re-run of the same call resumes after the last finished segment.
+    at: the data weights at which the derivative is taken — None (w = 1, the recorded run), a float for every
+    example of every stage, one tensor (stage 0's; later stages as recorded) or one entry (tensor, float or None)
+    per stage. The record is first re-run at them (:func:`~.replay.reweighted`: one forward replay) and the
+    reverse pass differentiates that run. A set D removed predicts Δ measure ≈ −Σ_{z∈D} values[z]; with
+    at = 1 − f/2 for the pretraining stage (None for the others) that is the midpoint rule for dropping a
+    fraction f (module docstring).
     ``results[0]`` scores the pretraining examples, ``results[-1]`` the finetuning examples (the same pass).
     removal = −values (removal_eps = −1): a score is d measure / d w_z, so removing z predicts a change of −score.
     Under ``torch.distributed`` each step's batch is split over the ranks (module docstring) and every rank
     returns the whole result. diagnostics: seconds (this pass, and the recorded training, whose first steps
     include torch.func's warm-up), the replay check, the memory held (checkpoints, adjoints, one segment's step
-    graphs), the segments computed and reused.
+    graphs), the segments computed and reused, and ``settings["at"]`` (None, the float, or per stage None or the
+    weights' min / mean / max).
     """
     start_time = time.perf_counter()
+    if at is not None:
+        if isinstance(measure, Adjoint):
+            raise InputError("an Adjoint is d measure / d the recorded final values, which at= moves; pass the "
+                             "measure itself, or compute the adjoint on ik.unrolled.reweighted(record, at) and "
+                             "call metagradients on that record without at.")
+        weights = at_weights(record, at)
+        record = reweighted(record, weights, progress=progress)
     adjoint, q, outputs = measure_adjoint(record, measure, per_test)
     journal = Journal(out, fingerprint(record, adjoint), q)
-    return _backward(record, adjoint, q, per_test, {"measure_outputs": int(outputs), "per_test": per_test},
-                     start_time, progress, journal)
+    settings = {"measure_outputs": int(outputs), "per_test": per_test, "at": describe_at(at, record)}
+    return _backward(record, adjoint, q, per_test, settings, start_time, progress, journal)
+
+
+def at_weights(record: Record, at) -> list[torch.Tensor | None]:
+    """``at`` of :func:`metagradients` as per-stage weights (None: as recorded), checked: finite and ≥ 0."""
+    full = lambda run, value: torch.full((len(run.stage),), float(value), dtype=torch.float64)  # noqa: E731
+    is_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    if is_number(at):
+        weights = [full(run, at) for run in record.runs]
+    else:
+        entries = [at] if torch.is_tensor(at) else list(at)
+        weights = stage_weights(record, [full(run, v) if is_number(v) else v
+                                         for run, v in zip(record.runs, entries)] + entries[len(record):], name="at")
+    for k, w in enumerate(weights):
+        if w is not None and not (torch.isfinite(w).all() and (w >= 0).all()):
+            raise InputError(f"at[{k}] holds negative or non-finite weights; take the metagradient at data weights "
+                             "w ≥ 0 (1: the recorded run; 1 − f/2: the midpoint rule for dropping a fraction f).")
+    return weights
+
+
+def describe_at(at, record: Record):
+    """``at`` for the diagnostics: None, the float, or per stage None or the weights' min / mean / max."""
+    if at is None or isinstance(at, (int, float)):
+        return at
+    return [None if run.weights is None else {"min": float(run.weights.min()), "mean": float(run.weights.mean()),
+                                              "max": float(run.weights.max())} for run in record.runs]
 
 
 def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: dict, start_time: float,
@@ -199,7 +247,7 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors):
         where = part.to(x.device)
         xs, ys = x[where], y[where]
         local = lambda th, an, wb: grad(run.objective)(th, an, xs, ys, wb, size=idx.numel(), penalties=lead)  # noqa: E731
-        g, pull_gradient = vjp(local, theta, anchors, unit_weights(run, ids, None, xs))
+        g, pull_gradient = vjp(local, theta, anchors, unit_weights(run, ids, None, xs))  # the run's weights
     else:
         g = {n: torch.zeros_like(v) for n, v in theta.items()}
     if distributed.active():

@@ -51,7 +51,9 @@ class StageRun:
     trained: names of the parameters the optimizer updates (θ). inherited: {this stage's name: previous stage's
     name} for the shared block; ``anchors`` holds its values at the end of the previous stage (S̄). frozen: the
     inherited names that stay fixed (Case 1; they enter the model from ``anchors``). alpha: the proximal weight
-    (Case 2, else 0). checkpoints: {step: (θ_step, state_step)}, step 0 and the last included.
+    (Case 2, else 0). checkpoints: {step: (θ_step, state_step)}, step 0 and the last included. weights: the data
+    weights w of the run the checkpoints hold, shape (n,) — None for a recorded run (w = 1); a record re-run at
+    other weights (:func:`influkit.unrolled.reweighted`) carries them, and replay and the reverse pass use them.
     """
 
     def __init__(self, stage: Stage, optimizer: Optimizer, link: Link | None, previous: "StageRun | None",
@@ -94,6 +96,7 @@ class StageRun:
         self.batches: list[torch.Tensor] = []
         self.lrs: list[float] = []
         self.checkpoints: dict[int, tuple[Tensors, State]] = {}
+        self.weights: torch.Tensor | None = None
         self.seconds = 0.0
 
     # ------------------------------------------------------------------------------------------ the pure step
@@ -264,17 +267,19 @@ class Record:
         return rec.run
 
 
-def stage_weights(record: Record, weights) -> list[torch.Tensor | None]:
-    """Per-stage data weights: ``weights`` is None, one tensor (stage 0's), or one entry (tensor or None) per stage."""
+def stage_weights(record: Record, weights, name: str = "weights") -> list[torch.Tensor | None]:
+    """Per-stage data weights: ``weights`` is None, one tensor (stage 0's), or one entry (tensor or None) per stage;
+    None leaves a stage at the weights its run carries (w = 1 for a recorded run)."""
     if weights is None:
         return [None] * len(record)
     if torch.is_tensor(weights):
         weights = [weights]
     weights = list(weights) + [None] * (len(record) - len(weights))
     if len(weights) != len(record):
-        raise InputError(f"weights has {len(weights)} entries for a record of {len(record)} stages.")
+        raise InputError(f"{name} has {len(weights)} entries for a record of {len(record)} stages; give at most one "
+                         "entry per stage (None keeps a stage's weights).")
     for k, (w, run) in enumerate(zip(weights, record.runs)):
         if w is not None and (not torch.is_tensor(w) or w.shape != (len(run.stage),)):
-            raise InputError(f"weights[{k}] must be a tensor of shape ({len(run.stage)},), one weight per example.")
+            raise InputError(f"{name}[{k}] must be a tensor of shape ({len(run.stage)},), one weight per example of "
+                             f"stage {k}, or None.")
     return weights
-

@@ -4,10 +4,13 @@
 1 ± ε = the finite differences that check the metagradient); a later stage starts from, and under Case 1 keeps,
 the *replayed* previous stage's shared block. ``outputs(record, measure, weights)`` is the measure of the
 replayed final model: the quantity the metagradient differentiates and the replay LDS protocol ranks.
+``reweighted(record, weights)`` is the record re-run at w: a record of that run (its checkpoints, same schedule)
+that carries w, so the reverse pass differentiates it (``metagradients(..., at=w)``).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -27,24 +30,30 @@ def start(run: StageRun, anchors: Tensors) -> Tensors:
 
 
 def unit_weights(run: StageRun, idx: torch.Tensor, weights: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """The batch's data weights w_B (ones where no weights are given), on the stage's device."""
+    """The batch's data weights w_B (the run's own where no weights are given: ones for a recorded run), on the
+    stage's device."""
     dtype = like.dtype if like.is_floating_point() else torch.get_default_dtype()
+    weights = run.weights if weights is None else weights
     if weights is None:
         return torch.ones(idx.numel(), dtype=dtype, device=run.stage.device)
     return weights.to(run.stage.device, dtype)[idx.to(run.stage.device)]
 
 
 def replay_run(run: StageRun, anchors: Tensors, weights: torch.Tensor | None, *, check: bool = False,
-               progress: bool = False) -> tuple[Tensors, float]:
-    """(final values, largest |difference| from a recorded checkpoint — only with ``check``, else 0.0)."""
+               keep: bool = False, progress: bool = False) -> tuple[Tensors, float, dict]:
+    """(final values, largest |difference| from a recorded checkpoint — only with ``check``, else 0.0, and — only
+    with ``keep`` — the replayed (θ, state) at the recorded checkpoint steps, else {})."""
     theta, state = start(run, anchors), run.checkpoints[0][1]
-    error = 0.0
+    error, kept = 0.0, ({0: (theta, state)} if keep else {})
     for t in tqdm(range(run.steps), desc="replay", disable=not progress, leave=False):
         idx, x, y = run.batch(t)
         theta, state = run.step(t, theta, state, anchors, unit_weights(run, idx, weights, x), x, y)
-        if check and t + 1 in run.checkpoints:
-            error = max(error, deviation((theta, state), run.checkpoints[t + 1]))
-    return {n: anchors[n] for n in run.frozen} | theta, error
+        if t + 1 in run.checkpoints:
+            if check:
+                error = max(error, deviation((theta, state), run.checkpoints[t + 1]))
+            if keep:
+                kept[t + 1] = (theta, state)
+    return {n: anchors[n] for n in run.frozen} | theta, error, kept
 
 
 def verify(record: Record) -> float:
@@ -53,7 +62,7 @@ def verify(record: Record) -> float:
     error, previous = 0.0, None
     for run in record.runs:
         anchors = run.anchors if previous is None else {n: previous[m] for n, m in run.inherited.items()}
-        _, err = replay_run(run, anchors, None, check=True)
+        _, err, _ = replay_run(run, anchors, None, check=True)
         error = max(error, err)
         previous = run.final
     return error
@@ -72,16 +81,35 @@ def replay(record: Record, weights=None, *, progress: bool = False) -> list[Tens
     """Each stage's final values (trained θ_T and fixed shared block) after re-running the record with ``weights``.
 
     weights: None (the recorded run), one tensor of per-example weights for stage 0, or one entry (tensor of
-    shape (n_k,) or None) per stage.
+    shape (n_k,) or None) per stage; None keeps a stage at the weights its run carries (w = 1 when recorded).
     """
     if not len(record):
         raise InputError("the record has no stage; train one with record.train(...) or record.recorder(...).")
     finals, previous = [], None
     for run, w in zip(record.runs, stage_weights(record, weights)):
         anchors = run.anchors if previous is None else {n: previous[m] for n, m in run.inherited.items()}
-        previous, _ = replay_run(run, anchors, w, progress=progress)
+        previous, _, _ = replay_run(run, anchors, w, progress=progress)
         finals.append(previous)
     return finals
+
+
+def reweighted(record: Record, weights, *, progress: bool = False) -> Record:
+    """The record re-run at data weights ``weights`` (as :func:`replay` takes them): same starts, batches, learning
+    rates and checkpoint steps; each stage's checkpoints, and a later stage's inherited block S̄, are those of the
+    re-run, and each stage carries its weights (``StageRun.weights``), so :func:`replay`, :func:`verify` and the
+    reverse pass of :func:`~.metagradient.metagradients` run at them. Models and data are shared, not copied."""
+    if not len(record):
+        raise InputError("the record has no stage; train one with record.train(...) or record.recorder(...).")
+    out, previous = Record(), None
+    for run, w in zip(record.runs, stage_weights(record, weights)):
+        moved = copy.copy(run)
+        if w is not None:
+            moved.weights = w.detach().to(run.stage.device)
+        if previous is not None:
+            moved.anchors = {n: previous[m] for n, m in run.inherited.items()}
+        previous, _, moved.checkpoints = replay_run(moved, moved.anchors, None, keep=True, progress=progress)
+        out.runs.append(moved)
+    return out
 
 
 def as_measure(record: Record, measure) -> Measure:
