@@ -54,6 +54,7 @@ benchmarks/bench_transformer.py --sequences 16 --length 128`` (``--layers 2 --hi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import io
 import json
@@ -175,6 +176,84 @@ def rss_now() -> int:
 
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# Phases of the case1-* jobs, named by the functions on the main thread's stack (code qualname → label); a phase is
+# the path of the named functions it runs in, e.g. "unrolled › piece fit › statistics pass".
+PHASES = {
+    "recorded_case1": "record", "plain_case1_query": "plain", "approximate": "unrolled",
+    "assess": "stationarity check", "Chain._prepare": "prepare solver", "Chain.query": "query", "Query.scores": "scores",
+    "FactorFit.__init__": "factor probe", "FactorFit.statistics_pass": "statistics pass",
+    "FactorFit.eigendecomposition": "eigendecomposition", "FactorFit.correction_pass": "correction pass",
+    "FactorFit.eigenvalues_in_kept_basis": "eigenvalues in kept basis", "FactorFit.assemble": "assemble",
+    "measure_adjoint": "measure adjoint", "_stage": "stage", "_parameters_at": "replay to piece ends",
+    "_fit": "piece fit", "_factored_piece": "piece map", "_anchor_adjoint": "shared-block adjoint",
+    "hand_over": "hand over", "Terms.compute": "example terms",
+}
+
+
+class PhaseSampler:
+    """Resident memory per phase: a thread reads RSS every ``every`` s and which :data:`PHASES` functions the main
+    thread is in; each phase entry gets its RSS at entry (first sample), its peak and seconds. Working memory of a
+    phase = peak − RSS at its entry (what it added to what the process already held)."""
+
+    def __init__(self, every: float = 0.01):
+        import threading
+
+        self.every, self.entries, self.key = every, [], None
+        self.main = threading.main_thread().ident
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _where(self):
+        frame, path = sys._current_frames().get(self.main), []
+        while frame is not None:
+            label = PHASES.get(frame.f_code.co_qualname)
+            if label is not None:
+                path.append((id(frame), label))
+            frame = frame.f_back
+        return tuple(path[::-1])
+
+    def _run(self):
+        while not self._stop.is_set():
+            where, rss, now = self._where(), rss_now(), time.perf_counter() - self.t0
+            key = tuple(i for i, _ in where)
+            if key != self.key:
+                self.key = key
+                self.entries.append({"phase": " › ".join(label for _, label in where) or "(job)", "start_s": now,
+                                     "rss_start": rss, "peak": rss, "end_s": now})
+            entry = self.entries[-1]
+            entry["peak"], entry["end_s"] = max(entry["peak"], rss), now
+            self._stop.wait(self.every)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def table(self, least_s: float = 0.05) -> list[dict]:
+        """The entries (those of ≥ least_s seconds, or whose working memory is ≥ 10 MB): phase, seconds, RSS at
+        entry, peak, working = peak − entry, in bytes."""
+        rows = []
+        for e in self.entries:
+            work = e["peak"] - e["rss_start"]
+            if e["end_s"] - e["start_s"] >= least_s or work >= 10**7:
+                rows.append({"phase": e["phase"], "start_s": round(e["start_s"], 2),
+                             "seconds": round(e["end_s"] - e["start_s"], 2), "rss_start": e["rss_start"],
+                             "peak": e["peak"], "working": work})
+        return rows
+
+
+def phase_table(rows: list[dict]) -> str:
+    """The phase rows as a text table in MB."""
+    frame = pd.DataFrame([{"phase": r["phase"], "at s": r["start_s"], "s": r["seconds"],
+                           "RSS at entry MB": r["rss_start"] / 1e6, "peak MB": r["peak"] / 1e6,
+                           "working MB": r["working"] / 1e6} for r in rows])
+    return frame.to_string(index=False, float_format=lambda v: f"{v:.0f}" if abs(v) >= 10 else f"{v:.2f}")
 
 
 def pearson(a, b) -> float:
@@ -508,11 +587,15 @@ def worker(args) -> None:
     out = {"job": args.worker, "model": args.model, "start_rss": rss_now(),
            "load_start": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
     t0 = time.perf_counter()
-    {"influkit-ekfac": job_influkit_ekfac, "influkit-minres": job_influkit_minres, "kronfluence": job_kronfluence,
-     "case1": job_case1, "case1-recorded": job_case1_recorded, "case1-unrolled": job_case1_unrolled,
-     "case1-both": job_case1_both}[args.worker](
-        args, out, work)
+    sampled = args.worker.startswith("case1-")
+    with PhaseSampler() if sampled else contextlib.nullcontext() as sampler:
+        {"influkit-ekfac": job_influkit_ekfac, "influkit-minres": job_influkit_minres, "kronfluence": job_kronfluence,
+         "case1": job_case1, "case1-recorded": job_case1_recorded, "case1-unrolled": job_case1_unrolled,
+         "case1-both": job_case1_both}[args.worker](
+            args, out, work)
     out["wall_s"] = time.perf_counter() - t0
+    if sampled:
+        out["phases"] = sampler.table()
     (work / f"{args.worker}{args.tag}.json").write_text(json.dumps(out, indent=1, default=str))
 
 
@@ -596,7 +679,9 @@ def main(argv=None) -> None:
                 say(f"{model} {job}: FAILED after {time.perf_counter() - t0:.0f} s\n{done.stderr[-3000:]}")
                 continue
             result = json.loads((mwork / f"{job}{args.tag}.json").read_text())
-            say(f"{model} {job}: {json.dumps(result, default=str)}")
+            say(f"{model} {job}: {json.dumps({k: v for k, v in result.items() if k != 'phases'}, default=str)}")
+            if result.get("phases"):
+                say(f"{model} {job}: resident memory by phase (sampled every 10 ms)\n{phase_table(result['phases'])}")
             rows.append(result)
             RESULTS.mkdir(exist_ok=True)
             (RESULTS / f"{args.name}.txt").write_text(log.getvalue())  # partial results survive an interrupted run
