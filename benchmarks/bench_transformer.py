@@ -248,12 +248,37 @@ class PhaseSampler:
         return rows
 
 
-def phase_table(rows: list[dict]) -> str:
-    """The phase rows as a text table in MB."""
-    frame = pd.DataFrame([{"phase": r["phase"], "at s": r["start_s"], "s": r["seconds"],
-                           "RSS at entry MB": r["rss_start"] / 1e6, "peak MB": r["peak"] / 1e6,
-                           "working MB": r["working"] / 1e6} for r in rows])
-    return frame.to_string(index=False, float_format=lambda v: f"{v:.0f}" if abs(v) >= 10 else f"{v:.2f}")
+PLANNED = {"stationarity check": "stationarity check", "factor probe": "factor fitting",
+           "statistics pass": "factor fitting", "correction pass": "factor fitting",
+           "eigenvalues in kept basis": "factor fitting", "scores": "scoring", "example terms": "scoring",
+           "shared-block adjoint": "shared block's adjoint"}  # a sampled phase → the memory plan that sizes it
+
+
+def phase_plans(result: dict) -> dict[str, list[dict]]:
+    """The memory plans a case1-* job reported, by the part of the job they belong to ("plain", "unrolled")."""
+    flat = lambda plans: [p for item in plans or [] for p in (item if isinstance(item, list) else [item])]  # noqa: E731
+    if result["job"] == "case1-both":
+        return {"plain": flat(result.get("plain_memory")), "unrolled": flat(result.get("unrolled_memory"))}
+    return {"plain" if result["job"] == "case1-recorded" else "unrolled": flat(result.get("memory"))}
+
+
+def phase_table(result: dict) -> str:
+    """The sampled phases as a text table (MB), each beside the smallest budget its plans reported (where a plan
+    sizes it), and the phases whose working memory exceeded it."""
+    plans = phase_plans(result)
+    rows, over = [], []
+    for r in result["phases"]:
+        part, last = r["phase"].split(" › ")[0], r["phase"].split(" › ")[-1]
+        budgets = [p["budget"] for p in plans.get(part, []) if p.get("phase") == PLANNED.get(last)]
+        budget = min(budgets) if budgets else None
+        rows.append({"phase": r["phase"], "at s": r["start_s"], "s": r["seconds"], "RSS at entry MB": r["rss_start"] / 1e6,
+                     "peak MB": r["peak"] / 1e6, "working MB": r["working"] / 1e6,
+                     "budget MB": budget / 1e6 if budget else float("nan")})
+        if budget is not None and r["working"] > budget:
+            over.append(r["phase"])
+    table = pd.DataFrame(rows).to_string(index=False, na_rep="-",
+                                         float_format=lambda v: f"{v:.0f}" if abs(v) >= 10 else f"{v:.2f}")
+    return table + f"\nphases whose working memory (peak − RSS at entry) exceeded their budget: {over or 'none'}"
 
 
 def pearson(a, b) -> float:
@@ -681,7 +706,7 @@ def main(argv=None) -> None:
             result = json.loads((mwork / f"{job}{args.tag}.json").read_text())
             say(f"{model} {job}: {json.dumps({k: v for k, v in result.items() if k != 'phases'}, default=str)}")
             if result.get("phases"):
-                say(f"{model} {job}: resident memory by phase (sampled every 10 ms)\n{phase_table(result['phases'])}")
+                say(f"{model} {job}: resident memory by phase (sampled every 10 ms)\n{phase_table(result)}")
             rows.append(result)
             RESULTS.mkdir(exist_ok=True)
             (RESULTS / f"{args.name}.txt").write_text(log.getvalue())  # partial results survive an interrupted run

@@ -129,7 +129,6 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
         run = record.runs[k]
         theta_bar, anchor_bar, pieces[k], plans[k] = _stage(run, adjoint, q, int(segments), curvature, basis, config,
                                                             memory, held, progress, given[k] if given else None)
-        held.drop(adjoint)
         del adjoint
         if k:
             adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
@@ -196,7 +195,7 @@ def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list
 def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, basis: str, config: CurvatureConfig,
            memory: int | None, held: Held, progress: bool, fitted_end=None):
     """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, [(θ_ℓ, u_ℓ (q, p))] in run order, the
-    memory plans of its phases). fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its
+    memory plans of its phases); ``adjoint`` (the stage's final adjoint, this call's own dict) is consumed. fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its
     last piece's), reused. ``held`` counts what the pass keeps (module docstring, Memory)."""
     names, anchor_names = list(run.trained), list(run.anchors)
     shapes = {n: v.shape for n, v in run.checkpoints[0][0].items()} | {n: v.shape for n, v in run.anchors.items()}
@@ -219,6 +218,8 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
     v = flat({m: adjoint.get(m, zeros(m)) for m in names}, names)
     w = torch.zeros_like(v)  # the adjoint of the momentum buffer (0 at the end: the measure does not read it)
     anchor_bar = {m: adjoint[m].clone() if m in run.frozen and m in adjoint else zeros(m) for m in anchor_names}
+    held.drop(adjoint)
+    adjoint.clear()  # consumed (v and S̄'s adjoint are copies): its tensors freed before the pieces allocate theirs
     held.hold(v, w, anchor_bar)
     momentum, decay = run.optimizer.momentum, run.optimizer.weight_decay
     out, plans, kept = [], [], None
