@@ -47,6 +47,12 @@ Jobs, each in its own subprocess so peak RSS (``ru_maxrss``) is the job's own:
   chain's budget (its default is a share of the memory free at the time, which a crowded machine shrinks below one
   Hessian-vector product's example); the unrolling keeps its default.
 
+The ``case1-*`` jobs also record resident memory **by phase** (:class:`PhaseSampler`: a thread of the worker reads
+RSS every 10 ms and which library functions the main thread is in — record, the plain query's stationarity check,
+factor passes, query and scores, the unrolling's replay, piece fits, piece maps, shared-block adjoints and example
+terms): each phase's RSS at entry, its peak and its working memory (peak − entry), beside the smallest budget the
+memory plans of that phase reported; the table ends with the phases whose working memory exceeded their budget.
+
 Run (kronfluence lives in /work/bench-venv): ``PYTHONPATH=. /work/bench-venv/bin/python
 benchmarks/bench_transformer.py --sequences 16 --length 128`` (``--layers 2 --hidden 128`` for a quick check).
 """

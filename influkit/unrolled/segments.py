@@ -122,8 +122,9 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     adjoint, q, outputs = measure_adjoint(record, measure, per_test)
     pieces: list = [None] * len(record)
     plans: list = [None] * len(record)
-    held = Held(before=[[run.checkpoints for run in record.runs], [b.tensors() for c in given or () if c is not None
-                                                                    for b in c.blocks]])
+    existing = [[run.checkpoints for run in record.runs], [b.tensors() for c in given or () if c is not None
+                                                           for b in c.blocks]]
+    held = Held(before=existing)  # the record's checkpoints and the given curvatures are not this call's
     held.hold(adjoint)
     for k in range(len(record) - 1, -1, -1):
         run = record.runs[k]
@@ -162,24 +163,23 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     return results
 
 
-
 def _boundaries(run: StageRun, pieces: int) -> list[tuple[int, int]]:
     """[(a, b)]: the run's steps cut into ``pieces`` contiguous pieces."""
     cuts = sorted({round(run.steps * i / pieces) for i in range(pieces + 1)})
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def _parameters_at(run: StageRun, b: int) -> tuple[dict, bool]:
-    """(θ_b, whether it is a new tensor): the recorded checkpoint when step b has one (held by the record already),
-    else replayed from the last checkpoint before b (one piece's steps at most when the cuts are checkpoints)."""
+def _parameters_at(run: StageRun, b: int) -> dict:
+    """θ_b: the recorded checkpoint when step b has one (held by the record already, not copied), else replayed from
+    the last checkpoint before b."""
     if b in run.checkpoints:
-        return run.checkpoints[b][0], False
+        return run.checkpoints[b][0]
     a = max(t for t in run.checkpoints if t < b)
     theta, state = run.checkpoints[a] if a else (start(run, run.anchors), run.checkpoints[0][1])
     for t in range(a, b):
         idx, x, y = run.batch(t)
         theta, state = run.step(t, theta, state, run.anchors, unit_weights(run, idx, None, x), x, y)
-    return {n: v.detach() for n, v in theta.items()}, True
+    return {n: v.detach() for n, v in theta.items()}
 
 
 def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list[float], momentum: float):
@@ -224,7 +224,7 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
     momentum, decay = run.optimizer.momentum, run.optimizer.weight_decay
     out, plans, kept = [], [], None
     for a, b in tqdm(list(reversed(_boundaries(run, pieces))), desc="segments", disable=not progress, leave=False):
-        theta_end, _ = _parameters_at(run, b)
+        theta_end = _parameters_at(run, b)
         held.hold(theta_end)  # counted only when replayed (a checkpoint is the record's)
         release_freed_memory()  # each phase's freed buffers back to the system before the next allocates its own
         lrs = run.lrs[a:b]
