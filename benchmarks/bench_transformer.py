@@ -261,22 +261,40 @@ PLANNED = {"stationarity check": "stationarity check", "factor probe": "factor f
 
 
 def phase_plans(result: dict) -> dict[str, list[dict]]:
-    """The memory plans a case1-* job reported, by the part of the job they belong to ("plain", "unrolled")."""
-    flat = lambda plans: [p for item in plans or [] for p in (item if isinstance(item, list) else [item])]  # noqa: E731
+    """The memory plans a case1-* job reported, by the part of the job they belong to ("plain", "unrolled"), in the
+    order their phases ran: the unrolling's per stage last to first (its reverse pass), then its example terms."""
+    def unrolled(stages):
+        stages = stages or []
+        return [p for plans in stages[::-1] for p in plans if p["phase"] != "scoring"] + \
+            [p for plans in stages for p in plans if p["phase"] == "scoring"]
+
     if result["job"] == "case1-both":
-        return {"plain": flat(result.get("plain_memory")), "unrolled": flat(result.get("unrolled_memory"))}
-    return {"plain" if result["job"] == "case1-recorded" else "unrolled": flat(result.get("memory"))}
+        return {"plain": list(result.get("plain_memory") or []), "unrolled": unrolled(result.get("unrolled_memory"))}
+    if result["job"] == "case1-recorded":
+        return {"plain": list(result.get("memory") or [])}
+    return {"unrolled": unrolled(result.get("memory"))}
 
 
 def phase_table(result: dict) -> str:
-    """The sampled phases as a text table (MB), each beside the smallest budget its plans reported (where a plan
-    sizes it), and the phases whose working memory exceeded it."""
-    plans = phase_plans(result)
-    rows, over = [], []
+    """The sampled phases as a text table (MB), each beside the budget of the memory plan that sized it (plans
+    matched in order per kind: a factor fit starts at its probe, another phase at a change of phase), and the phases
+    whose working memory exceeded it."""
+    queues = {part: {} for part in ("plain", "unrolled")}
+    for part, plans in phase_plans(result).items():
+        for plan in plans:
+            queues[part].setdefault(plan["phase"], []).append(plan)
+    rows, over, current, previous = [], [], {}, None
     for r in result["phases"]:
         part, last = r["phase"].split(" › ")[0], r["phase"].split(" › ")[-1]
-        budgets = [p["budget"] for p in plans.get(part, []) if p.get("phase") == PLANNED.get(last)]
-        budget = min(budgets) if budgets else None
+        kind = PLANNED.get(last)
+        starts = (last == "factor probe" or (part, kind) not in current) if kind == "factor fitting" else \
+            r["phase"] != previous
+        if kind is not None and starts:
+            pending = queues.get(part, {}).get(kind, [])
+            current[part, kind] = pending.pop(0) if pending else None
+        previous = r["phase"]
+        plan = current.get((part, kind)) if kind is not None else None
+        budget = plan["budget"] if plan else None
         rows.append({"phase": r["phase"], "at s": r["start_s"], "s": r["seconds"], "RSS at entry MB": r["rss_start"] / 1e6,
                      "peak MB": r["peak"] / 1e6, "working MB": r["working"] / 1e6,
                      "budget MB": budget / 1e6 if budget else float("nan")})
@@ -702,7 +720,9 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             if args.reuse and (mwork / f"{job}{args.tag}.json").exists():  # finished in an earlier (interrupted) run
                 result = json.loads((mwork / f"{job}{args.tag}.json").read_text())
-                say(f"{model} {job} (reused): {json.dumps(result, default=str)}")
+                say(f"{model} {job} (reused): {json.dumps({k: v for k, v in result.items() if k != 'phases'}, default=str)}")
+                if result.get("phases"):
+                    say(f"{model} {job}: resident memory by phase (sampled every 10 ms)\n{phase_table(result)}")
                 rows.append(result)
                 continue
             done = subprocess.run(cmd, capture_output=True, text=True)

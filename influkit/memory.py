@@ -137,12 +137,13 @@ class SavedBytes:
 
 
 def probe_bytes(run: Callable[[int], Iterable[torch.Tensor] | None], model: torch.nn.Module,
-                examples: int = PROBE_EXAMPLES) -> int:
+                examples: int = PROBE_EXAMPLES, exclude: Iterable[torch.Tensor] = ()) -> int:
     """Measured bytes per example of ``run(examples)`` (a phase on a probe batch): saved activations + outputs.
 
     run: runs the phase on the first ``examples`` examples and returns the tensors it keeps (or None).
+    exclude: parameter values the phase passes in place of the model's own (which exist anyway), not counted either.
     """
-    fixed = list(model.parameters()) + list(model.buffers())
+    fixed = list(model.parameters()) + list(model.buffers()) + list(exclude)
     with SavedBytes(fixed) as saved:
         kept = run(examples)
         saved.add(kept or ())

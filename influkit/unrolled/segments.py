@@ -195,8 +195,9 @@ def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list
 def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, basis: str, config: CurvatureConfig,
            memory: int | None, held: Held, progress: bool, fitted_end=None):
     """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, [(θ_ℓ, u_ℓ (q, p))] in run order, the
-    memory plans of its phases); ``adjoint`` (the stage's final adjoint, this call's own dict) is consumed. fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its
-    last piece's), reused. ``held`` counts what the pass keeps (module docstring, Memory)."""
+    memory plans of its phases); ``adjoint`` (the stage's final adjoint, this call's own dict) is consumed.
+    fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its last piece's), reused.
+    ``held`` counts what the pass keeps (module docstring, Memory)."""
     names, anchor_names = list(run.trained), list(run.anchors)
     shapes = {n: v.shape for n, v in run.checkpoints[0][0].items()} | {n: v.shape for n, v in run.anchors.items()}
     sizes = {n: shapes[n].numel() for n in shapes}
@@ -204,11 +205,6 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
 
     def flat(tensors: dict, keys: list[str]) -> torch.Tensor:  # (q, p) from {name: (q, *shape)}
         return torch.cat([tensors[n].reshape(q, -1) for n in keys], dim=1)
-
-    def unflat(vector: torch.Tensor, keys: list[str]) -> dict:
-        if not keys:
-            return {}
-        return dict(zip(keys, (v.reshape(shapes[n]) for n, v in zip(keys, vector.split([sizes[n] for n in keys])))))
 
     n = len(run.stage)
 
@@ -277,8 +273,9 @@ def _dense_piece(run: StageRun, theta_end: dict, v: torch.Tensor, w: torch.Tenso
 
 def _anchor_adjoint(run: StageRun, theta_end: dict, u: torch.Tensor, anchor_bar: dict, memory: int | None) -> dict:
     """S̄'s adjoint += Cᵀu (in place), C = ∂∇_θL/∂S̄ at θ_ℓ: ∂(∇_θL_B · u_j)/∂S̄ summed over batches B of the data,
-    sized from the memory budget by the bytes one example's double-backward graph keeps (measured on a probe, as a
-    Hessian-vector product's, :func:`influkit.curvature.hvp_bytes_per_example`). Returns the memory plan."""
+    sized from the memory budget by the bytes one example's double-backward graph keeps (measured on a probe, the
+    parameter values excluded, × HVP_TRANSIENT as a Hessian-vector product's,
+    :func:`influkit.curvature.hvp_bytes_per_example`) besides one S̄-sized gradient (fixed). Returns the memory plan."""
     n, q = len(run.stage), u.shape[0]
     names = list(run.trained)
     theta = {m: theta_end[m].detach().requires_grad_(True) for m in names}
@@ -286,29 +283,31 @@ def _anchor_adjoint(run: StageRun, theta_end: dict, u: torch.Tensor, anchor_bar:
     directions = [dict(zip(names, (t.reshape(theta[m].shape) for m, t in zip(names, u[j].split(
         [theta[m].numel() for m in names]))))) for j in range(q)]
 
-    def pull(x, y, first: bool, rows: list | None = None):
-        """[(∂(∇_θL · u_j)/∂S̄) per j] on one batch (rows=None), or (probe) only its double-backward graph."""
+    def pull(x, y, first: bool, probe: bool = False) -> None:
+        """S̄'s adjoint += ∂(∇_θL_B · u_j)/∂S̄ for each j on one batch B; ``probe``: only its double-backward graph."""
         with torch.enable_grad():
             weights = torch.ones(x.shape[0], dtype=u.dtype, device=u.device)
             value = run.objective(theta, anchors, x, y, weights, size=n, penalties=first)
             gradient = torch.autograd.grad(value, list(theta.values()), create_graph=True)
-            if rows is None:
-                return None
+            if probe:
+                return
             for j in range(q):
                 dot = sum((g * directions[j][m]).sum() for g, m in zip(gradient, names))
                 back = torch.autograd.grad(dot, list(anchors.values()), retain_graph=j < q - 1, allow_unused=True)
                 for m, t in zip(anchors, back):
                     if t is not None:
                         anchor_bar[m][j] += t.detach()
-        return None
 
     count = min(PROBE_EXAMPLES, n)
     px, py = run.stage.data.take(torch.arange(count))
-    per = int(HVP_TRANSIENT * probe_bytes(lambda _: pull(px, py, False), run.stage.model, count))
-    plan = memory_plan(budget_of(memory, u.device), per, "shared block's adjoint", most=n, default=not budget_given(memory))
+    leaves = [*theta.values(), *anchors.values()]
+    per = int(HVP_TRANSIENT * probe_bytes(lambda _: pull(px, py, False, probe=True), run.stage.model, count, leaves))
+    gradient_bytes = sum(t.numel() * t.element_size() for t in anchors.values())  # ∂/∂S̄ of one j at a time
+    plan = memory_plan(budget_of(memory, u.device), per, "shared block's adjoint", most=n, fixed=gradient_bytes,
+                       default=not budget_given(memory))
     for i, idx in enumerate(torch.arange(n).split(plan["batch"])):
         x, y = run.stage.data.take(idx)
-        pull(x, y, i == 0, rows=[])
+        pull(x, y, i == 0)
     return plan
 
 
