@@ -810,6 +810,14 @@ def summarize(model: str, work: Path, rows: list[dict], say) -> None:
             f"({both['unrolled_s'] / both['plain_s']:.2f}× the plain query); peak RSS after the plain query "
             f"{both['peak_rss_plain'] / 1e9:.2f} GB, after the unrolling {both['peak_rss'] / 1e9:.2f} GB; Pearson of "
             f"the scores {pearson(a, b):.3f}")
+    if both and unr and not rec:  # the unrolling alone in its own process vs case1-both's plain query
+        a, b = np.load(work / "case1_unrolled.npy"), np.load(work / "case1_both_unrolled.npy")
+        say(f"- the approximate unrolling in its own process (case1-unrolled: its own stage-1 EK-FAC fit, recording not "
+            f"counted) {unr['total_s']:.0f} s (pieces {unr['pieces_s']:.0f}, example terms {unr['score_s']:.0f}) vs the "
+            f"plain EK-FAC Case 1 query of case1-both {both['plain_s']:.0f} s: {unr['total_s'] / both['plain_s']:.2f}×; "
+            f"peak RSS {unr['peak_rss'] / 1e9:.2f} vs {both['peak_rss_plain'] / 1e9:.2f} GB; its scores vs case1-both's "
+            f"unrolling (the plain fit as the last piece's curvature): Pearson {pearson(a, b):.4f}, relative error "
+            f"{rel_err(a, b):.3g}")
     each = work / "case1_unrolled_each.npy"
     if each.exists() and (work / "case1_unrolled.npy").exists():
         say(f"- shared eigenbasis vs a fit per piece: Pearson {pearson(np.load(work / 'case1_unrolled.npy'), np.load(each)):.4f}, "
