@@ -206,8 +206,6 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
     def flat(tensors: dict, keys: list[str]) -> torch.Tensor:  # (q, p) from {name: (q, *shape)}
         return torch.cat([tensors[n].reshape(q, -1) for n in keys], dim=1)
 
-    n = len(run.stage)
-
     def zeros(m: str) -> torch.Tensor:
         return torch.zeros(q, *shapes[m], dtype=reference.dtype, device=reference.device)
 
