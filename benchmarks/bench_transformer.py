@@ -47,6 +47,12 @@ Jobs, each in its own subprocess so peak RSS (``ru_maxrss``) is the job's own:
   chain's budget (its default is a share of the memory free at the time, which a crowded machine shrinks below one
   Hessian-vector product's example); the unrolling keeps its default.
 
+The ``case1-*`` jobs also record resident memory **by phase** (:class:`PhaseSampler`: a thread of the worker reads
+RSS every 10 ms and which library functions the main thread is in — record, the plain query's stationarity check,
+factor passes, query and scores, the unrolling's replay, piece fits, piece maps, shared-block adjoints and example
+terms): each phase's RSS at entry, its peak and its working memory (peak − entry), beside the smallest budget the
+memory plans of that phase reported; the table ends with the phases whose working memory exceeded their budget.
+
 Run (kronfluence lives in /work/bench-venv): ``PYTHONPATH=. /work/bench-venv/bin/python
 benchmarks/bench_transformer.py --sequences 16 --length 128`` (``--layers 2 --hidden 128`` for a quick check).
 """
@@ -54,6 +60,7 @@ benchmarks/bench_transformer.py --sequences 16 --length 128`` (``--layers 2 --hi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import io
 import json
@@ -175,6 +182,127 @@ def rss_now() -> int:
 
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# Phases of the case1-* jobs, named by the functions on the main thread's stack (code qualname → label); a phase is
+# the path of the named functions it runs in, e.g. "unrolled › piece fit › statistics pass".
+PHASES = {
+    "recorded_case1": "record", "plain_case1_query": "plain", "approximate": "unrolled",
+    "assess": "stationarity check", "Chain._prepare": "prepare solver", "Chain.query": "query", "Query.scores": "scores",
+    "FactorFit.__init__": "factor probe", "FactorFit.statistics_pass": "statistics pass",
+    "FactorFit.eigendecomposition": "eigendecomposition", "FactorFit.correction_pass": "correction pass",
+    "FactorFit.eigenvalues_in_kept_basis": "eigenvalues in kept basis", "FactorFit.assemble": "assemble",
+    "measure_adjoint": "measure adjoint", "_stage": "stage", "_parameters_at": "replay to piece ends",
+    "_fit": "piece fit", "_factored_piece": "piece map", "_anchor_adjoint": "shared-block adjoint",
+    "hand_over": "hand over", "Terms.compute": "example terms",
+}
+
+
+class PhaseSampler:
+    """Resident memory per phase: a thread reads RSS every ``every`` s and which :data:`PHASES` functions the main
+    thread is in; each phase entry gets its RSS at entry (first sample), its peak and seconds. Working memory of a
+    phase = peak − RSS at its entry (what it added to what the process already held)."""
+
+    def __init__(self, every: float = 0.01):
+        import threading
+
+        self.every, self.entries, self.key = every, [], None
+        self.main = threading.main_thread().ident
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _where(self):
+        frame, path = sys._current_frames().get(self.main), []
+        while frame is not None:
+            label = PHASES.get(frame.f_code.co_qualname)
+            if label is not None:
+                path.append((id(frame), label))
+            frame = frame.f_back
+        return tuple(path[::-1])
+
+    def _run(self):
+        while not self._stop.is_set():
+            where, rss, now = self._where(), rss_now(), time.perf_counter() - self.t0
+            key = tuple(i for i, _ in where)
+            if key != self.key:
+                self.key = key
+                self.entries.append({"phase": " › ".join(label for _, label in where) or "(job)", "start_s": now,
+                                     "rss_start": rss, "peak": rss, "end_s": now})
+            entry = self.entries[-1]
+            entry["peak"], entry["end_s"] = max(entry["peak"], rss), now
+            self._stop.wait(self.every)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def table(self, least_s: float = 0.05) -> list[dict]:
+        """The entries (those of ≥ least_s seconds, or whose working memory is ≥ 10 MB): phase, seconds, RSS at
+        entry, peak, working = peak − entry, in bytes."""
+        rows = []
+        for e in self.entries:
+            work = e["peak"] - e["rss_start"]
+            if e["end_s"] - e["start_s"] >= least_s or work >= 10**7:
+                rows.append({"phase": e["phase"], "start_s": round(e["start_s"], 2),
+                             "seconds": round(e["end_s"] - e["start_s"], 2), "rss_start": e["rss_start"],
+                             "peak": e["peak"], "working": work})
+        return rows
+
+
+PLANNED = {"stationarity check": "stationarity check", "factor probe": "factor fitting",
+           "statistics pass": "factor fitting", "correction pass": "factor fitting",
+           "eigenvalues in kept basis": "factor fitting", "scores": "scoring", "example terms": "scoring",
+           "shared-block adjoint": "shared block's adjoint"}  # a sampled phase → the memory plan that sizes it
+
+
+def phase_plans(result: dict) -> dict[str, list[dict]]:
+    """The memory plans a case1-* job reported, by the part of the job they belong to ("plain", "unrolled"), in the
+    order their phases ran: the unrolling's per stage last to first (its reverse pass), then its example terms."""
+    def unrolled(stages):
+        stages = stages or []
+        return [p for plans in stages[::-1] for p in plans if p["phase"] != "scoring"] + \
+            [p for plans in stages for p in plans if p["phase"] == "scoring"]
+
+    if result["job"] == "case1-both":
+        return {"plain": list(result.get("plain_memory") or []), "unrolled": unrolled(result.get("unrolled_memory"))}
+    if result["job"] == "case1-recorded":
+        return {"plain": list(result.get("memory") or [])}
+    return {"unrolled": unrolled(result.get("memory"))}
+
+
+def phase_table(result: dict) -> str:
+    """The sampled phases as a text table (MB), each beside the budget of the memory plan that sized it (plans
+    matched in order per kind: a factor fit starts at its probe, another phase at a change of phase), and the phases
+    whose working memory exceeded it."""
+    queues = {part: {} for part in ("plain", "unrolled")}
+    for part, plans in phase_plans(result).items():
+        for plan in plans:
+            queues[part].setdefault(plan["phase"], []).append(plan)
+    rows, over, current, previous = [], [], {}, None
+    for r in result["phases"]:
+        part, last = r["phase"].split(" › ")[0], r["phase"].split(" › ")[-1]
+        kind = PLANNED.get(last)
+        starts = (last == "factor probe" or (part, kind) not in current) if kind == "factor fitting" else \
+            r["phase"] != previous
+        if kind is not None and starts:
+            pending = queues.get(part, {}).get(kind, [])
+            current[part, kind] = pending.pop(0) if pending else None
+        previous = r["phase"]
+        plan = current.get((part, kind)) if kind is not None else None
+        budget = plan["budget"] if plan else None
+        rows.append({"phase": r["phase"], "at s": r["start_s"], "s": r["seconds"], "RSS at entry MB": r["rss_start"] / 1e6,
+                     "peak MB": r["peak"] / 1e6, "working MB": r["working"] / 1e6,
+                     "budget MB": budget / 1e6 if budget else float("nan")})
+        if budget is not None and r["working"] > budget:
+            over.append(r["phase"])
+    table = pd.DataFrame(rows).to_string(index=False, na_rep="-",
+                                         float_format=lambda v: f"{v:.0f}" if abs(v) >= 10 else f"{v:.2f}")
+    return table + f"\nphases whose working memory (peak − RSS at entry) exceeded their budget: {over or 'none'}"
 
 
 def pearson(a, b) -> float:
@@ -508,11 +636,15 @@ def worker(args) -> None:
     out = {"job": args.worker, "model": args.model, "start_rss": rss_now(),
            "load_start": " ".join(Path("/proc/loadavg").read_text().split()[:3])}
     t0 = time.perf_counter()
-    {"influkit-ekfac": job_influkit_ekfac, "influkit-minres": job_influkit_minres, "kronfluence": job_kronfluence,
-     "case1": job_case1, "case1-recorded": job_case1_recorded, "case1-unrolled": job_case1_unrolled,
-     "case1-both": job_case1_both}[args.worker](
-        args, out, work)
+    sampled = args.worker.startswith("case1-")
+    with PhaseSampler() if sampled else contextlib.nullcontext() as sampler:
+        {"influkit-ekfac": job_influkit_ekfac, "influkit-minres": job_influkit_minres, "kronfluence": job_kronfluence,
+         "case1": job_case1, "case1-recorded": job_case1_recorded, "case1-unrolled": job_case1_unrolled,
+         "case1-both": job_case1_both}[args.worker](
+            args, out, work)
     out["wall_s"] = time.perf_counter() - t0
+    if sampled:
+        out["phases"] = sampler.table()
     (work / f"{args.worker}{args.tag}.json").write_text(json.dumps(out, indent=1, default=str))
 
 
@@ -588,7 +720,9 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             if args.reuse and (mwork / f"{job}{args.tag}.json").exists():  # finished in an earlier (interrupted) run
                 result = json.loads((mwork / f"{job}{args.tag}.json").read_text())
-                say(f"{model} {job} (reused): {json.dumps(result, default=str)}")
+                say(f"{model} {job} (reused): {json.dumps({k: v for k, v in result.items() if k != 'phases'}, default=str)}")
+                if result.get("phases"):
+                    say(f"{model} {job}: resident memory by phase (sampled every 10 ms)\n{phase_table(result)}")
                 rows.append(result)
                 continue
             done = subprocess.run(cmd, capture_output=True, text=True)
@@ -596,7 +730,9 @@ def main(argv=None) -> None:
                 say(f"{model} {job}: FAILED after {time.perf_counter() - t0:.0f} s\n{done.stderr[-3000:]}")
                 continue
             result = json.loads((mwork / f"{job}{args.tag}.json").read_text())
-            say(f"{model} {job}: {json.dumps(result, default=str)}")
+            say(f"{model} {job}: {json.dumps({k: v for k, v in result.items() if k != 'phases'}, default=str)}")
+            if result.get("phases"):
+                say(f"{model} {job}: resident memory by phase (sampled every 10 ms)\n{phase_table(result)}")
             rows.append(result)
             RESULTS.mkdir(exist_ok=True)
             (RESULTS / f"{args.name}.txt").write_text(log.getvalue())  # partial results survive an interrupted run
@@ -674,6 +810,14 @@ def summarize(model: str, work: Path, rows: list[dict], say) -> None:
             f"({both['unrolled_s'] / both['plain_s']:.2f}× the plain query); peak RSS after the plain query "
             f"{both['peak_rss_plain'] / 1e9:.2f} GB, after the unrolling {both['peak_rss'] / 1e9:.2f} GB; Pearson of "
             f"the scores {pearson(a, b):.3f}")
+    if both and unr and not rec:  # the unrolling alone in its own process vs case1-both's plain query
+        a, b = np.load(work / "case1_unrolled.npy"), np.load(work / "case1_both_unrolled.npy")
+        say(f"- the approximate unrolling in its own process (case1-unrolled: its own stage-1 EK-FAC fit, recording not "
+            f"counted) {unr['total_s']:.0f} s (pieces {unr['pieces_s']:.0f}, example terms {unr['score_s']:.0f}) vs the "
+            f"plain EK-FAC Case 1 query of case1-both {both['plain_s']:.0f} s: {unr['total_s'] / both['plain_s']:.2f}×; "
+            f"peak RSS {unr['peak_rss'] / 1e9:.2f} vs {both['peak_rss_plain'] / 1e9:.2f} GB; its scores vs case1-both's "
+            f"unrolling (the plain fit as the last piece's curvature): Pearson {pearson(a, b):.4f}, relative error "
+            f"{rel_err(a, b):.3g}")
     each = work / "case1_unrolled_each.npy"
     if each.exists() and (work / "case1_unrolled.npy").exists():
         say(f"- shared eigenbasis vs a fit per piece: Pearson {pearson(np.load(work / 'case1_unrolled.npy'), np.load(each)):.4f}, "

@@ -4,7 +4,10 @@ The budget: ``memory=`` bytes, or by default :data:`DEFAULT_SHARE` (half) of wha
 ``/proc/meminfo`` (psutil's ``available`` where that file is missing) for a model on the CPU, the free memory
 ``torch.cuda.mem_get_info`` reports for a model on CUDA. It bounds the memory a phase *adds* on top of the model,
 its data and the solver's vectors, which exist whatever the batch size. It is a ceiling, not a target: on a
-shared machine several processes each take their half of what is free when they start.
+shared machine several processes each take their half of what is free when they start. A computation of several
+phases that keeps state between them (the approximate unrolling's pieces) counts it with :class:`Held`: with
+``memory=`` each phase gets the budget minus what is held then (:func:`remaining`), so ``memory=`` bounds what
+the whole computation adds; the default needs no such count, being taken from what is free when each phase starts.
 
 **The default does not fill it.** Without ``memory=``, a phase's batch holds at most
 max(:data:`DEFAULT_EXAMPLES`, ⌊:data:`DEFAULT_WORKING` / (SAFETY · bytes per example)⌋) examples
@@ -134,12 +137,13 @@ class SavedBytes:
 
 
 def probe_bytes(run: Callable[[int], Iterable[torch.Tensor] | None], model: torch.nn.Module,
-                examples: int = PROBE_EXAMPLES) -> int:
+                examples: int = PROBE_EXAMPLES, exclude: Iterable[torch.Tensor] = ()) -> int:
     """Measured bytes per example of ``run(examples)`` (a phase on a probe batch): saved activations + outputs.
 
     run: runs the phase on the first ``examples`` examples and returns the tensors it keeps (or None).
+    exclude: parameter values the phase passes in place of the model's own (which exist anyway), not counted either.
     """
-    fixed = list(model.parameters()) + list(model.buffers())
+    fixed = list(model.parameters()) + list(model.buffers()) + list(exclude)
     with SavedBytes(fixed) as saved:
         kept = run(examples)
         saved.add(kept or ())
@@ -165,6 +169,60 @@ def fit_count(budget: int, per_example: int, phase: str, *, most: int | None = N
     if default:
         count = min(count, default_count(per_example, least))
     return int(min(count, most)) if most is not None else int(count)
+
+
+def tensors_in(tree) -> list[torch.Tensor]:
+    """The tensors of a (nested) dict / list / tuple of tensors."""
+    if torch.is_tensor(tree):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in tensors_in(item)]
+    return []
+
+
+def remaining(memory: int | float | None, held: int, phase: str) -> int | None:
+    """The budget of a phase of a computation that already holds ``held`` bytes it allocated since it began (state
+    kept across its phases): ``memory − held`` for a given budget, so ``memory=`` bounds what the whole computation
+    adds, held state included; None stays None — the default budget is a share of what is free when the phase
+    starts, which already leaves out what the process holds. Raises MemoryBudgetError when nothing is left."""
+    if memory is None:
+        return None
+    left = resolve(memory) - int(held)
+    if left <= 0:
+        raise MemoryBudgetError(
+            f"{phase} has no memory left: the computation already holds {held:,} bytes ({held / MiB:.1f} MiB) of the "
+            f"{int(memory):,}-byte budget; raise memory=.")
+    return left
+
+
+class Held:
+    """Bytes a computation holds across its phases beyond what existed when it began (:func:`remaining`): each
+    storage counted once (views and tensors shared between held objects are not counted twice), the storages of
+    ``before`` (tensors that existed already, e.g. a record's checkpoints) never."""
+
+    def __init__(self, before=()):
+        self._before = {_storage_key(t) for t in tensors_in(before)}
+        self._held: dict = {}
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._held.values())
+
+    def hold(self, *trees) -> None:
+        for t in tensors_in(trees):
+            key = _storage_key(t)
+            if key not in self._before:
+                self._held[key] = _nbytes(t)
+
+    def drop(self, *trees) -> None:
+        for t in tensors_in(trees):
+            self._held.pop(_storage_key(t), None)
+
+    def left(self, memory: int | float | None, phase: str) -> int | None:
+        """The budget of the next phase: :func:`remaining` (memory, what is held)."""
+        return remaining(memory, self.bytes, phase)
 
 
 def plan(budget: int, per_example: int, phase: str, *, most: int | None = None, fixed: int = 0,

@@ -511,3 +511,24 @@ def test_factors_survive_save_and_load_bit_identically(tmp_path):
             assert torch.equal(old["arnoldi"].eigenvectors, new["arnoldi"].eigenvectors)
             assert torch.equal(old["arnoldi"].eigenvalues, new["arnoldi"].eigenvalues)
     assert torch.equal(fresh.query(test).s, chain.query(test).s)
+
+
+def test_several_functions_of_the_curvature_in_one_pass_overwriting_their_inputs(seq_stage, monkeypatch):
+    """FactoredCurvature.functions: out_i = Σ_j f_ij(C)·x_j equals the same functions of the explicit matrix
+    (f(C) = Q f(Λ) Qᵀ from the eigendecomposition of C.dense()), with the outputs written over the inputs and the
+    diagonal block (``scale``) taken in slices."""
+    import influkit.factored.curvature as factored_curvature
+
+    monkeypatch.setattr(factored_curvature, "DIAGONAL_SLICE", 2)
+    curvature = fit_curvature(seq_stage, kind="ekfac", fisher="exact")
+    assert any(isinstance(b, factored_curvature.DiagonalBlock) for b in curvature.blocks)  # `scale`: two slices
+    gen = torch.Generator().manual_seed(4)
+    x, y = (torch.randn(curvature.dim, 2, generator=gen, dtype=torch.float64) for _ in range(2))
+    table = [[lambda e: e, lambda e: torch.exp(-e)], [lambda e: 1 / (1 + e), lambda e: e ** 2]]
+    lam, q = torch.linalg.eigh(curvature.dense())
+    expected = [sum(q @ (f(lam)[:, None] * (q.T @ v)) for f, v in zip(row, (x, y))) for row in table]
+    a, b = x.clone(), y.clone()
+    curvature.functions([a, b], lambda e: [[f(e) for f in row] for row in table], out=[a, b])
+    torch.testing.assert_close(a, expected[0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(b, expected[1], rtol=1e-9, atol=1e-12)
+    assert (a - x).abs().max() > 1e-3

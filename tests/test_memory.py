@@ -222,3 +222,21 @@ def test_the_gradient_pass_and_the_cross_product_stream_in_capped_batches(monkey
     full = ik.Chain([mlp_stage(), fin], [ik.Link("0", case=1)], solve=solve, memory=10**9).query(test, per_test=True)
     assert sizes[-1] >= len(fin)
     torch.testing.assert_close(capped.s, full.s, rtol=1e-10, atol=1e-13)
+
+
+def test_held_state_counts_each_storage_once_and_takes_it_off_a_given_budget():
+    """memory.Held: the bytes a computation keeps across its phases, each storage once (a view adds nothing), never
+    the tensors that existed before it began; remaining() takes them off a given budget, leaves the default (a
+    share of what is free, which already excludes them) alone, and refuses a budget they use up."""
+    record = torch.zeros(100, dtype=torch.float64)
+    held = memory.Held(before=[{"checkpoint": record}])
+    kept = torch.zeros(10, 20, dtype=torch.float32)
+    held.hold({"u": kept, "view": kept[3], "transposed": kept.T}, [record, record[:5]])
+    assert held.bytes == 10 * 20 * 4
+    other = torch.zeros(7, dtype=torch.float64)
+    held.hold(other)
+    assert held.bytes == 800 + 56 and held.left(10**4, "a phase") == 10**4 - 856
+    held.drop(kept.T)
+    assert held.bytes == 56 and held.left(None, "a phase") is None
+    with pytest.raises(MemoryBudgetError, match="already holds 56 bytes"):
+        held.left(50, "the example terms")

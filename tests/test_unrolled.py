@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import influkit as ik
+from influkit.memory import SAFETY, MemoryBudgetError
 from influkit.unrolled import SGD, Adam, AdamW, Record
 
 from conftest import cross_entropy, l2
@@ -505,3 +506,35 @@ def test_eigenvalues_in_a_kept_eigenbasis_are_the_gradients_second_moments_in_it
     expected = q @ torch.diag(torch.diagonal(q.T @ fisher @ q)) @ q.T
     torch.testing.assert_close(rebased.dense(), expected, rtol=1e-9, atol=1e-12)
     assert (rebased.dense() - start.dense()).abs().max() > 1e-3  # the eigenvalues did move with θ
+
+
+def test_a_given_budget_counts_the_state_the_unrolling_holds():
+    """memory= bounds what approximate adds, the state it holds across phases included: each piece's u_ℓ (q × p) and
+    its θ_ℓ where the piece ends off a checkpoint (replayed; a checkpoint is the record's) are taken off the budget
+    of every later phase (``held_bytes``, counted here by hand), so a budget the held state would exceed yields
+    smaller chunks — and the same scores (float64, up to the order of the sums); a budget the held state uses up
+    is refused, naming what is held."""
+    pre, fin, test = linear_layer_stages(seed=3)
+    record = Record()
+    record.train(pre, SGD(lr=0.1, momentum=0.5), steps=10, batch_size=7, checkpoint_every=4)  # checkpoints 0, 4, 8, 10
+    record.train(fin, SGD(lr=0.1, momentum=0.5), steps=6, batch_size=5, checkpoint_every=3,  # checkpoints 0, 3, 6
+                 link=ik.Link("embedding", case=1))
+    free = ik.unrolled.approximate(record, test, segments=3, per_test=True)  # cuts at 0, 3, 7, 10 and 0, 2, 4, 6
+    q, p0, p1, itemsize = 3, 4 * 3 + 3, 3 * 2 + 2, 8
+    stage0 = itemsize * (3 * q * p0 + 2 * p0)  # three u_ℓ; θ_3 and θ_7 replayed
+    stage1 = itemsize * (3 * q * p1 + 2 * p1)  # three u_ℓ; θ_2 and θ_4 replayed
+    scoring = [r.diagnostics["memory"][-1] for r in free]
+    assert [s["held_bytes"] for s in scoring] == [stage0 + stage1, stage1]  # stage 1's pieces wait for its own terms
+    need = int(SAFETY * scoring[0]["bytes_per_example"])
+    budget = stage0 + stage1 + 3 * need + 1  # three rows once the held state is counted ...
+    assert budget // need > 3  # ... more without it
+    tight = ik.unrolled.approximate(record, test, segments=3, per_test=True, memory=budget)
+    assert tight[0].diagnostics["memory"][-1]["budget"] == budget - stage0 - stage1
+    assert tight[0].diagnostics["chunks"]["chunk_size"] == 3 < free[0].diagnostics["chunks"]["chunk_size"] == len(pre)
+    adjoint = [m for m in tight[1].diagnostics["memory"] if m["phase"] == "shared block's adjoint"]
+    assert len(adjoint) == 3 and all(m["batch"] < len(fin) and m["budget"] < budget for m in adjoint)
+    for t, f in zip(tight, free):
+        torch.testing.assert_close(t.values, f.values, rtol=1e-12, atol=1e-15)
+        assert f.values.abs().max() > 1e-3
+    with pytest.raises(MemoryBudgetError, match="already holds [\\d,]+ bytes"):
+        ik.unrolled.approximate(record, test, segments=3, memory=100)

@@ -67,6 +67,7 @@ CACHE_BYTES = 2**30  # at most this much of the first pass is kept for EK-FAC's 
 # a batch also holds output-sized tensors the saved-tensor probe does not see: the outputs, their pseudo-gradients
 # and the loss's log-probabilities for the sampled labels' scale (vocabulary-sized for a language model)
 OUTPUT_COPIES = 4
+DIAGONAL_SLICE = 2**20  # FactoredCurvature.functions: entries of a diagonal block taken at a time
 
 
 @dataclass
@@ -222,6 +223,40 @@ class FactoredCurvature:
         """f(C)·vec for an elementwise function f of C's eigenvalues (``fn`` maps a tensor of them), in each
         block's eigenbasis; vec (p,) or (p, k). fn = identity gives matvec."""
         return self._apply(vec, fn)
+
+    def functions(self, inputs: Sequence[torch.Tensor], fn, out: Sequence[torch.Tensor]) -> None:
+        """out_i ← Σ_j f_ij(C)·inputs_j for elementwise functions f_ij of C's eigenvalues: ``fn(e)`` returns the
+        matrix [[f_ij(e)]] (nested lists of tensors shaped like e), evaluated once per block. Several linear maps of
+        several vectors in one pass: each block's inputs are rotated into its eigenbasis, combined there and rotated
+        back once. inputs, out: (p,) or (p, k) tensors; ``out`` may be the inputs themselves (a block's inputs are
+        read before its outputs are written), so a map can overwrite its inputs with no p-sized temporary; diagonal
+        blocks are taken :data:`DIAGONAL_SLICE` entries at a time, so the functions' temporaries stay small."""
+        ins = [x if x.dim() == 2 else x.unsqueeze(1) for x in inputs]
+        outs = [o if o.dim() == 2 else o.unsqueeze(1) for o in out]
+        if any(t.shape[0] != self.dim for t in ins + outs):
+            raise InputError(f"vectors must have {self.dim} rows, the curvature's dimension.")
+        work = torch.promote_types(ins[0].dtype, torch.float32)  # as _apply: the vectors' precision, at least float32
+        for block in self.blocks:
+            if isinstance(block, KroneckerBlock):
+                right = block.right.to(work)
+                left = None if block.left is None else block.left.to(work)
+                rotated = []
+                for x in ins:
+                    m = block.gather(x, self.offsets).to(work) @ right
+                    rotated.append(m if left is None else left.T @ m)
+                coefficients = fn(block.eigenvalues.to(work) + block.shift)
+                for target, row in zip(outs, coefficients):
+                    r = sum(f * m for f, m in zip(row, rotated))
+                    if left is not None:
+                        r = left @ r
+                    block.scatter((r @ right.T).to(target.dtype), target, self.offsets)
+                continue
+            for s in range(0, block.index.numel(), DIAGONAL_SLICE):
+                index = block.index[s : s + DIAGONAL_SLICE]
+                parts = [x[index] for x in ins]
+                coefficients = fn(block.values[s : s + DIAGONAL_SLICE] + block.shift[s : s + DIAGONAL_SLICE])
+                for target, row in zip(outs, coefficients):
+                    target[index] = sum(f[:, None] * x for f, x in zip(row, parts)).to(target.dtype)
 
     def solve(self, rhs: torch.Tensor, damping: float = 0.0) -> torch.Tensor:
         """(C + λI)⁻¹ rhs blockwise in the eigenbases; eigenvalues e + λ ≤ 1e-12·max are treated as zero."""

@@ -35,6 +35,19 @@ The scores are computed in two passes. First the reverse pass over the pieces (e
 piece's θ_ℓ and u_ℓ and the adjoints handed across the boundary; then the example terms
 score_z = Σ_ℓ (1/n) ∇ℓ(z; θ_ℓ)·u_ℓ are computed chunk by chunk like :meth:`influkit.Query.scores` rows
 (:mod:`.terms`: by contraction within the memory budget, sharded over ranks, streamed to ``out`` and resumable).
+
+Memory. What the pass holds across its phases: per piece u_ℓ (q × p, the model's dtype) and θ_ℓ — the record's own
+checkpoint when the piece ends on one (no copy), else replayed from the last checkpoint before it and kept — the
+adjoints (v, w) of the piece being unrolled (q × p each, moved to the piece's start in place, with block-sized
+temporaries: :meth:`FactoredCurvature.functions`), S̄'s adjoint, and under ``basis="shared"`` one eigenbasis per
+stage. Each phase that batches data sizes its batches from the budget (:mod:`influkit.memory`): a piece's
+curvature fit (:func:`fit_curvature`), the shared block's adjoint (∂(∇_θL·u)/∂S̄ over batches sized by the bytes
+one example's double-backward graph keeps, measured on a probe) and the example terms (:class:`Terms`). With
+``memory=`` the budget bounds what the whole call adds: every phase gets ``memory`` minus what the call holds then
+(:class:`influkit.memory.Held`, reported as ``held_bytes``); without it each phase's default budget is a share of
+what is free when the phase starts, which already leaves out what is held. After each phase the C allocator's freed
+pages go back to the system. The replay of a piece's steps costs what the recorded steps cost (their batches as
+recorded).
 """
 
 from __future__ import annotations
@@ -43,14 +56,20 @@ import time
 from pathlib import Path
 
 import torch
-from torch.func import grad, hessian, vjp
+from torch.func import hessian
 from tqdm.auto import tqdm
 
 from .. import distributed
+from ..curvature import HVP_TRANSIENT
 from ..errors import InputError
 from ..factored.curvature import FactoredCurvature, fit_curvature
 from ..fitted import CurvatureConfig
+from ..memory import PROBE_EXAMPLES, Held, probe_bytes
+from ..memory import given as budget_given
+from ..memory import plan as memory_plan
+from ..memory import resolve as budget_of
 from ..results import InfluenceResult
+from ..scoring import release_freed_memory
 from .metagradient import hand_over, measure_adjoint
 from .optimizers import SGD
 from .record import Record, StageRun
@@ -102,12 +121,21 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     began = time.perf_counter()
     adjoint, q, outputs = measure_adjoint(record, measure, per_test)
     pieces: list = [None] * len(record)
+    plans: list = [None] * len(record)
+    existing = [[run.checkpoints for run in record.runs], [b.tensors() for c in given or () if c is not None
+                                                           for b in c.blocks]]
+    held = Held(before=existing)  # the record's checkpoints and the given curvatures are not this call's
+    held.hold(adjoint)
     for k in range(len(record) - 1, -1, -1):
         run = record.runs[k]
-        theta_bar, anchor_bar, pieces[k] = _stage(run, adjoint, q, int(segments), curvature, basis, config, memory,
-                                                  progress, given[k] if given else None)
+        theta_bar, anchor_bar, pieces[k], plans[k] = _stage(run, adjoint, q, int(segments), curvature, basis, config,
+                                                            memory, held, progress, given[k] if given else None)
+        del adjoint
         if k:
             adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
+            held.hold(adjoint)
+        held.drop(theta_bar, anchor_bar)
+        del theta_bar, anchor_bar
     directions_s = time.perf_counter() - began
     where = "dense Hessian at each segment's end" if curvature == "hessian" else \
         f"{curvature} ({config.fisher} Fisher, hessian_samples={config.hessian_samples}) " + \
@@ -118,31 +146,40 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     for k, run in enumerate(record.runs):
         t0 = time.perf_counter()
         stage_out = None if out is None else Path(out) / f"stage-{k}"
-        terms = Terms(run.stage, run.trained, pieces[k], chunk_size=chunk_size, gradients=gradients, memory=memory,
-                      out=stage_out)
+        terms = Terms(run.stage, run.trained, pieces[k], chunk_size=chunk_size, gradients=gradients,
+                      memory=held.left(memory, "the example terms"), out=stage_out)
+        terms.scorer.memory["held_bytes"] = held.bytes  # with memory=: its budget is memory − this
         values, index, counts = terms.compute(fingerprint=fingerprint(f"{method}|{basis}", k, pieces[k]),
                                               out=stage_out, progress=progress)
         diagnostics = {"seconds": {"approximate (pieces)": directions_s, "example terms": time.perf_counter() - t0},
                        "settings": {"segments": int(segments), "curvature": where, "basis": basis,
                                     "per_test": per_test, "measure_outputs": int(outputs)},
                        "chunks": counts | {"chunk_size": terms.chunk_size, "ranks": distributed.world_size()},
-                       "scoring": terms.describe(), "memory": [terms.scorer.memory], "stage": k}
+                       "scoring": terms.describe(), "memory": plans[k] + [terms.scorer.memory], "stage": k}
         results.append(InfluenceResult(values=values if per_test else values[:, 0], n_train=len(run.stage), index=index,
                                        method=f"{method}, stage {k}", diagnostics=diagnostics, removal_eps=-1.0))
+        held.drop(pieces[k])  # this stage's θ_ℓ and u_ℓ: not needed by the next stage's terms
+        pieces[k] = terms = None
     return results
 
 
-def _boundaries(run: StageRun, pieces: int) -> list[tuple[int, int, dict]]:
-    """[(a, b, θ_b)] for the pieces of the run, θ_b replayed from the recorded start."""
+def _boundaries(run: StageRun, pieces: int) -> list[tuple[int, int]]:
+    """[(a, b)]: the run's steps cut into ``pieces`` contiguous pieces."""
     cuts = sorted({round(run.steps * i / pieces) for i in range(pieces + 1)})
-    theta, state = start(run, run.anchors), run.checkpoints[0][1]
-    ends = {}
-    for t in range(run.steps):
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _parameters_at(run: StageRun, b: int) -> dict:
+    """θ_b: the recorded checkpoint when step b has one (held by the record already, not copied), else replayed from
+    the last checkpoint before b."""
+    if b in run.checkpoints:
+        return run.checkpoints[b][0]
+    a = max(t for t in run.checkpoints if t < b)
+    theta, state = run.checkpoints[a] if a else (start(run, run.anchors), run.checkpoints[0][1])
+    for t in range(a, b):
         idx, x, y = run.batch(t)
         theta, state = run.step(t, theta, state, run.anchors, unit_weights(run, idx, None, x), x, y)
-        if t + 1 in cuts:
-            ends[t + 1] = {n: v.detach() for n, v in theta.items()}
-    return [(a, b, ends[b]) for a, b in zip(cuts[:-1], cuts[1:])]
+    return {n: v.detach() for n, v in theta.items()}
 
 
 def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list[float], momentum: float):
@@ -156,9 +193,11 @@ def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list
 
 
 def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, basis: str, config: CurvatureConfig,
-           memory: int | None, progress: bool, fitted_end=None):
-    """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, [(θ_ℓ, u_ℓ (q, p))] in run order).
-    fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its last piece's), reused."""
+           memory: int | None, held: Held, progress: bool, fitted_end=None):
+    """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, [(θ_ℓ, u_ℓ (q, p))] in run order, the
+    memory plans of its phases); ``adjoint`` (the stage's final adjoint, this call's own dict) is consumed.
+    fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its last piece's), reused.
+    ``held`` counts what the pass keeps (module docstring, Memory)."""
     names, anchor_names = list(run.trained), list(run.anchors)
     shapes = {n: v.shape for n, v in run.checkpoints[0][0].items()} | {n: v.shape for n, v in run.anchors.items()}
     sizes = {n: shapes[n].numel() for n in shapes}
@@ -167,55 +206,107 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
     def flat(tensors: dict, keys: list[str]) -> torch.Tensor:  # (q, p) from {name: (q, *shape)}
         return torch.cat([tensors[n].reshape(q, -1) for n in keys], dim=1)
 
-    def unflat(vector: torch.Tensor, keys: list[str]) -> dict:
-        if not keys:
-            return {}
-        return dict(zip(keys, (v.reshape(shapes[n]) for n, v in zip(keys, vector.split([sizes[n] for n in keys])))))
-
-    n = len(run.stage)
-    ones = torch.ones(n, dtype=reference.dtype, device=reference.device)
-
-    def objective(theta_flat, anchor_flat, x, y, w, **parts):  # the stage objective L(θ; S̄) on (x, y) with weights w
-        return run.objective(unflat(theta_flat, names), unflat(anchor_flat, anchor_names), x, y, w, **parts)
-
     def zeros(m: str) -> torch.Tensor:
         return torch.zeros(q, *shapes[m], dtype=reference.dtype, device=reference.device)
 
     v = flat({m: adjoint.get(m, zeros(m)) for m in names}, names)
-    anchor_flat = torch.cat([run.anchors[m].reshape(-1) for m in anchor_names]) if anchor_names else \
-        torch.zeros(0, dtype=reference.dtype, device=reference.device)
-    anchor_bar = flat({m: adjoint[m] if m in run.frozen and m in adjoint else zeros(m) for m in anchor_names},
-                      anchor_names) if anchor_names else torch.zeros(q, 0, dtype=reference.dtype)
-    momentum, decay = run.optimizer.momentum, run.optimizer.weight_decay
-    chunk = run.stage.data.batch_size or 256
     w = torch.zeros_like(v)  # the adjoint of the momentum buffer (0 at the end: the measure does not read it)
-    out, kept = [], None
-    for a, b, theta_end in tqdm(list(reversed(_boundaries(run, pieces))), desc="segments", disable=not progress,
-                                leave=False):
-        theta_flat = torch.cat([theta_end[m].reshape(-1) for m in names])
+    anchor_bar = {m: adjoint[m].clone() if m in run.frozen and m in adjoint else zeros(m) for m in anchor_names}
+    held.drop(adjoint)
+    adjoint.clear()  # consumed (v and S̄'s adjoint are copies): its tensors freed before the pieces allocate theirs
+    held.hold(v, w, anchor_bar)
+    momentum, decay = run.optimizer.momentum, run.optimizer.weight_decay
+    out, plans, kept = [], [], None
+    for a, b in tqdm(list(reversed(_boundaries(run, pieces))), desc="segments", disable=not progress, leave=False):
+        theta_end = _parameters_at(run, b)
+        held.hold(theta_end)  # counted only when replayed (a checkpoint is the record's)
+        release_freed_memory()  # each phase's freed buffers back to the system before the next allocates its own
         lrs = run.lrs[a:b]
         if curvature == "hessian":
-            x_all, y_all = run.stage.data.take(torch.arange(n))
-            lam, eigvecs = torch.linalg.eigh(hessian(objective)(theta_flat, anchor_flat, x_all, y_all, ones))
-            alpha, beta, forcing = _piece(lam + decay, v @ eigvecs, w @ eigvecs, lrs, momentum)
-            u, v, w = forcing @ eigvecs.T, alpha @ eigvecs.T, beta @ eigvecs.T
+            held.drop(v, w)
+            u, v, w = _dense_piece(run, theta_end, v, w, lrs, momentum, decay)
+            held.hold(v, w)
         else:
             fitted = fitted_end if b == run.steps and fitted_end is not None else \
-                _fit(run, curvature, config, theta_end, kept, memory)
-            kept = fitted if basis == "shared" else None
-            u, v, w = _factored_piece(fitted, v, w, lrs, momentum, decay)
+                _fit(run, curvature, config, theta_end, kept, held.left(memory, "a piece's curvature fit"))
+            if fitted is not fitted_end:
+                plans.append({"piece": [a, b]} | fitted.info["memory"])
+            if basis == "shared":  # the eigenbases stay for the next piece (its fit shares them)
+                held.drop([blk.tensors() for blk in kept.blocks] if kept is not None else [])
+                held.hold([blk.tensors() for blk in fitted.blocks])
+                kept = fitted
+            release_freed_memory()
+            u = _factored_piece(fitted, v, w, lrs, momentum, decay)
+            del fitted
+        held.hold(u)
         out.append((theta_end, u))
-        if anchor_names:  # S̄'s adjoint += Cᵀu, C = ∂∇_θL/∂S̄: mixed vector-Jacobian products, a chunk of data at a time
-            for i, idx in enumerate(torch.arange(n).split(chunk)):
-                x, y = run.stage.data.take(idx)
-                weights = ones[: idx.numel()]
-                gradient = lambda th, an: grad(objective)(th, an, x, y, weights, size=n, penalties=i == 0)  # noqa: E731
-                _, pullback = vjp(lambda an: gradient(theta_flat, an), anchor_flat)
-                anchor_bar = anchor_bar + torch.stack([pullback(u[j])[0] for j in range(q)])
+        if anchor_names:
+            plans.append(_anchor_adjoint(run, theta_end, u, anchor_bar, held.left(memory, "the shared block's adjoint")))
+            release_freed_memory()
+    if kept is not None:
+        held.drop([blk.tensors() for blk in kept.blocks])
     theta_bar = {m: t.reshape(q, *shapes[m]) for m, t in zip(names, v.split([sizes[m] for m in names], dim=1))}
-    anchors_out = {m: t.reshape(q, *shapes[m]) for m, t in zip(anchor_names, anchor_bar.split(
-        [sizes[m] for m in anchor_names], dim=1))} if anchor_names else {}
-    return theta_bar, anchors_out, out[::-1]
+    held.drop(w)
+    return theta_bar, anchor_bar, out[::-1], plans
+
+
+def _dense_piece(run: StageRun, theta_end: dict, v: torch.Tensor, w: torch.Tensor, lrs: list[float], momentum: float,
+                 decay: float):
+    """(u, v', w') of one piece with the dense Hessian of the stage objective at θ_ℓ, eigendecomposed."""
+    names = list(run.trained)
+    n = len(run.stage)
+    x_all, y_all = run.stage.data.take(torch.arange(n))
+    ones = torch.ones(n, dtype=v.dtype, device=v.device)
+    shapes = {m: theta_end[m].shape for m in names}
+
+    def objective(theta_flat):
+        theta = dict(zip(names, (t.reshape(shapes[m]) for m, t in zip(names, theta_flat.split(
+            [theta_end[m].numel() for m in names])))))
+        return run.objective(theta, run.anchors, x_all, y_all, ones)
+
+    lam, eigvecs = torch.linalg.eigh(hessian(objective)(torch.cat([theta_end[m].reshape(-1) for m in names])))
+    alpha, beta, forcing = _piece(lam + decay, v @ eigvecs, w @ eigvecs, lrs, momentum)
+    return forcing @ eigvecs.T, alpha @ eigvecs.T, beta @ eigvecs.T
+
+
+def _anchor_adjoint(run: StageRun, theta_end: dict, u: torch.Tensor, anchor_bar: dict, memory: int | None) -> dict:
+    """S̄'s adjoint += Cᵀu (in place), C = ∂∇_θL/∂S̄ at θ_ℓ: ∂(∇_θL_B · u_j)/∂S̄ summed over batches B of the data,
+    sized from the memory budget by the bytes one example's double-backward graph keeps (measured on a probe, the
+    parameter values excluded, × HVP_TRANSIENT as a Hessian-vector product's,
+    :func:`influkit.curvature.hvp_bytes_per_example`) besides one S̄-sized gradient (fixed). Returns the memory plan."""
+    n, q = len(run.stage), u.shape[0]
+    names = list(run.trained)
+    theta = {m: theta_end[m].detach().requires_grad_(True) for m in names}
+    anchors = {m: run.anchors[m].detach().requires_grad_(True) for m in anchor_bar}
+    directions = [dict(zip(names, (t.reshape(theta[m].shape) for m, t in zip(names, u[j].split(
+        [theta[m].numel() for m in names]))))) for j in range(q)]
+
+    def pull(x, y, first: bool, probe: bool = False) -> None:
+        """S̄'s adjoint += ∂(∇_θL_B · u_j)/∂S̄ for each j on one batch B; ``probe``: only its double-backward graph."""
+        with torch.enable_grad():
+            weights = torch.ones(x.shape[0], dtype=u.dtype, device=u.device)
+            value = run.objective(theta, anchors, x, y, weights, size=n, penalties=first)
+            gradient = torch.autograd.grad(value, list(theta.values()), create_graph=True)
+            if probe:
+                return
+            for j in range(q):
+                dot = sum((g * directions[j][m]).sum() for g, m in zip(gradient, names))
+                back = torch.autograd.grad(dot, list(anchors.values()), retain_graph=j < q - 1, allow_unused=True)
+                for m, t in zip(anchors, back):
+                    if t is not None:
+                        anchor_bar[m][j] += t.detach()
+
+    count = min(PROBE_EXAMPLES, n)
+    px, py = run.stage.data.take(torch.arange(count))
+    leaves = [*theta.values(), *anchors.values()]
+    per = int(HVP_TRANSIENT * probe_bytes(lambda _: pull(px, py, False, probe=True), run.stage.model, count, leaves))
+    gradient_bytes = sum(t.numel() * t.element_size() for t in anchors.values())  # ∂/∂S̄ of one j at a time
+    plan = memory_plan(budget_of(memory, u.device), per, "shared block's adjoint", most=n, fixed=gradient_bytes,
+                       default=not budget_given(memory))
+    for i, idx in enumerate(torch.arange(n).split(plan["batch"])):
+        x, y = run.stage.data.take(idx)
+        pull(x, y, i == 0)
+    return plan
 
 
 def _fit(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, basis, memory: int | None):
@@ -233,19 +324,20 @@ def _fit(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, bas
 
 
 def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], momentum: float, decay: float):
-    """(u, v', w') of one piece with the factored curvature C fitted at θ_ℓ: each output is Σ f(C)·input with f
-    the piece's coefficient functions of one eigenvalue (``_piece`` run on unit inputs)."""
+    """u of one piece with the factored curvature C fitted at θ_ℓ, and (v, w) moved to the piece's start **in
+    place**: each output is Σ_j f_j(C)·input_j with f_j the piece's coefficient functions of one eigenvalue (``_piece``
+    run on unit inputs), all applied in one pass over C's blocks (:meth:`FactoredCurvature.functions`), so the piece
+    adds u and block-sized temporaries only."""
 
-    def coefficient(output: int, unit: int):
-        def fn(lam):
-            one, zero = torch.ones_like(lam), torch.zeros_like(lam)
-            begin = (one, zero) if unit == 0 else (zero, one)
-            return _piece(lam + decay, *begin, lrs, momentum)[output]
-        return fn
+    def coefficients(lam):  # [[f_ij]]: outputs i = (u, v', w'), inputs j = (v, w)
+        one, zero = torch.ones_like(lam), torch.zeros_like(lam)
+        from_v = _piece(lam + decay, one, zero, lrs, momentum)
+        from_w = _piece(lam + decay, zero, one, lrs, momentum) if momentum else None
+        return [[c[i] for c in (from_v, from_w) if c is not None] for i in (2, 0, 1)]
 
-    inputs = [v.T] + ([w.T] if momentum else [])  # (p, q) each; without momentum w stays 0
-    outputs = []
-    for output in (2, 0, 1):  # u, v', w'
-        total = sum(fitted.function(x, coefficient(output, unit)) for unit, x in enumerate(inputs))
-        outputs.append(total.T.to(v.dtype))
-    return tuple(outputs)
+    u = torch.zeros_like(v)
+    if momentum:
+        fitted.functions([v.T, w.T], coefficients, out=[u.T, v.T, w.T])
+    else:  # w stays 0
+        fitted.functions([v.T], lambda lam: coefficients(lam)[:2], out=[u.T, v.T])
+    return u
