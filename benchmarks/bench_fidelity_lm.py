@@ -178,7 +178,6 @@ UNROLLED = ("unrolled-exact", "unrolled-segments-ekfac")
 UNROLLED_DEFAULT_ADJOINT = "unrolled-exact-default-adjoint"
 # the exact unrolling at the mean midpoint of the protocol's removals: continuation weights 1 − α/2 (α = 0.5)
 UNROLLED_MIDPOINT = "unrolled-exact-midpoint"
-UNROLLED_MIDPOINT_SEGMENTS = "unrolled-segments-ekfac-midpoint"  # the approximate unrolling of the same re-run record
 MIDPOINT_WEIGHT = 0.75
 SEGMENTS = 3  # pieces of the 39-step continuation for the approximate unrolling (one per epoch)
 
@@ -215,10 +214,10 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
     example's EK-FAC settings). Also times one protocol re-training (continuation + refit, nothing dropped) and
     compares its base with the record's final base. Returns {method: (values (n, q), info)}: both UNROLLED
     methods for the example's finetuning solve, UNROLLED_DEFAULT_ADJOINT (exact only) for ``"default"``, and with
-    ``at`` UNROLLED_MIDPOINT: the continuation re-run with every document weighted ``at``
-    (``ik.unrolled.reweighted``), the adapters refit on that base, the finetuning adjoint taken there, and the
-    reverse pass through the re-run continuation — the metagradient at w = ``at`` — and UNROLLED_MIDPOINT_SEGMENTS,
-    the approximate unrolling of that re-run record from the same adjoint.
+    ``at`` UNROLLED_MIDPOINT (exact only: the approximate unrolling linearizes at w = 1): the continuation re-run
+    with every document weighted ``at`` (``ik.unrolled.reweighted``), the adapters refit on that base, the
+    finetuning adjoint taken there, and the reverse pass through the re-run continuation — the metagradient at
+    w = ``at``.
     """
     ex, cfg = task.ex, task.cfg
     pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
@@ -260,22 +259,14 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
         exact = ik.unrolled.metagradients(record, adjoint, per_test=True, progress=progress)[0]
         reverse_seconds = time.perf_counter() - start
         if at is not None:
-            start = time.perf_counter()
-            approx = ik.unrolled.approximate(record, adjoint, segments=SEGMENTS, per_test=True, curvature="ekfac",
-                                             config=ex.SOLVES["ekfac"](cfg)[1], progress=progress)[0]
-            approx_seconds = time.perf_counter() - start
             seconds = {"record (the continuation, recorded)": record_seconds,
                        "re-run at w = at (reweighted)": reweight_seconds, "refit + finetuning adjoint": adjoint_seconds,
-                       "reverse pass": reverse_seconds, "segments (EK-FAC per piece)": approx_seconds,
-                       "one protocol re-training": retrain_seconds}
-            common = {"at": at, "seconds": seconds, "record_vs_protocol_max_abs": gap, "base_max_abs": scale,
-                      "refit_grad_norm": grad_norm, "finetuning_solve": query.solves[1], "steps": record.runs[0].steps}
-            shared = record_seconds + reweight_seconds + adjoint_seconds
-            return {UNROLLED_MIDPOINT: (exact.values.double().numpy(), common | {
-                        "total_seconds": shared + reverse_seconds, "replay": exact.diagnostics["replay"],
-                        "memory": exact.diagnostics["memory"]}),
-                    UNROLLED_MIDPOINT_SEGMENTS: (approx.values.double().numpy(), common | {
-                        "total_seconds": shared + approx_seconds, "settings": approx.diagnostics["settings"]})}
+                       "reverse pass": reverse_seconds, "one protocol re-training": retrain_seconds}
+            return {UNROLLED_MIDPOINT: (exact.values.double().numpy(), {
+                "at": at, "seconds": seconds, "record_vs_protocol_max_abs": gap, "base_max_abs": scale,
+                "refit_grad_norm": grad_norm, "finetuning_solve": query.solves[1], "steps": record.runs[0].steps,
+                "total_seconds": record_seconds + reweight_seconds + adjoint_seconds + reverse_seconds,
+                "replay": exact.diagnostics["replay"], "memory": exact.diagnostics["memory"]})}
         if finetuning != "example":
             seconds = {"record (the continuation, recorded)": record_seconds, "refit + finetuning adjoint": adjoint_seconds,
                        "reverse pass": reverse_seconds, "one protocol re-training": retrain_seconds}
@@ -307,9 +298,8 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
 
 def unrolled_scores_cached(task: LMTask, progress: bool, finetuning: str = "example", midpoint: bool = False) -> None:
     """Score the unrolled methods once (cached as ``scores_<method>.npz`` with their ``info``); ``midpoint``: only
-    UNROLLED_MIDPOINT and UNROLLED_MIDPOINT_SEGMENTS (the example's finetuning solve)."""
-    methods = (UNROLLED_MIDPOINT, UNROLLED_MIDPOINT_SEGMENTS) if midpoint else \
-        UNROLLED if finetuning == "example" else (UNROLLED_DEFAULT_ADJOINT,)
+    UNROLLED_MIDPOINT (the example's finetuning solve)."""
+    methods = (UNROLLED_MIDPOINT,) if midpoint else UNROLLED if finetuning == "example" else (UNROLLED_DEFAULT_ADJOINT,)
     paths = {method: CACHE / f"scores_{method}.npz" for method in methods}
     if not all(path.exists() for path in paths.values()):
         at = MIDPOINT_WEIGHT if midpoint else None

@@ -310,6 +310,8 @@ def test_bad_records_are_refused_with_the_fix():
     pretrain(adam, Adam(lr=0.1), steps=2)
     with pytest.raises(ik.InputError, match="metagradients \\(exact\\)"):
         ik.unrolled.approximate(adam, TEST)
+    with pytest.raises(ik.InputError, match="at=..."):  # the segments linearize at w = 1
+        ik.unrolled.approximate(ik.unrolled.reweighted(record, 0.75), TEST)
 
 
 class LinearInTheta(nn.Module):

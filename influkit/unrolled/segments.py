@@ -118,6 +118,12 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
                 f"approximate unrolling needs SGD steps (with or without heavy-ball momentum); a stage was trained "
                 f"with {run.optimizer!r}. Use ik.unrolled.metagradients (exact) for it."
             )
+        if run.weights is not None:
+            raise InputError(
+                "approximate unrolling linearizes the recorded run at w = 1 (its curvatures are the unweighted "
+                "objective's); this record was re-run at other data weights (ik.unrolled.reweighted). Use "
+                "ik.unrolled.metagradients(record, measure, at=...) for the derivative at other weights."
+            )
     began = time.perf_counter()
     adjoint, q, outputs = measure_adjoint(record, measure, per_test)
     pieces: list = [None] * len(record)
