@@ -311,7 +311,7 @@ def test_bad_records_are_refused_with_the_fix():
     with pytest.raises(ik.InputError, match="metagradients \\(exact\\)"):
         ik.unrolled.approximate(adam, TEST)
     with pytest.raises(ik.InputError, match="at=..."):  # the segments linearize at w = 1
-        ik.unrolled.approximate(ik.unrolled.reweighted(record, 0.75), TEST)
+        ik.unrolled.approximate(ik.unrolled.reweighted(record, torch.full((12,), 0.75)), TEST)
 
 
 class LinearInTheta(nn.Module):
