@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.func import grad, jacrev, vjp, vmap
+from torch.func import jacrev
 from tqdm.auto import tqdm
 
 from .. import distributed
@@ -235,26 +235,64 @@ def hand_over(record: Record, k: int, theta_bar: dict, anchor_bar: dict, q: int)
     return adjoint
 
 
+@dataclass
+class _Graph:
+    """One autograd graph kept from the forward replay: the tensors ``outputs`` as functions of the leaf tensors
+    ``inputs`` (both keyed: ("theta", name), ("state", slot, name), ("gradient", name), ("anchor", name), "w")."""
+
+    outputs: dict
+    inputs: dict
+
+    def pull(self, cotangents: dict, q: int) -> dict:
+        """{input key: Σ_out cotangent[out] · ∂out/∂input} with the cotangents' leading dimension q: one backward
+        through the graph (vmapped over q by autograd when q > 1), which frees it."""
+        batched = q > 1
+        wanted = [(o, cotangents[k] if batched else cotangents[k][0]) for k, o in self.outputs.items()
+                  if o.requires_grad]
+        found = torch.autograd.grad([o for o, _ in wanted], list(self.inputs.values()), [c for _, c in wanted],
+                                    allow_unused=True, is_grads_batched=batched)
+        return {k: torch.zeros(q, *x.shape, dtype=x.dtype, device=x.device) if v is None else v if batched
+                else v.unsqueeze(0) for (k, x), v in zip(self.inputs.items(), found)}
+
+
+def _leaves(tensors: dict) -> dict:
+    """Detached copies (sharing storage) that autograd records from: one step's inputs."""
+    return {n: v.detach().requires_grad_() for n, v in tensors.items()}
+
+
+def _keyed(theta: dict, state: dict) -> dict:
+    return {("theta", n): v for n, v in theta.items()} | {("state", slot, n): v for slot, s in state.items()
+                                                          for n, v in s.items()}
+
+
 def _forward_step(run: StageRun, t: int, theta, state, anchors):
-    """Step t forward, keeping its pullbacks: (θ_{t+1}, state_{t+1}, (this rank's batch ids, update's pullback,
-    gradient's pullback or None)); the gradient is this rank's share of the batch, summed over the ranks."""
+    """Step t forward with autograd recording: (θ_{t+1}, state_{t+1}, (this rank's batch ids, the update's graph,
+    the gradient's graph or None)). The gradient is this rank's share of the batch, summed over the ranks; its
+    values are the recorded step's (the same operations; the segment's replay check compares them)."""
     idx, x, y = run.batch(t)
     part = distributed.shard(torch.arange(idx.numel()))
     ids = idx[part]
     lead = part.numel() > 0 and int(part[0]) == 0  # the rank holding the batch's first example adds R and the prox
-    pull_gradient = None
-    if part.numel():
-        where = part.to(x.device)
-        xs, ys = x[where], y[where]
-        local = lambda th, an, wb: grad(run.objective)(th, an, xs, ys, wb, size=idx.numel(), penalties=lead)  # noqa: E731
-        g, pull_gradient = vjp(local, theta, anchors, unit_weights(run, ids, None, xs))  # the run's weights
-    else:
-        g = {n: torch.zeros_like(v) for n, v in theta.items()}
-    if distributed.active():
-        g = {n: _summed(v) for n, v in g.items()}
-    update = lambda th, st, gr: run.optimizer.update(th, st, gr, run.lrs[t], t + 1)  # noqa: E731
-    (theta, state), pull_update = vjp(update, theta, state, g)
-    return theta, state, (ids, pull_update, pull_gradient)
+    theta, state = _leaves(theta), {slot: _leaves(s) for slot, s in state.items()}
+    gradient_graph = None
+    with torch.enable_grad():
+        if part.numel():
+            where = part.to(x.device)
+            xs, ys = x[where], y[where]
+            leaf_anchors = _leaves(anchors)
+            w = unit_weights(run, ids, None, xs).detach().requires_grad_()  # the run's weights
+            loss = run.objective(theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead)
+            g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
+            gradient_graph = _Graph({("gradient", n): v for n, v in g.items()},
+                                    {("theta", n): v for n, v in theta.items()}
+                                    | {("anchor", n): v for n, v in leaf_anchors.items()} | {"w": w})
+        else:
+            g = {n: torch.zeros_like(v) for n, v in theta.items()}
+        g = _leaves({n: _summed(v.detach()) for n, v in g.items()})
+        new_theta, new_state = run.optimizer.update(theta, state, g, run.lrs[t], t + 1)
+    update_graph = _Graph(_keyed(new_theta, new_state),
+                          _keyed(theta, state) | {("gradient", n): v for n, v in g.items()})
+    return new_theta, new_state, (ids, update_graph, gradient_graph)
 
 
 def _summed(tensor: torch.Tensor) -> torch.Tensor:
@@ -262,13 +300,6 @@ def _summed(tensor: torch.Tensor) -> torch.Tensor:
     if not distributed.active():
         return tensor
     return distributed.all_reduce_(tensor.clone(memory_format=torch.contiguous_format))
-
-
-def _pull(pullback, cotangent, q: int):
-    """The pullback applied to a cotangent with a leading dimension q (vmapped), the outputs with it too."""
-    if q == 1:
-        return tuple(_unsqueeze(o) for o in pullback(_index(cotangent)))
-    return vmap(pullback)(cotangent)
 
 
 def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress: bool, journal: Journal):
@@ -304,18 +335,23 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
                          for slot, s in state.items()}
         terms_ids, terms = [], []
         while held:
-            ids, pull_update, pull_gradient = held.pop()
-            theta_bar, state_bar, g_bar = _pull(pull_update, (theta_bar, state_bar), q)
-            if pull_gradient is not None:
-                through_gradient, anchors_grad, w_grad = _pull(pull_gradient, g_bar, q)
+            ids, update_graph, gradient_graph = held.pop()
+            pulled = update_graph.pull(_keyed(theta_bar, state_bar), q)
+            theta_bar = {n: pulled["theta", n] for n in theta_bar}
+            state_bar = {slot: {n: pulled["state", slot, n] for n in s} for slot, s in state_bar.items()}
+            if gradient_graph is not None:
+                pulled = gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar}, q)
+                for n in theta_bar:  # H_t ḡ_t: every rank's share
+                    theta_bar[n] = theta_bar[n] + _summed(pulled["theta", n])
+                for n in anchor_bar:
+                    anchor_bar[n] = anchor_bar[n] + _summed(pulled["anchor", n])
+                w_grad = pulled["w"]
             else:
-                through_gradient = {n: torch.zeros_like(v) for n, v in theta_bar.items()}
-                anchors_grad = {n: torch.zeros_like(v) for n, v in anchor_bar.items()}
+                for n in theta_bar:  # this rank's share of the batch is empty: the sums still need its part, 0
+                    theta_bar[n] = theta_bar[n] + _summed(torch.zeros_like(theta_bar[n]))
+                for n in anchor_bar:
+                    anchor_bar[n] = anchor_bar[n] + _summed(torch.zeros_like(anchor_bar[n]))
                 w_grad = None
-            for n in through_gradient:  # H_t ḡ_t: every rank's share
-                theta_bar[n] = theta_bar[n] + _summed(through_gradient[n])
-            for n in anchor_bar:
-                anchor_bar[n] = anchor_bar[n] + _summed(anchors_grad[n])
             if w_grad is not None:
                 scores.index_add_(0, ids.to(scores.device), w_grad.T.to(scores.dtype))
                 terms_ids.append(ids)
@@ -336,19 +372,3 @@ def _resident_bytes() -> int:
     except (OSError, ValueError, IndexError):
         return 0
 
-
-def _index(tree):
-    """The first entry along the leading dimension of every tensor in a (nested dict / tuple) tree."""
-    if torch.is_tensor(tree):
-        return tree[0]
-    if isinstance(tree, dict):
-        return {k: _index(v) for k, v in tree.items()}
-    return tuple(_index(v) for v in tree)
-
-
-def _unsqueeze(tree):
-    if torch.is_tensor(tree):
-        return tree.unsqueeze(0)
-    if isinstance(tree, dict):
-        return {k: _unsqueeze(v) for k, v in tree.items()}
-    return tuple(_unsqueeze(v) for v in tree)
