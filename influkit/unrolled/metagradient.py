@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.func import jacrev
+from torch.func import jacrev, vmap
 from tqdm.auto import tqdm
 
 from .. import distributed
@@ -245,14 +245,21 @@ class _Graph:
 
     def pull(self, cotangents: dict, q: int) -> dict:
         """{input key: Σ_out cotangent[out] · ∂out/∂input} with the cotangents' leading dimension q: one backward
-        through the graph (vmapped over q by autograd when q > 1), which frees it."""
-        batched = q > 1
-        wanted = [(o, cotangents[k] if batched else cotangents[k][0]) for k, o in self.outputs.items()
-                  if o.requires_grad]
-        found = torch.autograd.grad([o for o, _ in wanted], list(self.inputs.values()), [c for _, c in wanted],
-                                    allow_unused=True, is_grads_batched=batched)
-        return {k: torch.zeros(q, *x.shape, dtype=x.dtype, device=x.device) if v is None else v if batched
-                else v.unsqueeze(0) for (k, x), v in zip(self.inputs.items(), found)}
+        through the graph (vmapped over q by ``torch.func.vmap`` when q > 1, whose batching rules cover the
+        convolutions' double backward), which frees it."""
+        wanted = [k for k, o in self.outputs.items() if o.requires_grad]
+        outputs, inputs = [self.outputs[k] for k in wanted], list(self.inputs.values())
+
+        def backward(*vectors):
+            return torch.autograd.grad(outputs, inputs, vectors, allow_unused=True, materialize_grads=True)
+
+        vectors = [cotangents[k] for k in wanted]
+        found = vmap(backward)(*vectors) if q > 1 else [v.unsqueeze(0) for v in backward(*(c[0] for c in vectors))]
+        return dict(zip(self.inputs, found))
+
+
+def _detached(tensors: dict) -> dict:
+    return {n: v.detach() for n, v in tensors.items()}
 
 
 def _leaves(tensors: dict) -> dict:
@@ -328,7 +335,8 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
         for t in range(a, b):  # forward through the segment, keeping each step's pullbacks (its autograd graph)
             theta, state, pullbacks = _forward_step(run, t, theta, state, anchors)
             held.append(pullbacks)
-        stats["replay_error"] = max(stats["replay_error"], deviation((theta, state), run.checkpoints[b]))
+        replayed = (_detached(theta), {slot: _detached(s) for slot, s in state.items()})
+        stats["replay_error"] = max(stats["replay_error"], deviation(replayed, run.checkpoints[b]))
         stats["segment_growth"] = max(stats["segment_growth"], _resident_bytes() - before)
         if state_bar is None:
             state_bar = {slot: {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in s.items()}
