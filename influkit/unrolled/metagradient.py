@@ -26,15 +26,18 @@ adjoint is accumulated over every finetuning step; Case 2: θ̄_0 of the finetun
 ∂/∂S̄; LoRA: the fixed base weights are a Case 1 block).
 
 Memory (checkpointing): the record keeps (θ, state) every k steps. The reverse pass takes the segments last to
-first: it replays one segment forward from its checkpoint keeping each step's pullback (the step's autograd
-graph: its activations and gradient), then runs the segment's VJPs backwards and drops them. It holds T/k
-checkpoints + k step graphs + the adjoints — O(√T) for k = √T — and costs one forward replay of the run (a
-step's forward and backward, under ``vjp``) plus one double backward per step: about 2–3 training runs. Each
+first: it replays one segment forward from its checkpoint keeping each step's autograd graphs — the gradient
+g_t = ∇_θ L_t computed with ``create_graph`` from leaves θ_t, S̄ and w_{B_t} (its activations), and the update from
+leaves θ_t, state_t and g_t — then pulls the segment's graphs backwards (one ``autograd.grad`` per graph, freeing
+it) and drops them. It holds T/k checkpoints + k step graphs + the adjoints — O(√T) for k = √T — and costs one
+forward replay of the run (a step's forward and backward: a training step) plus one double backward per step
+(H_t v_t, the shared block's term and the batch's example terms together; ``benchmarks/bench_unrolled.py``
+measures the ratio). For q measures the double backward runs once per measure (vmapped) and dominates. Each
 segment's recomputed end is compared with the next checkpoint, so the pass also checks that replay reproduces the
 whole record (``diagnostics["replay"]``).
 
 A measure with q outputs (per-test losses) is differentiated for all q at once: the adjoints carry a leading
-dimension q and the VJPs are vmapped.
+dimension q and each graph's backward is vmapped over it (``torch.func.vmap``).
 
 Ranks (``torch.distributed``, as :meth:`influkit.Query.scores`): a step is split into the gradient of the batch's
 loss, g_t = Σ_r g_t^r with rank r's contiguous share of B_t (:func:`influkit.distributed.shard`; R(θ) and the
@@ -303,7 +306,7 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors):
 
 
 def _summed(tensor: torch.Tensor) -> torch.Tensor:
-    """A dense copy of ``tensor`` summed over the ranks (a pullback's output may be an expanded view)."""
+    """A dense copy of ``tensor`` summed over the ranks (a backward's output may be an expanded view)."""
     if not distributed.active():
         return tensor
     return distributed.all_reduce_(tensor.clone(memory_format=torch.contiguous_format))
@@ -321,7 +324,7 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
         if journal.done(j):  # finished by an earlier run: its terms from disk, and the adjoint after the last one
             ids, values = journal.terms(j)
             scores.index_add_(0, ids.to(scores.device), values.to(scores.device, scores.dtype))
-            if j == journal.finished - 1:  # in the record's name order (the pullbacks' tree structure)
+            if j == journal.finished - 1:  # in the record's name order
                 theta, state, anchor = journal.adjoint()
                 theta_bar, anchor_bar = {n: theta[n] for n in theta_bar}, {n: anchor[n] for n in anchor_bar}
                 slots = run.checkpoints[a][1]
@@ -332,9 +335,9 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
         if a == 0:
             theta = start(run, anchors)
         held, before = [], _resident_bytes()
-        for t in range(a, b):  # forward through the segment, keeping each step's pullbacks (its autograd graph)
-            theta, state, pullbacks = _forward_step(run, t, theta, state, anchors)
-            held.append(pullbacks)
+        for t in range(a, b):  # forward through the segment, keeping each step's autograd graphs
+            theta, state, graphs = _forward_step(run, t, theta, state, anchors)
+            held.append(graphs)
         replayed = (_detached(theta), {slot: _detached(s) for slot, s in state.items()})
         stats["replay_error"] = max(stats["replay_error"], deviation(replayed, run.checkpoints[b]))
         stats["segment_growth"] = max(stats["segment_growth"], _resident_bytes() - before)
