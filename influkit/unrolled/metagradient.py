@@ -26,18 +26,21 @@ adjoint is accumulated over every finetuning step; Case 2: θ̄_0 of the finetun
 ∂/∂S̄; LoRA: the fixed base weights are a Case 1 block).
 
 Memory (checkpointing): the record keeps (θ, state) every k steps. The reverse pass takes the segments last to
-first: it replays one segment forward from its checkpoint keeping each step's autograd graphs — the gradient
-g_t = ∇_θ L_t computed with ``create_graph`` from leaves θ_t, S̄ and w_{B_t} (its activations), and the update from
-leaves θ_t, state_t and g_t — then pulls the segment's graphs backwards (one ``autograd.grad`` per graph, freeing
-it) and drops them. It holds T/k checkpoints + k step graphs + the adjoints — O(√T) for k = √T — and costs one
-forward replay of the run (a step's forward and backward: a training step) plus one double backward per step
-(H_t v_t, the shared block's term and the batch's example terms together; ``benchmarks/bench_unrolled.py``
-measures the ratio). For q measures the double backward runs once per measure (vmapped) and dominates. Each
-segment's recomputed end is compared with the next checkpoint, so the pass also checks that replay reproduces the
-whole record (``diagnostics["replay"]``).
+first: it replays one segment forward from its checkpoint keeping what each step's reverse needs — the gradient
+g_t = ∇_θ L_t(θ_t; S̄, w_{B_t}) with its activations, and the update of (θ_t, state_t, g_t) — then pulls the
+segment's steps backwards and drops them. It holds T/k checkpoints + k step graphs + the adjoints — O(√T) for
+k = √T — and costs one forward replay of the run (a step's forward and backward: a training step) plus one double
+backward per step (H_t v_t, the shared block's term and the batch's example terms in one pass;
+``benchmarks/bench_unrolled.py`` measures the ratio to training). Each segment's recomputed end is compared with
+the next checkpoint, so the pass also checks that replay reproduces the whole record (``diagnostics["replay"]``).
 
 A measure with q outputs (per-test losses) is differentiated for all q at once: the adjoints carry a leading
-dimension q and each graph's backward is vmapped over it (``torch.func.vmap``).
+dimension q and every step's backward runs once per output. For one output a step is kept as plain autograd graphs
+(the gradient taken with ``create_graph`` from leaf θ_t, S̄, w_{B_t}; the update from leaf θ_t, state_t, g_t),
+pulled by one ``autograd.grad`` each; for q > 1 as ``torch.func.vjp`` pullbacks of the step, vmapped over the q
+adjoints — ``torch.func``'s own double backward batches better (on the LM task, 20 per-test adjoints: 52 s against
+63 s with ``vmap`` over ``autograd.grad``), while for one output its per-step tracing costs more than the graph
+(digits: 0.44 s against 0.25 s of forward replay for 250 steps).
 
 Ranks (``torch.distributed``, as :meth:`influkit.Query.scores`): a step is split into the gradient of the batch's
 loss, g_t = Σ_r g_t^r with rank r's contiguous share of B_t (:func:`influkit.distributed.shard`; R(θ) and the
@@ -58,7 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.func import jacrev, vmap
+from torch.func import grad, jacrev, vjp, vmap
 from tqdm.auto import tqdm
 
 from .. import distributed
@@ -240,28 +243,34 @@ def hand_over(record: Record, k: int, theta_bar: dict, anchor_bar: dict, q: int)
 
 @dataclass
 class _Graph:
-    """One autograd graph kept from the forward replay: the tensors ``outputs`` as functions of the leaf tensors
-    ``inputs`` (both keyed: ("theta", name), ("state", slot, name), ("gradient", name), ("anchor", name), "w")."""
+    """One step's plain autograd graph (one measure, q = 1): ``outputs`` as functions of the leaf tensors ``inputs``,
+    both keyed ("theta", name), ("state", slot, name), ("gradient", name), ("anchor", name) or "w"."""
 
     outputs: dict
     inputs: dict
 
-    def pull(self, cotangents: dict, q: int) -> dict:
-        """{input key: Σ_out cotangent[out] · ∂out/∂input} with the cotangents' leading dimension q: one backward
-        through the graph (vmapped over q by ``torch.func.vmap`` when q > 1, whose batching rules cover the
-        convolutions' double backward), which frees it."""
+    def pull(self, cotangents: dict) -> dict:
+        """{input key: Σ_out cotangent[out] · ∂out/∂input} for cotangents with a leading dimension 1 (one backward,
+        which frees the graph)."""
         wanted = [k for k, o in self.outputs.items() if o.requires_grad]
-        outputs, inputs = [self.outputs[k] for k in wanted], list(self.inputs.values())
+        found = torch.autograd.grad([self.outputs[k] for k in wanted], list(self.inputs.values()),
+                                    [cotangents[k][0] for k in wanted], allow_unused=True, materialize_grads=True)
+        return {k: v.unsqueeze(0) for k, v in zip(self.inputs, found)}
 
-        def backward(*vectors):
-            return torch.autograd.grad(outputs, inputs, vectors, allow_unused=True, materialize_grads=True)
 
-        vectors = [cotangents[k] for k in wanted]
-        found = vmap(backward)(*vectors) if q > 1 else [v.unsqueeze(0) for v in backward(*(c[0] for c in vectors))]
-        return dict(zip(self.inputs, found))
+class _Pullback:
+    """One step's ``torch.func`` pullback (q > 1 measures): the vjp of ``fn`` (keyed dict → keyed dict, keys as
+    :class:`_Graph`'s) at ``inputs``, applied to cotangents with a leading dimension q under ``vmap``."""
+
+    def __init__(self, fn, inputs: dict):
+        self.outputs, self._pullback = vjp(fn, inputs)
+
+    def pull(self, cotangents: dict) -> dict:
+        return vmap(self._pullback)({k: cotangents[k] for k in self.outputs})[0]
 
 
 def _detached(tensors: dict) -> dict:
+    """The values without their autograd history."""
     return {n: v.detach() for n, v in tensors.items()}
 
 
@@ -271,37 +280,66 @@ def _leaves(tensors: dict) -> dict:
 
 
 def _keyed(theta: dict, state: dict) -> dict:
+    """θ and the optimizer state as one dict keyed ("theta", name) and ("state", slot, name) (:class:`_Graph`)."""
     return {("theta", n): v for n, v in theta.items()} | {("state", slot, n): v for slot, s in state.items()
                                                           for n, v in s.items()}
 
 
-def _forward_step(run: StageRun, t: int, theta, state, anchors):
-    """Step t forward with autograd recording: (θ_{t+1}, state_{t+1}, (this rank's batch ids, the update's graph,
-    the gradient's graph or None)). The gradient is this rank's share of the batch, summed over the ranks; its
-    values are the recorded step's (the same operations; the segment's replay check compares them)."""
+def _unkeyed(keyed: dict, theta: dict, state: dict) -> tuple[dict, dict]:
+    """(θ, state) with the names and slots of ``theta`` and ``state`` from a :func:`_keyed` dict."""
+    return ({n: keyed["theta", n] for n in theta},
+            {slot: {n: keyed["state", slot, n] for n in s} for slot, s in state.items()})
+
+
+def _forward_step(run: StageRun, t: int, theta, state, anchors, q: int):
+    """Step t forward, keeping what its reverse needs: (θ_{t+1}, state_{t+1}, (this rank's batch ids, the update's
+    graph, the gradient's graph or None)) — plain autograd graphs for q = 1, ``torch.func`` pullbacks for q > 1
+    (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its values are the
+    recorded step's (the same operations; the segment's replay check compares them)."""
     idx, x, y = run.batch(t)
     part = distributed.shard(torch.arange(idx.numel()))
     ids = idx[part]
     lead = part.numel() > 0 and int(part[0]) == 0  # the rank holding the batch's first example adds R and the prox
-    theta, state = _leaves(theta), {slot: _leaves(s) for slot, s in state.items()}
+    if q == 1:
+        theta, state = _leaves(theta), {slot: _leaves(s) for slot, s in state.items()}
     gradient_graph = None
     with torch.enable_grad():
         if part.numel():
             where = part.to(x.device)
             xs, ys = x[where], y[where]
-            leaf_anchors = _leaves(anchors)
-            w = unit_weights(run, ids, None, xs).detach().requires_grad_()  # the run's weights
-            loss = run.objective(theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead)
-            g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
-            gradient_graph = _Graph({("gradient", n): v for n, v in g.items()},
-                                    {("theta", n): v for n, v in theta.items()}
-                                    | {("anchor", n): v for n, v in leaf_anchors.items()} | {"w": w})
+            w = unit_weights(run, ids, None, xs)  # the run's weights
+            if q == 1:
+                leaf_anchors, w = _leaves(anchors), w.detach().requires_grad_()
+                loss = run.objective(theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead)
+                g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
+                gradient_graph = _Graph({("gradient", n): v for n, v in g.items()},
+                                        {("theta", n): v for n, v in theta.items()}
+                                        | {("anchor", n): v for n, v in leaf_anchors.items()} | {"w": w})
+            else:
+                def gradient(inputs):
+                    th, an = {n: inputs["theta", n] for n in theta}, {n: inputs["anchor", n] for n in anchors}
+                    g = grad(run.objective)(th, an, xs, ys, inputs["w"], size=idx.numel(), penalties=lead)
+                    return {("gradient", n): v for n, v in g.items()}
+
+                gradient_graph = _Pullback(gradient, {("theta", n): v for n, v in theta.items()}
+                                           | {("anchor", n): v for n, v in anchors.items()} | {"w": w})
+                g = {n: gradient_graph.outputs["gradient", n] for n in theta}
         else:
             g = {n: torch.zeros_like(v) for n, v in theta.items()}
-        g = _leaves({n: _summed(v.detach()) for n, v in g.items()})
-        new_theta, new_state = run.optimizer.update(theta, state, g, run.lrs[t], t + 1)
-    update_graph = _Graph(_keyed(new_theta, new_state),
-                          _keyed(theta, state) | {("gradient", n): v for n, v in g.items()})
+        g = {n: _summed(v.detach() if q == 1 else v) for n, v in g.items()}
+        if q == 1:
+            g = _leaves(g)
+            new_theta, new_state = run.optimizer.update(theta, state, g, run.lrs[t], t + 1)
+            update_graph = _Graph(_keyed(new_theta, new_state),
+                                  _keyed(theta, state) | {("gradient", n): v for n, v in g.items()})
+            return new_theta, new_state, (ids, update_graph, gradient_graph)
+
+    def update(inputs):
+        th, st = _unkeyed(inputs, theta, state)
+        return _keyed(*run.optimizer.update(th, st, {n: inputs["gradient", n] for n in theta}, run.lrs[t], t + 1))
+
+    update_graph = _Pullback(update, _keyed(theta, state) | {("gradient", n): v for n, v in g.items()})
+    new_theta, new_state = _unkeyed(update_graph.outputs, theta, state)
     return new_theta, new_state, (ids, update_graph, gradient_graph)
 
 
@@ -336,7 +374,7 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
             theta = start(run, anchors)
         held, before = [], _resident_bytes()
         for t in range(a, b):  # forward through the segment, keeping each step's autograd graphs
-            theta, state, graphs = _forward_step(run, t, theta, state, anchors)
+            theta, state, graphs = _forward_step(run, t, theta, state, anchors, q)
             held.append(graphs)
         replayed = (_detached(theta), {slot: _detached(s) for slot, s in state.items()})
         stats["replay_error"] = max(stats["replay_error"], deviation(replayed, run.checkpoints[b]))
@@ -347,26 +385,24 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
         terms_ids, terms = [], []
         while held:
             ids, update_graph, gradient_graph = held.pop()
-            pulled = update_graph.pull(_keyed(theta_bar, state_bar), q)
+            pulled = update_graph.pull(_keyed(theta_bar, state_bar))
             theta_bar = {n: pulled["theta", n] for n in theta_bar}
             state_bar = {slot: {n: pulled["state", slot, n] for n in s} for slot, s in state_bar.items()}
-            if gradient_graph is not None:
-                pulled = gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar}, q)
-                for n in theta_bar:  # H_t ḡ_t: every rank's share
-                    theta_bar[n] = theta_bar[n] + _summed(pulled["theta", n])
-                for n in anchor_bar:
-                    anchor_bar[n] = anchor_bar[n] + _summed(pulled["anchor", n])
-                w_grad = pulled["w"]
-            else:
-                for n in theta_bar:  # this rank's share of the batch is empty: the sums still need its part, 0
-                    theta_bar[n] = theta_bar[n] + _summed(torch.zeros_like(theta_bar[n]))
-                for n in anchor_bar:
-                    anchor_bar[n] = anchor_bar[n] + _summed(torch.zeros_like(anchor_bar[n]))
-                w_grad = None
-            if w_grad is not None:
-                scores.index_add_(0, ids.to(scores.device), w_grad.T.to(scores.dtype))
+            # through the gradient: H_t ḡ_t, the shared block's term and the batch's example terms (this rank's
+            # share of the batch; an empty share adds 0 to the sums over the ranks)
+            through = {} if gradient_graph is None else \
+                gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar})
+            for n in theta_bar:
+                theta_bar[n] = theta_bar[n] + _summed(through["theta", n] if through else
+                                                      torch.zeros_like(theta_bar[n]))
+            for n in anchor_bar:
+                anchor_bar[n] = anchor_bar[n] + _summed(through["anchor", n] if through else
+                                                        torch.zeros_like(anchor_bar[n]))
+            if through:
+                w_grad = through["w"].T.to(scores.dtype)
+                scores.index_add_(0, ids.to(scores.device), w_grad)
                 terms_ids.append(ids)
-                terms.append(w_grad.T.to(scores.dtype))
+                terms.append(w_grad)
             stats["adjoint_bytes"] = max(stats["adjoint_bytes"], tensor_bytes((theta_bar, state_bar, anchor_bar)))
         empty = torch.zeros(0, q, dtype=scores.dtype)
         journal.finish(j, torch.cat(terms_ids) if terms_ids else torch.zeros(0, dtype=torch.long),
