@@ -5,9 +5,17 @@ measure) with T pretraining steps (finetuning: 100 steps), each configuration in
 resident memory (``ru_maxrss``) is its own. For each T: one training run's seconds (the verifying replay: the same
 steps) and the metagradient's, each the fastest of 3 interleaved runs, their ratio, and the growth of the peak
 resident memory during the first metagradient, with checkpoints every ⌈√T⌉ steps (the default) and with a
-single segment (every step's graph held at once).
+single segment (every step's graph held at once). ``--per-test`` adds the metagradient of the q = 100 per-test losses
+in one pass (``per_test=True``, the replay protocol's rows) and its ratio.
 
     python -m benchmarks.bench_unrolled --steps 64 256 1024
+    python -m benchmarks.bench_unrolled --steps 150 --per-test   # the replay protocol's run (150 + 100 steps)
+    python -m benchmarks.bench_unrolled --lm   # the LM task's recorded continuation (bench_fidelity_lm's cache)
+
+``--lm``: the LM task's warm-protocol continuation (39 SGD steps of the 210k-parameter LoRA-task decoder,
+``bench_fidelity_lm.record_continuation``) — one continuation with ``torch.optim`` (warm, the faster of 2), and the
+reverse pass for the 20 per-test adjoints of the cached pretraining right-hand side (``pretraining_rhs.pt``, an
+``ik.unrolled.Adjoint``; its values do not change the cost) and for their sum (q = 1).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 REPEATS = 3
 
 
-def one(steps: int, every: int) -> dict:
+def one(steps: int, every: int, per_test: bool) -> dict:
     """Record, verify and differentiate one configuration in this process; the measured numbers."""
     import benchmarks.fidelity_replay as fr
     from benchmarks.fidelity_tasks import TASKS, Task
@@ -50,7 +58,7 @@ def one(steps: int, every: int) -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = ik.unrolled.metagradients(record, task.split.test)[0]
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    training, seconds = [], []
+    training, seconds, columns = [], [], []
     for _ in range(REPEATS):  # interleaved, the fastest of each: the machine is shared
         start = time.perf_counter()
         ik.unrolled.verify(record)
@@ -58,35 +66,86 @@ def one(steps: int, every: int) -> dict:
         start = time.perf_counter()
         ik.unrolled.metagradients(record, task.split.test)
         seconds.append(time.perf_counter() - start)
+        if per_test:
+            start = time.perf_counter()
+            ik.unrolled.metagradients(record, task.split.test, per_test=True)
+            columns.append(time.perf_counter() - start)
     training, seconds = min(training), min(seconds)
     memory = result.diagnostics["memory"]
     return {"steps": steps, "every": every, "training_s": training, "metagradient_s": seconds,
-            "ratio": seconds / training, "peak_growth_MiB": (after - before) / 2**20,
+            "ratio": seconds / training, "per_test_s": min(columns) if columns else None,
+            "per_test_ratio": min(columns) / training if columns else None,
+            "peak_growth_MiB": (after - before) / 2**20,
             "checkpoints_MiB": memory["checkpoint_bytes"] / 2**20, "replay_error": error,
             "segment_replay_error": result.diagnostics["replay"]["max_error"]}
+
+
+def lm() -> None:
+    """The LM task's line (module docstring)."""
+    import benchmarks.bench_fidelity_lm as fidelity_lm
+    from influkit.params import ParamSpace
+
+    import influkit as ik
+
+    torch.set_num_threads(1)
+    task = fidelity_lm.LMTask(progress=False)
+    kept = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
+    record = fidelity_lm.record_continuation(task, progress=False)
+    training = []
+    for _ in range(2):
+        task.pre.model.load_state_dict(kept)
+        start = time.perf_counter()
+        task.ex.continue_pretraining(task.pre, task.cfg, None, task.cfg.seed + 7)
+        training.append(time.perf_counter() - start)
+    task.pre.model.load_state_dict(kept)
+    final = record.runs[0].final
+    names = task.chain("identity").plans[0].trained
+    rhs = torch.load(fidelity_lm.rhs_path("example"))["rhs"]
+    adjoint = ik.unrolled.Adjoint(ParamSpace({n: final[n] for n in names}).unflatten(rhs), batched=True)
+    start = time.perf_counter()
+    result = ik.unrolled.metagradients(record, adjoint, per_test=True)[0]
+    per_test = time.perf_counter() - start
+    start = time.perf_counter()
+    ik.unrolled.metagradients(record, ik.unrolled.Adjoint({n: v.sum(0) for n, v in adjoint.tensors.items()}))
+    summed, training = time.perf_counter() - start, min(training)
+    q = result.values.shape[1]
+    print("| task | steps | one continuation s | metagradient (q = 1) s | ratio | per test (q = %d) s | ratio | "
+          "replay error |\n|---|---|---|---|---|---|---|---|" % q)
+    print(f"| LM warm continuation | {record.runs[0].steps} | {training:.2f} | {summed:.2f} | {summed / training:.2f} | "
+          f"{per_test:.2f} | {per_test / training:.2f} | {result.diagnostics['replay']['max_error']:.1e} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--per-test", action="store_true", help="also the q = 100 per-test metagradient")
+    parser.add_argument("--lm", action="store_true", help="the LM task's continuation instead (module docstring)")
     parser.add_argument("--one", type=int, nargs=2, metavar=("STEPS", "EVERY"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(*args.one)))
+        print(json.dumps(one(*args.one, args.per_test)))
         return
     with open("/proc/loadavg") as handle:
         print(f"load average before: {handle.read().split()[:3]}", flush=True)
-    print("| T (pretraining steps) | checkpoint every | one training run s | metagradient s | ratio | "
-          "peak RSS growth MiB | checkpoints MiB | replay error |")
-    print("|---|---|---|---|---|---|---|---|")
+    if args.lm:
+        lm()
+        with open("/proc/loadavg") as handle:
+            print(f"load average after: {handle.read().split()[:3]}", flush=True)
+        return
+    extra = " per test (q = 100) s | ratio |" if args.per_test else ""
+    print("| T (pretraining steps) | checkpoint every | one training run s | metagradient s | ratio |" + extra +
+          " peak RSS growth MiB | checkpoints MiB | replay error |")
+    print("|---" * (8 + 2 * args.per_test) + "|")
     for steps in args.steps:
         for every in (math.ceil(math.sqrt(steps)), steps):
             env = os.environ | {"OMP_NUM_THREADS": "1"}
-            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_unrolled", "--one", str(steps), str(every)],
+            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_unrolled", "--one", str(steps), str(every)]
+                                 + ["--per-test"] * args.per_test,
                                  env=env, cwd=HERE.parent, capture_output=True, text=True, check=True)
             row = json.loads(out.stdout.strip().splitlines()[-1])
+            extra = f" {row['per_test_s']:.2f} | {row['per_test_ratio']:.2f} |" if args.per_test else ""
             print(f"| {row['steps']} | {row['every']} | {row['training_s']:.2f} | {row['metagradient_s']:.2f} | "
-                  f"{row['ratio']:.2f} | {row['peak_growth_MiB']:.1f} | {row['checkpoints_MiB']:.3f} | "
+                  f"{row['ratio']:.2f} |{extra} {row['peak_growth_MiB']:.1f} | {row['checkpoints_MiB']:.3f} | "
                   f"{max(row['replay_error'], row['segment_replay_error']):.1e} |", flush=True)
     with open("/proc/loadavg") as handle:
         print(f"load average after: {handle.read().split()[:3]}", flush=True)

@@ -26,15 +26,21 @@ adjoint is accumulated over every finetuning step; Case 2: θ̄_0 of the finetun
 ∂/∂S̄; LoRA: the fixed base weights are a Case 1 block).
 
 Memory (checkpointing): the record keeps (θ, state) every k steps. The reverse pass takes the segments last to
-first: it replays one segment forward from its checkpoint keeping each step's pullback (the step's autograd
-graph: its activations and gradient), then runs the segment's VJPs backwards and drops them. It holds T/k
-checkpoints + k step graphs + the adjoints — O(√T) for k = √T — and costs one forward replay of the run (a
-step's forward and backward, under ``vjp``) plus one double backward per step: about 2–3 training runs. Each
-segment's recomputed end is compared with the next checkpoint, so the pass also checks that replay reproduces the
-whole record (``diagnostics["replay"]``).
+first: it replays one segment forward from its checkpoint keeping what each step's reverse needs — the gradient
+g_t = ∇_θ L_t(θ_t; S̄, w_{B_t}) with its activations, and the update of (θ_t, state_t, g_t) — then pulls the
+segment's steps backwards and drops them. It holds T/k checkpoints + k step graphs + the adjoints — O(√T) for
+k = √T — and costs one forward replay of the run (a step's forward and backward: a training step) plus one double
+backward per step (H_t v_t, the shared block's term and the batch's example terms in one pass;
+``benchmarks/bench_unrolled.py`` measures the ratio to training). Each segment's recomputed end is compared with
+the next checkpoint, so the pass also checks that replay reproduces the whole record (``diagnostics["replay"]``).
 
 A measure with q outputs (per-test losses) is differentiated for all q at once: the adjoints carry a leading
-dimension q and the VJPs are vmapped.
+dimension q and every step's backward runs once per output. For one output a step is kept as plain autograd graphs
+(the gradient taken with ``create_graph`` from leaf θ_t, S̄, w_{B_t}; the update from leaf θ_t, state_t, g_t),
+pulled by one ``autograd.grad`` each; for q > 1 as ``torch.func.vjp`` pullbacks of the step, vmapped over the q
+adjoints — ``torch.func``'s own double backward batches better (on the LM task, 20 per-test adjoints: 52 s against
+63 s with ``vmap`` over ``autograd.grad``), while for one output its per-step tracing costs more than the graph
+(digits: 0.44 s against 0.25 s of forward replay for 250 steps).
 
 Ranks (``torch.distributed``, as :meth:`influkit.Query.scores`): a step is split into the gradient of the batch's
 loss, g_t = Σ_r g_t^r with rank r's contiguous share of B_t (:func:`influkit.distributed.shard`; R(θ) and the
@@ -235,40 +241,113 @@ def hand_over(record: Record, k: int, theta_bar: dict, anchor_bar: dict, q: int)
     return adjoint
 
 
-def _forward_step(run: StageRun, t: int, theta, state, anchors):
-    """Step t forward, keeping its pullbacks: (θ_{t+1}, state_{t+1}, (this rank's batch ids, update's pullback,
-    gradient's pullback or None)); the gradient is this rank's share of the batch, summed over the ranks."""
+@dataclass
+class _Graph:
+    """One step's plain autograd graph (one measure, q = 1): ``outputs`` as functions of the leaf tensors ``inputs``,
+    both keyed ("theta", name), ("state", slot, name), ("gradient", name), ("anchor", name) or "w"."""
+
+    outputs: dict
+    inputs: dict
+
+    def pull(self, cotangents: dict) -> dict:
+        """{input key: Σ_out cotangent[out] · ∂out/∂input} for cotangents with a leading dimension 1 (one backward,
+        which frees the graph)."""
+        wanted = [k for k, o in self.outputs.items() if o.requires_grad]
+        found = torch.autograd.grad([self.outputs[k] for k in wanted], list(self.inputs.values()),
+                                    [cotangents[k][0] for k in wanted], allow_unused=True, materialize_grads=True)
+        return {k: v.unsqueeze(0) for k, v in zip(self.inputs, found)}
+
+
+class _Pullback:
+    """One step's ``torch.func`` pullback (q > 1 measures): the vjp of ``fn`` (keyed dict → keyed dict, keys as
+    :class:`_Graph`'s) at ``inputs``, applied to cotangents with a leading dimension q under ``vmap``."""
+
+    def __init__(self, fn, inputs: dict):
+        self.outputs, self._pullback = vjp(fn, inputs)
+
+    def pull(self, cotangents: dict) -> dict:
+        return vmap(self._pullback)({k: cotangents[k] for k in self.outputs})[0]
+
+
+def _detached(tensors: dict) -> dict:
+    """The values without their autograd history."""
+    return {n: v.detach() for n, v in tensors.items()}
+
+
+def _leaves(tensors: dict) -> dict:
+    """Detached copies (sharing storage) that autograd records from: one step's inputs."""
+    return {n: v.detach().requires_grad_() for n, v in tensors.items()}
+
+
+def _keyed(theta: dict, state: dict) -> dict:
+    """θ and the optimizer state as one dict keyed ("theta", name) and ("state", slot, name) (:class:`_Graph`)."""
+    return {("theta", n): v for n, v in theta.items()} | {("state", slot, n): v for slot, s in state.items()
+                                                          for n, v in s.items()}
+
+
+def _unkeyed(keyed: dict, theta: dict, state: dict) -> tuple[dict, dict]:
+    """(θ, state) with the names and slots of ``theta`` and ``state`` from a :func:`_keyed` dict."""
+    return ({n: keyed["theta", n] for n in theta},
+            {slot: {n: keyed["state", slot, n] for n in s} for slot, s in state.items()})
+
+
+def _forward_step(run: StageRun, t: int, theta, state, anchors, q: int):
+    """Step t forward, keeping what its reverse needs: (θ_{t+1}, state_{t+1}, (this rank's batch ids, the update's
+    graph, the gradient's graph or None)) — plain autograd graphs for q = 1, ``torch.func`` pullbacks for q > 1
+    (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its values are the
+    recorded step's (the same operations; the segment's replay check compares them)."""
     idx, x, y = run.batch(t)
     part = distributed.shard(torch.arange(idx.numel()))
     ids = idx[part]
     lead = part.numel() > 0 and int(part[0]) == 0  # the rank holding the batch's first example adds R and the prox
-    pull_gradient = None
-    if part.numel():
-        where = part.to(x.device)
-        xs, ys = x[where], y[where]
-        local = lambda th, an, wb: grad(run.objective)(th, an, xs, ys, wb, size=idx.numel(), penalties=lead)  # noqa: E731
-        g, pull_gradient = vjp(local, theta, anchors, unit_weights(run, ids, None, xs))  # the run's weights
-    else:
-        g = {n: torch.zeros_like(v) for n, v in theta.items()}
-    if distributed.active():
-        g = {n: _summed(v) for n, v in g.items()}
-    update = lambda th, st, gr: run.optimizer.update(th, st, gr, run.lrs[t], t + 1)  # noqa: E731
-    (theta, state), pull_update = vjp(update, theta, state, g)
-    return theta, state, (ids, pull_update, pull_gradient)
+    if q == 1:
+        theta, state = _leaves(theta), {slot: _leaves(s) for slot, s in state.items()}
+    gradient_graph = None
+    with torch.enable_grad():
+        if part.numel():
+            where = part.to(x.device)
+            xs, ys = x[where], y[where]
+            w = unit_weights(run, ids, None, xs)  # the run's weights
+            if q == 1:
+                leaf_anchors, w = _leaves(anchors), w.detach().requires_grad_()
+                loss = run.objective(theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead)
+                g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
+                gradient_graph = _Graph({("gradient", n): v for n, v in g.items()},
+                                        {("theta", n): v for n, v in theta.items()}
+                                        | {("anchor", n): v for n, v in leaf_anchors.items()} | {"w": w})
+            else:
+                def gradient(inputs):
+                    th, an = {n: inputs["theta", n] for n in theta}, {n: inputs["anchor", n] for n in anchors}
+                    g = grad(run.objective)(th, an, xs, ys, inputs["w"], size=idx.numel(), penalties=lead)
+                    return {("gradient", n): v for n, v in g.items()}
+
+                gradient_graph = _Pullback(gradient, {("theta", n): v for n, v in theta.items()}
+                                           | {("anchor", n): v for n, v in anchors.items()} | {"w": w})
+                g = {n: gradient_graph.outputs["gradient", n] for n in theta}
+        else:
+            g = {n: torch.zeros_like(v) for n, v in theta.items()}
+        g = {n: _summed(v.detach() if q == 1 else v) for n, v in g.items()}
+        if q == 1:
+            g = _leaves(g)
+            new_theta, new_state = run.optimizer.update(theta, state, g, run.lrs[t], t + 1)
+            update_graph = _Graph(_keyed(new_theta, new_state),
+                                  _keyed(theta, state) | {("gradient", n): v for n, v in g.items()})
+            return new_theta, new_state, (ids, update_graph, gradient_graph)
+
+    def update(inputs):
+        th, st = _unkeyed(inputs, theta, state)
+        return _keyed(*run.optimizer.update(th, st, {n: inputs["gradient", n] for n in theta}, run.lrs[t], t + 1))
+
+    update_graph = _Pullback(update, _keyed(theta, state) | {("gradient", n): v for n, v in g.items()})
+    new_theta, new_state = _unkeyed(update_graph.outputs, theta, state)
+    return new_theta, new_state, (ids, update_graph, gradient_graph)
 
 
 def _summed(tensor: torch.Tensor) -> torch.Tensor:
-    """A dense copy of ``tensor`` summed over the ranks (a pullback's output may be an expanded view)."""
+    """A dense copy of ``tensor`` summed over the ranks (a backward's output may be an expanded view)."""
     if not distributed.active():
         return tensor
     return distributed.all_reduce_(tensor.clone(memory_format=torch.contiguous_format))
-
-
-def _pull(pullback, cotangent, q: int):
-    """The pullback applied to a cotangent with a leading dimension q (vmapped), the outputs with it too."""
-    if q == 1:
-        return tuple(_unsqueeze(o) for o in pullback(_index(cotangent)))
-    return vmap(pullback)(cotangent)
 
 
 def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress: bool, journal: Journal):
@@ -283,7 +362,7 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
         if journal.done(j):  # finished by an earlier run: its terms from disk, and the adjoint after the last one
             ids, values = journal.terms(j)
             scores.index_add_(0, ids.to(scores.device), values.to(scores.device, scores.dtype))
-            if j == journal.finished - 1:  # in the record's name order (the pullbacks' tree structure)
+            if j == journal.finished - 1:  # in the record's name order
                 theta, state, anchor = journal.adjoint()
                 theta_bar, anchor_bar = {n: theta[n] for n in theta_bar}, {n: anchor[n] for n in anchor_bar}
                 slots = run.checkpoints[a][1]
@@ -294,32 +373,36 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
         if a == 0:
             theta = start(run, anchors)
         held, before = [], _resident_bytes()
-        for t in range(a, b):  # forward through the segment, keeping each step's pullbacks (its autograd graph)
-            theta, state, pullbacks = _forward_step(run, t, theta, state, anchors)
-            held.append(pullbacks)
-        stats["replay_error"] = max(stats["replay_error"], deviation((theta, state), run.checkpoints[b]))
+        for t in range(a, b):  # forward through the segment, keeping each step's autograd graphs
+            theta, state, graphs = _forward_step(run, t, theta, state, anchors, q)
+            held.append(graphs)
+        replayed = (_detached(theta), {slot: _detached(s) for slot, s in state.items()})
+        stats["replay_error"] = max(stats["replay_error"], deviation(replayed, run.checkpoints[b]))
         stats["segment_growth"] = max(stats["segment_growth"], _resident_bytes() - before)
         if state_bar is None:
             state_bar = {slot: {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in s.items()}
                          for slot, s in state.items()}
         terms_ids, terms = [], []
         while held:
-            ids, pull_update, pull_gradient = held.pop()
-            theta_bar, state_bar, g_bar = _pull(pull_update, (theta_bar, state_bar), q)
-            if pull_gradient is not None:
-                through_gradient, anchors_grad, w_grad = _pull(pull_gradient, g_bar, q)
-            else:
-                through_gradient = {n: torch.zeros_like(v) for n, v in theta_bar.items()}
-                anchors_grad = {n: torch.zeros_like(v) for n, v in anchor_bar.items()}
-                w_grad = None
-            for n in through_gradient:  # H_t ḡ_t: every rank's share
-                theta_bar[n] = theta_bar[n] + _summed(through_gradient[n])
+            ids, update_graph, gradient_graph = held.pop()
+            pulled = update_graph.pull(_keyed(theta_bar, state_bar))
+            theta_bar = {n: pulled["theta", n] for n in theta_bar}
+            state_bar = {slot: {n: pulled["state", slot, n] for n in s} for slot, s in state_bar.items()}
+            # through the gradient: H_t ḡ_t, the shared block's term and the batch's example terms (this rank's
+            # share of the batch; an empty share adds 0 to the sums over the ranks)
+            through = {} if gradient_graph is None else \
+                gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar})
+            for n in theta_bar:
+                theta_bar[n] = theta_bar[n] + _summed(through["theta", n] if through else
+                                                      torch.zeros_like(theta_bar[n]))
             for n in anchor_bar:
-                anchor_bar[n] = anchor_bar[n] + _summed(anchors_grad[n])
-            if w_grad is not None:
-                scores.index_add_(0, ids.to(scores.device), w_grad.T.to(scores.dtype))
+                anchor_bar[n] = anchor_bar[n] + _summed(through["anchor", n] if through else
+                                                        torch.zeros_like(anchor_bar[n]))
+            if through:
+                w_grad = through["w"].T.to(scores.dtype)
+                scores.index_add_(0, ids.to(scores.device), w_grad)
                 terms_ids.append(ids)
-                terms.append(w_grad.T.to(scores.dtype))
+                terms.append(w_grad)
             stats["adjoint_bytes"] = max(stats["adjoint_bytes"], tensor_bytes((theta_bar, state_bar, anchor_bar)))
         empty = torch.zeros(0, q, dtype=scores.dtype)
         journal.finish(j, torch.cat(terms_ids) if terms_ids else torch.zeros(0, dtype=torch.long),
@@ -336,19 +419,3 @@ def _resident_bytes() -> int:
     except (OSError, ValueError, IndexError):
         return 0
 
-
-def _index(tree):
-    """The first entry along the leading dimension of every tensor in a (nested dict / tuple) tree."""
-    if torch.is_tensor(tree):
-        return tree[0]
-    if isinstance(tree, dict):
-        return {k: _index(v) for k, v in tree.items()}
-    return tuple(_index(v) for v in tree)
-
-
-def _unsqueeze(tree):
-    if torch.is_tensor(tree):
-        return tree.unsqueeze(0)
-    if isinstance(tree, dict):
-        return {k: _unsqueeze(v) for k, v in tree.items()}
-    return tuple(_unsqueeze(v) for v in tree)
