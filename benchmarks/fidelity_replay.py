@@ -270,7 +270,7 @@ def run_replay_protocol(task: Task, m: int, results: Path, fractions=FRACTIONS, 
             facts["rows from the committed json (not re-run here; their seconds and × training as committed)"] = \
                 sorted(committed, key=names.index)
     details = {name: facts_ for name, (_, _, facts_) in scores.items()}
-    write(task, table, seconds, training, names, details, facts, results, fractions)
+    write(task.config.name, table, seconds, training, names, details, facts, results, fractions)
     return {"table": table, "facts": facts, "scores": scores}
 
 
@@ -295,12 +295,12 @@ def committed_rows(task: Task, results: Path, m: int, fractions, table: dict, se
     return taken
 
 
-def write(task: Task, table: dict, seconds: dict, training: dict, names: list[str], details: dict, facts: dict,
+def write(task: str, table: dict, seconds: dict, training: dict, names: list[str], details: dict, facts: dict,
           results: Path, fractions) -> None:
     """results/fidelity/replay_<task>.md (table + facts) and .json; the plot of every task written so far.
 
     training: {row: seconds of one training run measured in the same run as the row's seconds (its ratio's divisor)}."""
-    lines = [f"### {task.config.name}, replay protocol (M = {facts['M']} per fraction, q = {facts['q']})", "",
+    lines = [f"### {task}, replay protocol (M = {facts['M']} per fraction, q = {facts['q']})", "",
              "| method | " + " | ".join(f"drop {f:.0%}" for f in fractions) + " | seconds | × training |",
              "|---|" + "---|" * (len(fractions) + 2)]
     for name in names:
@@ -309,12 +309,12 @@ def write(task: Task, table: dict, seconds: dict, training: dict, names: list[st
                      f" | {seconds[name]:.2f} | {seconds[name] / training[name]:.2f} |")
     lines += ["", *(f"- {k}: {v}" for k, v in facts.items()),
               *(f"- {name}: {k}: {v}" for name, facts_ in details.items() for k, v in facts_.items())]
-    (results / f"replay_{task.config.name}.md").write_text("\n".join(lines) + "\n")
+    (results / f"replay_{task}.md").write_text("\n".join(lines) + "\n")
     payload = {"facts": facts, "fractions": list(fractions),
                "lds": {name: {f"{f:g}": table[name, f] for f in fractions} for name in names},
                "seconds": {name: seconds[name] for name in names},
                "training_seconds": {name: training[name] for name in names}, "details": details}
-    (results / f"replay_{task.config.name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (results / f"replay_{task}.json").write_text(json.dumps(payload, indent=1) + "\n")
     print("\n".join(lines), flush=True)
     plot(results)
 
