@@ -17,6 +17,18 @@ Methods: the example's pretraining solves (``SOLVES``: exact, gauss-newton, ekfa
 the example's finetuning solve (``LMTask.chain``); ``default`` and ``default-training``, every solve setting of
 both stages at its default (``DEFAULTS``; the second told the continuation's η and T).
 
+Replay protocol (``replay``; issue 26's third protocol, as ``fidelity_replay.py`` runs it on digits and
+Fashion-MNIST): the warm protocol's full-data continuation is recorded (``record_continuation``: 39 SGD steps over
+the fixed batch order), and for each drop fraction f ∈ {1 %, 5 %, 10 %, 50 %} and each of M seeded random drop sets
+D_j of ⌊f·400⌋ documents (``fidelity_replay.drop_sets``) the record is replayed with w_z = 0 for z ∈ D_j
+(``ik.unrolled.replay``: same start, batches and learning rates), the replayed base set into the LoRA model and the
+adapters refit exactly as the warm protocol does; deterministic (replaying with w = 1 reproduces the recorded base,
+and one drop set replayed twice gives the same NLLs — both checked and reported), so the noise ceiling is 1. Every
+cached ``scores_<method>.npz`` of the trained model ranks those NLLs (kept masks, as ``method_row`` takes them), and
+the exact metagradient at each fraction's mean midpoint w = 1 − f/2 (``unrolled_scores(at=)``, cached under
+``cache/lm-case1/replay`` with the re-trainings). Writes results/fidelity/replay_lm-case1.{md,json} and the replay
+plot with ``fidelity_replay.write``.
+
 Noise ceiling: the same subsets re-trained under another batch order (seed + 1); its LDS is the Spearman, per test
 completion, between the two re-trainings' NLLs.
 
@@ -33,6 +45,7 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm unrolled --finetuning default  # exact, adjoint from the default solve
     python -m benchmarks.bench_fidelity_lm unrolled --midpoint  # exact at continuation weights 0.75 (midpoint rule)
     python -m benchmarks.bench_fidelity_lm defaults-table --subsets 100   # cached rows + committed rows + ceiling
+    python -m benchmarks.bench_fidelity_lm replay --subsets 20   # replay protocol: cached rows + midpoint per fraction
 """
 
 from __future__ import annotations
@@ -689,7 +702,9 @@ def replay_table(m: int, progress: bool, midpoint: bool = True) -> None:
         outputs, timings[f"{fraction:g}"] = replay_outputs(task, record, keep, fraction, progress)
         for method, path in methods.items():
             row = method_row(path, keep.numpy(), outputs)
-            name = row["method"] + (f" (at w = {MIDPOINT_WEIGHT}, every fraction)" if method == UNROLLED_MIDPOINT else "")
+            name = row["method"]
+            if method == UNROLLED_MIDPOINT:  # the warm protocol's midpoint, the same scores at every fraction
+                name += f" (at w = {MIDPOINT_WEIGHT}, every fraction)"
             table[name, fraction] = (row["lds"], row["sem"])
             seconds[name] = row["seconds"]
             ratio = row["ratio_to_retraining"]
