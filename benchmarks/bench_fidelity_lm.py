@@ -46,6 +46,7 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm unrolled --midpoint  # exact at continuation weights 0.75 (midpoint rule)
     python -m benchmarks.bench_fidelity_lm defaults-table --subsets 100   # cached rows + committed rows + ceiling
     python -m benchmarks.bench_fidelity_lm replay --subsets 20   # replay protocol: cached rows + midpoint per fraction
+    python -m benchmarks.bench_fidelity_lm replay-linearity --subsets 5   # 1 % drops: linear in w with/without refit?
 """
 
 from __future__ import annotations
@@ -624,17 +625,20 @@ def base_into(task: LMTask, values: dict) -> None:
             named[n].copy_(value)
 
 
-def replayed_nll(task: LMTask, record: ik.unrolled.Record, weights: torch.Tensor | None) -> np.ndarray:
+def replayed_nll(task: LMTask, record: ik.unrolled.Record, weights: torch.Tensor | None,
+                 refit: bool = True) -> np.ndarray:
     """(q,) test NLLs of the replay protocol: the recorded continuation replayed with per-document ``weights``
     (0 = dropped; None = as recorded), its base set into the LoRA model, the adapters refit from their trained
-    solution as the warm protocol does (cfg.refit_iter L-BFGS iterations); the trained models are restored after."""
+    solution as the warm protocol does (cfg.refit_iter L-BFGS iterations; ``refit=False``: kept as trained); the
+    trained models are restored after."""
     ex, cfg = task.ex, task.cfg
     pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
     fin_state = {k: v.clone() for k, v in task.fin.model.state_dict().items()}
     try:
         base_into(task, ik.unrolled.replay(record, weights)[0])
         ex.set_base(task.fin, task.pre, task.link)
-        ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
+        if refit:
+            ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
         with torch.no_grad():
             return task.fin.losses(task.fin.trained(), *task.test).double().numpy()
     finally:
@@ -657,6 +661,39 @@ def replay_outputs(task: LMTask, record: ik.unrolled.Record, keep: torch.Tensor,
     return np.stack(rows), seconds
 
 
+def refit_linearity(sets: int, progress: bool) -> None:
+    """Why small drops rank poorly here: for the first ``sets`` drop sets D of 1 % (``drop_sets``), the replayed
+    response Δ_t = (NLL(w = 1 − t·1_D) − NLL(w = 1)) / t at t = 1 and 0.1, with the adapters refit (the protocol)
+    and with the adapters as trained; a response linear in w has cos(Δ_1, Δ_0.1) = 1. Also cos(Δ_1, p) with the
+    exact metagradient's prediction p = −Σ_{z∈D} score_z. Cosines over the q test completions; writes
+    results/fidelity/replay_lm-case1_refit.md."""
+    from benchmarks.fidelity_replay import drop_sets
+
+    task = LMTask(progress)
+    pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
+    record = record_continuation(task, progress)
+    task.pre.model.load_state_dict(pre_state)
+    score = np.load(CACHE / f"scores_{UNROLLED[0]}.npz")["values"]
+    measures = {"refit": lambda w: replayed_nll(task, record, w),
+                "fixed": lambda w: replayed_nll(task, record, w, refit=False)}
+    base = {k: f(None) for k, f in measures.items()}
+    cos = lambda a, b: float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))  # noqa: E731
+    lines = ["| set | refit: cos(Δ_1, Δ_0.1) | refit: cos(Δ_1, p) | refit: ‖Δ_1‖ | fixed adapters: cos(Δ_1, Δ_0.1) "
+             "| fixed adapters: ‖Δ_1‖ | ‖p‖ |", "|---|---|---|---|---|---|---|"]
+    dropped = ~drop_sets(task.n, 0.01, sets)
+    for j in tqdm(range(sets), desc="refit linearity", disable=not progress):
+        p = -(dropped[j].double().numpy() @ score)
+        d = {(k, t): (f(1.0 - t * dropped[j].float()) - base[k]) / t for k, f in measures.items() for t in (1.0, 0.1)}
+        lines.append(f"| {j} | {cos(d['refit', 1.0], d['refit', 0.1]):.3f} | {cos(d['refit', 1.0], p):.3f} "
+                     f"| {np.linalg.norm(d['refit', 1.0]):.3g} | {cos(d['fixed', 1.0], d['fixed', 0.1]):.3f} "
+                     f"| {np.linalg.norm(d['fixed', 1.0]):.3g} | {np.linalg.norm(p):.3g} |")
+    text = (f"# {TASK}, replay: is the response to a 1 % drop linear in w? (bench_fidelity_lm.py replay-linearity)\n\n"
+            + " ".join(refit_linearity.__doc__.split()) + "\n\n" + "\n".join(lines) +
+            "\n\nLoad average " + ", ".join(f"{v:.1f}" for v in os.getloadavg()) + ".\n")
+    (RESULTS / f"replay_{TASK}_refit.md").write_text(text)
+    print(text, flush=True)
+
+
 def replay_midpoint(task: LMTask, fraction: float, progress: bool) -> tuple[np.ndarray, dict]:
     """((n, q) exact metagradient at continuation weights 1 − f/2, info) — ``unrolled_scores(at=)``: the adjoint
     taken at the re-run base with the adapters refit there (cached; at f = 50 % it is UNROLLED_MIDPOINT's)."""
@@ -673,7 +710,7 @@ def replay_midpoint(task: LMTask, fraction: float, progress: bool) -> tuple[np.n
 
 def replay_table(m: int, progress: bool, midpoint: bool = True) -> None:
     """The replay LDS protocol on the LM task (module docstring): results/fidelity/replay_lm-case1.{md,json}."""
-    from benchmarks.fidelity_replay import FRACTIONS, MIDPOINT, drop_sets, write
+    from benchmarks.fidelity_replay import EXACT, FRACTIONS, MIDPOINT, drop_sets, write
 
     task = LMTask(progress)
     pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
@@ -702,7 +739,7 @@ def replay_table(m: int, progress: bool, midpoint: bool = True) -> None:
         outputs, timings[f"{fraction:g}"] = replay_outputs(task, record, keep, fraction, progress)
         for method, path in methods.items():
             row = method_row(path, keep.numpy(), outputs)
-            name = row["method"]
+            name = EXACT if method == UNROLLED[0] else row["method"]  # the other tasks' row name
             if method == UNROLLED_MIDPOINT:  # the warm protocol's midpoint, the same scores at every fraction
                 name += f" (at w = {MIDPOINT_WEIGHT}, every fraction)"
             table[name, fraction] = (row["lds"], row["sem"])
@@ -738,7 +775,8 @@ def replay_table(m: int, progress: bool, midpoint: bool = True) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("step", choices=["train", "retrain", "score", "unrolled", "table", "unrolled-table",
-                                         "defaults-table", "restore", "replay"])
+                                         "defaults-table", "restore", "replay",
+                                         "replay-linearity"])
     parser.add_argument("--subsets", type=int, default=40)
     parser.add_argument("--order", type=int, default=0, help="batch order of the re-trainings (1: noise ceiling)")
     parser.add_argument("--methods", nargs="+", default=[*METHODS])
@@ -768,6 +806,9 @@ def main() -> None:
         return
     if args.step == "replay":
         replay_table(args.subsets, progress, not args.no_midpoint)
+        return
+    if args.step == "replay-linearity":
+        refit_linearity(args.subsets, progress)
         return
     task = LMTask(progress)
     print(f"trained: {task.info}", flush=True)
