@@ -17,6 +17,18 @@ Methods: the example's pretraining solves (``SOLVES``: exact, gauss-newton, ekfa
 the example's finetuning solve (``LMTask.chain``); ``default`` and ``default-training``, every solve setting of
 both stages at its default (``DEFAULTS``; the second told the continuation's η and T).
 
+Replay protocol (``replay``; issue 26's third protocol, as ``fidelity_replay.py`` runs it on digits and
+Fashion-MNIST): the warm protocol's full-data continuation is recorded (``record_continuation``: 39 SGD steps over
+the fixed batch order), and for each drop fraction f ∈ {1 %, 5 %, 10 %, 50 %} and each of M seeded random drop sets
+D_j of ⌊f·400⌋ documents (``fidelity_replay.drop_sets``) the record is replayed with w_z = 0 for z ∈ D_j
+(``ik.unrolled.replay``: same start, batches and learning rates), the replayed base set into the LoRA model and the
+adapters refit exactly as the warm protocol does; deterministic (replaying with w = 1 reproduces the recorded base,
+and one drop set replayed twice gives the same NLLs — both checked and reported), so the noise ceiling is 1. Every
+cached ``scores_<method>.npz`` of the trained model ranks those NLLs (kept masks, as ``method_row`` takes them), and
+the exact metagradient at each fraction's mean midpoint w = 1 − f/2 (``unrolled_scores(at=)``, cached under
+``cache/lm-case1/replay`` with the re-trainings). Writes results/fidelity/replay_lm-case1.{md,json} and the replay
+plot with ``fidelity_replay.write``.
+
 Noise ceiling: the same subsets re-trained under another batch order (seed + 1); its LDS is the Spearman, per test
 completion, between the two re-trainings' NLLs.
 
@@ -33,12 +45,15 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm unrolled --finetuning default  # exact, adjoint from the default solve
     python -m benchmarks.bench_fidelity_lm unrolled --midpoint  # exact at continuation weights 0.75 (midpoint rule)
     python -m benchmarks.bench_fidelity_lm defaults-table --subsets 100   # cached rows + committed rows + ceiling
+    python -m benchmarks.bench_fidelity_lm replay --subsets 20   # replay protocol: cached rows + midpoint per fraction
+    python -m benchmarks.bench_fidelity_lm replay-linearity --subsets 5   # 1 % drops: linear in w with/without refit?
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import os
 import platform
@@ -242,10 +257,7 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
         if at is not None:  # the continuation re-run at w = at; its final base goes into the pretrained model
             record = ik.unrolled.reweighted(record, torch.full((task.n,), at, dtype=torch.float64), progress=progress)
             final = record.runs[0].final
-            named = dict(task.pre.model.named_parameters())
-            with torch.no_grad():
-                for n, value in final.items():
-                    named[n].copy_(value)
+            base_into(task, final)
         reweight_seconds = time.perf_counter() - start
         start = time.perf_counter()
         ex.set_base(task.fin, task.pre, task.link)
@@ -602,10 +614,169 @@ def markdown(frame: pd.DataFrame, summary: dict) -> str:
     )
 
 
+REPLAY = CACHE / "replay"  # the replay protocol's re-trainings and midpoint scores (outside scores_*: not warm rows)
+
+
+def base_into(task: LMTask, values: dict) -> None:
+    """Copy continuation-final base values (``{name: tensor}`` of the pretraining model) into ``task.pre``."""
+    named = dict(task.pre.model.named_parameters())
+    with torch.no_grad():
+        for n, value in values.items():
+            named[n].copy_(value)
+
+
+def replayed_nll(task: LMTask, record: ik.unrolled.Record, weights: torch.Tensor | None,
+                 refit: bool = True) -> np.ndarray:
+    """(q,) test NLLs of the replay protocol: the recorded continuation replayed with per-document ``weights``
+    (0 = dropped; None = as recorded), its base set into the LoRA model, the adapters refit from their trained
+    solution as the warm protocol does (cfg.refit_iter L-BFGS iterations; ``refit=False``: kept as trained); the
+    trained models are restored after."""
+    ex, cfg = task.ex, task.cfg
+    pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
+    fin_state = {k: v.clone() for k, v in task.fin.model.state_dict().items()}
+    try:
+        base_into(task, ik.unrolled.replay(record, weights)[0])
+        ex.set_base(task.fin, task.pre, task.link)
+        if refit:
+            ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
+        with torch.no_grad():
+            return task.fin.losses(task.fin.trained(), *task.test).double().numpy()
+    finally:
+        task.pre.model.load_state_dict(pre_state)
+        task.fin.model.load_state_dict(fin_state)
+
+
+def replay_outputs(task: LMTask, record: ik.unrolled.Record, keep: torch.Tensor, fraction: float,
+                   progress: bool) -> tuple[np.ndarray, list[float]]:
+    """((M, q) replayed test NLLs, seconds of each one computed here) for the kept masks ``keep`` (cached)."""
+    REPLAY.mkdir(parents=True, exist_ok=True)
+    rows, seconds = [], []
+    for j in tqdm(range(keep.shape[0]), desc=f"{TASK} replay {fraction:g}", disable=not progress):
+        path = REPLAY / f"drop{fraction:g}_{j:04d}_{hashlib.sha256(keep[j].numpy().tobytes()).hexdigest()[:8]}.npy"
+        if not path.exists():
+            start = time.perf_counter()
+            np.save(path, replayed_nll(task, record, keep[j].float()))
+            seconds.append(time.perf_counter() - start)
+        rows.append(np.load(path))
+    return np.stack(rows), seconds
+
+
+def refit_linearity(sets: int, progress: bool) -> None:
+    """Why small drops rank poorly here: for the first ``sets`` drop sets D of 1 % (``drop_sets``), the replayed
+    response Δ_t = (NLL(w = 1 − t·1_D) − NLL(w = 1)) / t at t = 1 and 0.1, with the adapters refit (the protocol)
+    and with the adapters as trained; a response linear in w has cos(Δ_1, Δ_0.1) = 1. Also cos(Δ_1, p) with the
+    exact metagradient's prediction p = −Σ_{z∈D} score_z. Cosines over the q test completions; writes
+    results/fidelity/replay_lm-case1_refit.md."""
+    from benchmarks.fidelity_replay import drop_sets
+
+    task = LMTask(progress)
+    pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
+    record = record_continuation(task, progress)
+    task.pre.model.load_state_dict(pre_state)
+    score = np.load(CACHE / f"scores_{UNROLLED[0]}.npz")["values"]
+    measures = {"refit": lambda w: replayed_nll(task, record, w),
+                "fixed": lambda w: replayed_nll(task, record, w, refit=False)}
+    base = {k: f(None) for k, f in measures.items()}
+    cos = lambda a, b: float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))  # noqa: E731
+    lines = ["| set | refit: cos(Δ_1, Δ_0.1) | refit: cos(Δ_1, p) | refit: ‖Δ_1‖ | fixed adapters: cos(Δ_1, Δ_0.1) "
+             "| fixed adapters: ‖Δ_1‖ | ‖p‖ |", "|---|---|---|---|---|---|---|"]
+    dropped = ~drop_sets(task.n, 0.01, sets)
+    for j in tqdm(range(sets), desc="refit linearity", disable=not progress):
+        p = -(dropped[j].double().numpy() @ score)
+        d = {(k, t): (f(1.0 - t * dropped[j].float()) - base[k]) / t for k, f in measures.items() for t in (1.0, 0.1)}
+        lines.append(f"| {j} | {cos(d['refit', 1.0], d['refit', 0.1]):.3f} | {cos(d['refit', 1.0], p):.3f} "
+                     f"| {np.linalg.norm(d['refit', 1.0]):.3g} | {cos(d['fixed', 1.0], d['fixed', 0.1]):.3f} "
+                     f"| {np.linalg.norm(d['fixed', 1.0]):.3g} | {np.linalg.norm(p):.3g} |")
+    text = (f"# {TASK}, replay: is the response to a 1 % drop linear in w? (bench_fidelity_lm.py replay-linearity)\n\n"
+            + " ".join(refit_linearity.__doc__.split()) + "\n\n" + "\n".join(lines) +
+            "\n\nLoad average " + ", ".join(f"{v:.1f}" for v in os.getloadavg()) + ".\n")
+    (RESULTS / f"replay_{TASK}_refit.md").write_text(text)
+    print(text, flush=True)
+
+
+def replay_midpoint(task: LMTask, fraction: float, progress: bool) -> tuple[np.ndarray, dict]:
+    """((n, q) exact metagradient at continuation weights 1 − f/2, info) — ``unrolled_scores(at=)``: the adjoint
+    taken at the re-run base with the adapters refit there (cached; at f = 50 % it is UNROLLED_MIDPOINT's)."""
+    path = REPLAY / f"midpoint_f{fraction:g}.npz"
+    if 1 - fraction / 2 == MIDPOINT_WEIGHT:  # the warm protocol's midpoint (halves) is this one: same record, same w
+        path = CACHE / f"scores_{UNROLLED_MIDPOINT}.npz"
+    if not path.exists():
+        REPLAY.mkdir(parents=True, exist_ok=True)
+        values, info = unrolled_scores(task, progress, "example", 1 - fraction / 2)[UNROLLED_MIDPOINT]
+        np.savez(path, values=values, info=json.dumps(info, default=str))
+    cached = np.load(path)
+    return cached["values"], json.loads(str(cached["info"]))
+
+
+def replay_table(m: int, progress: bool, midpoint: bool = True) -> None:
+    """The replay LDS protocol on the LM task (module docstring): results/fidelity/replay_lm-case1.{md,json}."""
+    from benchmarks.fidelity_replay import EXACT, FRACTIONS, MIDPOINT, drop_sets, write
+
+    task = LMTask(progress)
+    pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
+    record = record_continuation(task, progress)
+    task.pre.model.load_state_dict(pre_state)
+    verify_error = ik.unrolled.verify(record)
+    final = record.runs[0].final
+    start = time.perf_counter()
+    replayed = ik.unrolled.replay(record, torch.ones(task.n))[0]
+    replay_seconds = time.perf_counter() - start
+    base_error = max(float((replayed[n] - final[n]).abs().max()) for n in final)
+    start = time.perf_counter()
+    full = replayed_nll(task, record, None)
+    training = time.perf_counter() - start  # one training run: replay (continuation) + refit
+    facts = {"task": TASK, "M": m, "n": task.n, "q": len(full),
+             "one training run, seconds (continuation replayed + adapters refit, this run)": training,
+             "of which the continuation's replay (39 SGD steps)": replay_seconds,
+             "replay error (verify, max |Δ| over every checkpoint)": verify_error,
+             "replay with all weights 1 vs the recorded final base, max |Δ|": base_error,
+             "test NLL (recorded run, refit, summed)": float(full.sum()),
+             "trained model (cache/lm-case1/trained.pt)": task.info}
+    methods = {path.stem.removeprefix("scores_"): path for path in sorted(CACHE.glob("scores_*.npz"))}
+    table, seconds, divisor, details, timings = {}, {}, {}, {}, {}
+    for fraction in FRACTIONS:
+        keep = drop_sets(task.n, fraction, m)
+        outputs, timings[f"{fraction:g}"] = replay_outputs(task, record, keep, fraction, progress)
+        for method, path in methods.items():
+            row = method_row(path, keep.numpy(), outputs)
+            name = EXACT if method == UNROLLED[0] else row["method"]  # the other tasks' row name
+            if method == UNROLLED_MIDPOINT:  # the warm protocol's midpoint, the same scores at every fraction
+                name += f" (at w = {MIDPOINT_WEIGHT}, every fraction)"
+            table[name, fraction] = (row["lds"], row["sem"])
+            seconds[name] = row["seconds"]
+            ratio = row["ratio_to_retraining"]
+            divisor[name] = row["seconds"] / ratio if np.isfinite(ratio) else training
+        if midpoint:
+            values, info = replay_midpoint(task, fraction, progress)
+            mean, sem, _ = mean_sem(lds_per_query(values, keep.numpy(), outputs))
+            table[MIDPOINT, fraction] = (mean, sem)
+            details.setdefault(MIDPOINT, {})[f"f = {fraction:g}: seconds, replay"] = [info["seconds"], info["replay"]]
+            seconds.setdefault(MIDPOINT, []).append(info["total_seconds"])
+            divisor.setdefault(MIDPOINT, []).append(info["seconds"]["one protocol re-training"])
+        print(f"drop {fraction:g}: " + ", ".join(f"{k[0]} {v[0]:.3f}" for k, v in table.items() if k[1] == fraction),
+              flush=True)
+    if midpoint:  # one pass per fraction: mean seconds, over the mean of the re-trainings timed beside them
+        seconds[MIDPOINT], divisor[MIDPOINT] = float(np.mean(seconds[MIDPOINT])), float(np.mean(divisor[MIDPOINT]))
+    # determinism: the first drop set of the smallest fraction replayed again, uncached
+    again = replayed_nll(task, record, drop_sets(task.n, FRACTIONS[0], 1)[0].float())
+    first = replay_outputs(task, record, drop_sets(task.n, FRACTIONS[0], 1), FRACTIONS[0], False)[0][0]
+    facts["same drop set replayed twice (f = 1 %, j = 0), max |Δ NLL|"] = float(np.abs(again - first).max())
+    facts["replay seconds per drop set computed here (mean per fraction)"] = {
+        f: round(float(np.mean(s)), 2) for f, s in timings.items() if s}
+    facts["seconds and × training of the cached rows"] = (
+        "scores_<method>.npz from the warm-protocol runs (same trained model); unrolled rows over the protocol "
+        "re-training timed in their own run, influence rows over this run's training run")
+    facts["load average"] = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    names = [name for name in dict.fromkeys(k[0] for k in table)]
+    names.sort(key=lambda name: -table[name, FRACTIONS[0]][0])
+    write(TASK, table, seconds, divisor, names, details, facts, RESULTS, FRACTIONS)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("step", choices=["train", "retrain", "score", "unrolled", "table", "unrolled-table",
-                                         "defaults-table", "restore"])
+                                         "defaults-table", "restore", "replay",
+                                         "replay-linearity"])
     parser.add_argument("--subsets", type=int, default=40)
     parser.add_argument("--order", type=int, default=0, help="batch order of the re-trainings (1: noise ceiling)")
     parser.add_argument("--methods", nargs="+", default=[*METHODS])
@@ -615,6 +786,8 @@ def main() -> None:
     parser.add_argument("--midpoint", action="store_true",
                         help=f"unrolled: only the exact metagradient at continuation weights {MIDPOINT_WEIGHT} "
                              "(the mean midpoint of dropping half)")
+    parser.add_argument("--no-midpoint", action="store_true",
+                        help="replay: skip the exact metagradient at each fraction's midpoint (~2 min per fraction)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -630,6 +803,12 @@ def main() -> None:
         return
     if args.step == "defaults-table":
         write_defaults_table(args.subsets)
+        return
+    if args.step == "replay":
+        replay_table(args.subsets, progress, not args.no_midpoint)
+        return
+    if args.step == "replay-linearity":
+        refit_linearity(args.subsets, progress)
         return
     task = LMTask(progress)
     print(f"trained: {task.info}", flush=True)

@@ -270,7 +270,7 @@ def run_replay_protocol(task: Task, m: int, results: Path, fractions=FRACTIONS, 
             facts["rows from the committed json (not re-run here; their seconds and × training as committed)"] = \
                 sorted(committed, key=names.index)
     details = {name: facts_ for name, (_, _, facts_) in scores.items()}
-    write(task, table, seconds, training, names, details, facts, results, fractions)
+    write(task.config.name, table, seconds, training, names, details, facts, results, fractions)
     return {"table": table, "facts": facts, "scores": scores}
 
 
@@ -295,12 +295,12 @@ def committed_rows(task: Task, results: Path, m: int, fractions, table: dict, se
     return taken
 
 
-def write(task: Task, table: dict, seconds: dict, training: dict, names: list[str], details: dict, facts: dict,
+def write(task: str, table: dict, seconds: dict, training: dict, names: list[str], details: dict, facts: dict,
           results: Path, fractions) -> None:
     """results/fidelity/replay_<task>.md (table + facts) and .json; the plot of every task written so far.
 
     training: {row: seconds of one training run measured in the same run as the row's seconds (its ratio's divisor)}."""
-    lines = [f"### {task.config.name}, replay protocol (M = {facts['M']} per fraction, q = {facts['q']})", "",
+    lines = [f"### {task}, replay protocol (M = {facts['M']} per fraction, q = {facts['q']})", "",
              "| method | " + " | ".join(f"drop {f:.0%}" for f in fractions) + " | seconds | × training |",
              "|---|" + "---|" * (len(fractions) + 2)]
     for name in names:
@@ -309,12 +309,12 @@ def write(task: Task, table: dict, seconds: dict, training: dict, names: list[st
                      f" | {seconds[name]:.2f} | {seconds[name] / training[name]:.2f} |")
     lines += ["", *(f"- {k}: {v}" for k, v in facts.items()),
               *(f"- {name}: {k}: {v}" for name, facts_ in details.items() for k, v in facts_.items())]
-    (results / f"replay_{task.config.name}.md").write_text("\n".join(lines) + "\n")
+    (results / f"replay_{task}.md").write_text("\n".join(lines) + "\n")
     payload = {"facts": facts, "fractions": list(fractions),
                "lds": {name: {f"{f:g}": table[name, f] for f in fractions} for name in names},
                "seconds": {name: seconds[name] for name in names},
                "training_seconds": {name: training[name] for name in names}, "details": details}
-    (results / f"replay_{task.config.name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (results / f"replay_{task}.json").write_text(json.dumps(payload, indent=1) + "\n")
     print("\n".join(lines), flush=True)
     plot(results)
 
@@ -329,16 +329,18 @@ def plot(results: Path) -> None:
     files = [path for path in sorted(results.glob("replay_*.json")) if not path.stem.endswith("_linearity")]
     if not files:
         return
+    payloads = [json.loads(path.read_text()) for path in files]
+    every = list(dict.fromkeys(name for payload in payloads for name in payload["lds"]))  # one color per method
+    colors = [*plt.cm.tab20.colors, *plt.cm.tab20b.colors]
     fig, axes = plt.subplots(1, len(files), figsize=(5.5 * len(files), 4.2), squeeze=False)
-    for ax, path in zip(axes[0], files):
-        payload = json.loads(path.read_text())
+    for ax, payload in zip(axes[0], payloads):
         fractions = payload["fractions"]
-        for i, (name, cells) in enumerate(payload["lds"].items()):
+        for name, cells in payload["lds"].items():
             mean = [cells[f"{f:g}"][0] for f in fractions]
             sem = [cells[f"{f:g}"][1] for f in fractions]
             ours = name.startswith(("unrolled", "influkit"))
             ax.errorbar(fractions, mean, yerr=sem, marker="o" if ours else "s", capsize=2, label=name,
-                        color=plt.cm.tab20(i % 20), ls="-" if ours else "--", lw=2 if name in (EXACT, MIDPOINT) else 1)
+                        color=colors[every.index(name) % len(colors)], ls="-" if ours else "--", lw=2 if name in (EXACT, MIDPOINT) else 1)
         ax.set_xscale("log")
         ax.set_xticks(fractions, [f"{f:.0%}" for f in fractions])
         ax.axhline(0, color="k", lw=0.5)
@@ -346,9 +348,9 @@ def plot(results: Path) -> None:
         ax.set_xlabel("fraction of pretraining examples dropped")
         ax.set_ylabel("LDS (mean ± sem over test points)")
         ax.set_title(f"{payload['facts']['task']}, replay (M = {payload['facts']['M']})", fontsize=9)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7)
-    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    legend = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=4, fontsize=7)
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     fig.savefig(results / "replay_lds_vs_drop.png", dpi=120)
     plt.close(fig)
 
