@@ -761,8 +761,9 @@ def replay_table(m: int, progress: bool, midpoint: bool = True) -> None:
     again = replayed_nll(task, record, drop_sets(task.n, FRACTIONS[0], 1)[0].float())
     first = replay_outputs(task, record, drop_sets(task.n, FRACTIONS[0], 1), FRACTIONS[0], False)[0][0]
     facts["same drop set replayed twice (f = 1 %, j = 0), max |Δ NLL|"] = float(np.abs(again - first).max())
-    facts["replay seconds per drop set computed here (mean per fraction)"] = {
-        f: round(float(np.mean(s)), 2) for f, s in timings.items() if s}
+    computed = {f: round(float(np.mean(s)), 2) for f, s in timings.items() if s}
+    if computed:  # absent when every drop set came from the cache
+        facts["replay seconds per drop set computed here (mean per fraction)"] = computed
     facts["seconds and × training of the cached rows"] = (
         "scores_<method>.npz from the warm-protocol runs (same trained model); unrolled rows over the protocol "
         "re-training timed in their own run, influence rows over this run's training run")
