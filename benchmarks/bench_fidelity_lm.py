@@ -52,6 +52,7 @@ Resumable: the trained models, every re-training and every score matrix are cach
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import hashlib
 import json
@@ -126,21 +127,31 @@ class LMTask:
         ex, cfg = self.ex, self.cfg
         return hf.causal_lm_stage(ex.lora_model(pre_model, cfg), self.data["train"], regularizer=ex.l2(cfg.fin_decay))
 
+    @contextlib.contextmanager
+    def restored(self):
+        """The trained models as they were, restored on leaving the block whatever it changed."""
+        pre_state = {k: v.clone() for k, v in self.pre.model.state_dict().items()}
+        fin_state = {k: v.clone() for k, v in self.fin.model.state_dict().items()}
+        try:
+            yield
+        finally:
+            self.pre.model.load_state_dict(pre_state)
+            self.fin.model.load_state_dict(fin_state)
+
+    def test_nll(self) -> np.ndarray:
+        """(q,) the test completions' NLLs under the LoRA model as it is now."""
+        with torch.no_grad():
+            return self.fin.losses(self.fin.trained(), *self.test).double().numpy()
+
     def retrain(self, kept: torch.Tensor, order: int) -> np.ndarray:
         """(q,) test-completion NLLs after the warm-start re-training on the documents ``kept`` (bool, (n,)),
         batch order ``cfg.seed + 7 + order`` (order 0 is the example's); the trained models are restored after."""
         ex, cfg = self.ex, self.cfg
-        pre_state = {k: v.clone() for k, v in self.pre.model.state_dict().items()}
-        fin_state = {k: v.clone() for k, v in self.fin.model.state_dict().items()}
-        try:
+        with self.restored():
             ex.continue_pretraining(self.pre, cfg, torch.nonzero(~kept).flatten(), cfg.seed + 7 + order)
             ex.set_base(self.fin, self.pre, self.link)
             ex.fit_adapters(self.fin, max_iter=cfg.refit_iter, rounds=1)
-            with torch.no_grad():
-                return self.fin.losses(self.fin.trained(), *self.test).double().numpy()
-        finally:
-            self.pre.model.load_state_dict(pre_state)
-            self.fin.model.load_state_dict(fin_state)
+            return self.test_nll()
 
     def chain(self, method: str, finetuning: str = "example") -> ik.Chain:
         """The Case 1 chain with the example's pretraining solve ``method``. The finetuning solve: ``"example"``,
@@ -632,18 +643,12 @@ def replayed_nll(task: LMTask, record: ik.unrolled.Record, weights: torch.Tensor
     solution as the warm protocol does (cfg.refit_iter L-BFGS iterations; ``refit=False``: kept as trained); the
     trained models are restored after."""
     ex, cfg = task.ex, task.cfg
-    pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
-    fin_state = {k: v.clone() for k, v in task.fin.model.state_dict().items()}
-    try:
+    with task.restored():
         base_into(task, ik.unrolled.replay(record, weights)[0])
         ex.set_base(task.fin, task.pre, task.link)
         if refit:
             ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
-        with torch.no_grad():
-            return task.fin.losses(task.fin.trained(), *task.test).double().numpy()
-    finally:
-        task.pre.model.load_state_dict(pre_state)
-        task.fin.model.load_state_dict(fin_state)
+        return task.test_nll()
 
 
 def replay_outputs(task: LMTask, record: ik.unrolled.Record, keep: torch.Tensor, fraction: float,
