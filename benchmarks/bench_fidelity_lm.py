@@ -798,23 +798,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     progress = not args.no_progress
-    if args.step == "table":
-        write_table(args.subsets)
-        return
-    if args.step == "unrolled-table":
-        write_unrolled_table(args.subsets)
-        return
-    if args.step == "restore":
-        restore_outputs(args.outputs)
-        return
-    if args.step == "defaults-table":
-        write_defaults_table(args.subsets)
-        return
-    if args.step == "replay":
-        replay_table(args.subsets, progress, not args.no_midpoint)
-        return
-    if args.step == "replay-linearity":
-        refit_linearity(args.subsets, progress)
+    steps_without_task = {  # steps that load what they need themselves
+        "table": lambda: write_table(args.subsets),
+        "unrolled-table": lambda: write_unrolled_table(args.subsets),
+        "restore": lambda: restore_outputs(args.outputs),
+        "defaults-table": lambda: write_defaults_table(args.subsets),
+        "replay": lambda: replay_table(args.subsets, progress, not args.no_midpoint),
+        "replay-linearity": lambda: refit_linearity(args.subsets, progress),
+    }
+    if args.step in steps_without_task:
+        steps_without_task[args.step]()
         return
     task = LMTask(progress)
     print(f"trained: {task.info}", flush=True)
