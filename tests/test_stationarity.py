@@ -201,6 +201,19 @@ def test_a_saved_fit_and_query_keep_the_positions(tmp_path):
     assert again.scores().diagnostics["stages"] == query.scores().diagnostics["stages"]
 
 
+def spy(monkeypatch, module, name: str, keyword: str) -> list:
+    """Replace ``module.name`` by a wrapper that records each call's ``keyword`` argument (None when not given)."""
+    calls = []
+    original = getattr(module, name)
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs.get(keyword))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, recorded)
+    return calls
+
+
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum
 def test_without_memory_the_check_of_an_ekfac_stage_streams_the_rules_batch_and_finds_the_same_position(monkeypatch):
     """Without memory=, the check of a stage solved by EK-FAC runs its per-example gradient pass and its
@@ -219,22 +232,8 @@ def test_without_memory_the_check_of_an_ekfac_stage_streams_the_rules_batch_and_
     assert [p["phase"] for p in given.memory_plans()].count("stationarity check") == 0
 
     monkeypatch.setattr(memory, "DEFAULT_WORKING", 1)
-    batches = []
-    streamed = curvature.hvp
-
-    def recorded(*args, batch_size=None, **kwargs):
-        batches.append(batch_size)
-        return streamed(*args, batch_size=batch_size, **kwargs)
-
-    monkeypatch.setattr(curvature, "hvp", recorded)
-    chunks = []
-    rows = stationarity.per_example_grad_rows
-
-    def chunked(*args, chunk_size=None, **kwargs):
-        chunks.append(chunk_size)
-        return rows(*args, chunk_size=chunk_size, **kwargs)
-
-    monkeypatch.setattr(stationarity, "per_example_grad_rows", chunked)
+    batches = spy(monkeypatch, curvature, "hvp", "batch_size")
+    chunks = spy(monkeypatch, stationarity, "per_example_grad_rows", "chunk_size")
     chain = ik.Chain([stage], solve=solve).fit()
     plans = {p["phase"]: p for p in chain.memory_plans()}
     assert plans["Hessian-vector products"]["batch"] == memory.DEFAULT_EXAMPLES
