@@ -14,7 +14,9 @@ per-test scores rank the replayed test losses:
 
 Methods, all on the recorded final models: the exact metagradient (``ik.unrolled.metagradients``, per test point),
 the same at the mean midpoint of each fraction's removals (``at``: pretraining weights 1 − f/2, one pass per
-fraction; −Σ_{z∈D} score_z is exact for a response quadratic in w at the midpoint (1 + 1_D̄)/2), the approximate unrolling (``ik.unrolled.approximate``: 5 segments per stage, dense Hessian at each segment's end),
+fraction; −Σ_{z∈D} score_z is exact for a response quadratic in w at the midpoint (1 + 1_D̄)/2), the same at the
+drop sets' mean weights 1 − f (``MEAN``: what the LDS ranks is the response's part linear in the drop mask, and for
+a response quadratic in w the gradient at the masks' mean carries it exactly — see ``mean_weight``), the approximate unrolling (``ik.unrolled.approximate``: 5 segments per stage, dense Hessian at each segment's end),
 influkit's influence functions on the same chain (exact, Gauss-Newton, EK-FAC, Arnoldi, identity), which assume the
 stages sit at minima, and — where installed (/work/bench-venv) — the single-stage peers TRAK, kronfluence and dattri
 as ``fidelity_methods`` wires them (K = 1). The metagradient's seconds are reported beside one training run's (its
@@ -51,6 +53,7 @@ FINETUNE = {"optimizer": SGD(lr=0.05, momentum=0.9), "steps": 100, "batch_size":
 APPROXIMATE_SEGMENTS = 5
 EXACT = "unrolled exact metagradient (replay)"
 MIDPOINT = "unrolled exact metagradient at the midpoint (w = 1 − f/2)"
+MEAN = "unrolled exact metagradient at the mean weights (w = 1 − f)"
 APPROXIMATE = f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, dense Hessian)"
 SUBSET_SEED = 0
 
@@ -142,7 +145,9 @@ def method_scores(task: Task, record: Record, wanted, fractions) -> dict[str, tu
         out[EXACT][2]["check: per-test columns sum to q = 1"] = float(
             (torch.as_tensor(out[EXACT][0]).sum(1) - summed[0].values).abs().max())
     if MIDPOINT in wanted:
-        out[MIDPOINT] = midpoint_scores(task, record, fractions)
+        out[MIDPOINT] = scores_at(task, record, fractions, midpoint_weight)
+    if MEAN in wanted:
+        out[MEAN] = scores_at(task, record, fractions, mean_weight)
     if APPROXIMATE in wanted:
         start = time.perf_counter()
         approximate = ik.unrolled.approximate(record, task.split.test, segments=APPROXIMATE_SEGMENTS, per_test=True)
@@ -162,14 +167,28 @@ def method_scores(task: Task, record: Record, wanted, fractions) -> dict[str, tu
     return out
 
 
-def midpoint_scores(task: Task, record: Record, fractions) -> tuple[dict, float, dict]:
-    """({fraction f: (n, q) metagradient at pretraining weights 1 − f/2, finetuning as recorded}, seconds of one
-    pass (mean over the fractions; each re-runs the record at its weights first), facts)."""
+def midpoint_weight(fraction: float) -> float:
+    """1 − f/2: the mean over drop sets D of the midpoint (1 + 1_D̄)/2 of the path from w = 1 to the drop."""
+    return 1 - fraction / 2
+
+
+def mean_weight(fraction: float) -> float:
+    """1 − f, the drop masks' mean. With w_D = 1 − m_D (m_D the mask, E m = f·1, e = m − f·1) and a response
+    quadratic in w, y(w_D) = y(1) − g(1)ᵀm + ½ mᵀHm; linearizing at w̄ = 1 − c·1 predicts y(w̄) − g(w̄)ᵀ(m − c·1),
+    g(w̄) = g(1) − cH1, which leaves the residual (f − c)·1ᵀHe + ½ eᵀHe + const. The LDS ranks drop sets, so only
+    the residual's part linear in e hurts it: zero at c = f. (The midpoint c = f/2 is exact for each set's
+    difference y(w_D) − y(1), not for its rank.)"""
+    return 1 - fraction
+
+
+def scores_at(task: Task, record: Record, fractions, weight_of) -> tuple[dict, float, dict]:
+    """({fraction f: (n, q) metagradient at pretraining weights ``weight_of(f)``, finetuning as recorded}, seconds
+    of one pass (mean over the fractions; each re-runs the record at its weights first), facts)."""
     n = len(record.runs[0].stage)
     values, seconds = {}, []
     for fraction in fractions:
         start = time.perf_counter()
-        at = [torch.full((n,), 1 - fraction / 2, dtype=torch.float64)] + [None] * (len(record) - 1)
+        at = [torch.full((n,), weight_of(fraction), dtype=torch.float64)] + [None] * (len(record) - 1)
         result = ik.unrolled.metagradients(record, task.split.test, per_test=True, at=at)[0]
         values[fraction] = result.values.numpy()
         seconds.append(time.perf_counter() - start)
@@ -214,7 +233,7 @@ def all_methods() -> list[str]:
     """Every row of the replay table, in its order."""
     from benchmarks.fidelity_methods import PEERS
 
-    return [EXACT, MIDPOINT, APPROXIMATE, *INFLUENCE, *PEERS]
+    return [EXACT, MIDPOINT, MEAN, APPROXIMATE, *INFLUENCE, *PEERS]
 
 
 def run_replay_protocol(task: Task, m: int, results: Path, fractions=FRACTIONS, progress: bool = True,
@@ -245,10 +264,12 @@ def run_replay_protocol(task: Task, m: int, results: Path, fractions=FRACTIONS, 
             per_query[name] = lds_per_query(values, keep.numpy(), actual)
             valid = per_query[name][np.isfinite(per_query[name])]
             table[name, fraction] = (float(valid.mean()), float(valid.std(ddof=1) / np.sqrt(valid.size)))
-        if EXACT in per_query and MIDPOINT in per_query:
-            gain = per_query[MIDPOINT] - per_query[EXACT]
-            gain = gain[np.isfinite(gain)]
-            paired[f"{fraction:g}"] = f"{gain.mean():+.3f} ± {gain.std(ddof=1) / np.sqrt(gain.size):.3f}"
+        for rule in (MIDPOINT, MEAN):
+            if EXACT in per_query and rule in per_query:
+                gain = per_query[rule] - per_query[EXACT]
+                gain = gain[np.isfinite(gain)]
+                paired.setdefault(rule, {})[f"{fraction:g}"] = \
+                    f"{gain.mean():+.3f} ± {gain.std(ddof=1) / np.sqrt(gain.size):.3f}"
     facts = {"task": task.config.name, "M": m, "n": n, "q": len(task.split.test[0]),
              "one training run, seconds (the verifying replay: same steps, warm)": replay_seconds,
              "first training run, seconds (recorded, includes torch.func warm-up)": training,
@@ -256,8 +277,8 @@ def run_replay_protocol(task: Task, m: int, results: Path, fractions=FRACTIONS, 
              "steps": [run.steps for run in record.runs], "optimizers": [repr(run.optimizer) for run in record.runs],
              "test loss (recorded run, summed)": float(ik.unrolled.outputs(record, task.split.test).sum()),
              "load average": ", ".join(f"{v:.1f}" for v in os.getloadavg())}
-    if paired:
-        facts["midpoint − exact LDS, paired over test points (mean ± sem), per drop fraction"] = paired
+    for rule, gains in paired.items():
+        facts[f"{rule} − exact LDS, paired over test points (mean ± sem), per drop fraction"] = gains
     if EXACT in scores:  # the row's seconds are q per-test metagradients in one pass; MAGIC's 2–3× is for one measure
         one = scores[EXACT][2]["seconds, summed measure (q = 1)"]
         facts["exact metagradient's seconds: the row differentiates the q per-test losses in one reverse pass; one "
@@ -340,7 +361,7 @@ def plot(results: Path) -> None:
             sem = [cells[f"{f:g}"][1] for f in fractions]
             ours = name.startswith(("unrolled", "influkit"))
             ax.errorbar(fractions, mean, yerr=sem, marker="o" if ours else "s", capsize=2, label=name,
-                        color=colors[every.index(name) % len(colors)], ls="-" if ours else "--", lw=2 if name in (EXACT, MIDPOINT) else 1)
+                        color=colors[every.index(name) % len(colors)], ls="-" if ours else "--", lw=2 if name in (EXACT, MIDPOINT, MEAN) else 1)
         ax.set_xscale("log")
         ax.set_xticks(fractions, [f"{f:.0%}" for f in fractions])
         ax.axhline(0, color="k", lw=0.5)
