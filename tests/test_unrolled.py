@@ -310,8 +310,9 @@ def test_bad_records_are_refused_with_the_fix():
     pretrain(adam, Adam(lr=0.1), steps=2)
     with pytest.raises(ik.InputError, match="metagradients \\(exact\\)"):
         ik.unrolled.approximate(adam, TEST)
-    with pytest.raises(ik.InputError, match="at=..."):  # the segments linearize at w = 1
-        ik.unrolled.approximate(ik.unrolled.reweighted(record, torch.full((12,), 0.75)), TEST)
+    uneven = torch.linspace(0.5, 1.0, 12)  # a factored curvature can be rescaled by one weight per stage only
+    with pytest.raises(ik.InputError, match="weighted unevenly"):
+        ik.unrolled.approximate(ik.unrolled.reweighted(record, uneven), TEST, curvature="ekfac")
 
 
 class LinearInTheta(nn.Module):
@@ -362,6 +363,29 @@ def test_approximate_unrolling_equals_the_exact_metagradient_where_its_closed_fo
     assert exact[0].values.abs().max() > 1e-4  # the pretraining examples do reach the finetuned model
     if case == 1:  # the finetuning examples' gradients ∇_Θ ℓ = y·W x are constant too
         torch.testing.assert_close(approx[1].values, exact[1].values, rtol=1e-9, atol=1e-12)
+
+
+def test_approximate_unrolling_at_other_weights_equals_the_exact_metagradient_there():
+    """at=: the record re-run at other data weights (uneven on pretraining, one float on finetuning) and each piece
+    linearized with the weighted objective's Hessian — on the quadratic objectives above, still every step's exact
+    linear map, so equal to metagradients(at=) and unlike the plain (w = 1) scores."""
+    gen = torch.Generator().manual_seed(4)
+    torch.manual_seed(4)
+    pre = ik.Stage(LinearInTheta().eval(), linear_loss, (0.5 * torch.randn(10, 8, generator=gen),
+                   torch.randn(10, generator=gen)), regularizer=l2(1.0))
+    fin = ik.Stage(Bilinear().eval(), linear_loss, (0.5 * torch.randn(8, 3, generator=gen),
+                   torch.randn(8, generator=gen)), params="head", regularizer=l2(0.3))
+    test = (0.5 * torch.randn(3, 3, generator=gen), torch.randn(3, generator=gen))
+    record = Record()
+    record.train(pre, SGD(lr=0.3, momentum=0.8), steps=12, batch_size=10)
+    record.train(fin, SGD(lr=0.3, momentum=0.8), steps=9, batch_size=8, link=ik.Link("embedding", case=1))
+    at = [0.5 + torch.rand(10, generator=gen), 0.7]
+    exact = ik.unrolled.metagradients(record, test, per_test=True, at=at)
+    approx = ik.unrolled.approximate(record, test, segments=3, per_test=True, at=at)
+    plain = ik.unrolled.approximate(record, test, segments=3, per_test=True)
+    for a, e, p in zip(approx, exact, plain):
+        torch.testing.assert_close(a.values, e.values, rtol=1e-9, atol=1e-12)
+        assert (a.values - p.values).abs().max() > 1e-3 * a.values.abs().max()
 
 
 def ridge_refit_measure(final: dict) -> torch.Tensor:
@@ -465,6 +489,28 @@ def test_factored_approximate_unrolling_equals_the_dense_one_where_the_factored_
     assert torch.corrcoef(torch.stack([sampled, dense[0].values.sum(1)]))[0, 1] > 0.5
     with pytest.raises(ik.InputError, match="unknown curvature"):
         ik.unrolled.approximate(record, test, curvature="lanczos")
+
+
+@pytest.mark.parametrize("basis", ["each", "shared"])
+def test_factored_approximate_unrolling_at_one_weight_per_stage_equals_the_dense_one(basis):
+    """at= one float per stage: the factored curvature of the reweighted objective is the fitted one with its data
+    part scaled (FactoredCurvature.scale_data); exact here (C = H), so equal to the dense pieces at the same weights.
+    A curvature fitted at w = 1 and given as basis is refused for a reweighted stage."""
+    pre, fin, test = linear_layer_stages(seed=2)
+    record = Record()
+    record.train(pre, SGD(lr=0.1, momentum=0.5), steps=9, batch_size=14)
+    record.train(fin, SGD(lr=0.1, momentum=0.5), steps=6, batch_size=10, link=ik.Link("embedding", case=1))
+    exact = ik.CurvatureConfig(fisher="exact")
+    dense = ik.unrolled.approximate(record, test, segments=3, per_test=True, at=[0.5, 0.8])
+    factored = ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature="ekfac", basis=basis,
+                                       config=exact, at=[0.5, 0.8])
+    plain = ik.unrolled.approximate(record, test, segments=3, per_test=True)
+    for d, f, p in zip(dense, factored, plain):
+        torch.testing.assert_close(f.values, d.values, rtol=1e-8, atol=1e-11)
+        assert (d.values - p.values).abs().max() > 1e-3 * d.values.abs().max()
+    fitted = ik.factored.fit_curvature(pre, kind="ekfac", fisher="exact")
+    with pytest.raises(ik.InputError, match="fitted at w = 1"):
+        ik.unrolled.approximate(record, test, curvature="ekfac", basis=[fitted, None], at=0.5)
 
 
 def test_factored_pieces_sharing_one_eigenbasis_equal_the_dense_ones_where_the_curvature_is_exact():

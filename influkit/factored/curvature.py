@@ -219,6 +219,15 @@ class FactoredCurvature:
 
     __call__ = matvec
 
+    def scale_data(self, weight: float) -> None:
+        """C ← weight·C_data + C_R: the curvature of the objective whose examples all carry ``weight`` (the
+        eigenvalues and diagonal values scaled, the regularizer's shift kept)."""
+        for block in self.blocks:
+            if isinstance(block, KroneckerBlock):
+                block.eigenvalues = block.eigenvalues * weight
+            else:
+                block.values = block.values * weight
+
     def function(self, vec: torch.Tensor, fn) -> torch.Tensor:
         """f(C)·vec for an elementwise function f of C's eigenvalues (``fn`` maps a tensor of them), in each
         block's eigenbasis; vec (p,) or (p, k). fn = identity gives matvec."""

@@ -99,17 +99,22 @@ def metagradients(record: Record, measure, *, per_test: bool = False, out: str |
     weights' min / mean / max).
     """
     start_time = time.perf_counter()
-    if at is not None:
-        if isinstance(measure, Adjoint):
-            raise InputError("an Adjoint is d measure / d the recorded final values, which at= moves; pass the "
-                             "measure itself, or compute the adjoint on ik.unrolled.reweighted(record, at) and "
-                             "call metagradients on that record without at.")
-        weights = at_weights(record, at)
-        record = reweighted(record, weights, progress=progress)
+    record = reweighted_at(record, measure, at, progress)
     adjoint, q, outputs = measure_adjoint(record, measure, per_test)
     journal = Journal(out, fingerprint(record, adjoint), q)
     settings = {"measure_outputs": int(outputs), "per_test": per_test, "at": describe_at(at, record)}
     return _backward(record, adjoint, q, per_test, settings, start_time, progress, journal)
+
+
+def reweighted_at(record: Record, measure, at, progress: bool) -> Record:
+    """The record re-run at the weights ``at`` (itself when None), for a measure that is not an :class:`Adjoint`."""
+    if at is None:
+        return record
+    if isinstance(measure, Adjoint):
+        raise InputError("an Adjoint is d measure / d the recorded final values, which at= moves; pass the "
+                         "measure itself, or compute the adjoint on ik.unrolled.reweighted(record, at) and "
+                         "pass that record without at.")
+    return reweighted(record, at_weights(record, at), progress=progress)
 
 
 def at_weights(record: Record, at) -> list[torch.Tensor | None]:

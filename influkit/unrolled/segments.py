@@ -19,6 +19,11 @@ predicts −score). Adam has no such linear recursion and is refused; so is Nest
 When the objective is quadratic and the per-example losses are linear in θ, every step is exactly this map and
 the result equals the exact metagradient (``tests/test_unrolled.py``).
 
+At other data weights (``at=``, or a record from :func:`~.replay.reweighted`) the pieces linearize the re-run
+record: θ_ℓ are its parameters, H_ℓ the Hessian of the weighted objective (1/n) Σ w_z ℓ(z; θ) + R, and the forcing's
+data term keeps its derivative (1/n) ∇ℓ(z; θ_ℓ). A factored curvature is fitted on the unweighted examples and its
+data part scaled by the stage's weight (:meth:`FactoredCurvature.scale_data`), so it takes one weight per stage.
+
 Curvature per piece (``curvature=``): ``"hessian"`` — the dense Hessian of L at θ_ℓ and its eigendecomposition
 (exact; models of up to a few thousand trained parameters); ``"ekfac"`` or ``"kfac"`` — SOURCE's choice at scale: the
 factored Gauss-Newton approximation C_ℓ (:func:`influkit.factored.curvature.fit_curvature`, settings from
@@ -70,11 +75,11 @@ from ..memory import plan as memory_plan
 from ..memory import resolve as budget_of
 from ..results import InfluenceResult
 from ..scoring import release_freed_memory
-from .metagradient import hand_over, measure_adjoint
+from .metagradient import hand_over, measure_adjoint, reweighted_at
 from .optimizers import SGD
 from .record import Record, StageRun
 from .replay import start, unit_weights
-from .terms import Terms, fingerprint
+from .terms import Terms, fingerprint, holding
 
 METHOD = "unrolled approximate (segments, dense Hessian)"
 CURVATURES = ("hessian", "ekfac", "kfac")
@@ -84,11 +89,12 @@ BASES = ("each", "shared")
 def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = False, curvature: str = "hessian",
                 basis: str = "each", config: CurvatureConfig | None = None, chunk_size: int | None = None,
                 out: str | Path | None = None, gradients: str = "contraction", memory: int | None = None,
-                progress: bool = False) -> list[InfluenceResult]:
+                at=None, progress: bool = False) -> list[InfluenceResult]:
     """One :class:`InfluenceResult` per stage: the segment-wise closed-form estimate of d measure / d w_z.
 
-    Same arguments and sign as :func:`influkit.unrolled.metagradients` (score = d measure / d w_z at w = 1;
-    removing z predicts −score: ``removal``); ``segments`` pieces per stage; curvature: ``"hessian"`` (dense,
+    Same arguments and sign as :func:`influkit.unrolled.metagradients` (score = d measure / d w_z at w = 1, or at
+    the weights ``at``: the record re-run there and each piece linearized on that run with the weighted objective's
+    curvature; removing z predicts −score: ``removal``); ``segments`` pieces per stage; curvature: ``"hessian"`` (dense,
     exact) or ``"ekfac"``/``"kfac"`` (factored, fitted with ``config``, default ``CurvatureConfig()``: the sampled
     Fisher on every example); basis: ``"each"`` (a fit per piece) or ``"shared"`` (EK-FAC: one eigenbasis per stage,
     eigenvalues re-estimated per piece) — module docstring — or one fitted EK-FAC curvature (or None) per stage, fitted
@@ -118,12 +124,18 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
                 f"approximate unrolling needs SGD steps (with or without heavy-ball momentum); a stage was trained "
                 f"with {run.optimizer!r}. Use ik.unrolled.metagradients (exact) for it."
             )
-        if run.weights is not None:
+    record = reweighted_at(record, measure, at, progress)
+    for k, run in enumerate(record.runs):
+        uniform = run.weights is None or bool((run.weights == run.weights[0]).all())
+        if curvature != "hessian" and not uniform:
             raise InputError(
-                "approximate unrolling linearizes the recorded run at w = 1 (its curvatures are the unweighted "
-                "objective's); this record was re-run at other data weights (ik.unrolled.reweighted). Use "
-                "ik.unrolled.metagradients(record, measure, at=...) for the derivative at other weights."
+                f"stage {k} is weighted unevenly (at= or ik.unrolled.reweighted), and a factored curvature is fitted "
+                "on the unweighted examples, so it can only be rescaled by one weight per stage. Pass one float per "
+                "stage in at= (e.g. the drop sets' mean weight 1 − f), or curvature='hessian'."
             )
+        if given is not None and given[k] is not None and run.weights is not None:
+            raise InputError(f"basis[{k}] was fitted at w = 1 and stage {k} is reweighted; pass None for it (its "
+                             "curvature is then fitted on the reweighted run).")
     began = time.perf_counter()
     adjoint, q, outputs = measure_adjoint(record, measure, per_test)
     pieces: list = [None] * len(record)
@@ -134,8 +146,9 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     held.hold(adjoint)
     for k in range(len(record) - 1, -1, -1):
         run = record.runs[k]
-        theta_bar, anchor_bar, pieces[k], plans[k] = _stage(run, adjoint, q, int(segments), curvature, basis, config,
-                                                            memory, held, progress, given[k] if given else None)
+        with holding(run.stage.model, _moved_frozen(run)):
+            theta_bar, anchor_bar, pieces[k], plans[k] = _stage(run, adjoint, q, int(segments), curvature, basis,
+                                                                config, memory, held, progress, given[k] if given else None)
         del adjoint
         if k:
             adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
@@ -155,8 +168,9 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
         terms = Terms(run.stage, run.trained, pieces[k], chunk_size=chunk_size, gradients=gradients,
                       memory=held.left(memory, "the example terms"), out=stage_out)
         terms.scorer.memory["held_bytes"] = held.bytes  # with memory=: its budget is memory − this
-        values, index, counts = terms.compute(fingerprint=fingerprint(f"{method}|{basis}", k, pieces[k]),
-                                              out=stage_out, progress=progress)
+        with holding(run.stage.model, _moved_frozen(run)):
+            values, index, counts = terms.compute(fingerprint=fingerprint(f"{method}|{basis}", k, pieces[k]),
+                                                  out=stage_out, progress=progress)
         diagnostics = {"seconds": {"approximate (pieces)": directions_s, "example terms": time.perf_counter() - t0},
                        "settings": {"segments": int(segments), "curvature": where, "basis": basis,
                                     "per_test": per_test, "measure_outputs": int(outputs)},
@@ -167,6 +181,13 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
         held.drop(pieces[k])  # this stage's θ_ℓ and u_ℓ: not needed by the next stage's terms
         pieces[k] = terms = None
     return results
+
+
+def _moved_frozen(run: StageRun) -> dict:
+    """The frozen inherited block's values where they differ from the model's own (a record re-run at other weights
+    ends its previous stage elsewhere): the curvature fits and the example terms read the block from the model."""
+    named = dict(run.stage.model.named_parameters())
+    return {n: run.anchors[n] for n in run.frozen if not torch.equal(named[n].detach(), run.anchors[n])}
 
 
 def _boundaries(run: StageRun, pieces: int) -> list[tuple[int, int]]:
@@ -261,14 +282,15 @@ def _dense_piece(run: StageRun, theta_end: dict, v: torch.Tensor, w: torch.Tenso
     """(u, v', w') of one piece with the dense Hessian of the stage objective at θ_ℓ, eigendecomposed."""
     names = list(run.trained)
     n = len(run.stage)
-    x_all, y_all = run.stage.data.take(torch.arange(n))
-    ones = torch.ones(n, dtype=v.dtype, device=v.device)
+    every = torch.arange(n)
+    x_all, y_all = run.stage.data.take(every)
+    weights = unit_weights(run, every, None, v)  # the run's data weights (ones for a recorded run)
     shapes = {m: theta_end[m].shape for m in names}
 
     def objective(theta_flat):
         theta = dict(zip(names, (t.reshape(shapes[m]) for m, t in zip(names, theta_flat.split(
             [theta_end[m].numel() for m in names])))))
-        return run.objective(theta, run.anchors, x_all, y_all, ones)
+        return run.objective(theta, run.anchors, x_all, y_all, weights)
 
     lam, eigvecs = torch.linalg.eigh(hessian(objective)(torch.cat([theta_end[m].reshape(-1) for m in names])))
     alpha, beta, forcing = _piece(lam + decay, v @ eigvecs, w @ eigvecs, lrs, momentum)
@@ -287,10 +309,12 @@ def _anchor_adjoint(run: StageRun, theta_end: dict, u: torch.Tensor, anchor_bar:
     directions = [dict(zip(names, (t.reshape(theta[m].shape) for m, t in zip(names, u[j].split(
         [theta[m].numel() for m in names]))))) for j in range(q)]
 
-    def pull(x, y, first: bool, probe: bool = False) -> None:
-        """S̄'s adjoint += ∂(∇_θL_B · u_j)/∂S̄ for each j on one batch B; ``probe``: only its double-backward graph."""
+    def pull(idx, first: bool, probe: bool = False) -> None:
+        """S̄'s adjoint += ∂(∇_θL_B · u_j)/∂S̄ for each j on one batch B (the run's data weights); ``probe``: only
+        its double-backward graph."""
+        x, y = run.stage.data.take(idx)
         with torch.enable_grad():
-            weights = torch.ones(x.shape[0], dtype=u.dtype, device=u.device)
+            weights = unit_weights(run, idx, None, u)
             value = run.objective(theta, anchors, x, y, weights, size=n, penalties=first)
             gradient = torch.autograd.grad(value, list(theta.values()), create_graph=True)
             if probe:
@@ -303,20 +327,20 @@ def _anchor_adjoint(run: StageRun, theta_end: dict, u: torch.Tensor, anchor_bar:
                         anchor_bar[m][j] += t.detach()
 
     count = min(PROBE_EXAMPLES, n)
-    px, py = run.stage.data.take(torch.arange(count))
     leaves = [*theta.values(), *anchors.values()]
-    per = int(HVP_TRANSIENT * probe_bytes(lambda _: pull(px, py, False, probe=True), run.stage.model, count, leaves))
+    per = int(HVP_TRANSIENT * probe_bytes(lambda _: pull(torch.arange(count), False, probe=True), run.stage.model,
+                                          count, leaves))
     gradient_bytes = sum(t.numel() * t.element_size() for t in anchors.values())  # ∂/∂S̄ of one j at a time
     plan = memory_plan(budget_of(memory, u.device), per, "shared block's adjoint", most=n, fixed=gradient_bytes,
                        default=not budget_given(memory))
     for i, idx in enumerate(torch.arange(n).split(plan["batch"])):
-        x, y = run.stage.data.take(idx)
-        pull(x, y, i == 0)
+        pull(idx, i == 0)
     return plan
 
 
 def _fit(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, basis, memory: int | None):
-    """The factored curvature C_ℓ at θ_ℓ (with ``basis``: its eigenvalues in that curvature's kept eigenbases)."""
+    """The factored curvature C_ℓ at θ_ℓ (with ``basis``: its eigenvalues in that curvature's kept eigenbases); on a
+    run reweighted by one weight c (``approximate`` checks it is uniform), its data part scaled by c."""
     n = len(run.stage)
     indices = None
     if config.hessian_samples is not None and config.hessian_samples < n:
@@ -325,8 +349,11 @@ def _fit(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, bas
     if run.alpha:
         anchors, alpha = run.anchors, run.alpha
         extra = lambda p: alpha * sum(((p[m] - anchors[m]) ** 2).sum() for m in run.inherited)  # noqa: E731
-    return fit_curvature(run.stage, run.trained, kind=kind, fisher=config.fisher, indices=indices, extra=extra,
-                         at=theta_end, seed=config.seed, memory=memory, basis=basis)
+    fitted = fit_curvature(run.stage, run.trained, kind=kind, fisher=config.fisher, indices=indices, extra=extra,
+                           at=theta_end, seed=config.seed, memory=memory, basis=basis)
+    if run.weights is not None:
+        fitted.scale_data(float(run.weights[0]))
+    return fitted
 
 
 def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], momentum: float, decay: float):
