@@ -1015,6 +1015,9 @@ def recorded_table(m: int, progress: bool, midpoint: bool = True) -> None:
         task, record, {"exact": exact["finetuning"]} | {name.removeprefix("unrolled "): values["finetuning"]
                                                           for name, (values, _) in approximations.items()},
         min(m, FINETUNE_DROP_SETS), progress)
+    facts["seconds of the unrolled rows"] = (
+        "those of the run that computed them (cached under cache/lm-case1/replay-recorded, with its info), over this "
+        "run's training run; the q = 1 pass above is timed beside that training run")
     facts["the rows named influkit <method>"] = (
         "the cached scores_<method>.npz of the warm-protocol runs on the same trained model: influence functions, "
         "and (influkit unrolled-*) the replay_lm-case1 protocol's unrolled rows through the continuation alone, "
@@ -1047,7 +1050,7 @@ def finetune_own_scores(task: LMTask, record: ik.unrolled.Record, scores: dict[s
     return out
 
 
-LINEARITY_STEPS = (1.0, 0.1, 0.01)  # t of w = 1 − t·1_D along a drop set D (1: the protocol's drop)
+LINEARITY_STEPS = (1.0, 0.1, 0.01, -1.0)  # t of w = 1 − t·1_D along a drop set D (1: the drop; −1: D doubled)
 
 
 def recorded_linearity(m: int, progress: bool) -> None:
@@ -1056,8 +1059,10 @@ def recorded_linearity(m: int, progress: bool) -> None:
     Δ_t = (NLL(w) − NLL(1)) / t per test completion, p_j = −Σ_{z∈D_j} score_z with the exact metagradient through
     both stages. A run linear in w has Δ_t = p for every t. Reported per t: LDS(p, Δ_t) (the protocol's LDS when
     t = 1; as t → 0 it tends to 1 if the metagradient is right), the median over sets of cos(Δ_t, p) and of
-    cos(Δ_t, Δ_1) (cosines over the q completions), and the median ‖Δ_t‖ / ‖p‖. Writes
-    results/fidelity/replay_lm-case1_recorded_linearity.md."""
+    cos(Δ_t, Δ_1) (cosines over the q completions), and the median ‖Δ_t‖ / ‖p‖. The response's second-order term
+    along D, measured by replaying D doubled (t = −1): NLL(1 − t·1_D) − NLL(1) = t·Δ + t²·Q + O(t³) gives
+    Q ≈ (Δ_1 − Δ_{−1}) / 2; the last row ranks the drop's response Δ_1 by p + Q (how much of the miss at t = 1 a
+    second-order term explains). Writes results/fidelity/replay_lm-case1_recorded_linearity.md."""
     from benchmarks.fidelity_replay import FRACTIONS, drop_sets
 
     task = LMTask(progress)
@@ -1087,6 +1092,10 @@ def recorded_linearity(m: int, progress: bool) -> None:
                    "ratio": float(np.median(np.linalg.norm(d, axis=1) / np.linalg.norm(predicted, axis=1)))}
         r = rows[t]
         lines.append(f"| {t:g} | {lds:.3f} ± {sem:.3f} | {r['cos_p']:.3f} | {r['cos_1']:.3f} | {r['ratio']:.3f} |")
+    second = predicted + (delta[1.0] - delta[-1.0]) / 2  # p + Q
+    lds, sem, _ = mean_sem(columnwise_spearman(second, delta[1.0]))
+    lines.append(f"| 1, ranked by p + Q | {lds:.3f} ± {sem:.3f} "
+                 f"| {np.median([cos(delta[1.0][j], second[j]) for j in range(m)]):.3f} | — | — |")
     text = (f"# {RECORDED_TASK}: is the two-stage replayed run linear in the document weights at a 1 % drop? "
             f"(bench_fidelity_lm.py replay-recorded-linearity, M = {m})\n\n"
             + " ".join(recorded_linearity.__doc__.split()) + "\n\n" + "\n".join(lines) +
