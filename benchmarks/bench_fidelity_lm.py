@@ -47,7 +47,7 @@ the example's EK-FAC setting — and from the sampled Fisher, the library defaul
 with dropped completions (20 drop sets per fraction). Writes results/fidelity/replay_lm-case1_recorded.{md,json}
 and its panel of the replay plot; cached under ``results/fidelity/cache/lm-case1/replay-recorded``.
 ``replay-recorded-linearity`` replays the first M 1 % drop sets at a tenth and a hundredth of the drop and doubled
-(w = 1 − t·1_D) and ranks those responses by the same metagradient (results/fidelity/replay_lm-case1_recorded_linearity.md).
+(w = 1 − t·1_D), ranked by the same metagradient: results/fidelity/replay_lm-case1_recorded_linearity.md.
 
 Noise ceiling: the same subsets re-trained under another batch order (seed + 1); its LDS is the Spearman, per test
 completion, between the two re-trainings' NLLs.
