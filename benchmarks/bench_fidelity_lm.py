@@ -29,6 +29,26 @@ the exact metagradient at each fraction's mean midpoint w = 1 − f/2 (``unrolle
 ``cache/lm-case1/replay`` with the re-trainings). Writes results/fidelity/replay_lm-case1.{md,json} and the replay
 plot with ``fidelity_replay.write``.
 
+Replay protocol with both stages recorded (``replay-recorded``; issue 26's point: differentiate the training that
+actually ran across the pretrain → finetune boundary). The refit above is not recorded training: the exact
+metagradient reaches it only through a Case 1 implicit adjoint at an optimum 40 L-BFGS iterations do not reach, and
+``replay-linearity`` shows the refit is what responds nonlinearly. Here both stages are recorded in one
+``ik.unrolled.Record`` (``record_both``): the continuation as above, then the adapters finetuned from their trained
+values on the continued base (Case 1 LoRA link ``hf.lora_link``) by ``ik.unrolled.SGD`` (lr 0.003, momentum 0.9;
+SGD so the approximate unrolling can linearize it) over 30 seeded mini-batches of 32 of the 300 completions. For
+each f and each of M drop sets the record is replayed with the dropped documents weighted 0 (the completions 1) and
+the test NLLs of the final LoRA model ranked by: the exact metagradient through both stages
+(``ik.unrolled.metagradients(record, test, per_test=True)``: the adjoint on the fixed base accumulated over every
+finetuning step is handed to the continuation), the same at each fraction's midpoint (``at=[1 − f/2, None]``: the
+documents at 1 − f/2, the completions as recorded), the approximate unrolling across both stages
+(``ik.unrolled.approximate``, 3 segments per stage, EK-FAC fitted at each segment's end from the empirical Fisher —
+the example's EK-FAC setting — and from the sampled Fisher, the library default), and every cached
+``scores_<method>.npz`` of the trained model. The same pass gives the completions' own scores, checked by replaying
+with dropped completions (20 drop sets per fraction). Writes results/fidelity/replay_lm-case1_recorded.{md,json}
+and its panel of the replay plot; cached under ``results/fidelity/cache/lm-case1/replay-recorded``.
+``replay-recorded-linearity`` replays the first M 1 % drop sets at a tenth and a hundredth of the drop and doubled
+(w = 1 − t·1_D), ranked by the same metagradient: results/fidelity/replay_lm-case1_recorded_linearity.md.
+
 Noise ceiling: the same subsets re-trained under another batch order (seed + 1); its LDS is the Spearman, per test
 completion, between the two re-trainings' NLLs.
 
@@ -47,6 +67,8 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm defaults-table --subsets 100   # cached rows + committed rows + ceiling
     python -m benchmarks.bench_fidelity_lm replay --subsets 20   # replay protocol: cached rows + midpoint per fraction
     python -m benchmarks.bench_fidelity_lm replay-linearity --subsets 5   # 1 % drops: linear in w with/without refit?
+    python -m benchmarks.bench_fidelity_lm replay-recorded --subsets 50   # replay, both stages recorded (~15 min)
+    python -m benchmarks.bench_fidelity_lm replay-recorded-linearity --subsets 20   # is that run linear in w?
 """
 
 from __future__ import annotations
@@ -778,11 +800,316 @@ def replay_table(m: int, progress: bool, midpoint: bool = True) -> None:
     write(TASK, table, seconds, divisor, names, details, facts, RESULTS, FRACTIONS)
 
 
+# ------------------------------------------------------------------ replay with both stages recorded (issue 26)
+
+RECORDED = CACHE / "replay-recorded"  # its replayed outputs and score matrices (not warm rows: outside scores_*)
+RECORDED_TASK = f"{TASK}_recorded"
+FINETUNE_OPTIMIZER = ik.unrolled.SGD(lr=0.003, momentum=0.9)
+FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_SEED = 30, 32, 11  # 960 completions drawn: 3.2 passes over the 300
+RECORDED_SEGMENTS = 3  # pieces per stage of the approximate unrolling (the continuation: one per epoch)
+FINETUNE_DROP_SETS = 20  # drop sets per fraction of the finetuning completions' own scores
+
+
+def record_both(task: LMTask, progress: bool = True) -> ik.unrolled.Record:
+    """The two-stage record of the recorded replay protocol: the warm protocol's continuation (``record_continuation``)
+    and then the adapters finetuned from their trained values by FINETUNE_OPTIMIZER (SGD + momentum, which the
+    approximate unrolling can linearize) for FINETUNE_STEPS seeded mini-batches of FINETUNE_BATCH completions, the
+    continued base fixed (``task.link``: Case 1, LoRA). The trained models are restored after."""
+    with task.restored():
+        record = record_continuation(task, progress)
+        record.train(task.fin, FINETUNE_OPTIMIZER, steps=FINETUNE_STEPS, batch_size=FINETUNE_BATCH,
+                     seed=task.cfg.seed + FINETUNE_SEED, link=task.link, progress=progress)
+    return record
+
+
+def recorded_digest(task: LMTask) -> str:
+    """8 hex characters naming the trained model and both recorded stages' settings (cache keys carry it)."""
+    cfg = task.cfg
+    text = json.dumps({"trained": task.info, "continuation": [cfg.continue_lr, cfg.continue_epochs, cfg.pre_batch],
+                       "finetune": [repr(FINETUNE_OPTIMIZER), FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_SEED]},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def finetune_position(stage: ik.Stage, adapters: dict) -> dict:
+    """F (mean completion NLL + L2 on the adapters) and ‖∇F‖ over the adapters at ``adapters``, base as in the model."""
+    theta = {n: v.detach().clone().requires_grad_(True) for n, v in adapters.items()}
+    x, y = stage.data.take(torch.arange(len(stage)))
+    value = stage.losses(theta, x, y).mean() + stage.regularization(theta)
+    gradient = torch.autograd.grad(value, list(theta.values()))
+    return {"F": float(value), "grad_norm": float(torch.cat([g.reshape(-1) for g in gradient]).norm())}
+
+
+def finetune_movement(task: LMTask, record: ik.unrolled.Record) -> dict:
+    """Does the recorded finetuning move the adapters? F and ‖∇F‖ on the continued base before (the trained
+    adapters) and after (the recorded final ones), ‖Δ adapters‖ / ‖adapters‖, and the summed test NLL both ways."""
+    run = record.runs[1]
+    before, after = run.checkpoints[0][0], run.checkpoints[run.steps][0]
+    out = {}
+    with task.restored():
+        base_into(task, record.runs[0].final)
+        task.ex.set_base(task.fin, task.pre, task.link)
+        for name, adapters in (("before", before), ("after", after)):
+            out[name] = finetune_position(task.fin, adapters)
+            with torch.no_grad():
+                out[name]["test_nll_sum"] = float(task.fin.losses(adapters, *task.test).sum())
+    change = torch.cat([(after[n] - before[n]).reshape(-1) for n in before]).norm()
+    out["relative_change"] = float(change / torch.cat([v.reshape(-1) for v in before.values()]).norm())
+    return out
+
+
+def recorded_outputs(task: LMTask, record: ik.unrolled.Record, keep: torch.Tensor, stage: int, fraction: float,
+                     progress: bool) -> tuple[np.ndarray, list[float]]:
+    """((M, q) test NLLs of the two-stage record replayed with each kept mask's dropped examples of ``stage`` weighted
+    0 and the other stage's weights 1, seconds of each replay computed here) — cached."""
+    RECORDED.mkdir(parents=True, exist_ok=True)
+    rows, seconds, digest = [], [], recorded_digest(task)
+    for j in tqdm(range(keep.shape[0]), desc=f"{RECORDED_TASK} stage {stage} {fraction:g}", disable=not progress):
+        mask = hashlib.sha256(keep[j].numpy().tobytes()).hexdigest()[:8]
+        path = RECORDED / f"stage{stage}_drop{fraction:g}_{j:04d}_{digest}_{mask}.npy"
+        if not path.exists():
+            weights = [None, None]
+            weights[stage] = keep[j].float()
+            start = time.perf_counter()
+            np.save(path, ik.unrolled.outputs(record, task.test, weights).double().numpy())
+            seconds.append(time.perf_counter() - start)
+        rows.append(np.load(path))
+    return np.stack(rows), seconds
+
+
+def recorded_scores(task: LMTask, record: ik.unrolled.Record, name: str, compute) -> tuple[dict, dict]:
+    """({key: values}, info) of a score computation ``compute() -> (arrays, info)``, cached under RECORDED."""
+    path = RECORDED / f"{name}_{recorded_digest(task)}.npz"
+    if not path.exists():
+        RECORDED.mkdir(parents=True, exist_ok=True)
+        arrays, info = compute()
+        np.savez(path, info=json.dumps(info, default=str), **arrays)
+    cached = np.load(path)
+    return {k: cached[k] for k in cached.files if k != "info"}, json.loads(str(cached["info"]))
+
+
+def exact_both_stages(task: LMTask, record: ik.unrolled.Record, progress: bool) -> tuple[dict, dict]:
+    """The exact metagradient through both recorded stages, per test completion (pretraining (n, q), finetuning
+    (n_fin, q), one pass), and the summed test NLL's (q = 1, MAGIC's setting) timed apart."""
+    start = time.perf_counter()
+    pre, fin = ik.unrolled.metagradients(record, task.test, per_test=True, progress=progress)
+    seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    summed = ik.unrolled.metagradients(record, task.test, progress=progress)
+    seconds_one = time.perf_counter() - start
+    diag = pre.diagnostics
+    info = {"seconds": seconds, "seconds, summed measure (q = 1)": seconds_one,
+            "check: per-test columns sum to the q = 1 pass (pretraining, finetuning), max |Δ|": [
+                float((pre.values.sum(1) - summed[0].values).abs().max()),
+                float((fin.values.sum(1) - summed[1].values).abs().max())],
+            "replay": diag["replay"], "memory": diag["memory"]}
+    return {"pretraining": pre.values.double().numpy(), "finetuning": fin.values.double().numpy()}, info
+
+
+def midpoint_both_stages(task: LMTask, record: ik.unrolled.Record, fraction: float, progress: bool):
+    """The exact metagradient at the midpoint of dropping a fraction f of the documents: ``at`` = 1 − f/2 on the
+    pretraining (continuation) stage, the finetuning stage at its recorded weights 1 (``at=[1 − f/2, None]``)."""
+    start = time.perf_counter()
+    pre = ik.unrolled.metagradients(record, task.test, per_test=True, at=[1 - fraction / 2, None],
+                                    progress=progress)[0]
+    return {"pretraining": pre.values.double().numpy()}, {
+        "seconds": time.perf_counter() - start, "at": pre.diagnostics["settings"]["at"],
+        "replay": pre.diagnostics["replay"]}
+
+
+def approximate_both_stages(task: LMTask, record: ik.unrolled.Record, fisher: str, progress: bool):
+    """SOURCE-style unrolling across both stages: RECORDED_SEGMENTS pieces per stage, EK-FAC fitted at each piece's
+    end (a dense Hessian is out of reach for the 210k-parameter continuation) from the ``fisher`` Fisher: "empirical"
+    (the example's EK-FAC setting, per-document gradient covariance) or "sampled" (labels drawn from the model per
+    token, ``CurvatureConfig()``'s default: the Gauss-Newton matrix in expectation, what a segment's closed form
+    wants in place of the Hessian)."""
+    start = time.perf_counter()
+    config = ik.CurvatureConfig(fisher=fisher, seed=task.cfg.seed)
+    pre, fin = ik.unrolled.approximate(record, task.test, segments=RECORDED_SEGMENTS, per_test=True,
+                                       curvature="ekfac", config=config, progress=progress)
+    return {"pretraining": pre.values.double().numpy(), "finetuning": fin.values.double().numpy()}, {
+        "seconds": time.perf_counter() - start, "settings": pre.diagnostics.get("settings")}
+
+
+APPROXIMATE_FISHERS = {"empirical": "approximate-ekfac", "sampled": "approximate-ekfac-sampled"}  # fisher: cache name
+
+
+def recorded_table(m: int, progress: bool, midpoint: bool = True) -> None:
+    """The replay protocol with both stages recorded (module docstring): results/fidelity/replay_lm-case1_recorded.*"""
+    from benchmarks.fidelity_replay import EXACT, FRACTIONS, MIDPOINT, drop_sets, write
+
+    task = LMTask(progress)
+    record = record_both(task, progress)
+    runs = record.runs
+    verify_error = ik.unrolled.verify(record)
+    start = time.perf_counter()
+    replayed = ik.unrolled.replay(record, [torch.ones(task.n), torch.ones(len(task.fin))])
+    training = time.perf_counter() - start  # one training run of both stages (a replay at w = 1, warm)
+    final_error = max(float((r[n] - run.final[n]).abs().max()) for r, run in zip(replayed, runs) for n in run.final)
+    with torch.no_grad():
+        full = task.fin.losses(replayed[-1], *task.test).double().numpy()
+    movement = finetune_movement(task, record)
+    exact, exact_info = recorded_scores(task, record, "exact", lambda: exact_both_stages(task, record, progress))
+    approximations = {  # row name: (scores, info)
+        f"unrolled approximate ({RECORDED_SEGMENTS} segments per stage, EK-FAC, {fisher} Fisher)": recorded_scores(
+            task, record, cache, lambda fisher=fisher: approximate_both_stages(task, record, fisher, progress))
+        for fisher, cache in APPROXIMATE_FISHERS.items()}
+    facts = {"task": RECORDED_TASK, "M": m, "n": task.n, "q": len(full),
+             "stages recorded": [repr(run) for run in runs],
+             "finetuning (recorded)": f"{FINETUNE_OPTIMIZER}, {FINETUNE_STEPS} steps of {FINETUNE_BATCH} completions "
+                                      f"(seed cfg.seed + {FINETUNE_SEED}) from the trained adapters",
+             "finetuning moves the adapters (F, ‖∇F‖ and summed test NLL on the continued base, before → after)": (
+                 f"F {movement['before']['F']:.4f} → {movement['after']['F']:.4f}, ‖∇F‖ "
+                 f"{movement['before']['grad_norm']:.3f} → {movement['after']['grad_norm']:.3f}, test NLL "
+                 f"{movement['before']['test_nll_sum']:.3f} → {movement['after']['test_nll_sum']:.3f}, "
+                 f"‖Δ adapters‖ / ‖adapters‖ {movement['relative_change']:.4f}"),
+             "one training run of both stages, seconds (a replay at w = 1, this run)": training,
+             "replay error (verify, max |Δ| over every checkpoint of both stages)": verify_error,
+             "replay with all weights 1 vs the recorded final parameters (both stages), max |Δ|": final_error,
+             "test NLL (recorded run, summed)": float(full.sum())}
+    start = time.perf_counter()  # timed here, beside the training run it is compared with (not from the cache)
+    ik.unrolled.metagradients(record, task.test)
+    one = time.perf_counter() - start
+    facts["exact metagradient: one summed measure (q = 1, MAGIC's setting), timed in this run"] = \
+        f"{one:.2f} s = {one / training:.2f}× one training run of both stages"
+    facts["exact metagradient: per-test columns vs the q = 1 pass, max |Δ| (pretraining, finetuning)"] = \
+        exact_info["check: per-test columns sum to the q = 1 pass (pretraining, finetuning), max |Δ|"]
+    cached = {path.stem.removeprefix("scores_"): path for path in sorted(CACHE.glob("scores_*.npz"))}
+    table, seconds, divisor, details, timings = {}, {EXACT: exact_info["seconds"]}, {}, {}, {}
+    seconds |= {name: info["seconds"] for name, (_, info) in approximations.items()}
+    for fraction in FRACTIONS:
+        keep = drop_sets(task.n, fraction, m)
+        outputs, timings[f"{fraction:g}"] = recorded_outputs(task, record, keep, 0, fraction, progress)
+        rows = {EXACT: exact["pretraining"]} | {name: values["pretraining"]
+                                                 for name, (values, _) in approximations.items()}
+        if midpoint:
+            values, info = recorded_scores(task, record, f"midpoint{fraction:g}",
+                                           lambda: midpoint_both_stages(task, record, fraction, progress))
+            rows[MIDPOINT] = values["pretraining"]
+            seconds.setdefault(MIDPOINT, []).append(info["seconds"])
+            details.setdefault(MIDPOINT, {})[f"f = {fraction:g}: at, replay check"] = [info["at"], info["replay"]]
+        for name, values in rows.items():
+            table[name, fraction] = mean_sem(lds_per_query(values, keep.numpy(), outputs))[:2]
+        for method, path in cached.items():
+            row = method_row(path, keep.numpy(), outputs)
+            name = row["method"]  # as the replay_lm-case1 panel names it (one color per method in the plot)
+            table[name, fraction] = (row["lds"], row["sem"])
+            seconds[name] = row["seconds"]
+            ratio = row["ratio_to_retraining"]
+            divisor[name] = row["seconds"] / ratio if np.isfinite(ratio) else training
+        print(f"drop {fraction:g}: " + ", ".join(f"{k[0]} {v[0]:.3f}" for k, v in table.items() if k[1] == fraction),
+              flush=True)
+    if midpoint:
+        seconds[MIDPOINT] = float(np.mean(seconds[MIDPOINT]))
+    for name in (EXACT, MIDPOINT, *approximations):
+        divisor.setdefault(name, training)
+    # determinism: the first drop set of the smallest fraction replayed again, uncached
+    keep = drop_sets(task.n, FRACTIONS[0], 1)
+    again = ik.unrolled.outputs(record, task.test, [keep[0].float(), None]).double().numpy()
+    first = recorded_outputs(task, record, keep, 0, FRACTIONS[0], False)[0][0]
+    facts["same drop set replayed twice (f = 1 %, j = 0), max |Δ NLL|"] = float(np.abs(again - first).max())
+    computed = {f: round(float(np.mean(s)), 2) for f, s in timings.items() if s}
+    if computed:
+        facts["replay seconds per drop set computed here (mean per fraction)"] = computed
+    facts["finetuning completions' own scores (same pass as the exact row)"] = finetune_own_scores(
+        task, record, {"exact": exact["finetuning"]} | {name.removeprefix("unrolled "): values["finetuning"]
+                                                          for name, (values, _) in approximations.items()},
+        min(m, FINETUNE_DROP_SETS), progress)
+    facts["seconds of the unrolled rows"] = (
+        "those of the run that computed them (cached under cache/lm-case1/replay-recorded, with its info), over this "
+        "run's training run; the q = 1 pass above is timed beside that training run")
+    facts["the rows named influkit <method>"] = (
+        "the cached scores_<method>.npz of the warm-protocol runs on the same trained model: influence functions, "
+        "and (influkit unrolled-*) the replay_lm-case1 protocol's unrolled rows through the continuation alone, "
+        "from the refit's implicit adjoint; seconds as cached; × training: unrolled rows over their own protocol "
+        "re-training, influence rows over this run's training run of both stages")
+    facts["load average"] = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    details[EXACT] = {"replay check of the reverse pass": exact_info["replay"],
+                      "memory": {k: v for k, v in exact_info["memory"].items() if "bytes" in k}}
+    details |= {name: {"settings": info["settings"]} for name, (_, info) in approximations.items()}
+    names = list(dict.fromkeys(k[0] for k in table))
+    names.sort(key=lambda name: -table[name, FRACTIONS[0]][0])
+    write(RECORDED_TASK, table, seconds, divisor, names, details, facts, RESULTS, FRACTIONS)
+
+
+def finetune_own_scores(task: LMTask, record: ik.unrolled.Record, scores: dict[str, np.ndarray], m: int,
+                        progress: bool) -> dict:
+    """The finetuning completions' own scores (d test NLL / d w_x from the same passes: ``scores`` {row: (300, q)})
+    checked the same way: m drop sets of the 300 completions per fraction, the record replayed with them weighted 0
+    in the finetuning stage (documents weighted 1); LDS ± sem per fraction and row."""
+    from benchmarks.fidelity_replay import FRACTIONS, drop_sets
+
+    exact = scores["exact"]
+    out = {"shape": list(exact.shape), "exact, summed over the test completions: min / max": [
+        float(exact.sum(1).min()), float(exact.sum(1).max())], "M": m, "rows": list(scores)}
+    for fraction in FRACTIONS:
+        keep = drop_sets(len(task.fin), fraction, m)
+        outputs = recorded_outputs(task, record, keep, 1, fraction, progress)[0]
+        cells = [mean_sem(lds_per_query(values, keep.numpy(), outputs))[:2] for values in scores.values()]
+        out[f"LDS at drop {fraction:.0%}"] = " / ".join(f"{mean:.3f} ± {sem:.3f}" for mean, sem in cells)
+    return out
+
+
+LINEARITY_STEPS = (1.0, 0.1, 0.01, -1.0)  # t of w = 1 − t·1_D along a drop set D (1: the drop; −1: D doubled)
+
+
+def recorded_linearity(m: int, progress: bool) -> None:
+    """Is the two-stage replayed run linear in the document weights at a 1 % drop? For the first m drop sets D_j of
+    1 % (``drop_sets``) the record is replayed at w = 1 − t·1_{D_j} (completions at 1) for t in LINEARITY_STEPS;
+    Δ_t = (NLL(w) − NLL(1)) / t per test completion, p_j = −Σ_{z∈D_j} score_z with the exact metagradient through
+    both stages. A run linear in w has Δ_t = p for every t. Reported per t: LDS(p, Δ_t) (the protocol's LDS when
+    t = 1; as t → 0 it tends to 1 if the metagradient is right), the median over sets of cos(Δ_t, p) and of
+    cos(Δ_t, Δ_1) (cosines over the q completions), and the median ‖Δ_t‖ / ‖p‖. The response's second-order term
+    along D, measured by replaying D doubled (t = −1): NLL(1 − t·1_D) − NLL(1) = t·Δ + t²·Q + O(t³) gives
+    Q ≈ (Δ_1 − Δ_{−1}) / 2; the last row ranks the drop's response Δ_1 by p + Q (how much of the miss at t = 1 a
+    second-order term explains). Writes results/fidelity/replay_lm-case1_recorded_linearity.md."""
+    from benchmarks.fidelity_replay import FRACTIONS, drop_sets
+
+    task = LMTask(progress)
+    record = record_both(task, progress)
+    exact, _ = recorded_scores(task, record, "exact", lambda: exact_both_stages(task, record, progress))
+    keep = drop_sets(task.n, FRACTIONS[0], m)
+    dropped = (~keep).double().numpy()
+    predicted = -(dropped @ exact["pretraining"])  # (m, q)
+    base = ik.unrolled.outputs(record, task.test).double().numpy()
+    cos = lambda a, b: float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))  # noqa: E731
+    delta = {}
+    for t in LINEARITY_STEPS:
+        if t == 1.0:
+            outputs = recorded_outputs(task, record, keep, 0, FRACTIONS[0], progress)[0]
+        else:
+            outputs = np.stack([recorded_outputs(task, record, 1.0 - t * (~keep[j:j + 1]).float(), 0,
+                                                 FRACTIONS[0] * t, False)[0][0]
+                                for j in tqdm(range(m), desc=f"t = {t:g}", disable=not progress)])
+        delta[t] = (outputs - base) / t
+    lines = ["| t | LDS(p, Δ_t) | median cos(Δ_t, p) | median cos(Δ_t, Δ_1) | median ‖Δ_t‖ / ‖p‖ |",
+             "|---|---|---|---|---|"]
+    rows = {}
+    for t, d in delta.items():
+        lds, sem, _ = mean_sem(columnwise_spearman(predicted, d))
+        rows[t] = {"lds": lds, "sem": sem, "cos_p": float(np.median([cos(d[j], predicted[j]) for j in range(m)])),
+                   "cos_1": float(np.median([cos(d[j], delta[1.0][j]) for j in range(m)])),
+                   "ratio": float(np.median(np.linalg.norm(d, axis=1) / np.linalg.norm(predicted, axis=1)))}
+        r = rows[t]
+        lines.append(f"| {t:g} | {lds:.3f} ± {sem:.3f} | {r['cos_p']:.3f} | {r['cos_1']:.3f} | {r['ratio']:.3f} |")
+    second = predicted + (delta[1.0] - delta[-1.0]) / 2  # p + Q
+    lds, sem, _ = mean_sem(columnwise_spearman(second, delta[1.0]))
+    lines.append(f"| 1, ranked by p + Q | {lds:.3f} ± {sem:.3f} "
+                 f"| {np.median([cos(delta[1.0][j], second[j]) for j in range(m)]):.3f} | — | — |")
+    text = (f"# {RECORDED_TASK}: is the two-stage replayed run linear in the document weights at a 1 % drop? "
+            f"(bench_fidelity_lm.py replay-recorded-linearity, M = {m})\n\n"
+            + " ".join(recorded_linearity.__doc__.split()) + "\n\n" + "\n".join(lines) +
+            "\n\nLoad average " + ", ".join(f"{v:.1f}" for v in os.getloadavg()) + ".\n")
+    (RESULTS / f"replay_{RECORDED_TASK}_linearity.md").write_text(text)
+    print(text, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("step", choices=["train", "retrain", "score", "unrolled", "table", "unrolled-table",
                                          "defaults-table", "restore", "replay",
-                                         "replay-linearity"])
+                                         "replay-linearity", "replay-recorded",
+                                         "replay-recorded-linearity"])
     parser.add_argument("--subsets", type=int, default=40)
     parser.add_argument("--order", type=int, default=0, help="batch order of the re-trainings (1: noise ceiling)")
     parser.add_argument("--methods", nargs="+", default=[*METHODS])
@@ -805,6 +1132,8 @@ def main() -> None:
         "defaults-table": lambda: write_defaults_table(args.subsets),
         "replay": lambda: replay_table(args.subsets, progress, not args.no_midpoint),
         "replay-linearity": lambda: refit_linearity(args.subsets, progress),
+        "replay-recorded": lambda: recorded_table(args.subsets, progress, not args.no_midpoint),
+        "replay-recorded-linearity": lambda: recorded_linearity(args.subsets, progress),
     }
     if args.step in steps_without_task:
         steps_without_task[args.step]()
