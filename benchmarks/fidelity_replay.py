@@ -360,7 +360,9 @@ def plot(results: Path) -> None:
     payloads = [json.loads(path.read_text()) for path in files]
     every = list(dict.fromkeys(name for payload in payloads for name in payload["lds"]))  # one color per method
     colors = [*plt.cm.tab20.colors, *plt.cm.tab20b.colors]
-    fig, axes = plt.subplots(1, len(files), figsize=(5.5 * len(files), 4.2), squeeze=False)
+    legend_rows = -(-len(every) // 4)  # the shared legend below the panels, 4 columns
+    height = 3.8 + 0.16 * legend_rows
+    fig, axes = plt.subplots(1, len(files), figsize=(5.5 * len(files), height), squeeze=False)
     for ax, payload in zip(axes[0], payloads):
         fractions = payload["fractions"]
         for name, cells in payload["lds"].items():
@@ -378,7 +380,7 @@ def plot(results: Path) -> None:
         ax.set_title(f"{payload['facts']['task']}, replay (M = {payload['facts']['M']})", fontsize=9)
     legend = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
     fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=4, fontsize=7)
-    fig.tight_layout(rect=(0, 0.2, 1, 1))
+    fig.tight_layout(rect=(0, (0.16 * legend_rows + 0.3) / height, 1, 1))
     fig.savefig(results / "replay_lds_vs_drop.png", dpi=120)
     plt.close(fig)
 
