@@ -61,6 +61,7 @@ from .errors import ConvergenceWarning, InputError, NumericalError, warn
 from .factored import deflated
 from .fitted import CurvatureConfig, FittedCurvature
 from .operators import DenseOperator, Operator, SymmetricFactor
+from .stage import all_finite
 
 METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "neumann", "identity")
 APPROXIMATE_INVERSES = ("kfac", "ekfac", "arnoldi")  # x = C⁻¹b for a fitted approximation C (factored.approximations)
@@ -272,7 +273,7 @@ class Solver:
         rhs = b.reshape(-1, 1) if single else b
         if rhs.shape[0] != operator.dim:
             raise InputError(f"right-hand side has {rhs.shape[0]} rows, the Hessian is {operator.dim}×{operator.dim}.")
-        if not torch.isfinite(rhs).all():
+        if not all_finite(rhs):
             raise NumericalError("the right-hand side holds NaN or Inf (a gradient overflowed); check the model and data.")
         tol = self.config.tol if self.config.tol is not None else APPROXIMATE_TOL if self.approximate else \
             default_tol(rhs.dtype)
@@ -282,7 +283,7 @@ class Solver:
         bar = tqdm(total=max_iter, desc=f"{self.name} solve", disable=not (progress and self.iterative), leave=False)
         x, iterations, residual, floor = self._run(rhs, tol, max_iter, bar)
         bar.close()
-        if not torch.isfinite(x).all():
+        if not all_finite(x):
             raise NumericalError(
                 f"the {self.name} solve produced NaN/Inf after {iterations} iterations; increase damping or use "
                 "float64."
