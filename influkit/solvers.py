@@ -250,6 +250,7 @@ class Solver:
     iterative: ClassVar[bool] = False  # True: runs ``max_iter`` steps at most, with a progress bar
     accepts_preconditioner: ClassVar[bool] = False  # True: SolveConfig(preconditioner=..., deflate=...) applies
     default_max_iter: ClassVar[int | None] = None  # None: min(10·p, 2,000)
+    takes_factors: ClassVar[bool] = False  # True: solve() takes b's Kronecker blocks as token factors
 
     def __init__(self, config: SolveConfig, curvature: FittedCurvature, *, choice: str = ""):
         self.config, self.curvature, self.choice = config, curvature, choice
@@ -266,14 +267,20 @@ class Solver:
     def _prepare(self, progress: bool) -> None:
         pass
 
-    def solve(self, b: torch.Tensor, *, progress: bool = False, warn: bool = True) -> Solution:
-        """x ≈ (H + λI)⁻¹ b (the system of the module table), with its diagnostics."""
+    def solve(self, b: torch.Tensor, *, progress: bool = False, warn: bool = True, factors: dict | None = None) -> Solution:
+        """x ≈ (H + λI)⁻¹ b (the system of the module table), with its diagnostics.
+
+        factors: for ``kfac``/``ekfac`` without ``residual``, b's Kronecker blocks given as token factors (b holds 0
+        there; :class:`~influkit.factored.tokens.TokenGradient`), rotated from them."""
+        if factors and not self.takes_factors:
+            raise InputError(f"{self.name} solves a dense right-hand side; token factors apply to kfac/ekfac "
+                             "without residual.")
         operator, damping = self.operator, self.config.damping
         single = b.dim() == 1
         rhs = b.reshape(-1, 1) if single else b
         if rhs.shape[0] != operator.dim:
             raise InputError(f"right-hand side has {rhs.shape[0]} rows, the Hessian is {operator.dim}×{operator.dim}.")
-        if not all_finite(rhs):
+        if not all_finite(rhs) or not all(all_finite(t) for pair in (factors or {}).values() for t in pair):
             raise NumericalError("the right-hand side holds NaN or Inf (a gradient overflowed); check the model and data.")
         tol = self.config.tol if self.config.tol is not None else APPROXIMATE_TOL if self.approximate else \
             default_tol(rhs.dtype)
@@ -281,7 +288,10 @@ class Solver:
         start_products = getattr(operator, "products", 0)
         start = time.perf_counter()
         bar = tqdm(total=max_iter, desc=f"{self.name} solve", disable=not (progress and self.iterative), leave=False)
-        x, iterations, residual, floor = self._run(rhs, tol, max_iter, bar)
+        if factors:
+            x, iterations, residual, floor = self.approximation.solve(rhs, damping, factors).to(rhs.dtype), 0, math.nan, math.nan
+        else:
+            x, iterations, residual, floor = self._run(rhs, tol, max_iter, bar)
         bar.close()
         if not all_finite(x):
             raise NumericalError(
@@ -499,6 +509,11 @@ class _Approximation(Solver):
 @register("kfac", "ekfac")
 class Factored(_Approximation):
     """K-FAC / EK-FAC: x = (C + λI)⁻¹ b with C the Kronecker-factored (eigenvalue-corrected) Gauss-Newton matrix."""
+
+    @property
+    def takes_factors(self) -> bool:
+        """b's Kronecker blocks may come as token factors, except when the residual check needs b formed."""
+        return not self.config.residual
 
     def _prepare(self, progress: bool) -> None:
         if self.approximation is None:

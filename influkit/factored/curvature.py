@@ -134,6 +134,11 @@ class KroneckerBlock:
         rotated = m @ self.right.to(m.dtype)
         return rotated if self.left is None else self.left.to(m.dtype).T @ rotated
 
+    def rotate_factors(self, u: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(1, rows, cols) Lᵀ (Uᵀ V) R = (U L)ᵀ (V R) for the block's gradient given as token factors U (T × rows),
+        V (T × cols) (:mod:`.tokens`), in ``dtype``."""
+        return ((u.to(dtype) @ self.left.to(dtype)).T @ (v.to(dtype) @ self.right.to(dtype))).unsqueeze(0)
+
     def rotate_out(self, rotated: torch.Tensor) -> torch.Tensor:
         """L X Rᵀ for (k, rows, cols) X in the eigenbasis, in X's dtype."""
         if self.left is not None:
@@ -268,16 +273,26 @@ class FactoredCurvature:
                 for target, row in zip(outs, coefficients):
                     target[index] = sum(f[:, None] * x for f, x in zip(row, parts)).to(target.dtype)
 
-    def solve(self, rhs: torch.Tensor, damping: float = 0.0) -> torch.Tensor:
-        """(C + λI)⁻¹ rhs blockwise in the eigenbases; eigenvalues e + λ ≤ 1e-12·max are treated as zero."""
+    def solve(self, rhs: torch.Tensor, damping: float = 0.0, factors: dict | None = None) -> torch.Tensor:
+        """(C + λI)⁻¹ rhs blockwise in the eigenbases; eigenvalues e + λ ≤ 1e-12·max are treated as zero.
+
+        factors: {layer: (U, V)}, the blocks of a one-column rhs given as their token factors Uᵀ V (rhs holds 0
+        there; :class:`~influkit.factored.tokens.TokenGradient`), rotated from the factors."""
         floor = 1e-12 * max(self.largest() + damping, 1e-300)
+        factors = factors or {}
+        if factors and rhs.reshape(self.dim, -1).shape[1] != 1:
+            raise InputError("token factors describe one right-hand side; solve a (p, k) rhs without them.")
+
+        def kronecker(block, m):
+            rotated = block.rotate_factors(*factors[block.layer], m.dtype) if block.layer in factors else \
+                block.rotate_in(m)
+            return block.rotate_out(block.divide_(rotated, damping, floor))
 
         def inverse(e):
             shifted = e + damping
             return torch.where(shifted > floor, 1.0 / shifted.clamp_min(floor), torch.zeros_like(shifted))
 
-        return self._apply(rhs, inverse,
-                           lambda block, m: block.rotate_out(block.divide_(block.rotate_in(m), damping, floor)))
+        return self._apply(rhs, inverse, kronecker)
 
     def inverse(self, damping: float = 0.0) -> "InverseOperator":
         """(C + λI)⁻¹ as an Operator."""
