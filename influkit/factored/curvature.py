@@ -216,8 +216,8 @@ class FactoredCurvature:
         return self.space.device
 
     def _apply(self, vec: torch.Tensor, fn, kronecker=None) -> torch.Tensor:
-        """fn(C)·vec blockwise: a diagonal block's values through ``fn``, a Kronecker block's M through
-        ``kronecker(block, M)`` (default ``block.apply(M, fn)``)."""
+        """fn(C)·vec blockwise: a diagonal block's values through ``fn``, a Kronecker block through
+        ``kronecker(block, vecs)`` → (k, rows, cols) (default ``block.apply(M, fn)`` of its gathered M)."""
         if vec.shape[0] != self.dim:
             raise InputError(f"vector has {vec.shape[0]} rows, the curvature is {self.dim}×{self.dim}.")
         single = vec.dim() == 1
@@ -227,8 +227,8 @@ class FactoredCurvature:
         out = torch.zeros_like(vecs)
         for block in self.blocks:
             if isinstance(block, KroneckerBlock):
-                m = block.gather(vecs, self.offsets)
-                block.scatter(block.apply(m, fn) if kronecker is None else kronecker(block, m), out, self.offsets)
+                m = block.apply(block.gather(vecs, self.offsets), fn) if kronecker is None else kronecker(block, vecs)
+                block.scatter(m, out, self.offsets)
             else:
                 out[block.index] = (vecs[block.index] * fn(block.values + block.shift)[:, None]).to(out.dtype)
         out = out.to(vec.dtype)
@@ -283,9 +283,9 @@ class FactoredCurvature:
         if factors and rhs.reshape(self.dim, -1).shape[1] != 1:
             raise InputError("token factors describe one right-hand side; solve a (p, k) rhs without them.")
 
-        def kronecker(block, m):
-            rotated = block.rotate_factors(*factors[block.layer], m.dtype) if block.layer in factors else \
-                block.rotate_in(m)
+        def kronecker(block, vecs):  # a block given as token factors is rotated from them, its zeros never read
+            rotated = block.rotate_factors(*factors[block.layer], vecs.dtype) if block.layer in factors else \
+                block.rotate_in(block.gather(vecs, self.offsets))
             return block.rotate_out(block.divide_(rotated, damping, floor))
 
         def inverse(e):
