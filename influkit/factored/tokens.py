@@ -76,8 +76,9 @@ def _token_factors(layer: Layer, a: torch.Tensor, g: torch.Tensor) -> tuple[torc
 def token_gradient(stage: Stage, inputs: torch.Tensor, targets: torch.Tensor, names: Sequence[str],
                    curvature: FactoredCurvature, *, chunk_size: int | None = None,
                    memory: int | None = None) -> TokenGradient | None:
-    """Σ_i ∇ℓ(x_i, y_i) over ``names`` (the curvature's parameter space) as a :class:`TokenGradient`, or None when
-    no block is cheaper as factors or the first chunk's check fails (a parameter used outside its module's forward).
+    """Σ_i ∇ℓ(x_i, y_i) over ``names`` (the curvature's parameter space) as a :class:`TokenGradient` (no factors when
+    no block is cheaper as factors), or None when ``names`` are not the curvature's, no Kronecker block is a dense
+    layer's, or the first chunk's check fails (a parameter used outside its module's forward).
 
     Chunks of ``chunk_size`` examples, or as many as the budget ``memory`` holds (measured on the first
     ``PROBE_EXAMPLES``, whose autograd gradient is the check's reference)."""
@@ -152,8 +153,6 @@ def token_gradient(stage: Stage, inputs: torch.Tensor, targets: torch.Tensor, na
         run(inputs[start : start + chunk_size], targets[start : start + chunk_size], check=False)
     factors = {name: (_stacked([u for u, _ in parts]), _stacked([v for _, v in parts]))
                for name, parts in pieces.items() if parts and keep.get(name)}
-    if not factors:  # every block was formed: the plain gradient path would have done the same work
-        return TokenGradient(flat.reshape(-1))
     return TokenGradient(flat.reshape(-1), factors)
 
 
