@@ -380,7 +380,8 @@ class Chain:
             op = solver.operator
             space = ParamSpace(_values(plan.stage, plan.trained))
             factors = tokens.factors if tokens is not None and k == len(self) - 1 else None
-            solutions[k] = solver.solve(space.flatten(a, batched=per_test), progress=progress, factors=factors)
+            rhs = tokens.flat if factors is not None else space.flatten(a, batched=per_test)  # its names: trained only
+            solutions[k] = solver.solve(rhs, progress=progress, factors=factors)
             v = space.unflatten(solutions[k].x)
             if k == 0:
                 break

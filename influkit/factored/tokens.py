@@ -122,9 +122,8 @@ def token_gradient(stage: Stage, inputs: torch.Tensor, targets: torch.Tensor, na
                 now[layer.name].append(_token_factors(layer, a.to(flat.dtype), g.to(flat.dtype)))
         held[0] = max(held[0], sum(t.numel() * t.element_size() for pair in sum(now.values(), []) for t in pair))
         if check:
-            auto = ParamSpace({n: leaves[n] for n in names}).flatten(
-                {n: torch.zeros_like(leaves[n]) if found[n] is None else found[n] for n in names}).to(flat.dtype)
-            if not _agrees(now, blocks, auto.reshape(-1, 1), offsets, layers):
+            auto = {n: (torch.zeros_like(leaves[n]) if found[n] is None else found[n]).to(flat.dtype) for n in covered}
+            if not _agrees(now, blocks, auto, layers):
                 return False
         for layer in layers:
             if not now[layer.name]:
@@ -161,18 +160,20 @@ def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
     return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
-def _agrees(now: dict, blocks: dict, auto: torch.Tensor, offsets: dict, layers: list[Layer]) -> bool:
-    """Whether each layer's factors match its block of the autograd gradient ``auto`` on a random rank-one
-    direction x yᵀ: ⟨Uᵀ V, x yᵀ⟩ = (U x)ᵀ (V y) against xᵀ M y."""
-    gen = torch.Generator(device=auto.device).manual_seed(0)
+def _agrees(now: dict, blocks: dict, auto: dict[str, torch.Tensor], layers: list[Layer]) -> bool:
+    """Whether each layer's factors match its block of the autograd gradients ``auto`` (by parameter name) on a
+    random rank-one direction x yᵀ: ⟨Uᵀ V, x yᵀ⟩ = (U x)ᵀ (V y) against xᵀ M y."""
     for layer in layers:
         block = blocks[layer.name]
-        m = block.gather(auto, offsets)[0]
-        x = torch.randn(block.rows, generator=gen, dtype=auto.dtype, device=auto.device)
-        y = torch.randn(block.cols, generator=gen, dtype=auto.dtype, device=auto.device)
+        parts = [auto[n] for n in layer.params]
+        m = block.gather(torch.cat([t.reshape(-1) for t in parts])[:, None],
+                         {n: sum(t.numel() for t in parts[:i]) for i, n in enumerate(layer.params)})[0]
+        gen = torch.Generator(device=m.device).manual_seed(0)
+        x = torch.randn(block.rows, generator=gen, dtype=m.dtype, device=m.device)
+        y = torch.randn(block.cols, generator=gen, dtype=m.dtype, device=m.device)
         expected = x @ m @ y
-        got = sum(((u @ x) * (v @ y)).sum() for u, v in now[layer.name]) if now[layer.name] else auto.new_zeros(())
+        got = sum(((u @ x) * (v @ y)).sum() for u, v in now[layer.name]) if now[layer.name] else m.new_zeros(())
         scale = (x.abs() @ m.abs() @ y.abs()) + sum(((u @ x).abs() * (v @ y).abs()).sum() for u, v in now[layer.name])
-        if abs(float(got - expected)) > CHECK_TOL.get(auto.dtype, 1e-3) * float(scale) + torch.finfo(auto.dtype).tiny:
+        if abs(float(got - expected)) > CHECK_TOL.get(m.dtype, 1e-3) * float(scale) + torch.finfo(m.dtype).tiny:
             return False
     return True
