@@ -13,10 +13,14 @@ With ``out=DIR`` the scores are *streamed* into a :class:`~influkit.store.ScoreS
 manifest, one file per finished chunk, resumable): re-running the same call skips every chunk already on disk
 and computes only the rest, so a process killed at any moment loses at most the chunks in flight, and the
 result's tensors are memory-mapped from the store: memory stays O(chunk_size · p) however many rows. After every
-chunk the C allocator's freed pages are returned to the system (glibc ``malloc_trim``): each chunk allocates and
-frees buffers of chunk_size · p floats, and once glibc has raised its mmap threshold past that size they come
-from the heap, whose freed pages otherwise stay resident and fragment — measured +30 MB of anonymous memory by
-3·10⁵ rows without the trim, none with it (``benchmarks/bench_distributed.py --part rss --rss-without-trim``).
+:data:`TRIM_EVERY` computed chunks and after the last, the C allocator's freed pages are returned to the system (glibc
+``malloc_trim``): each chunk allocates and frees buffers of chunk_size · p floats, and once glibc has raised its mmap
+threshold past that size they come from the heap, whose freed pages otherwise stay resident and fragment — measured
++17 MB of anonymous memory from 10⁴ to 10⁵ rows without the trim, none with one per chunk
+(``benchmarks/bench_distributed.py --part rss --rss-without-trim``, 2026-11-23); with one per 16 chunks, none either
+(2026-11-25, ``benchmarks/results/bench_transformer_ekfaclr_2026-11-25.txt``). Not after every chunk: the next chunk
+would fault all its pages in again (a 5.4 M BERT's scoring at chunks of 4: 4.7 CPU s with a trim per chunk, 3.3
+without).
 Scoring all rows of a stage holds no O(m) index array (ids are ranges, hashed in pieces for the store's manifest).
 """
 
@@ -44,6 +48,7 @@ from .stage import Stage, check_example_shape
 from .store import ScoreStore
 
 GRADIENTS = ("contraction", "per-example")
+TRIM_EVERY = 16  # computed chunks between returns of freed heap pages (release_freed_memory)
 _HASH_ROWS = 1 << 20
 
 
@@ -201,9 +206,11 @@ def gather_chunks(chunk, n_rows: int, chunk_size: int, empty: torch.Tensor, *, p
     (:func:`rank_chunks`), gathered from every rank in order; ``empty``: the (0, k) block of a rank with none."""
     mine, counts = rank_chunks(n_rows, chunk_size)
     blocks = []
-    for c in tqdm(mine, desc=desc, disable=not progress or distributed.rank() != 0, leave=False):
+    for i, c in enumerate(tqdm(mine, desc=desc, disable=not progress or distributed.rank() != 0, leave=False)):
         blocks.append(chunk(c)[0])
-        release_freed_memory()
+        if (i + 1) % TRIM_EVERY == 0:
+            release_freed_memory()
+    release_freed_memory()
     local = torch.cat(blocks) if blocks else empty
     return distributed.gather_rows(local, counts), {"computed": len(mine), "reused": 0}
 
@@ -230,7 +237,9 @@ def stream_chunks(chunk, n_rows: int, chunk_size: int, header: dict, dtype: torc
         store.put(c, values, ids, rank)
         counts["computed"] += 1
         del values, ids
-        release_freed_memory()
+        if counts["computed"] % TRIM_EVERY == 0:
+            release_freed_memory()
+    release_freed_memory()
     distributed.barrier()
     if rank == 0:
         store.assemble(dtype)
