@@ -358,6 +358,9 @@ class Chain:
                                        reduction="none").sum(-1)
 
         chunk_size: test examples per gradient batch (default: sized from the chain's memory budget).
+        When the last stage is solved by ``kfac``/``ekfac`` (no ``residual``), the test gradient's Kronecker blocks are
+        kept as token factors where that is cheaper (:mod:`influkit.factored.tokens`); the query's last solve lists
+        them (``solves[-1]["token_factors"]``).
         """
         self.fit()
         last = self.plans[-1]

@@ -96,7 +96,11 @@ def test_factors_only_for_the_factored_inverse_without_residual():
         checked = chain.with_solve(ik.SolveConfig(solver="ekfac", damping=0.1, residual=True))
         plain, factored = checked.query((tx, ty)), chain.query((tx, ty))
     assert plain.solves[0]["token_factors"] == []
+    with pytest.raises(ik.InfluenceError, match="dense right-hand side"):
+        checked._query_solver(0, 1).solve(torch.zeros(plain.s.shape[0]),
+                                          factors={"up": (torch.zeros(1, 16), torch.zeros(1, 7))})
     torch.testing.assert_close(factored.s, plain.s, rtol=1e-10, atol=1e-13)
     solver = chain._query_solver(0, 1)
     with pytest.raises(ik.InfluenceError, match="one right-hand side"):
-        solver.approximation.solve(torch.zeros(solver.operator.dim, 2), 0.1, {"up": (torch.zeros(1, 16), torch.zeros(1, 7))})
+        solver.approximation.solve(torch.zeros(solver.operator.dim, 2), 0.1,
+                                   {"up": (torch.zeros(1, 16), torch.zeros(1, 7))})
