@@ -455,7 +455,7 @@ class SyntheticExamples(Dataset):
 def rss_worker(m: int, chunk_size: int, out: Path, trim: bool = True) -> dict:
     """Score m streamed synthetic examples into ``out``; peak RSS before and after (a fresh process per m).
 
-    trim=False switches off influkit.scoring's return of freed heap pages after each chunk (for comparison).
+    trim=False switches off influkit.scoring's return of freed heap pages (every TRIM_EVERY chunks; for comparison).
     """
     single_thread()
     warnings.simplefilter("ignore")
@@ -513,11 +513,11 @@ def run_rss(args, log) -> None:
         return frame
 
     if args.rss_without_trim:
-        log("### for comparison: freed heap pages NOT returned after each chunk (influkit.scoring._MALLOC_TRIM = None)")
+        log("### for comparison: freed heap pages never returned (influkit.scoring._MALLOC_TRIM = None)")
         before = measure(trim=False)
         slope = np.polyfit(before["m"], before["peak anon MB"] * 2**20, 1)[0]
         log(f"without the trim, peak anonymous RSS grows by {slope:.1f} bytes per example (least squares over m)")
-        log("### influkit as shipped (freed heap pages returned after each chunk)")
+        log("### influkit as shipped (freed heap pages returned every influkit.scoring.TRIM_EVERY chunks and after the last)")
     frame = measure(trim=True)
     if len(frame) > 1:
         slopes = {col: np.polyfit(frame["m"], frame[col] * 2**20, 1)[0] for col in ("peak RSS MB", "peak anon MB", "peak file MB")}
@@ -528,7 +528,7 @@ def run_rss(args, log) -> None:
             "O(m) is held on disk: chunks, then values.npy/index.npy appended with plain writes and memory-mapped only "
             "for the result (pages resident when read); the row ids of all examples are ranges, hashed in 2²⁰-row "
             "pieces, never an O(m) array. The peak above the baseline is one chunk's buffers (chunk_size · p gradient "
-            "floats); influkit.scoring returns freed heap pages after every chunk (glibc malloc_trim) — compare the "
+            "floats); influkit.scoring returns freed heap pages every TRIM_EVERY chunks (glibc malloc_trim) — compare the "
             "table without it (--rss-without-trim), where the fragmented heap grows by tens of MB with m.")
 
 

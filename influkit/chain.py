@@ -43,6 +43,7 @@ from .auto import DIRECT_MAX, Choice
 from .curvature import hvp, hvp_bytes_per_example
 from .data import as_examples
 from .errors import FileFormatError, InputError, LossError
+from .factored.tokens import TokenGradient, token_gradient
 from .gradients import per_example_grads, total_grad
 from .operators import Operator
 from .links import Link, StagePlan
@@ -357,6 +358,9 @@ class Chain:
                                        reduction="none").sum(-1)
 
         chunk_size: test examples per gradient batch (default: sized from the chain's memory budget).
+        When the last stage is solved by ``kfac``/``ekfac`` (no ``residual``), the test gradient's Kronecker blocks are
+        kept as token factors where that is cheaper (:mod:`influkit.factored.tokens`); the query's last solve lists
+        them (``solves[-1]["token_factors"]``).
         """
         self.fit()
         last = self.plans[-1]
@@ -365,7 +369,9 @@ class Chain:
         measured = last.stage if measure is None else _measure_stage(last.stage, measure)
         start = time.perf_counter()
         names = last.trained + last.fixed
-        flat = per_example_grads(measured, tx, ty, names, chunk_size=chunk_size, memory=self.memory).T if per_test \
+        tokens = self._token_gradient(measured, tx, ty, chunk_size) if not per_test else None
+        flat = tokens.flat if tokens is not None else \
+            per_example_grads(measured, tx, ty, names, chunk_size=chunk_size, memory=self.memory).T if per_test \
             else total_grad(measured, tx, ty, names, chunk_size=chunk_size, memory=self.memory)
         grads = ParamSpace(_values(last.stage, names)).unflatten(flat)
         a = {n: grads[n] for n in last.trained}
@@ -376,7 +382,9 @@ class Chain:
             plan, solver = self.plans[k], self._query_solver(k, flat.shape[1] if per_test else 1)
             op = solver.operator
             space = ParamSpace(_values(plan.stage, plan.trained))
-            solutions[k] = solver.solve(space.flatten(a, batched=per_test), progress=progress)
+            factors = tokens.factors if tokens is not None and k == len(self) - 1 else None
+            rhs = tokens.flat if factors is not None else space.flatten(a, batched=per_test)  # its names: trained only
+            solutions[k] = solver.solve(rhs, progress=progress, factors=factors)
             v = space.unflatten(solutions[k].x)
             if k == 0:
                 break
@@ -395,7 +403,18 @@ class Chain:
         if measure is not None:
             test_digest += f"|measure={_qualname(measure)}"
         stages = [position.summary() for position in self.positions]
-        return Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds, test_digest, stages)
+        query = Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds, test_digest, stages)
+        query.solves[-1]["token_factors"] = sorted(tokens.factors) if tokens is not None else []
+        return query
+
+    def _token_gradient(self, measured: Stage, tx, ty, chunk_size: int | None) -> TokenGradient | None:
+        """The summed test gradient with its Kronecker blocks as token factors (:mod:`influkit.factored.tokens`)
+        when the last stage is solved by ``kfac``/``ekfac`` (no residual) over all it differentiates; else None."""
+        last, solver = self.plans[-1], self._query_solver(len(self) - 1, 1)
+        if last.fixed or not solver.takes_factors:
+            return None
+        return token_gradient(measured, tx, ty, last.trained, solver.approximation, chunk_size=chunk_size,
+                              memory=self.memory)
 
     def _cross_batch(self, plan: StagePlan, names: list[str], n_rhs: int) -> int:
         """Examples per batch of the Case 1 cross product ∂²F/∂S∂θ · v over ``names`` = S ∪ θ, from its own measured

@@ -13,10 +13,14 @@ With ``out=DIR`` the scores are *streamed* into a :class:`~influkit.store.ScoreS
 manifest, one file per finished chunk, resumable): re-running the same call skips every chunk already on disk
 and computes only the rest, so a process killed at any moment loses at most the chunks in flight, and the
 result's tensors are memory-mapped from the store: memory stays O(chunk_size · p) however many rows. After every
-chunk the C allocator's freed pages are returned to the system (glibc ``malloc_trim``): each chunk allocates and
-frees buffers of chunk_size · p floats, and once glibc has raised its mmap threshold past that size they come
-from the heap, whose freed pages otherwise stay resident and fragment — measured +30 MB of anonymous memory by
-3·10⁵ rows without the trim, none with it (``benchmarks/bench_distributed.py --part rss --rss-without-trim``).
+:data:`TRIM_EVERY` computed chunks and after the last, the C allocator's freed pages are returned to the system (glibc
+``malloc_trim``): each chunk allocates and frees buffers of chunk_size · p floats, and once glibc has raised its mmap
+threshold past that size they come from the heap, whose freed pages otherwise stay resident and fragment — measured
++17 MB of anonymous memory from 10⁴ to 10⁵ rows without the trim, none with one per chunk
+(``benchmarks/bench_distributed.py --part rss --rss-without-trim``, 2026-11-23); with one per 16 chunks, none either
+(2026-11-25, ``benchmarks/results/bench_transformer_ekfaclr_2026-11-25.txt``). Not after every chunk: the next chunk
+would fault all its pages in again (a 5.4 M BERT's scoring at chunks of 4: 4.7 CPU s with a trim per chunk, 3.3
+without).
 Scoring all rows of a stage holds no O(m) index array (ids are ranges, hashed in pieces for the store's manifest).
 """
 
@@ -36,7 +40,7 @@ from .data import as_examples
 from .errors import InputError
 from .contraction import Contractor
 from .gradients import backward_bytes, project_per_example_grads
-from .memory import PROBE_EXAMPLES
+from .memory import DEFAULT_EXAMPLES, PROBE_EXAMPLES
 from .memory import plan as memory_plan
 from .memory import given as budget_given
 from .memory import resolve as budget_of
@@ -44,6 +48,12 @@ from .stage import Stage, check_example_shape
 from .store import ScoreStore
 
 GRADIENTS = ("contraction", "per-example")
+TRIM_EVERY = 16  # computed chunks between returns of freed heap pages (release_freed_memory)
+# On CPU under the default budget a contraction chunk holds at most this many measured bytes (at least
+# DEFAULT_EXAMPLES examples): a 5.4 M BERT (6 MB per 32-token sequence) scored 256 sequences in 3.6 CPU s at chunks
+# of 8 against 3.9 at the 22 its 256 MiB working share allowed (its 30,522-wide logits leaving the caches); BERT-base
+# (148 MB per sequence) keeps its 8.
+CPU_CHUNK_BYTES = 32 * 2**20
 _HASH_ROWS = 1 << 20
 
 
@@ -167,6 +177,10 @@ class Scorer:
                 per = backward_bytes(stage, x, y, names) + s.shape[0] * s.element_size()  # + one gradient row
             self.memory = memory_plan(budget, per, "scoring", most=max(len(rows), 1), fixed=fixed,
                                       default=not budget_given(memory))
+            if self.contractor is not None and not budget_given(memory) and s.device.type == "cpu":
+                cached = max(DEFAULT_EXAMPLES, CPU_CHUNK_BYTES // max(per, 1))  # a chunk that stays near the caches
+                if cached < self.memory["batch"]:
+                    self.memory |= {"batch": cached, "cpu_chunk_bytes": CPU_CHUNK_BYTES}
             chunk_size = min(distributed.gather_objects(self.memory["batch"])) if distributed.active() else \
                 self.memory["batch"]  # every rank the same chunks
         else:
@@ -201,9 +215,11 @@ def gather_chunks(chunk, n_rows: int, chunk_size: int, empty: torch.Tensor, *, p
     (:func:`rank_chunks`), gathered from every rank in order; ``empty``: the (0, k) block of a rank with none."""
     mine, counts = rank_chunks(n_rows, chunk_size)
     blocks = []
-    for c in tqdm(mine, desc=desc, disable=not progress or distributed.rank() != 0, leave=False):
+    for i, c in enumerate(tqdm(mine, desc=desc, disable=not progress or distributed.rank() != 0, leave=False)):
         blocks.append(chunk(c)[0])
-        release_freed_memory()
+        if (i + 1) % TRIM_EVERY == 0:
+            release_freed_memory()
+    release_freed_memory()
     local = torch.cat(blocks) if blocks else empty
     return distributed.gather_rows(local, counts), {"computed": len(mine), "reused": 0}
 
@@ -230,7 +246,9 @@ def stream_chunks(chunk, n_rows: int, chunk_size: int, header: dict, dtype: torc
         store.put(c, values, ids, rank)
         counts["computed"] += 1
         del values, ids
-        release_freed_memory()
+        if counts["computed"] % TRIM_EVERY == 0:
+            release_freed_memory()
+    release_freed_memory()
     distributed.barrier()
     if rank == 0:
         store.assemble(dtype)

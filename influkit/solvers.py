@@ -61,6 +61,7 @@ from .errors import ConvergenceWarning, InputError, NumericalError, warn
 from .factored import deflated
 from .fitted import CurvatureConfig, FittedCurvature
 from .operators import DenseOperator, Operator, SymmetricFactor
+from .stage import all_finite
 
 METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "neumann", "identity")
 APPROXIMATE_INVERSES = ("kfac", "ekfac", "arnoldi")  # x = C⁻¹b for a fitted approximation C (factored.approximations)
@@ -249,6 +250,7 @@ class Solver:
     iterative: ClassVar[bool] = False  # True: runs ``max_iter`` steps at most, with a progress bar
     accepts_preconditioner: ClassVar[bool] = False  # True: SolveConfig(preconditioner=..., deflate=...) applies
     default_max_iter: ClassVar[int | None] = None  # None: min(10·p, 2,000)
+    takes_factors: ClassVar[bool] = False  # True: solve() takes b's Kronecker blocks as token factors
 
     def __init__(self, config: SolveConfig, curvature: FittedCurvature, *, choice: str = ""):
         self.config, self.curvature, self.choice = config, curvature, choice
@@ -265,14 +267,20 @@ class Solver:
     def _prepare(self, progress: bool) -> None:
         pass
 
-    def solve(self, b: torch.Tensor, *, progress: bool = False, warn: bool = True) -> Solution:
-        """x ≈ (H + λI)⁻¹ b (the system of the module table), with its diagnostics."""
+    def solve(self, b: torch.Tensor, *, progress: bool = False, warn: bool = True, factors: dict | None = None) -> Solution:
+        """x ≈ (H + λI)⁻¹ b (the system of the module table), with its diagnostics.
+
+        factors: for ``kfac``/``ekfac`` without ``residual``, b's Kronecker blocks given as token factors (b holds 0
+        there; :class:`~influkit.factored.tokens.TokenGradient`), rotated from them."""
+        if factors and not self.takes_factors:
+            raise InputError(f"{self.name} solves a dense right-hand side; token factors apply to kfac/ekfac "
+                             "without residual.")
         operator, damping = self.operator, self.config.damping
         single = b.dim() == 1
         rhs = b.reshape(-1, 1) if single else b
         if rhs.shape[0] != operator.dim:
             raise InputError(f"right-hand side has {rhs.shape[0]} rows, the Hessian is {operator.dim}×{operator.dim}.")
-        if not torch.isfinite(rhs).all():
+        if not all_finite(rhs) or not all(all_finite(t) for pair in (factors or {}).values() for t in pair):
             raise NumericalError("the right-hand side holds NaN or Inf (a gradient overflowed); check the model and data.")
         tol = self.config.tol if self.config.tol is not None else APPROXIMATE_TOL if self.approximate else \
             default_tol(rhs.dtype)
@@ -280,9 +288,12 @@ class Solver:
         start_products = getattr(operator, "products", 0)
         start = time.perf_counter()
         bar = tqdm(total=max_iter, desc=f"{self.name} solve", disable=not (progress and self.iterative), leave=False)
-        x, iterations, residual, floor = self._run(rhs, tol, max_iter, bar)
+        if factors:
+            x, iterations, residual, floor = self.approximation.solve(rhs, damping, factors).to(rhs.dtype), 0, math.nan, math.nan
+        else:
+            x, iterations, residual, floor = self._run(rhs, tol, max_iter, bar)
         bar.close()
-        if not torch.isfinite(x).all():
+        if not all_finite(x):
             raise NumericalError(
                 f"the {self.name} solve produced NaN/Inf after {iterations} iterations; increase damping or use "
                 "float64."
@@ -498,6 +509,11 @@ class _Approximation(Solver):
 @register("kfac", "ekfac")
 class Factored(_Approximation):
     """K-FAC / EK-FAC: x = (C + λI)⁻¹ b with C the Kronecker-factored (eigenvalue-corrected) Gauss-Newton matrix."""
+
+    @property
+    def takes_factors(self) -> bool:
+        """b's Kronecker blocks may come as token factors, except when the residual check needs b formed."""
+        return not self.config.residual
 
     def _prepare(self, progress: bool) -> None:
         if self.approximation is None:

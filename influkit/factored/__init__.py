@@ -13,7 +13,7 @@ Modules: :mod:`.fisher` (pseudo output-gradients: sampled labels, empirical, exa
 parameters get Kronecker factors; the layer types are :mod:`influkit.layers`), :mod:`.curvature` (fitting in
 passes, the operators, persistence), :mod:`.arnoldi` (Lanczos eigenpairs, the low-rank inverse, deflation),
 :mod:`.approximations` (the registry: one class per approximation, which :class:`influkit.FittedCurvature` fits by
-name).
+name), :mod:`.tokens` (a summed gradient whose Kronecker blocks are kept as token factors, solved from them).
 """
 
 from .approximations import APPROXIMATIONS

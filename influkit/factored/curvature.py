@@ -109,31 +109,50 @@ class KroneckerBlock:
     def scatter(self, m: torch.Tensor, out: torch.Tensor, offsets: dict[str, int]) -> None:
         """Write (k, rows, cols) block matrices into the (p, k) flat vectors ``out``."""
         k = m.shape[0]
-        w0 = offsets[self.weight]
+
+        def put(start: int, part: torch.Tensor) -> None:  # (k, a, b) into out[start : start + a·b] in one copy
+            out[start : start + part.shape[1] * part.shape[2]].view(part.shape[1], part.shape[2], k).copy_(
+                part.permute(1, 2, 0))
+
         if self.bias is None:
-            out[w0 : w0 + self.rows * self.cols] = m.reshape(k, -1).T
-            return
-        b0 = offsets[self.bias]
-        if self.inputs_first:
-            out[w0 : w0 + (self.rows - 1) * self.cols] = m[:, :-1].reshape(k, -1).T
-            out[b0 : b0 + self.cols] = m[:, -1].T
-            return
-        width = self.cols - 1
-        out[w0 : w0 + self.rows * width] = m[:, :, :width].reshape(k, -1).T
-        out[b0 : b0 + self.rows] = m[:, :, width].T
+            put(offsets[self.weight], m)
+        elif self.inputs_first:
+            put(offsets[self.weight], m[:, :-1])
+            put(offsets[self.bias], m[:, -1:])
+        else:
+            put(offsets[self.weight], m[:, :, :-1])
+            put(offsets[self.bias], m[:, :, -1:])
 
     def apply(self, m: torch.Tensor, fn) -> torch.Tensor:
         """L (fn(E + shift) ∘ (Lᵀ M R)) Rᵀ for (k, rows, cols) M, in M's dtype (the bases are stored like the
         parameters: a float32 model's are widened here, one layer at a time)."""
-        right = self.right.to(m.dtype)
-        left = None if self.left is None else self.left.to(m.dtype)
-        rotated = m @ right
-        if left is not None:
-            rotated = left.T @ rotated
-        rotated = rotated * fn(self.eigenvalues.to(m.dtype) + self.shift)
-        if left is not None:
-            rotated = left @ rotated
-        return rotated @ right.T
+        rotated = self.rotate_in(m)
+        return self.rotate_out(rotated * fn(self.eigenvalues.to(m.dtype) + self.shift))
+
+    def rotate_in(self, m: torch.Tensor) -> torch.Tensor:
+        """Lᵀ M R for (k, rows, cols) M, in M's dtype."""
+        rotated = m @ self.right.to(m.dtype)
+        return rotated if self.left is None else self.left.to(m.dtype).T @ rotated
+
+    def rotate_factors(self, u: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(1, rows, cols) Lᵀ (Uᵀ V) R = (U L)ᵀ (V R) for the block's gradient given as token factors U (T × rows),
+        V (T × cols) (:mod:`.tokens`), in ``dtype``."""
+        return ((u.to(dtype) @ self.left.to(dtype)).T @ (v.to(dtype) @ self.right.to(dtype))).unsqueeze(0)
+
+    def rotate_out(self, rotated: torch.Tensor) -> torch.Tensor:
+        """L X Rᵀ for (k, rows, cols) X in the eigenbasis, in X's dtype."""
+        if self.left is not None:
+            rotated = self.left.to(rotated.dtype) @ rotated
+        return rotated @ self.right.to(rotated.dtype).T
+
+    def divide_(self, rotated: torch.Tensor, damping: float, floor: float) -> torch.Tensor:
+        """X ⊘ (E + shift + λ) in place for X in the eigenbasis, entries whose E + shift + λ ≤ ``floor`` set to 0:
+        (C + λI)⁻¹ there. One division instead of forming the reciprocals (each p-sized pass counts at 10⁸)."""
+        shifted = self.eigenvalues.to(rotated.dtype) + (self.shift + damping)
+        rotated.div_(shifted)
+        if float(shifted.min()) <= floor:
+            rotated.masked_fill_(shifted <= floor, 0.0)
+        return rotated
 
     def dense(self) -> torch.Tensor:
         """The (rows·cols)² block in row-major vec(M) order."""
@@ -196,7 +215,9 @@ class FactoredCurvature:
     def device(self) -> torch.device:
         return self.space.device
 
-    def _apply(self, vec: torch.Tensor, fn) -> torch.Tensor:
+    def _apply(self, vec: torch.Tensor, fn, kronecker=None) -> torch.Tensor:
+        """fn(C)·vec blockwise: a diagonal block's values through ``fn``, a Kronecker block through
+        ``kronecker(block, vecs)`` → (k, rows, cols) (default ``block.apply(M, fn)`` of its gathered M)."""
         if vec.shape[0] != self.dim:
             raise InputError(f"vector has {vec.shape[0]} rows, the curvature is {self.dim}×{self.dim}.")
         single = vec.dim() == 1
@@ -206,7 +227,8 @@ class FactoredCurvature:
         out = torch.zeros_like(vecs)
         for block in self.blocks:
             if isinstance(block, KroneckerBlock):
-                block.scatter(block.apply(block.gather(vecs, self.offsets), fn), out, self.offsets)
+                m = block.apply(block.gather(vecs, self.offsets), fn) if kronecker is None else kronecker(block, vecs)
+                block.scatter(m, out, self.offsets)
             else:
                 out[block.index] = (vecs[block.index] * fn(block.values + block.shift)[:, None]).to(out.dtype)
         out = out.to(vec.dtype)
@@ -247,18 +269,11 @@ class FactoredCurvature:
         work = torch.promote_types(ins[0].dtype, torch.float32)  # as _apply: the vectors' precision, at least float32
         for block in self.blocks:
             if isinstance(block, KroneckerBlock):
-                right = block.right.to(work)
-                left = None if block.left is None else block.left.to(work)
-                rotated = []
-                for x in ins:
-                    m = block.gather(x, self.offsets).to(work) @ right
-                    rotated.append(m if left is None else left.T @ m)
+                rotated = [block.rotate_in(block.gather(x, self.offsets).to(work)) for x in ins]
                 coefficients = fn(block.eigenvalues.to(work) + block.shift)
                 for target, row in zip(outs, coefficients):
                     r = sum(f * m for f, m in zip(row, rotated))
-                    if left is not None:
-                        r = left @ r
-                    block.scatter((r @ right.T).to(target.dtype), target, self.offsets)
+                    block.scatter(block.rotate_out(r).to(target.dtype), target, self.offsets)
                 continue
             for s in range(0, block.index.numel(), DIAGONAL_SLICE):
                 index = block.index[s : s + DIAGONAL_SLICE]
@@ -267,15 +282,26 @@ class FactoredCurvature:
                 for target, row in zip(outs, coefficients):
                     target[index] = sum(f[:, None] * x for f, x in zip(row, parts)).to(target.dtype)
 
-    def solve(self, rhs: torch.Tensor, damping: float = 0.0) -> torch.Tensor:
-        """(C + λI)⁻¹ rhs blockwise in the eigenbases; eigenvalues e + λ ≤ 1e-12·max are treated as zero."""
+    def solve(self, rhs: torch.Tensor, damping: float = 0.0, factors: dict | None = None) -> torch.Tensor:
+        """(C + λI)⁻¹ rhs blockwise in the eigenbases; eigenvalues e + λ ≤ 1e-12·max are treated as zero.
+
+        factors: {layer: (U, V)}, the blocks of a one-column rhs given as their token factors Uᵀ V (rhs holds 0
+        there; :class:`~influkit.factored.tokens.TokenGradient`), rotated from the factors."""
         floor = 1e-12 * max(self.largest() + damping, 1e-300)
+        factors = factors or {}
+        if factors and rhs.reshape(self.dim, -1).shape[1] != 1:
+            raise InputError("token factors describe one right-hand side; solve a (p, k) rhs without them.")
+
+        def kronecker(block, vecs):  # a block given as token factors is rotated from them, its zeros never read
+            rotated = block.rotate_factors(*factors[block.layer], vecs.dtype) if block.layer in factors else \
+                block.rotate_in(block.gather(vecs, self.offsets))
+            return block.rotate_out(block.divide_(rotated, damping, floor))
 
         def inverse(e):
             shifted = e + damping
             return torch.where(shifted > floor, 1.0 / shifted.clamp_min(floor), torch.zeros_like(shifted))
 
-        return self._apply(rhs, inverse)
+        return self._apply(rhs, inverse, kronecker)
 
     def inverse(self, damping: float = 0.0) -> "InverseOperator":
         """(C + λI)⁻¹ as an Operator."""
@@ -283,7 +309,7 @@ class FactoredCurvature:
 
     def largest(self) -> float:
         """The largest eigenvalue of C."""
-        tops = [float((b.eigenvalues + b.shift).max()) if isinstance(b, KroneckerBlock) else float((b.values + b.shift).max())
+        tops = [float(b.eigenvalues.max()) + b.shift if isinstance(b, KroneckerBlock) else float((b.values + b.shift).max())
                 for b in self.blocks]
         return max(tops) if tops else 0.0
 

@@ -22,8 +22,8 @@ EXAMPLE_CHUNK_BYTES = 64 * 2**20  # per-example gradients of one layer formed at
 def bilinear(a: torch.Tensor, g: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """(B,) Σ_t g_tᵀ S a_t for a (B, T, in), g (B, T, out), S (out, in): the cheaper side multiplied first."""
     if s.shape[0] <= s.shape[1]:
-        return ((a @ s.T) * g).sum((1, 2))
-    return ((g @ s) * a).sum((1, 2))
+        return (a @ s.T).mul_(g).sum((1, 2))
+    return (g @ s).mul_(a).sum((1, 2))
 
 
 class Dense(Layer):
