@@ -63,7 +63,8 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm unrolled-table --subsets 100   # every cached method, one trained model
     python -m benchmarks.bench_fidelity_lm restore   # the committed M = 100 outputs of lm-case1_warm_unrolled
     python -m benchmarks.bench_fidelity_lm unrolled --finetuning default  # exact, adjoint from the default solve
-    python -m benchmarks.bench_fidelity_lm unrolled --midpoint  # exact at continuation weights 0.75 (midpoint rule)
+    python -m benchmarks.bench_fidelity_lm unrolled --at midpoint  # exact at continuation weights 0.75 (midpoint rule)
+    python -m benchmarks.bench_fidelity_lm unrolled --at mean      # exact at the halves' mean weights 0.5 (mean rule)
     python -m benchmarks.bench_fidelity_lm defaults-table --subsets 100   # cached rows + committed rows + ceiling
     python -m benchmarks.bench_fidelity_lm replay --subsets 20   # replay protocol: cached rows + midpoint per fraction
     python -m benchmarks.bench_fidelity_lm replay-linearity --subsets 5   # 1 % drops: linear in w with/without refit?
@@ -227,6 +228,10 @@ UNROLLED_DEFAULT_ADJOINT = "unrolled-exact-default-adjoint"
 # the exact unrolling at the mean midpoint of the protocol's removals: continuation weights 1 − α/2 (α = 0.5)
 UNROLLED_MIDPOINT = "unrolled-exact-midpoint"
 MIDPOINT_WEIGHT = 0.75
+# the exact unrolling at the subsets' mean weights: continuation weights α = 0.5 (fidelity_replay.mean_weight)
+UNROLLED_MEAN = "unrolled-exact-mean"
+MEAN_WEIGHT = 0.5
+AT_METHODS = {UNROLLED_MIDPOINT: MIDPOINT_WEIGHT, UNROLLED_MEAN: MEAN_WEIGHT}  # method: continuation weight
 SEGMENTS = 3  # pieces of the 39-step continuation for the approximate unrolling (one per epoch)
 
 
@@ -307,7 +312,8 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
             seconds = {"record (the continuation, recorded)": record_seconds,
                        "re-run at w = at (reweighted)": reweight_seconds, "refit + finetuning adjoint": adjoint_seconds,
                        "reverse pass": reverse_seconds, "one protocol re-training": retrain_seconds}
-            return {UNROLLED_MIDPOINT: (exact.values.double().numpy(), {
+            name = next((m for m, w in AT_METHODS.items() if w == at), UNROLLED_MIDPOINT)
+            return {name: (exact.values.double().numpy(), {
                 "at": at, "seconds": seconds, "record_vs_protocol_max_abs": gap, "base_max_abs": scale,
                 "refit_grad_norm": grad_norm, "finetuning_solve": query.solves[1], "steps": record.runs[0].steps,
                 "total_seconds": record_seconds + reweight_seconds + adjoint_seconds + reverse_seconds,
@@ -341,13 +347,13 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
                 "total_seconds": shared + approx_seconds, "settings": approx.diagnostics["settings"]})}
 
 
-def unrolled_scores_cached(task: LMTask, progress: bool, finetuning: str = "example", midpoint: bool = False) -> None:
-    """Score the unrolled methods once (cached as ``scores_<method>.npz`` with their ``info``); ``midpoint``: only
-    UNROLLED_MIDPOINT (the example's finetuning solve)."""
-    methods = (UNROLLED_MIDPOINT,) if midpoint else UNROLLED if finetuning == "example" else (UNROLLED_DEFAULT_ADJOINT,)
+def unrolled_scores_cached(task: LMTask, progress: bool, finetuning: str = "example", at_method: str | None = None) -> None:
+    """Score the unrolled methods once (cached as ``scores_<method>.npz`` with their ``info``); ``at_method``: only
+    that method of AT_METHODS (the exact unrolling at its continuation weight, the example's finetuning solve)."""
+    methods = (at_method,) if at_method else UNROLLED if finetuning == "example" else (UNROLLED_DEFAULT_ADJOINT,)
     paths = {method: CACHE / f"scores_{method}.npz" for method in methods}
     if not all(path.exists() for path in paths.values()):
-        at = MIDPOINT_WEIGHT if midpoint else None
+        at = AT_METHODS.get(at_method)
         for method, (values, info) in unrolled_scores(task, progress, finetuning, at).items():
             np.savez(paths[method], values=values, info=json.dumps(info, default=str))
 
@@ -767,8 +773,8 @@ def replay_table(m: int, progress: bool, midpoint: bool = True) -> None:
         for method, path in methods.items():
             row = method_row(path, keep.numpy(), outputs)
             name = EXACT if method == UNROLLED[0] else row["method"]  # the other tasks' row name
-            if method == UNROLLED_MIDPOINT:  # the warm protocol's midpoint, the same scores at every fraction
-                name += f" (at w = {MIDPOINT_WEIGHT}, every fraction)"
+            if method in AT_METHODS:  # the warm protocol's midpoint or mean, the same scores at every fraction
+                name += f" (at w = {AT_METHODS[method]}, every fraction)"
             table[name, fraction] = (row["lds"], row["sem"])
             seconds[name] = row["seconds"]
             ratio = row["ratio_to_retraining"]
@@ -906,12 +912,11 @@ def exact_both_stages(task: LMTask, record: ik.unrolled.Record, progress: bool) 
     return {"pretraining": pre.values.double().numpy(), "finetuning": fin.values.double().numpy()}, info
 
 
-def midpoint_both_stages(task: LMTask, record: ik.unrolled.Record, fraction: float, progress: bool):
-    """The exact metagradient at the midpoint of dropping a fraction f of the documents: ``at`` = 1 − f/2 on the
-    pretraining (continuation) stage, the finetuning stage at its recorded weights 1 (``at=[1 − f/2, None]``)."""
+def exact_at_both_stages(task: LMTask, record: ik.unrolled.Record, weight: float, progress: bool):
+    """The exact metagradient at continuation weights ``weight`` (the midpoint 1 − f/2 or the mean 1 − f of dropping
+    a fraction f of the documents), the finetuning stage at its recorded weights 1 (``at=[weight, None]``)."""
     start = time.perf_counter()
-    pre = ik.unrolled.metagradients(record, task.test, per_test=True, at=[1 - fraction / 2, None],
-                                    progress=progress)[0]
+    pre = ik.unrolled.metagradients(record, task.test, per_test=True, at=[weight, None], progress=progress)[0]
     return {"pretraining": pre.values.double().numpy()}, {
         "seconds": time.perf_counter() - start, "at": pre.diagnostics["settings"]["at"],
         "replay": pre.diagnostics["replay"]}
@@ -936,8 +941,9 @@ APPROXIMATE_FISHERS = {"empirical": "approximate-ekfac", "sampled": "approximate
 
 def recorded_table(m: int, progress: bool, midpoint: bool = True) -> None:
     """The replay protocol with both stages recorded (module docstring): results/fidelity/replay_lm-case1_recorded.*"""
-    from benchmarks.fidelity_replay import EXACT, FRACTIONS, MIDPOINT, drop_sets, write
+    from benchmarks.fidelity_replay import EXACT, FRACTIONS, MEAN, MIDPOINT, drop_sets, mean_weight, midpoint_weight, write
 
+    rules = {MIDPOINT: ("midpoint", midpoint_weight), MEAN: ("mean", mean_weight)} if midpoint else {}
     task = LMTask(progress)
     record = record_both(task, progress)
     runs = record.runs
@@ -982,12 +988,12 @@ def recorded_table(m: int, progress: bool, midpoint: bool = True) -> None:
         outputs, timings[f"{fraction:g}"] = recorded_outputs(task, record, keep, 0, fraction, progress)
         rows = {EXACT: exact["pretraining"]} | {name: values["pretraining"]
                                                  for name, (values, _) in approximations.items()}
-        if midpoint:
-            values, info = recorded_scores(task, record, f"midpoint{fraction:g}",
-                                           lambda: midpoint_both_stages(task, record, fraction, progress))
-            rows[MIDPOINT] = values["pretraining"]
-            seconds.setdefault(MIDPOINT, []).append(info["seconds"])
-            details.setdefault(MIDPOINT, {})[f"f = {fraction:g}: at, replay check"] = [info["at"], info["replay"]]
+        for rule, (cache, weight_of) in rules.items():
+            values, info = recorded_scores(task, record, f"{cache}{fraction:g}", lambda: exact_at_both_stages(
+                task, record, weight_of(fraction), progress))
+            rows[rule] = values["pretraining"]
+            seconds.setdefault(rule, []).append(info["seconds"])
+            details.setdefault(rule, {})[f"f = {fraction:g}: at, replay check"] = [info["at"], info["replay"]]
         for name, values in rows.items():
             table[name, fraction] = mean_sem(lds_per_query(values, keep.numpy(), outputs))[:2]
         for method, path in cached.items():
@@ -999,9 +1005,9 @@ def recorded_table(m: int, progress: bool, midpoint: bool = True) -> None:
             divisor[name] = row["seconds"] / ratio if np.isfinite(ratio) else training
         print(f"drop {fraction:g}: " + ", ".join(f"{k[0]} {v[0]:.3f}" for k, v in table.items() if k[1] == fraction),
               flush=True)
-    if midpoint:
-        seconds[MIDPOINT] = float(np.mean(seconds[MIDPOINT]))
-    for name in (EXACT, MIDPOINT, *approximations):
+    for rule in rules:
+        seconds[rule] = float(np.mean(seconds[rule]))
+    for name in (EXACT, *rules, *approximations):
         divisor.setdefault(name, training)
     # determinism: the first drop set of the smallest fraction replayed again, uncached
     keep = drop_sets(task.n, FRACTIONS[0], 1)
@@ -1116,11 +1122,12 @@ def main() -> None:
     parser.add_argument("--finetuning", choices=["example", "default"], default="example",
                         help="unrolled: the finetuning solve giving the adjoint (default: every setting at its default)")
     parser.add_argument("--outputs", default=f"{TASK}_warm_unrolled", help="restore: the committed outputs' table")
-    parser.add_argument("--midpoint", action="store_true",
-                        help=f"unrolled: only the exact metagradient at continuation weights {MIDPOINT_WEIGHT} "
-                             "(the mean midpoint of dropping half)")
+    parser.add_argument("--at", choices=["midpoint", "mean"], default=None,
+                        help=f"unrolled: only the exact metagradient at continuation weights {MIDPOINT_WEIGHT} (midpoint: "
+                             f"the mean midpoint of dropping half) or {MEAN_WEIGHT} (mean: the halves' mean weights)")
     parser.add_argument("--no-midpoint", action="store_true",
-                        help="replay: skip the exact metagradient at each fraction's midpoint (~2 min per fraction)")
+                        help="replay, replay-recorded: skip the exact metagradient at each fraction's midpoint and mean "
+                             "weights (~2 min per fraction each)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -1145,7 +1152,8 @@ def main() -> None:
     elif args.step == "score":
         score_all(task, args.methods, progress)
     elif args.step == "unrolled":
-        unrolled_scores_cached(task, progress, args.finetuning, args.midpoint)
+        unrolled_scores_cached(task, progress, args.finetuning,
+                               {"midpoint": UNROLLED_MIDPOINT, "mean": UNROLLED_MEAN, None: None}[args.at])
 
 
 if __name__ == "__main__":
