@@ -3,8 +3,9 @@
 ``Record`` records training (pure optimizer steps on data-weighted losses, checkpoints), ``replay`` re-runs it
 with other per-example weights, and ``metagradients`` returns d measure(final model) / d w_z for every example
 of every stage by reverse mode through the recorded steps (MAGIC-style), the adjoint handed across each
-pretrain → finetune boundary. A score is d measure / d w_z at w = 1 (or at the weights ``at=``, e.g. the midpoint
-1 − f/2 of dropping a fraction f); removing z predicts −score.
+pretrain → finetune boundary. A score is d measure / d w_z at w = 1 (or at the weights ``at=``: the drop sets' mean
+1 − f to rank random drops of a fraction f, the midpoint 1 − f/2 to predict one drop's change); removing z predicts
+−score.
 
     record = ik.unrolled.Record()
     record.train(pre_stage, ik.unrolled.AdamW(lr=1e-2, weight_decay=1e-3), steps=300, batch_size=32)
