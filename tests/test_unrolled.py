@@ -229,6 +229,35 @@ def test_per_test_columns_sum_to_the_summed_measure_and_the_result_saves(tmp_pat
     assert torch.equal(loaded.removal, -per_test[0].values) and loaded.method == per_test[0].method
 
 
+@pytest.mark.parametrize("pull", ["looped", "vmapped"])
+@pytest.mark.parametrize("name", ["case 2: SGD + momentum -> AdamW", "LoRA: AdamW -> Adam"])
+def test_each_way_of_pulling_several_measures_gives_each_measures_own_metagradient(name, pull):
+    """q > 1 outputs pulled one backward per output (looped) or by vmapped torch.func pullbacks: column j equals the
+    one-measure metagradient of test point j alone (that path is checked against finite differences above)."""
+    record = recorded(name)
+    x, y = TEST
+    for run in record.runs:
+        run.pulls[len(x)] = pull
+    per_test = ik.unrolled.metagradients(record, TEST, per_test=True)
+    for j in range(len(x)):
+        alone = ik.unrolled.metagradients(record, (x[j:j + 1], y[j:j + 1]))
+        for a, b in zip(alone, per_test):
+            torch.testing.assert_close(b.values[:, j], a.values, rtol=1e-12, atol=1e-14)
+    assert per_test[0].diagnostics["pull"]["stages"] == [{"pull": pull, "trial_seconds": None}] * len(record)
+
+
+def test_the_first_several_measure_pass_times_both_pulls_and_the_record_keeps_the_faster():
+    record = recorded("case 1: AdamW -> SGD + momentum")
+    first = ik.unrolled.metagradients(record, TEST, per_test=True)
+    chosen = first[0].diagnostics["pull"]["stages"]
+    for run, stage in zip(record.runs, chosen):
+        assert set(stage["trial_seconds"]) == {"looped", "vmapped"} and min(stage["trial_seconds"].values()) > 0
+        assert stage["pull"] == min(stage["trial_seconds"], key=stage["trial_seconds"].get) == run.pulls[len(TEST[0])]
+    again = ik.unrolled.metagradients(record, TEST, per_test=True)
+    assert all(torch.equal(a.values, b.values) for a, b in zip(first, again))
+    assert [s["trial_seconds"] for s in again[0].diagnostics["pull"]["stages"]] == [None] * len(record)
+
+
 @pytest.mark.parametrize(
     "ours, theirs",
     [

@@ -72,6 +72,7 @@ from .record import Record, StageRun, stage_weights, tensor_bytes
 from .replay import as_measure, deviation, reweighted, start, unit_weights
 
 METHOD = "unrolled exact (replay)"
+LOOPED, VMAPPED = "looped", "vmapped"  # how a step's graphs are pulled for q measure outputs (module docstring)
 
 
 def metagradients(record: Record, measure, *, per_test: bool = False, out: str | Path | None = None,
@@ -141,7 +142,8 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
               progress: bool, journal: Journal) -> list[InfluenceResult]:
     """Reverse mode through every stage, last to first, from θ̄_T = ``adjoint`` ((q, *shape) per name)."""
     checkpoint_bytes = sum(run.checkpoint_bytes() for run in record.runs)
-    stats = {"replay_error": 0.0, "segment_growth": 0, "adjoint_bytes": 0, "segment": 0, "computed": 0, "reused": 0}
+    stats = {"replay_error": 0.0, "segment_growth": 0, "adjoint_bytes": 0, "segment": 0, "computed": 0, "reused": 0,
+             "pulls": [None] * len(record)}
     scores: list[torch.Tensor] = [None] * len(record)  # type: ignore[list-item]
     for k in range(len(record) - 1, -1, -1):
         run = record.runs[k]
@@ -150,7 +152,7 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
         anchor_bar = {n: adjoint.get(n, torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device))
                       if n in run.frozen else torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device)
                       for n, v in run.anchors.items()}
-        theta_bar, anchor_bar, scores[k] = _reverse(run, theta_bar, anchor_bar, q, stats, progress, journal)
+        theta_bar, anchor_bar, scores[k] = _reverse(k, run, theta_bar, anchor_bar, q, stats, progress, journal)
         if k:
             adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
     for k in range(len(record)):  # each rank holds the terms of its own share of every batch
@@ -170,6 +172,10 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
                    "note": "checkpoints and adjoints counted exactly; one segment's step graphs measured as the "
                            "growth of resident memory while it is held (0 where the allocator reused freed pages)"},
         "segments": {"computed": stats["computed"], "reused": stats["reused"], "ranks": distributed.world_size()},
+        "pull": {"stages": stats["pulls"], "note": "per stage: how each step's graphs were pulled for the q measure "
+                 "outputs (looped: one autograd backward per output; vmapped: torch.func pullbacks vmapped over the "
+                 "outputs): q = 1 looped; for q > 1 the faster on a timed trial step (its seconds; None where an earlier pass "
+                 "through the record chose, StageRun.pulls); None: every segment reused"},
         "ratio_to_recorded_training": seconds / training if training > 0 else None,
     }
     results = []
@@ -243,24 +249,26 @@ def hand_over(record: Record, k: int, theta_bar: dict, anchor_bar: dict, q: int)
 
 @dataclass
 class _Graph:
-    """One step's plain autograd graph (one measure, q = 1): ``outputs`` as functions of the leaf tensors ``inputs``,
-    both keyed ("theta", name), ("state", slot, name), ("gradient", name), ("anchor", name) or "w"."""
+    """One step's plain autograd graph: ``outputs`` as functions of the leaf tensors ``inputs``, both keyed
+    ("theta", name), ("state", slot, name), ("gradient", name), ("anchor", name) or "w"."""
 
     outputs: dict
     inputs: dict
 
     def pull(self, cotangents: dict) -> dict:
-        """{input key: Σ_out cotangent[out] · ∂out/∂input} for cotangents with a leading dimension 1 (one backward,
-        which frees the graph)."""
+        """{input key: Σ_out cotangent[out] · ∂out/∂input} for cotangents with a leading dimension q: one backward
+        per column, the graph kept until the last (which frees it)."""
         wanted = [k for k, o in self.outputs.items() if o.requires_grad]
-        found = torch.autograd.grad([self.outputs[k] for k in wanted], list(self.inputs.values()),
-                                    [cotangents[k][0] for k in wanted], allow_unused=True, materialize_grads=True)
-        return {k: v.unsqueeze(0) for k, v in zip(self.inputs, found)}
+        q = cotangents[wanted[0]].shape[0]
+        columns = [torch.autograd.grad([self.outputs[k] for k in wanted], list(self.inputs.values()),
+                                       [cotangents[k][j] for k in wanted], allow_unused=True, materialize_grads=True,
+                                       retain_graph=j < q - 1) for j in range(q)]
+        return {k: torch.stack([column[i] for column in columns]) for i, k in enumerate(self.inputs)}
 
 
 class _Pullback:
-    """One step's ``torch.func`` pullback (q > 1 measures): the vjp of ``fn`` (keyed dict → keyed dict, keys as
-    :class:`_Graph`'s) at ``inputs``, applied to cotangents with a leading dimension q under ``vmap``."""
+    """One step's ``torch.func`` pullback: the vjp of ``fn`` (keyed dict → keyed dict, keys as :class:`_Graph`'s) at
+    ``inputs``, applied to cotangents with a leading dimension q under ``vmap``."""
 
     def __init__(self, fn, inputs: dict):
         self.outputs, self._pullback = vjp(fn, inputs)
@@ -291,16 +299,16 @@ def _unkeyed(keyed: dict, theta: dict, state: dict) -> tuple[dict, dict]:
             {slot: {n: keyed["state", slot, n] for n in s} for slot, s in state.items()})
 
 
-def _forward_step(run: StageRun, t: int, theta, state, anchors, q: int):
+def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
     """Step t forward, keeping what its reverse needs: (θ_{t+1}, state_{t+1}, (this rank's batch ids, the update's
-    graph, the gradient's graph or None)) — plain autograd graphs for q = 1, ``torch.func`` pullbacks for q > 1
-    (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its values are the
+    graph, the gradient's graph or None)) — plain autograd graphs for ``pull`` = "looped", ``torch.func`` pullbacks
+    for "vmapped" (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its values are the
     recorded step's (the same operations; the segment's replay check compares them)."""
     idx, x, y = run.batch(t)
     part = distributed.shard(torch.arange(idx.numel()))
     ids = idx[part]
     lead = part.numel() > 0 and int(part[0]) == 0  # the rank holding the batch's first example adds R and the prox
-    if q == 1:
+    if pull == LOOPED:
         theta, state = _leaves(theta), {slot: _leaves(s) for slot, s in state.items()}
     gradient_graph = None
     with torch.enable_grad():
@@ -308,7 +316,7 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, q: int):
             where = part.to(x.device)
             xs, ys = x[where], y[where]
             w = unit_weights(run, ids, None, xs)  # the run's weights
-            if q == 1:
+            if pull == LOOPED:
                 leaf_anchors, w = _leaves(anchors), w.detach().requires_grad_()
                 loss = run.objective(theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead)
                 g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
@@ -326,8 +334,8 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, q: int):
                 g = {n: gradient_graph.outputs["gradient", n] for n in theta}
         else:
             g = {n: torch.zeros_like(v) for n, v in theta.items()}
-        g = {n: _summed(v.detach() if q == 1 else v) for n, v in g.items()}
-        if q == 1:
+        g = {n: _summed(v.detach() if pull == LOOPED else v) for n, v in g.items()}
+        if pull == LOOPED:
             g = _leaves(g)
             new_theta, new_state = run.optimizer.update(theta, state, g, run.lrs[t], t + 1)
             update_graph = _Graph(_keyed(new_theta, new_state),
@@ -350,12 +358,14 @@ def _summed(tensor: torch.Tensor) -> torch.Tensor:
     return distributed.all_reduce_(tensor.clone(memory_format=torch.contiguous_format))
 
 
-def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress: bool, journal: Journal):
+def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress: bool, journal: Journal):
     """Reverse mode through one stage: (θ̄_0, S̄̄ accumulated, (n, q) scores of this rank's batch shares)."""
     anchors = run.anchors
     first = next(iter(theta_bar.values()))
     scores = torch.zeros(len(run.stage), q, dtype=first.dtype, device=first.device)
-    state_bar = None
+    state_bar, pull = None, (LOOPED if q == 1 else run.pulls.get(q))
+    if pull is not None:
+        stats["pulls"][k] = {"pull": pull, "trial_seconds": None}
     for a, b in tqdm(list(reversed(run.segments())), desc="metagradient", disable=not progress, leave=False):
         j = stats["segment"]
         stats["segment"] += 1
@@ -372,16 +382,20 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
         theta, state = run.checkpoints[a]
         if a == 0:
             theta = start(run, anchors)
+        if state_bar is None:
+            state_bar = {slot: {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in s.items()}
+                         for slot, s in state.items()}
+        if pull is None:
+            pull, trial = _faster_pull(run, a, theta, state, anchors, theta_bar, state_bar)
+            run.pulls[q] = pull
+            stats["pulls"][k] = {"pull": pull, "trial_seconds": trial}
         held, before = [], _resident_bytes()
         for t in range(a, b):  # forward through the segment, keeping each step's autograd graphs
-            theta, state, graphs = _forward_step(run, t, theta, state, anchors, q)
+            theta, state, graphs = _forward_step(run, t, theta, state, anchors, pull)
             held.append(graphs)
         replayed = (_detached(theta), {slot: _detached(s) for slot, s in state.items()})
         stats["replay_error"] = max(stats["replay_error"], deviation(replayed, run.checkpoints[b]))
         stats["segment_growth"] = max(stats["segment_growth"], _resident_bytes() - before)
-        if state_bar is None:
-            state_bar = {slot: {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in s.items()}
-                         for slot, s in state.items()}
         terms_ids, terms = [], []
         while held:
             ids, update_graph, gradient_graph = held.pop()
@@ -409,6 +423,21 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
                        torch.cat(terms) if terms else empty, theta_bar, state_bar, anchor_bar)
         stats["computed"] += 1
     return theta_bar, anchor_bar, scores
+
+
+def _faster_pull(run: StageRun, a: int, theta, state, anchors, theta_bar, state_bar) -> tuple[str, dict]:
+    """For q > 1 measure outputs: the faster way to pull this stage's steps (:data:`LOOPED` or :data:`VMAPPED`) and
+    the seconds each took, timed on step a (forward and pull of the current adjoints from its checkpoint; the
+    results are discarded). Rank 0's choice is every rank's."""
+    seconds = {}
+    for pull in (VMAPPED, LOOPED):
+        begin = time.perf_counter()
+        _, _, (_, update_graph, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
+        pulled = update_graph.pull(_keyed(theta_bar, state_bar))
+        if gradient_graph is not None:
+            gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar})
+        seconds[pull] = time.perf_counter() - begin
+    return distributed.broadcast_object(min(seconds, key=seconds.get)), seconds
 
 
 def _resident_bytes() -> int:
