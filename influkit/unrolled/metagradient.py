@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.func import grad, jacrev, vjp, vmap
+from torch.func import grad, jacrev, jvp, vjp, vmap
 from tqdm.auto import tqdm
 
 from .. import distributed
@@ -72,7 +72,8 @@ from .record import Record, StageRun, stage_weights, tensor_bytes
 from .replay import as_measure, deviation, reweighted, start, unit_weights
 
 METHOD = "unrolled exact (replay)"
-LOOPED, VMAPPED = "looped", "vmapped"  # how a step's graphs are pulled for q measure outputs (module docstring)
+# how a step is pulled back for q measure outputs (module docstring)
+LOOPED, VMAPPED, FORWARD = "looped", "vmapped", "forward"
 
 
 def metagradients(record: Record, measure, *, per_test: bool = False, out: str | Path | None = None,
@@ -172,10 +173,12 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
                    "note": "checkpoints and adjoints counted exactly; one segment's step graphs measured as the "
                            "growth of resident memory while it is held (0 where the allocator reused freed pages)"},
         "segments": {"computed": stats["computed"], "reused": stats["reused"], "ranks": distributed.world_size()},
-        "pull": {"stages": stats["pulls"], "note": "per stage: how each step's graphs were pulled for the q measure "
-                 "outputs (looped: one autograd backward per output; vmapped: torch.func pullbacks vmapped over the "
-                 "outputs): q = 1 looped; for q > 1 the faster on a timed trial step (its seconds; None where an earlier pass "
-                 "through the record chose, StageRun.pulls); None: every segment reused"},
+        "pull": {"stages": stats["pulls"], "note": "per stage, how each step was pulled back for the q measure "
+                 "outputs (looped: one autograd double backward per output; vmapped: torch.func pullbacks vmapped "
+                 "over the outputs; forward: forward over reverse, torch.func.jvp of the gradient vmapped over the "
+                 "outputs): q = 1 looped; q > 1 the fastest on a timed trial step (trial: seconds, and why a way could "
+                 "not run; None where an earlier pass through the record chose, StageRun.pulls); None: every "
+                 "segment reused"},
         "ratio_to_recorded_training": seconds / training if training > 0 else None,
     }
     results = []
@@ -277,6 +280,26 @@ class _Pullback:
         return vmap(self._pullback)({k: cotangents[k] for k in self.outputs})[0]
 
 
+class _Tangent:
+    """One step's gradient part by forward over reverse: for directions ḡ (leading dimension q), the jvp at θ_t of
+    θ ↦ ∇_{(θ, S̄, w)} L_t(θ; S̄, w), vmapped over the q directions — H_t ḡ, ∂²L_t/∂S̄∂θ · ḡ and the example terms
+    ∂²L_t/∂w_z∂θ · ḡ = ∇ℓ(z; θ_t)·ḡ / |B_t| in one pass, keyed as :class:`_Graph`'s pull (mixed partials are
+    symmetric, so this is the vjp of θ ↦ ∇_θ L_t that the other pulls take)."""
+
+    def __init__(self, run: StageRun, theta: dict, anchors: dict, x, y, w, size: int, penalties: bool):
+        def gradients(th):
+            g_theta, g_anchor, g_w = grad(run.objective, argnums=(0, 1, 4))(th, anchors, x, y, w, size=size,
+                                                                             penalties=penalties)
+            return ({("theta", n): v for n, v in g_theta.items()} | {("anchor", n): v for n, v in g_anchor.items()}
+                    | {"w": g_w})
+
+        self._gradients, self._theta = gradients, theta
+
+    def pull(self, cotangents: dict) -> dict:
+        directions = {n: cotangents["gradient", n] for n in self._theta}
+        return vmap(lambda v: jvp(self._gradients, (self._theta,), (v,))[1])(directions)
+
+
 def _detached(tensors: dict) -> dict:
     """The values without their autograd history."""
     return {n: v.detach() for n, v in tensors.items()}
@@ -302,7 +325,7 @@ def _unkeyed(keyed: dict, theta: dict, state: dict) -> tuple[dict, dict]:
 def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
     """Step t forward, keeping what its reverse needs: (θ_{t+1}, state_{t+1}, (this rank's batch ids, the update's
     graph, the gradient's graph or None)) — plain autograd graphs for ``pull`` = "looped", ``torch.func`` pullbacks
-    for "vmapped" (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its values are the
+    for "vmapped", the update's pullback and the gradient's :class:`_Tangent` for "forward" (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its values are the
     recorded step's (the same operations; the segment's replay check compares them)."""
     idx, x, y = run.batch(t)
     part = distributed.shard(torch.arange(idx.numel()))
@@ -323,6 +346,9 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
                 gradient_graph = _Graph({("gradient", n): v for n, v in g.items()},
                                         {("theta", n): v for n, v in theta.items()}
                                         | {("anchor", n): v for n, v in leaf_anchors.items()} | {"w": w})
+            elif pull == FORWARD:
+                gradient_graph = _Tangent(run, theta, anchors, xs, ys, w, idx.numel(), lead)
+                g = grad(run.objective)(theta, anchors, xs, ys, w, size=idx.numel(), penalties=lead)
             else:
                 def gradient(inputs):
                     th, an = {n: inputs["theta", n] for n in theta}, {n: inputs["anchor", n] for n in anchors}
@@ -365,7 +391,7 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
     scores = torch.zeros(len(run.stage), q, dtype=first.dtype, device=first.device)
     state_bar, pull = None, (LOOPED if q == 1 else run.pulls.get(q))
     if pull is not None:
-        stats["pulls"][k] = {"pull": pull, "trial_seconds": None}
+        stats["pulls"][k] = {"pull": pull, "trial": None}
     for a, b in tqdm(list(reversed(run.segments())), desc="metagradient", disable=not progress, leave=False):
         j = stats["segment"]
         stats["segment"] += 1
@@ -388,7 +414,7 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
         if pull is None:
             pull, trial = _faster_pull(run, a, theta, state, anchors, theta_bar, state_bar)
             run.pulls[q] = pull
-            stats["pulls"][k] = {"pull": pull, "trial_seconds": trial}
+            stats["pulls"][k] = {"pull": pull, "trial": trial}
         held, before = [], _resident_bytes()
         for t in range(a, b):  # forward through the segment, keeping each step's autograd graphs
             theta, state, graphs = _forward_step(run, t, theta, state, anchors, pull)
@@ -426,18 +452,26 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
 
 
 def _faster_pull(run: StageRun, a: int, theta, state, anchors, theta_bar, state_bar) -> tuple[str, dict]:
-    """For q > 1 measure outputs: the faster way to pull this stage's steps (:data:`LOOPED` or :data:`VMAPPED`) and
-    the seconds each took, timed on step a (forward and pull of the current adjoints from its checkpoint; the
-    results are discarded). Rank 0's choice is every rank's."""
-    seconds = {}
-    for pull in (VMAPPED, LOOPED):
+    """For q > 1 measure outputs: the fastest way to pull this stage's steps (:data:`LOOPED`, :data:`VMAPPED` or
+    :data:`FORWARD`) and the trial — each way's seconds for step a (its forward and the pull of the current adjoints,
+    from the step's checkpoint; the results are discarded), and why a way could not run (forward-mode AD missing for
+    one of the model's operations). Rank 0's choice is every rank's."""
+    seconds, unsupported = {}, {}
+    for pull in (VMAPPED, LOOPED, FORWARD):
         begin = time.perf_counter()
-        _, _, (_, update_graph, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
-        pulled = update_graph.pull(_keyed(theta_bar, state_bar))
-        if gradient_graph is not None:
-            gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar})
+        try:
+            _, _, (_, update_graph, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
+            pulled = update_graph.pull(_keyed(theta_bar, state_bar))
+            if gradient_graph is not None:
+                gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar})
+        except (RuntimeError, NotImplementedError) as exc:
+            if pull != FORWARD:
+                raise
+            unsupported[pull] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            continue
         seconds[pull] = time.perf_counter() - begin
-    return distributed.broadcast_object(min(seconds, key=seconds.get)), seconds
+    trial = {"seconds": seconds} | ({"unsupported": unsupported} if unsupported else {})
+    return distributed.broadcast_object(min(seconds, key=seconds.get)), trial
 
 
 def _resident_bytes() -> int:
