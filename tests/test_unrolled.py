@@ -11,7 +11,7 @@ from torch import nn
 
 import influkit as ik
 from influkit.memory import SAFETY, MemoryBudgetError
-from influkit.unrolled import SGD, Adam, AdamW, Record
+from influkit.unrolled import SGD, Adam, AdamW, Record, metagradient
 
 from conftest import cross_entropy, l2
 
@@ -231,14 +231,14 @@ def test_per_test_columns_sum_to_the_summed_measure_and_the_result_saves(tmp_pat
 
 @pytest.mark.parametrize("pull", ["looped", "vmapped", "forward"])
 @pytest.mark.parametrize("name", ["case 2: SGD + momentum -> AdamW", "LoRA: AdamW -> Adam"])
-def test_each_way_of_pulling_several_measures_gives_each_measures_own_metagradient(name, pull):
+def test_each_way_of_pulling_several_measures_gives_each_measures_own_metagradient(name, pull, monkeypatch):
     """q > 1 outputs pulled one double backward per output (looped), by vmapped torch.func pullbacks or by forward over
     reverse (the gradient's jvp, vmapped): column j equals the one-measure metagradient of test point j alone (that
     path is checked against finite differences above)."""
     record = recorded(name)
     x, y = TEST
-    for run in record.runs:
-        run.pulls[len(x)] = pull
+    chosen = {metagradient._pull_key(run, len(x)): pull for run in record.runs}
+    monkeypatch.setattr(metagradient, "_PULLS", chosen)
     per_test = ik.unrolled.metagradients(record, TEST, per_test=True)
     for j in range(len(x)):
         alone = ik.unrolled.metagradients(record, (x[j:j + 1], y[j:j + 1]))
@@ -247,15 +247,16 @@ def test_each_way_of_pulling_several_measures_gives_each_measures_own_metagradie
     assert per_test[0].diagnostics["pull"]["stages"] == [{"pull": pull, "trial": None}] * len(record)
 
 
-def test_the_first_several_measure_pass_times_each_pull_and_the_record_keeps_the_fastest():
+def test_the_first_several_measure_pass_times_each_pull_and_keeps_the_fastest(monkeypatch):
+    monkeypatch.setattr(metagradient, "_PULLS", {})
     record = recorded("case 1: AdamW -> SGD + momentum")
     first = ik.unrolled.metagradients(record, TEST, per_test=True)
     chosen = first[0].diagnostics["pull"]["stages"]
     for run, stage in zip(record.runs, chosen):
         seconds = stage["trial"]["seconds"]
         assert set(seconds) == {"looped", "vmapped", "forward"} and min(seconds.values()) > 0
-        assert stage["pull"] == min(seconds, key=seconds.get) == run.pulls[len(TEST[0])]
-    again = ik.unrolled.metagradients(record, TEST, per_test=True)
+        assert stage["pull"] == min(seconds, key=seconds.get) == metagradient._PULLS[metagradient._pull_key(run, 4)]
+    again = ik.unrolled.metagradients(recorded("case 1: AdamW -> SGD + momentum"), TEST, per_test=True)  # a new record
     assert all(torch.equal(a.values, b.values) for a, b in zip(first, again))
     assert [s["trial"] for s in again[0].diagnostics["pull"]["stages"]] == [None] * len(record)
 
@@ -284,7 +285,8 @@ class _NetWithoutForwardMode(Net):
         return self.head(_TanhWithoutForwardMode.apply(self.embedding[0](x)))
 
 
-def test_a_model_without_forward_mode_ad_is_pulled_another_way_and_says_why():
+def test_a_model_without_forward_mode_ad_is_pulled_another_way_and_says_why(monkeypatch):
+    monkeypatch.setattr(metagradient, "_PULLS", {})
     record = Record()
     torch.manual_seed(0)
     stage = ik.Stage(_NetWithoutForwardMode(3).eval(), cross_entropy, data(12, 3, seed=1), regularizer=l2(1e-2))

@@ -177,7 +177,7 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
                  "outputs (looped: one autograd double backward per output; vmapped: torch.func pullbacks vmapped "
                  "over the outputs; forward: forward over reverse, torch.func.jvp of the gradient vmapped over the "
                  "outputs): q = 1 looped; q > 1 the fastest on a timed trial step (trial: seconds, and why a way could "
-                 "not run; None where an earlier pass through the record chose, StageRun.pulls); None: every "
+                 "not run; None where an earlier pass in this process chose for the same stage shape and q); None: every "
                  "segment reused"},
         "ratio_to_recorded_training": seconds / training if training > 0 else None,
     }
@@ -389,7 +389,7 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
     anchors = run.anchors
     first = next(iter(theta_bar.values()))
     scores = torch.zeros(len(run.stage), q, dtype=first.dtype, device=first.device)
-    state_bar, pull = None, (LOOPED if q == 1 else run.pulls.get(q))
+    state_bar, pull = None, (LOOPED if q == 1 else _PULLS.get(_pull_key(run, q)))
     if pull is not None:
         stats["pulls"][k] = {"pull": pull, "trial": None}
     for a, b in tqdm(list(reversed(run.segments())), desc="metagradient", disable=not progress, leave=False):
@@ -413,7 +413,7 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
                          for slot, s in state.items()}
         if pull is None:
             pull, trial = _faster_pull(run, a, theta, state, anchors, theta_bar, state_bar)
-            run.pulls[q] = pull
+            _PULLS[_pull_key(run, q)] = pull
             stats["pulls"][k] = {"pull": pull, "trial": trial}
         held, before = [], _resident_bytes()
         for t in range(a, b):  # forward through the segment, keeping each step's autograd graphs
@@ -449,6 +449,17 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
                        torch.cat(terms) if terms else empty, theta_bar, state_bar, anchor_bar)
         stats["computed"] += 1
     return theta_bar, anchor_bar, scores
+
+
+_PULLS: dict[tuple, str] = {}  # the trial's choice per stage shape and q, so a computation repeats its bits
+
+
+def _pull_key(run: StageRun, q: int) -> tuple:
+    """What the trial's choice is kept under: the model's class, device, trained and fixed parameters' names, shapes
+    and dtypes, the largest batch, and q — within a process the same computation is pulled the same way, to the bit."""
+    theta = run.checkpoints[0][0]
+    shapes = tuple((n, tuple(v.shape), str(v.dtype)) for n, v in (theta | run.anchors).items())
+    return type(run.stage.model).__qualname__, str(run.stage.device), shapes, max(map(len, run.batches)), q
 
 
 def _faster_pull(run: StageRun, a: int, theta, state, anchors, theta_bar, state_bar) -> tuple[str, dict]:

@@ -54,9 +54,6 @@ class StageRun:
     (Case 2, else 0). checkpoints: {step: (θ_step, state_step)}, step 0 and the last included. weights: the data
     weights w of the run the checkpoints hold, shape (n,) — None for a recorded run (w = 1); a record re-run at
     other weights (:func:`influkit.unrolled.reweighted`) carries them, and replay and the reverse pass use them.
-    pulls: {q: "looped", "vmapped" or "forward"} — how the exact reverse pass pulls this stage's steps for q > 1 measure outputs,
-    timed by the first pass that needed it and kept (shared by a reweighted copy), so every later pass computes the
-    same bits (:func:`influkit.unrolled.metagradients`).
     """
 
     def __init__(self, stage: Stage, optimizer: Optimizer, link: Link | None, previous: "StageRun | None",
@@ -100,7 +97,6 @@ class StageRun:
         self.lrs: list[float] = []
         self.checkpoints: dict[int, tuple[Tensors, State]] = {}
         self.weights: torch.Tensor | None = None
-        self.pulls: dict[int, str] = {}
         self.seconds = 0.0
 
     # ------------------------------------------------------------------------------------------ the pure step
