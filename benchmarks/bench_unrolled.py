@@ -36,6 +36,12 @@ HERE = Path(__file__).resolve().parent
 REPEATS = 3
 
 
+def _pull(result) -> str:
+    """How the per-test pass pulled its steps, per stage (``diagnostics["pull"]``; "-" for code without the trial)."""
+    stages = result.diagnostics.get("pull", {}).get("stages")
+    return "/".join(stage["pull"] if stage else "reused" for stage in stages) if stages else "-"
+
+
 def one(steps: int, every: int, per_test: bool) -> dict:
     """Record, verify and differentiate one configuration in this process; the measured numbers."""
     import benchmarks.fidelity_replay as fr
@@ -58,7 +64,7 @@ def one(steps: int, every: int, per_test: bool) -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = ik.unrolled.metagradients(record, task.split.test)[0]
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    training, seconds, columns = [], [], []
+    training, seconds, columns, pull = [], [], [], "-"
     for _ in range(REPEATS):  # interleaved, the fastest of each: the machine is shared
         start = time.perf_counter()
         ik.unrolled.verify(record)
@@ -68,20 +74,23 @@ def one(steps: int, every: int, per_test: bool) -> dict:
         seconds.append(time.perf_counter() - start)
         if per_test:
             start = time.perf_counter()
-            ik.unrolled.metagradients(record, task.split.test, per_test=True)
+            result = ik.unrolled.metagradients(record, task.split.test, per_test=True)[0]
             columns.append(time.perf_counter() - start)
+            pull = _pull(result) if len(columns) == 1 else pull  # the first pass holds the pull trial
     training, seconds = min(training), min(seconds)
     memory = result.diagnostics["memory"]
     return {"steps": steps, "every": every, "training_s": training, "metagradient_s": seconds,
-            "ratio": seconds / training, "per_test_s": min(columns) if columns else None,
-            "per_test_ratio": min(columns) / training if columns else None,
+            "ratio": seconds / training, "per_test_s": min(columns[1:]) if columns else None,
+            "per_test_ratio": min(columns[1:]) / training if columns else None, "pull": pull,
+            "first_per_test_s": columns[0] if columns else None,
+            "first_per_test_ratio": columns[0] / training if columns else None,
             "peak_growth_MiB": (after - before) / 2**20,
             "checkpoints_MiB": memory["checkpoint_bytes"] / 2**20, "replay_error": error,
             "segment_replay_error": result.diagnostics["replay"]["max_error"]}
 
 
-def lm() -> None:
-    """The LM task's line (module docstring)."""
+def lm() -> dict:
+    """The LM task's line (module docstring), measured in this process."""
     import benchmarks.bench_fidelity_lm as fidelity_lm
     from influkit.params import ParamSpace
 
@@ -91,28 +100,47 @@ def lm() -> None:
     task = fidelity_lm.LMTask(progress=False)
     kept = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
     record = fidelity_lm.record_continuation(task, progress=False)
-    training = []
-    for _ in range(2):
-        task.pre.model.load_state_dict(kept)
-        start = time.perf_counter()
-        task.ex.continue_pretraining(task.pre, task.cfg, None, task.cfg.seed + 7)
-        training.append(time.perf_counter() - start)
-    task.pre.model.load_state_dict(kept)
     final = record.runs[0].final
     names = task.chain("identity").plans[0].trained
     rhs = torch.load(fidelity_lm.rhs_path("example"))["rhs"]
     adjoint = ik.unrolled.Adjoint(ParamSpace({n: final[n] for n in names}).unflatten(rhs), batched=True)
-    start = time.perf_counter()
-    result = ik.unrolled.metagradients(record, adjoint, per_test=True)[0]
-    per_test = time.perf_counter() - start
-    start = time.perf_counter()
-    ik.unrolled.metagradients(record, ik.unrolled.Adjoint({n: v.sum(0) for n, v in adjoint.tensors.items()}))
-    summed, training = time.perf_counter() - start, min(training)
-    q = result.values.shape[1]
-    print("| task | steps | one continuation s | metagradient (q = 1) s | ratio | per test (q = %d) s | ratio | "
-          "replay error |\n|---|---|---|---|---|---|---|---|" % q)
-    print(f"| LM warm continuation | {record.runs[0].steps} | {training:.2f} | {summed:.2f} | {summed / training:.2f} | "
-          f"{per_test:.2f} | {per_test / training:.2f} | {result.diagnostics['replay']['max_error']:.1e} |")
+    summed = ik.unrolled.Adjoint({n: v.sum(0) for n, v in adjoint.tensors.items()})
+    ik.unrolled.verify(record)  # warms up torch.func's first calls
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    one_measure = ik.unrolled.metagradients(record, summed)[0]
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    training, seconds, columns = [], [], []
+    for repeat in range(REPEATS):  # interleaved, the fastest of each: the machine is shared
+        task.pre.model.load_state_dict(kept)
+        start = time.perf_counter()
+        task.ex.continue_pretraining(task.pre, task.cfg, None, task.cfg.seed + 7)
+        training.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        ik.unrolled.metagradients(record, summed)
+        seconds.append(time.perf_counter() - start)
+        if repeat < 2:  # the per-test pass: the first (with the pull trial where there is one) and a repeat
+            start = time.perf_counter()
+            result = ik.unrolled.metagradients(record, adjoint, per_test=True)[0]
+            columns.append(time.perf_counter() - start)
+            pull = _pull(result) if repeat == 0 else pull
+    task.pre.model.load_state_dict(kept)
+    training = min(training)
+    memory = one_measure.diagnostics["memory"]
+    return {"steps": record.runs[0].steps, "every": record.runs[0].every, "training_s": training,
+            "metagradient_s": min(seconds), "ratio": min(seconds) / training, "q": result.values.shape[1],
+            "per_test_s": columns[1], "per_test_ratio": columns[1] / training, "pull": pull,
+            "first_per_test_s": columns[0], "first_per_test_ratio": columns[0] / training,
+            "peak_growth_MiB": (after - before) / 2**20, "checkpoints_MiB": memory["checkpoint_bytes"] / 2**20,
+            "replay_error": max(result.diagnostics["replay"]["max_error"],
+                                one_measure.diagnostics["replay"]["max_error"])}
+
+
+def measured(tree: str, args: list[str]) -> dict:
+    """One measurement (``--one`` or ``--lm-one``) in a fresh process running the influkit of ``tree``."""
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": tree}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_unrolled", *args], env=env, cwd=tree,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -120,33 +148,35 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--per-test", action="store_true", help="also the q = 100 per-test metagradient")
     parser.add_argument("--lm", action="store_true", help="the LM task's continuation instead (module docstring)")
+    parser.add_argument("--trees", nargs="+", metavar="LABEL=DIR", default=[f"this={HERE.parent}"],
+                        help="source trees to measure, each row once per tree, interleaved (before/after in one run)")
     parser.add_argument("--one", type=int, nargs=2, metavar=("STEPS", "EVERY"), help=argparse.SUPPRESS)
+    parser.add_argument("--lm-one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one:
-        print(json.dumps(one(*args.one, args.per_test)))
+    if args.one or args.lm_one:
+        print(json.dumps(lm() if args.lm_one else one(*args.one, args.per_test)))
         return
+    trees = [tree.split("=", 1) for tree in args.trees]
     with open("/proc/loadavg") as handle:
         print(f"load average before: {handle.read().split()[:3]}", flush=True)
-    if args.lm:
-        lm()
-        with open("/proc/loadavg") as handle:
-            print(f"load average after: {handle.read().split()[:3]}", flush=True)
-        return
-    extra = " per test (q = 100) s | ratio |" if args.per_test else ""
-    print("| T (pretraining steps) | checkpoint every | one training run s | metagradient s | ratio |" + extra +
+    extra = args.per_test or args.lm
+    q = "20" if args.lm else "100"
+    print(f"| code | {'task' if args.lm else 'T (pretraining steps)'} | checkpoint every | one training run s | "
+          f"metagradient (q = 1) s | ratio |" + (f" per test (q = {q}): first s | ratio | repeat s | ratio | pull |"
+                                                  if extra else "") +
           " peak RSS growth MiB | checkpoints MiB | replay error |")
-    print("|---" * (8 + 2 * args.per_test) + "|")
-    for steps in args.steps:
-        for every in (math.ceil(math.sqrt(steps)), steps):
-            env = os.environ | {"OMP_NUM_THREADS": "1"}
-            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_unrolled", "--one", str(steps), str(every)]
-                                 + ["--per-test"] * args.per_test,
-                                 env=env, cwd=HERE.parent, capture_output=True, text=True, check=True)
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            extra = f" {row['per_test_s']:.2f} | {row['per_test_ratio']:.2f} |" if args.per_test else ""
-            print(f"| {row['steps']} | {row['every']} | {row['training_s']:.2f} | {row['metagradient_s']:.2f} | "
-                  f"{row['ratio']:.2f} |{extra} {row['peak_growth_MiB']:.1f} | {row['checkpoints_MiB']:.3f} | "
-                  f"{max(row['replay_error'], row['segment_replay_error']):.1e} |", flush=True)
+    print("|---" * (9 + 5 * extra) + "|")
+    configs = [("LM warm continuation", ["--lm-one"])] if args.lm else \
+        [(str(steps), ["--one", str(steps), str(every)] + ["--per-test"] * args.per_test)
+         for steps in args.steps for every in (math.ceil(math.sqrt(steps)), steps)]
+    for name, command in configs:
+        for label, tree in trees:
+            row = measured(tree, command)
+            extra_cells = (f" {row['first_per_test_s']:.2f} | {row['first_per_test_ratio']:.2f} | {row['per_test_s']:.2f} | "
+                           f"{row['per_test_ratio']:.2f} | {row['pull']} |") if extra else ""
+            print(f"| {label} | {name} | {row['every']} | {row['training_s']:.2f} | {row['metagradient_s']:.2f} | "
+                  f"{row['ratio']:.2f} |{extra_cells} {row['peak_growth_MiB']:.1f} | {row['checkpoints_MiB']:.3f} | "
+                  f"{max(row['replay_error'], row.get('segment_replay_error', 0.0)):.1e} |", flush=True)
     with open("/proc/loadavg") as handle:
         print(f"load average after: {handle.read().split()[:3]}", flush=True)
 

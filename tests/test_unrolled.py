@@ -229,12 +229,12 @@ def test_per_test_columns_sum_to_the_summed_measure_and_the_result_saves(tmp_pat
     assert torch.equal(loaded.removal, -per_test[0].values) and loaded.method == per_test[0].method
 
 
-@pytest.mark.parametrize("pull", ["looped", "vmapped", "forward"])
+@pytest.mark.parametrize("pull", ["looped", "vmapped"])
 @pytest.mark.parametrize("name", ["case 2: SGD + momentum -> AdamW", "LoRA: AdamW -> Adam"])
 def test_each_way_of_pulling_several_measures_gives_each_measures_own_metagradient(name, pull, monkeypatch):
-    """q > 1 outputs pulled one double backward per output (looped), by vmapped torch.func pullbacks or by forward over
-    reverse (the gradient's jvp, vmapped): column j equals the one-measure metagradient of test point j alone (that
-    path is checked against finite differences above)."""
+    """q > 1 outputs pulled one double backward per output (looped) or by vmapped torch.func pullbacks: column j
+    equals the one-measure metagradient of test point j alone (that path is checked against finite differences
+    above)."""
     record = recorded(name)
     x, y = TEST
     chosen = {metagradient._pull_key(run, len(x)): pull for run in record.runs}
@@ -254,51 +254,11 @@ def test_the_first_several_measure_pass_times_each_pull_and_keeps_the_fastest(mo
     chosen = first[0].diagnostics["pull"]["stages"]
     for run, stage in zip(record.runs, chosen):
         seconds = stage["trial"]["seconds"]
-        assert set(seconds) == {"looped", "vmapped", "forward"} and min(seconds.values()) > 0
+        assert set(seconds) == {"looped", "vmapped"} and min(seconds.values()) > 0
         assert stage["pull"] == min(seconds, key=seconds.get) == metagradient._PULLS[metagradient._pull_key(run, 4)]
     again = ik.unrolled.metagradients(recorded("case 1: AdamW -> SGD + momentum"), TEST, per_test=True)  # a new record
     assert all(torch.equal(a.values, b.values) for a, b in zip(first, again))
     assert [s["trial"] for s in again[0].diagnostics["pull"]["stages"]] == [None] * len(record)
-
-
-class _TanhWithoutForwardMode(torch.autograd.Function):
-    """tanh with a (twice differentiable) backward and a vmap rule but no jvp: forward-mode AD cannot pass it."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x):
-        return torch.tanh(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(output)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (y,) = ctx.saved_tensors
-        return grad_output * (1 - y * y)
-
-
-class _NetWithoutForwardMode(Net):
-    def forward(self, x):
-        return self.head(_TanhWithoutForwardMode.apply(self.embedding[0](x)))
-
-
-def test_a_model_without_forward_mode_ad_is_pulled_another_way_and_says_why(monkeypatch):
-    monkeypatch.setattr(metagradient, "_PULLS", {})
-    record = Record()
-    torch.manual_seed(0)
-    stage = ik.Stage(_NetWithoutForwardMode(3).eval(), cross_entropy, data(12, 3, seed=1), regularizer=l2(1e-2))
-    record.train(stage, SGD(lr=0.2, momentum=0.9), steps=6, batch_size=4, checkpoint_every=3)
-    x, y = TEST
-    result = ik.unrolled.metagradients(record, TEST, per_test=True)[0]
-    trial = result.diagnostics["pull"]["stages"][0]["trial"]
-    assert result.diagnostics["pull"]["stages"][0]["pull"] in ("looped", "vmapped")
-    assert set(trial["seconds"]) == {"looped", "vmapped"} and "jvp" in trial["unsupported"]["forward"]
-    for j in (0, 3):
-        alone = ik.unrolled.metagradients(record, (x[j:j + 1], y[j:j + 1]))[0]
-        torch.testing.assert_close(result.values[:, j], alone.values, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize(

@@ -35,12 +35,22 @@ backward per step (H_t v_t, the shared block's term and the batch's example term
 the next checkpoint, so the pass also checks that replay reproduces the whole record (``diagnostics["replay"]``).
 
 A measure with q outputs (per-test losses) is differentiated for all q at once: the adjoints carry a leading
-dimension q and every step's backward runs once per output. For one output a step is kept as plain autograd graphs
-(the gradient taken with ``create_graph`` from leaf θ_t, S̄, w_{B_t}; the update from leaf θ_t, state_t, g_t),
-pulled by one ``autograd.grad`` each; for q > 1 as ``torch.func.vjp`` pullbacks of the step, vmapped over the q
-adjoints — ``torch.func``'s own double backward batches better (on the LM task, 20 per-test adjoints: 52 s against
-63 s with ``vmap`` over ``autograd.grad``), while for one output its per-step tracing costs more than the graph
-(digits: 0.44 s against 0.25 s of forward replay for 250 steps).
+dimension q and every step's backward runs once per output. A step is pulled back one of two ways. **Looped**: kept
+as plain autograd graphs (the gradient taken with ``create_graph`` from leaf θ_t, S̄, w_{B_t}; the update from leaf
+θ_t, state_t, g_t) and pulled by one ``autograd.grad`` per output, the graph retained until the last. **Vmapped**:
+kept as ``torch.func.vjp`` pullbacks of the step, vmapped over the q outputs. One output is always looped (the
+pullback's per-step tracing costs more than the graph: digits, 0.44 s against 0.25 s of forward replay for 250
+steps). For q > 1 neither wins everywhere: vmapping amortizes per-operation overhead on small models (digits Case 1,
+q = 100: 14 s against 44 s looped), while on the LM task's decoder, whose steps are bound by memory traffic over its
+(tokens × vocabulary) logits, one double backward per output is faster (47 against 63 ms per output and step,
+q = 20). So the first q > 1 pass through a stage times both on one step (from the segment's checkpoint, results
+discarded: about two steps' work) and pulls every step the faster way; the choice is kept for the same stage shape
+and q in the process, so a repeated computation repeats its bits (``diagnostics["pull"]``: the choice and the
+trial's seconds). Forward over reverse — ``torch.func.jvp`` of θ ↦ ∇_{(θ, S̄, w)} L_t in the direction ḡ_t, which
+gives H_t ḡ_t, the shared block's term and the example terms in one pass with no graph kept from the replay — runs
+through Llama's operations and peft's LoRA in torch 2.13 but was slower everywhere measured: on the LM task 4.8× a
+gradient for one output (graph + double backward: 3.05×) and 114 against 47 ms per output at q = 20; on digits,
+q = 100, 15.4 s against 14.2 s vmapped.
 
 Ranks (``torch.distributed``, as :meth:`influkit.Query.scores`): a step is split into the gradient of the batch's
 loss, g_t = Σ_r g_t^r with rank r's contiguous share of B_t (:func:`influkit.distributed.shard`; R(θ) and the
@@ -61,7 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.func import grad, jacrev, jvp, vjp, vmap
+from torch.func import grad, jacrev, vjp, vmap
 from tqdm.auto import tqdm
 
 from .. import distributed
@@ -72,8 +82,7 @@ from .record import Record, StageRun, stage_weights, tensor_bytes
 from .replay import as_measure, deviation, reweighted, start, unit_weights
 
 METHOD = "unrolled exact (replay)"
-# how a step is pulled back for q measure outputs (module docstring)
-LOOPED, VMAPPED, FORWARD = "looped", "vmapped", "forward"
+LOOPED, VMAPPED = "looped", "vmapped"  # how a step is pulled back for q measure outputs (module docstring)
 
 
 def metagradients(record: Record, measure, *, per_test: bool = False, out: str | Path | None = None,
@@ -175,10 +184,9 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
         "segments": {"computed": stats["computed"], "reused": stats["reused"], "ranks": distributed.world_size()},
         "pull": {"stages": stats["pulls"], "note": "per stage, how each step was pulled back for the q measure "
                  "outputs (looped: one autograd double backward per output; vmapped: torch.func pullbacks vmapped "
-                 "over the outputs; forward: forward over reverse, torch.func.jvp of the gradient vmapped over the "
-                 "outputs): q = 1 looped; q > 1 the fastest on a timed trial step (trial: seconds, and why a way could "
-                 "not run; None where an earlier pass in this process chose for the same stage shape and q); None: every "
-                 "segment reused"},
+                 "over the outputs): q = 1 looped; q > 1 the faster on a timed trial step (trial: its seconds; None "
+                 "where an earlier pass in this process chose for the same stage shape and q); None: every segment "
+                 "reused"},
         "ratio_to_recorded_training": seconds / training if training > 0 else None,
     }
     results = []
@@ -280,26 +288,6 @@ class _Pullback:
         return vmap(self._pullback)({k: cotangents[k] for k in self.outputs})[0]
 
 
-class _Tangent:
-    """One step's gradient part by forward over reverse: for directions ḡ (leading dimension q), the jvp at θ_t of
-    θ ↦ ∇_{(θ, S̄, w)} L_t(θ; S̄, w), vmapped over the q directions — H_t ḡ, ∂²L_t/∂S̄∂θ · ḡ and the example terms
-    ∂²L_t/∂w_z∂θ · ḡ = ∇ℓ(z; θ_t)·ḡ / |B_t| in one pass, keyed as :class:`_Graph`'s pull (mixed partials are
-    symmetric, so this is the vjp of θ ↦ ∇_θ L_t that the other pulls take)."""
-
-    def __init__(self, run: StageRun, theta: dict, anchors: dict, x, y, w, size: int, penalties: bool):
-        def gradients(th):
-            g_theta, g_anchor, g_w = grad(run.objective, argnums=(0, 1, 4))(th, anchors, x, y, w, size=size,
-                                                                             penalties=penalties)
-            return ({("theta", n): v for n, v in g_theta.items()} | {("anchor", n): v for n, v in g_anchor.items()}
-                    | {"w": g_w})
-
-        self._gradients, self._theta = gradients, theta
-
-    def pull(self, cotangents: dict) -> dict:
-        directions = {n: cotangents["gradient", n] for n in self._theta}
-        return vmap(lambda v: jvp(self._gradients, (self._theta,), (v,))[1])(directions)
-
-
 def _detached(tensors: dict) -> dict:
     """The values without their autograd history."""
     return {n: v.detach() for n, v in tensors.items()}
@@ -325,7 +313,7 @@ def _unkeyed(keyed: dict, theta: dict, state: dict) -> tuple[dict, dict]:
 def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
     """Step t forward, keeping what its reverse needs: (θ_{t+1}, state_{t+1}, (this rank's batch ids, the update's
     graph, the gradient's graph or None)) — plain autograd graphs for ``pull`` = "looped", ``torch.func`` pullbacks
-    for "vmapped", the update's pullback and the gradient's :class:`_Tangent` for "forward" (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its values are the
+    for "vmapped" (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its values are the
     recorded step's (the same operations; the segment's replay check compares them)."""
     idx, x, y = run.batch(t)
     part = distributed.shard(torch.arange(idx.numel()))
@@ -346,9 +334,6 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
                 gradient_graph = _Graph({("gradient", n): v for n, v in g.items()},
                                         {("theta", n): v for n, v in theta.items()}
                                         | {("anchor", n): v for n, v in leaf_anchors.items()} | {"w": w})
-            elif pull == FORWARD:
-                gradient_graph = _Tangent(run, theta, anchors, xs, ys, w, idx.numel(), lead)
-                g = grad(run.objective)(theta, anchors, xs, ys, w, size=idx.numel(), penalties=lead)
             else:
                 def gradient(inputs):
                     th, an = {n: inputs["theta", n] for n in theta}, {n: inputs["anchor", n] for n in anchors}
@@ -463,26 +448,18 @@ def _pull_key(run: StageRun, q: int) -> tuple:
 
 
 def _faster_pull(run: StageRun, a: int, theta, state, anchors, theta_bar, state_bar) -> tuple[str, dict]:
-    """For q > 1 measure outputs: the fastest way to pull this stage's steps (:data:`LOOPED`, :data:`VMAPPED` or
-    :data:`FORWARD`) and the trial — each way's seconds for step a (its forward and the pull of the current adjoints,
-    from the step's checkpoint; the results are discarded), and why a way could not run (forward-mode AD missing for
-    one of the model's operations). Rank 0's choice is every rank's."""
-    seconds, unsupported = {}, {}
-    for pull in (VMAPPED, LOOPED, FORWARD):
+    """For q > 1 measure outputs: the faster way to pull this stage's steps (:data:`LOOPED` or :data:`VMAPPED`) and
+    the trial — each way's seconds for step a (its forward and the pull of the current adjoints, from the step's
+    checkpoint; the results are discarded). Rank 0's choice is every rank's."""
+    seconds = {}
+    for pull in (VMAPPED, LOOPED):
         begin = time.perf_counter()
-        try:
-            _, _, (_, update_graph, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
-            pulled = update_graph.pull(_keyed(theta_bar, state_bar))
-            if gradient_graph is not None:
-                gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar})
-        except (RuntimeError, NotImplementedError) as exc:
-            if pull != FORWARD:
-                raise
-            unsupported[pull] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            continue
+        _, _, (_, update_graph, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
+        pulled = update_graph.pull(_keyed(theta_bar, state_bar))
+        if gradient_graph is not None:
+            gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar})
         seconds[pull] = time.perf_counter() - begin
-    trial = {"seconds": seconds} | ({"unsupported": unsupported} if unsupported else {})
-    return distributed.broadcast_object(min(seconds, key=seconds.get)), trial
+    return distributed.broadcast_object(min(seconds, key=seconds.get)), {"seconds": seconds}
 
 
 def _resident_bytes() -> int:
