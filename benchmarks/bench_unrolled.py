@@ -109,7 +109,7 @@ def lm() -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     one_measure = ik.unrolled.metagradients(record, summed)[0]
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    training, seconds, columns = [], [], []
+    training, seconds, columns, pull = [], [], [], "-"
     for repeat in range(REPEATS):  # interleaved, the fastest of each: the machine is shared
         task.pre.model.load_state_dict(kept)
         start = time.perf_counter()
@@ -172,8 +172,8 @@ def main() -> None:
     for name, command in configs:
         for label, tree in trees:
             row = measured(tree, command)
-            extra_cells = (f" {row['first_per_test_s']:.2f} | {row['first_per_test_ratio']:.2f} | {row['per_test_s']:.2f} | "
-                           f"{row['per_test_ratio']:.2f} | {row['pull']} |") if extra else ""
+            extra_cells = (f" {row['first_per_test_s']:.2f} | {row['first_per_test_ratio']:.2f} | "
+                           f"{row['per_test_s']:.2f} | {row['per_test_ratio']:.2f} | {row['pull']} |") if extra else ""
             print(f"| {label} | {name} | {row['every']} | {row['training_s']:.2f} | {row['metagradient_s']:.2f} | "
                   f"{row['ratio']:.2f} |{extra_cells} {row['peak_growth_MiB']:.1f} | {row['checkpoints_MiB']:.3f} | "
                   f"{max(row['replay_error'], row.get('segment_replay_error', 0.0)):.1e} |", flush=True)

@@ -313,8 +313,8 @@ def _unkeyed(keyed: dict, theta: dict, state: dict) -> tuple[dict, dict]:
 def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
     """Step t forward, keeping what its reverse needs: (θ_{t+1}, state_{t+1}, (this rank's batch ids, the update's
     graph, the gradient's graph or None)) — plain autograd graphs for ``pull`` = "looped", ``torch.func`` pullbacks
-    for "vmapped" (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its values are the
-    recorded step's (the same operations; the segment's replay check compares them)."""
+    for "vmapped" (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its
+    values are the recorded step's (the same operations; the segment's replay check compares them)."""
     idx, x, y = run.batch(t)
     part = distributed.shard(torch.arange(idx.numel()))
     ids = idx[part]
@@ -441,7 +441,7 @@ _PULLS: dict[tuple, str] = {}  # the trial's choice per stage shape and q, so a 
 
 def _pull_key(run: StageRun, q: int) -> tuple:
     """What the trial's choice is kept under: the model's class, device, trained and fixed parameters' names, shapes
-    and dtypes, the largest batch, and q — within a process the same computation is pulled the same way, to the bit."""
+    and dtypes, the largest batch, and q — within a process the same computation is pulled the same way."""
     theta = run.checkpoints[0][0]
     shapes = tuple((n, tuple(v.shape), str(v.dtype)) for n, v in (theta | run.anchors).items())
     return type(run.stage.model).__qualname__, str(run.stage.device), shapes, max(map(len, run.batches)), q
