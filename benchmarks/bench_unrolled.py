@@ -21,6 +21,7 @@ reverse pass for the 20 per-test adjoints of the cached pretraining right-hand s
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -42,8 +43,56 @@ def _pull(result) -> str:
     return "/".join(stage["pull"] if stage else "reused" for stage in stages) if stages else "-"
 
 
-def one(steps: int, every: int, per_test: bool) -> dict:
-    """Record, verify and differentiate one configuration in this process; the measured numbers."""
+def versions(baseline: str | None) -> dict:
+    """{label: metagradients}: this tree's, and the baseline's — another version of
+    ``influkit/unrolled/metagradient.py`` loaded beside it (the rest of influkit shared), so both run in one process."""
+    import influkit as ik
+
+    found = {"this": ik.unrolled.metagradients}
+    if baseline:
+        spec = importlib.util.spec_from_file_location("influkit.unrolled.baseline_metagradient", baseline)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        found["baseline"] = module.metagradients
+    return found
+
+
+def timed(record, measure, per_test: bool, training, found: dict) -> dict:
+    """Each version's seconds, interleaved with one training run (``training()``) per repeat, the fastest of
+    REPEATS; per test: the first pass (it holds the pull trial where there is one) and the fastest repeat."""
+    rows = {label: {"q1": [], "per_test": [], "pull": "-", "growth": None} for label in found}
+    train = []
+    for repeat in range(REPEATS):
+        train.append(training())
+        for label, metagradients in found.items():
+            start = time.perf_counter()
+            result = metagradients(record, measure[0])[0]
+            rows[label]["q1"].append(time.perf_counter() - start)
+            if repeat == 0:
+                rows[label]["growth"] = result.diagnostics["memory"]["segment_resident_growth_bytes"] / 2**20
+                rows[label]["replay_error"] = result.diagnostics["replay"]["max_error"]
+            if per_test and repeat < 2:
+                start = time.perf_counter()
+                result = metagradients(record, measure[1], per_test=True)[0]
+                rows[label]["per_test"].append(time.perf_counter() - start)
+                rows[label]["pull"] = _pull(result) if repeat == 0 else rows[label]["pull"]
+                rows[label]["q"] = result.values.shape[1]
+    training = min(train)
+    out = {}
+    for label, row in rows.items():
+        q1, columns = min(row["q1"]), row["per_test"]
+        out[label] = {"training_s": training, "metagradient_s": q1, "ratio": q1 / training,
+                      "first_per_test_s": columns[0] if columns else None,
+                      "first_per_test_ratio": columns[0] / training if columns else None,
+                      "per_test_s": min(columns[1:]) if columns else None,
+                      "per_test_ratio": min(columns[1:]) / training if columns else None, "pull": row["pull"],
+                      "segment_growth_MiB": row["growth"], "replay_error": row["replay_error"]}
+    return out
+
+
+def one(steps: int, every: int, per_test: bool, baseline: str | None) -> dict:
+    """Record, verify and differentiate one digits configuration in this process; the measured numbers."""
     import benchmarks.fidelity_replay as fr
     from benchmarks.fidelity_tasks import TASKS, Task
 
@@ -64,32 +113,19 @@ def one(steps: int, every: int, per_test: bool) -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = ik.unrolled.metagradients(record, task.split.test)[0]
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    training, seconds, columns, pull = [], [], [], "-"
-    for _ in range(REPEATS):  # interleaved, the fastest of each: the machine is shared
+
+    def training() -> float:
         start = time.perf_counter()
         ik.unrolled.verify(record)
-        training.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        ik.unrolled.metagradients(record, task.split.test)
-        seconds.append(time.perf_counter() - start)
-        if per_test:
-            start = time.perf_counter()
-            result = ik.unrolled.metagradients(record, task.split.test, per_test=True)[0]
-            columns.append(time.perf_counter() - start)
-            pull = _pull(result) if len(columns) == 1 else pull  # the first pass holds the pull trial
-    training, seconds = min(training), min(seconds)
-    memory = result.diagnostics["memory"]
-    return {"steps": steps, "every": every, "training_s": training, "metagradient_s": seconds,
-            "ratio": seconds / training, "per_test_s": min(columns[1:]) if columns else None,
-            "per_test_ratio": min(columns[1:]) / training if columns else None, "pull": pull,
-            "first_per_test_s": columns[0] if columns else None,
-            "first_per_test_ratio": columns[0] / training if columns else None,
-            "peak_growth_MiB": (after - before) / 2**20,
-            "checkpoints_MiB": memory["checkpoint_bytes"] / 2**20, "replay_error": error,
-            "segment_replay_error": result.diagnostics["replay"]["max_error"]}
+        return time.perf_counter() - start
+
+    rows = timed(record, (task.split.test, task.split.test), per_test, training, versions(baseline))
+    common = {"steps": steps, "every": every, "peak_growth_MiB": (after - before) / 2**20,
+              "checkpoints_MiB": result.diagnostics["memory"]["checkpoint_bytes"] / 2**20}
+    return {label: common | row | {"replay_error": max(row["replay_error"], error)} for label, row in rows.items()}
 
 
-def lm() -> dict:
+def lm(baseline: str | None) -> dict:
     """The LM task's line (module docstring), measured in this process."""
     import benchmarks.bench_fidelity_lm as fidelity_lm
     from influkit.params import ParamSpace
@@ -107,38 +143,27 @@ def lm() -> dict:
     summed = ik.unrolled.Adjoint({n: v.sum(0) for n, v in adjoint.tensors.items()})
     ik.unrolled.verify(record)  # warms up torch.func's first calls
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    one_measure = ik.unrolled.metagradients(record, summed)[0]
+    result = ik.unrolled.metagradients(record, summed)[0]
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    training, seconds, columns, pull = [], [], [], "-"
-    for repeat in range(REPEATS):  # interleaved, the fastest of each: the machine is shared
+
+    def training() -> float:
         task.pre.model.load_state_dict(kept)
         start = time.perf_counter()
         task.ex.continue_pretraining(task.pre, task.cfg, None, task.cfg.seed + 7)
-        training.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        ik.unrolled.metagradients(record, summed)
-        seconds.append(time.perf_counter() - start)
-        if repeat < 2:  # the per-test pass: the first (with the pull trial where there is one) and a repeat
-            start = time.perf_counter()
-            result = ik.unrolled.metagradients(record, adjoint, per_test=True)[0]
-            columns.append(time.perf_counter() - start)
-            pull = _pull(result) if repeat == 0 else pull
-    task.pre.model.load_state_dict(kept)
-    training = min(training)
-    memory = one_measure.diagnostics["memory"]
-    return {"steps": record.runs[0].steps, "every": record.runs[0].every, "training_s": training,
-            "metagradient_s": min(seconds), "ratio": min(seconds) / training, "q": result.values.shape[1],
-            "per_test_s": columns[1], "per_test_ratio": columns[1] / training, "pull": pull,
-            "first_per_test_s": columns[0], "first_per_test_ratio": columns[0] / training,
-            "peak_growth_MiB": (after - before) / 2**20, "checkpoints_MiB": memory["checkpoint_bytes"] / 2**20,
-            "replay_error": max(result.diagnostics["replay"]["max_error"],
-                                one_measure.diagnostics["replay"]["max_error"])}
+        seconds = time.perf_counter() - start
+        task.pre.model.load_state_dict(kept)
+        return seconds
+
+    rows = timed(record, (summed, adjoint), True, training, versions(baseline))
+    common = {"steps": record.runs[0].steps, "every": record.runs[0].every, "peak_growth_MiB": (after - before) / 2**20,
+              "checkpoints_MiB": result.diagnostics["memory"]["checkpoint_bytes"] / 2**20}
+    return {label: common | row for label, row in rows.items()}
 
 
-def measured(tree: str, args: list[str]) -> dict:
-    """One measurement (``--one`` or ``--lm-one``) in a fresh process running the influkit of ``tree``."""
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": tree}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_unrolled", *args], env=env, cwd=tree,
+def measured(args: list[str]) -> dict:
+    """One configuration (``--one`` or ``--lm-one``) in a fresh process: {version: numbers}."""
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_unrolled", *args], env=env, cwd=HERE.parent,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -148,15 +173,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--per-test", action="store_true", help="also the q = 100 per-test metagradient")
     parser.add_argument("--lm", action="store_true", help="the LM task's continuation instead (module docstring)")
-    parser.add_argument("--trees", nargs="+", metavar="LABEL=DIR", default=[f"this={HERE.parent}"],
-                        help="source trees to measure, each row once per tree, interleaved (before/after in one run)")
+    parser.add_argument("--baseline", metavar="FILE", help="another version of influkit/unrolled/metagradient.py, "
+                        "timed interleaved with this one in the same processes (module docstring)")
     parser.add_argument("--one", type=int, nargs=2, metavar=("STEPS", "EVERY"), help=argparse.SUPPRESS)
     parser.add_argument("--lm-one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one or args.lm_one:
-        print(json.dumps(lm() if args.lm_one else one(*args.one, args.per_test)))
+        print(json.dumps(lm(args.baseline) if args.lm_one else one(*args.one, args.per_test, args.baseline)))
         return
-    trees = [tree.split("=", 1) for tree in args.trees]
     with open("/proc/loadavg") as handle:
         print(f"load average before: {handle.read().split()[:3]}", flush=True)
     extra = args.per_test or args.lm
@@ -164,19 +188,20 @@ def main() -> None:
     print(f"| code | {'task' if args.lm else 'T (pretraining steps)'} | checkpoint every | one training run s | "
           f"metagradient (q = 1) s | ratio |" + (f" per test (q = {q}): first s | ratio | repeat s | ratio | pull |"
                                                   if extra else "") +
-          " peak RSS growth MiB | checkpoints MiB | replay error |")
-    print("|---" * (9 + 5 * extra) + "|")
+          " peak RSS growth MiB | segment's resident growth MiB | checkpoints MiB | replay error |")
+    print("|---" * (10 + 5 * extra) + "|")
+    baseline = ["--baseline", args.baseline] if args.baseline else []
     configs = [("LM warm continuation", ["--lm-one"])] if args.lm else \
         [(str(steps), ["--one", str(steps), str(every)] + ["--per-test"] * args.per_test)
          for steps in args.steps for every in (math.ceil(math.sqrt(steps)), steps)]
     for name, command in configs:
-        for label, tree in trees:
-            row = measured(tree, command)
+        for label, row in measured(command + baseline).items():
             extra_cells = (f" {row['first_per_test_s']:.2f} | {row['first_per_test_ratio']:.2f} | "
                            f"{row['per_test_s']:.2f} | {row['per_test_ratio']:.2f} | {row['pull']} |") if extra else ""
+            peak = f"{row['peak_growth_MiB']:.1f}" if label == "this" else "(same process)"
             print(f"| {label} | {name} | {row['every']} | {row['training_s']:.2f} | {row['metagradient_s']:.2f} | "
-                  f"{row['ratio']:.2f} |{extra_cells} {row['peak_growth_MiB']:.1f} | {row['checkpoints_MiB']:.3f} | "
-                  f"{max(row['replay_error'], row.get('segment_replay_error', 0.0)):.1e} |", flush=True)
+                  f"{row['ratio']:.2f} |{extra_cells} {peak} | {row['segment_growth_MiB']:.1f} | "
+                  f"{row['checkpoints_MiB']:.3f} | {row['replay_error']:.1e} |", flush=True)
     with open("/proc/loadavg") as handle:
         print(f"load average after: {handle.read().split()[:3]}", flush=True)
 

@@ -184,9 +184,9 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
         "segments": {"computed": stats["computed"], "reused": stats["reused"], "ranks": distributed.world_size()},
         "pull": {"stages": stats["pulls"], "note": "per stage, how each step was pulled back for the q measure "
                  "outputs (looped: one autograd double backward per output; vmapped: torch.func pullbacks vmapped "
-                 "over the outputs): q = 1 looped; q > 1 the faster on a timed trial step (trial: its seconds; None "
-                 "where an earlier pass in this process chose for the same stage shape and q); None: every segment "
-                 "reused"},
+                 "over the outputs): q = 1 looped; q > 1 the faster on a timed trial step (trial: its seconds, the "
+                 "looped way's stopped once past the vmapped one's; None where an earlier pass in this process chose "
+                 "for the same stage shape and q); None: every segment reused"},
         "ratio_to_recorded_training": seconds / training if training > 0 else None,
     }
     results = []
@@ -266,14 +266,18 @@ class _Graph:
     outputs: dict
     inputs: dict
 
-    def pull(self, cotangents: dict) -> dict:
+    def pull(self, cotangents: dict, deadline: float | None = None) -> dict | None:
         """{input key: Σ_out cotangent[out] · ∂out/∂input} for cotangents with a leading dimension q: one backward
-        per column, the graph kept until the last (which frees it)."""
+        per column, the graph kept until the last (which frees it). None once ``time.perf_counter()`` passes
+        ``deadline`` between columns (the pull trial's slower way)."""
         wanted = [k for k, o in self.outputs.items() if o.requires_grad]
-        q = cotangents[wanted[0]].shape[0]
-        columns = [torch.autograd.grad([self.outputs[k] for k in wanted], list(self.inputs.values()),
-                                       [cotangents[k][j] for k in wanted], allow_unused=True, materialize_grads=True,
-                                       retain_graph=j < q - 1) for j in range(q)]
+        q, columns = cotangents[wanted[0]].shape[0], []
+        for j in range(q):
+            if deadline is not None and time.perf_counter() > deadline:
+                return None
+            columns.append(torch.autograd.grad([self.outputs[k] for k in wanted], list(self.inputs.values()),
+                                               [cotangents[k][j] for k in wanted], allow_unused=True,
+                                               materialize_grads=True, retain_graph=j < q - 1))
         return {k: torch.stack([column[i] for column in columns]) for i, k in enumerate(self.inputs)}
 
 
@@ -284,7 +288,7 @@ class _Pullback:
     def __init__(self, fn, inputs: dict):
         self.outputs, self._pullback = vjp(fn, inputs)
 
-    def pull(self, cotangents: dict) -> dict:
+    def pull(self, cotangents: dict, deadline: float | None = None) -> dict:
         return vmap(self._pullback)({k: cotangents[k] for k in self.outputs})[0]
 
 
@@ -450,14 +454,16 @@ def _pull_key(run: StageRun, q: int) -> tuple:
 def _faster_pull(run: StageRun, a: int, theta, state, anchors, theta_bar, state_bar) -> tuple[str, dict]:
     """For q > 1 measure outputs: the faster way to pull this stage's steps (:data:`LOOPED` or :data:`VMAPPED`) and
     the trial — each way's seconds for step a (its forward and the pull of the current adjoints, from the step's
-    checkpoint; the results are discarded). Rank 0's choice is every rank's."""
+    checkpoint; the results are discarded; the looped way stops once it has taken longer than the vmapped one).
+    Rank 0's choice is every rank's."""
     seconds = {}
     for pull in (VMAPPED, LOOPED):
         begin = time.perf_counter()
+        deadline = begin + seconds[VMAPPED] if seconds else None
         _, _, (_, update_graph, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
-        pulled = update_graph.pull(_keyed(theta_bar, state_bar))
-        if gradient_graph is not None:
-            gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar})
+        pulled = update_graph.pull(_keyed(theta_bar, state_bar), deadline)
+        if pulled is not None and gradient_graph is not None:
+            gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar}, deadline)
         seconds[pull] = time.perf_counter() - begin
     return distributed.broadcast_object(min(seconds, key=seconds.get)), {"seconds": seconds}
 
