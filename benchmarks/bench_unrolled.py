@@ -6,16 +6,23 @@ resident memory (``ru_maxrss``) is its own. For each T: one training run's secon
 steps) and the metagradient's, each the fastest of 3 interleaved runs, their ratio, and the growth of the peak
 resident memory during the first metagradient, with checkpoints every ⌈√T⌉ steps (the default) and with a
 single segment (every step's graph held at once). ``--per-test`` adds the metagradient of the q = 100 per-test losses
-in one pass (``per_test=True``, the replay protocol's rows) and its ratio.
+in one pass (``per_test=True``, the replay protocol's rows): the first pass (which times the two ways of pulling q
+outputs on one step, ``diagnostics["pull"]``) and the faster of it and one repeat, with the way chosen.
 
     python -m benchmarks.bench_unrolled --steps 64 256 1024
     python -m benchmarks.bench_unrolled --steps 150 --per-test   # the replay protocol's run (150 + 100 steps)
     python -m benchmarks.bench_unrolled --lm   # the LM task's recorded continuation (bench_fidelity_lm's cache)
+    git show REV:influkit/unrolled/metagradient.py > /tmp/before.py
+    python -m benchmarks.bench_unrolled --lm --baseline /tmp/before.py   # before / after in one run
 
 ``--lm``: the LM task's warm-protocol continuation (39 SGD steps of the 210k-parameter LoRA-task decoder,
-``bench_fidelity_lm.record_continuation``) — one continuation with ``torch.optim`` (warm, the faster of 2), and the
-reverse pass for the 20 per-test adjoints of the cached pretraining right-hand side (``pretraining_rhs.pt``, an
-``ik.unrolled.Adjoint``; its values do not change the cost) and for their sum (q = 1).
+``bench_fidelity_lm.record_continuation``) — one continuation with ``torch.optim`` and the reverse pass for the sum of
+the 20 per-test adjoints of the cached pretraining right-hand side (``pretraining_rhs.pt``, an ``ik.unrolled.Adjoint``;
+its values do not change the cost; q = 1), interleaved, the fastest of 3 each, and the 20 per-test adjoints in one
+pass (first and repeat). ``--baseline FILE``: another version of ``influkit/unrolled/metagradient.py`` (the rest of
+influkit shared) loaded beside this one and timed interleaved with it in the same processes — the fair comparison on
+a shared machine whose load moves by 2× within minutes; its peak RSS is not separable ("same process"), the
+segment's resident growth (``diagnostics["memory"]``) is per version.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ def versions(baseline: str | None) -> dict:
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
+        module.Adjoint = ik.unrolled.Adjoint  # measures are built with this tree's class
         found["baseline"] = module.metagradients
     return found
 
@@ -164,7 +172,9 @@ def measured(args: list[str]) -> dict:
     """One configuration (``--one`` or ``--lm-one``) in a fresh process: {version: numbers}."""
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "benchmarks.bench_unrolled", *args], env=env, cwd=HERE.parent,
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
