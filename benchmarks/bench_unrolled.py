@@ -6,21 +6,29 @@ resident memory (``ru_maxrss``) is its own. For each T: one training run's secon
 steps) and the metagradient's, each the fastest of 3 interleaved runs, their ratio, and the growth of the peak
 resident memory during the first metagradient, with checkpoints every ⌈√T⌉ steps (the default) and with a
 single segment (every step's graph held at once). ``--per-test`` adds the metagradient of the q = 100 per-test losses
-in one pass (``per_test=True``, the replay protocol's rows) and its ratio.
+in one pass (``per_test=True``, the replay protocol's rows): the first pass (which times the two ways of pulling q
+outputs on one step, ``diagnostics["pull"]``) and the faster of it and one repeat, with the way chosen.
 
     python -m benchmarks.bench_unrolled --steps 64 256 1024
     python -m benchmarks.bench_unrolled --steps 150 --per-test   # the replay protocol's run (150 + 100 steps)
     python -m benchmarks.bench_unrolled --lm   # the LM task's recorded continuation (bench_fidelity_lm's cache)
+    git show REV:influkit/unrolled/metagradient.py > /tmp/before.py
+    python -m benchmarks.bench_unrolled --lm --baseline /tmp/before.py   # before / after in one run
 
 ``--lm``: the LM task's warm-protocol continuation (39 SGD steps of the 210k-parameter LoRA-task decoder,
-``bench_fidelity_lm.record_continuation``) — one continuation with ``torch.optim`` (warm, the faster of 2), and the
-reverse pass for the 20 per-test adjoints of the cached pretraining right-hand side (``pretraining_rhs.pt``, an
-``ik.unrolled.Adjoint``; its values do not change the cost) and for their sum (q = 1).
+``bench_fidelity_lm.record_continuation``) — one continuation with ``torch.optim`` and the reverse pass for the sum of
+the 20 per-test adjoints of the cached pretraining right-hand side (``pretraining_rhs.pt``, an ``ik.unrolled.Adjoint``;
+its values do not change the cost; q = 1), interleaved, the fastest of 3 each, and the 20 per-test adjoints in one
+pass (first and repeat). ``--baseline FILE``: another version of ``influkit/unrolled/metagradient.py`` (the rest of
+influkit shared) loaded beside this one and timed interleaved with it in the same processes — the fair comparison on
+a shared machine whose load moves by 2× within minutes; its peak RSS is not separable ("same process"), the
+segment's resident growth (``diagnostics["memory"]``) is per version.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -36,8 +44,63 @@ HERE = Path(__file__).resolve().parent
 REPEATS = 3
 
 
-def one(steps: int, every: int, per_test: bool) -> dict:
-    """Record, verify and differentiate one configuration in this process; the measured numbers."""
+def _pull(result) -> str:
+    """How the per-test pass pulled its steps, per stage (``diagnostics["pull"]``; "-" for code without the trial)."""
+    stages = result.diagnostics.get("pull", {}).get("stages")
+    return "/".join(stage["pull"] if stage else "reused" for stage in stages) if stages else "-"
+
+
+def versions(baseline: str | None) -> dict:
+    """{label: metagradients}: this tree's, and the baseline's — another version of
+    ``influkit/unrolled/metagradient.py`` loaded beside it (the rest of influkit shared), so both run in one process."""
+    import influkit as ik
+
+    found = {"this": ik.unrolled.metagradients}
+    if baseline:
+        spec = importlib.util.spec_from_file_location("influkit.unrolled.baseline_metagradient", baseline)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        module.Adjoint = ik.unrolled.Adjoint  # measures are built with this tree's class
+        found["baseline"] = module.metagradients
+    return found
+
+
+def timed(record, measure, per_test: bool, training, found: dict) -> dict:
+    """Each version's seconds, interleaved with one training run (``training()``) per repeat, the fastest of
+    REPEATS; per test: the first pass (it holds the pull trial where there is one) and the fastest repeat."""
+    rows = {label: {"q1": [], "per_test": [], "pull": "-", "growth": None} for label in found}
+    train = []
+    for repeat in range(REPEATS):
+        train.append(training())
+        for label, metagradients in found.items():
+            start = time.perf_counter()
+            result = metagradients(record, measure[0])[0]
+            rows[label]["q1"].append(time.perf_counter() - start)
+            if repeat == 0:
+                rows[label]["growth"] = result.diagnostics["memory"]["segment_resident_growth_bytes"] / 2**20
+                rows[label]["replay_error"] = result.diagnostics["replay"]["max_error"]
+            if per_test and repeat < 2:
+                start = time.perf_counter()
+                result = metagradients(record, measure[1], per_test=True)[0]
+                rows[label]["per_test"].append(time.perf_counter() - start)
+                rows[label]["pull"] = _pull(result) if repeat == 0 else rows[label]["pull"]
+                rows[label]["q"] = result.values.shape[1]
+    training = min(train)
+    out = {}
+    for label, row in rows.items():
+        q1, columns = min(row["q1"]), row["per_test"]
+        out[label] = {"training_s": training, "metagradient_s": q1, "ratio": q1 / training,
+                      "first_per_test_s": columns[0] if columns else None,
+                      "first_per_test_ratio": columns[0] / training if columns else None,
+                      "per_test_s": min(columns[1:]) if columns else None,
+                      "per_test_ratio": min(columns[1:]) / training if columns else None, "pull": row["pull"],
+                      "segment_growth_MiB": row["growth"], "replay_error": row["replay_error"]}
+    return out
+
+
+def one(steps: int, every: int, per_test: bool, baseline: str | None) -> dict:
+    """Record, verify and differentiate one digits configuration in this process; the measured numbers."""
     import benchmarks.fidelity_replay as fr
     from benchmarks.fidelity_tasks import TASKS, Task
 
@@ -58,30 +121,20 @@ def one(steps: int, every: int, per_test: bool) -> dict:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = ik.unrolled.metagradients(record, task.split.test)[0]
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    training, seconds, columns = [], [], []
-    for _ in range(REPEATS):  # interleaved, the fastest of each: the machine is shared
+
+    def training() -> float:
         start = time.perf_counter()
         ik.unrolled.verify(record)
-        training.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        ik.unrolled.metagradients(record, task.split.test)
-        seconds.append(time.perf_counter() - start)
-        if per_test:
-            start = time.perf_counter()
-            ik.unrolled.metagradients(record, task.split.test, per_test=True)
-            columns.append(time.perf_counter() - start)
-    training, seconds = min(training), min(seconds)
-    memory = result.diagnostics["memory"]
-    return {"steps": steps, "every": every, "training_s": training, "metagradient_s": seconds,
-            "ratio": seconds / training, "per_test_s": min(columns) if columns else None,
-            "per_test_ratio": min(columns) / training if columns else None,
-            "peak_growth_MiB": (after - before) / 2**20,
-            "checkpoints_MiB": memory["checkpoint_bytes"] / 2**20, "replay_error": error,
-            "segment_replay_error": result.diagnostics["replay"]["max_error"]}
+        return time.perf_counter() - start
+
+    rows = timed(record, (task.split.test, task.split.test), per_test, training, versions(baseline))
+    common = {"steps": steps, "every": every, "peak_growth_MiB": (after - before) / 2**20,
+              "checkpoints_MiB": result.diagnostics["memory"]["checkpoint_bytes"] / 2**20}
+    return {label: common | row | {"replay_error": max(row["replay_error"], error)} for label, row in rows.items()}
 
 
-def lm() -> None:
-    """The LM task's line (module docstring)."""
+def lm(baseline: str | None) -> dict:
+    """The LM task's line (module docstring), measured in this process."""
     import benchmarks.bench_fidelity_lm as fidelity_lm
     from influkit.params import ParamSpace
 
@@ -91,28 +144,38 @@ def lm() -> None:
     task = fidelity_lm.LMTask(progress=False)
     kept = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
     record = fidelity_lm.record_continuation(task, progress=False)
-    training = []
-    for _ in range(2):
-        task.pre.model.load_state_dict(kept)
-        start = time.perf_counter()
-        task.ex.continue_pretraining(task.pre, task.cfg, None, task.cfg.seed + 7)
-        training.append(time.perf_counter() - start)
-    task.pre.model.load_state_dict(kept)
     final = record.runs[0].final
     names = task.chain("identity").plans[0].trained
     rhs = torch.load(fidelity_lm.rhs_path("example"))["rhs"]
     adjoint = ik.unrolled.Adjoint(ParamSpace({n: final[n] for n in names}).unflatten(rhs), batched=True)
-    start = time.perf_counter()
-    result = ik.unrolled.metagradients(record, adjoint, per_test=True)[0]
-    per_test = time.perf_counter() - start
-    start = time.perf_counter()
-    ik.unrolled.metagradients(record, ik.unrolled.Adjoint({n: v.sum(0) for n, v in adjoint.tensors.items()}))
-    summed, training = time.perf_counter() - start, min(training)
-    q = result.values.shape[1]
-    print("| task | steps | one continuation s | metagradient (q = 1) s | ratio | per test (q = %d) s | ratio | "
-          "replay error |\n|---|---|---|---|---|---|---|---|" % q)
-    print(f"| LM warm continuation | {record.runs[0].steps} | {training:.2f} | {summed:.2f} | {summed / training:.2f} | "
-          f"{per_test:.2f} | {per_test / training:.2f} | {result.diagnostics['replay']['max_error']:.1e} |")
+    summed = ik.unrolled.Adjoint({n: v.sum(0) for n, v in adjoint.tensors.items()})
+    ik.unrolled.verify(record)  # warms up torch.func's first calls
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result = ik.unrolled.metagradients(record, summed)[0]
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def training() -> float:
+        task.pre.model.load_state_dict(kept)
+        start = time.perf_counter()
+        task.ex.continue_pretraining(task.pre, task.cfg, None, task.cfg.seed + 7)
+        seconds = time.perf_counter() - start
+        task.pre.model.load_state_dict(kept)
+        return seconds
+
+    rows = timed(record, (summed, adjoint), True, training, versions(baseline))
+    common = {"steps": record.runs[0].steps, "every": record.runs[0].every, "peak_growth_MiB": (after - before) / 2**20,
+              "checkpoints_MiB": result.diagnostics["memory"]["checkpoint_bytes"] / 2**20}
+    return {label: common | row for label, row in rows.items()}
+
+
+def measured(args: list[str]) -> dict:
+    """One configuration (``--one`` or ``--lm-one``) in a fresh process: {version: numbers}."""
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bench_unrolled", *args], env=env, cwd=HERE.parent,
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -120,33 +183,35 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--per-test", action="store_true", help="also the q = 100 per-test metagradient")
     parser.add_argument("--lm", action="store_true", help="the LM task's continuation instead (module docstring)")
+    parser.add_argument("--baseline", metavar="FILE", help="another version of influkit/unrolled/metagradient.py, "
+                        "timed interleaved with this one in the same processes (module docstring)")
     parser.add_argument("--one", type=int, nargs=2, metavar=("STEPS", "EVERY"), help=argparse.SUPPRESS)
+    parser.add_argument("--lm-one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one:
-        print(json.dumps(one(*args.one, args.per_test)))
+    if args.one or args.lm_one:
+        print(json.dumps(lm(args.baseline) if args.lm_one else one(*args.one, args.per_test, args.baseline)))
         return
     with open("/proc/loadavg") as handle:
         print(f"load average before: {handle.read().split()[:3]}", flush=True)
-    if args.lm:
-        lm()
-        with open("/proc/loadavg") as handle:
-            print(f"load average after: {handle.read().split()[:3]}", flush=True)
-        return
-    extra = " per test (q = 100) s | ratio |" if args.per_test else ""
-    print("| T (pretraining steps) | checkpoint every | one training run s | metagradient s | ratio |" + extra +
-          " peak RSS growth MiB | checkpoints MiB | replay error |")
-    print("|---" * (8 + 2 * args.per_test) + "|")
-    for steps in args.steps:
-        for every in (math.ceil(math.sqrt(steps)), steps):
-            env = os.environ | {"OMP_NUM_THREADS": "1"}
-            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_unrolled", "--one", str(steps), str(every)]
-                                 + ["--per-test"] * args.per_test,
-                                 env=env, cwd=HERE.parent, capture_output=True, text=True, check=True)
-            row = json.loads(out.stdout.strip().splitlines()[-1])
-            extra = f" {row['per_test_s']:.2f} | {row['per_test_ratio']:.2f} |" if args.per_test else ""
-            print(f"| {row['steps']} | {row['every']} | {row['training_s']:.2f} | {row['metagradient_s']:.2f} | "
-                  f"{row['ratio']:.2f} |{extra} {row['peak_growth_MiB']:.1f} | {row['checkpoints_MiB']:.3f} | "
-                  f"{max(row['replay_error'], row['segment_replay_error']):.1e} |", flush=True)
+    extra = args.per_test or args.lm
+    q = "20" if args.lm else "100"
+    print(f"| code | {'task' if args.lm else 'T (pretraining steps)'} | checkpoint every | one training run s | "
+          f"metagradient (q = 1) s | ratio |" + (f" per test (q = {q}): first s | ratio | repeat s | ratio | pull |"
+                                                  if extra else "") +
+          " peak RSS growth MiB | segment's resident growth MiB | checkpoints MiB | replay error |")
+    print("|---" * (10 + 5 * extra) + "|")
+    baseline = ["--baseline", args.baseline] if args.baseline else []
+    configs = [("LM warm continuation", ["--lm-one"])] if args.lm else \
+        [(str(steps), ["--one", str(steps), str(every)] + ["--per-test"] * args.per_test)
+         for steps in args.steps for every in (math.ceil(math.sqrt(steps)), steps)]
+    for name, command in configs:
+        for label, row in measured(command + baseline).items():
+            extra_cells = (f" {row['first_per_test_s']:.2f} | {row['first_per_test_ratio']:.2f} | "
+                           f"{row['per_test_s']:.2f} | {row['per_test_ratio']:.2f} | {row['pull']} |") if extra else ""
+            peak = f"{row['peak_growth_MiB']:.1f}" if label == "this" else "(same process)"
+            print(f"| {label} | {name} | {row['every']} | {row['training_s']:.2f} | {row['metagradient_s']:.2f} | "
+                  f"{row['ratio']:.2f} |{extra_cells} {peak} | {row['segment_growth_MiB']:.1f} | "
+                  f"{row['checkpoints_MiB']:.3f} | {row['replay_error']:.1e} |", flush=True)
     with open("/proc/loadavg") as handle:
         print(f"load average after: {handle.read().split()[:3]}", flush=True)
 

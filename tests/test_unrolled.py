@@ -11,7 +11,7 @@ from torch import nn
 
 import influkit as ik
 from influkit.memory import SAFETY, MemoryBudgetError
-from influkit.unrolled import SGD, Adam, AdamW, Record
+from influkit.unrolled import SGD, Adam, AdamW, Record, metagradient
 
 from conftest import cross_entropy, l2
 
@@ -227,6 +227,38 @@ def test_per_test_columns_sum_to_the_summed_measure_and_the_result_saves(tmp_pat
         torch.testing.assert_close(b.values.sum(1), a.values, rtol=1e-12, atol=1e-14)
     loaded = ik.load(per_test[0].save(tmp_path / "scores.safetensors"))
     assert torch.equal(loaded.removal, -per_test[0].values) and loaded.method == per_test[0].method
+
+
+@pytest.mark.parametrize("pull", ["looped", "vmapped"])
+@pytest.mark.parametrize("name", ["case 2: SGD + momentum -> AdamW", "LoRA: AdamW -> Adam"])
+def test_each_way_of_pulling_several_measures_gives_each_measures_own_metagradient(name, pull, monkeypatch):
+    """q > 1 outputs pulled one double backward per output (looped) or by vmapped torch.func pullbacks: column j
+    equals the one-measure metagradient of test point j alone (that path is checked against finite differences
+    above)."""
+    record = recorded(name)
+    x, y = TEST
+    chosen = {metagradient._pull_key(run, len(x)): pull for run in record.runs}
+    monkeypatch.setattr(metagradient, "_PULLS", chosen)
+    per_test = ik.unrolled.metagradients(record, TEST, per_test=True)
+    for j in range(len(x)):
+        alone = ik.unrolled.metagradients(record, (x[j:j + 1], y[j:j + 1]))
+        for a, b in zip(alone, per_test):
+            torch.testing.assert_close(b.values[:, j], a.values, rtol=1e-12, atol=1e-14)
+    assert per_test[0].diagnostics["pull"]["stages"] == [{"pull": pull, "trial": None}] * len(record)
+
+
+def test_the_first_several_measure_pass_times_each_pull_and_keeps_the_fastest(monkeypatch):
+    monkeypatch.setattr(metagradient, "_PULLS", {})
+    record = recorded("case 1: AdamW -> SGD + momentum")
+    first = ik.unrolled.metagradients(record, TEST, per_test=True)
+    chosen = first[0].diagnostics["pull"]["stages"]
+    for run, stage in zip(record.runs, chosen):
+        seconds = stage["trial"]["seconds"]
+        assert set(seconds) == {"looped", "vmapped"} and min(seconds.values()) > 0
+        assert stage["pull"] == min(seconds, key=seconds.get) == metagradient._PULLS[metagradient._pull_key(run, 4)]
+    again = ik.unrolled.metagradients(recorded("case 1: AdamW -> SGD + momentum"), TEST, per_test=True)  # a new record
+    assert all(torch.equal(a.values, b.values) for a, b in zip(first, again))
+    assert [s["trial"] for s in again[0].diagnostics["pull"]["stages"]] == [None] * len(record)
 
 
 @pytest.mark.parametrize(

@@ -35,12 +35,22 @@ backward per step (H_t v_t, the shared block's term and the batch's example term
 the next checkpoint, so the pass also checks that replay reproduces the whole record (``diagnostics["replay"]``).
 
 A measure with q outputs (per-test losses) is differentiated for all q at once: the adjoints carry a leading
-dimension q and every step's backward runs once per output. For one output a step is kept as plain autograd graphs
-(the gradient taken with ``create_graph`` from leaf θ_t, S̄, w_{B_t}; the update from leaf θ_t, state_t, g_t),
-pulled by one ``autograd.grad`` each; for q > 1 as ``torch.func.vjp`` pullbacks of the step, vmapped over the q
-adjoints — ``torch.func``'s own double backward batches better (on the LM task, 20 per-test adjoints: 52 s against
-63 s with ``vmap`` over ``autograd.grad``), while for one output its per-step tracing costs more than the graph
-(digits: 0.44 s against 0.25 s of forward replay for 250 steps).
+dimension q and every step's backward runs once per output. A step is pulled back one of two ways. **Looped**: kept
+as plain autograd graphs (the gradient taken with ``create_graph`` from leaf θ_t, S̄, w_{B_t}; the update from leaf
+θ_t, state_t, g_t) and pulled by one ``autograd.grad`` per output, the graph retained until the last. **Vmapped**:
+kept as ``torch.func.vjp`` pullbacks of the step, vmapped over the q outputs. One output is always looped (the
+pullback's per-step tracing costs more than the graph: digits, 0.44 s against 0.25 s of forward replay for 250
+steps). For q > 1 neither wins everywhere: vmapping amortizes per-operation overhead on small models (digits Case 1,
+q = 100: 14 s against 44 s looped), while on the LM task's decoder, whose steps are bound by memory traffic over its
+(tokens × vocabulary) logits, one double backward per output is faster (47 against 63 ms per output and step,
+q = 20). So the first q > 1 pass through a stage times both on one step (from the segment's checkpoint, results
+discarded: about two steps' work) and pulls every step the faster way; the choice is kept for the same stage shape
+and q in the process, so a repeated computation repeats its bits (``diagnostics["pull"]``: the choice and the
+trial's seconds). Forward over reverse — ``torch.func.jvp`` of θ ↦ ∇_{(θ, S̄, w)} L_t in the direction ḡ_t, which
+gives H_t ḡ_t, the shared block's term and the example terms in one pass with no graph kept from the replay — runs
+through Llama's operations and peft's LoRA in torch 2.13 but was slower everywhere measured: on the LM task 4.8× a
+gradient for one output (graph + double backward: 3.05×) and 114 against 47 ms per output at q = 20; on digits,
+q = 100, 15.4 s against 14.2 s vmapped.
 
 Ranks (``torch.distributed``, as :meth:`influkit.Query.scores`): a step is split into the gradient of the batch's
 loss, g_t = Σ_r g_t^r with rank r's contiguous share of B_t (:func:`influkit.distributed.shard`; R(θ) and the
@@ -72,6 +82,7 @@ from .record import Record, StageRun, stage_weights, tensor_bytes
 from .replay import as_measure, deviation, reweighted, start, unit_weights
 
 METHOD = "unrolled exact (replay)"
+LOOPED, VMAPPED = "looped", "vmapped"  # how a step is pulled back for q measure outputs (module docstring)
 
 
 def metagradients(record: Record, measure, *, per_test: bool = False, out: str | Path | None = None,
@@ -146,7 +157,8 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
               progress: bool, journal: Journal) -> list[InfluenceResult]:
     """Reverse mode through every stage, last to first, from θ̄_T = ``adjoint`` ((q, *shape) per name)."""
     checkpoint_bytes = sum(run.checkpoint_bytes() for run in record.runs)
-    stats = {"replay_error": 0.0, "segment_growth": 0, "adjoint_bytes": 0, "segment": 0, "computed": 0, "reused": 0}
+    stats = {"replay_error": 0.0, "segment_growth": 0, "adjoint_bytes": 0, "segment": 0, "computed": 0, "reused": 0,
+             "pulls": [None] * len(record)}
     scores: list[torch.Tensor] = [None] * len(record)  # type: ignore[list-item]
     for k in range(len(record) - 1, -1, -1):
         run = record.runs[k]
@@ -155,7 +167,7 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
         anchor_bar = {n: adjoint.get(n, torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device))
                       if n in run.frozen else torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device)
                       for n, v in run.anchors.items()}
-        theta_bar, anchor_bar, scores[k] = _reverse(run, theta_bar, anchor_bar, q, stats, progress, journal)
+        theta_bar, anchor_bar, scores[k] = _reverse(k, run, theta_bar, anchor_bar, q, stats, progress, journal)
         if k:
             adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
     for k in range(len(record)):  # each rank holds the terms of its own share of every batch
@@ -175,6 +187,11 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
                    "note": "checkpoints and adjoints counted exactly; one segment's step graphs measured as the "
                            "growth of resident memory while it is held (0 where the allocator reused freed pages)"},
         "segments": {"computed": stats["computed"], "reused": stats["reused"], "ranks": distributed.world_size()},
+        "pull": {"stages": stats["pulls"], "note": "per stage, how each step was pulled back for the q measure "
+                 "outputs (looped: one autograd double backward per output; vmapped: torch.func pullbacks vmapped "
+                 "over the outputs): q = 1 looped; q > 1 the faster on a timed trial step (trial: its seconds, the "
+                 "looped way's stopped once past the vmapped one's; None where an earlier pass in this process chose "
+                 "for the same stage shape and q); None: every segment reused"},
         "ratio_to_recorded_training": seconds / training if training > 0 else None,
     }
     results = []
@@ -248,29 +265,35 @@ def hand_over(record: Record, k: int, theta_bar: dict, anchor_bar: dict, q: int)
 
 @dataclass
 class _Graph:
-    """One step's plain autograd graph (one measure, q = 1): ``outputs`` as functions of the leaf tensors ``inputs``,
-    both keyed ("theta", name), ("state", slot, name), ("gradient", name), ("anchor", name) or "w"."""
+    """One step's plain autograd graph: ``outputs`` as functions of the leaf tensors ``inputs``, both keyed
+    ("theta", name), ("state", slot, name), ("gradient", name), ("anchor", name) or "w"."""
 
     outputs: dict
     inputs: dict
 
-    def pull(self, cotangents: dict) -> dict:
-        """{input key: Σ_out cotangent[out] · ∂out/∂input} for cotangents with a leading dimension 1 (one backward,
-        which frees the graph)."""
+    def pull(self, cotangents: dict, deadline: float | None = None) -> dict | None:
+        """{input key: Σ_out cotangent[out] · ∂out/∂input} for cotangents with a leading dimension q: one backward
+        per column, the graph kept until the last (which frees it). None once ``time.perf_counter()`` passes
+        ``deadline`` between columns (the pull trial's slower way)."""
         wanted = [k for k, o in self.outputs.items() if o.requires_grad]
-        found = torch.autograd.grad([self.outputs[k] for k in wanted], list(self.inputs.values()),
-                                    [cotangents[k][0] for k in wanted], allow_unused=True, materialize_grads=True)
-        return {k: v.unsqueeze(0) for k, v in zip(self.inputs, found)}
+        q, columns = cotangents[wanted[0]].shape[0], []
+        for j in range(q):
+            if deadline is not None and time.perf_counter() > deadline:
+                return None
+            columns.append(torch.autograd.grad([self.outputs[k] for k in wanted], list(self.inputs.values()),
+                                               [cotangents[k][j] for k in wanted], allow_unused=True,
+                                               materialize_grads=True, retain_graph=j < q - 1))
+        return {k: torch.stack([column[i] for column in columns]) for i, k in enumerate(self.inputs)}
 
 
 class _Pullback:
-    """One step's ``torch.func`` pullback (q > 1 measures): the vjp of ``fn`` (keyed dict → keyed dict, keys as
-    :class:`_Graph`'s) at ``inputs``, applied to cotangents with a leading dimension q under ``vmap``."""
+    """One step's ``torch.func`` pullback: the vjp of ``fn`` (keyed dict → keyed dict, keys as :class:`_Graph`'s) at
+    ``inputs``, applied to cotangents with a leading dimension q under ``vmap``."""
 
     def __init__(self, fn, inputs: dict):
         self.outputs, self._pullback = vjp(fn, inputs)
 
-    def pull(self, cotangents: dict) -> dict:
+    def pull(self, cotangents: dict, deadline: float | None = None) -> dict:
         return vmap(self._pullback)({k: cotangents[k] for k in self.outputs})[0]
 
 
@@ -296,16 +319,16 @@ def _unkeyed(keyed: dict, theta: dict, state: dict) -> tuple[dict, dict]:
             {slot: {n: keyed["state", slot, n] for n in s} for slot, s in state.items()})
 
 
-def _forward_step(run: StageRun, t: int, theta, state, anchors, q: int):
+def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
     """Step t forward, keeping what its reverse needs: (θ_{t+1}, state_{t+1}, (this rank's batch ids, the update's
-    graph, the gradient's graph or None)) — plain autograd graphs for q = 1, ``torch.func`` pullbacks for q > 1
-    (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its values are the
-    recorded step's (the same operations; the segment's replay check compares them)."""
+    graph, the gradient's graph or None)) — plain autograd graphs for ``pull`` = "looped", ``torch.func`` pullbacks
+    for "vmapped" (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its
+    values are the recorded step's (the same operations; the segment's replay check compares them)."""
     idx, x, y = run.batch(t)
     part = distributed.shard(torch.arange(idx.numel()))
     ids = idx[part]
     lead = part.numel() > 0 and int(part[0]) == 0  # the rank holding the batch's first example adds R and the prox
-    if q == 1:
+    if pull == LOOPED:
         theta, state = _leaves(theta), {slot: _leaves(s) for slot, s in state.items()}
     gradient_graph = None
     with torch.enable_grad():
@@ -313,7 +336,7 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, q: int):
             where = part.to(x.device)
             xs, ys = x[where], y[where]
             w = unit_weights(run, ids, None, xs)  # the run's weights
-            if q == 1:
+            if pull == LOOPED:
                 leaf_anchors, w = _leaves(anchors), w.detach().requires_grad_()
                 loss = run.objective(theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead)
                 g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
@@ -331,8 +354,8 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, q: int):
                 g = {n: gradient_graph.outputs["gradient", n] for n in theta}
         else:
             g = {n: torch.zeros_like(v) for n, v in theta.items()}
-        g = {n: _summed(v.detach() if q == 1 else v) for n, v in g.items()}
-        if q == 1:
+        g = {n: _summed(v.detach() if pull == LOOPED else v) for n, v in g.items()}
+        if pull == LOOPED:
             g = _leaves(g)
             new_theta, new_state = run.optimizer.update(theta, state, g, run.lrs[t], t + 1)
             update_graph = _Graph(_keyed(new_theta, new_state),
@@ -355,12 +378,14 @@ def _summed(tensor: torch.Tensor) -> torch.Tensor:
     return distributed.all_reduce_(tensor.clone(memory_format=torch.contiguous_format))
 
 
-def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress: bool, journal: Journal):
+def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress: bool, journal: Journal):
     """Reverse mode through one stage: (θ̄_0, S̄̄ accumulated, (n, q) scores of this rank's batch shares)."""
     anchors = run.anchors
     first = next(iter(theta_bar.values()))
     scores = torch.zeros(len(run.stage), q, dtype=first.dtype, device=first.device)
-    state_bar = None
+    state_bar, pull = None, (LOOPED if q == 1 else _PULLS.get(_pull_key(run, q)))
+    if pull is not None:
+        stats["pulls"][k] = {"pull": pull, "trial": None}
     for a, b in tqdm(list(reversed(run.segments())), desc="metagradient", disable=not progress, leave=False):
         j = stats["segment"]
         stats["segment"] += 1
@@ -377,16 +402,20 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
         theta, state = run.checkpoints[a]
         if a == 0:
             theta = start(run, anchors)
+        if state_bar is None:
+            state_bar = {slot: {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in s.items()}
+                         for slot, s in state.items()}
+        if pull is None:
+            pull, trial = _faster_pull(run, a, theta, state, anchors, theta_bar, state_bar)
+            _PULLS[_pull_key(run, q)] = pull
+            stats["pulls"][k] = {"pull": pull, "trial": trial}
         held, before = [], _resident_bytes()
         for t in range(a, b):  # forward through the segment, keeping each step's autograd graphs
-            theta, state, graphs = _forward_step(run, t, theta, state, anchors, q)
+            theta, state, graphs = _forward_step(run, t, theta, state, anchors, pull)
             held.append(graphs)
         replayed = (_detached(theta), {slot: _detached(s) for slot, s in state.items()})
         stats["replay_error"] = max(stats["replay_error"], deviation(replayed, run.checkpoints[b]))
         stats["segment_growth"] = max(stats["segment_growth"], _resident_bytes() - before)
-        if state_bar is None:
-            state_bar = {slot: {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in s.items()}
-                         for slot, s in state.items()}
         terms_ids, terms = [], []
         while held:
             ids, update_graph, gradient_graph = held.pop()
@@ -414,6 +443,34 @@ def _reverse(run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress
                        torch.cat(terms) if terms else empty, theta_bar, state_bar, anchor_bar)
         stats["computed"] += 1
     return theta_bar, anchor_bar, scores
+
+
+_PULLS: dict[tuple, str] = {}  # the trial's choice per stage shape and q, so a computation repeats its bits
+
+
+def _pull_key(run: StageRun, q: int) -> tuple:
+    """What the trial's choice is kept under: the model's class, device, trained and fixed parameters' names, shapes
+    and dtypes, the largest batch, and q — within a process the same computation is pulled the same way."""
+    theta = run.checkpoints[0][0]
+    shapes = tuple((n, tuple(v.shape), str(v.dtype)) for n, v in (theta | run.anchors).items())
+    return type(run.stage.model).__qualname__, str(run.stage.device), shapes, max(map(len, run.batches)), q
+
+
+def _faster_pull(run: StageRun, a: int, theta, state, anchors, theta_bar, state_bar) -> tuple[str, dict]:
+    """For q > 1 measure outputs: the faster way to pull this stage's steps (:data:`LOOPED` or :data:`VMAPPED`) and
+    the trial — each way's seconds for step a (its forward and the pull of the current adjoints, from the step's
+    checkpoint; the results are discarded; the looped way stops once it has taken longer than the vmapped one).
+    Rank 0's choice is every rank's."""
+    seconds = {}
+    for pull in (VMAPPED, LOOPED):
+        begin = time.perf_counter()
+        deadline = begin + seconds[VMAPPED] if seconds else None
+        _, _, (_, update_graph, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
+        pulled = update_graph.pull(_keyed(theta_bar, state_bar), deadline)
+        if pulled is not None and gradient_graph is not None:
+            gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar}, deadline)
+        seconds[pull] = time.perf_counter() - begin
+    return distributed.broadcast_object(min(seconds, key=seconds.get)), {"seconds": seconds}
 
 
 def _resident_bytes() -> int:
