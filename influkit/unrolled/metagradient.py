@@ -8,11 +8,13 @@ tends to I(z, T)/m, the influence function's value.
 Where the derivative is taken (``at``): removing a set D moves w from 1 to 1_D̄ (0 on D); the prediction is
 Δf ≈ −Σ_{z∈D} score_z(at), with score(at) = ∇_w f at w = ``at`` (the run replayed at those weights,
 :func:`~.replay.reweighted`). At the midpoint m = (1 + 1_D̄)/2 this is exact for an f quadratic in w
-(f(1_D̄) − f(1) = ∇f(m)·(1_D̄ − 1)); one ``at`` for every set of a fraction f is the mean midpoint
-w̄ = (1 − f/2)·1, which keeps the mean part ½ E[Δw]ᵀ∇²f Δw of the second-order term (less data overall) and
-drops its fluctuation. ``at = 1`` (or None) is the plain linearization. This is for removal as w_z = 0 in each
-step's (1/|B_t|) Σ w_z ℓ (the replay protocol); a re-training that averages over the kept set instead is
-w = 1_D̄/(1 − f), whose mean midpoint is w = 1.
+(f(1_D̄) − f(1) = ∇f(m)·(1_D̄ − 1)): one ``at`` for every set of a fraction f, the mean midpoint (1 − f/2)·1,
+predicts the size of each set's change. To *rank* random drop sets of a fraction f (what an LDS measures), take
+the masks' mean w̄ = (1 − f)·1 instead (the mean rule): for f quadratic in w the residual of the linearization at
+(1 − c)·1 has the part (f − c)·1ᵀ∇²f (m_D − f·1) linear in the mask's fluctuation, zero at c = f.
+``at = 1`` (or None) is the plain linearization. This is for removal as w_z = 0 in each step's
+(1/|B_t|) Σ w_z ℓ (the replay protocol); a re-training that averages over the kept set instead is
+w = 1_D̄/(1 − f), whose mean is w = 1.
 
 The reverse pass (MAGIC, Ilyas & Engstrom 2025, written here for chains of stages). A step is the pure map
 (θ_{t+1}, s_{t+1}) = Φ_t(θ_t, s_t, S̄, w_{B_t}) of :meth:`StageRun.step`. With the adjoint (θ̄_{t+1}, s̄_{t+1}),
@@ -98,9 +100,9 @@ def metagradients(record: Record, measure, *, per_test: bool = False, out: str |
     at: the data weights at which the derivative is taken — None (w = 1, the recorded run), a float for every
     example of every stage, one tensor (stage 0's; later stages as recorded) or one entry (tensor, float or None)
     per stage. The record is first re-run at them (:func:`~.replay.reweighted`: one forward replay) and the
-    reverse pass differentiates that run. A set D removed predicts Δ measure ≈ −Σ_{z∈D} values[z]; with
-    at = 1 − f/2 for the pretraining stage (None for the others) that is the midpoint rule for dropping a
-    fraction f (module docstring).
+    reverse pass differentiates that run. A set D removed predicts Δ measure ≈ −Σ_{z∈D} values[z]; for
+    dropping a fraction f of the pretraining examples, at = [1 − f, None] ranks random drop sets best and
+    at = [1 − f/2, None] predicts each one's change (module docstring).
     ``results[0]`` scores the pretraining examples, ``results[-1]`` the finetuning examples (the same pass).
     removal = −values (removal_eps = −1): a score is d measure / d w_z, so removing z predicts a change of −score.
     Under ``torch.distributed`` each step's batch is split over the ranks (module docstring) and every rank
@@ -141,7 +143,7 @@ def at_weights(record: Record, at) -> list[torch.Tensor | None]:
     for k, w in enumerate(weights):
         if w is not None and not (torch.isfinite(w).all() and (w >= 0).all()):
             raise InputError(f"at[{k}] holds negative or non-finite weights; take the metagradient at data weights "
-                             "w ≥ 0 (1: the recorded run; 1 − f/2: the midpoint rule for dropping a fraction f).")
+                             "w ≥ 0 (1: the recorded run; 1 − f: the mean rule for dropping a fraction f).")
     return weights
 
 
