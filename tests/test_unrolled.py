@@ -183,6 +183,32 @@ def test_the_midpoint_rule_is_exact_where_the_measure_is_quadratic_in_the_weight
     assert abs(float(-linear[dropped].sum()) - actual) > 1e-2 * abs(actual)
 
 
+def test_the_mean_rule_gives_the_best_linear_fit_of_a_quadratic_response_over_random_halves():
+    """The same quadratic response, every half D of the 8 examples dropped (70 sets): the least-squares fit of
+    Δ(D) = test loss(w = 1_D̄) over (1, 1_D) has slopes exactly −score at the masks' mean w = 0.5 — the residual ½ eᵀHe
+    (e = 1_D − ½) is orthogonal to (1, e) because halves are symmetric under e → −e — and not at w = 1 or 0.75."""
+    import itertools
+
+    gen = torch.Generator().manual_seed(6)
+    torch.manual_seed(6)
+    stage = ik.Stage(nn.Linear(3, 2).eval(), squared_error, (torch.randn(8, 3, generator=gen),
+                                                            torch.randn(8, 2, generator=gen)))
+    test = (torch.randn(4, 3, generator=gen), torch.randn(4, 2, generator=gen))
+    record = Record()
+    record.train(stage, SGD(lr=0.4, momentum=0.9), steps=1, batch_size=8)
+    masks = torch.zeros(70, 8)
+    for j, dropped in enumerate(itertools.combinations(range(8), 4)):
+        masks[j, list(dropped)] = 1.0
+    response = torch.stack([ik.unrolled.outputs(record, test, 1 - m).sum() for m in masks])
+    design = torch.cat([torch.ones(70, 1), masks], dim=1)
+    slopes = torch.linalg.lstsq(design, response.unsqueeze(1), driver="gelsd").solution[1:, 0]
+    mean = ik.unrolled.metagradients(record, test, at=0.5)[0].values
+    torch.testing.assert_close(slopes - slopes.mean(), -(mean - mean.mean()), rtol=1e-9, atol=1e-12)
+    for other in (None, 0.75):
+        away = ik.unrolled.metagradients(record, test, at=other)[0].values
+        assert (slopes - slopes.mean() + away - away.mean()).abs().max() > 1e-3 * slopes.abs().max()
+
+
 def test_bad_at_is_refused_with_the_fix():
     record = recorded("case 1: AdamW -> SGD + momentum")
     with pytest.raises(ik.InputError, match="at\\[0\\] must be a tensor of shape \\(12,\\)"):
