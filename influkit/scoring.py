@@ -13,14 +13,15 @@ With ``out=DIR`` the scores are *streamed* into a :class:`~influkit.store.ScoreS
 manifest, one file per finished chunk, resumable): re-running the same call skips every chunk already on disk
 and computes only the rest, so a process killed at any moment loses at most the chunks in flight, and the
 result's tensors are memory-mapped from the store: memory stays O(chunk_size · p) however many rows. After every
-:data:`TRIM_EVERY` computed chunks and after the last, the C allocator's freed pages are returned to the system (glibc
+chunk under a given ``memory=`` (a bound on resident growth), and every :data:`TRIM_EVERY` computed chunks under the
+default budget, and after the last, the C allocator's freed pages are returned to the system (glibc
 ``malloc_trim``): each chunk allocates and frees buffers of chunk_size · p floats, and once glibc has raised its mmap
 threshold past that size they come from the heap, whose freed pages otherwise stay resident and fragment — measured
 +17 MB of anonymous memory from 10⁴ to 10⁵ rows without the trim, none with one per chunk
 (``benchmarks/bench_distributed.py --part rss --rss-without-trim``, 2026-11-23); with one per 16 chunks, none either
-(2026-11-25, ``benchmarks/results/bench_transformer_ekfaclr_2026-11-25.txt``). Not after every chunk: the next chunk
-would fault all its pages in again (a 5.4 M BERT's scoring at chunks of 4: 4.7 CPU s with a trim per chunk, 3.3
-without).
+(2026-11-25, ``benchmarks/results/bench_transformer_ekfaclr_2026-11-25.txt``). Not after every chunk by default: the
+next chunk would fault all its pages in again (a 5.4 M BERT's scoring at chunks of 4: 4.7 CPU s with a trim per
+chunk, 3.3 without); but 16 chunks of fragmentation did exceed a given 24 MiB budget (27 MB, tests/test_memory.py).
 Scoring all rows of a stage holds no O(m) index array (ids are ranges, hashed in pieces for the store's manifest).
 """
 
@@ -160,6 +161,9 @@ class Scorer:
         if gradients == "per-example" and autocast is not None:
             raise InputError("autocast applies to gradients='contraction' only.")
         self.stage, self.names, self.gradients = stage, list(names), gradients
+        # a given budget is a bound on resident growth: freed pages go back after every chunk (fragmentation across
+        # TRIM_EVERY chunks measured beyond a 24 MiB budget, tests/test_memory.py)
+        self.trim_every = 1 if budget_given(memory) else TRIM_EVERY
         s = s.reshape(s.shape[0], -1)
         self.probed = s.new_zeros(0, s.shape[1])
         budget = budget_of(memory, s.device)
@@ -209,15 +213,16 @@ def _chunk_scores(s: torch.Tensor, scorer: Scorer, rows: Rows, c: int, chunk_siz
     return -values, rows.id_range(start, stop)
 
 
-def gather_chunks(chunk, n_rows: int, chunk_size: int, empty: torch.Tensor, *, progress: bool,
+def gather_chunks(chunk, n_rows: int, chunk_size: int, empty: torch.Tensor, *, progress: bool, trim_every: int,
                   desc: str = "scoring") -> tuple[torch.Tensor, dict]:
     """(values (n_rows, k), chunk counts): ``chunk(c)`` → (values, ids) for this rank's chunks c
-    (:func:`rank_chunks`), gathered from every rank in order; ``empty``: the (0, k) block of a rank with none."""
+    (:func:`rank_chunks`), gathered from every rank in order; ``empty``: the (0, k) block of a rank with none.
+    trim_every: computed chunks between returns of freed heap pages (:attr:`Scorer.trim_every`)."""
     mine, counts = rank_chunks(n_rows, chunk_size)
     blocks = []
     for i, c in enumerate(tqdm(mine, desc=desc, disable=not progress or distributed.rank() != 0, leave=False)):
         blocks.append(chunk(c)[0])
-        if (i + 1) % TRIM_EVERY == 0:
+        if (i + 1) % trim_every == 0:
             release_freed_memory()
     release_freed_memory()
     local = torch.cat(blocks) if blocks else empty
@@ -225,7 +230,7 @@ def gather_chunks(chunk, n_rows: int, chunk_size: int, empty: torch.Tensor, *, p
 
 
 def stream_chunks(chunk, n_rows: int, chunk_size: int, header: dict, dtype: torch.dtype, *, out: str | Path,
-                  progress: bool, desc: str = "scoring"):
+                  progress: bool, trim_every: int, desc: str = "scoring"):
     """:func:`gather_chunks` streamed into the :class:`~influkit.store.ScoreStore` ``out`` (``header``: what must
     match to resume): the chunks already there are reused, the others computed and written one by one; returns
     (values, index) memory-mapped, chunk counts."""
@@ -246,7 +251,7 @@ def stream_chunks(chunk, n_rows: int, chunk_size: int, header: dict, dtype: torc
         store.put(c, values, ids, rank)
         counts["computed"] += 1
         del values, ids
-        if counts["computed"] % TRIM_EVERY == 0:
+        if counts["computed"] % trim_every == 0:
             release_freed_memory()
     release_freed_memory()
     distributed.barrier()
@@ -267,7 +272,8 @@ def score_rows(s: torch.Tensor, scorer: Scorer, rows: Rows, *, progress: bool) -
     """(values (len(rows), k), chunk counts) of −∇ℓ(z)ᵀ s, sharded over ranks and gathered in order."""
     s = s.reshape(s.shape[0], -1)
     return gather_chunks(lambda c: _chunk_scores(s, scorer, rows, c, scorer.chunk_size), len(rows),
-                         scorer.chunk_size, s.new_zeros(0, s.shape[1]), progress=progress)
+                         scorer.chunk_size, s.new_zeros(0, s.shape[1]), progress=progress,
+                         trim_every=scorer.trim_every)
 
 
 def stream_rows(query_fingerprint: str, s: torch.Tensor, scorer: Scorer, rows: Rows, *, out: str | Path, progress: bool):
@@ -275,4 +281,4 @@ def stream_rows(query_fingerprint: str, s: torch.Tensor, scorer: Scorer, rows: R
     s = s.reshape(s.shape[0], -1)
     return stream_chunks(lambda c: _chunk_scores(s, scorer, rows, c, scorer.chunk_size), len(rows), scorer.chunk_size,
                          store_header(query_fingerprint, rows, scorer.chunk_size, s.shape[1]), s.dtype, out=out,
-                         progress=progress)
+                         progress=progress, trim_every=scorer.trim_every)

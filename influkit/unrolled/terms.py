@@ -77,10 +77,10 @@ class Terms:
         dtype = self.pieces[0][1].dtype
         if out is None:
             values, counts = gather_chunks(self.chunk, n, self.chunk_size, torch.zeros(0, q, dtype=dtype),
-                                           progress=progress, desc="example terms")
+                                           progress=progress, trim_every=self.scorer.trim_every, desc="example terms")
             return values, self.rows.ids, counts
         return stream_chunks(self.chunk, n, self.chunk_size, store_header(fingerprint, self.rows, self.chunk_size, q),
-                             dtype, out=out, progress=progress, desc="example terms")
+                             dtype, out=out, progress=progress, trim_every=self.scorer.trim_every, desc="example terms")
 
     def describe(self) -> dict:
         return self.scorer.describe()
