@@ -162,17 +162,24 @@ def test_metagradient_at_one_is_the_recorded_runs_bit_for_bit(name):
     assert plain[0].diagnostics["settings"]["at"] is None
 
 
-def test_the_midpoint_rule_is_exact_where_the_measure_is_quadratic_in_the_weights():
-    """One full-batch gradient step of a linear model under squared error: θ_1 = θ_0 − η (1/n) Σ w_z ∇ℓ(z; θ_0) is
-    linear in w, the test loss quadratic, so removing D changes it by exactly −Σ_{z∈D} score_z(m) at the midpoint
-    m = (1 + 1_D̄)/2 — where the plain linearization at w = 1 is off."""
-    gen = torch.Generator().manual_seed(5)
-    torch.manual_seed(5)
+def one_step_record(seed: int):
+    """(record, test set): one full-batch SGD step of a linear model under squared error on 8 examples — a test loss
+    quadratic in the data weights."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
     stage = ik.Stage(nn.Linear(3, 2).eval(), squared_error, (torch.randn(8, 3, generator=gen),
                                                             torch.randn(8, 2, generator=gen)))
     test = (torch.randn(4, 3, generator=gen), torch.randn(4, 2, generator=gen))
     record = Record()
     record.train(stage, SGD(lr=0.4, momentum=0.9), steps=1, batch_size=8)
+    return record, test
+
+
+def test_the_midpoint_rule_is_exact_where_the_measure_is_quadratic_in_the_weights():
+    """One full-batch gradient step of a linear model under squared error: θ_1 = θ_0 − η (1/n) Σ w_z ∇ℓ(z; θ_0) is
+    linear in w, the test loss quadratic, so removing D changes it by exactly −Σ_{z∈D} score_z(m) at the midpoint
+    m = (1 + 1_D̄)/2 — where the plain linearization at w = 1 is off."""
+    record, test = one_step_record(seed=5)
     dropped = torch.tensor([1, 4, 6])
     keep = torch.ones(8)
     keep[dropped] = 0.0
@@ -189,13 +196,7 @@ def test_the_mean_rule_gives_the_best_linear_fit_of_a_quadratic_response_over_ra
     (e = 1_D − ½) is orthogonal to (1, e) because halves are symmetric under e → −e — and not at w = 1 or 0.75."""
     import itertools
 
-    gen = torch.Generator().manual_seed(6)
-    torch.manual_seed(6)
-    stage = ik.Stage(nn.Linear(3, 2).eval(), squared_error, (torch.randn(8, 3, generator=gen),
-                                                            torch.randn(8, 2, generator=gen)))
-    test = (torch.randn(4, 3, generator=gen), torch.randn(4, 2, generator=gen))
-    record = Record()
-    record.train(stage, SGD(lr=0.4, momentum=0.9), steps=1, batch_size=8)
+    record, test = one_step_record(seed=6)
     masks = torch.zeros(70, 8)
     for j, dropped in enumerate(itertools.combinations(range(8), 4)):
         masks[j, list(dropped)] = 1.0
