@@ -424,6 +424,34 @@ def test_approximate_unrolling_equals_the_exact_metagradient_where_its_closed_fo
         torch.testing.assert_close(approx[1].values, exact[1].values, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_past_the_edge_of_stability_a_piece_takes_the_gradient_flow_closed_form(momentum):
+    """Full-batch SGD on a quadratic objective with every Hessian eigenvalue λ past the edge (ηλ > 2(1 + μ)): the
+    recorded run's own linear map diverges (the exact metagradient grows as |1 − ηλ|^K), and the approximate
+    unrolling takes SOURCE's exponential there, score_z = −(1/n) ∇ℓ(z)·∇m · (1 − exp(−λ K η/(1 − μ)))/λ — the
+    response of gradient flow at the effective learning rate — and says so in its diagnostics."""
+    gen = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+    x, y = 0.5 * torch.randn(10, 8, generator=gen), torch.randn(10, generator=gen)
+    x_test, y_test = 0.5 * torch.randn(3, 8, generator=gen), torch.randn(3, generator=gen)
+    lr, decay, strength, steps = 0.3, 0.1, 4.0 * (1 + momentum) / 0.3, 12
+    stage = ik.Stage(LinearInTheta().eval(), linear_loss, (x, y), regularizer=l2(strength))
+    record = Record()
+    record.train(stage, SGD(lr=lr, momentum=momentum, weight_decay=decay), steps=steps, batch_size=10)
+    lam = strength + decay  # the objective's Hessian is λI: the losses are linear in θ
+    flow = (1 - torch.exp(torch.tensor(-lam * steps * lr / (1 - momentum), dtype=x.dtype))) / lam
+    expected = -(y[:, None] * y_test[None, :]) * (x @ x_test.T) * flow / len(y)  # ∇ℓ(z) = y_z x_z, ∇m_j = y_j x_j
+    for segments in (1, 3):
+        approx = ik.unrolled.approximate(record, (x_test, y_test), segments=segments, per_test=True)[0]
+        torch.testing.assert_close(approx.values, expected, rtol=1e-9, atol=1e-12)
+        stability = approx.diagnostics["stability"]
+        assert stability["coordinates_past_the_edge"] == stability["coordinates"] == 8 * segments
+        assert stability["largest_lr_times_eigenvalue"] == pytest.approx(lr * lam)
+        assert stability["edge"] == pytest.approx(2 * (1 + momentum))
+    exact = ik.unrolled.metagradients(record, (x_test, y_test), per_test=True)[0]
+    assert exact.values.abs().max() > 100 * expected.abs().max()  # the discrete map itself diverges here
+
+
 def test_approximate_unrolling_at_other_weights_equals_the_exact_metagradient_there():
     """at=: the record re-run at other data weights (uneven on pretraining, one float on finetuning) and each piece
     linearized with the weighted objective's Hessian — on the quadratic objectives above, still every step's exact

@@ -12,7 +12,12 @@ so the reverse pass runs the transposed recursion over the piece's learning rate
 (from the adjoints (v, w) of (δθ, δb) at the end of the piece) and collects u = d measure / d f; then
 score_z += (1/n) ∇ℓ(z; θ_ℓ)·u, the shared block's adjoint += C_ℓᵀ u, and (v, w) move to the piece's start. Without
 momentum the collected u is −(I − A_ℓ) H_ℓ⁻¹ v with A_ℓ = Π_t (I − η_t H_ℓ): SOURCE's closed form (Bae, Lin,
-Lorraine & Grosse 2024), here with momentum kept exactly. The adjoints on the stage's start and on its inherited
+Lorraine & Grosse 2024), here with momentum kept exactly and the discrete steps in place of SOURCE's exponential.
+Past the edge of stability (η_t λ > 2(1 + μ): one step's linear map expands that coordinate, as it does in the top
+directions of runs trained at large learning rates) the discrete map grows exponentially while the run it
+linearizes did not diverge, so there the piece takes SOURCE's exponential (gradient flow at the effective learning
+rate η_t/(1 − μ)), which keeps a direction's share at its minimum's 1/λ; each result's
+``diagnostics["stability"]`` gives the stage's largest η_t λ and how many eigen-coordinates were so treated. The adjoints on the stage's start and on its inherited
 block are handed to the previous stage as in :mod:`.metagradient` (same sign: score = d measure / d w_z, removal
 predicts −score). Adam has no such linear recursion and is refused; so is Nesterov momentum.
 
@@ -140,6 +145,7 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     adjoint, q, outputs = measure_adjoint(record, measure, per_test)
     pieces: list = [None] * len(record)
     plans: list = [None] * len(record)
+    stability: list = [None] * len(record)
     existing = [[run.checkpoints for run in record.runs], [b.tensors() for c in given or () if c is not None
                                                            for b in c.blocks]]
     held = Held(before=existing)  # the record's checkpoints and the given curvatures are not this call's
@@ -147,8 +153,9 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     for k in range(len(record) - 1, -1, -1):
         run = record.runs[k]
         with holding(run.stage.model, _moved_frozen(run)):
-            theta_bar, anchor_bar, pieces[k], plans[k] = _stage(run, adjoint, q, int(segments), curvature, basis,
-                                                                config, memory, held, progress, given[k] if given else None)
+            theta_bar, anchor_bar, pieces[k], plans[k], stability[k] = _stage(
+                run, adjoint, q, int(segments), curvature, basis, config, memory, held, progress,
+                given[k] if given else None)
         del adjoint
         if k:
             adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
@@ -175,7 +182,8 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
                        "settings": {"segments": int(segments), "curvature": where, "basis": basis,
                                     "per_test": per_test, "measure_outputs": int(outputs)},
                        "chunks": counts | {"chunk_size": terms.chunk_size, "ranks": distributed.world_size()},
-                       "scoring": terms.describe(), "memory": plans[k] + [terms.scorer.memory], "stage": k}
+                       "scoring": terms.describe(), "memory": plans[k] + [terms.scorer.memory], "stage": k,
+                       "stability": stability[k]}
         results.append(InfluenceResult(values=values if per_test else values[:, 0], n_train=len(run.stage), index=index,
                                        method=f"{method}, stage {k}", diagnostics=diagnostics, removal_eps=-1.0))
         held.drop(pieces[k])  # this stage's θ_ℓ and u_ℓ: not needed by the next stage's terms
@@ -209,20 +217,46 @@ def _parameters_at(run: StageRun, b: int) -> dict:
     return {n: v.detach() for n, v in theta.items()}
 
 
-def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list[float], momentum: float):
+def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list[float], momentum: float,
+           stability: dict | None = None):
     """The transposed recursion of one piece, elementwise per eigen-coordinate (eigenvalue ``lam``): from the
-    adjoints (α, β) of (δθ, δb) at the piece's end, (α, β) at its start and the forcing's adjoint u."""
+    adjoints (α, β) of (δθ, δb) at the piece's end, (α, β) at its start and the forcing's adjoint u.
+
+    A coordinate past the edge of stability (η_t λ > 2(1 + μ) at some step of the piece, where one step's linear map
+    has spectral radius > 1) is unrolled as gradient flow with the effective learning rate η_t / (1 − μ) and the
+    momentum buffer slaved to it (b = (λδ + f)/(1 − μ)): with A = exp(−λ Σ_t η_t / (1 − μ)),
+    u = −(1 − A)/λ · α + A/(1 − μ) · β, α ← A α + λA/(1 − μ) · β, β ← 0. The discrete map there grows as |1 − ηλ|^K
+    (10⁵ over 13 steps at ηλ = 3.5), while the run it linearizes did not diverge (its sharpness adapts, Cohen et
+    al. 2021); the flow keeps such a direction's share at its minimum's 1/λ. ``stability`` (a dict) collects the
+    piece's largest η_t λ and the count of coordinates so treated."""
+    edge = 2 * (1 + momentum) / max(lrs)
+    unstable = lam > edge
+    stable_lam = torch.where(unstable, torch.zeros_like(lam), lam)  # no overflow in the coordinates replaced below
+    a0, b0 = alpha, beta
     forcing = torch.zeros_like(alpha)
     for lr in reversed(lrs):  # step t: b' = μb + λδ + f, δ' = δ − η b'
         forcing = forcing + beta - lr * alpha
-        alpha, beta = alpha * (1 - lr * lam) + beta * lam, momentum * (beta - lr * alpha)
+        alpha, beta = alpha * (1 - lr * stable_lam) + beta * stable_lam, momentum * (beta - lr * alpha)
+    if stability is not None:
+        stability["largest_lr_times_eigenvalue"] = max(stability.get("largest_lr_times_eigenvalue", 0.0),
+                                                       float(lam.max()) * max(lrs))
+        stability["coordinates_past_the_edge"] = stability.get("coordinates_past_the_edge", 0) + int(unstable.sum())
+        stability["coordinates"] = stability.get("coordinates", 0) + lam.numel()
+    if not bool(unstable.any()):
+        return alpha, beta, forcing
+    slaved = 1 / (1 - momentum)
+    decayed = torch.exp(-lam * (sum(lrs) * slaved))
+    safe = torch.where(unstable, lam, torch.ones_like(lam))
+    forcing = torch.where(unstable, -(1 - decayed) / safe * a0 + decayed * slaved * b0, forcing)
+    alpha = torch.where(unstable, decayed * a0 + lam * decayed * slaved * b0, alpha)
+    beta = torch.where(unstable, torch.zeros_like(beta), beta)
     return alpha, beta, forcing
 
 
 def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, basis: str, config: CurvatureConfig,
            memory: int | None, held: Held, progress: bool, fitted_end=None):
     """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, [(θ_ℓ, u_ℓ (q, p))] in run order, the
-    memory plans of its phases); ``adjoint`` (the stage's final adjoint, this call's own dict) is consumed.
+    memory plans of its phases, the pieces' stability summary (``_piece``)); ``adjoint`` (the stage's final adjoint, this call's own dict) is consumed.
     fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its last piece's), reused.
     ``held`` counts what the pass keeps (module docstring, Memory)."""
     names, anchor_names = list(run.trained), list(run.anchors)
@@ -244,6 +278,7 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
     held.hold(v, w, anchor_bar)
     momentum, decay = run.optimizer.momentum, run.optimizer.weight_decay
     out, plans, kept = [], [], None
+    stability = {"edge": 2 * (1 + momentum)}
     for a, b in tqdm(list(reversed(_boundaries(run, pieces))), desc="segments", disable=not progress, leave=False):
         theta_end = _parameters_at(run, b)
         held.hold(theta_end)  # counted only when replayed (a checkpoint is the record's)
@@ -251,7 +286,7 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
         lrs = run.lrs[a:b]
         if curvature == "hessian":
             held.drop(v, w)
-            u, v, w = _dense_piece(run, theta_end, v, w, lrs, momentum, decay)
+            u, v, w = _dense_piece(run, theta_end, v, w, lrs, momentum, decay, stability)
             held.hold(v, w)
         else:
             fitted = fitted_end if b == run.steps and fitted_end is not None else \
@@ -263,7 +298,7 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
                 held.hold([blk.tensors() for blk in fitted.blocks])
                 kept = fitted
             release_freed_memory()
-            u = _factored_piece(fitted, v, w, lrs, momentum, decay)
+            u = _factored_piece(fitted, v, w, lrs, momentum, decay, stability)
             del fitted
         held.hold(u)
         out.append((theta_end, u))
@@ -274,11 +309,11 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
         held.drop([blk.tensors() for blk in kept.blocks])
     theta_bar = {m: t.reshape(q, *shapes[m]) for m, t in zip(names, v.split([sizes[m] for m in names], dim=1))}
     held.drop(w)
-    return theta_bar, anchor_bar, out[::-1], plans
+    return theta_bar, anchor_bar, out[::-1], plans, stability
 
 
 def _dense_piece(run: StageRun, theta_end: dict, v: torch.Tensor, w: torch.Tensor, lrs: list[float], momentum: float,
-                 decay: float):
+                 decay: float, stability: dict):
     """(u, v', w') of one piece with the dense Hessian of the stage objective at θ_ℓ, eigendecomposed."""
     names = list(run.trained)
     n = len(run.stage)
@@ -293,7 +328,7 @@ def _dense_piece(run: StageRun, theta_end: dict, v: torch.Tensor, w: torch.Tenso
         return run.objective(theta, run.anchors, x_all, y_all, weights)
 
     lam, eigvecs = torch.linalg.eigh(hessian(objective)(torch.cat([theta_end[m].reshape(-1) for m in names])))
-    alpha, beta, forcing = _piece(lam + decay, v @ eigvecs, w @ eigvecs, lrs, momentum)
+    alpha, beta, forcing = _piece(lam + decay, v @ eigvecs, w @ eigvecs, lrs, momentum, stability)
     return forcing @ eigvecs.T, alpha @ eigvecs.T, beta @ eigvecs.T
 
 
@@ -356,7 +391,8 @@ def _fit(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, bas
     return fitted
 
 
-def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], momentum: float, decay: float):
+def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], momentum: float, decay: float,
+                    stability: dict):
     """u of one piece with the factored curvature C fitted at θ_ℓ, and (v, w) moved to the piece's start **in
     place**: each output is Σ_j f_j(C)·input_j with f_j the piece's coefficient functions of one eigenvalue (``_piece``
     run on unit inputs), all applied in one pass over C's blocks (:meth:`FactoredCurvature.functions`), so the piece
@@ -364,7 +400,7 @@ def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], 
 
     def coefficients(lam):  # [[f_ij]]: outputs i = (u, v', w'), inputs j = (v, w)
         one, zero = torch.ones_like(lam), torch.zeros_like(lam)
-        from_v = _piece(lam + decay, one, zero, lrs, momentum)
+        from_v = _piece(lam + decay, one, zero, lrs, momentum, stability)
         from_w = _piece(lam + decay, zero, one, lrs, momentum) if momentum else None
         return [[c[i] for c in (from_v, from_w) if c is not None] for i in (2, 0, 1)]
 
