@@ -933,7 +933,8 @@ def approximate_both_stages(task: LMTask, record: ik.unrolled.Record, fisher: st
     pre, fin = ik.unrolled.approximate(record, task.test, segments=RECORDED_SEGMENTS, per_test=True,
                                        curvature="ekfac", config=config, progress=progress)
     return {"pretraining": pre.values.double().numpy(), "finetuning": fin.values.double().numpy()}, {
-        "seconds": time.perf_counter() - start, "settings": pre.diagnostics.get("settings")}
+        "seconds": time.perf_counter() - start, "settings": pre.diagnostics.get("settings"),
+        "stability (pretraining, finetuning)": [pre.diagnostics["stability"], fin.diagnostics["stability"]]}
 
 
 APPROXIMATE_FISHERS = {"empirical": "approximate-ekfac", "sampled": "approximate-ekfac-sampled"}  # fisher: cache name
@@ -1032,7 +1033,8 @@ def recorded_table(m: int, progress: bool, midpoint: bool = True) -> None:
     facts["load average"] = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     details[EXACT] = {"replay check of the reverse pass": exact_info["replay"],
                       "memory": {k: v for k, v in exact_info["memory"].items() if "bytes" in k}}
-    details |= {name: {"settings": info["settings"]} for name, (_, info) in approximations.items()}
+    details |= {name: {"settings": info["settings"], "stability (pretraining, finetuning)": info.get(
+        "stability (pretraining, finetuning)")} for name, (_, info) in approximations.items()}
     names = list(dict.fromkeys(k[0] for k in table))
     names.sort(key=lambda name: -table[name, FRACTIONS[0]][0])
     write(RECORDED_TASK, table, seconds, divisor, names, details, facts, RESULTS, FRACTIONS)

@@ -452,6 +452,54 @@ def test_past_the_edge_of_stability_a_piece_takes_the_gradient_flow_closed_form(
     assert exact.values.abs().max() > 100 * expected.abs().max()  # the discrete map itself diverges here
 
 
+@pytest.mark.parametrize("optimizer, edge", [(SGD(lr=0.3, weight_decay=0.1), 2.0), (SGD(lr=0.3, momentum=0.5), 3.0),
+                                              (SGD(lr=0.3, momentum=0.5, nesterov=True), 1.5), (Adam(lr=0.3), None)])
+@pytest.mark.parametrize("strength", [1.0, 12.0])
+def test_sharpness_on_a_quadratic_is_its_hessians_eigenvalue_beside_the_edge_of_stability(optimizer, edge, strength):
+    """Losses linear in θ under R = (c/2)‖θ‖²: the Hessian is c·I at every checkpoint, so λ_max = c (+ SGD's coupled
+    weight decay) exactly, and η·λ_max is past the edge 2(1 + μ) (Nesterov 2(1 + μ)/(1 + 2μ)) only for c = 12."""
+    gen = torch.Generator().manual_seed(6)
+    torch.manual_seed(6)
+    stage = ik.Stage(LinearInTheta().eval(), linear_loss, (0.5 * torch.randn(10, 8, generator=gen),
+                     torch.randn(10, generator=gen)), regularizer=l2(strength))
+    record = Record()
+    record.train(stage, optimizer, steps=6, batch_size=5, checkpoint_every=2)
+    table = ik.unrolled.sharpness(record)
+    assert list(table["step"]) == [0, 2, 4, 6] and (table["stage"] == 0).all()
+    decay = optimizer.weight_decay if edge is not None else 0.0
+    torch.testing.assert_close(torch.tensor(table["max_eigenvalue"].values), torch.full((4,), strength + decay,
+                               dtype=torch.float64), rtol=1e-9, atol=0)
+    torch.testing.assert_close(torch.tensor(table["lr_times_eigenvalue"].values),
+                               torch.full((4,), 0.3 * (strength + decay), dtype=torch.float64), rtol=1e-9, atol=0)
+    if edge is None:
+        assert table["edge"].isna().all() and table["past_edge"].isna().all()
+    else:
+        assert list(table["edge"]) == pytest.approx([edge] * 4)
+        assert list(table["past_edge"]) == [0.3 * (strength + decay) > edge] * 4
+
+
+def test_sharpness_of_a_two_stage_record_is_the_top_eigenvalue_of_each_stages_objective():
+    """Tanh network, AdamW pretraining then SGD + momentum finetuning of the head (Case 1): at every checkpoint the
+    largest eigenvalue equals that of the dense Hessian of the stage's full-data objective there (float64)."""
+    record = recorded("case 1: AdamW -> SGD + momentum")
+    table = ik.unrolled.sharpness(record, steps=60)
+    assert list(table["stage"]) == [0] * len(record.runs[0].checkpoints) + [1] * len(record.runs[1].checkpoints)
+    for row in table.itertuples():
+        run = record.runs[row.stage]
+        theta = run.checkpoints[row.step][0]
+        names = list(run.trained)
+        x, y = run.stage.data.take(torch.arange(len(run.stage)))
+        shapes = [theta[n].shape for n in names]
+
+        def objective(flat, run=run, names=names, shapes=shapes, x=x, y=y):
+            parts = dict(zip(names, (t.reshape(s) for t, s in zip(flat.split([s.numel() for s in shapes]), shapes))))
+            return run.objective(parts, run.anchors, x, y, torch.ones(len(y), dtype=x.dtype))
+
+        dense = torch.func.hessian(objective)(torch.cat([theta[n].reshape(-1) for n in names]))
+        assert row.max_eigenvalue == pytest.approx(float(torch.linalg.eigvalsh(dense)[-1]), rel=1e-8)
+    assert table.loc[table["stage"] == 1, "edge"].eq(3.8).all() and table.loc[table["stage"] == 0, "edge"].isna().all()
+
+
 def test_approximate_unrolling_at_other_weights_equals_the_exact_metagradient_there():
     """at=: the record re-run at other data weights (uneven on pretraining, one float on finetuning) and each piece
     linearized with the weighted objective's Hessian — on the quadratic objectives above, still every step's exact

@@ -5,7 +5,8 @@ with other per-example weights, and ``metagradients`` returns d measure(final mo
 of every stage by reverse mode through the recorded steps (MAGIC-style), the adjoint handed across each
 pretrain → finetune boundary. A score is d measure / d w_z at w = 1 (or at the weights ``at=``: the drop sets' mean
 1 − f to rank random drops of a fraction f, the midpoint 1 − f/2 to predict one drop's change); removing z predicts
-−score.
+−score. ``sharpness`` puts each checkpoint's largest Hessian eigenvalue beside its learning rate: a run past the
+edge of stability (η·λ_max > 2(1 + μ)) answers whole-example drops far from linearly.
 
     record = ik.unrolled.Record()
     record.train(pre_stage, ik.unrolled.AdamW(lr=1e-2, weight_decay=1e-3), steps=300, batch_size=32)
@@ -19,5 +20,6 @@ from .optimizers import SGD, Adam, AdamW
 from .record import Record, StageRecorder, StageRun
 from .replay import outputs, replay, reweighted, verify
 from .segments import approximate
+from .sharpness import sharpness
 
-__all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "StageRecorder", "StageRun", "metagradients", "outputs", "replay", "reweighted", "verify"]
+__all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "StageRecorder", "StageRun", "metagradients", "outputs", "replay", "reweighted", "sharpness", "verify"]
