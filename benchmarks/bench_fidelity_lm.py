@@ -940,12 +940,23 @@ def approximate_both_stages(task: LMTask, record: ik.unrolled.Record, fisher: st
 APPROXIMATE_FISHERS = {"empirical": "approximate-ekfac", "sampled": "approximate-ekfac-sampled"}  # fisher: cache name
 
 
-def recorded_table(m: int, progress: bool, midpoint: bool = True) -> None:
+def recorded_task(progress: bool, continue_lr: float | None) -> tuple[LMTask, str]:
+    """(the task, its results name) of the recorded replay protocol; ``continue_lr``: the recorded continuation's
+    learning rate instead of the example's (its own caches, through ``recorded_digest``, and results
+    replay_lm-case1_recorded_lr<η>.*)."""
+    task = LMTask(progress)
+    if continue_lr is None:
+        return task, RECORDED_TASK
+    task.cfg = replace(task.cfg, continue_lr=continue_lr)
+    return task, f"{RECORDED_TASK}_lr{continue_lr:g}"
+
+
+def recorded_table(m: int, progress: bool, midpoint: bool = True, continue_lr: float | None = None) -> None:
     """The replay protocol with both stages recorded (module docstring): results/fidelity/replay_lm-case1_recorded.*"""
     from benchmarks.fidelity_replay import EXACT, FRACTIONS, MEAN, MIDPOINT, drop_sets, mean_weight, midpoint_weight, write
 
     rules = {MIDPOINT: ("midpoint", midpoint_weight), MEAN: ("mean", mean_weight)} if midpoint else {}
-    task = LMTask(progress)
+    task, results_name = recorded_task(progress, continue_lr)
     record = record_both(task, progress)
     runs = record.runs
     verify_error = ik.unrolled.verify(record)
@@ -961,7 +972,8 @@ def recorded_table(m: int, progress: bool, midpoint: bool = True) -> None:
         f"unrolled approximate ({RECORDED_SEGMENTS} segments per stage, EK-FAC, {fisher} Fisher)": recorded_scores(
             task, record, cache, lambda fisher=fisher: approximate_both_stages(task, record, fisher, progress))
         for fisher, cache in APPROXIMATE_FISHERS.items()}
-    facts = {"task": RECORDED_TASK, "M": m, "n": task.n, "q": len(full),
+    sharp = recorded_sharpness(task, record, progress)
+    facts = {"task": results_name, "M": m, "n": task.n, "q": len(full),
              "stages recorded": [repr(run) for run in runs],
              "finetuning (recorded)": f"{FINETUNE_OPTIMIZER}, {FINETUNE_STEPS} steps of {FINETUNE_BATCH} completions "
                                       f"(seed cfg.seed + {FINETUNE_SEED}) from the trained adapters",
@@ -973,7 +985,8 @@ def recorded_table(m: int, progress: bool, midpoint: bool = True) -> None:
              "one training run of both stages, seconds (a replay at w = 1, this run)": training,
              "replay error (verify, max |Δ| over every checkpoint of both stages)": verify_error,
              "replay with all weights 1 vs the recorded final parameters (both stages), max |Δ|": final_error,
-             "test NLL (recorded run, summed)": float(full.sum())}
+             "test NLL (recorded run, summed)": float(full.sum()),
+             "sharpness (ik.unrolled.sharpness: η·λ_max per checkpoint vs the edge of stability; stage: values)": sharp}
     start = time.perf_counter()  # timed here, beside the training run it is compared with (not from the cache)
     ik.unrolled.metagradients(record, task.test)
     one = time.perf_counter() - start
@@ -1037,7 +1050,19 @@ def recorded_table(m: int, progress: bool, midpoint: bool = True) -> None:
         "stability (pretraining, finetuning)")} for name, (_, info) in approximations.items()}
     names = list(dict.fromkeys(k[0] for k in table))
     names.sort(key=lambda name: -table[name, FRACTIONS[0]][0])
-    write(RECORDED_TASK, table, seconds, divisor, names, details, facts, RESULTS, FRACTIONS)
+    write(results_name, table, seconds, divisor, names, details, facts, RESULTS, FRACTIONS)
+
+
+def recorded_sharpness(task: LMTask, record: ik.unrolled.Record, progress: bool) -> dict:
+    """{stage: "η·λ_max at each checkpoint (edge e)"} from ``ik.unrolled.sharpness`` (20 Lanczos steps each), cached
+    with the recorded scores."""
+    def compute():
+        table = ik.unrolled.sharpness(record, progress=progress)
+        return {"table": table[["stage", "lr_times_eigenvalue", "edge"]].to_numpy(float)}, {}
+
+    table = recorded_scores(task, record, "sharpness", compute)[0]["table"]
+    return {int(k): ", ".join(f"{v:.2f}" for v in table[table[:, 0] == k, 1])
+            + f" (edge {table[table[:, 0] == k, 2][0]:g})" for k in np.unique(table[:, 0])}
 
 
 def finetune_own_scores(task: LMTask, record: ik.unrolled.Record, scores: dict[str, np.ndarray], m: int,
@@ -1061,7 +1086,7 @@ def finetune_own_scores(task: LMTask, record: ik.unrolled.Record, scores: dict[s
 LINEARITY_STEPS = (1.0, 0.1, 0.01, -1.0)  # t of w = 1 − t·1_D along a drop set D (1: the drop; −1: D doubled)
 
 
-def recorded_linearity(m: int, progress: bool) -> None:
+def recorded_linearity(m: int, progress: bool, continue_lr: float | None = None) -> None:
     """Is the two-stage replayed run linear in the document weights at a 1 % drop? For the first m drop sets D_j of
     1 % (``drop_sets``) the record is replayed at w = 1 − t·1_{D_j} (completions at 1) for t in LINEARITY_STEPS;
     Δ_t = (NLL(w) − NLL(1)) / t per test completion, p_j = −Σ_{z∈D_j} score_z with the exact metagradient through
@@ -1070,10 +1095,11 @@ def recorded_linearity(m: int, progress: bool) -> None:
     cos(Δ_t, Δ_1) (cosines over the q completions), and the median ‖Δ_t‖ / ‖p‖. The response's second-order term
     along D, measured by replaying D doubled (t = −1): NLL(1 − t·1_D) − NLL(1) = t·Δ + t²·Q + O(t³) gives
     Q ≈ (Δ_1 − Δ_{−1}) / 2; the last row ranks the drop's response Δ_1 by p + Q (how much of the miss at t = 1 a
-    second-order term explains). Writes results/fidelity/replay_lm-case1_recorded_linearity.md."""
+    second-order term explains). Writes results/fidelity/replay_lm-case1_recorded_linearity.md (``continue_lr``:
+    replay_lm-case1_recorded_lr<η>_linearity.md, ``recorded_task``)."""
     from benchmarks.fidelity_replay import FRACTIONS, drop_sets
 
-    task = LMTask(progress)
+    task, results_name = recorded_task(progress, continue_lr)
     record = record_both(task, progress)
     exact, _ = recorded_scores(task, record, "exact", lambda: exact_both_stages(task, record, progress))
     keep = drop_sets(task.n, FRACTIONS[0], m)
@@ -1104,11 +1130,11 @@ def recorded_linearity(m: int, progress: bool) -> None:
     lds, sem, _ = mean_sem(columnwise_spearman(second, delta[1.0]))
     lines.append(f"| 1, ranked by p + Q | {lds:.3f} ± {sem:.3f} "
                  f"| {np.median([cos(delta[1.0][j], second[j]) for j in range(m)]):.3f} | — | — |")
-    text = (f"# {RECORDED_TASK}: is the two-stage replayed run linear in the document weights at a 1 % drop? "
+    text = (f"# {results_name}: is the two-stage replayed run linear in the document weights at a 1 % drop? "
             f"(bench_fidelity_lm.py replay-recorded-linearity, M = {m})\n\n"
             + " ".join(recorded_linearity.__doc__.split()) + "\n\n" + "\n".join(lines) +
             "\n\nLoad average " + ", ".join(f"{v:.1f}" for v in os.getloadavg()) + ".\n")
-    (RESULTS / f"replay_{RECORDED_TASK}_linearity.md").write_text(text)
+    (RESULTS / f"replay_{results_name}_linearity.md").write_text(text)
     print(text, flush=True)
 
 
@@ -1130,6 +1156,9 @@ def main() -> None:
     parser.add_argument("--no-midpoint", action="store_true",
                         help="replay, replay-recorded: skip the exact metagradient at each fraction's midpoint and mean "
                              "weights (~2 min per fraction each)")
+    parser.add_argument("--continue-lr", type=float, default=None,
+                        help="replay-recorded(-linearity): the recorded continuation's learning rate (default the "
+                             "example's 0.05, past the edge of stability at its start; see ik.unrolled.sharpness)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -1141,8 +1170,8 @@ def main() -> None:
         "defaults-table": lambda: write_defaults_table(args.subsets),
         "replay": lambda: replay_table(args.subsets, progress, not args.no_midpoint),
         "replay-linearity": lambda: refit_linearity(args.subsets, progress),
-        "replay-recorded": lambda: recorded_table(args.subsets, progress, not args.no_midpoint),
-        "replay-recorded-linearity": lambda: recorded_linearity(args.subsets, progress),
+        "replay-recorded": lambda: recorded_table(args.subsets, progress, not args.no_midpoint, args.continue_lr),
+        "replay-recorded-linearity": lambda: recorded_linearity(args.subsets, progress, args.continue_lr),
     }
     if args.step in steps_without_task:
         steps_without_task[args.step]()

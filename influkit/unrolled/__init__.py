@@ -20,6 +20,6 @@ from .optimizers import SGD, Adam, AdamW
 from .record import Record, StageRecorder, StageRun
 from .replay import outputs, replay, reweighted, verify
 from .segments import approximate
-from .sharpness import sharpness
+from .stability import sharpness
 
 __all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "StageRecorder", "StageRun", "metagradients", "outputs", "replay", "reweighted", "sharpness", "verify"]
