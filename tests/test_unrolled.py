@@ -500,6 +500,32 @@ def test_sharpness_of_a_two_stage_record_is_the_top_eigenvalue_of_each_stages_ob
     assert table.loc[table["stage"] == 1, "edge"].eq(3.8).all() and table.loc[table["stage"] == 0, "edge"].isna().all()
 
 
+def test_linearity_is_exact_where_the_run_is_affine_in_the_weights_and_tends_to_one_as_the_drop_shrinks():
+    """Full-batch SGD + momentum on losses linear in θ under L2: θ_T is affine in w, so every replayed drop moves the
+    (linear) test losses by exactly the metagradient's prediction (cosine and ratio 1 at t = 1). On the tanh network
+    the whole drop is not linear, and the ratio and cosine tend to 1 as the drop shrinks (t = 1e-3)."""
+    gen = torch.Generator().manual_seed(7)
+    torch.manual_seed(7)
+    stage = ik.Stage(LinearInTheta().eval(), linear_loss, (0.5 * torch.randn(10, 8, generator=gen),
+                     torch.randn(10, generator=gen)), regularizer=l2(1.0))
+    record = Record()
+    record.train(stage, SGD(lr=0.3, momentum=0.5), steps=8, batch_size=10)
+    test = (0.5 * torch.randn(3, 8, generator=gen), torch.randn(3, generator=gen))
+    scores = ik.unrolled.metagradients(record, test, per_test=True)[0]
+    table = ik.unrolled.linearity(record, test, scores, fraction=0.2, sets=3, steps=(1.0, 0.1))
+    assert len(table) == 6
+    torch.testing.assert_close(torch.tensor(table[["cosine", "ratio"]].to_numpy()), torch.ones(6, 2, dtype=torch.float64),
+                               rtol=1e-8, atol=1e-8)
+    tanh = recorded("one stage, SGD + momentum")
+    scores = ik.unrolled.metagradients(tanh, TEST, per_test=True)[0]
+    table = ik.unrolled.linearity(tanh, TEST, scores, fraction=0.2, sets=2, steps=(1.0, 1e-3))
+    small = table[table["t"] == 1e-3]
+    assert (small["ratio"] - 1).abs().max() < 1e-3 and (1 - small["cosine"]).max() < 1e-5
+    with pytest.raises(ik.InputError, match="scores of stage 0"):
+        ik.unrolled.linearity(tanh, TEST, ik.unrolled.metagradients(recorded("case 1: AdamW -> SGD + momentum"),
+                                                                      TEST)[1])
+
+
 def test_approximate_unrolling_at_other_weights_equals_the_exact_metagradient_there():
     """at=: the record re-run at other data weights (uneven on pretraining, one float on finetuning) and each piece
     linearized with the weighted objective's Hessian — on the quadratic objectives above, still every step's exact

@@ -6,7 +6,8 @@ of every stage by reverse mode through the recorded steps (MAGIC-style), the adj
 pretrain → finetune boundary. A score is d measure / d w_z at w = 1 (or at the weights ``at=``: the drop sets' mean
 1 − f to rank random drops of a fraction f, the midpoint 1 − f/2 to predict one drop's change); removing z predicts
 −score. ``sharpness`` puts each checkpoint's largest Hessian eigenvalue beside its learning rate: a run past the
-edge of stability (η·λ_max > 2(1 + μ)) answers whole-example drops far from linearly.
+edge of stability (η·λ_max > 2(1 + μ)) answers whole-example drops far from linearly, and ``linearity`` checks
+the answer itself on a few replayed drop sets.
 
     record = ik.unrolled.Record()
     record.train(pre_stage, ik.unrolled.AdamW(lr=1e-2, weight_decay=1e-3), steps=300, batch_size=32)
@@ -20,6 +21,6 @@ from .optimizers import SGD, Adam, AdamW
 from .record import Record, StageRecorder, StageRun
 from .replay import outputs, replay, reweighted, verify
 from .segments import approximate
-from .stability import sharpness
+from .stability import linearity, sharpness
 
-__all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "StageRecorder", "StageRun", "metagradients", "outputs", "replay", "reweighted", "sharpness", "verify"]
+__all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "linearity", "StageRecorder", "StageRun", "metagradients", "outputs", "replay", "reweighted", "sharpness", "verify"]

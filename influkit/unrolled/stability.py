@@ -9,7 +9,10 @@ infinitesimal changes (it is the run's derivative) but predicts whole-example dr
 measures λ_max of each stage's full-data objective (1/n) Σ ℓ(z; θ_t) + R(θ_t) (+ the Case 2 proximal term) over the
 trained parameters at the record's checkpoints by Lanczos (:func:`influkit.stationarity.extreme_eigenvalues`; a
 Ritz value, never above λ_max) and puts η_t·λ_max beside the edge. Adam's stability depends on its preconditioner
-too, so its rows leave the edge empty.
+too, so its rows leave the edge empty. Past the edge is a cause, not the only one: a run below it can still answer
+drops irregularly (mini-batch noise; on Fashion-MNIST SGD at lr 0.05 stayed at η·λ_max ≤ 0.48 of an edge of 3.8 and
+was chaotic), so :func:`linearity` checks the answer itself: a few drop sets replayed at full and at small size,
+against the scores' prediction.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from tqdm.auto import tqdm
 
 from ..curvature import HessianOperator
 from ..stationarity import STEPS, extreme_eigenvalues
+from ..errors import InputError
+from ..results import InfluenceResult
 from .optimizers import SGD
 from .record import Record
+from .replay import outputs
 from .terms import holding
 
 COLUMNS = ("stage", "step", "lr", "max_eigenvalue", "lr_times_eigenvalue", "edge", "past_edge", "lanczos_steps")
@@ -58,3 +64,34 @@ def edge_of_stability(optimizer: SGD) -> float:
     """The largest η·λ at which one SGD step is linearly stable: 2(1 + μ), or 2(1 + μ)/(1 + 2μ) with Nesterov."""
     mu = optimizer.momentum
     return 2 * (1 + mu) / (1 + 2 * mu) if optimizer.nesterov else 2 * (1 + mu)
+
+
+def linearity(record: Record, measure, scores: InfluenceResult, *, stage: int = 0, fraction: float = 0.01,
+              sets: int = 5, steps=(1.0, 0.1), seed: int = 0) -> pd.DataFrame:
+    """Does the recorded run answer drops as ``scores`` (d measure / d w_z of stage ``stage``'s examples, e.g. from
+    :func:`~.metagradient.metagradients`) predict? For ``sets`` seeded random sets D of ⌊fraction·n⌋ examples (at
+    least 1) and each t in ``steps`` the record is replayed at w = 1 − t·1_D (t = 1: D dropped), and
+    Δ_t = (m(w) − m(1)) / t is compared with the prediction p = −Σ_{z∈D} score_z over the measure's q outputs.
+    One row per (set, t): ``cosine`` cos(Δ_t, p) and ``ratio`` ‖Δ_t‖ / ‖p‖. A run linear in w has both 1 at every t;
+    for the exact metagradient both tend to 1 as t → 0, so a cosine or ratio far from 1 at t = 1 says how much of a
+    whole drop the derivative misses. Costs sets × len(steps) + 1 replays."""
+    n = len(record.runs[stage].stage)
+    values = torch.as_tensor(scores.values, dtype=torch.float64)
+    values = values[:, None] if values.dim() == 1 else values
+    if values.shape[0] != n or not 0 < fraction < 1:
+        raise InputError(f"linearity needs the {n} scores of stage {stage} (got {tuple(values.shape)}) and a fraction "
+                         f"in (0, 1) (got {fraction!r}).")
+    base = outputs(record, measure).double().reshape(-1)
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for j in range(sets):
+        dropped = torch.randperm(n, generator=gen)[:max(1, int(fraction * n))]
+        predicted = -values[dropped].sum(0)
+        for t in steps:
+            weights = [None] * len(record.runs)
+            weights[stage] = torch.ones(n)
+            weights[stage][dropped] = 1 - t
+            delta = (outputs(record, measure, weights).double().reshape(-1) - base) / t
+            cosine = float(delta @ predicted / (delta.norm() * predicted.norm()).clamp_min(1e-300))
+            rows.append((j, t, cosine, float(delta.norm() / predicted.norm().clamp_min(1e-300))))
+    return pd.DataFrame(rows, columns=["set", "t", "cosine", "ratio"])
