@@ -22,9 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..curvature import HessianOperator
-from ..stationarity import STEPS, extreme_eigenvalues
 from ..errors import InputError
 from ..results import InfluenceResult
+from ..stationarity import STEPS, extreme_eigenvalues
 from .optimizers import SGD
 from .record import Record
 from .replay import outputs
@@ -76,11 +76,12 @@ def linearity(record: Record, measure, scores: InfluenceResult, *, stage: int = 
     for the exact metagradient both tend to 1 as t → 0, so a cosine or ratio far from 1 at t = 1 says how much of a
     whole drop the derivative misses. Costs sets × len(steps) + 1 replays."""
     n = len(record.runs[stage].stage)
-    values = torch.as_tensor(scores.values, dtype=torch.float64)
+    if scores.values.shape[0] != n or not 0 < fraction < 1:
+        raise InputError(f"linearity needs the {n} scores of stage {stage} (got {tuple(scores.values.shape)}) and a "
+                         f"fraction in (0, 1) (got {fraction!r}).")
+    values = torch.zeros(n, *scores.values.shape[1:], dtype=torch.float64)
+    values[scores.index] = scores.values.double()  # rows by example id (a streamed or sharded result's order)
     values = values[:, None] if values.dim() == 1 else values
-    if values.shape[0] != n or not 0 < fraction < 1:
-        raise InputError(f"linearity needs the {n} scores of stage {stage} (got {tuple(values.shape)}) and a fraction "
-                         f"in (0, 1) (got {fraction!r}).")
     base = outputs(record, measure).double().reshape(-1)
     gen = torch.Generator().manual_seed(seed)
     rows = []
