@@ -70,6 +70,8 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm replay-linearity --subsets 5   # 1 % drops: linear in w with/without refit?
     python -m benchmarks.bench_fidelity_lm replay-recorded --subsets 50   # replay, both stages recorded (~15 min)
     python -m benchmarks.bench_fidelity_lm replay-recorded-linearity --subsets 20   # is that run linear in w?
+    python -m benchmarks.bench_fidelity_lm replay-recorded-check --subsets 4   # float64: derivative right? how far?
+    python -m benchmarks.bench_fidelity_lm replay-recorded --subsets 50 --continue-lr 0.02   # below the edge
 """
 
 from __future__ import annotations
@@ -1138,12 +1140,43 @@ def recorded_linearity(m: int, progress: bool, continue_lr: float | None = None)
     print(text, flush=True)
 
 
+CHECK_STEPS = (1.0, 0.1, 0.01, 1e-3, 1e-4)  # t of w = 1 − t·1_D in ``recorded_check``
+
+
+def recorded_check(sets: int, progress: bool, continue_lr: float | None = None) -> None:
+    """Is the recorded two-stage run's derivative right, and how far does it reach? The trained models cast to
+    float64 (no float32 rounding in the replays), both stages recorded as ``record_both`` does, the exact
+    metagradient of the q test NLLs, and ``ik.unrolled.linearity`` on ``sets`` seeded 1 % drop sets at every t of
+    CHECK_STEPS: cos(Δ_t, p) → 1 as t → 0 says the metagradient is the run's derivative; the t at which the cosine and
+    the ratio ‖Δ_t‖/‖p‖ leave 1 says how large a change the run still answers linearly. Writes
+    results/fidelity/replay_lm-case1_recorded[_lr<η>]_float64_check.md."""
+    task, results_name = recorded_task(progress, continue_lr)
+    task.pre.model.double()
+    task.fin.model.double()
+    record = record_both(task, progress)
+    start = time.perf_counter()
+    pre = ik.unrolled.metagradients(record, task.test, per_test=True, progress=progress)[0]
+    table = ik.unrolled.linearity(record, task.test, pre, fraction=0.01, sets=sets, steps=CHECK_STEPS)
+    summary = table.groupby("t")[["cosine", "ratio"]].agg(["min", "median", "max"]).sort_index(ascending=False)
+    lines = ["| t | cosine min / median / max | ratio min / median / max |", "|---|---|---|"]
+    lines += [f"| {t:g} | " + " / ".join(f"{v:.4f}" for v in row[:3]) + " | " + " / ".join(f"{v:.4f}" for v in row[3:])
+              + " |" for t, row in zip(summary.index, summary.to_numpy())]
+    lines += ["", "Every set (set, t, cosine, ratio): " + "; ".join(
+        f"{r.set}, {r.t:g}, {r.cosine:.4f}, {r.ratio:.4f}" for r in table.itertuples())]
+    text = (f"# {results_name} in float64: the metagradient against replayed 1 % drops scaled by t "
+            f"(bench_fidelity_lm.py replay-recorded-check, {sets} sets)\n\n" + " ".join(recorded_check.__doc__.split())
+            + "\n\n" + "\n".join(lines) + f"\n\nSeconds {time.perf_counter() - start:.0f}; load average "
+            + ", ".join(f"{v:.1f}" for v in os.getloadavg()) + f"; {platform.processor() or platform.machine()}.\n")
+    (RESULTS / f"replay_{results_name}_float64_check.md").write_text(text)
+    print(text, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("step", choices=["train", "retrain", "score", "unrolled", "table", "unrolled-table",
                                          "defaults-table", "restore", "replay",
                                          "replay-linearity", "replay-recorded",
-                                         "replay-recorded-linearity"])
+                                         "replay-recorded-linearity", "replay-recorded-check"])
     parser.add_argument("--subsets", type=int, default=40)
     parser.add_argument("--order", type=int, default=0, help="batch order of the re-trainings (1: noise ceiling)")
     parser.add_argument("--methods", nargs="+", default=[*METHODS])
@@ -1172,6 +1205,7 @@ def main() -> None:
         "replay-linearity": lambda: refit_linearity(args.subsets, progress),
         "replay-recorded": lambda: recorded_table(args.subsets, progress, not args.no_midpoint, args.continue_lr),
         "replay-recorded-linearity": lambda: recorded_linearity(args.subsets, progress, args.continue_lr),
+        "replay-recorded-check": lambda: recorded_check(args.subsets, progress, args.continue_lr),
     }
     if args.step in steps_without_task:
         steps_without_task[args.step]()

@@ -521,6 +521,9 @@ def test_linearity_is_exact_where_the_run_is_affine_in_the_weights_and_tends_to_
     table = ik.unrolled.linearity(tanh, TEST, scores, fraction=0.2, sets=2, steps=(1.0, 1e-3))
     small = table[table["t"] == 1e-3]
     assert (small["ratio"] - 1).abs().max() < 1e-3 and (1 - small["cosine"]).max() < 1e-5
+    summed = ik.unrolled.linearity(tanh, TEST, ik.unrolled.metagradients(tanh, TEST)[0], fraction=0.2, sets=2,
+                                   steps=(1e-5,))  # one column: the summed measure's scores against its sum
+    assert (summed["ratio"] - 1).abs().max() < 1e-4 and (summed["cosine"] == 1.0).all()
     with pytest.raises(ik.InputError, match="scores of stage 0"):
         ik.unrolled.linearity(tanh, TEST, ik.unrolled.metagradients(recorded("case 1: AdamW -> SGD + momentum"),
                                                                       TEST)[1])

@@ -71,7 +71,8 @@ def linearity(record: Record, measure, scores: InfluenceResult, *, stage: int = 
     """Does the recorded run answer drops as ``scores`` (d measure / d w_z of stage ``stage``'s examples, e.g. from
     :func:`~.metagradient.metagradients`) predict? For ``sets`` seeded random sets D of ⌊fraction·n⌋ examples (at
     least 1) and each t in ``steps`` the record is replayed at w = 1 − t·1_D (t = 1: D dropped), and
-    Δ_t = (m(w) − m(1)) / t is compared with the prediction p = −Σ_{z∈D} score_z over the measure's q outputs.
+    Δ_t = (m(w) − m(1)) / t is compared with the prediction p = −Σ_{z∈D} score_z over the measure's q outputs (the
+    outputs' sum for one column of scores: a summed measure's).
     One row per (set, t): ``cosine`` cos(Δ_t, p) and ``ratio`` ‖Δ_t‖ / ‖p‖. A run linear in w has both 1 at every t;
     for the exact metagradient both tend to 1 as t → 0, so a cosine or ratio far from 1 at t = 1 says how much of a
     whole drop the derivative misses. Costs sets × len(steps) + 1 replays."""
@@ -82,7 +83,13 @@ def linearity(record: Record, measure, scores: InfluenceResult, *, stage: int = 
     values = torch.zeros(n, *scores.values.shape[1:], dtype=torch.float64)
     values[scores.index] = scores.values.double()  # rows by example id (a streamed or sharded result's order)
     values = values[:, None] if values.dim() == 1 else values
-    base = outputs(record, measure).double().reshape(-1)
+    q = values.shape[1]  # scores of a summed measure (one column) are compared with the measure's sum
+
+    def measured(weights=None):
+        value = outputs(record, measure, weights).double().reshape(-1)
+        return value.sum(0, keepdim=True) if q == 1 else value
+
+    base = measured()
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for j in range(sets):
@@ -92,7 +99,7 @@ def linearity(record: Record, measure, scores: InfluenceResult, *, stage: int = 
             weights = [None] * len(record.runs)
             weights[stage] = torch.ones(n)
             weights[stage][dropped] = 1 - t
-            delta = (outputs(record, measure, weights).double().reshape(-1) - base) / t
+            delta = (measured(weights) - base) / t
             cosine = float(delta @ predicted / (delta.norm() * predicted.norm()).clamp_min(1e-300))
             rows.append((j, t, cosine, float(delta.norm() / predicted.norm().clamp_min(1e-300))))
     return pd.DataFrame(rows, columns=["set", "t", "cosine", "ratio"])
