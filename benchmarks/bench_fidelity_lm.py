@@ -72,6 +72,7 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm replay-recorded-linearity --subsets 20   # is that run linear in w?
     python -m benchmarks.bench_fidelity_lm replay-recorded-check --subsets 4   # float64: derivative right? how far?
     python -m benchmarks.bench_fidelity_lm replay-recorded --subsets 50 --continue-lr 0.02   # below the edge
+    python -m benchmarks.bench_fidelity_lm replay-recorded --subsets 50 --continue-lr 0.01 --finetune 0.001 0
 """
 
 from __future__ import annotations
@@ -942,23 +943,30 @@ def approximate_both_stages(task: LMTask, record: ik.unrolled.Record, fisher: st
 APPROXIMATE_FISHERS = {"empirical": "approximate-ekfac", "sampled": "approximate-ekfac-sampled"}  # fisher: cache name
 
 
-def recorded_task(progress: bool, continue_lr: float | None) -> tuple[LMTask, str]:
+def recorded_task(progress: bool, continue_lr: float | None, finetune: tuple[float, float] | None = None
+                  ) -> tuple[LMTask, str]:
     """(the task, its results name) of the recorded replay protocol; ``continue_lr``: the recorded continuation's
-    learning rate instead of the example's (its own caches, through ``recorded_digest``, and results
-    replay_lm-case1_recorded_lr<η>.*)."""
-    task = LMTask(progress)
-    if continue_lr is None:
-        return task, RECORDED_TASK
-    task.cfg = replace(task.cfg, continue_lr=continue_lr)
-    return task, f"{RECORDED_TASK}_lr{continue_lr:g}"
+    learning rate instead of the example's; ``finetune``: (lr, momentum) of the recorded finetuning's SGD instead of
+    FINETUNE_OPTIMIZER's (set module-wide for this process). Each has its own caches, through ``recorded_digest``,
+    and results replay_lm-case1_recorded_lr<η>[_ft<η>m<μ>].*."""
+    global FINETUNE_OPTIMIZER
+    task, name = LMTask(progress), RECORDED_TASK
+    if continue_lr is not None:
+        task.cfg = replace(task.cfg, continue_lr=continue_lr)
+        name += f"_lr{continue_lr:g}"
+    if finetune is not None:
+        FINETUNE_OPTIMIZER = ik.unrolled.SGD(lr=finetune[0], momentum=finetune[1])
+        name += f"_ft{finetune[0]:g}m{finetune[1]:g}"
+    return task, name
 
 
-def recorded_table(m: int, progress: bool, midpoint: bool = True, continue_lr: float | None = None) -> None:
+def recorded_table(m: int, progress: bool, midpoint: bool = True, continue_lr: float | None = None,
+                   finetune: tuple[float, float] | None = None) -> None:
     """The replay protocol with both stages recorded (module docstring): results/fidelity/replay_lm-case1_recorded.*"""
     from benchmarks.fidelity_replay import EXACT, FRACTIONS, MEAN, MIDPOINT, drop_sets, mean_weight, midpoint_weight, write
 
     rules = {MIDPOINT: ("midpoint", midpoint_weight), MEAN: ("mean", mean_weight)} if midpoint else {}
-    task, results_name = recorded_task(progress, continue_lr)
+    task, results_name = recorded_task(progress, continue_lr, finetune)
     record = record_both(task, progress)
     runs = record.runs
     verify_error = ik.unrolled.verify(record)
@@ -1143,14 +1151,15 @@ def recorded_linearity(m: int, progress: bool, continue_lr: float | None = None)
 CHECK_STEPS = (1.0, 0.1, 0.01, 1e-3, 1e-4)  # t of w = 1 − t·1_D in ``recorded_check``
 
 
-def recorded_check(sets: int, progress: bool, continue_lr: float | None = None) -> None:
+def recorded_check(sets: int, progress: bool, continue_lr: float | None = None,
+                   finetune: tuple[float, float] | None = None) -> None:
     """Is the recorded two-stage run's derivative right, and how far does it reach? The trained models cast to
     float64 (no float32 rounding in the replays), both stages recorded as ``record_both`` does, the exact
     metagradient of the q test NLLs, and ``ik.unrolled.linearity`` on ``sets`` seeded 1 % drop sets at every t of
     CHECK_STEPS: cos(Δ_t, p) → 1 as t → 0 says the metagradient is the run's derivative; the t at which the cosine and
     the ratio ‖Δ_t‖/‖p‖ leave 1 says how large a change the run still answers linearly. Writes
     results/fidelity/replay_lm-case1_recorded[_lr<η>]_float64_check.md."""
-    task, results_name = recorded_task(progress, continue_lr)
+    task, results_name = recorded_task(progress, continue_lr, finetune)
     task.pre.model.double()
     task.fin.model.double()
     record = record_both(task, progress)
@@ -1192,6 +1201,8 @@ def main() -> None:
     parser.add_argument("--continue-lr", type=float, default=None,
                         help="replay-recorded(-linearity): the recorded continuation's learning rate (default the "
                              "example's 0.05, past the edge of stability at its start; see ik.unrolled.sharpness)")
+    parser.add_argument("--finetune", type=float, nargs=2, default=None, metavar=("LR", "MOMENTUM"),
+                        help="replay-recorded, replay-recorded-check: the recorded finetuning's SGD (default 0.003 0.9)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -1203,9 +1214,10 @@ def main() -> None:
         "defaults-table": lambda: write_defaults_table(args.subsets),
         "replay": lambda: replay_table(args.subsets, progress, not args.no_midpoint),
         "replay-linearity": lambda: refit_linearity(args.subsets, progress),
-        "replay-recorded": lambda: recorded_table(args.subsets, progress, not args.no_midpoint, args.continue_lr),
+        "replay-recorded": lambda: recorded_table(args.subsets, progress, not args.no_midpoint, args.continue_lr,
+                                                  args.finetune),
         "replay-recorded-linearity": lambda: recorded_linearity(args.subsets, progress, args.continue_lr),
-        "replay-recorded-check": lambda: recorded_check(args.subsets, progress, args.continue_lr),
+        "replay-recorded-check": lambda: recorded_check(args.subsets, progress, args.continue_lr, args.finetune),
     }
     if args.step in steps_without_task:
         steps_without_task[args.step]()
