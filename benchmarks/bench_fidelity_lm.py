@@ -73,6 +73,7 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm replay-recorded-check --subsets 4   # float64: derivative right? how far?
     python -m benchmarks.bench_fidelity_lm replay-recorded --subsets 50 --continue-lr 0.02   # below the edge
     python -m benchmarks.bench_fidelity_lm replay-recorded --subsets 50 --continue-lr 0.01 --finetune 0.001 0
+    python -m benchmarks.bench_fidelity_lm curvature-check --continue-lr 0.01 --finetune 0.001 0   # EK-FAC's top
 """
 
 from __future__ import annotations
@@ -1148,6 +1149,46 @@ def recorded_linearity(m: int, progress: bool, continue_lr: float | None = None)
     print(text, flush=True)
 
 
+def curvature_check(progress: bool, continue_lr: float | None = None,
+                    finetune: tuple[float, float] | None = None) -> None:
+    """Why the EK-FAC segments miss the exact metagradient on this decoder: the largest eigenvalue of the trained
+    continuation's Hessian, Gauss-Newton matrix and EK-FAC curvatures (sampled and empirical Fisher) by 15 power
+    iterations each, their Rayleigh quotients on two seeded random directions, and the approximate unrolling's
+    (3 segments per stage, EK-FAC, sampled Fisher) Pearson correlation and norm ratio with the exact metagradient of
+    the summed test NLL on the recorded run (``recorded_task``). Writes results/fidelity/lm-case1_curvature_check.md."""
+    from influkit.curvature import HessianOperator
+    from influkit.factored.curvature import fit_curvature
+
+    task, results_name = recorded_task(progress, continue_lr, finetune)
+    stage, names = task.pre, list(task.pre.param_names)
+    gen = torch.Generator().manual_seed(0)
+    operators = {"Hessian": HessianOperator(stage, names), "Gauss-Newton": HessianOperator(stage, names,
+                                                                                           curvature="gauss-newton")}
+    operators |= {f"EK-FAC, {f} Fisher": fit_curvature(stage, names, fisher=f, seed=0) for f in ("sampled", "empirical")}
+    dim, dtype = operators["EK-FAC, sampled Fisher"].dim, next(stage.model.parameters()).dtype
+    probes = torch.randn(dim, 2, generator=gen, dtype=torch.float64).to(dtype)
+    lines = ["| curvature | largest eigenvalue (power iteration) | Rayleigh quotients, 2 random directions |", "|---|---|---|"]
+    for label, op in operators.items():
+        v = torch.randn(dim, generator=gen, dtype=torch.float64).to(dtype)
+        v /= v.norm()
+        for _ in range(15):
+            w = op.matvec(v)
+            largest, v = float(v @ w), w / w.norm()
+        rayleigh = (probes * op.matvec(probes)).sum(0) / (probes**2).sum(0)
+        lines.append(f"| {label} | {largest:.2f} | " + ", ".join(f"{r:.4f}" for r in rayleigh.tolist()) + " |")
+    record = record_both(task, progress)
+    exact = ik.unrolled.metagradients(record, task.test)[0].values.double().numpy()
+    approx = ik.unrolled.approximate(record, task.test, segments=RECORDED_SEGMENTS, curvature="ekfac",
+                                     config=ik.CurvatureConfig(seed=task.cfg.seed))[0].values.double().numpy()
+    text = (f"# {TASK}: the trained continuation's curvature and the EK-FAC segments (bench_fidelity_lm.py "
+            "curvature-check)\n\n" + " ".join(curvature_check.__doc__.split()) + "\n\n" + "\n".join(lines)
+            + f"\n\nRecorded run {results_name}: approximate vs exact metagradient of the summed test NLL, Pearson "
+            f"{np.corrcoef(exact, approx)[0, 1]:.3f}, norm ratio {np.linalg.norm(approx) / np.linalg.norm(exact):.2f}."
+            "\n\nLoad average " + ", ".join(f"{v:.1f}" for v in os.getloadavg()) + ".\n")
+    (RESULTS / f"{TASK}_curvature_check.md").write_text(text)
+    print(text, flush=True)
+
+
 CHECK_STEPS = (1.0, 0.1, 0.01, 1e-3, 1e-4)  # t of w = 1 − t·1_D in ``recorded_check``
 
 
@@ -1185,7 +1226,8 @@ def main() -> None:
     parser.add_argument("step", choices=["train", "retrain", "score", "unrolled", "table", "unrolled-table",
                                          "defaults-table", "restore", "replay",
                                          "replay-linearity", "replay-recorded",
-                                         "replay-recorded-linearity", "replay-recorded-check"])
+                                         "replay-recorded-linearity", "replay-recorded-check",
+                                         "curvature-check"])
     parser.add_argument("--subsets", type=int, default=40)
     parser.add_argument("--order", type=int, default=0, help="batch order of the re-trainings (1: noise ceiling)")
     parser.add_argument("--methods", nargs="+", default=[*METHODS])
@@ -1218,6 +1260,7 @@ def main() -> None:
                                                   args.finetune),
         "replay-recorded-linearity": lambda: recorded_linearity(args.subsets, progress, args.continue_lr),
         "replay-recorded-check": lambda: recorded_check(args.subsets, progress, args.continue_lr, args.finetune),
+        "curvature-check": lambda: curvature_check(progress, args.continue_lr, args.finetune),
     }
     if args.step in steps_without_task:
         steps_without_task[args.step]()
