@@ -17,9 +17,9 @@ Past the edge of stability (η_t λ > 2(1 + μ): one step's linear map expands t
 directions of runs trained at large learning rates) the discrete map grows exponentially while the run it
 linearizes did not diverge, so there the piece takes SOURCE's exponential (gradient flow at the effective learning
 rate η_t/(1 − μ)), which keeps a direction's share at its minimum's 1/λ; each result's
-``diagnostics["stability"]`` gives the stage's largest η_t λ and how many eigen-coordinates were so treated. The adjoints on the stage's start and on its inherited
-block are handed to the previous stage as in :mod:`.metagradient` (same sign: score = d measure / d w_z, removal
-predicts −score). Adam has no such linear recursion and is refused; so is Nesterov momentum.
+``diagnostics["stability"]`` gives the stage's largest η_t λ and how many eigen-coordinates were so treated. The
+adjoints on the stage's start and on its inherited block are handed to the previous stage as in
+:mod:`.metagradient` (same sign: score = d measure / d w_z, removal predicts −score). Adam has no such linear recursion and is refused; so is Nesterov momentum.
 
 When the objective is quadratic and the per-example losses are linear in θ, every step is exactly this map and
 the result equals the exact metagradient (``tests/test_unrolled.py``).
@@ -256,7 +256,8 @@ def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list
 def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, basis: str, config: CurvatureConfig,
            memory: int | None, held: Held, progress: bool, fitted_end=None):
     """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, [(θ_ℓ, u_ℓ (q, p))] in run order, the
-    memory plans of its phases, the pieces' stability summary (``_piece``)); ``adjoint`` (the stage's final adjoint, this call's own dict) is consumed.
+    memory plans of its phases, the pieces' stability summary (``_piece``)); ``adjoint`` (the stage's final adjoint,
+    this call's own dict) is consumed.
     fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its last piece's), reused.
     ``held`` counts what the pass keeps (module docstring, Memory)."""
     names, anchor_names = list(run.trained), list(run.anchors)
