@@ -926,22 +926,24 @@ def exact_at_both_stages(task: LMTask, record: ik.unrolled.Record, weight: float
         "replay": pre.diagnostics["replay"]}
 
 
-def approximate_both_stages(task: LMTask, record: ik.unrolled.Record, fisher: str, progress: bool):
+def approximate_both_stages(task: LMTask, record: ik.unrolled.Record, fisher: str, progress: bool, top: int = 0):
     """SOURCE-style unrolling across both stages: RECORDED_SEGMENTS pieces per stage, EK-FAC fitted at each piece's
     end (a dense Hessian is out of reach for the 210k-parameter continuation) from the ``fisher`` Fisher: "empirical"
     (the example's EK-FAC setting, per-document gradient covariance) or "sampled" (labels drawn from the model per
     token, ``CurvatureConfig()``'s default: the Gauss-Newton matrix in expectation, what a segment's closed form
-    wants in place of the Hessian)."""
+    wants in place of the Hessian); ``top``: each stage's top Gauss-Newton eigenpairs put in exactly (``approximate``'s
+    ``top``)."""
     start = time.perf_counter()
     config = ik.CurvatureConfig(fisher=fisher, seed=task.cfg.seed)
     pre, fin = ik.unrolled.approximate(record, task.test, segments=RECORDED_SEGMENTS, per_test=True,
-                                       curvature="ekfac", config=config, progress=progress)
+                                       curvature="ekfac", config=config, top=top, progress=progress)
     return {"pretraining": pre.values.double().numpy(), "finetuning": fin.values.double().numpy()}, {
         "seconds": time.perf_counter() - start, "settings": pre.diagnostics.get("settings"),
         "stability (pretraining, finetuning)": [pre.diagnostics["stability"], fin.diagnostics["stability"]]}
 
 
 APPROXIMATE_FISHERS = {"empirical": "approximate-ekfac", "sampled": "approximate-ekfac-sampled"}  # fisher: cache name
+TOP = 20  # Gauss-Newton eigenpairs per stage in the approximate row that completes EK-FAC with them
 
 
 def recorded_task(progress: bool, continue_lr: float | None, finetune: tuple[float, float] | None = None
@@ -983,6 +985,10 @@ def recorded_table(m: int, progress: bool, midpoint: bool = True, continue_lr: f
         f"unrolled approximate ({RECORDED_SEGMENTS} segments per stage, EK-FAC, {fisher} Fisher)": recorded_scores(
             task, record, cache, lambda fisher=fisher: approximate_both_stages(task, record, fisher, progress))
         for fisher, cache in APPROXIMATE_FISHERS.items()}
+    approximations[f"unrolled approximate ({RECORDED_SEGMENTS} segments per stage, EK-FAC + top {TOP} Gauss-Newton "
+                   "directions, sampled Fisher)"] = recorded_scores(
+        task, record, f"approximate-ekfac-top{TOP}", lambda: approximate_both_stages(task, record, "sampled", progress,
+                                                                                     TOP))
     sharp = recorded_sharpness(task, record, progress)
     facts = {"task": results_name, "M": m, "n": task.n, "q": len(full),
              "stages recorded": [repr(run) for run in runs],

@@ -750,3 +750,27 @@ def test_a_given_budget_counts_the_state_the_unrolling_holds():
         assert f.values.abs().max() > 1e-3
     with pytest.raises(MemoryBudgetError, match="already holds [\\d,]+ bytes"):
         ik.unrolled.approximate(record, test, segments=3, memory=100)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.8])
+def test_top_gauss_newton_directions_complete_the_factored_pieces(momentum):
+    """One linear layer per stage under squared error, where the Gauss-Newton matrix is the Hessian: with the exact
+    Fisher (EK-FAC = G) the top-2 split changes nothing; with the sampled Fisher (EK-FAC ≠ G) and every eigenpair of
+    G put in exactly, the factored pieces give the dense Hessian's scores."""
+    pre, fin, test = linear_layer_stages(seed=1)
+    record = Record()
+    record.train(pre, SGD(lr=0.1, momentum=momentum, weight_decay=0.05), steps=10, batch_size=14)
+    record.train(fin, SGD(lr=0.1, momentum=momentum), steps=8, batch_size=10, link=ik.Link("embedding", case=1))
+    dense = ik.unrolled.approximate(record, test, segments=3, per_test=True)
+    exact_fisher = ik.CurvatureConfig(fisher="exact")
+    split = ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature="ekfac", config=exact_fisher,
+                                    top=2)
+    every = [ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature="ekfac", top=p)[k]
+             for k, p in enumerate(sum(t.numel() for t in run.checkpoints[0][0].values()) for run in record.runs)]
+    sampled = ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature="ekfac")
+    for d, s, e, plain in zip(dense, split, every, sampled):
+        torch.testing.assert_close(s.values, d.values, rtol=1e-7, atol=1e-10)
+        torch.testing.assert_close(e.values, d.values, rtol=1e-7, atol=1e-10)
+        assert (plain.values - d.values).abs().max() > 1e-3 * d.values.abs().max()  # the sampled Fisher alone is not
+    with pytest.raises(ik.InputError, match="top="):
+        ik.unrolled.approximate(record, test, top=2)

@@ -41,6 +41,15 @@ and re-estimates only the eigenvalues at each other piece's end (:func:`fit_curv
 fit per stage plus one streamed pass per further piece, instead of a fit (covariances and eigendecompositions, most
 of EK-FAC's cost at scale) per piece — SOURCE's practical variant.
 
+Top directions (``top=k``, factored curvatures only). A block-diagonal curvature misses the cross-layer top of a
+transformer's spectrum (on the LM task's trained continuation EK-FAC's largest eigenvalue is 15.2, the Gauss-Newton
+matrix's 44.8), so its pieces barely damp the directions the run contracts fastest. With ``top`` the k largest
+eigenpairs (g_i, V_i) of each stage's Gauss-Newton matrix G at its final parameters are put in exactly: each piece
+splits (v, w) into their coordinates in span V and the complement, runs the factored map f(C) on the complement
+(its output projected back onto it) and the scalar map f(g_i) on each coordinate — the curvature
+V diag(g) Vᵀ + (I − VVᵀ) C (I − VVᵀ), with f of the second taken as (I − VVᵀ) f(C) (I − VVᵀ). Where G = C the split
+changes nothing, and with every eigenpair it is the dense Gauss-Newton map (tests).
+
 The scores are computed in two passes. First the reverse pass over the pieces (every rank the same) gives each
 piece's θ_ℓ and u_ℓ and the adjoints handed across the boundary; then the example terms
 score_z = Σ_ℓ (1/n) ∇ℓ(z; θ_ℓ)·u_ℓ are computed chunk by chunk like :meth:`influkit.Query.scores` rows
@@ -70,7 +79,7 @@ from torch.func import hessian
 from tqdm.auto import tqdm
 
 from .. import distributed
-from ..curvature import HVP_TRANSIENT
+from ..curvature import HVP_TRANSIENT, HessianOperator
 from ..errors import InputError
 from ..factored.curvature import FactoredCurvature, fit_curvature
 from ..fitted import CurvatureConfig
@@ -94,7 +103,7 @@ BASES = ("each", "shared")
 def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = False, curvature: str = "hessian",
                 basis: str = "each", config: CurvatureConfig | None = None, chunk_size: int | None = None,
                 out: str | Path | None = None, gradients: str = "contraction", memory: int | None = None,
-                at=None, progress: bool = False) -> list[InfluenceResult]:
+                at=None, top: int = 0, progress: bool = False) -> list[InfluenceResult]:
     """One :class:`InfluenceResult` per stage: the segment-wise closed-form estimate of d measure / d w_z.
 
     Same arguments and sign as :func:`influkit.unrolled.metagradients` (score = d measure / d w_z at w = 1, or at
@@ -108,11 +117,18 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     ``chunk_size`` rows at a time (default: what ``memory`` bytes hold, default budget when None), ``gradients``
     "contraction" or "per-example", split over the ranks under ``torch.distributed``, and with ``out=DIR`` streamed
     to a score store per stage (``DIR/stage-k``), resumable: a re-run skips the chunks already written.
+    top: with a factored curvature, the ``top`` largest eigenpairs of each stage's Gauss-Newton matrix at its final
+    parameters (Lanczos, ``scipy.sparse.linalg.eigsh``; dense when top ≥ p − 1) are put into every piece exactly:
+    in their span the piece's map uses those eigenvalues, in the complement the factored curvature's (module
+    docstring, Top directions). Memory: top·p more per stage.
     """
     if int(segments) < 1:
         raise InputError(f"segments must be ≥ 1, got {segments!r}.")
     if curvature not in CURVATURES:
         raise InputError(f"unknown curvature {curvature!r}; choose one of {CURVATURES}.")
+    if int(top) < 0 or (top and curvature == "hessian"):
+        raise InputError(f"top={top!r}: the exact top eigenpairs complete a factored curvature (curvature='ekfac' or "
+                         "'kfac', top ≥ 0); the dense Hessian is exact in every direction already.")
     given = None if isinstance(basis, str) else list(basis)
     if given is not None:
         if len(given) != len(record) or not all(b is None or isinstance(b, FactoredCurvature) for b in given):
@@ -155,7 +171,7 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
         with holding(run.stage.model, _moved_frozen(run)):
             theta_bar, anchor_bar, pieces[k], plans[k], stability[k] = _stage(
                 run, adjoint, q, int(segments), curvature, basis, config, memory, held, progress,
-                given[k] if given else None)
+                given[k] if given else None, int(top))
         del adjoint
         if k:
             adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
@@ -254,11 +270,12 @@ def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list
 
 
 def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, basis: str, config: CurvatureConfig,
-           memory: int | None, held: Held, progress: bool, fitted_end=None):
+           memory: int | None, held: Held, progress: bool, fitted_end=None, top: int = 0):
     """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, [(θ_ℓ, u_ℓ (q, p))] in run order, the
     memory plans of its phases, the pieces' stability summary (``_piece``)); ``adjoint`` (the stage's final adjoint,
     this call's own dict) is consumed.
     fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its last piece's), reused.
+    top: how many Gauss-Newton eigenpairs at the stage's end to put into the factored pieces (``_top_directions``).
     ``held`` counts what the pass keeps (module docstring, Memory)."""
     names, anchor_names = list(run.trained), list(run.anchors)
     shapes = {n: v.shape for n, v in run.checkpoints[0][0].items()} | {n: v.shape for n, v in run.anchors.items()}
@@ -280,6 +297,8 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
     momentum, decay = run.optimizer.momentum, run.optimizer.weight_decay
     out, plans, kept = [], [], None
     stability = {"edge": 2 * (1 + momentum)}
+    directions = _top_directions(run, _parameters_at(run, run.steps), top, v.dtype) if top else None
+    held.hold(directions)
     for a, b in tqdm(list(reversed(_boundaries(run, pieces))), desc="segments", disable=not progress, leave=False):
         theta_end = _parameters_at(run, b)
         held.hold(theta_end)  # counted only when replayed (a checkpoint is the record's)
@@ -299,7 +318,7 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
                 held.hold([blk.tensors() for blk in fitted.blocks])
                 kept = fitted
             release_freed_memory()
-            u = _factored_piece(fitted, v, w, lrs, momentum, decay, stability)
+            u = _factored_piece(fitted, v, w, lrs, momentum, decay, stability, directions)
             del fitted
         held.hold(u)
         out.append((theta_end, u))
@@ -308,6 +327,7 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
             release_freed_memory()
     if kept is not None:
         held.drop([blk.tensors() for blk in kept.blocks])
+    held.drop(directions)
     theta_bar = {m: t.reshape(q, *shapes[m]) for m, t in zip(names, v.split([sizes[m] for m in names], dim=1))}
     held.drop(w)
     return theta_bar, anchor_bar, out[::-1], plans, stability
@@ -392,8 +412,25 @@ def _fit(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, bas
     return fitted
 
 
+def _top_directions(run: StageRun, theta_end: dict, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g (k,), V (p, k)): the k largest eigenpairs of the stage's Gauss-Newton matrix at ``theta_end`` (the model
+    holds the stage's inherited block), by ARPACK's Lanczos on its products, or densely when k ≥ p − 1."""
+    from scipy.sparse.linalg import LinearOperator, eigsh
+
+    operator = HessianOperator(run.stage, list(run.trained), at=theta_end, curvature="gauss-newton")
+    p = operator.dim
+    if k >= p - 1:
+        values, vectors = torch.linalg.eigh(operator.dense().double())
+        return values[-k:].to(dtype), vectors[:, -k:].to(dtype)
+    product = lambda x: operator.matvec(torch.as_tensor(x, dtype=operator.dtype, device=operator.device)  # noqa: E731
+                                        ).double().cpu().numpy()
+    values, vectors = eigsh(LinearOperator((p, p), matvec=product, dtype=float), k=k, which="LA")
+    device = theta_end[next(iter(theta_end))].device
+    return torch.as_tensor(values, dtype=dtype, device=device), torch.as_tensor(vectors, dtype=dtype, device=device)
+
+
 def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], momentum: float, decay: float,
-                    stability: dict):
+                    stability: dict, directions: tuple[torch.Tensor, torch.Tensor] | None = None):
     """u of one piece with the factored curvature C fitted at θ_ℓ, and (v, w) moved to the piece's start **in
     place**: each output is Σ_j f_j(C)·input_j with f_j the piece's coefficient functions of one eigenvalue (``_piece``
     run on unit inputs), all applied in one pass over C's blocks (:meth:`FactoredCurvature.functions`), so the piece
@@ -405,9 +442,23 @@ def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], 
         from_w = _piece(lam + decay, zero, one, lrs, momentum) if momentum else None
         return [[c[i] for c in (from_v, from_w) if c is not None] for i in (2, 0, 1)]
 
+    if directions is not None:  # the top span's coordinates kept apart, the factored map runs on the complement
+        g, basis = directions
+        v_top, w_top = v @ basis, w @ basis
+        v -= v_top @ basis.T
+        w -= w_top @ basis.T
     u = torch.zeros_like(v)
     if momentum:
         fitted.functions([v.T, w.T], coefficients, out=[u.T, v.T, w.T])
     else:  # w stays 0
         fitted.functions([v.T], lambda lam: coefficients(lam)[:2], out=[u.T, v.T])
+    if directions is not None:  # the complement's outputs projected back onto it, the span's own map added
+        for x in (u, v, w):
+            x -= (x @ basis) @ basis.T
+        (u_v, v_v, w_v), (u_w, v_w, w_w) = ([c[i] for i in (2, 0, 1)] for c in (
+            _piece(g + decay, torch.ones_like(g), torch.zeros_like(g), lrs, momentum, stability),
+            _piece(g + decay, torch.zeros_like(g), torch.ones_like(g), lrs, momentum)))
+        u += (v_top * u_v + w_top * u_w) @ basis.T
+        v += (v_top * v_v + w_top * v_w) @ basis.T
+        w += (v_top * w_v + w_top * w_w) @ basis.T
     return u
