@@ -5,8 +5,9 @@
 | h5py         | h5py         | elmo     | :mod:`influkit.elmo` (allennlp weight and embedding files) |
 | sklearn      | scikit-learn | apps     | the digits data of :mod:`influkit.apps` (``influkit demo``) |
 | matplotlib   | matplotlib   | plot     | the report page, :mod:`influkit.apps` plots             |
+| scipy        | scipy        | unrolled | ``ik.unrolled.approximate(..., top=k)`` (ARPACK's Lanczos) |
 
-``pip install influkit`` needs none of them (``apps`` installs ``plot`` too; ``dev`` installs all three).
+``pip install influkit`` needs none of them (``apps`` installs ``plot`` too; ``dev`` installs all of them).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from types import ModuleType
 
 from .errors import MissingDependencyError
 
-EXTRAS = {"h5py": ("h5py", "elmo"), "sklearn": ("scikit-learn", "apps"), "matplotlib": ("matplotlib", "plot")}
+EXTRAS = {"h5py": ("h5py", "elmo"), "sklearn": ("scikit-learn", "apps"), "matplotlib": ("matplotlib", "plot"),
+          "scipy": ("scipy", "unrolled")}
 
 
 def require(module: str, purpose: str) -> ModuleType:

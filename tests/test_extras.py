@@ -74,7 +74,9 @@ def test_torchvision_imports_when_installed():
 
 BLOCKED = {"h5py": ("import influkit.elmo", "elmo"),
            "sklearn": ("from influkit.apps.datasets import load_digits_tensors; load_digits_tensors()", "apps"),
-           "matplotlib": ("import influkit.apps.plotting", "plot")}
+           "matplotlib": ("import influkit.apps.plotting", "plot"),
+           "scipy": ("from influkit.unrolled.segments import _top_directions; _top_directions(None, {}, 2, None)",
+                     "unrolled")}
 
 
 @pytest.mark.parametrize("module", sorted(BLOCKED))

@@ -81,6 +81,7 @@ from tqdm.auto import tqdm
 from .. import distributed
 from ..curvature import HVP_TRANSIENT, HessianOperator
 from ..errors import InputError
+from ..extras import require
 from ..factored.curvature import FactoredCurvature, fit_curvature
 from ..fitted import CurvatureConfig
 from ..memory import PROBE_EXAMPLES, Held, probe_bytes
@@ -118,9 +119,9 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     "contraction" or "per-example", split over the ranks under ``torch.distributed``, and with ``out=DIR`` streamed
     to a score store per stage (``DIR/stage-k``), resumable: a re-run skips the chunks already written.
     top: with a factored curvature, the ``top`` largest eigenpairs of each stage's Gauss-Newton matrix at its final
-    parameters (Lanczos, ``scipy.sparse.linalg.eigsh``; dense when top ≥ p − 1) are put into every piece exactly:
-    in their span the piece's map uses those eigenvalues, in the complement the factored curvature's (module
-    docstring, Top directions). Memory: top·p more per stage.
+    parameters (ARPACK's Lanczos, ``scipy.sparse.linalg.eigsh``: ``pip install 'influkit[unrolled]'``; dense when
+    top ≥ p − 1) are put into every piece exactly: in their span the piece's map uses those eigenvalues, in the
+    complement the factored curvature's (module docstring, Top directions). Memory: top·p more per stage.
     """
     if int(segments) < 1:
         raise InputError(f"segments must be ≥ 1, got {segments!r}.")
@@ -415,8 +416,7 @@ def _fit(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, bas
 def _top_directions(run: StageRun, theta_end: dict, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(g (k,), V (p, k)): the k largest eigenpairs of the stage's Gauss-Newton matrix at ``theta_end`` (the model
     holds the stage's inherited block), by ARPACK's Lanczos on its products, or densely when k ≥ p − 1."""
-    from scipy.sparse.linalg import LinearOperator, eigsh
-
+    linalg = require("scipy.sparse.linalg", "approximate(..., top=k)")
     operator = HessianOperator(run.stage, list(run.trained), at=theta_end, curvature="gauss-newton")
     p = operator.dim
     if k >= p - 1:
@@ -424,7 +424,7 @@ def _top_directions(run: StageRun, theta_end: dict, k: int, dtype: torch.dtype) 
         return values[-k:].to(dtype), vectors[:, -k:].to(dtype)
     product = lambda x: operator.matvec(torch.as_tensor(x, dtype=operator.dtype, device=operator.device)  # noqa: E731
                                         ).double().cpu().numpy()
-    values, vectors = eigsh(LinearOperator((p, p), matvec=product, dtype=float), k=k, which="LA")
+    values, vectors = linalg.eigsh(linalg.LinearOperator((p, p), matvec=product, dtype=float), k=k, which="LA")
     device = theta_end[next(iter(theta_end))].device
     return torch.as_tensor(values, dtype=dtype, device=device), torch.as_tensor(vectors, dtype=dtype, device=device)
 
