@@ -115,8 +115,16 @@ class StageRun:
         if reg is not None:
             value = value + reg
         if self.alpha:
-            value = value + self.alpha * sum(((theta[n] - anchors[n]) ** 2).sum() for n in self.inherited)
+            value = value + self.proximal(anchors)(theta)
         return value
+
+    def proximal(self, anchors: Tensors | None = None):
+        """The Case 2 proximal term θ ↦ α Σ_{s∈S} ‖θ_s − S̄_s‖² (S̄: ``anchors``, default the recorded ones), or None
+        without one: the ``extra`` of the stage's curvature operators."""
+        if not self.alpha:
+            return None
+        anchors, alpha = self.anchors if anchors is None else anchors, self.alpha
+        return lambda theta: alpha * sum(((theta[n] - anchors[n]) ** 2).sum() for n in self.inherited)
 
     def batch(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(indices, inputs, targets) of step t."""

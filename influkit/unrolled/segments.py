@@ -402,12 +402,8 @@ def _fit(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, bas
     indices = None
     if config.hessian_samples is not None and config.hessian_samples < n:
         indices = torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))[:config.hessian_samples]
-    extra = None
-    if run.alpha:
-        anchors, alpha = run.anchors, run.alpha
-        extra = lambda p: alpha * sum(((p[m] - anchors[m]) ** 2).sum() for m in run.inherited)  # noqa: E731
-    fitted = fit_curvature(run.stage, run.trained, kind=kind, fisher=config.fisher, indices=indices, extra=extra,
-                           at=theta_end, seed=config.seed, memory=memory, basis=basis)
+    fitted = fit_curvature(run.stage, run.trained, kind=kind, fisher=config.fisher, indices=indices,
+                           extra=run.proximal(), at=theta_end, seed=config.seed, memory=memory, basis=basis)
     if run.weights is not None:
         fitted.scale_data(float(run.weights[0]))
     return fitted
@@ -417,7 +413,8 @@ def _top_directions(run: StageRun, theta_end: dict, k: int, dtype: torch.dtype) 
     """(g (k,), V (p, k)): the k largest eigenpairs of the stage's Gauss-Newton matrix at ``theta_end`` (the model
     holds the stage's inherited block), by ARPACK's Lanczos on its products, or densely when k ≥ p − 1."""
     linalg = require("scipy.sparse.linalg", "approximate(..., top=k)")
-    operator = HessianOperator(run.stage, list(run.trained), at=theta_end, curvature="gauss-newton")
+    operator = HessianOperator(run.stage, list(run.trained), at=theta_end, curvature="gauss-newton",
+                               extra=run.proximal())
     p = operator.dim
     if k >= p - 1:
         values, vectors = torch.linalg.eigh(operator.dense().double())

@@ -45,12 +45,8 @@ def sharpness(record: Record, *, steps: int = STEPS, memory: int | None = None, 
     for k, t in tqdm(jobs, desc="sharpness", disable=not progress, leave=False):
         run = record.runs[k]
         theta = run.checkpoints[t][0]
-        extra = None
-        if run.alpha:
-            anchors, alpha = run.anchors, run.alpha
-            extra = lambda p: alpha * sum(((p[m] - anchors[m]) ** 2).sum() for m in run.inherited)  # noqa: E731
         with holding(run.stage.model, {n: run.anchors[n] for n in run.frozen}):
-            operator = HessianOperator(run.stage, list(run.trained), at=theta, extra=extra, memory=memory)
+            operator = HessianOperator(run.stage, list(run.trained), at=theta, extra=run.proximal(), memory=memory)
             _, largest, m = extreme_eigenvalues(operator, steps)
         sgd = isinstance(run.optimizer, SGD)
         largest += run.optimizer.weight_decay if sgd else 0.0
