@@ -34,8 +34,10 @@ actually ran across the pretrain → finetune boundary). The refit above is not 
 metagradient reaches it only through a Case 1 implicit adjoint at an optimum 40 L-BFGS iterations do not reach, and
 ``replay-linearity`` shows the refit is what responds nonlinearly. Here both stages are recorded in one
 ``ik.unrolled.Record`` (``record_both``): the continuation as above, then the adapters finetuned from their trained
-values on the continued base (Case 1 LoRA link ``hf.lora_link``) by ``ik.unrolled.SGD`` (lr 0.003, momentum 0.9;
-SGD so the approximate unrolling can linearize it) over 30 seeded mini-batches of 32 of the 300 completions. For
+values on the continued base (Case 1 LoRA link ``hf.lora_link``) by ``ik.unrolled.SGD`` (SGD so the approximate
+unrolling can linearize it) over 30 seeded mini-batches of 32 of the 300 completions — the continuation at lr 0.01
+and the adapters at lr 0.001 without momentum, below the edge of stability (``RECORDED_CONTINUE_LR``: why; the
+example's rates, 0.05 and 0.003 + momentum 0.9, with ``--continue-lr 0.05 --finetune 0.003 0.9``). For
 each f and each of M drop sets the record is replayed with the dropped documents weighted 0 (the completions 1) and
 the test NLLs of the final LoRA model ranked by: the exact metagradient through both stages
 (``ik.unrolled.metagradients(record, test, per_test=True)``: the adjoint on the fixed base accumulated over every
@@ -44,10 +46,11 @@ documents at 1 − f/2, the completions as recorded), the approximate unrolling 
 (``ik.unrolled.approximate``, 3 segments per stage, EK-FAC fitted at each segment's end from the empirical Fisher —
 the example's EK-FAC setting — and from the sampled Fisher, the library default), and every cached
 ``scores_<method>.npz`` of the trained model. The same pass gives the completions' own scores, checked by replaying
-with dropped completions (20 drop sets per fraction). Writes results/fidelity/replay_lm-case1_recorded.{md,json}
-and its panel of the replay plot; cached under ``results/fidelity/cache/lm-case1/replay-recorded``.
-``replay-recorded-linearity`` replays the first M 1 % drop sets at a tenth and a hundredth of the drop and doubled
-(w = 1 − t·1_D), ranked by the same metagradient: results/fidelity/replay_lm-case1_recorded_linearity.md.
+with dropped completions (20 drop sets per fraction). Writes results/fidelity/replay_lm-case1_recorded_lr0.01_ft0.001m0
+.{md,json} (the rates in the name, ``recorded_task``) and its panel of the replay plot; cached under
+``results/fidelity/cache/lm-case1/replay-recorded``. ``replay-recorded-linearity`` replays the first M 1 % drop sets
+at a tenth and a hundredth of the drop and doubled (w = 1 − t·1_D), ranked by the same metagradient:
+results/fidelity/<the same name>_linearity.md.
 
 Noise ceiling: the same subsets re-trained under another batch order (seed + 1); its LDS is the Spearman, per test
 completion, between the two re-trainings' NLLs.
@@ -71,9 +74,9 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm replay-recorded --subsets 50   # replay, both stages recorded (~15 min)
     python -m benchmarks.bench_fidelity_lm replay-recorded-linearity --subsets 20   # is that run linear in w?
     python -m benchmarks.bench_fidelity_lm replay-recorded-check --subsets 4   # float64: derivative right? how far?
-    python -m benchmarks.bench_fidelity_lm replay-recorded --subsets 50 --continue-lr 0.02   # below the edge
-    python -m benchmarks.bench_fidelity_lm replay-recorded --subsets 50 --continue-lr 0.01 --finetune 0.001 0
-    python -m benchmarks.bench_fidelity_lm curvature-check --continue-lr 0.01 --finetune 0.001 0   # EK-FAC's top
+    python -m benchmarks.bench_fidelity_lm curvature-check   # EK-FAC's top eigenvalue vs Gauss-Newton's, Hessian's
+    python -m benchmarks.bench_fidelity_lm replay-recorded --subsets 50 --continue-lr 0.05 --finetune 0.003 0.9
+    python -m benchmarks.bench_fidelity_lm replay-recorded --subsets 50 --continue-lr 0.02 --finetune 0.003 0.9
 """
 
 from __future__ import annotations
@@ -333,7 +336,7 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
         start = time.perf_counter()
         curvature = ex.SOLVES["ekfac"](cfg)[1]
         approx = ik.unrolled.approximate(record, adjoint, segments=SEGMENTS, per_test=True, curvature="ekfac",
-                                         config=curvature, progress=progress)[0]
+                                         config=curvature, top=0, progress=progress)[0]
         approx_seconds = time.perf_counter() - start
     finally:
         task.pre.model.load_state_dict(pre_state)
@@ -814,7 +817,17 @@ def replay_table(m: int, progress: bool, midpoint: bool = True) -> None:
 
 RECORDED = CACHE / "replay-recorded"  # its replayed outputs and score matrices (not warm rows: outside scores_*)
 RECORDED_TASK = f"{TASK}_recorded"
-FINETUNE_OPTIMIZER = ik.unrolled.SGD(lr=0.003, momentum=0.9)
+EXAMPLE_FINETUNE = (0.003, 0.9)  # (lr, momentum) of SGD for the adapters, the example's scale
+RECORDED_CONTINUE_LR, RECORDED_FINETUNE = 0.01, (0.001, 0.0)
+"""The protocol's recorded run: the continuation at lr 0.01 and the adapters by SGD at lr 0.001 without momentum —
+below the edge of stability at every checkpoint (``ik.unrolled.sharpness``: η·λ_max 0.70–0.71 of 2 and 0.69–1.47 of
+2). At the example's own rates (continuation 0.05, adapters 0.003 + momentum 0.9) the continuation starts past its
+edge (3.50 > 2) and then sits at it (1.91–1.97), and the run answers its own data weights linearly only for weight
+changes ≲ 0.01 (``replay-recorded-check``): no first-order method ranks its drops (exact metagradient −0.07 to 0.03
+on an AMD EPYC, 0.42–0.70 on an Intel Xeon, whose float rounding trains another model). Lowering only the
+continuation's rate (0.02) leaves the adapters' first steps past theirs (4.09 > 3.8). The same choice as
+``fidelity_replay.PRETRAIN_LR`` for Fashion-MNIST; ``--continue-lr 0.05 --finetune 0.003 0.9`` records the example's
+rates."""
 FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_SEED = 30, 32, 11  # 960 completions drawn: 3.2 passes over the 300
 RECORDED_SEGMENTS = 3  # pieces per stage of the approximate unrolling (the continuation: one per epoch)
 FINETUNE_DROP_SETS = 20  # drop sets per fraction of the finetuning completions' own scores
@@ -822,21 +835,27 @@ FINETUNE_DROP_SETS = 20  # drop sets per fraction of the finetuning completions'
 
 def record_both(task: LMTask, progress: bool = True) -> ik.unrolled.Record:
     """The two-stage record of the recorded replay protocol: the warm protocol's continuation (``record_continuation``)
-    and then the adapters finetuned from their trained values by FINETUNE_OPTIMIZER (SGD + momentum, which the
+    and then the adapters finetuned from their trained values by ``finetune_optimizer(task)`` (SGD, which the
     approximate unrolling can linearize) for FINETUNE_STEPS seeded mini-batches of FINETUNE_BATCH completions, the
     continued base fixed (``task.link``: Case 1, LoRA). The trained models are restored after."""
     with task.restored():
         record = record_continuation(task, progress)
-        record.train(task.fin, FINETUNE_OPTIMIZER, steps=FINETUNE_STEPS, batch_size=FINETUNE_BATCH,
+        record.train(task.fin, finetune_optimizer(task), steps=FINETUNE_STEPS, batch_size=FINETUNE_BATCH,
                      seed=task.cfg.seed + FINETUNE_SEED, link=task.link, progress=progress)
     return record
+
+
+def finetune_optimizer(task: LMTask) -> ik.unrolled.SGD:
+    """The recorded finetuning's SGD: ``task.finetune`` (lr, momentum), set by ``recorded_task``, else the example's."""
+    lr, momentum = getattr(task, "finetune", EXAMPLE_FINETUNE)
+    return ik.unrolled.SGD(lr=lr, momentum=momentum)
 
 
 def recorded_digest(task: LMTask) -> str:
     """8 hex characters naming the trained model and both recorded stages' settings (cache keys carry it)."""
     cfg = task.cfg
     text = json.dumps({"trained": task.info, "continuation": [cfg.continue_lr, cfg.continue_epochs, cfg.pre_batch],
-                       "finetune": [repr(FINETUNE_OPTIMIZER), FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_SEED]},
+                       "finetune": [repr(finetune_optimizer(task)), FINETUNE_STEPS, FINETUNE_BATCH, FINETUNE_SEED]},
                       sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
@@ -939,32 +958,32 @@ def approximate_both_stages(task: LMTask, record: ik.unrolled.Record, fisher: st
                                        curvature="ekfac", config=config, top=top, progress=progress)
     return {"pretraining": pre.values.double().numpy(), "finetuning": fin.values.double().numpy()}, {
         "seconds": time.perf_counter() - start, "settings": pre.diagnostics.get("settings"),
-        "stability (pretraining, finetuning)": [pre.diagnostics["stability"], fin.diagnostics["stability"]]}
+        "stability (pretraining, finetuning)": [pre.diagnostics["stability"], fin.diagnostics["stability"]],
+        "top Gauss-Newton directions (pretraining, finetuning)": [pre.diagnostics["top"], fin.diagnostics["top"]]}
 
 
 APPROXIMATE_FISHERS = {"empirical": "approximate-ekfac", "sampled": "approximate-ekfac-sampled"}  # fisher: cache name
 TOP = 20  # Gauss-Newton eigenpairs per stage in the approximate row that completes EK-FAC with them
 
 
-def recorded_task(progress: bool, continue_lr: float | None, finetune: tuple[float, float] | None = None
-                  ) -> tuple[LMTask, str]:
-    """(the task, its results name) of the recorded replay protocol; ``continue_lr``: the recorded continuation's
-    learning rate instead of the example's; ``finetune``: (lr, momentum) of the recorded finetuning's SGD instead of
-    FINETUNE_OPTIMIZER's (set module-wide for this process). Each has its own caches, through ``recorded_digest``,
-    and results replay_lm-case1_recorded_lr<η>[_ft<η>m<μ>].*."""
-    global FINETUNE_OPTIMIZER
+def recorded_task(progress: bool, continue_lr: float = RECORDED_CONTINUE_LR,
+                  finetune: tuple[float, float] = RECORDED_FINETUNE) -> tuple[LMTask, str]:
+    """(the task, its results name) of the recorded replay protocol: the continuation recorded at ``continue_lr`` and
+    the adapters by SGD at ``finetune`` = (lr, momentum) — by default the protocol's run below the edge of stability
+    (RECORDED_CONTINUE_LR, RECORDED_FINETUNE). Each setting has its own caches, through ``recorded_digest``, and
+    results replay_lm-case1_recorded[_lr<η>][_ft<η>m<μ>].*, a suffix for each rate that is not the example's."""
     task, name = LMTask(progress), RECORDED_TASK
-    if continue_lr is not None:
+    if continue_lr != task.cfg.continue_lr:
         task.cfg = replace(task.cfg, continue_lr=continue_lr)
         name += f"_lr{continue_lr:g}"
-    if finetune is not None:
-        FINETUNE_OPTIMIZER = ik.unrolled.SGD(lr=finetune[0], momentum=finetune[1])
+    task.finetune = tuple(finetune)
+    if task.finetune != EXAMPLE_FINETUNE:
         name += f"_ft{finetune[0]:g}m{finetune[1]:g}"
     return task, name
 
 
-def recorded_table(m: int, progress: bool, midpoint: bool = True, continue_lr: float | None = None,
-                   finetune: tuple[float, float] | None = None) -> None:
+def recorded_table(m: int, progress: bool, midpoint: bool = True, continue_lr: float = RECORDED_CONTINUE_LR,
+                   finetune: tuple[float, float] = RECORDED_FINETUNE) -> None:
     """The replay protocol with both stages recorded (module docstring): results/fidelity/replay_lm-case1_recorded.*"""
     from benchmarks.fidelity_replay import EXACT, FRACTIONS, MEAN, MIDPOINT, drop_sets, mean_weight, midpoint_weight, write
 
@@ -992,7 +1011,7 @@ def recorded_table(m: int, progress: bool, midpoint: bool = True, continue_lr: f
     sharp = recorded_sharpness(task, record, progress)
     facts = {"task": results_name, "M": m, "n": task.n, "q": len(full),
              "stages recorded": [repr(run) for run in runs],
-             "finetuning (recorded)": f"{FINETUNE_OPTIMIZER}, {FINETUNE_STEPS} steps of {FINETUNE_BATCH} completions "
+             "finetuning (recorded)": f"{finetune_optimizer(task)}, {FINETUNE_STEPS} steps of {FINETUNE_BATCH} completions "
                                       f"(seed cfg.seed + {FINETUNE_SEED}) from the trained adapters",
              "finetuning moves the adapters (F, ‖∇F‖ and summed test NLL on the continued base, before → after)": (
                  f"F {movement['before']['F']:.4f} → {movement['after']['F']:.4f}, ‖∇F‖ "
@@ -1103,7 +1122,8 @@ def finetune_own_scores(task: LMTask, record: ik.unrolled.Record, scores: dict[s
 LINEARITY_STEPS = (1.0, 0.1, 0.01, -1.0)  # t of w = 1 − t·1_D along a drop set D (1: the drop; −1: D doubled)
 
 
-def recorded_linearity(m: int, progress: bool, continue_lr: float | None = None) -> None:
+def recorded_linearity(m: int, progress: bool, continue_lr: float = RECORDED_CONTINUE_LR,
+                       finetune: tuple[float, float] = RECORDED_FINETUNE) -> None:
     """Is the two-stage replayed run linear in the document weights at a 1 % drop? For the first m drop sets D_j of
     1 % (``drop_sets``) the record is replayed at w = 1 − t·1_{D_j} (completions at 1) for t in LINEARITY_STEPS;
     Δ_t = (NLL(w) − NLL(1)) / t per test completion, p_j = −Σ_{z∈D_j} score_z with the exact metagradient through
@@ -1112,11 +1132,10 @@ def recorded_linearity(m: int, progress: bool, continue_lr: float | None = None)
     cos(Δ_t, Δ_1) (cosines over the q completions), and the median ‖Δ_t‖ / ‖p‖. The response's second-order term
     along D, measured by replaying D doubled (t = −1): NLL(1 − t·1_D) − NLL(1) = t·Δ + t²·Q + O(t³) gives
     Q ≈ (Δ_1 − Δ_{−1}) / 2; the last row ranks the drop's response Δ_1 by p + Q (how much of the miss at t = 1 a
-    second-order term explains). Writes results/fidelity/replay_lm-case1_recorded_linearity.md (``continue_lr``:
-    replay_lm-case1_recorded_lr<η>_linearity.md, ``recorded_task``)."""
+    second-order term explains). Writes results/fidelity/<the run's results name>_linearity.md (``recorded_task``)."""
     from benchmarks.fidelity_replay import FRACTIONS, drop_sets
 
-    task, results_name = recorded_task(progress, continue_lr)
+    task, results_name = recorded_task(progress, continue_lr, finetune)
     record = record_both(task, progress)
     exact, _ = recorded_scores(task, record, "exact", lambda: exact_both_stages(task, record, progress))
     keep = drop_sets(task.n, FRACTIONS[0], m)
@@ -1155,8 +1174,8 @@ def recorded_linearity(m: int, progress: bool, continue_lr: float | None = None)
     print(text, flush=True)
 
 
-def curvature_check(progress: bool, continue_lr: float | None = None,
-                    finetune: tuple[float, float] | None = None) -> None:
+def curvature_check(progress: bool, continue_lr: float = RECORDED_CONTINUE_LR,
+                    finetune: tuple[float, float] = RECORDED_FINETUNE) -> None:
     """Why the EK-FAC segments miss the exact metagradient on this decoder: the largest eigenvalue of the trained
     continuation's Hessian, Gauss-Newton matrix and EK-FAC curvatures (sampled and empirical Fisher) by 15 power
     iterations each, their Rayleigh quotients on two seeded random directions, and the approximate unrolling's
@@ -1184,7 +1203,7 @@ def curvature_check(progress: bool, continue_lr: float | None = None,
         lines.append(f"| {label} | {largest:.2f} | " + ", ".join(f"{r:.4f}" for r in rayleigh.tolist()) + " |")
     record = record_both(task, progress)
     exact = ik.unrolled.metagradients(record, task.test)[0].values.double().numpy()
-    approx = ik.unrolled.approximate(record, task.test, segments=RECORDED_SEGMENTS, curvature="ekfac",
+    approx = ik.unrolled.approximate(record, task.test, segments=RECORDED_SEGMENTS, curvature="ekfac", top=0,
                                      config=ik.CurvatureConfig(seed=task.cfg.seed))[0].values.double().numpy()
     text = (f"# {TASK}: the trained continuation's curvature and the EK-FAC segments (bench_fidelity_lm.py "
             "curvature-check)\n\n" + " ".join(curvature_check.__doc__.split()) + "\n\n" + "\n".join(lines)
@@ -1198,8 +1217,8 @@ def curvature_check(progress: bool, continue_lr: float | None = None,
 CHECK_STEPS = (1.0, 0.1, 0.01, 1e-3, 1e-4)  # t of w = 1 − t·1_D in ``recorded_check``
 
 
-def recorded_check(sets: int, progress: bool, continue_lr: float | None = None,
-                   finetune: tuple[float, float] | None = None) -> None:
+def recorded_check(sets: int, progress: bool, continue_lr: float = RECORDED_CONTINUE_LR,
+                   finetune: tuple[float, float] = RECORDED_FINETUNE) -> None:
     """Is the recorded two-stage run's derivative right, and how far does it reach? The trained models cast to
     float64 (no float32 rounding in the replays), both stages recorded as ``record_both`` does, the exact
     metagradient of the q test NLLs, and ``ik.unrolled.linearity`` on ``sets`` seeded 1 % drop sets at every t of
@@ -1246,11 +1265,14 @@ def main() -> None:
     parser.add_argument("--no-midpoint", action="store_true",
                         help="replay, replay-recorded: skip the exact metagradient at each fraction's midpoint and mean "
                              "weights (~2 min per fraction each)")
-    parser.add_argument("--continue-lr", type=float, default=None,
-                        help="replay-recorded(-linearity): the recorded continuation's learning rate (default the "
-                             "example's 0.05, past the edge of stability at its start; see ik.unrolled.sharpness)")
-    parser.add_argument("--finetune", type=float, nargs=2, default=None, metavar=("LR", "MOMENTUM"),
-                        help="replay-recorded, replay-recorded-check: the recorded finetuning's SGD (default 0.003 0.9)")
+    parser.add_argument("--continue-lr", type=float, default=RECORDED_CONTINUE_LR,
+                        help="replay-recorded*, curvature-check: the recorded continuation's learning rate (default "
+                             f"{RECORDED_CONTINUE_LR}, below the edge of stability; the example's 0.05 is past it at "
+                             "its start: RECORDED_CONTINUE_LR)")
+    parser.add_argument("--finetune", type=float, nargs=2, default=RECORDED_FINETUNE, metavar=("LR", "MOMENTUM"),
+                        help="replay-recorded*, curvature-check: the recorded finetuning's SGD (default "
+                             f"{RECORDED_FINETUNE[0]:g} {RECORDED_FINETUNE[1]:g}; the example's scale "
+                             f"{EXAMPLE_FINETUNE[0]:g} {EXAMPLE_FINETUNE[1]:g})")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -1264,7 +1286,8 @@ def main() -> None:
         "replay-linearity": lambda: refit_linearity(args.subsets, progress),
         "replay-recorded": lambda: recorded_table(args.subsets, progress, not args.no_midpoint, args.continue_lr,
                                                   args.finetune),
-        "replay-recorded-linearity": lambda: recorded_linearity(args.subsets, progress, args.continue_lr),
+        "replay-recorded-linearity": lambda: recorded_linearity(args.subsets, progress, args.continue_lr,
+                                                                args.finetune),
         "replay-recorded-check": lambda: recorded_check(args.subsets, progress, args.continue_lr, args.finetune),
         "curvature-check": lambda: curvature_check(progress, args.continue_lr, args.finetune),
     }

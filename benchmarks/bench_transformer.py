@@ -598,6 +598,7 @@ def job_case1_unrolled(args, out: dict, work: Path):
     out.update(total_s=total_s, basis=args.unrolled_basis, segments=args.segments,
                pieces_s=results[0].diagnostics["seconds"]["approximate (pieces)"],
                score_s=sum(r.diagnostics["seconds"]["example terms"] for r in results),
+               top=[r.diagnostics["top"] for r in results],
                memory=[r.diagnostics["memory"] for r in results], peak_rss=peak_rss())
 
 
@@ -626,6 +627,7 @@ def job_case1_both(args, out: dict, work: Path):
     np.save(work / "case1_both_unrolled.npy", results[0].values.numpy())
     out.update(unrolled_pieces_s=results[0].diagnostics["seconds"]["approximate (pieces)"],
                unrolled_score_s=sum(r.diagnostics["seconds"]["example terms"] for r in results),
+               unrolled_top=[r.diagnostics["top"] for r in results],
                unrolled_memory=[r.diagnostics["memory"] for r in results], segments=args.segments,
                unrolled_s=out["unrolled_marginal_s"] + out["ekfac_fit_s"]["total"], peak_rss=peak_rss())
 

@@ -16,7 +16,9 @@ Methods, all on the recorded final models: the exact metagradient (``ik.unrolled
 the same at the mean midpoint of each fraction's removals (``at``: pretraining weights 1 − f/2, one pass per
 fraction; −Σ_{z∈D} score_z is exact for a response quadratic in w at the midpoint (1 + 1_D̄)/2), the same at the
 drop sets' mean weights 1 − f (``MEAN``: what the LDS ranks is the response's part linear in the drop mask, and for
-a response quadratic in w the gradient at the masks' mean carries it exactly — see ``mean_weight``), the approximate unrolling (``ik.unrolled.approximate``: 5 segments per stage, dense Hessian at each segment's end),
+a response quadratic in w the gradient at the masks' mean carries it exactly — see ``mean_weight``), the approximate
+unrolling (``ik.unrolled.approximate``: 5 segments per stage, dense Hessian at each segment's end; EK-FAC fitted
+there, SOURCE's curvature at scale; EK-FAC completed by each stage's top 20 Gauss-Newton eigenpairs, ``top=20``),
 influkit's influence functions on the same chain (exact, Gauss-Newton, EK-FAC, Arnoldi, identity), which assume the
 stages sit at minima, and — where installed (/work/bench-venv) — the single-stage peers TRAK, kronfluence and dattri
 as ``fidelity_methods`` wires them (K = 1). The metagradient's seconds are reported beside one training run's (its
@@ -56,6 +58,11 @@ MIDPOINT = "unrolled exact metagradient at the midpoint (w = 1 − f/2)"
 MEAN = "unrolled exact metagradient at the mean weights (w = 1 − f)"
 APPROXIMATE = f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, dense Hessian)"
 APPROXIMATE_MEAN = f"{APPROXIMATE} at the mean weights (w = 1 − f)"
+TOP = 20
+"""Gauss-Newton eigenpairs per stage in the row whose EK-FAC segments are completed by them (``approximate(top=)``)."""
+APPROXIMATE_EKFAC = f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, EK-FAC)"
+APPROXIMATE_EKFAC_TOP = (f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, EK-FAC + top {TOP} "
+                         "Gauss-Newton)")
 SUBSET_SEED = 0
 
 
@@ -153,10 +160,13 @@ def method_scores(task: Task, record: Record, wanted, fractions) -> dict[str, tu
     if APPROXIMATE_MEAN in wanted:
         out[APPROXIMATE_MEAN] = scores_at(lambda at: ik.unrolled.approximate(
             record, task.split.test, segments=APPROXIMATE_SEGMENTS, per_test=True, at=at), record, fractions, mean_weight)
-    if APPROXIMATE in wanted:
-        start = time.perf_counter()
-        approximate = ik.unrolled.approximate(record, task.split.test, segments=APPROXIMATE_SEGMENTS, per_test=True)
-        out[APPROXIMATE] = (approximate[0].values.numpy(), time.perf_counter() - start, {})
+    for name, settings in ((APPROXIMATE, {}), (APPROXIMATE_EKFAC, {"curvature": "ekfac", "top": 0}),
+                           (APPROXIMATE_EKFAC_TOP, {"curvature": "ekfac", "top": TOP})):
+        if name in wanted:
+            start = time.perf_counter()
+            approximate = ik.unrolled.approximate(record, task.split.test, segments=APPROXIMATE_SEGMENTS,
+                                                  per_test=True, **settings)
+            out[name] = (approximate[0].values.numpy(), time.perf_counter() - start, {})
     pre, fin = (run.stage for run in record.runs)
     for name, (solve, curvature) in INFLUENCE.items():
         if name not in wanted:
@@ -240,7 +250,8 @@ def all_methods() -> list[str]:
     """Every row of the replay table, in its order."""
     from benchmarks.fidelity_methods import PEERS
 
-    return [EXACT, MIDPOINT, MEAN, APPROXIMATE, APPROXIMATE_MEAN, *INFLUENCE, *PEERS]
+    return [EXACT, MIDPOINT, MEAN, APPROXIMATE, APPROXIMATE_MEAN, APPROXIMATE_EKFAC, APPROXIMATE_EKFAC_TOP, *INFLUENCE,
+            *PEERS]
 
 
 def run_replay_protocol(task: Task, m: int, results: Path, fractions=FRACTIONS, progress: bool = True,

@@ -21,7 +21,8 @@ differentiate a recorded run that stands for the protocol's training (the decisi
 Methods (per test point, K = 1): the exact metagradient (``ik.unrolled.metagradients``) and the approximate
 unrolling (``ik.unrolled.approximate``, the replay protocol's 5 segments per stage) with the dense Hessian at each
 segment's end, and with EK-FAC fitted there (SOURCE's curvature at scale; ``CurvatureConfig()``, the curvature of
-the "influkit EK-FAC" influence row). Sign: each keeps its own, score = d test loss_t(θ_final(w)) / d w_z at w = 1
+the "influkit EK-FAC" influence row), and with that EK-FAC completed by each stage's top 20 Gauss-Newton eigenpairs
+(``top=20``). Sign: each keeps its own, score = d test loss_t(θ_final(w)) / d w_z at w = 1
 — positive = up-weighting z raises the test loss, influkit's sign, which the LDS ranks directly (removing z predicts
 −score; the influence rows' I(z, t) = m·score in the limit, the same sign). Seconds: the
 reverse (or segment) pass; recording the run is training and is reported apart, as the other rows leave training out.
@@ -45,14 +46,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import influkit as ik
-from benchmarks.fidelity_replay import (APPROXIMATE, APPROXIMATE_SEGMENTS, EXACT, FINETUNE, PRETRAIN, pretrain_optimizer,
-                                        record_task, settings_digest)
+from benchmarks.fidelity_replay import (APPROXIMATE, APPROXIMATE_EKFAC, APPROXIMATE_EKFAC_TOP, APPROXIMATE_SEGMENTS, EXACT,
+                                        FINETUNE, PRETRAIN, TOP, pretrain_optimizer, record_task, settings_digest)
 from benchmarks.fidelity_tasks import Task, subsets_for
 from influkit import Link
 from influkit.validation import lds_per_query
 
-APPROXIMATE_EKFAC = f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, EK-FAC)"
-METHODS = (EXACT, APPROXIMATE, APPROXIMATE_EKFAC)
+METHODS = (EXACT, APPROXIMATE, APPROXIMATE_EKFAC, APPROXIMATE_EKFAC_TOP)
 REPRODUCED = 1e-6
 """Largest |Δ test loss| between today's re-training of a committed subset and its committed output (written to 10
 significant digits) for which the committed outputs count as this code's."""
@@ -86,7 +86,9 @@ def _compute(method: str, record: ik.unrolled.Record, test) -> ik.InfluenceResul
     if method == EXACT:
         return ik.unrolled.metagradients(record, test, per_test=True)[0]
     curvature = "hessian" if method == APPROXIMATE else "ekfac"
-    return ik.unrolled.approximate(record, test, segments=APPROXIMATE_SEGMENTS, per_test=True, curvature=curvature)[0]
+    top = TOP if method == APPROXIMATE_EKFAC_TOP else 0
+    return ik.unrolled.approximate(record, test, segments=APPROXIMATE_SEGMENTS, per_test=True, curvature=curvature,
+                                   top=top)[0]
 
 
 def unrolled_scores(task: Task, protocol: str) -> tuple[dict[str, tuple[np.ndarray, float]], dict]:

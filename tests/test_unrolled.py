@@ -5,6 +5,8 @@ gives the influence function's I(z, T)/m."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from torch import nn
@@ -767,10 +769,61 @@ def test_top_gauss_newton_directions_complete_the_factored_pieces(momentum):
                                     top=2)
     every = ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature="ekfac",
                                     top=max(sum(t.numel() for t in run.checkpoints[0][0].values()) for run in record.runs))
-    sampled = ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature="ekfac")
+    sampled = ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature="ekfac", top=0)
     for d, s, e, plain in zip(dense, split, every, sampled):
         torch.testing.assert_close(s.values, d.values, rtol=1e-7, atol=1e-10)
         torch.testing.assert_close(e.values, d.values, rtol=1e-7, atol=1e-10)
         assert (plain.values - d.values).abs().max() > 1e-3 * d.values.abs().max()  # the sampled Fisher alone is not
+        assert e.diagnostics["top"]["why"] == "given" and plain.diagnostics["top"]["directions"] == 0
+    assert dense[0].diagnostics["top"]["directions"] == 0
     with pytest.raises(ik.InputError, match="top="):
         ik.unrolled.approximate(record, test, top=2)
+    with pytest.raises(ik.InputError, match="top="):
+        ik.unrolled.approximate(record, test, curvature="ekfac", top=-1)
+
+
+def test_top_directions_of_a_stage_re_run_at_one_weight_are_those_of_its_weighted_objective():
+    """at= one float c per stage: the Gauss-Newton matrix the top directions come from is c·G_data + ∇²R (here with
+    an L2 regularizer on both stages). With every eigenpair the sampled-Fisher pieces equal the dense Hessian's at the
+    same weights — and would not with G_data + ∇²R (c = 1) taken in their place."""
+    pre, fin, test = linear_layer_stages(seed=3)
+    record = Record()
+    record.train(pre, SGD(lr=0.1, momentum=0.5), steps=9, batch_size=14)
+    record.train(fin, SGD(lr=0.1, momentum=0.5), steps=6, batch_size=10, link=ik.Link("embedding", case=1))
+    every = max(sum(t.numel() for t in run.checkpoints[0][0].values()) for run in record.runs)
+    dense = ik.unrolled.approximate(record, test, segments=3, per_test=True, at=[0.3, 0.6])
+    split = ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature="ekfac", top=every, at=[0.3, 0.6])
+    unweighted = ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature="ekfac", top=every)
+    for d, s, u in zip(dense, split, unweighted):
+        torch.testing.assert_close(s.values, d.values, rtol=1e-7, atol=1e-10)
+        assert (u.values - d.values).abs().max() > 1e-3 * d.values.abs().max()
+
+
+def test_top_auto_takes_what_half_the_budget_holds_and_says_why(monkeypatch):
+    """top="auto" (the default): TOP_AUTO eigenpairs where ARPACK's workspace (max(2k + 1, 20) float64 vectors of p)
+    and the k kept vectors fit in half the budget, fewer where they do not, none where one does not; dense (p² float64)
+    when k ≥ p − 1. Without scipy it takes none and warns with the extra that adds them. On the tiny chain it takes
+    every eigenpair (dense), so it equals the dense Hessian's pieces."""
+    from influkit.unrolled.segments import TOP_AUTO, top_count
+
+    p = 10_000
+    workspace = lambda k: max(2 * k + 1, 20) * p * 8 + k * p * 4  # noqa: E731
+    assert top_count("auto", p, 4, 2 * workspace(TOP_AUTO)) == (TOP_AUTO, "auto")
+    k, why = top_count("auto", p, 4, 2 * workspace(7) + 1)
+    assert k == 7 and "half the budget" in why
+    assert top_count("auto", p, 4, 2 * workspace(1) - 2)[0] == 0
+    assert top_count(3, p, 4, 1) == (3, "given")
+    assert top_count("auto", 12, 8, 2 * (12 * 12 * 8 + 12 * 12 * 8)) == (12, "auto")  # dense: k = p ≥ p − 1
+    pre, fin, test = linear_layer_stages(seed=1)
+    record = Record()
+    record.train(pre, SGD(lr=0.1, momentum=0.8, weight_decay=0.05), steps=10, batch_size=14)
+    record.train(fin, SGD(lr=0.1, momentum=0.8), steps=8, batch_size=10, link=ik.Link("embedding", case=1))
+    dense = ik.unrolled.approximate(record, test, segments=3, per_test=True)
+    auto = ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature="ekfac")
+    for d, a in zip(dense, auto):
+        torch.testing.assert_close(a.values, d.values, rtol=1e-7, atol=1e-10)
+        assert a.diagnostics["top"]["why"] == "auto"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "scipy" else real(name, *a))
+    with pytest.warns(UserWarning, match=r"influkit\[unrolled\]"):
+        assert top_count("auto", p, 4, 2 * workspace(TOP_AUTO)) == (0, "auto: scipy (ARPACK) is not installed")
