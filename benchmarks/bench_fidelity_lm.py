@@ -68,6 +68,8 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm unrolled --finetuning default  # exact, adjoint from the default solve
     python -m benchmarks.bench_fidelity_lm unrolled --at midpoint  # exact at continuation weights 0.75 (midpoint rule)
     python -m benchmarks.bench_fidelity_lm unrolled --at mean      # exact at the halves' mean weights 0.5 (mean rule)
+    python -m benchmarks.bench_fidelity_lm unrolled --at mean --orders 4   # ... averaged over 4 batch orders
+    python -m benchmarks.bench_fidelity_lm unrolled --top 20 [--at mean]   # EK-FAC segments + 20 Gauss-Newton pairs
     python -m benchmarks.bench_fidelity_lm defaults-table --subsets 100   # cached rows + committed rows + ceiling
     python -m benchmarks.bench_fidelity_lm replay --subsets 20   # replay protocol: cached rows + midpoint per fraction
     python -m benchmarks.bench_fidelity_lm replay-linearity --subsets 5   # 1 % drops: linear in w with/without refit?
@@ -99,7 +101,7 @@ from scipy.stats import spearmanr
 from tqdm.auto import tqdm
 
 import influkit as ik
-from benchmarks.common import study
+from benchmarks.common import machine_info, study
 from benchmarks.fidelity_tasks import random_halves
 from influkit import hf
 from influkit.chain import Query
@@ -242,17 +244,17 @@ AT_METHODS = {UNROLLED_MIDPOINT: MIDPOINT_WEIGHT, UNROLLED_MEAN: MEAN_WEIGHT}  #
 SEGMENTS = 3  # pieces of the 39-step continuation for the approximate unrolling (one per epoch)
 
 
-def record_continuation(task: LMTask, progress: bool = True) -> ik.unrolled.Record:
+def record_continuation(task: LMTask, progress: bool = True, order: int = 0) -> ik.unrolled.Record:
     """The warm protocol's SGD continuation on all documents, recorded (``ik.unrolled``); updates task.pre in place.
 
-    Same batches (``batch_order``, seed cfg.seed + 7: order 0) and learning rate as ``continue_pretraining``. There
+    Same batches (``batch_order``, seed cfg.seed + 7 + ``order``; the protocol's is order 0) and learning rate as ``continue_pretraining``. There
     a step's loss is Σ_{kept} ℓ / B with B = cfg.pre_batch fixed, so dropping a document is exactly weighting it 0
     in its fixed batch — the record's w_z. The record averages over the batch actually given (1/|B_t|); the last
     batch of each epoch has 400 − 12·32 = 16 documents, so it is recorded with lr·16/32, which makes its data term
     the protocol's exactly and halves only its L2 term's step (pre_decay = 1e-4, 3 of 39 steps).
     """
     ex, cfg = task.ex, task.cfg
-    batches = ex.batch_order(task.n, cfg.pre_batch, cfg.continue_epochs, cfg.seed + 7)
+    batches = ex.batch_order(task.n, cfg.pre_batch, cfg.continue_epochs, cfg.seed + 7 + order)
     record = ik.unrolled.Record()
     every = int(np.ceil(np.sqrt(len(batches))))
     with record.recorder(task.pre, ik.unrolled.SGD(lr=cfg.continue_lr), checkpoint_every=every) as rec:
@@ -261,7 +263,8 @@ def record_continuation(task: LMTask, progress: bool = True) -> ik.unrolled.Reco
     return record
 
 
-def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "example", at: float | None = None) -> dict:
+def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "example", at: float | None = None,
+                    order: int = 0, top: int = 0) -> dict:
     """(n, q) exact metagradients of the warm protocol: reverse mode through the recorded continuation, from the
     finetuning stage's implicit-function adjoint on the base (its solve: ``finetuning``, ``LMTask.chain``).
 
@@ -277,14 +280,17 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
     ``at`` UNROLLED_MIDPOINT (exact only: the approximate unrolling linearizes at w = 1): the continuation re-run
     with every document weighted ``at`` (``ik.unrolled.reweighted``), the adapters refit on that base, the
     finetuning adjoint taken there, and the reverse pass through the re-run continuation — the metagradient at
-    w = ``at``.
+    w = ``at``. ``order``: the continuation recorded (and its protocol re-training timed) under batch order ``order``
+    instead of the protocol's 0 (``orders_scores``). ``top`` > 0: only the approximate unrolling, its EK-FAC pieces
+    completed by the continuation's ``top`` largest Gauss-Newton eigenpairs (``approximate(top=)``), at w = ``at``
+    (a uniform weight: the factored curvature rescaled) or 1 — ``segments_name(top, at)``.
     """
     ex, cfg = task.ex, task.cfg
     pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
     fin_state = {k: v.clone() for k, v in task.fin.model.state_dict().items()}
     try:
         start = time.perf_counter()
-        ex.continue_pretraining(task.pre, cfg, None, cfg.seed + 7)
+        ex.continue_pretraining(task.pre, cfg, None, cfg.seed + 7 + order)
         protocol_base = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
         ex.set_base(task.fin, task.pre, task.link)
         ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
@@ -293,7 +299,7 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
         task.fin.model.load_state_dict(fin_state)
 
         start = time.perf_counter()
-        record = record_continuation(task, progress)
+        record = record_continuation(task, progress, order)
         record_seconds = time.perf_counter() - start
         final = record.runs[0].final
         gap = max(float((final[n] - protocol_base[n]).abs().max()) for n in final)
@@ -312,6 +318,18 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
         chain = query.chain
         names = chain.plans[0].trained
         adjoint = ik.unrolled.Adjoint(ParamSpace({n: final[n] for n in names}).unflatten(query.s), batched=True)
+        if top:
+            start = time.perf_counter()
+            approx = ik.unrolled.approximate(record, adjoint, segments=SEGMENTS, per_test=True, curvature="ekfac",
+                                             config=ex.SOLVES["ekfac"](cfg)[1], top=top, progress=progress)[0]
+            seconds = {"record (the continuation, recorded)": record_seconds,
+                       "re-run at w = at (reweighted)": reweight_seconds, "refit + finetuning adjoint": adjoint_seconds,
+                       "segments (EK-FAC per piece + top directions)": time.perf_counter() - start,
+                       "one protocol re-training": retrain_seconds}
+            return {segments_name(top, at): (approx.values.double().numpy(), {
+                "at": at, "seconds": seconds, "total_seconds": sum(v for k, v in seconds.items() if "protocol" not in k),
+                "settings": approx.diagnostics["settings"], "top": approx.diagnostics["top"],
+                "stability": approx.diagnostics["stability"], "refit_grad_norm": grad_norm})}
         start = time.perf_counter()
         exact = ik.unrolled.metagradients(record, adjoint, per_test=True, progress=progress)[0]
         reverse_seconds = time.perf_counter() - start
@@ -354,6 +372,41 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
                 "total_seconds": shared + approx_seconds, "settings": approx.diagnostics["settings"]})}
 
 
+def segments_name(top: int, at: float | None) -> str:
+    """The row of the approximate unrolling with ``top`` Gauss-Newton directions, at continuation weight ``at``."""
+    return f"unrolled-segments-ekfac-top{top}" + ("" if at is None else f"-at{at:g}")
+
+
+def orders_name(at: float, orders: int) -> str:
+    """The row of the exact unrolling at continuation weight ``at`` averaged over ``orders`` batch orders."""
+    return f"{next(m for m, w in AT_METHODS.items() if w == at)}-{orders}-orders"
+
+
+def orders_scores(task: LMTask, progress: bool, at: float, orders: int) -> None:
+    """scores_<orders_name>.npz: the exact metagradient at continuation weight ``at`` (``unrolled_scores(at=)``)
+    averaged over the continuation recorded under batch orders 0 … orders − 1 — d E_order[NLL_t] / d w_z, the
+    expected response the noise ceiling says dominates a re-training (the protocol re-trains under order 0 only).
+    At lr 0.05 the continuation sits at its edge of stability (``ik.unrolled.sharpness``), where one run's
+    derivative carries order-specific oscillations; their average keeps what the orders share. Each order's
+    scores are cached under ``cache/lm-case1/orders``; seconds are summed over the orders."""
+    directory = CACHE / "orders"
+    directory.mkdir(parents=True, exist_ok=True)
+    values, infos = [], []
+    for order in range(orders):
+        path = directory / f"{orders_name(at, 1)}_order{order}.npz"
+        if not path.exists():
+            (value, info), = unrolled_scores(task, progress, at=at, order=order).values()
+            np.savez(path, values=value, info=json.dumps(info, default=str))
+        cached = np.load(path)
+        values.append(cached["values"])
+        infos.append(json.loads(str(cached["info"])))
+    info = {"at": at, "orders": orders, "total_seconds": sum(i["total_seconds"] for i in infos),
+            "seconds": {"one protocol re-training": infos[0]["seconds"]["one protocol re-training"]},
+            "per order": [{"total_seconds": i["total_seconds"], "refit_grad_norm": i["refit_grad_norm"]} for i in infos]}
+    np.savez(CACHE / f"scores_{orders_name(at, orders)}.npz", values=np.mean(values, axis=0),
+             info=json.dumps(info, default=str))
+
+
 def unrolled_scores_cached(task: LMTask, progress: bool, finetuning: str = "example", at_method: str | None = None) -> None:
     """Score the unrolled methods once (cached as ``scores_<method>.npz`` with their ``info``); ``at_method``: only
     that method of AT_METHODS (the exact unrolling at its continuation weight, the example's finetuning solve)."""
@@ -365,9 +418,13 @@ def unrolled_scores_cached(task: LMTask, progress: bool, finetuning: str = "exam
             np.savez(paths[method], values=values, info=json.dumps(info, default=str))
 
 
-def write_unrolled_table(m: int) -> None:
-    """lm-case1_warm_unrolled.{csv,json,md} and its outputs: every cached method's LDS on the re-trainings cached
-    under order 0 — all from the trained model in the cache, so scores and re-trainings belong to one model.
+WARM_UNROLLED = f"{TASK}_warm_unrolled"
+
+
+def write_unrolled_table(m: int, name: str = WARM_UNROLLED) -> None:
+    """<name>.{csv,json,md} (default lm-case1_warm_unrolled) and its outputs: every cached method's LDS on the
+    re-trainings cached under order 0 — all from the trained model in the cache, so scores and re-trainings belong
+    to one model. Another ``name`` (another machine's trained model) gets its own section of lm_README_results.md.
 
     Seconds: influence rows, their pretraining solve and scoring + the shared finetuning solve; unrolled rows,
     recording the continuation + refit and finetuning adjoint + their pass, and their ratio to one protocol
@@ -381,7 +438,6 @@ def write_unrolled_table(m: int) -> None:
     details = {path.stem.removeprefix("scores_"): json.loads(str(np.load(path)["info"]))
                for path in sorted(CACHE.glob("scores_*.npz")) if "info" in np.load(path)}
     frame = pd.DataFrame(rows).sort_values("lds", ascending=False)
-    name = f"{TASK}_warm_unrolled"
     frame.to_csv(RESULTS / f"{name}.csv", index=False)
     long = [{"subset": j, "order": 0, "test": t, "nll": float(v)} for j in range(m0) for t, v in enumerate(outputs[j])]
     with gzip.GzipFile(RESULTS / f"{name}_outputs.csv.gz", "wb", mtime=0) as fh:
@@ -391,13 +447,18 @@ def write_unrolled_table(m: int) -> None:
                "torch": torch.__version__, "python": platform.python_version()}
     (RESULTS / f"{name}.json").write_text(json.dumps(summary, indent=2, default=str))
     table = markdown(frame, summary).split("\n\n")[2]
+    heading = "## LDS of the unrolled methods on the transformer task, warm protocol (benchmarks/bench_fidelity_lm.py)"
     section = (
-        "## LDS of the unrolled methods on the transformer task, warm protocol (benchmarks/bench_fidelity_lm.py)\n\n"
+        heading + ("" if name == WARM_UNROLLED else f", {name}") + "\n\n"
         f"All rows scored on one trained model (LoRA ‖∇‖ {info['lora_grad_norm']:.4f}, test NLL sum "
         f"{info['test_nll_sum']:.3f}: what `train` gives with today's code), against M = {m0} warm re-trainings of "
-        "that model (order 0; no noise ceiling re-run). The M = 100 outputs of lm_README_results.md (its first table) come from an "
-        "earlier trained model (‖∇‖ 0.0548, NLL 125.435) that today's code no longer reproduces; scored on today's "
-        "model, EK-FAC ranks those at LDS 0.09, so they cannot rank today's scores. Load average at table time "
+        "that model (order 0; no noise ceiling re-run). " + (
+            "The M = 100 outputs of lm_README_results.md (its first table) come from an "
+            "earlier trained model (‖∇‖ 0.0548, NLL 125.435) that today's code no longer reproduces; scored on today's "
+            "model, EK-FAC ranks those at LDS 0.09, so they cannot rank today's scores. " if name == WARM_UNROLLED else
+            f"Measured on {machine_info()}: `train` on this CPU gives another trained model than "
+            f"{WARM_UNROLLED}'s (float rounding through 20 Adam epochs), so its re-trainings were run again here. ")
+        + "Load average at table time "
         f"{', '.join(f'{v:.1f}' for v in summary['load'])} (2 shared cores, 1 torch thread).\n\n" + table + "\n")
     (RESULTS / f"{name}.md").write_text(section.replace("## ", "# ", 1))
     replace_section(RESULTS / "lm_README_results.md", section)
@@ -1262,6 +1323,13 @@ def main() -> None:
     parser.add_argument("--at", choices=["midpoint", "mean"], default=None,
                         help=f"unrolled: only the exact metagradient at continuation weights {MIDPOINT_WEIGHT} (midpoint: "
                              f"the mean midpoint of dropping half) or {MEAN_WEIGHT} (mean: the halves' mean weights)")
+    parser.add_argument("--name", default=WARM_UNROLLED, help="unrolled-table: the results' name")
+    parser.add_argument("--orders", type=int, default=1,
+                        help="unrolled --at: average the exact unrolling over the continuation under this many batch "
+                             "orders (orders_scores)")
+    parser.add_argument("--top", type=int, default=0,
+                        help="unrolled: only the approximate unrolling, EK-FAC pieces + this many Gauss-Newton "
+                             "directions (with --at: at that continuation weight)")
     parser.add_argument("--no-midpoint", action="store_true",
                         help="replay, replay-recorded: skip the exact metagradient at each fraction's midpoint and mean "
                              "weights (~2 min per fraction each)")
@@ -1279,7 +1347,7 @@ def main() -> None:
     progress = not args.no_progress
     steps_without_task = {  # steps that load what they need themselves
         "table": lambda: write_table(args.subsets),
-        "unrolled-table": lambda: write_unrolled_table(args.subsets),
+        "unrolled-table": lambda: write_unrolled_table(args.subsets, args.name),
         "restore": lambda: restore_outputs(args.outputs),
         "defaults-table": lambda: write_defaults_table(args.subsets),
         "replay": lambda: replay_table(args.subsets, progress, not args.no_midpoint),
@@ -1301,8 +1369,19 @@ def main() -> None:
     elif args.step == "score":
         score_all(task, args.methods, progress)
     elif args.step == "unrolled":
-        unrolled_scores_cached(task, progress, args.finetuning,
-                               {"midpoint": UNROLLED_MIDPOINT, "mean": UNROLLED_MEAN, None: None}[args.at])
+        at_method = {"midpoint": UNROLLED_MIDPOINT, "mean": UNROLLED_MEAN, None: None}[args.at]
+        if args.top:
+            at = AT_METHODS.get(at_method)
+            path = CACHE / f"scores_{segments_name(args.top, at)}.npz"
+            if not path.exists():
+                (values, info), = unrolled_scores(task, progress, at=at, top=args.top).values()
+                np.savez(path, values=values, info=json.dumps(info, default=str))
+        elif args.orders > 1:
+            if at_method is None:
+                raise SystemExit("--orders averages the exact unrolling at --at midpoint or --at mean")
+            orders_scores(task, progress, AT_METHODS[at_method], args.orders)
+        else:
+            unrolled_scores_cached(task, progress, args.finetuning, at_method)
 
 
 if __name__ == "__main__":

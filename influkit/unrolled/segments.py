@@ -312,16 +312,14 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
     momentum, decay = run.optimizer.momentum, run.optimizer.weight_decay
     out, plans, kept = [], [], None
     stability = {"edge": 2 * (1 + momentum)}
-    top = 0 if curvature == "hessian" else top_count(top, v.shape[1], v.element_size(),
-                                                      held.left(memory, "the top Gauss-Newton directions"))
-    if curvature != "hessian":
-        stability["top"] = dict(zip(("directions", "why"), top))
-        top = top[0]
     directions = None
-    if top:
-        began = time.perf_counter()
-        directions, products = _top_directions(run, _parameters_at(run, run.steps), top, v.dtype)
-        stability["top"] |= {"products": products, "seconds": time.perf_counter() - began}
+    if curvature != "hessian":
+        k, why = top_count(top, v.shape[1], v.element_size(), held.left(memory, "the top Gauss-Newton directions"))
+        stability["top"] = {"directions": k, "why": why}
+        if k:
+            began = time.perf_counter()
+            directions, products = _top_directions(run, _parameters_at(run, run.steps), k, v.dtype)
+            stability["top"] |= {"products": products, "seconds": time.perf_counter() - began}
     held.hold(directions)
     for a, b in tqdm(list(reversed(_boundaries(run, pieces))), desc="segments", disable=not progress, leave=False):
         theta_end = _parameters_at(run, b)
