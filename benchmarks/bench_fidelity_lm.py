@@ -329,7 +329,8 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
             return {segments_name(top, at): (approx.values.double().numpy(), {
                 "at": at, "seconds": seconds, "total_seconds": sum(v for k, v in seconds.items() if "protocol" not in k),
                 "settings": approx.diagnostics["settings"], "top": approx.diagnostics["top"],
-                "stability": approx.diagnostics["stability"], "refit_grad_norm": grad_norm})}
+                "stability": approx.diagnostics["stability"], "refit_grad_norm": grad_norm,
+                "finetuning_solve": query.solves[1]})}
         start = time.perf_counter()
         exact = ik.unrolled.metagradients(record, adjoint, per_test=True, progress=progress)[0]
         reverse_seconds = time.perf_counter() - start
@@ -402,6 +403,7 @@ def orders_scores(task: LMTask, progress: bool, at: float, orders: int) -> None:
         infos.append(json.loads(str(cached["info"])))
     info = {"at": at, "orders": orders, "total_seconds": sum(i["total_seconds"] for i in infos),
             "seconds": {"one protocol re-training": infos[0]["seconds"]["one protocol re-training"]},
+            "finetuning_solve": infos[0].get("finetuning_solve"),
             "per order": [{"total_seconds": i["total_seconds"], "refit_grad_norm": i["refit_grad_norm"]} for i in infos]}
     np.savez(CACHE / f"scores_{orders_name(at, orders)}.npz", values=np.mean(values, axis=0),
              info=json.dumps(info, default=str))
@@ -651,7 +653,7 @@ def method_row(path: Path, subsets: np.ndarray, outputs: np.ndarray) -> dict:
     if "info" in cached:
         info = json.loads(str(cached["info"]))
         seconds, ratio = info["total_seconds"], info["total_seconds"] / info["seconds"]["one protocol re-training"]
-        finetuning = info["finetuning_solve"]
+        finetuning = info.get("finetuning_solve") or {}
     else:
         seconds, ratio = float(cached["seconds"]), float("nan")
         pretraining = json.loads(str(cached["solve"]))

@@ -800,12 +800,14 @@ def test_top_directions_of_a_stage_re_run_at_one_weight_are_those_of_its_weighte
 
 
 def test_top_auto_takes_what_half_the_budget_holds_and_says_why(monkeypatch):
-    """top="auto" (the default): TOP_AUTO eigenpairs where ARPACK's workspace (max(2k + 1, 20) float64 vectors of p)
-    and the k kept vectors fit in half the budget, fewer where they do not, none where one does not; dense (p² float64)
-    when k ≥ p − 1. Without scipy it takes none and warns with the extra that adds them. On the tiny chain it takes
+    """top="auto" (the default): none above TOP_AUTO_PARAMETERS trained parameters; TOP_AUTO eigenpairs where
+    ARPACK's workspace (max(2k + 1, 20) float64 vectors of p) and the k kept vectors fit in half the budget, fewer
+    where they do not, none where one does not; dense (p² float64) when k ≥ p − 1. Without scipy it takes none and warns with the extra that adds them. On the tiny chain it takes
     every eigenpair (dense), so it equals the dense Hessian's pieces."""
-    from influkit.unrolled.segments import TOP_AUTO, top_count
+    from influkit.unrolled.segments import TOP_AUTO, TOP_AUTO_PARAMETERS, top_count
 
+    k, why = top_count("auto", TOP_AUTO_PARAMETERS + 1, 4, 2**50)
+    assert k == 0 and "TOP_AUTO_PARAMETERS" in why and "top=k" in why
     p = 10_000
     workspace = lambda k: max(2 * k + 1, 20) * p * 8 + k * p * 4  # noqa: E731
     assert top_count("auto", p, 4, 2 * workspace(TOP_AUTO)) == (TOP_AUTO, "auto")

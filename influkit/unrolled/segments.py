@@ -49,7 +49,8 @@ splits (v, w) into their coordinates in span V and the complement, runs the fact
 (its output projected back onto it) and the scalar map f(g_i) on each coordinate — the curvature
 V diag(g) Vᵀ + (I − VVᵀ) C (I − VVᵀ), with f of the second taken as (I − VVᵀ) f(C) (I − VVᵀ). Where G = C the split
 changes nothing, and with every eigenpair it is the dense Gauss-Newton map (tests). The default ``top="auto"``
-takes k = :data:`TOP_AUTO` pairs per stage, fewer where ARPACK's workspace (ncv = max(2k + 1, 20) float64 vectors
+takes k = :data:`TOP_AUTO` pairs per stage of at most :data:`TOP_AUTO_PARAMETERS` trained parameters (above, their
+products cost several times the pieces), fewer where ARPACK's workspace (ncv = max(2k + 1, 20) float64 vectors
 of p) and the k kept vectors would take more than half of the budget left (:func:`top_count`; 0 with the dense
 Hessian, which is exact in every direction). Measured: the LM task's record below the edge 0.23–0.27 → 0.80–0.83
 LDS on replay, digits Case 1 warm / scratch 0.195 / 0.072 → 0.463 / 0.140 (EK-FAC influence 0.183 / 0.113).
@@ -129,8 +130,8 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     parameters (ARPACK's Lanczos, ``scipy.sparse.linalg.eigsh``: ``pip install 'influkit[unrolled]'``; dense when
     top ≥ p − 1) are put into every piece exactly: in their span the piece's map uses those eigenvalues, in the
     complement the factored curvature's (module docstring, Top directions). Memory: top·p more per stage. Default
-    ``"auto"``: TOP_AUTO per stage, fewer where the budget is short, none with the dense Hessian or where scipy is
-    missing and ARPACK would be needed (a warning says so): :func:`top_count`. ``diagnostics["top"]`` says how many
+    ``"auto"``: TOP_AUTO per stage of ≤ TOP_AUTO_PARAMETERS trained parameters, fewer where the budget is short, none
+    with the dense Hessian or where scipy is missing and ARPACK would be needed (a warning says so): :func:`top_count`. ``diagnostics["top"]`` says how many
     each stage used and why.
     """
     if int(segments) < 1:
@@ -432,16 +433,23 @@ def _fit(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, bas
 
 TOP_AUTO = 20
 """The most Gauss-Newton eigenpairs per stage ``top="auto"`` puts into the factored pieces."""
+TOP_AUTO_PARAMETERS = 1_000_000
+"""The most trained parameters of a stage for which ``top="auto"`` computes them: ARPACK needs 2k + 1 to 4k
+Gauss-Newton products (50–90 for k = 20 on the digits stages) in float64, which cost 2.6× the plain EK-FAC pieces on
+the LM task's 210k-parameter continuation and far more on a 9.6 M-parameter BERT; above it pass ``top=k``."""
 
 
 def top_count(top: int | str, p: int, itemsize: int, budget: int | None) -> tuple[int, str]:
     """(k, why): the number of top Gauss-Newton eigenpairs of a stage with p trained parameters. ``top`` itself when
-    it is a number; for "auto" the largest k ≤ TOP_AUTO whose ARPACK workspace (ncv = max(2k + 1, 20) float64
+    it is a number; for "auto" none when p > TOP_AUTO_PARAMETERS, else the largest k ≤ TOP_AUTO whose ARPACK workspace (ncv = max(2k + 1, 20) float64
     vectors of p; none when k ≥ p − 1, which is dense: p² float64) plus the k kept vectors (``itemsize`` bytes per
     entry) fit in half of ``budget`` (bytes; None: the default budget), and 0 where ARPACK is needed and scipy is
     missing (with a warning naming the extra)."""
     if top != "auto":
         return int(top), "given"
+    if p > TOP_AUTO_PARAMETERS:
+        return 0, (f"auto: {p:,} trained parameters > TOP_AUTO_PARAMETERS ({TOP_AUTO_PARAMETERS:,}), where the "
+                   "eigenpairs' products cost several times the pieces; pass top=k to have them")
     half = budget_of(budget) // 2
 
     def workspace(k: int) -> int:
