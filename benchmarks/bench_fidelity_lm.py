@@ -389,12 +389,14 @@ def orders_scores(task: LMTask, progress: bool, at: float, orders: int) -> None:
     expected response the noise ceiling says dominates a re-training (the protocol re-trains under order 0 only).
     At lr 0.05 the continuation sits at its edge of stability (``ik.unrolled.sharpness``), where one run's
     derivative carries order-specific oscillations; their average keeps what the orders share. Each order's
-    scores are cached under ``cache/lm-case1/orders``; seconds are summed over the orders."""
+    scores are cached: order 0's as its own row (``unrolled --at``), the others under ``cache/lm-case1/orders``;
+    seconds are summed over the orders."""
     directory = CACHE / "orders"
     directory.mkdir(parents=True, exist_ok=True)
+    single = next(m for m, w in AT_METHODS.items() if w == at)
     values, infos = [], []
     for order in range(orders):
-        path = directory / f"{orders_name(at, 1)}_order{order}.npz"
+        path = CACHE / f"scores_{single}.npz" if order == 0 else directory / f"{single}_order{order}.npz"
         if not path.exists():
             (value, info), = unrolled_scores(task, progress, at=at, order=order).values()
             np.savez(path, values=value, info=json.dumps(info, default=str))
