@@ -372,9 +372,13 @@ def plot(results: Path) -> None:
     every = list(dict.fromkeys(name for payload in payloads for name in payload["lds"]))  # one color per method
     colors = [*plt.cm.tab20.colors, *plt.cm.tab20b.colors]
     legend_rows = -(-len(every) // 4)  # the shared legend below the panels, 4 columns
-    height = 3.8 + 0.16 * legend_rows
-    fig, axes = plt.subplots(1, len(files), figsize=(5.5 * len(files), height), squeeze=False)
-    for ax, payload in zip(axes[0], payloads):
+    columns = min(4, len(files))
+    grid_rows = -(-len(files) // columns)
+    height = 3.8 * grid_rows + 0.16 * legend_rows
+    fig, axes = plt.subplots(grid_rows, columns, figsize=(5.5 * columns, height), squeeze=False)
+    for ax in axes.flat[len(files):]:
+        ax.set_visible(False)
+    for ax, payload in zip(axes.flat, payloads):
         fractions = payload["fractions"]
         for name, cells in payload["lds"].items():
             mean = [cells[f"{f:g}"][0] for f in fractions]
@@ -389,7 +393,7 @@ def plot(results: Path) -> None:
         ax.set_xlabel("fraction of pretraining examples dropped")
         ax.set_ylabel("LDS (mean ± sem over test points)")
         ax.set_title(f"{payload['facts']['task']}, replay (M = {payload['facts']['M']})", fontsize=9)
-    legend = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
+    legend = {label: handle for ax in axes.flat for handle, label in zip(*ax.get_legend_handles_labels())}
     fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=4, fontsize=7)
     fig.tight_layout(rect=(0, (0.16 * legend_rows + 0.3) / height, 1, 1))
     fig.savefig(results / "replay_lds_vs_drop.png", dpi=120)
