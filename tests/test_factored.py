@@ -124,7 +124,8 @@ def test_kfac_blocks_equal_explicit_kronecker_factors_of_linear_and_conv(conv_st
     pre = model.conv(x).detach()
     j_conv = vmap(jacrev(lambda s: model.lin(torch.tanh(s).reshape(-1))))(pre)  # (n, 4, 3, 3, 3)
     j_conv = j_conv.reshape(n, 4, 3, 9)
-    g_conv = torch.einsum("ndct,nde,newt->cw", j_conv, h_out, j_conv) / n
+    # contiguous: with opt_einsum installed (the bench extra) einsum returns a transposed view, which torch.kron rejects
+    g_conv = (torch.einsum("ndct,nde,newt->cw", j_conv, h_out, j_conv) / n).contiguous()
     # linear: inputs are the flattened conv features, its output is the model output (J = I)
     feats = torch.cat([torch.tanh(pre).flatten(1), torch.ones(n, 1)], 1)
     a_lin, g_lin = feats.T @ feats / n, h_out.mean(0)
