@@ -53,6 +53,12 @@ def layer_positions(space: ParamSpace, weight: str, bias: str | None, rows: int)
     return torch.cat([w, torch.arange(offsets[bias], offsets[bias] + rows)[:, None]], 1).reshape(-1)
 
 
+def kron(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.kron of contiguous copies: with opt_einsum installed (as in the bench venv) einsum can return a
+    transposed view, which torch.kron rejects."""
+    return torch.kron(a.contiguous(), b.contiguous())
+
+
 def block(curvature, positions):
     dense = curvature.dense()
     return dense[positions[:, None], positions[None, :]]
@@ -124,8 +130,7 @@ def test_kfac_blocks_equal_explicit_kronecker_factors_of_linear_and_conv(conv_st
     pre = model.conv(x).detach()
     j_conv = vmap(jacrev(lambda s: model.lin(torch.tanh(s).reshape(-1))))(pre)  # (n, 4, 3, 3, 3)
     j_conv = j_conv.reshape(n, 4, 3, 9)
-    # contiguous: with opt_einsum installed (the bench extra) einsum returns a transposed view, which torch.kron rejects
-    g_conv = (torch.einsum("ndct,nde,newt->cw", j_conv, h_out, j_conv) / n).contiguous()
+    g_conv = torch.einsum("ndct,nde,newt->cw", j_conv, h_out, j_conv) / n
     # linear: inputs are the flattened conv features, its output is the model output (J = I)
     feats = torch.cat([torch.tanh(pre).flatten(1), torch.ones(n, 1)], 1)
     a_lin, g_lin = feats.T @ feats / n, h_out.mean(0)
@@ -134,8 +139,8 @@ def test_kfac_blocks_equal_explicit_kronecker_factors_of_linear_and_conv(conv_st
     space = ParamSpace(stage.trained())
     conv_pos = layer_positions(space, "conv.weight", "conv.bias", 3)
     lin_pos = layer_positions(space, "lin.weight", "lin.bias", 4)
-    torch.testing.assert_close(block(curvature, conv_pos), torch.kron(g_conv, a_conv), rtol=1e-10, atol=1e-13)
-    torch.testing.assert_close(block(curvature, lin_pos), torch.kron(g_lin, a_lin), rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(block(curvature, conv_pos), kron(g_conv, a_conv), rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(block(curvature, lin_pos), kron(g_lin, a_lin), rtol=1e-10, atol=1e-13)
     cross = curvature.dense()[conv_pos[:, None], lin_pos[None, :]]
     assert torch.equal(cross, torch.zeros_like(cross))  # block-diagonal over layers
     assert curvature.info["diagonal"] == {} and [l["module"] for l in curvature.info["layers"]] == ["conv", "lin"]
@@ -155,7 +160,7 @@ def test_ekfac_eigenvalues_are_the_ggn_diagonal_in_the_kfac_eigenbasis(fixture, 
         assert torch.equal(eb.right, kb.right)  # the same eigenbasis
         pos = layer_positions(space, eb.weight, eb.bias, eb.rows)
         left = eb.left if eb.left is not None else torch.eye(eb.rows)
-        basis = torch.kron(left, eb.right)
+        basis = kron(left, eb.right)
         expected = torch.diagonal(basis.T @ ggn[pos[:, None], pos[None, :]] @ basis)
         torch.testing.assert_close(eb.eigenvalues.reshape(-1), expected, rtol=1e-9, atol=1e-13)
 
@@ -186,7 +191,7 @@ def test_embedding_and_shared_layer_factors_pool_tokens_and_calls(seq_stage):
 
     j = vmap(jacrev(after_embedding))(emb)  # (n, 3, T, 4)
     g_emb = torch.einsum("ndtc,nde,netw,nt->cw", j, h_out, j, keep.double()) / n
-    expected = torch.kron(torch.diag(counts), g_emb)
+    expected = kron(torch.diag(counts), g_emb)
     emb_block = blocks["emb"]
     torch.testing.assert_close(emb_block.dense(), expected, rtol=1e-10, atol=1e-13)
     # shared layer: inputs of both calls pooled (2·n·T tokens), gradients of both calls summed per example
@@ -199,7 +204,7 @@ def test_embedding_and_shared_layer_factors_pool_tokens_and_calls(seq_stage):
     j1 = vmap(jacrev(lambda s: model.out(torch.tanh(model.shared(torch.tanh(s))).mean(0)) * model.scale))(s1)
     j2 = vmap(jacrev(lambda s: model.out(torch.tanh(s).mean(0)) * model.scale))(model.shared(h1).detach())
     g_shared = sum(torch.einsum("ndtc,nde,netw->cw", jj, h_out, jj) for jj in (j1, j2)) / n
-    torch.testing.assert_close(blocks["shared"].dense(), torch.kron(g_shared, a_shared), rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(blocks["shared"].dense(), kron(g_shared, a_shared), rtol=1e-10, atol=1e-13)
 
 
 def test_other_parameters_get_the_exact_ggn_diagonal_and_are_listed(seq_stage):
