@@ -441,10 +441,10 @@ the LM task's 210k-parameter continuation and far more on a 9.6 M-parameter BERT
 
 def top_count(top: int | str, p: int, itemsize: int, budget: int | None) -> tuple[int, str]:
     """(k, why): the number of top Gauss-Newton eigenpairs of a stage with p trained parameters. ``top`` itself when
-    it is a number; for "auto" none when p > TOP_AUTO_PARAMETERS, else the largest k ≤ TOP_AUTO whose ARPACK workspace (ncv = max(2k + 1, 20) float64
-    vectors of p; none when k ≥ p − 1, which is dense: p² float64) plus the k kept vectors (``itemsize`` bytes per
-    entry) fit in half of ``budget`` (bytes; None: the default budget), and 0 where ARPACK is needed and scipy is
-    missing (with a warning naming the extra)."""
+    it is a number; for "auto" none when p > TOP_AUTO_PARAMETERS, else the largest k ≤ TOP_AUTO whose ARPACK
+    workspace (ncv = max(2k + 1, 20) float64 vectors of p; none when k ≥ p − 1, which is dense: p² float64) plus the
+    k kept vectors (``itemsize`` bytes per entry) fit in half of ``budget`` (bytes; None: the default budget), and 0
+    where ARPACK is needed and scipy is missing (with a warning naming the extra)."""
     if top != "auto":
         return int(top), "given"
     if p > TOP_AUTO_PARAMETERS:
@@ -470,11 +470,10 @@ def top_count(top: int | str, p: int, itemsize: int, budget: int | None) -> tupl
 
 def _top_directions(run: StageRun, theta_end: dict, k: int, dtype: torch.dtype
                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
-    """((g (k,), V (p, k)), products of G taken): the k largest eigenpairs of the stage's Gauss-Newton matrix at ``theta_end`` (the model
-    holds the stage's inherited block), by ARPACK's Lanczos on its products, or densely when k ≥ p − 1. A stage
-    re-run at one weight c per example (``at=``) has c·G_data + ∇²(R + proximal): the operator's product (c = 1)
-    rescaled in its data part."""
-    linalg = require("scipy.sparse.linalg", "approximate(..., top=k)")
+    """((g (k,), V (p, k)), products of G taken): the k largest eigenpairs of the stage's Gauss-Newton matrix at
+    ``theta_end`` (the model holds the stage's inherited block), by ARPACK's Lanczos on its products (scipy), or
+    densely when k ≥ p − 1. A stage re-run at one weight c per example (``at=``) has c·G_data + ∇²(R + proximal):
+    the operator's product (c = 1) rescaled in its data part."""
     proximal = run.proximal()
     operator = HessianOperator(run.stage, list(run.trained), at=theta_end, curvature="gauss-newton", extra=proximal)
     scale = 1.0 if run.weights is None else float(run.weights[0])
@@ -499,6 +498,7 @@ def _top_directions(run: StageRun, theta_end: dict, k: int, dtype: torch.dtype
         dense = product(torch.eye(p, dtype=operator.dtype, device=operator.device)).double()
         values, vectors = torch.linalg.eigh(0.5 * (dense + dense.T))
         return (values[-k:].to(dtype), vectors[:, -k:].to(dtype)), operator.products
+    linalg = require("scipy.sparse.linalg", "approximate(..., top=k)")
     matvec = lambda x: product(torch.as_tensor(x, dtype=operator.dtype, device=operator.device  # noqa: E731
                                                ).reshape(p, -1)).double().cpu().numpy().reshape(x.shape)
     values, vectors = linalg.eigsh(linalg.LinearOperator((p, p), matvec=matvec, dtype=float), k=k, which="LA")
