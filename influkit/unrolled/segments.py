@@ -131,8 +131,8 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     top ≥ p − 1) are put into every piece exactly: in their span the piece's map uses those eigenvalues, in the
     complement the factored curvature's (module docstring, Top directions). Memory: top·p more per stage. Default
     ``"auto"``: TOP_AUTO per stage of ≤ TOP_AUTO_PARAMETERS trained parameters, fewer where the budget is short, none
-    with the dense Hessian or where scipy is missing and ARPACK would be needed (a warning says so): :func:`top_count`. ``diagnostics["top"]`` says how many
-    each stage used and why.
+    with the dense Hessian or where scipy is missing (a warning says so): :func:`top_count`. ``diagnostics["top"]``
+    says how many each stage used and why.
     """
     if int(segments) < 1:
         raise InputError(f"segments must be ≥ 1, got {segments!r}.")
@@ -444,7 +444,7 @@ def top_count(top: int | str, p: int, itemsize: int, budget: int | None) -> tupl
     it is a number; for "auto" none when p > TOP_AUTO_PARAMETERS, else the largest k ≤ TOP_AUTO whose ARPACK
     workspace (ncv = max(2k + 1, 20) float64 vectors of p; none when k ≥ p − 1, which is dense: p² float64) plus the
     k kept vectors (``itemsize`` bytes per entry) fit in half of ``budget`` (bytes; None: the default budget), and 0
-    where ARPACK is needed and scipy is missing (with a warning naming the extra)."""
+    where scipy is missing (with a warning naming the extra)."""
     if top != "auto":
         return int(top), "given"
     if p > TOP_AUTO_PARAMETERS:
@@ -461,7 +461,7 @@ def top_count(top: int | str, p: int, itemsize: int, budget: int | None) -> tupl
         k -= 1
     if not k:
         return 0, f"auto: one eigenpair's workspace ({workspace(1) / 2**30:.2f} GiB) is over half the budget left"
-    if k < p - 1 and importlib.util.find_spec("scipy") is None:
+    if importlib.util.find_spec("scipy") is None:
         warnings.warn("approximate(top='auto') found no scipy, so its factored pieces have no exact Gauss-Newton "
                       "directions (top=0); pip install 'influkit[unrolled]' to add them.", stacklevel=4)
         return 0, "auto: scipy (ARPACK) is not installed"
@@ -471,9 +471,11 @@ def top_count(top: int | str, p: int, itemsize: int, budget: int | None) -> tupl
 def _top_directions(run: StageRun, theta_end: dict, k: int, dtype: torch.dtype
                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
     """((g (k,), V (p, k)), products of G taken): the k largest eigenpairs of the stage's Gauss-Newton matrix at
-    ``theta_end`` (the model holds the stage's inherited block), by ARPACK's Lanczos on its products (scipy), or
-    densely when k ≥ p − 1. A stage re-run at one weight c per example (``at=``) has c·G_data + ∇²(R + proximal):
-    the operator's product (c = 1) rescaled in its data part."""
+    ``theta_end`` (the model holds the stage's inherited block), by ARPACK's Lanczos on its products, or densely
+    when k ≥ p − 1 (either way through scipy: ``top_count`` takes none without it). A stage re-run at one weight
+    c per example (``at=``) has c·G_data + ∇²(R + proximal): the operator's product (c = 1) rescaled in its data
+    part."""
+    linalg = require("scipy.sparse.linalg", "approximate(..., top=k)")
     proximal = run.proximal()
     operator = HessianOperator(run.stage, list(run.trained), at=theta_end, curvature="gauss-newton", extra=proximal)
     scale = 1.0 if run.weights is None else float(run.weights[0])
@@ -498,7 +500,6 @@ def _top_directions(run: StageRun, theta_end: dict, k: int, dtype: torch.dtype
         dense = product(torch.eye(p, dtype=operator.dtype, device=operator.device)).double()
         values, vectors = torch.linalg.eigh(0.5 * (dense + dense.T))
         return (values[-k:].to(dtype), vectors[:, -k:].to(dtype)), operator.products
-    linalg = require("scipy.sparse.linalg", "approximate(..., top=k)")
     matvec = lambda x: product(torch.as_tensor(x, dtype=operator.dtype, device=operator.device  # noqa: E731
                                                ).reshape(p, -1)).double().cpu().numpy().reshape(x.shape)
     values, vectors = linalg.eigsh(linalg.LinearOperator((p, p), matvec=matvec, dtype=float), k=k, which="LA")
