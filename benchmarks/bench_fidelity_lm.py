@@ -66,6 +66,7 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm unrolled-table --subsets 100   # every cached method, one trained model
     python -m benchmarks.bench_fidelity_lm restore   # the committed M = 100 outputs of lm-case1_warm_unrolled
     python -m benchmarks.bench_fidelity_lm unrolled --finetuning default  # exact, adjoint from the default solve
+    python -m benchmarks.bench_fidelity_lm unrolled --finetuning default --at mean  # ... at the mean weights
     python -m benchmarks.bench_fidelity_lm unrolled --at midpoint  # exact at continuation weights 0.75 (midpoint rule)
     python -m benchmarks.bench_fidelity_lm unrolled --at mean      # exact at the halves' mean weights 0.5 (mean rule)
     python -m benchmarks.bench_fidelity_lm unrolled --at mean --orders 4   # ... averaged over 4 batch orders
@@ -91,7 +92,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -232,8 +233,6 @@ def rhs_path(finetuning: str) -> Path:
 
 
 UNROLLED = ("unrolled-exact", "unrolled-segments-ekfac")
-# the exact unrolling from the adjoint of the finetuning solve at its defaults (converged), not the example's
-UNROLLED_DEFAULT_ADJOINT = "unrolled-exact-default-adjoint"
 # the exact unrolling at the mean midpoint of the protocol's removals: continuation weights 1 − α/2 (α = 0.5)
 UNROLLED_MIDPOINT = "unrolled-exact-midpoint"
 MIDPOINT_WEIGHT = 0.75
@@ -263,128 +262,129 @@ def record_continuation(task: LMTask, progress: bool = True, order: int = 0) -> 
     return record
 
 
-def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "example", at: float | None = None,
-                    order: int = 0, top: int = 0) -> dict:
-    """(n, q) exact metagradients of the warm protocol: reverse mode through the recorded continuation, from the
-    finetuning stage's implicit-function adjoint on the base (its solve: ``finetuning``, ``LMTask.chain``).
+@dataclass
+class WarmAdjoint:
+    """The warm protocol's continuation recorded (and re-run at w = ``at``), the adapters refit on its final base,
+    and the finetuning stage's adjoint on that base (``warm_adjoint``), with what it took (``info``)."""
 
-    After the recorded full-data continuation the base goes into the LoRA model and the adapters are refit (as the
-    protocol does, cfg.refit_iter L-BFGS iterations); the adapters being (near) their optimum Θ*(W), the test NLL's
-    derivative with respect to the final base is the Case 1 chain's df/dW = b − H_WΘ H_F⁻¹ a (the identity chain's
-    pretraining right-hand side, with the same finetuning solve as the other rows), handed into the continuation's
-    reverse pass (``ik.unrolled.Adjoint``). score_z = d NLL_t / d w_z; removal predicts −score. The approximate
-    unrolling (SOURCE) takes the same adjoint through SEGMENTS pieces with EK-FAC fitted at each piece's end (the
-    example's EK-FAC settings). Also times one protocol re-training (continuation + refit, nothing dropped) and
-    compares its base with the record's final base. Returns {method: (values (n, q), info)}: both UNROLLED
-    methods for the example's finetuning solve, UNROLLED_DEFAULT_ADJOINT (exact only) for ``"default"``, and with
-    ``at`` UNROLLED_MIDPOINT (exact only: the approximate unrolling linearizes at w = 1): the continuation re-run
-    with every document weighted ``at`` (``ik.unrolled.reweighted``), the adapters refit on that base, the
-    finetuning adjoint taken there, and the reverse pass through the re-run continuation — the metagradient at
-    w = ``at``. ``order``: the continuation recorded (and its protocol re-training timed) under batch order ``order``
-    instead of the protocol's 0 (``orders_scores``). ``top`` > 0: only the approximate unrolling, its EK-FAC pieces
-    completed by the continuation's ``top`` largest Gauss-Newton eigenpairs (``approximate(top=)``), at w = ``at``
-    (a uniform weight: the factored curvature rescaled) or 1 — ``segments_name(top, at)``.
-    """
+    record: ik.unrolled.Record
+    adjoint: ik.unrolled.Adjoint
+    seconds: dict  # of the shared steps: recording, re-run, refit + finetuning adjoint
+    retrain_seconds: float  # one protocol re-training timed beside them
+    info: dict
+
+
+def protocol_retraining(task: LMTask, order: int) -> tuple[float, dict]:
+    """(seconds, final base): one protocol re-training with nothing dropped (continuation + refit), timed; the
+    trained models are restored after."""
     ex, cfg = task.ex, task.cfg
-    pre_state = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
-    fin_state = {k: v.clone() for k, v in task.fin.model.state_dict().items()}
-    try:
+    with task.restored():
         start = time.perf_counter()
         ex.continue_pretraining(task.pre, cfg, None, cfg.seed + 7 + order)
-        protocol_base = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
+        base = {k: v.clone() for k, v in task.pre.model.state_dict().items()}
         ex.set_base(task.fin, task.pre, task.link)
         ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
-        retrain_seconds = time.perf_counter() - start
-        task.pre.model.load_state_dict(pre_state)
-        task.fin.model.load_state_dict(fin_state)
+        return time.perf_counter() - start, base
 
+
+def warm_adjoint(task: LMTask, progress: bool, finetuning: str, at: float | None, order: int) -> WarmAdjoint:
+    """The start of every unrolled row of the warm protocol; leaves the re-run base in task.pre and the refit
+    adapters in task.fin (call inside ``task.restored()``).
+
+    After the recorded full-data continuation (re-run with every document weighted ``at`` when given:
+    ``ik.unrolled.reweighted``) the base goes into the LoRA model and the adapters are refit (as the protocol does,
+    cfg.refit_iter L-BFGS iterations); the adapters being (near) their optimum Θ*(W), the test NLL's derivative with
+    respect to the final base is the Case 1 chain's df/dW = b − H_WΘ H_F⁻¹ a (the identity chain's pretraining
+    right-hand side, with the finetuning solve ``finetuning``: ``LMTask.chain``), handed into the continuation's
+    reverse pass as ``ik.unrolled.Adjoint``. ``order``: the continuation recorded under batch order ``order``
+    (the protocol's is 0). Also times one protocol re-training and compares its base with the record's."""
+    cfg = task.cfg
+    retrain_seconds, protocol_base = protocol_retraining(task, order)
+    start = time.perf_counter()
+    record = record_continuation(task, progress, order)
+    record_seconds = time.perf_counter() - start
+    final = record.runs[0].final
+    info = {"record_vs_protocol_max_abs": max(float((final[n] - protocol_base[n]).abs().max()) for n in final),
+            "base_max_abs": max(float(protocol_base[n].abs().max()) for n in final), "steps": record.runs[0].steps}
+    seconds = {"record (the continuation, recorded)": record_seconds}
+    if at is not None:  # the continuation re-run at w = at; its final base goes into the pretrained model
         start = time.perf_counter()
-        record = record_continuation(task, progress, order)
-        record_seconds = time.perf_counter() - start
+        record = ik.unrolled.reweighted(record, torch.full((task.n,), at, dtype=torch.float64), progress=progress)
         final = record.runs[0].final
-        gap = max(float((final[n] - protocol_base[n]).abs().max()) for n in final)
-        scale = max(float(protocol_base[n].abs().max()) for n in final)
-        start = time.perf_counter()
-        if at is not None:  # the continuation re-run at w = at; its final base goes into the pretrained model
-            record = ik.unrolled.reweighted(record, torch.full((task.n,), at, dtype=torch.float64), progress=progress)
-            final = record.runs[0].final
-            base_into(task, final)
-        reweight_seconds = time.perf_counter() - start
-        start = time.perf_counter()
-        ex.set_base(task.fin, task.pre, task.link)
-        grad_norm = ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
-        query = task.chain("identity", finetuning).query(task.test, per_test=True, progress=progress)
-        adjoint_seconds = time.perf_counter() - start
-        chain = query.chain
-        names = chain.plans[0].trained
-        adjoint = ik.unrolled.Adjoint(ParamSpace({n: final[n] for n in names}).unflatten(query.s), batched=True)
-        if top:
-            start = time.perf_counter()
-            approx = ik.unrolled.approximate(record, adjoint, segments=SEGMENTS, per_test=True, curvature="ekfac",
-                                             config=ex.SOLVES["ekfac"](cfg)[1], top=top, progress=progress)[0]
-            seconds = {"record (the continuation, recorded)": record_seconds,
-                       "re-run at w = at (reweighted)": reweight_seconds, "refit + finetuning adjoint": adjoint_seconds,
-                       "segments (EK-FAC per piece + top directions)": time.perf_counter() - start,
-                       "one protocol re-training": retrain_seconds}
-            return {segments_name(top, at): (approx.values.double().numpy(), {
-                "at": at, "seconds": seconds, "total_seconds": sum(v for k, v in seconds.items() if "protocol" not in k),
-                "settings": approx.diagnostics["settings"], "top": approx.diagnostics["top"],
-                "stability": approx.diagnostics["stability"], "refit_grad_norm": grad_norm,
-                "finetuning_solve": query.solves[1]})}
-        start = time.perf_counter()
-        exact = ik.unrolled.metagradients(record, adjoint, per_test=True, progress=progress)[0]
-        reverse_seconds = time.perf_counter() - start
-        if at is not None:
-            seconds = {"record (the continuation, recorded)": record_seconds,
-                       "re-run at w = at (reweighted)": reweight_seconds, "refit + finetuning adjoint": adjoint_seconds,
-                       "reverse pass": reverse_seconds, "one protocol re-training": retrain_seconds}
-            return {at_name(at): (exact.values.double().numpy(), {
-                "at": at, "seconds": seconds, "record_vs_protocol_max_abs": gap, "base_max_abs": scale,
-                "refit_grad_norm": grad_norm, "finetuning_solve": query.solves[1], "steps": record.runs[0].steps,
-                "total_seconds": record_seconds + reweight_seconds + adjoint_seconds + reverse_seconds,
-                "replay": exact.diagnostics["replay"], "memory": exact.diagnostics["memory"]})}
-        if finetuning != "example":
-            seconds = {"record (the continuation, recorded)": record_seconds, "refit + finetuning adjoint": adjoint_seconds,
-                       "reverse pass": reverse_seconds, "one protocol re-training": retrain_seconds}
-            return {UNROLLED_DEFAULT_ADJOINT: (exact.values.double().numpy(), {
-                "seconds": seconds, "record_vs_protocol_max_abs": gap, "base_max_abs": scale,
-                "refit_grad_norm": grad_norm, "finetuning_solve": query.solves[1] | {"stage_position": query.stages[1]},
-                "steps": record.runs[0].steps, "total_seconds": record_seconds + adjoint_seconds + reverse_seconds,
-                "replay": exact.diagnostics["replay"], "memory": exact.diagnostics["memory"]})}
-        start = time.perf_counter()
-        curvature = ex.SOLVES["ekfac"](cfg)[1]
-        approx = ik.unrolled.approximate(record, adjoint, segments=SEGMENTS, per_test=True, curvature="ekfac",
-                                         config=curvature, top=0, progress=progress)[0]
-        approx_seconds = time.perf_counter() - start
-    finally:
-        task.pre.model.load_state_dict(pre_state)
-        task.fin.model.load_state_dict(fin_state)
-    seconds = {"record (the continuation, recorded)": record_seconds, "refit + finetuning adjoint": adjoint_seconds,
-               "reverse pass": reverse_seconds, "segments (EK-FAC per piece)": approx_seconds,
-               "one protocol re-training": retrain_seconds}
-    common = {"seconds": seconds, "record_vs_protocol_max_abs": gap, "base_max_abs": scale,
-              "refit_grad_norm": grad_norm, "finetuning_solve": query.solves[1], "steps": record.runs[0].steps}
-    shared = record_seconds + adjoint_seconds
-    return {UNROLLED[0]: (exact.values.double().numpy(), common | {
-                "total_seconds": shared + reverse_seconds, "replay": exact.diagnostics["replay"],
-                "memory": exact.diagnostics["memory"]}),
-            UNROLLED[1]: (approx.values.double().numpy(), common | {
-                "total_seconds": shared + approx_seconds, "settings": approx.diagnostics["settings"]})}
+        base_into(task, final)
+        seconds["re-run at w = at (reweighted)"] = time.perf_counter() - start
+    start = time.perf_counter()
+    task.ex.set_base(task.fin, task.pre, task.link)
+    info["refit_grad_norm"] = task.ex.fit_adapters(task.fin, max_iter=cfg.refit_iter, rounds=1)
+    query = task.chain("identity", finetuning).query(task.test, per_test=True, progress=progress)
+    seconds["refit + finetuning adjoint"] = time.perf_counter() - start
+    info["finetuning_solve"] = query.solves[1] | {"stage_position": query.stages[1]}
+    names = query.chain.plans[0].trained
+    adjoint = ik.unrolled.Adjoint(ParamSpace({n: final[n] for n in names}).unflatten(query.s), batched=True)
+    return WarmAdjoint(record, adjoint, seconds, retrain_seconds, info | {"at": at})
+
+
+def exact_row(task: LMTask, warm: WarmAdjoint, progress: bool) -> tuple[np.ndarray, dict]:
+    """((n, q), info): the exact metagradient, reverse mode through the (re-run) continuation from the adjoint."""
+    start = time.perf_counter()
+    exact = ik.unrolled.metagradients(warm.record, warm.adjoint, per_test=True, progress=progress)[0]
+    return exact.values.double().numpy(), {"pass": ("reverse pass", time.perf_counter() - start),
+                                           "replay": exact.diagnostics["replay"], "memory": exact.diagnostics["memory"]}
+
+
+def segments_row(task: LMTask, warm: WarmAdjoint, progress: bool, top: int) -> tuple[np.ndarray, dict]:
+    """((n, q), info): the approximate unrolling (SOURCE) of the same adjoint through SEGMENTS pieces with EK-FAC
+    fitted at each piece's end (the example's EK-FAC settings), completed by the continuation's ``top`` largest
+    Gauss-Newton eigenpairs (``approximate(top=)``; at w = ``at``, a uniform weight, the factored curvature is
+    rescaled)."""
+    start = time.perf_counter()
+    approx = ik.unrolled.approximate(warm.record, warm.adjoint, segments=SEGMENTS, per_test=True, curvature="ekfac",
+                                     config=task.ex.SOLVES["ekfac"](task.cfg)[1], top=top, progress=progress)[0]
+    label = "segments (EK-FAC per piece" + (" + top directions)" if top else ")")
+    return approx.values.double().numpy(), {"pass": (label, time.perf_counter() - start),
+                                            "settings": approx.diagnostics["settings"], "top": approx.diagnostics["top"],
+                                            "stability": approx.diagnostics["stability"]}
+
+
+def exact_name(finetuning: str, at: float | None) -> str:
+    """The row of the exact unrolling from the finetuning solve ``finetuning``'s adjoint at continuation weight
+    ``at`` (None: as recorded)."""
+    name = UNROLLED[0] if at is None else next((m for m, w in AT_METHODS.items() if w == at), f"{UNROLLED[0]}-at{at:g}")
+    return name + ("" if finetuning == "example" else f"-{finetuning}-adjoint")
 
 
 def segments_name(top: int, at: float | None) -> str:
     """The row of the approximate unrolling with ``top`` Gauss-Newton directions, at continuation weight ``at``."""
-    return f"unrolled-segments-ekfac-top{top}" + ("" if at is None else f"-at{at:g}")
+    if not top and at is None:
+        return UNROLLED[1]
+    return f"{UNROLLED[1]}-top{top}" + ("" if at is None else f"-at{at:g}")
+
+
+def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "example", at: float | None = None,
+                    order: int = 0, rows: tuple[str, ...] = ("exact", "segments"), top: int = 0) -> dict:
+    """{row name: ((n, q) scores, info)}: the warm protocol's unrolled rows from one ``warm_adjoint`` — "exact"
+    (``exact_row``, named by ``exact_name``) and "segments" (``segments_row`` with ``top`` directions,
+    ``segments_name``). score_z = d NLL_t / d w_z; removal predicts −score. Each info carries its seconds (the
+    shared record, re-run and adjoint, its own pass, and one protocol re-training timed beside them) and their
+    total without the re-training."""
+    kinds = {"exact": lambda warm: (exact_name(finetuning, at), *exact_row(task, warm, progress)),
+             "segments": lambda warm: (segments_name(top, at), *segments_row(task, warm, progress, top))}
+    out = {}
+    with task.restored():
+        warm = warm_adjoint(task, progress, finetuning, at, order)
+        for kind in rows:
+            name, values, info = kinds[kind](warm)
+            label, seconds = info.pop("pass")
+            spent = warm.seconds | {label: seconds}
+            out[name] = (values, warm.info | info | {
+                "seconds": spent | {"one protocol re-training": warm.retrain_seconds},
+                "total_seconds": sum(spent.values())})
+    return out
 
 
 def orders_name(at: float, orders: int) -> str:
     """The row of the exact unrolling at continuation weight ``at`` averaged over ``orders`` batch orders."""
-    return f"{at_name(at)}-{orders}-orders"
-
-
-def at_name(at: float) -> str:
-    """The row of the exact unrolling at continuation weight ``at`` (AT_METHODS)."""
-    return next(m for m, w in AT_METHODS.items() if w == at)
+    return f"{exact_name('example', at)}-{orders}-orders"
 
 
 def orders_scores(task: LMTask, progress: bool, at: float, orders: int) -> None:
@@ -398,12 +398,12 @@ def orders_scores(task: LMTask, progress: bool, at: float, orders: int) -> None:
     ``cache/lm-case1/orders``; seconds are summed over the orders."""
     directory = CACHE / "orders"
     directory.mkdir(parents=True, exist_ok=True)
-    single = at_name(at)
+    single = exact_name("example", at)
     values, infos = [], []
     for order in range(orders):
         path = CACHE / f"scores_{single}.npz" if order == 0 else directory / f"{single}_order{order}.npz"
         if not path.exists():
-            (value, info), = unrolled_scores(task, progress, at=at, order=order).values()
+            (value, info), = unrolled_scores(task, progress, at=at, order=order, rows=("exact",)).values()
             np.savez(path, values=value, info=json.dumps(info, default=str))
         cached = np.load(path)
         values.append(cached["values"])
@@ -416,15 +416,17 @@ def orders_scores(task: LMTask, progress: bool, at: float, orders: int) -> None:
              info=json.dumps(info, default=str))
 
 
-def unrolled_scores_cached(task: LMTask, progress: bool, finetuning: str = "example", at_method: str | None = None) -> None:
-    """Score the unrolled methods once (cached as ``scores_<method>.npz`` with their ``info``); ``at_method``: only
-    that method of AT_METHODS (the exact unrolling at its continuation weight, the example's finetuning solve)."""
-    methods = (at_method,) if at_method else UNROLLED if finetuning == "example" else (UNROLLED_DEFAULT_ADJOINT,)
-    paths = {method: CACHE / f"scores_{method}.npz" for method in methods}
-    if not all(path.exists() for path in paths.values()):
-        at = AT_METHODS.get(at_method)
-        for method, (values, info) in unrolled_scores(task, progress, finetuning, at).items():
-            np.savez(paths[method], values=values, info=json.dumps(info, default=str))
+def unrolled_scores_cached(task: LMTask, progress: bool, finetuning: str = "example", at: float | None = None,
+                           top: int = 0) -> None:
+    """Score the unrolled rows once (cached as ``scores_<row>.npz`` with their ``info``): with ``top``, only the
+    approximate unrolling with that many Gauss-Newton directions; at another finetuning solve than the example's or
+    at a continuation weight ``at``, only the exact unrolling (the plain approximate one linearizes at w = 1 with
+    the example's adjoint); else both."""
+    rows = ("segments",) if top else ("exact",) if finetuning != "example" or at is not None else ("exact", "segments")
+    names = {"exact": exact_name(finetuning, at), "segments": segments_name(top, at)}
+    if not all((CACHE / f"scores_{names[row]}.npz").exists() for row in rows):
+        for method, (values, info) in unrolled_scores(task, progress, finetuning, at, rows=rows, top=top).items():
+            np.savez(CACHE / f"scores_{method}.npz", values=values, info=json.dumps(info, default=str))
 
 
 WARM_UNROLLED = f"{TASK}_warm_unrolled"
@@ -812,7 +814,7 @@ def replay_midpoint(task: LMTask, fraction: float, progress: bool) -> tuple[np.n
         path = CACHE / f"scores_{UNROLLED_MIDPOINT}.npz"
     if not path.exists():
         REPLAY.mkdir(parents=True, exist_ok=True)
-        values, info = unrolled_scores(task, progress, "example", 1 - fraction / 2)[UNROLLED_MIDPOINT]
+        (values, info), = unrolled_scores(task, progress, "example", 1 - fraction / 2, rows=("exact",)).values()
         np.savez(path, values=values, info=json.dumps(info, default=str))
     cached = np.load(path)
     return cached["values"], json.loads(str(cached["info"]))
@@ -1378,20 +1380,13 @@ def main() -> None:
     elif args.step == "score":
         score_all(task, args.methods, progress)
     elif args.step == "unrolled":
-        at_method = {"midpoint": UNROLLED_MIDPOINT, "mean": UNROLLED_MEAN, None: None}[args.at]
-        if args.top:
-            at = AT_METHODS.get(at_method)
-            path = CACHE / f"scores_{segments_name(args.top, at)}.npz"
-            if not path.exists():
-                (values, info), = unrolled_scores(task, progress, at=at, top=args.top).values()
-                np.savez(path, values=values, info=json.dumps(info, default=str))
-        elif args.orders > 1:
-            if at_method is None:
+        at = {"midpoint": MIDPOINT_WEIGHT, "mean": MEAN_WEIGHT, None: None}[args.at]
+        if args.orders > 1:
+            if at is None:
                 raise SystemExit("--orders averages the exact unrolling at --at midpoint or --at mean")
-            orders_scores(task, progress, AT_METHODS[at_method], args.orders)
+            orders_scores(task, progress, at, args.orders)
         else:
-            unrolled_scores_cached(task, progress, args.finetuning, at_method)
-
+            unrolled_scores_cached(task, progress, args.finetuning, at, args.top)
 
 if __name__ == "__main__":
     main()

@@ -63,6 +63,10 @@ TOP = 20
 APPROXIMATE_EKFAC = f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, EK-FAC)"
 APPROXIMATE_EKFAC_TOP = (f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, EK-FAC + top {TOP} "
                          "Gauss-Newton)")
+APPROXIMATE_SETTINGS = {APPROXIMATE: {"curvature": "hessian"}, APPROXIMATE_EKFAC: {"curvature": "ekfac", "top": 0},
+                        APPROXIMATE_EKFAC_TOP: {"curvature": "ekfac", "top": TOP}}
+"""``ik.unrolled.approximate``'s settings of each approximate row at w = 1 (with ``segments=APPROXIMATE_SEGMENTS``),
+here and in ``fidelity_unrolled``."""
 SUBSET_SEED = 0
 
 
@@ -160,8 +164,7 @@ def method_scores(task: Task, record: Record, wanted, fractions) -> dict[str, tu
     if APPROXIMATE_MEAN in wanted:
         out[APPROXIMATE_MEAN] = scores_at(lambda at: ik.unrolled.approximate(
             record, task.split.test, segments=APPROXIMATE_SEGMENTS, per_test=True, at=at), record, fractions, mean_weight)
-    for name, settings in ((APPROXIMATE, {}), (APPROXIMATE_EKFAC, {"curvature": "ekfac", "top": 0}),
-                           (APPROXIMATE_EKFAC_TOP, {"curvature": "ekfac", "top": TOP})):
+    for name, settings in APPROXIMATE_SETTINGS.items():
         if name in wanted:
             start = time.perf_counter()
             approximate = ik.unrolled.approximate(record, task.split.test, segments=APPROXIMATE_SEGMENTS,

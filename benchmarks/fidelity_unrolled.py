@@ -46,13 +46,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import influkit as ik
-from benchmarks.fidelity_replay import (APPROXIMATE, APPROXIMATE_EKFAC, APPROXIMATE_EKFAC_TOP, APPROXIMATE_SEGMENTS, EXACT,
-                                        FINETUNE, PRETRAIN, TOP, pretrain_optimizer, record_task, settings_digest)
+from benchmarks.fidelity_replay import (APPROXIMATE_SEGMENTS, APPROXIMATE_SETTINGS, EXACT, FINETUNE, PRETRAIN,
+                                        pretrain_optimizer, record_task, settings_digest)
 from benchmarks.fidelity_tasks import Task, subsets_for
 from influkit import Link
 from influkit.validation import lds_per_query
 
-METHODS = (EXACT, APPROXIMATE, APPROXIMATE_EKFAC, APPROXIMATE_EKFAC_TOP)
+METHODS = (EXACT, *APPROXIMATE_SETTINGS)
 REPRODUCED = 1e-6
 """Largest |Δ test loss| between today's re-training of a committed subset and its committed output (written to 10
 significant digits) for which the committed outputs count as this code's."""
@@ -85,10 +85,8 @@ def _compute(method: str, record: ik.unrolled.Record, test) -> ik.InfluenceResul
     """Stage 0's per-test scores of ``method`` on ``record``."""
     if method == EXACT:
         return ik.unrolled.metagradients(record, test, per_test=True)[0]
-    curvature = "hessian" if method == APPROXIMATE else "ekfac"
-    top = TOP if method == APPROXIMATE_EKFAC_TOP else 0
-    return ik.unrolled.approximate(record, test, segments=APPROXIMATE_SEGMENTS, per_test=True, curvature=curvature,
-                                   top=top)[0]
+    return ik.unrolled.approximate(record, test, segments=APPROXIMATE_SEGMENTS, per_test=True,
+                                   **APPROXIMATE_SETTINGS[method])[0]
 
 
 def unrolled_scores(task: Task, protocol: str) -> tuple[dict[str, tuple[np.ndarray, float]], dict]:

@@ -139,6 +139,7 @@ def hvp(
     mode: str = "rev-rev",
     extra=None,
     batch_size: int | None = None,
+    data_weight: float = 1.0,
 ) -> Params:
     """H·v over the parameter block named by ``tangents``' keys, for the objective over ``indices``.
 
@@ -146,6 +147,7 @@ def hvp(
     at: parameter values to differentiate at (default: the model's current values).
     extra: an additional term extra(params) -> scalar in the objective (e.g. a proximal penalty).
     batch_size: examples per streamed batch (default: the stage's).
+    data_weight: c of the objective (c/n) Σ ℓ_i + R + extra (``HessianOperator``).
     """
     if mode not in HVP_MODES:
         raise InputError(f"unknown HVP mode {mode!r}; use one of {HVP_MODES}.")
@@ -155,7 +157,7 @@ def hvp(
     term = _batch_objective(stage, extra)
 
     def product(p, v, x, y, with_reg):
-        g = lambda q: grad(term)(q, x, y, 1.0 / n, with_reg)  # noqa: E731
+        g = lambda q: grad(term)(q, x, y, data_weight / n, with_reg)  # noqa: E731
         if mode == "fwd-rev":
             return jvp(g, (p,), (v,))[1]
         return vjp(g, p)[1](v)[0]
@@ -230,8 +232,9 @@ class _GaussNewtonBatch:
 class HessianOperator:
     """The Hessian of a stage objective over a parameter block, as a linear operator on flat vectors.
 
-    H = ∇²_θ [(1/s) Σ_{i∈S} ℓ_i(θ) + R(θ) + extra(θ)], with S all data or a seeded sample of ``samples``
-    examples (``hessian_samples``). ``matvec`` takes (p,) or (p, k); ``dense`` builds the p×p matrix.
+    H = ∇²_θ [(c/s) Σ_{i∈S} ℓ_i(θ) + R(θ) + extra(θ)], with S all data or a seeded sample of ``samples``
+    examples (``hessian_samples``) and c = ``data_weight`` (default 1; another c: the objective of a run whose every
+    example is weighted c, R and extra unscaled). ``matvec`` takes (p,) or (p, k); ``dense`` builds the p×p matrix.
 
     With ``cache_graph`` (default: when the graph fits the memory budget ``memory``, bytes, :mod:`influkit.memory`:
     len(S) × the measured bytes of one example's double-backward graph, :func:`hvp_bytes_per_example`), the
@@ -260,6 +263,7 @@ class HessianOperator:
         cache_graph: bool | None = None,
         curvature: str = "hessian",
         memory: int | None = None,
+        data_weight: float = 1.0,
     ):
         if curvature not in CURVATURES:
             raise InputError(f"unknown curvature {curvature!r}; choose one of {CURVATURES}.")
@@ -271,6 +275,7 @@ class HessianOperator:
         self.indices = sample_indices(len(stage), samples, seed)
         self.mode = mode
         self.extra = extra
+        self.data_weight = float(data_weight)
         self.products = 0
         n_used = len(stage) if self.indices is None else len(self.indices)
         n_local = -(-n_used // distributed.world_size())
@@ -320,7 +325,7 @@ class HessianOperator:
             with torch.enable_grad():
                 term = _batch_objective(self.stage, self.extra)
                 if batches:
-                    value = term(leaves, *batches[0], 1.0 / n, owns_regularizer)
+                    value = term(leaves, *batches[0], self.data_weight / n, owns_regularizer)
                 else:  # a rank with no examples of its own (fewer examples than ranks)
                     value = sum((t * 0.0).sum() for t in leaves.values())
                 grads = torch.autograd.grad(value, list(leaves.values()), create_graph=True, allow_unused=True)
@@ -349,7 +354,8 @@ class HessianOperator:
         n_local = n if local is None else len(local)
         leaves = {k: t.detach().clone().requires_grad_(True) for k, t in point(self.stage.state(), self.names, self.at).items()}
         size = max(n_local, 1) if self._use_graph else self.batch_size
-        graphs = (_GaussNewtonBatch(self.stage, leaves, x, y, 1.0 / n) for x, y in self.stage.batches(local, batch_size=size))
+        graphs = (_GaussNewtonBatch(self.stage, leaves, x, y, self.data_weight / n)
+                  for x, y in self.stage.batches(local, batch_size=size))
         if self._use_graph:
             self._gauss_newton_graphs = list(graphs)
             yield from self._gauss_newton_graphs
@@ -400,6 +406,7 @@ class HessianOperator:
             mode=self.mode,
             extra=self.extra,
             batch_size=self.batch_size,
+            data_weight=self.data_weight,
         )
         return self.space.flatten(out, batched=batched)
 

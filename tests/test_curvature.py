@@ -71,6 +71,27 @@ def test_gauss_newton_products_match_the_explicit_jacobian_form(mlp_stage, cache
     assert op.products == 4
 
 
+@pytest.mark.parametrize("curvature,mode,cache_graph", [("hessian", "rev-rev", True), ("hessian", "rev-rev", False),
+                                                        ("hessian", "fwd-rev", False), ("gauss-newton", "rev-rev", True),
+                                                        ("gauss-newton", "rev-rev", False)])
+def test_data_weight_scales_the_data_part_only(mlp_stage, curvature, mode, cache_graph):
+    """data_weight c: c·H_data + ∇²(R + extra), against the explicit matrices (R = 1e-3/2‖θ‖², extra = 0.7‖θ − m‖²:
+    ∇²(R + extra) = 1.401·I), on every product path."""
+    from influkit.validation.reference import explicit_gauss_newton
+
+    centre = {n: t + 0.1 for n, t in mlp_stage.trained().items()}
+    extra = lambda p: 0.7 * sum(((p[n] - centre[n]) ** 2).sum() for n in p)  # noqa: E731
+    full = explicit_hessian(mlp_stage, extra=extra) if curvature == "hessian" else \
+        explicit_gauss_newton(mlp_stage, extra=extra)
+    penalty = 1.401 * torch.eye(full.shape[0], dtype=full.dtype)
+    op = HessianOperator(mlp_stage, curvature=curvature, mode=mode, cache_graph=cache_graph, extra=extra,
+                         data_weight=0.3)
+    v = torch.randn(op.dim, 3, generator=torch.Generator().manual_seed(0))
+    expected = (0.3 * (full - penalty) + penalty) @ v
+    torch.testing.assert_close(op.matvec(v), expected, rtol=0, atol=1e-12 * full.abs().max())
+    assert not torch.allclose(op.matvec(v), full @ v, atol=1e-3)
+
+
 def test_gauss_newton_is_positive_semidefinite_where_the_hessian_is_not(mlp_stage):
     """At the untrained MLP the Hessian has negative eigenvalues; G + ∇²R never goes below the L2 weight."""
     h = HessianOperator(mlp_stage).dense()

@@ -83,7 +83,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.func import grad, hessian, vjp
+from torch.func import hessian
 from tqdm.auto import tqdm
 
 from .. import distributed
@@ -473,34 +473,16 @@ def _top_directions(run: StageRun, theta_end: dict, k: int, dtype: torch.dtype
     """((g (k,), V (p, k)), products of G taken): the k largest eigenpairs of the stage's Gauss-Newton matrix at
     ``theta_end`` (the model holds the stage's inherited block), by ARPACK's Lanczos on its products, or densely
     when k ≥ p − 1 (either way through scipy: ``top_count`` takes none without it). A stage re-run at one weight
-    c per example (``at=``) has c·G_data + ∇²(R + proximal): the operator's product (c = 1) rescaled in its data
-    part."""
+    c per example (``at=``) has c·G_data + ∇²(R + proximal) (the operator's ``data_weight``)."""
     linalg = require("scipy.sparse.linalg", "approximate(..., top=k)")
-    proximal = run.proximal()
-    operator = HessianOperator(run.stage, list(run.trained), at=theta_end, curvature="gauss-newton", extra=proximal)
-    scale = 1.0 if run.weights is None else float(run.weights[0])
-
-    def penalty(theta: dict) -> torch.Tensor:  # R + the proximal term: the part the data weight does not scale
-        value = run.stage.regularization(theta)
-        value = 0.0 if value is None else value
-        return value + proximal(theta) if proximal is not None else value
-
-    def product(x: torch.Tensor) -> torch.Tensor:  # G_c·x for x of shape (p, m)
-        out = operator.matvec(x)
-        if scale != 1.0:
-            out = scale * out
-            if run.stage.regularizer is not None or proximal is not None:
-                for j in range(x.shape[1]):
-                    tangent = operator.space.unflatten(x[:, j])
-                    out[:, j] += (1 - scale) * operator.space.flatten(vjp(grad(penalty), theta_end)[1](tangent)[0])
-        return out
-
+    operator = HessianOperator(run.stage, list(run.trained), at=theta_end, curvature="gauss-newton",
+                               extra=run.proximal(), data_weight=1.0 if run.weights is None else float(run.weights[0]))
     p = operator.dim
     if k >= p - 1:
-        dense = product(torch.eye(p, dtype=operator.dtype, device=operator.device)).double()
+        dense = operator.matvec(torch.eye(p, dtype=operator.dtype, device=operator.device)).double()
         values, vectors = torch.linalg.eigh(0.5 * (dense + dense.T))
         return (values[-k:].to(dtype), vectors[:, -k:].to(dtype)), operator.products
-    matvec = lambda x: product(torch.as_tensor(x, dtype=operator.dtype, device=operator.device  # noqa: E731
+    matvec = lambda x: operator.matvec(torch.as_tensor(x, dtype=operator.dtype, device=operator.device  # noqa: E731
                                                ).reshape(p, -1)).double().cpu().numpy().reshape(x.shape)
     values, vectors = linalg.eigsh(linalg.LinearOperator((p, p), matvec=matvec, dtype=float), k=k, which="LA")
     device = theta_end[next(iter(theta_end))].device
