@@ -754,11 +754,33 @@ def test_a_given_budget_counts_the_state_the_unrolling_holds():
         ik.unrolled.approximate(record, test, segments=3, memory=100)
 
 
+@pytest.mark.parametrize("case", ["case1", "case2"])
+def test_every_hessian_eigenpair_makes_the_factored_pieces_the_dense_hessians(case):
+    """A tanh network under cross-entropy, where the Gauss-Newton matrix is not the Hessian: one piece per stage with
+    every eigenpair of the stage's Hessian put in (the default top_curvature) gives the dense Hessian's scores; every
+    eigenpair of the Gauss-Newton matrix does not."""
+    record = Record()
+    pretrain(record, SGD(lr=0.2, momentum=0.5, weight_decay=1e-3))
+    finetune(record, case, SGD(lr=0.1, momentum=0.5))
+    every = max(sum(t.numel() for t in run.checkpoints[0][0].values()) for run in record.runs)
+    dense = ik.unrolled.approximate(record, TEST, segments=1, per_test=True)
+    hessian = ik.unrolled.approximate(record, TEST, segments=1, per_test=True, curvature="ekfac", top=every)
+    gauss_newton = ik.unrolled.approximate(record, TEST, segments=1, per_test=True, curvature="ekfac", top=every,
+                                           top_curvature="gauss-newton")
+    for d, h, g in zip(dense, hessian, gauss_newton):
+        torch.testing.assert_close(h.values, d.values, rtol=1e-7, atol=1e-10)
+        assert h.diagnostics["top"]["curvature"] == "hessian" and g.diagnostics["top"]["curvature"] == "gauss-newton"
+    # the pretraining stage's tanh layer makes G ≠ H (case 1's finetuning trains only the linear head, where G = H)
+    assert (gauss_newton[0].values - dense[0].values).abs().max() > 1e-3 * dense[0].values.abs().max()
+    with pytest.raises(ik.InputError, match="top_curvature"):
+        ik.unrolled.approximate(record, TEST, curvature="ekfac", top_curvature="fisher")
+
+
 @pytest.mark.parametrize("momentum", [0.0, 0.8])
-def test_top_gauss_newton_directions_complete_the_factored_pieces(momentum):
+def test_top_directions_complete_the_factored_pieces(momentum):
     """One linear layer per stage under squared error, where the Gauss-Newton matrix is the Hessian: with the exact
-    Fisher (EK-FAC = G) the top-2 split changes nothing; with the sampled Fisher (EK-FAC ≠ G) and every eigenpair of
-    G put in exactly, the factored pieces give the dense Hessian's scores."""
+    Fisher (EK-FAC = G = H) the top-2 split changes nothing; with the sampled Fisher (EK-FAC ≠ H) and every eigenpair
+    of H put in exactly, the factored pieces give the dense Hessian's scores."""
     pre, fin, test = linear_layer_stages(seed=1)
     record = Record()
     record.train(pre, SGD(lr=0.1, momentum=momentum, weight_decay=0.05), steps=10, batch_size=14)
@@ -783,9 +805,9 @@ def test_top_gauss_newton_directions_complete_the_factored_pieces(momentum):
 
 
 def test_top_directions_of_a_stage_re_run_at_one_weight_are_those_of_its_weighted_objective():
-    """at= one float c per stage: the Gauss-Newton matrix the top directions come from is c·G_data + ∇²R (here with
-    an L2 regularizer on both stages). With every eigenpair the sampled-Fisher pieces equal the dense Hessian's at the
-    same weights — and would not with G_data + ∇²R (c = 1) taken in their place."""
+    """at= one float c per stage: the matrix the top directions come from is c·H_data + ∇²R (here with an L2
+    regularizer on both stages). With every eigenpair the sampled-Fisher pieces equal the dense Hessian's at the same
+    weights — and would not with H_data + ∇²R (c = 1) taken in their place."""
     pre, fin, test = linear_layer_stages(seed=3)
     record = Record()
     record.train(pre, SGD(lr=0.1, momentum=0.5), steps=9, batch_size=14)

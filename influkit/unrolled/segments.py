@@ -43,17 +43,20 @@ of EK-FAC's cost at scale) per piece — SOURCE's practical variant.
 
 Top directions (``top=k``, factored curvatures only). A block-diagonal curvature misses the cross-layer top of a
 transformer's spectrum (on the LM task's trained continuation EK-FAC's largest eigenvalue is 15.2, the Gauss-Newton
-matrix's 44.8), so its pieces barely damp the directions the run contracts fastest. With ``top`` the k largest
-eigenpairs (g_i, V_i) of each stage's Gauss-Newton matrix G at its final parameters are put in exactly: each piece
-splits (v, w) into their coordinates in span V and the complement, runs the factored map f(C) on the complement
-(its output projected back onto it) and the scalar map f(g_i) on each coordinate — the curvature
-V diag(g) Vᵀ + (I − VVᵀ) C (I − VVᵀ), with f of the second taken as (I − VVᵀ) f(C) (I − VVᵀ). Where G = C the split
-changes nothing, and with every eigenpair it is the dense Gauss-Newton map (tests). The default ``top="auto"``
-takes k = :data:`TOP_AUTO` pairs per stage of at most :data:`TOP_AUTO_PARAMETERS` trained parameters (above, their
-products cost several times the pieces), fewer where ARPACK's workspace (ncv = max(2k + 1, 20) float64 vectors
-of p) and the k kept vectors would take more than half of the budget left (:func:`top_count`; 0 with the dense
-Hessian, which is exact in every direction). Measured: the LM task's record below the edge 0.23–0.27 → 0.80–0.83
-LDS on replay, digits Case 1 warm / scratch 0.195 / 0.072 → 0.463 / 0.140 (EK-FAC influence 0.183 / 0.113).
+matrix's 44.8, the Hessian's 69.9), so its pieces barely damp the directions the run contracts fastest. With ``top``
+the k largest eigenpairs (g_i, V_i) of each stage's Hessian H at its final parameters (``top_curvature="hessian"``,
+the matrix each piece linearizes with; ``"gauss-newton"``: its positive semi-definite part G) are put in exactly:
+each piece splits (v, w) into their coordinates in span V and the complement, runs the factored map f(C) on the
+complement (its output projected back onto it) and the scalar map f(g_i) on each coordinate — the curvature
+V diag(g) Vᵀ + (I − VVᵀ) C (I − VVᵀ), with f of the second taken as (I − VVᵀ) f(C) (I − VVᵀ). Where H = C the split
+changes nothing, and with every eigenpair one piece per stage is the dense Hessian's map (tests). The default
+``top="auto"`` takes k = :data:`TOP_AUTO` pairs per stage of at most :data:`TOP_AUTO_PARAMETERS` trained parameters
+(above, their products cost several times the pieces), fewer where ARPACK's workspace (ncv = max(2k + 1, 20)
+float64 vectors of p) and the k kept vectors would take more than half of the budget left (:func:`top_count`; 0
+with the dense Hessian, which is exact in every direction). Measured (``benchmarks/bench_fidelity.py``,
+``bench_fidelity_lm.py``): the LM task's record below the edge, replay LDS 0.23–0.27 with plain EK-FAC pieces,
+0.80–0.83 with 20 Gauss-Newton pairs, 0.89–0.93 with 20 Hessian pairs; digits Case 1 warm / scratch 0.195 / 0.072,
+0.463 / 0.140, 0.519 / 0.180 (EK-FAC influence 0.183 / 0.113).
 
 The scores are computed in two passes. First the reverse pass over the pieces (every rank the same) gives each
 piece's θ_ℓ and u_ℓ and the adjoints handed across the boundary; then the example terms
@@ -112,7 +115,8 @@ BASES = ("each", "shared")
 def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = False, curvature: str = "hessian",
                 basis: str = "each", config: CurvatureConfig | None = None, chunk_size: int | None = None,
                 out: str | Path | None = None, gradients: str = "contraction", memory: int | None = None,
-                at=None, top: int | str = "auto", progress: bool = False) -> list[InfluenceResult]:
+                at=None, top: int | str = "auto", top_curvature: str = "hessian",
+                progress: bool = False) -> list[InfluenceResult]:
     """One :class:`InfluenceResult` per stage: the segment-wise closed-form estimate of d measure / d w_z.
 
     Same arguments and sign as :func:`influkit.unrolled.metagradients` (score = d measure / d w_z at w = 1, or at
@@ -126,13 +130,14 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     ``chunk_size`` rows at a time (default: what ``memory`` bytes hold, default budget when None), ``gradients``
     "contraction" or "per-example", split over the ranks under ``torch.distributed``, and with ``out=DIR`` streamed
     to a score store per stage (``DIR/stage-k``), resumable: a re-run skips the chunks already written.
-    top: with a factored curvature, the ``top`` largest eigenpairs of each stage's Gauss-Newton matrix at its final
-    parameters (ARPACK's Lanczos, ``scipy.sparse.linalg.eigsh``: ``pip install 'influkit[unrolled]'``; dense when
-    top ≥ p − 1) are put into every piece exactly: in their span the piece's map uses those eigenvalues, in the
-    complement the factored curvature's (module docstring, Top directions). Memory: top·p more per stage. Default
-    ``"auto"``: TOP_AUTO per stage of ≤ TOP_AUTO_PARAMETERS trained parameters, fewer where the budget is short, none
-    with the dense Hessian or where scipy is missing (a warning says so): :func:`top_count`. ``diagnostics["top"]``
-    says how many each stage used and why.
+    top: with a factored curvature, the ``top`` largest eigenpairs of each stage's Hessian (``top_curvature``:
+    ``"hessian"``, or ``"gauss-newton"`` for its positive semi-definite part) at its final parameters (ARPACK's
+    Lanczos, ``scipy.sparse.linalg.eigsh``: ``pip install 'influkit[unrolled]'``; dense when top ≥ p − 1) are put
+    into every piece exactly: in their span the piece's map uses those eigenvalues, in the complement the factored
+    curvature's (module docstring, Top directions). Memory: top·p more per stage. Default ``"auto"``: TOP_AUTO per
+    stage of ≤ TOP_AUTO_PARAMETERS trained parameters, fewer where the budget is short, none with the dense Hessian
+    or where scipy is missing (a warning says so): :func:`top_count`. ``diagnostics["top"]`` says how many each
+    stage used, from which matrix, and why.
     """
     if int(segments) < 1:
         raise InputError(f"segments must be ≥ 1, got {segments!r}.")
@@ -142,6 +147,8 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
                           or (top and curvature == "hessian")):
         raise InputError(f"top={top!r}: the exact top eigenpairs complete a factored curvature (curvature='ekfac' or "
                          "'kfac', top ≥ 0, or 'auto'); the dense Hessian is exact in every direction already.")
+    if top_curvature not in TOP_CURVATURES:
+        raise InputError(f"unknown top_curvature {top_curvature!r}; choose one of {TOP_CURVATURES}.")
     given = None if isinstance(basis, str) else list(basis)
     if given is not None:
         if len(given) != len(record) or not all(b is None or isinstance(b, FactoredCurvature) for b in given):
@@ -184,7 +191,7 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
         with holding(run.stage.model, _moved_frozen(run)):
             theta_bar, anchor_bar, pieces[k], plans[k], stability[k] = _stage(
                 run, adjoint, q, int(segments), curvature, basis, config, memory, held, progress,
-                given[k] if given else None, top)
+                given[k] if given else None, top, top_curvature)
         del adjoint
         if k:
             adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
@@ -285,13 +292,14 @@ def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list
 
 
 def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, basis: str, config: CurvatureConfig,
-           memory: int | None, held: Held, progress: bool, fitted_end=None, top: int | str = 0):
+           memory: int | None, held: Held, progress: bool, fitted_end=None, top: int | str = 0,
+           top_curvature: str = "hessian"):
     """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, [(θ_ℓ, u_ℓ (q, p))] in run order, the
     memory plans of its phases, the pieces' stability summary (``_piece``)); ``adjoint`` (the stage's final adjoint,
     this call's own dict) is consumed.
     fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its last piece's), reused.
-    top: how many Gauss-Newton eigenpairs at the stage's end to put into the factored pieces (``_top_directions``),
-    or "auto" (:func:`top_count`); the stability summary records the count and why under "top".
+    top: how many eigenpairs of ``top_curvature`` at the stage's end to put into the factored pieces
+    (``_top_directions``), or "auto" (:func:`top_count`); the stability summary records them under "top".
     ``held`` counts what the pass keeps (module docstring, Memory)."""
     names, anchor_names = list(run.trained), list(run.anchors)
     shapes = {n: v.shape for n, v in run.checkpoints[0][0].items()} | {n: v.shape for n, v in run.anchors.items()}
@@ -315,11 +323,11 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
     stability = {"edge": 2 * (1 + momentum)}
     directions = None
     if curvature != "hessian":
-        k, why = top_count(top, v.shape[1], v.element_size(), held.left(memory, "the top Gauss-Newton directions"))
-        stability["top"] = {"directions": k, "why": why}
+        k, why = top_count(top, v.shape[1], v.element_size(), held.left(memory, "the top directions"))
+        stability["top"] = {"directions": k, "curvature": top_curvature, "why": why}
         if k:
             began = time.perf_counter()
-            directions, products = _top_directions(run, _parameters_at(run, run.steps), k, v.dtype)
+            directions, products = _top_directions(run, _parameters_at(run, run.steps), k, v.dtype, top_curvature)
             stability["top"] |= {"products": products, "seconds": time.perf_counter() - began}
     held.hold(directions)
     for a, b in tqdm(list(reversed(_boundaries(run, pieces))), desc="segments", disable=not progress, leave=False):
@@ -431,16 +439,17 @@ def _fit(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, bas
     return fitted
 
 
+TOP_CURVATURES = ("hessian", "gauss-newton")
 TOP_AUTO = 20
-"""The most Gauss-Newton eigenpairs per stage ``top="auto"`` puts into the factored pieces."""
+"""The most eigenpairs per stage ``top="auto"`` puts into the factored pieces."""
 TOP_AUTO_PARAMETERS = 1_000_000
 """The most trained parameters of a stage for which ``top="auto"`` computes them: ARPACK needs 2k + 1 to 4k
-Gauss-Newton products (50–90 for k = 20 on the digits stages) in float64, which cost 2.6× the plain EK-FAC pieces on
-the LM task's 210k-parameter continuation and far more on a 9.6 M-parameter BERT; above it pass ``top=k``."""
+products (50–90 for k = 20 on the digits stages) in float64, which cost 1.5–2.6× the plain EK-FAC pieces on the LM
+task's 210k-parameter continuation and far more on a 9.6 M-parameter BERT; above it pass ``top=k``."""
 
 
 def top_count(top: int | str, p: int, itemsize: int, budget: int | None) -> tuple[int, str]:
-    """(k, why): the number of top Gauss-Newton eigenpairs of a stage with p trained parameters. ``top`` itself when
+    """(k, why): the number of top eigenpairs of a stage with p trained parameters. ``top`` itself when
     it is a number; for "auto" none when p > TOP_AUTO_PARAMETERS, else the largest k ≤ TOP_AUTO whose ARPACK
     workspace (ncv = max(2k + 1, 20) float64 vectors of p; none when k ≥ p − 1, which is dense: p² float64) plus the
     k kept vectors (``itemsize`` bytes per entry) fit in half of ``budget`` (bytes; None: the default budget), and 0
@@ -462,20 +471,21 @@ def top_count(top: int | str, p: int, itemsize: int, budget: int | None) -> tupl
     if not k:
         return 0, f"auto: one eigenpair's workspace ({workspace(1) / 2**30:.2f} GiB) is over half the budget left"
     if importlib.util.find_spec("scipy") is None:
-        warnings.warn("approximate(top='auto') found no scipy, so its factored pieces have no exact Gauss-Newton "
+        warnings.warn("approximate(top='auto') found no scipy, so its factored pieces have no exact top curvature "
                       "directions (top=0); pip install 'influkit[unrolled]' to add them.", stacklevel=4)
         return 0, "auto: scipy (ARPACK) is not installed"
     return k, "auto" if k == min(TOP_AUTO, p) else f"auto: as many as fit half the budget left ({half / 2**30:.2f} GiB)"
 
 
-def _top_directions(run: StageRun, theta_end: dict, k: int, dtype: torch.dtype
+def _top_directions(run: StageRun, theta_end: dict, k: int, dtype: torch.dtype, curvature: str = "hessian"
                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
-    """((g (k,), V (p, k)), products of G taken): the k largest eigenpairs of the stage's Gauss-Newton matrix at
-    ``theta_end`` (the model holds the stage's inherited block), by ARPACK's Lanczos on its products, or densely
-    when k ≥ p − 1 (either way through scipy: ``top_count`` takes none without it). A stage re-run at one weight
-    c per example (``at=``) has c·G_data + ∇²(R + proximal) (the operator's ``data_weight``)."""
+    """((g (k,), V (p, k)), products taken): the k largest (algebraic) eigenpairs of the stage objective's Hessian,
+    or its Gauss-Newton matrix (``curvature``), at ``theta_end`` (the model holds the stage's inherited block), by
+    ARPACK's Lanczos on its products, or densely when k ≥ p − 1 (either way through scipy: ``top_count`` takes none
+    without it). A stage re-run at one weight c per example (``at=``) has c·H_data + ∇²(R + proximal) (the
+    operator's ``data_weight``)."""
     linalg = require("scipy.sparse.linalg", "approximate(..., top=k)")
-    operator = HessianOperator(run.stage, list(run.trained), at=theta_end, curvature="gauss-newton",
+    operator = HessianOperator(run.stage, list(run.trained), at=theta_end, curvature=curvature,
                                extra=run.proximal(), data_weight=1.0 if run.weights is None else float(run.weights[0]))
     p = operator.dim
     if k >= p - 1:
