@@ -70,7 +70,8 @@ Resumable: the trained models, every re-training and every score matrix are cach
     python -m benchmarks.bench_fidelity_lm unrolled --at midpoint  # exact at continuation weights 0.75 (midpoint rule)
     python -m benchmarks.bench_fidelity_lm unrolled --at mean      # exact at the halves' mean weights 0.5 (mean rule)
     python -m benchmarks.bench_fidelity_lm unrolled --at mean --orders 4   # ... averaged over 4 batch orders
-    python -m benchmarks.bench_fidelity_lm unrolled --top 20 [--at mean]   # EK-FAC segments + 20 Gauss-Newton pairs
+    python -m benchmarks.bench_fidelity_lm unrolled --top 20 [--at mean]   # EK-FAC segments + 20 Hessian pairs
+    python -m benchmarks.bench_fidelity_lm unrolled --top 20 --top-curvature gauss-newton   # ... Gauss-Newton pairs
     python -m benchmarks.bench_fidelity_lm defaults-table --subsets 100   # cached rows + committed rows + ceiling
     python -m benchmarks.bench_fidelity_lm replay --subsets 20   # replay protocol: cached rows + midpoint per fraction
     python -m benchmarks.bench_fidelity_lm replay-linearity --subsets 5   # 1 % drops: linear in w with/without refit?
@@ -332,14 +333,17 @@ def exact_row(task: LMTask, warm: WarmAdjoint, progress: bool) -> tuple[np.ndarr
                                            "replay": exact.diagnostics["replay"], "memory": exact.diagnostics["memory"]}
 
 
-def segments_row(task: LMTask, warm: WarmAdjoint, progress: bool, top: int) -> tuple[np.ndarray, dict]:
+def segments_row(task: LMTask, warm: WarmAdjoint, progress: bool, top: int,
+                 top_curvature: str = "hessian") -> tuple[np.ndarray, dict]:
     """((n, q), info): the approximate unrolling (SOURCE) of the same adjoint through SEGMENTS pieces with EK-FAC
     fitted at each piece's end (the example's EK-FAC settings), completed by the continuation's ``top`` largest
-    Gauss-Newton eigenpairs (``approximate(top=)``; at w = ``at``, a uniform weight, the factored curvature is
+    eigenpairs of its Hessian or Gauss-Newton matrix (``approximate(top=, top_curvature=)``; at w = ``at``, a uniform
+    weight, the factored curvature is
     rescaled)."""
     start = time.perf_counter()
     approx = ik.unrolled.approximate(warm.record, warm.adjoint, segments=SEGMENTS, per_test=True, curvature="ekfac",
-                                     config=task.ex.SOLVES["ekfac"](task.cfg)[1], top=top, progress=progress)[0]
+                                     config=task.ex.SOLVES["ekfac"](task.cfg)[1], top=top, top_curvature=top_curvature,
+                                     progress=progress)[0]
     label = "segments (EK-FAC per piece" + (" + top directions)" if top else ")")
     return approx.values.double().numpy(), {"pass": (label, time.perf_counter() - start),
                                             "settings": approx.diagnostics["settings"], "top": approx.diagnostics["top"],
@@ -353,22 +357,26 @@ def exact_name(finetuning: str, at: float | None) -> str:
     return name + ("" if finetuning == "example" else f"-{finetuning}-adjoint")
 
 
-def segments_name(top: int, at: float | None) -> str:
-    """The row of the approximate unrolling with ``top`` Gauss-Newton directions, at continuation weight ``at``."""
+def segments_name(top: int, at: float | None, top_curvature: str = "hessian") -> str:
+    """The row of the approximate unrolling with ``top`` directions of ``top_curvature``, at continuation weight
+    ``at``."""
     if not top and at is None:
         return UNROLLED[1]
-    return f"{UNROLLED[1]}-top{top}" + ("" if at is None else f"-at{at:g}")
+    return (f"{UNROLLED[1]}-top{top}" + ("" if top_curvature == "hessian" else f"-{top_curvature}")
+            + ("" if at is None else f"-at{at:g}"))
 
 
 def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "example", at: float | None = None,
-                    order: int = 0, rows: tuple[str, ...] = ("exact", "segments"), top: int = 0) -> dict:
+                    order: int = 0, rows: tuple[str, ...] = ("exact", "segments"), top: int = 0,
+                    top_curvature: str = "hessian") -> dict:
     """{row name: ((n, q) scores, info)}: the warm protocol's unrolled rows from one ``warm_adjoint`` — "exact"
-    (``exact_row``, named by ``exact_name``) and "segments" (``segments_row`` with ``top`` directions,
-    ``segments_name``). score_z = d NLL_t / d w_z; removal predicts −score. Each info carries its seconds (the
+    (``exact_row``, named by ``exact_name``) and "segments" (``segments_row`` with ``top`` directions of
+    ``top_curvature``, ``segments_name``). score_z = d NLL_t / d w_z; removal predicts −score. Each info carries its seconds (the
     shared record, re-run and adjoint, its own pass, and one protocol re-training timed beside them) and their
     total without the re-training."""
     kinds = {"exact": lambda warm: (exact_name(finetuning, at), *exact_row(task, warm, progress)),
-             "segments": lambda warm: (segments_name(top, at), *segments_row(task, warm, progress, top))}
+             "segments": lambda warm: (segments_name(top, at, top_curvature),
+                                       *segments_row(task, warm, progress, top, top_curvature))}
     out = {}
     with task.restored():
         warm = warm_adjoint(task, progress, finetuning, at, order)
@@ -417,15 +425,16 @@ def orders_scores(task: LMTask, progress: bool, at: float, orders: int) -> None:
 
 
 def unrolled_scores_cached(task: LMTask, progress: bool, finetuning: str = "example", at: float | None = None,
-                           top: int = 0) -> None:
+                           top: int = 0, top_curvature: str = "hessian") -> None:
     """Score the unrolled rows once (cached as ``scores_<row>.npz`` with their ``info``): with ``top``, only the
-    approximate unrolling with that many Gauss-Newton directions; at another finetuning solve than the example's or
+    approximate unrolling with that many directions of ``top_curvature``; at another finetuning solve than the example's or
     at a continuation weight ``at``, only the exact unrolling (the plain approximate one linearizes at w = 1 with
     the example's adjoint); else both."""
     rows = ("segments",) if top else ("exact",) if finetuning != "example" or at is not None else ("exact", "segments")
-    names = {"exact": exact_name(finetuning, at), "segments": segments_name(top, at)}
+    names = {"exact": exact_name(finetuning, at), "segments": segments_name(top, at, top_curvature)}
     if not all((CACHE / f"scores_{names[row]}.npz").exists() for row in rows):
-        for method, (values, info) in unrolled_scores(task, progress, finetuning, at, rows=rows, top=top).items():
+        for method, (values, info) in unrolled_scores(task, progress, finetuning, at, rows=rows, top=top,
+                                                      top_curvature=top_curvature).items():
             np.savez(CACHE / f"scores_{method}.npz", values=values, info=json.dumps(info, default=str))
 
 
@@ -1017,25 +1026,28 @@ def exact_at_both_stages(task: LMTask, record: ik.unrolled.Record, weight: float
         "replay": pre.diagnostics["replay"]}
 
 
-def approximate_both_stages(task: LMTask, record: ik.unrolled.Record, fisher: str, progress: bool, top: int = 0):
+def approximate_both_stages(task: LMTask, record: ik.unrolled.Record, fisher: str, progress: bool, top: int = 0,
+                            top_curvature: str = "hessian"):
     """SOURCE-style unrolling across both stages: RECORDED_SEGMENTS pieces per stage, EK-FAC fitted at each piece's
     end (a dense Hessian is out of reach for the 210k-parameter continuation) from the ``fisher`` Fisher: "empirical"
     (the example's EK-FAC setting, per-document gradient covariance) or "sampled" (labels drawn from the model per
     token, ``CurvatureConfig()``'s default: the Gauss-Newton matrix in expectation, what a segment's closed form
-    wants in place of the Hessian); ``top``: each stage's top Gauss-Newton eigenpairs put in exactly (``approximate``'s
-    ``top``)."""
+    wants in place of the Hessian); ``top``: each stage's top eigenpairs of its Hessian or Gauss-Newton matrix
+    (``top_curvature``) put in exactly (``approximate``'s ``top``)."""
     start = time.perf_counter()
     config = ik.CurvatureConfig(fisher=fisher, seed=task.cfg.seed)
     pre, fin = ik.unrolled.approximate(record, task.test, segments=RECORDED_SEGMENTS, per_test=True,
-                                       curvature="ekfac", config=config, top=top, progress=progress)
+                                       curvature="ekfac", config=config, top=top, top_curvature=top_curvature,
+                                       progress=progress)
     return {"pretraining": pre.values.double().numpy(), "finetuning": fin.values.double().numpy()}, {
         "seconds": time.perf_counter() - start, "settings": pre.diagnostics.get("settings"),
         "stability (pretraining, finetuning)": [pre.diagnostics["stability"], fin.diagnostics["stability"]],
-        "top Gauss-Newton directions (pretraining, finetuning)": [pre.diagnostics["top"], fin.diagnostics["top"]]}
+        "top directions (pretraining, finetuning)": [pre.diagnostics["top"], fin.diagnostics["top"]]}
 
 
 APPROXIMATE_FISHERS = {"empirical": "approximate-ekfac", "sampled": "approximate-ekfac-sampled"}  # fisher: cache name
-TOP = 20  # Gauss-Newton eigenpairs per stage in the approximate row that completes EK-FAC with them
+TOP = 20  # eigenpairs per stage in the approximate rows that complete EK-FAC with them
+TOP_CURVATURES = {"hessian": "Hessian", "gauss-newton": "Gauss-Newton"}  # approximate(top_curvature=): row label
 
 
 def recorded_task(progress: bool, continue_lr: float = RECORDED_CONTINUE_LR,
@@ -1076,10 +1088,11 @@ def recorded_table(m: int, progress: bool, midpoint: bool = True, continue_lr: f
         f"unrolled approximate ({RECORDED_SEGMENTS} segments per stage, EK-FAC, {fisher} Fisher)": recorded_scores(
             task, record, cache, lambda fisher=fisher: approximate_both_stages(task, record, fisher, progress))
         for fisher, cache in APPROXIMATE_FISHERS.items()}
-    approximations[f"unrolled approximate ({RECORDED_SEGMENTS} segments per stage, EK-FAC + top {TOP} Gauss-Newton "
-                   "directions, sampled Fisher)"] = recorded_scores(
-        task, record, f"approximate-ekfac-top{TOP}", lambda: approximate_both_stages(task, record, "sampled", progress,
-                                                                                     TOP))
+    for curvature, label in TOP_CURVATURES.items():
+        approximations[f"unrolled approximate ({RECORDED_SEGMENTS} segments per stage, EK-FAC + top {TOP} {label} "
+                       "directions, sampled Fisher)"] = recorded_scores(
+            task, record, f"approximate-ekfac-top{TOP}-{curvature}", lambda c=curvature: approximate_both_stages(
+                task, record, "sampled", progress, TOP, c))
     sharp = recorded_sharpness(task, record, progress)
     facts = {"task": results_name, "M": m, "n": task.n, "q": len(full),
              "stages recorded": [repr(run) for run in runs],
@@ -1339,8 +1352,10 @@ def main() -> None:
                         help="unrolled --at: average the exact unrolling over the continuation under this many batch "
                              "orders (orders_scores)")
     parser.add_argument("--top", type=int, default=0,
-                        help="unrolled: only the approximate unrolling, EK-FAC pieces + this many Gauss-Newton "
-                             "directions (with --at: at that continuation weight)")
+                        help="unrolled: only the approximate unrolling, EK-FAC pieces + this many eigenpairs "
+                             "(--top-curvature; with --at: at that continuation weight)")
+    parser.add_argument("--top-curvature", choices=list(TOP_CURVATURES), default="hessian",
+                        help="unrolled --top: whose eigenpairs complete the EK-FAC pieces (approximate(top_curvature=))")
     parser.add_argument("--no-midpoint", action="store_true",
                         help="replay, replay-recorded: skip the exact metagradient at each fraction's midpoint and mean "
                              "weights (~2 min per fraction each)")
@@ -1386,7 +1401,7 @@ def main() -> None:
                 raise SystemExit("--orders averages the exact unrolling at --at midpoint or --at mean")
             orders_scores(task, progress, at, args.orders)
         else:
-            unrolled_scores_cached(task, progress, args.finetuning, at, args.top)
+            unrolled_scores_cached(task, progress, args.finetuning, at, args.top, args.top_curvature)
 
 if __name__ == "__main__":
     main()

@@ -40,8 +40,9 @@ Jobs, each in its own subprocess so peak RSS (``ru_maxrss``) is the job's own:
   per piece). Both with default memory budgets; seconds and peak RSS per job, and the Pearson correlation of the
   two score vectors (they estimate different things: the run as it went vs the optimum it did not reach).
   ``--unrolled-basis each`` fits EK-FAC per piece (SOURCE as published; the validation on a small model).
-  ``--top`` is ``approximate``'s (default "auto": up to 20 Gauss-Newton eigenpairs per stage where ARPACK's
-  workspace fits half the budget; ``--top 0`` is plain EK-FAC pieces); the summary says how many each stage took.
+  ``--top`` is ``approximate``'s (default "auto": up to 20 Hessian eigenpairs per stage of ≤ 1 M trained parameters
+  where ARPACK's workspace fits half the budget; ``--top 0`` is plain EK-FAC pieces), ``--top-curvature`` its
+  ``top_curvature`` (``gauss-newton``: the Gauss-Newton matrix's); the summary says how many each stage took.
 - ``case1-both``: both in one subprocess, the approximate unrolling taking the plain query's fitted stage-1
   EK-FAC (fitted at the same final parameters) as its last piece's curvature and shared eigenbasis
   (``basis=[curvature, None]``): the unrolling's marginal cost over the plain query, and the peak RSS after the
@@ -593,7 +594,8 @@ def job_case1_unrolled(args, out: dict, work: Path):
     tx, ty = fin.data.take(torch.arange(args.test))
     t0 = time.perf_counter()
     results = ik.unrolled.approximate(record, (tx, ty), segments=args.segments, curvature="ekfac",
-                                      basis=args.unrolled_basis, memory=args.memory, top=args.top)
+                                      basis=args.unrolled_basis, memory=args.memory, top=args.top,
+                                      top_curvature=args.top_curvature)
     total_s = time.perf_counter() - t0
     tag = "" if args.unrolled_basis == "shared" else f"_{args.unrolled_basis}"
     np.save(work / f"case1_unrolled{tag}.npy", results[0].values.numpy())
@@ -624,7 +626,7 @@ def job_case1_both(args, out: dict, work: Path):
     tx, ty = fin.data.take(torch.arange(args.test))
     t0 = time.perf_counter()
     results = ik.unrolled.approximate(record, (tx, ty), segments=args.segments, curvature="ekfac",
-                                      basis=[curvature, None], top=args.top)
+                                      basis=[curvature, None], top=args.top, top_curvature=args.top_curvature)
     out["unrolled_marginal_s"] = time.perf_counter() - t0
     np.save(work / "case1_both_unrolled.npy", results[0].values.numpy())
     out.update(unrolled_pieces_s=results[0].diagnostics["seconds"]["approximate (pieces)"],
@@ -693,7 +695,9 @@ def main(argv=None) -> None:
     parser.add_argument("--unrolled-basis", default="shared", choices=("shared", "each"),
                         help="case1-unrolled: one EK-FAC eigenbasis per stage, or a fit per piece")
     parser.add_argument("--top", default="auto", type=lambda v: v if v == "auto" else int(v),
-                        help="case1-unrolled, case1-both: approximate(top=): Gauss-Newton eigenpairs per stage")
+                        help="case1-unrolled, case1-both: approximate(top=): eigenpairs per stage")
+    parser.add_argument("--top-curvature", default="hessian", choices=("hessian", "gauss-newton"),
+                        help="case1-unrolled, case1-both: approximate(top_curvature=): whose eigenpairs")
     parser.add_argument("--model", default="bert")
     parser.add_argument("--worker", default=None)
     args = parser.parse_args(argv)
@@ -719,7 +723,7 @@ def main(argv=None) -> None:
             cmd = [sys.executable, __file__, "--worker", job, "--model", model, "--work", str(mwork)] + [
                 f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                 ("layers", "hidden", "sequences", "length", "test", "iterations", "hessian_samples", "kron_batch",
-                 "unrolled_steps", "segments", "unrolled_basis", "top")] + (
+                 "unrolled_steps", "segments", "unrolled_basis", "top", "top_curvature")] + (
                 [f"--memory={args.memory}"] if args.memory else []) + ([f"--tag={args.tag}"] if args.tag else []) + (
                 [f"--fit-cache={args.fit_cache}"] if args.fit_cache else []) + (
                 ["--residual"] if args.residual else [])
@@ -804,8 +808,8 @@ def summarize(model: str, work: Path, rows: list[dict], say) -> None:
             f"EK-FAC Case 1 query on the same recorded chain: {unr['total_s']:.0f} s vs {rec['total_s']:.0f} s "
             f"({unr['total_s'] / rec['total_s']:.2f}×), peak RSS {unr['peak_rss'] / 1e9:.2f} vs {rec['peak_rss'] / 1e9:.2f} GB "
             f"(recording {unr['record_s']:.0f} s, not counted)" + (f"; Pearson of the scores {pearson(a, b):.3f}" if a is not None else "")
-            + "; top Gauss-Newton directions per stage: " + "; ".join(
-                f"{t['directions']} ({t['why']}" + (f", {t['products']} products, {t['seconds']:.0f} s)" if t["directions"] else ")")
+            + "; top directions per stage: " + "; ".join(
+                f"{t['directions']} ({t['curvature']}, {t['why']}" + (f", {t['products']} products, {t['seconds']:.0f} s)" if t["directions"] else ")")
                 for t in unr.get("top", [])))
     both = by.get("case1-both")
     if both:

@@ -18,7 +18,8 @@ fraction; −Σ_{z∈D} score_z is exact for a response quadratic in w at the mi
 drop sets' mean weights 1 − f (``MEAN``: what the LDS ranks is the response's part linear in the drop mask, and for
 a response quadratic in w the gradient at the masks' mean carries it exactly — see ``mean_weight``), the approximate
 unrolling (``ik.unrolled.approximate``: 5 segments per stage, dense Hessian at each segment's end; EK-FAC fitted
-there, SOURCE's curvature at scale; EK-FAC completed by each stage's top 20 Gauss-Newton eigenpairs, ``top=20``),
+there, SOURCE's curvature at scale; EK-FAC completed by each stage's top 20 Hessian eigenpairs, ``top=20``, and by
+the top 20 of its Gauss-Newton matrix, ``top_curvature="gauss-newton"``),
 influkit's influence functions on the same chain (exact, Gauss-Newton, EK-FAC, Arnoldi, identity), which assume the
 stages sit at minima, and — where installed (/work/bench-venv) — the single-stage peers TRAK, kronfluence and dattri
 as ``fidelity_methods`` wires them (K = 1). The metagradient's seconds are reported beside one training run's (its
@@ -59,12 +60,15 @@ MEAN = "unrolled exact metagradient at the mean weights (w = 1 − f)"
 APPROXIMATE = f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, dense Hessian)"
 APPROXIMATE_MEAN = f"{APPROXIMATE} at the mean weights (w = 1 − f)"
 TOP = 20
-"""Gauss-Newton eigenpairs per stage in the row whose EK-FAC segments are completed by them (``approximate(top=)``)."""
+"""Eigenpairs per stage in the rows whose EK-FAC segments are completed by them (``approximate(top=)``)."""
 APPROXIMATE_EKFAC = f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, EK-FAC)"
 APPROXIMATE_EKFAC_TOP = (f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, EK-FAC + top {TOP} "
-                         "Gauss-Newton)")
+                         "Hessian)")
+APPROXIMATE_EKFAC_TOP_GN = (f"unrolled approximate ({APPROXIMATE_SEGMENTS} segments per stage, EK-FAC + top {TOP} "
+                            "Gauss-Newton)")
 APPROXIMATE_SETTINGS = {APPROXIMATE: {"curvature": "hessian"}, APPROXIMATE_EKFAC: {"curvature": "ekfac", "top": 0},
-                        APPROXIMATE_EKFAC_TOP: {"curvature": "ekfac", "top": TOP}}
+                        APPROXIMATE_EKFAC_TOP: {"curvature": "ekfac", "top": TOP, "top_curvature": "hessian"},
+                        APPROXIMATE_EKFAC_TOP_GN: {"curvature": "ekfac", "top": TOP, "top_curvature": "gauss-newton"}}
 """``ik.unrolled.approximate``'s settings of each approximate row at w = 1 (with ``segments=APPROXIMATE_SEGMENTS``),
 here and in ``fidelity_unrolled``."""
 SUBSET_SEED = 0
@@ -253,7 +257,8 @@ def all_methods() -> list[str]:
     """Every row of the replay table, in its order."""
     from benchmarks.fidelity_methods import PEERS
 
-    return [EXACT, MIDPOINT, MEAN, APPROXIMATE, APPROXIMATE_MEAN, APPROXIMATE_EKFAC, APPROXIMATE_EKFAC_TOP, *INFLUENCE,
+    return [EXACT, MIDPOINT, MEAN, APPROXIMATE, APPROXIMATE_MEAN, APPROXIMATE_EKFAC, APPROXIMATE_EKFAC_TOP,
+            APPROXIMATE_EKFAC_TOP_GN, *INFLUENCE,
             *PEERS]
 
 

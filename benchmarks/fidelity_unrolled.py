@@ -21,8 +21,8 @@ differentiate a recorded run that stands for the protocol's training (the decisi
 Methods (per test point, K = 1): the exact metagradient (``ik.unrolled.metagradients``) and the approximate
 unrolling (``ik.unrolled.approximate``, the replay protocol's 5 segments per stage) with the dense Hessian at each
 segment's end, and with EK-FAC fitted there (SOURCE's curvature at scale; ``CurvatureConfig()``, the curvature of
-the "influkit EK-FAC" influence row), and with that EK-FAC completed by each stage's top 20 Gauss-Newton eigenpairs
-(``top=20``). Sign: each keeps its own, score = d test loss_t(θ_final(w)) / d w_z at w = 1
+the "influkit EK-FAC" influence row), and with that EK-FAC completed by each stage's top 20 Hessian eigenpairs
+(``top=20``, the default's matrix) or Gauss-Newton eigenpairs (``top_curvature="gauss-newton"``). Sign: each keeps its own, score = d test loss_t(θ_final(w)) / d w_z at w = 1
 — positive = up-weighting z raises the test loss, influkit's sign, which the LDS ranks directly (removing z predicts
 −score; the influence rows' I(z, t) = m·score in the limit, the same sign). Seconds: the
 reverse (or segment) pass; recording the run is training and is reported apart, as the other rows leave training out.
