@@ -338,16 +338,15 @@ def segments_row(task: LMTask, warm: WarmAdjoint, progress: bool, top: int,
     """((n, q), info): the approximate unrolling (SOURCE) of the same adjoint through SEGMENTS pieces with EK-FAC
     fitted at each piece's end (the example's EK-FAC settings), completed by the continuation's ``top`` largest
     eigenpairs of its Hessian or Gauss-Newton matrix (``approximate(top=, top_curvature=)``; at w = ``at``, a uniform
-    weight, the factored curvature is
-    rescaled)."""
+    weight, the factored curvature is rescaled)."""
     start = time.perf_counter()
     approx = ik.unrolled.approximate(warm.record, warm.adjoint, segments=SEGMENTS, per_test=True, curvature="ekfac",
                                      config=task.ex.SOLVES["ekfac"](task.cfg)[1], top=top, top_curvature=top_curvature,
                                      progress=progress)[0]
     label = "segments (EK-FAC per piece" + (" + top directions)" if top else ")")
-    return approx.values.double().numpy(), {"pass": (label, time.perf_counter() - start),
-                                            "settings": approx.diagnostics["settings"], "top": approx.diagnostics["top"],
-                                            "stability": approx.diagnostics["stability"]}
+    diagnostics = approx.diagnostics
+    return approx.values.double().numpy(), {"pass": (label, time.perf_counter() - start), "top": diagnostics["top"],
+                                            "settings": diagnostics["settings"], "stability": diagnostics["stability"]}
 
 
 def exact_name(finetuning: str, at: float | None) -> str:
@@ -371,9 +370,9 @@ def unrolled_scores(task: LMTask, progress: bool = True, finetuning: str = "exam
                     top_curvature: str = "hessian") -> dict:
     """{row name: ((n, q) scores, info)}: the warm protocol's unrolled rows from one ``warm_adjoint`` — "exact"
     (``exact_row``, named by ``exact_name``) and "segments" (``segments_row`` with ``top`` directions of
-    ``top_curvature``, ``segments_name``). score_z = d NLL_t / d w_z; removal predicts −score. Each info carries its seconds (the
-    shared record, re-run and adjoint, its own pass, and one protocol re-training timed beside them) and their
-    total without the re-training."""
+    ``top_curvature``, ``segments_name``). score_z = d NLL_t / d w_z; removal predicts −score. Each info carries its
+    seconds (the shared record, re-run and adjoint, its own pass, and one protocol re-training timed beside them)
+    and their total without the re-training."""
     kinds = {"exact": lambda warm: (exact_name(finetuning, at), *exact_row(task, warm, progress)),
              "segments": lambda warm: (segments_name(top, at, top_curvature),
                                        *segments_row(task, warm, progress, top, top_curvature))}
@@ -427,9 +426,9 @@ def orders_scores(task: LMTask, progress: bool, at: float, orders: int) -> None:
 def unrolled_scores_cached(task: LMTask, progress: bool, finetuning: str = "example", at: float | None = None,
                            top: int = 0, top_curvature: str = "hessian") -> None:
     """Score the unrolled rows once (cached as ``scores_<row>.npz`` with their ``info``): with ``top``, only the
-    approximate unrolling with that many directions of ``top_curvature``; at another finetuning solve than the example's or
-    at a continuation weight ``at``, only the exact unrolling (the plain approximate one linearizes at w = 1 with
-    the example's adjoint); else both."""
+    approximate unrolling with that many directions of ``top_curvature``; at another finetuning solve than the
+    example's or at a continuation weight ``at``, only the exact unrolling (the plain approximate one linearizes at
+    w = 1 with the example's adjoint); else both."""
     rows = ("segments",) if top else ("exact",) if finetuning != "example" or at is not None else ("exact", "segments")
     names = {"exact": exact_name(finetuning, at), "segments": segments_name(top, at, top_curvature)}
     if not all((CACHE / f"scores_{names[row]}.npz").exists() for row in rows):
