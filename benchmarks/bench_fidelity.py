@@ -23,6 +23,7 @@ Resumable: every re-training, trained member and method score matrix is cached u
     python -m benchmarks.bench_fidelity retrain --task digits-case1 --protocol replay --subsets 50 --methods \
         "unrolled exact metagradient (replay)" "unrolled exact metagradient at the midpoint (w = 1 − f/2)"
     python -m benchmarks.bench_fidelity linearity --task fashion-case1   # why replay LDS falls with the drop size
+    python -m benchmarks.bench_fidelity additive --task fashion-case1 --fraction 0.05   # the best additive ranking
     python -m benchmarks.bench_fidelity retrain --task minilm-dapt --subsets 120  # optional: pretrained MiniLM
     python -m benchmarks.bench_fidelity committed --task digits-case1 --protocol warm --methods "influkit default ..."
     python -m benchmarks.bench_fidelity unrolled --task digits-case1   # + the unrolled rows (warm and scratch)
@@ -96,7 +97,8 @@ def committed_lds(task: Task, protocol: str, m: int, methods: list[str]) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=("retrain", "score", "check", "table", "committed", "unrolled", "linearity"))
+    parser.add_argument("step", choices=("retrain", "score", "check", "table", "committed", "unrolled", "linearity",
+                                           "additive"))
     parser.add_argument("--task", choices=sorted(TASKS) + [MINILM], required=True)
     parser.add_argument("--protocol", choices=(*PROTOCOLS, "replay"), default="warm",
                         help="replay: the recorded run replayed with dropped examples weighted 0 (fidelity_replay.py)")
@@ -104,6 +106,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--members", type=int, default=5)
     parser.add_argument("--methods", nargs="*", default=None)
+    parser.add_argument("--fraction", type=float, default=0.05, help="additive: the replay drop fraction examined")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -117,6 +120,10 @@ def main() -> None:
         from benchmarks.fidelity_replay import linearity
 
         linearity(task, {0.01: 20, 0.05: args.subsets, 0.1: 20}, RESULTS, progress=not args.no_progress)
+    elif args.step == "additive":  # how well any per-example score can rank the replay's drop sets
+        from benchmarks.fidelity_replay import additive_ceiling
+
+        additive_ceiling(task, args.fraction, RESULTS, progress=not args.no_progress)
     elif args.protocol == "replay":  # records, scores and replays in one step (fidelity_replay.py)
         from benchmarks.fidelity_replay import run_replay_protocol
 

@@ -32,8 +32,8 @@ Jobs, each in its own subprocess so peak RSS (``ru_maxrss``) is the job's own:
   encoder, head trained), EK-FAC on stage 1, every pretraining sequence scored.
 - ``case1-recorded`` / ``case1-unrolled`` (issue 26): the same Case 1 chain *trained and recorded*
   (``ik.unrolled.Record``: ``--unrolled-steps`` steps of SGD + momentum 0.9 with a decaying learning rate on
-  mini-batches of half the pretraining sequences, then as many on the head — a schedule to unroll, not a trained
-  model), then in one subprocess each: the plain EK-FAC Case 1 query on the recorded final models (fit, query,
+  mini-batches of ``--pretrain-batch`` (default half the) pretraining sequences, then as many on the head — a
+  schedule to unroll, not a trained model), then in one subprocess each: the plain EK-FAC Case 1 query on the recorded final models (fit, query,
   scores: what ``case1`` times), and the approximate unrolling (``ik.unrolled.approximate``, ``--segments``
   pieces per stage, EK-FAC with ``basis="shared"``: one eigenbasis per stage fitted at its end, the eigenvalues
   re-estimated at each other piece's end — one full fit plus one streamed pass per further piece, instead of a fit
@@ -535,7 +535,8 @@ def recorded_case1(args, out: dict):
     steps = args.unrolled_steps
     record = Record()
     t0 = time.perf_counter()
-    record.train(pre, SGD(lr=1e-4, momentum=0.9), steps=steps, batch_size=max(1, args.sequences // 2),
+    batch = args.pretrain_batch or max(1, args.sequences // 2)
+    record.train(pre, SGD(lr=1e-4, momentum=0.9), steps=steps, batch_size=batch,
                  schedule=lambda t: 1e-4 * (1 - 0.5 * t / steps), checkpoint_every=steps)
     fin_model = hf.HFModel(classifier_model(args.model, config, model))  # the encoder as pretraining left it
     tx, _ = lm_data(args.model, 3 * args.test, args.length, 2, config.vocab_size)
@@ -691,6 +692,8 @@ def main(argv=None) -> None:
     parser.add_argument("--residual", action="store_true",
                         help="influkit-ekfac with SolveConfig(residual=True): one exact HVP checks the EK-FAC solve")
     parser.add_argument("--unrolled-steps", type=int, default=4, help="recorded SGD steps per stage (case1-*)")
+    parser.add_argument("--pretrain-batch", type=int, default=None,
+                        help="case1-*: sequences per recorded pretraining step (default half of --sequences)")
     parser.add_argument("--segments", type=int, default=2, help="pieces per stage of case1-unrolled")
     parser.add_argument("--unrolled-basis", default="shared", choices=("shared", "each"),
                         help="case1-unrolled: one EK-FAC eigenbasis per stage, or a fit per piece")
@@ -724,7 +727,8 @@ def main(argv=None) -> None:
                 f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                 ("layers", "hidden", "sequences", "length", "test", "iterations", "hessian_samples", "kron_batch",
                  "unrolled_steps", "segments", "unrolled_basis", "top", "top_curvature")] + (
-                [f"--memory={args.memory}"] if args.memory else []) + ([f"--tag={args.tag}"] if args.tag else []) + (
+                [f"--memory={args.memory}"] if args.memory else []) + (
+                [f"--pretrain-batch={args.pretrain_batch}"] if args.pretrain_batch else []) + ([f"--tag={args.tag}"] if args.tag else []) + (
                 [f"--fit-cache={args.fit_cache}"] if args.fit_cache else []) + (
                 ["--residual"] if args.residual else [])
             t0 = time.perf_counter()

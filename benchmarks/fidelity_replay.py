@@ -33,6 +33,7 @@ table says which).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import time
@@ -479,7 +480,119 @@ def linearity(task: Task, sets: dict[float, int], results: Path, progress: bool 
 
 def _mean_spearman(a: np.ndarray, b: np.ndarray) -> float:
     """Mean over columns (test points) of Spearman_rows(a, b), NaN columns skipped."""
+    return float(np.nanmean(_spearman_per_test(a, b)))
+
+
+def _spearman_per_test(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Spearman_rows(a[:, i], b[:, i]) for every column i (test point)."""
     from scipy.stats import spearmanr
 
-    values = np.array([spearmanr(a[:, i], b[:, i])[0] for i in range(a.shape[1])])
-    return float(np.nanmean(values))
+    return np.array([spearmanr(a[:, i], b[:, i])[0] for i in range(a.shape[1])])
+
+
+ADDITIVE_SETS = 4000
+"""Replayed drop sets the linear datamodel of ``additive_ceiling`` is fitted on (its own seed, not the protocol's)."""
+ADDITIVE_RIDGE = (0.1, 1.0, 10.0, 100.0, 1000.0)
+"""Ridge penalties the datamodel chooses among, on a held-out fifth of its fitting sets."""
+
+
+def additive_ceiling(task: Task, fraction: float, results: Path, sets: int = ADDITIVE_SETS,
+                     progress: bool = True) -> dict:
+    """How well can *any* per-example score rank the replay protocol's drop sets of one fraction?
+
+    A score ranks a set D by Σ_{z∈D} (its prediction is additive in the drop mask m); the protocol's LDS rewards
+    nothing else. For a response quadratic in the weights, y(1 − m) = y(1) + aᵀm + ½ mᵀHm, the gradient at the
+    masks' mean (``MEAN``, w̄ = 1 − f) leaves const + ½ δᵀHδ with δ = m − f·1, whose additive part is the diagonal
+    ½(1 − 2f) Σ_{z∈D} H_zz (m_z² = m_z); the rest, ½ Σ_{z≠z'} H_zz' δ_z δ_z', is interaction between the dropped
+    examples, which no additive score ranks. Measured here, on the protocol's M = 50 sets of ``fraction``:
+
+    - ``leave one out``: n replays, each dropping one example: Δ_z = −g_z + ½ H_zz + …, ranked as Σ_{z∈D} Δ_z;
+    - ``mean rule + diagonal``: the mean rule plus ½(1 − 2f) H_zz with ½ H_zz = Δ_z + g_z from those replays;
+    - ``linear datamodel``: ridge regression of the replayed changes of ``sets`` other random drop sets of the same
+      size on their masks (Ilyas et al.'s datamodels, fitted on the replay itself), penalty chosen on a held-out
+      fifth; fitted on a quarter, half and all of them, to show whether more sets would still help;
+    - ``mean rule + datamodel of its residual``: the same regression on what the mean rule leaves.
+
+    Writes results/fidelity/replay_<task>_additive<f>.md and .json; replays cached beside the protocol's.
+    """
+    torch.set_num_threads(1)
+    record = record_task(task)
+    test = task.split.test
+    n = len(task.split.pretrain[0])
+    base = ik.unrolled.outputs(record, test)
+    start = time.perf_counter()
+    gradient = ik.unrolled.metagradients(record, test, per_test=True)[0].values.double()
+    at = [torch.full((n,), mean_weight(fraction), dtype=torch.float64)] + [None] * (len(record) - 1)
+    mean_rule = ik.unrolled.metagradients(record, test, per_test=True, at=at)[0].values.double()
+    seconds = {"two metagradient passes (q per-test losses each)": time.perf_counter() - start}
+    start = time.perf_counter()
+    ik.unrolled.outputs(record, test, torch.ones(n, dtype=torch.float64))
+    seconds["one replay (the replays are cached)"] = time.perf_counter() - start
+    single = _replayed_changes(task, record, base, torch.eye(n, dtype=torch.float64), "loo", progress)
+    gen = torch.Generator().manual_seed(SUBSET_SEED + 12345)
+    size = max(1, int(fraction * n))
+    masks = torch.zeros(sets, n, dtype=torch.float64)
+    for j in range(sets):
+        masks[j, torch.randperm(n, generator=gen)[:size]] = 1
+    changes = _replayed_changes(task, record, base, masks, f"datamodel{fraction:g}", progress).numpy()
+
+    dropped = (~drop_sets(n, fraction, 50)).double()
+    actual = (replayed_outputs(task, record, ~dropped.bool(), fraction, progress) - base).numpy()
+    m = dropped.numpy()
+    half_diagonal = (single + gradient).numpy()  # Δ_z = −g_z + ½ H_zz
+    rows = {"exact metagradient at w = 1": -(m @ gradient.numpy()),
+            "mean rule (w = 1 − f)": -(m @ mean_rule.numpy()),
+            "leave one out, summed": m @ single.numpy(),
+            "mean rule + diagonal ½(1 − 2f)H_zz": -(m @ mean_rule.numpy()) + (1 - 2 * fraction) * (m @ half_diagonal)}
+    X = masks.numpy()
+    for count in (sets // 4, sets // 2, sets):
+        rows[f"linear datamodel, {count} sets"] = m @ _ridge(X[:count], changes[:count])
+    residual = changes + X @ mean_rule.numpy()
+    rows[f"mean rule + datamodel of its residual, {sets} sets"] = -(m @ mean_rule.numpy()) + m @ _ridge(X, residual)
+    table = {}
+    for name, prediction in rows.items():
+        per_test = _spearman_per_test(prediction, actual)
+        per_test = per_test[np.isfinite(per_test)]
+        table[name] = (float(per_test.mean()), float(per_test.std(ddof=1) / np.sqrt(per_test.size)))
+    facts = {"task": task.config.name, "fraction": fraction, "dropped per set": size, "n": n, "q": len(test[0]),
+             "M (protocol sets ranked)": 50, "seconds": {k: round(v, 2) for k, v in seconds.items()},
+             "load average": ", ".join(f"{v:.1f}" for v in os.getloadavg())}
+    lines = [f"### {task.config.name}: the best additive ranking of {fraction:g} drops on the replay protocol", "",
+             "| prediction of each drop set's change | LDS ± sem |", "|---|---|"]
+    lines += [f"| {name} | {mean:.3f} ± {sem:.3f} |" for name, (mean, sem) in table.items()]
+    lines += ["", inspect.cleandoc(additive_ceiling.__doc__).split("\n\n")[1], "", json.dumps(facts)]
+    stem = f"replay_{task.config.name}_additive{fraction:g}"
+    (results / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (results / f"{stem}.json").write_text(json.dumps({"table": table, "facts": facts}, indent=1) + "\n")
+    print("\n".join(lines), flush=True)
+    return {"table": table, "facts": facts}
+
+
+def _replayed_changes(task: Task, record: Record, base: torch.Tensor, masks: torch.Tensor, name: str,
+                      progress: bool, chunk: int = 500) -> torch.Tensor:
+    """(len(masks), q) change of the test losses when the record is replayed with weights 1 − mask, cached per
+    ``chunk`` masks (a longer run reuses a shorter one's)."""
+    directory = task.directory / "replay"
+    directory.mkdir(parents=True, exist_ok=True)
+    parts = []
+    for start in range(0, len(masks), chunk):
+        block = masks[start:start + chunk]
+        path = directory / f"{name}_{start}-{start + len(block)}_{settings_digest(task)}.safetensors"
+        if not path.exists():
+            rows = [ik.unrolled.outputs(record, task.split.test, 1 - mask) - base
+                    for mask in tqdm(block, desc=f"{task.config.name} {name} {start}", disable=not progress,
+                                     mininterval=30)]
+            save_file({"changes": torch.stack(rows).contiguous()}, str(path))
+        parts.append(load_file(path)["changes"])
+    return torch.cat(parts)
+
+
+def _ridge(X: np.ndarray, Y: np.ndarray) -> np.ndarray:
+    """(n, q) ridge coefficients of Y on X (both centred), the penalty of ADDITIVE_RIDGE whose fit on four fifths
+    ranks the held-out fifth best (mean Spearman over columns)."""
+    Xc, Yc = X - X.mean(0), Y - Y.mean(0)
+    fit = lambda rows, alpha: np.linalg.solve(  # noqa: E731
+        Xc[rows].T @ Xc[rows] + alpha * np.eye(X.shape[1]), Xc[rows].T @ Yc[rows])
+    cut = len(X) * 4 // 5
+    best = max(ADDITIVE_RIDGE, key=lambda alpha: _mean_spearman(Xc[cut:] @ fit(slice(0, cut), alpha), Yc[cut:]))
+    return fit(slice(None), best)
