@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ EXAMPLES = {
     "turnover/digits.py": "most negative self-influences hold",
     "cleansing/digits.py": "share of the flipped labels found",
     "elmo/tweets.py": "pretraining solve: minres",
+    "unrolled/digits.py": "single-digit drops replayed: Pearson r",
 }
 
 
@@ -38,3 +40,6 @@ def test_example_runs(script, tmp_path):
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert EXAMPLES[script] in out.stdout, out.stdout
+    if script == "unrolled/digits.py":  # the exact metagradient predicts single drops of the replayed run
+        r = float(re.search(r"replayed change (-?[0-9.]+) \(metagradient\)", out.stdout).group(1))
+        assert r > 0.95, out.stdout
