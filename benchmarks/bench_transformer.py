@@ -33,8 +33,8 @@ Jobs, each in its own subprocess so peak RSS (``ru_maxrss``) is the job's own:
 - ``case1-recorded`` / ``case1-unrolled`` (issue 26): the same Case 1 chain *trained and recorded*
   (``ik.unrolled.Record``: ``--unrolled-steps`` steps of SGD + momentum 0.9 with a decaying learning rate on
   mini-batches of ``--pretrain-batch`` (default half the) pretraining sequences, then as many on the head — a
-  schedule to unroll, not a trained model), then in one subprocess each: the plain EK-FAC Case 1 query on the recorded final models (fit, query,
-  scores: what ``case1`` times), and the approximate unrolling (``ik.unrolled.approximate``, ``--segments``
+  schedule to unroll, not a trained model), then in one subprocess each: the plain EK-FAC Case 1 query on the
+  recorded final models (fit, query, scores: what ``case1`` times), and the approximate unrolling (``ik.unrolled.approximate``, ``--segments``
   pieces per stage, EK-FAC with ``basis="shared"``: one eigenbasis per stage fitted at its end, the eigenvalues
   re-estimated at each other piece's end — one full fit plus one streamed pass per further piece, instead of a fit
   per piece). Both with default memory budgets; seconds and peak RSS per job, and the Pearson correlation of the
@@ -728,7 +728,8 @@ def main(argv=None) -> None:
                 ("layers", "hidden", "sequences", "length", "test", "iterations", "hessian_samples", "kron_batch",
                  "unrolled_steps", "segments", "unrolled_basis", "top", "top_curvature")] + (
                 [f"--memory={args.memory}"] if args.memory else []) + (
-                [f"--pretrain-batch={args.pretrain_batch}"] if args.pretrain_batch else []) + ([f"--tag={args.tag}"] if args.tag else []) + (
+                [f"--pretrain-batch={args.pretrain_batch}"] if args.pretrain_batch else []) + (
+                [f"--tag={args.tag}"] if args.tag else []) + (
                 [f"--fit-cache={args.fit_cache}"] if args.fit_cache else []) + (
                 ["--residual"] if args.residual else [])
             t0 = time.perf_counter()

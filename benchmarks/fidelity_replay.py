@@ -498,13 +498,14 @@ ADDITIVE_RIDGE = (0.1, 1.0, 10.0, 100.0, 1000.0)
 
 def additive_ceiling(task: Task, fraction: float, results: Path, sets: int = ADDITIVE_SETS,
                      progress: bool = True) -> dict:
-    """How well can *any* per-example score rank the replay protocol's drop sets of one fraction?
+    """How close can a per-example score come to ranking the replay protocol's drop sets of one fraction?
 
     A score ranks a set D by Σ_{z∈D} (its prediction is additive in the drop mask m); the protocol's LDS rewards
     nothing else. For a response quadratic in the weights, y(1 − m) = y(1) + aᵀm + ½ mᵀHm, the gradient at the
     masks' mean (``MEAN``, w̄ = 1 − f) leaves const + ½ δᵀHδ with δ = m − f·1, whose additive part is the diagonal
     ½(1 − 2f) Σ_{z∈D} H_zz (m_z² = m_z); the rest, ½ Σ_{z≠z'} H_zz' δ_z δ_z', is interaction between the dropped
-    examples, which no additive score ranks. Measured here, on the protocol's M = 50 sets of ``fraction``:
+    examples, which no additive score ranks. The best additive predictions measured here, on the protocol's M = 50
+    sets of ``fraction``:
 
     - ``leave one out``: n replays, each dropping one example: Δ_z = −g_z + ½ H_zz + …, ranked as Σ_{z∈D} Δ_z;
     - ``mean rule + diagonal``: the mean rule plus ½(1 − 2f) H_zz with ½ H_zz = Δ_z + g_z from those replays;

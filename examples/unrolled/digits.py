@@ -8,8 +8,8 @@ of both stages: a score is d test loss / d w_z (w_z = 1 in the recorded run), so
 
 Then check the scores on the run itself: replay the record (``ik.unrolled.outputs``) with the k most harmful
 pretraining digits dropped, the k most helpful and k random ones, and with single digits dropped, and compare the
-replayed change of the test loss with −Σ score. The influence function of the same final models (dense Hessian,
-``ik.score``) is shown beside it. Writes a scatter of predicted vs replayed single drops to
+replayed change of the test loss with −Σ score. The influence function of the same final models (``ik.score``
+with its default solve, which warns that neither stage is at a minimum) is shown beside it. Writes a scatter of predicted vs replayed single drops to
 ``OUT/unrolled_single_drops.png`` (``--out``, default ``influkit-results/unrolled``). About 30 s on one core.
 Needs ``pip install 'influkit[apps]'``.
 """
