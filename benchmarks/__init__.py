@@ -1,3 +1,3 @@
 """influkit's benchmarks, a package: run each from the repository root as ``python -m benchmarks.<module> ...``
-(e.g. ``python -m benchmarks.bench_fidelity table --task digits-case1``); modules import their siblings as
+(e.g. ``python -m studies.fidelity table --task digits-case1``); modules import their siblings as
 ``benchmarks.<module>``, never by editing ``sys.path``."""

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def lm_lora():
-    from benchmarks.bench_fidelity_lm import LMTask
+    from studies.fidelity_lm import LMTask
 
     task = LMTask(progress=False)
     tok = task.data["tokenizer"]

@@ -287,7 +287,7 @@ def main() -> None:
         print(f"    {line}")
 
     print("\n## places that implement stage inheritance (functions; modules in brackets)")
-    for folder in ("influkit", "examples", "experiments", "benchmarks"):
+    for folder in ("influkit", "examples", "studies", "benchmarks"):
         places = inheritance_places(root, folder)
         modules = sorted({p.split(":")[0] for p in places})
         print(f"{folder + '/':13s} {len(places)} functions in {len(modules)} module(s)")
@@ -309,7 +309,7 @@ def main() -> None:
     print(f"heavy modules loaded by `import influkit`: {', '.join(info['heavy']) or 'none'}")
 
     print("\n## examples and studies: .py files (directly in the folder), lines, largest")
-    for folder in ("examples", "experiments"):
+    for folder in ("examples", "studies"):
         count, flat, total, top, top_path = scripts(root, folder)
         print(f"{folder + '/':13s} {count:3d} files ({flat} flat)  {total:6,d} lines  largest {top} ({top_path})")
 

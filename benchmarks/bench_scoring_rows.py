@@ -6,7 +6,7 @@ seconds at K = 1 (``fidelity_methods.influkit_scores``: fit, query and scores, n
 
     cd CHECKOUT && PYTHONPATH=$PWD:$PWD/benchmarks python /copy/of/bench_scoring_rows.py --cache DIR --label mine
 
-``--cache``: a fidelity cache holding digits-case1's trained member 0 (``benchmarks/results/fidelity/cache``), read
+``--cache``: a fidelity cache holding digits-case1's trained member 0 (``studies/results/fidelity/cache``), read
 only. ``$PWD/benchmarks`` on the path serves older checkouts (885c1da), whose benchmarks import each other flat.
 Alternate checkouts by running this once per checkout per round (results/scoring_rows.txt).
 """
@@ -31,7 +31,7 @@ def main() -> None:
     torch.set_num_threads(1)
     import influkit
     from benchmarks import fidelity_methods as fm
-    from benchmarks.fidelity_tasks import TASKS, Task
+    from studies.fidelity_tasks import TASKS, Task
     from influkit import SolveConfig
 
     task = Task(TASKS["digits-case1"], args.cache)

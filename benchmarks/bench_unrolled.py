@@ -101,8 +101,8 @@ def timed(record, measure, per_test: bool, training, found: dict) -> dict:
 
 def one(steps: int, every: int, per_test: bool, baseline: str | None) -> dict:
     """Record, verify and differentiate one digits configuration in this process; the measured numbers."""
-    import benchmarks.fidelity_replay as fr
-    from benchmarks.fidelity_tasks import TASKS, Task
+    import studies.fidelity_replay as fr
+    from studies.fidelity_tasks import TASKS, Task
 
     import influkit as ik
 
@@ -135,7 +135,7 @@ def one(steps: int, every: int, per_test: bool, baseline: str | None) -> dict:
 
 def lm(baseline: str | None) -> dict:
     """The LM task's line (module docstring), measured in this process."""
-    import benchmarks.bench_fidelity_lm as fidelity_lm
+    import studies.fidelity_lm as fidelity_lm
     from influkit.params import ParamSpace
 
     import influkit as ik

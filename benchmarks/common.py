@@ -31,7 +31,7 @@ from influkit.training import fit_lbfgs, gradient_norm, newton_refine
 from influkit.validation.reference import explicit_hessian  # the one explicit-Hessian truth (tests use it too)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-EXPERIMENTS = Path(__file__).resolve().parent.parent / "experiments"
+EXPERIMENTS = Path(__file__).resolve().parent.parent / "studies"
 
 
 # --------------------------------------------------------------------------------------------- environment
@@ -95,7 +95,7 @@ def timed(fn: Callable, repeat: int = 1, warmup: int = 0):
 
 
 def study(name: str):
-    """The study module ``experiments/<name>.py``, executed from its file (experiments/ is not a package) and
+    """The study module ``studies/<name>.py``, executed from its file (studies/ is not a package) and
     registered as ``sys.modules[name]`` (dataclasses look their module up there)."""
     spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

@@ -9,24 +9,22 @@ An arrow A → B means module A imports module B, at module level or inside a fu
 influkit splits into the **core** (the gradient path every method shares) and the **method and application
 packages** built on it (and the presets and tools: influence, multistage, training, jobs, cli); the core imports
 nothing outside itself, and no set of modules may import each other in a circle. The benchmarks are a package
-(``python -m benchmarks.bench_fidelity ...``): no circle, and no module edits ``sys.path`` to find its siblings.
+(``python -m studies.fidelity ...``): no circle, and no module edits ``sys.path`` to find its siblings.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import ast
 import sys
 from pathlib import Path
 
 PACKAGE = "influkit"
-PACKAGES = (PACKAGE, "benchmarks")  # the graphs checked
-CORE = {f"{PACKAGE}.{name}" for name in (
-    "stage", "data", "params", "curvature", "gradients", "solvers", "operators", "chain", "results", "scoring",
-    "files", "distributed", "errors", "vectorize", "philox", "krylov", "report", "ensemble", "memory", "contraction",
-    "links", "store", "extras", "fitted", "stationarity", "auto")}
-CORE_PACKAGES = (f"{PACKAGE}.factored", f"{PACKAGE}.layers")
-METHOD_PACKAGES = tuple(f"{PACKAGE}.{name}" for name in ("ssl", "turnover", "elmo", "hf", "apps", "validation", "unrolled"))
+PACKAGES = (PACKAGE, "benchmarks", "studies")  # the graphs checked
+# influkit's modules live in three folders of its search path (influkit/__init__.py): a file's folder is its part,
+# and its dotted name skips the folder (influkit/core/chain.py is influkit.chain)
+PARTS = ("core", "methods", "integrations")
 
 
 def modules(root: Path, package: str = PACKAGE) -> dict[str, Path]:
@@ -34,10 +32,23 @@ def modules(root: Path, package: str = PACKAGE) -> dict[str, Path]:
     out = {}
     for path in sorted((root / package).rglob("*.py")):
         parts = list(path.relative_to(root).with_suffix("").parts)
+        if package == PACKAGE and len(parts) > 2 and parts[1] in PARTS:
+            del parts[1]
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path
     return out
+
+
+@functools.cache
+def _parts(root: Path) -> dict[str, str]:
+    return {name: path.relative_to(root).parts[1] for name, path in modules(root).items()
+            if path.relative_to(root).parts[1] in PARTS}
+
+
+def part(module: str, root: Path = Path(__file__).resolve().parents[1]) -> str | None:
+    """The folder of influkit that holds ``module`` ("core", "methods", "integrations"), or None (the package)."""
+    return _parts(root).get(module)
 
 
 def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
@@ -108,11 +119,12 @@ def path_edits(root: Path, package: str) -> list[str]:
 
 
 def is_core(module: str) -> bool:
-    return module in CORE or any(module == p or module.startswith(p + ".") for p in CORE_PACKAGES)
+    return part(module) == "core"
 
 
 def is_method(module: str) -> bool:
-    return any(module == p or module.startswith(p + ".") for p in METHOD_PACKAGES)
+    """A module of the methods or the integrations: built on the core, loaded on first use."""
+    return part(module) in ("methods", "integrations")
 
 
 def circles(graph: list[tuple[str, str, bool]], *, include_lazy: bool = True) -> list[list[str]]:
@@ -157,8 +169,7 @@ def circles(graph: list[tuple[str, str, bool]], *, include_lazy: bool = True) ->
 
 
 def core_arrows(graph: list[tuple[str, str, bool]]) -> list[tuple[str, str, bool]]:
-    """Imports from a core module to anything outside the core: a method or application package, or the presets
-    and tools built on the core (influence, multistage, training, jobs, cli). Data flows one way."""
+    """Imports from a core module (influkit/core/) to a method or an integration. Data flows one way."""
     return [(a, b, lazy) for a, b, lazy in graph if is_core(a) and not is_core(b) and b != PACKAGE]
 
 

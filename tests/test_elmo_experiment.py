@@ -1,4 +1,4 @@
-"""The ELMo multi-stage influence experiment (experiments/elmo_influence.py) in its CI-sized ``--quick`` form."""
+"""The ELMo multi-stage influence experiment (studies/elmo_influence.py) in its CI-sized ``--quick`` form."""
 
 from __future__ import annotations
 

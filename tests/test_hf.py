@@ -458,7 +458,7 @@ def _run_example(*args: str) -> object:
 
 @pytest.fixture(scope="module")
 def example_run(tmp_path_factory):
-    """``experiments/bert_pretrain_finetune.py --quick`` once: pretraining, both cases, Table 1, leave-out."""
+    """``studies/bert_pretrain_finetune.py --quick`` once: pretraining, both cases, Table 1, leave-out."""
     from influkit.elmo import corpora
 
     try:

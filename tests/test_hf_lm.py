@@ -369,7 +369,7 @@ def test_lora_chain_equals_the_explicit_hessian_formula(pretrained, case):
 
 @pytest.mark.slow
 def test_lm_example_quick_runs_end_to_end(tmp_path):
-    """``experiments/lm_pretrain_lora.py --quick``: pretraining, LoRA, three solves, leave-out, plot (~15 s)."""
+    """``studies/lm_pretrain_lora.py --quick``: pretraining, LoRA, three solves, leave-out, plot (~15 s)."""
     import json
 
     import numpy as np

@@ -1,8 +1,8 @@
 """ELMo (``influkit.elmo``): which pretraining sentences of a biLM most influence a tweet classifier built on it.
 
-Loads the small biLM that ``experiments/elmo_influence.py`` pretrained on vaderSentiment's review and editorial
+Loads the small biLM that ``studies/elmo_influence.py`` pretrained on vaderSentiment's review and editorial
 snippets — allennlp-format files (options JSON, HDF5 weights) plus its softmax and vocabulary, committed in
-``experiments/results/elmo/`` —, fits a classifier head on the frozen ELMo features of rated tweets, and scores
+``studies/results/elmo/`` —, fits a classifier head on the frozen ELMo features of rated tweets, and scores
 pretraining sentences with a Case 1 chain whose pretraining loss g(z) is the biLM's per-sentence loss
 (``bilm_lm_loss``). The pretraining solve is MINRES preconditioned by EK-FAC, damped by 1 (the study's setting).
 
@@ -26,7 +26,7 @@ from influkit.elmo.corpora import sentiment_data, tokenize, vader_corpus
 from influkit.elmo.models import SentenceClassifier
 from influkit.training import fit_lbfgs
 
-PRETRAINED = Path(__file__).resolve().parents[2] / "experiments" / "results" / "elmo"
+PRETRAINED = Path(__file__).resolve().parents[2] / "studies" / "results" / "elmo"
 
 
 def cross_entropy(outputs, targets):

@@ -5,8 +5,8 @@ Case 1 with the embedding fixed, Case 2 with the embedding finetuned too (proxim
 pretraining image against the finetuning test set with ``influkit.score`` (positive = harmful: removing it would
 lower the test loss), print the most harmful and most helpful ones and save a gallery of them to
 ``OUT/multistage_gallery_case{1,2}.png`` (``--out``, default ``influkit-results/multistage``; the committed ones
-are in ``experiments/results/digits/``). No leave-out validation here (see ``influkit demo`` and
-``experiments/paper_experiments.py case2``). Needs ``pip install 'influkit[apps]'``.
+are in ``studies/results/digits/``). No leave-out validation here (see ``influkit demo`` and
+``studies/paper_experiments.py case2``). Needs ``pip install 'influkit[apps]'``.
 
 Run ``python examples/multistage/digits.py`` (≈ 2–3 min on one core) or ``--quick`` (150 pretraining, 60 test
 images).

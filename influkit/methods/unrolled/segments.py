@@ -1,0 +1,537 @@
+"""Approximate unrolling (SOURCE, Bae, Lin, Lorraine & Grosse 2024) across stages: segments with a closed form each.
+
+Each stage's recorded steps are cut into ``segments`` contiguous pieces. Inside piece ℓ the run is linearized as
+(heavy-ball) gradient descent on the stage's full-data objective L(θ; S̄) with one Hessian H_ℓ, taken at the
+piece's last parameters θ_ℓ, and the recorded learning rates η_t; a data weight w_z enters every step's gradient
+with its expected weight 1/n (exact for full batches), and the shared block through C_ℓ = ∂∇_θL/∂S̄. In H_ℓ's
+eigenbasis every coordinate (eigenvalue λ) follows the 2×2 linear recursion of SGD with momentum μ,
+
+    b_{t+1} = μ b_t + λ δ_t + f,     δ_{t+1} = δ_t − η_t b_{t+1},     f = (1/n) ∇ℓ(z; θ_ℓ) δw_z + C_ℓ δS̄,
+
+so the reverse pass runs the transposed recursion over the piece's learning rates for all coordinates at once
+(from the adjoints (v, w) of (δθ, δb) at the end of the piece) and collects u = d measure / d f; then
+score_z += (1/n) ∇ℓ(z; θ_ℓ)·u, the shared block's adjoint += C_ℓᵀ u, and (v, w) move to the piece's start. Without
+momentum the collected u is −(I − A_ℓ) H_ℓ⁻¹ v with A_ℓ = Π_t (I − η_t H_ℓ): SOURCE's closed form (Bae, Lin,
+Lorraine & Grosse 2024), here with momentum kept exactly and the discrete steps in place of SOURCE's exponential.
+Past the edge of stability (η_t λ > 2(1 + μ): one step's linear map expands that coordinate, as it does in the top
+directions of runs trained at large learning rates) the discrete map grows exponentially while the run it
+linearizes did not diverge, so there the piece takes SOURCE's exponential (gradient flow at the effective learning
+rate η_t/(1 − μ)), which keeps a direction's share at its minimum's 1/λ; each result's
+``diagnostics["stability"]`` gives the stage's largest η_t λ and how many eigen-coordinates were so treated. The
+adjoints on the stage's start and on its inherited block are handed to the previous stage as in
+:mod:`.metagradient` (same sign: score = d measure / d w_z, removal predicts −score). Adam has no such linear recursion and is refused; so is Nesterov momentum.
+
+When the objective is quadratic and the per-example losses are linear in θ, every step is exactly this map and
+the result equals the exact metagradient (``tests/test_unrolled.py``).
+
+At other data weights (``at=``, or a record from :func:`~.replay.reweighted`) the pieces linearize the re-run
+record: θ_ℓ are its parameters, H_ℓ the Hessian of the weighted objective (1/n) Σ w_z ℓ(z; θ) + R, and the forcing's
+data term keeps its derivative (1/n) ∇ℓ(z; θ_ℓ). A factored curvature is fitted on the unweighted examples and its
+data part scaled by the stage's weight (:meth:`FactoredCurvature.scale_data`), so it takes one weight per stage.
+
+Curvature per piece (``curvature=``): ``"hessian"`` — the dense Hessian of L at θ_ℓ and its eigendecomposition
+(exact; models of up to a few thousand trained parameters); ``"ekfac"`` or ``"kfac"`` — SOURCE's choice at scale: the
+factored Gauss-Newton approximation C_ℓ (:func:`influkit.factored.curvature.fit_curvature`, settings from
+``config``: fisher, hessian_samples, seed) fitted at θ_ℓ. C_ℓ is block diagonal with a Kronecker eigenbasis per
+layer, and the piece's map (v, w) → (v', w', u) is linear with coefficients that are functions of one eigenvalue,
+so it is applied as f(C_ℓ)·v, elementwise in each layer's eigenbasis (:meth:`FactoredCurvature.function`): memory
+O(the factors + q·p), never p². Where C_ℓ equals H (one linear layer under squared error with the exact Fisher)
+the two agree (a test). ``basis="shared"`` (EK-FAC only) fits one eigenbasis per stage, at its final parameters,
+and re-estimates only the eigenvalues at each other piece's end (:func:`fit_curvature` with ``basis=``): one full
+fit per stage plus one streamed pass per further piece, instead of a fit (covariances and eigendecompositions, most
+of EK-FAC's cost at scale) per piece — SOURCE's practical variant.
+
+Top directions (``top=k``, factored curvatures only). A block-diagonal curvature misses the cross-layer top of a
+transformer's spectrum (on the LM task's trained continuation EK-FAC's largest eigenvalue is 15.2, the Gauss-Newton
+matrix's 44.8, the Hessian's 69.9), so its pieces barely damp the directions the run contracts fastest. With ``top``
+the k largest eigenpairs (g_i, V_i) of each stage's Hessian H at its final parameters (``top_curvature="hessian"``,
+the matrix each piece linearizes with; ``"gauss-newton"``: its positive semi-definite part G) are put in exactly:
+each piece splits (v, w) into their coordinates in span V and the complement, runs the factored map f(C) on the
+complement (its output projected back onto it) and the scalar map f(g_i) on each coordinate — the curvature
+V diag(g) Vᵀ + (I − VVᵀ) C (I − VVᵀ), with f of the second taken as (I − VVᵀ) f(C) (I − VVᵀ). Where H = C the split
+changes nothing, and with every eigenpair one piece per stage is the dense Hessian's map (tests). The default
+``top="auto"`` takes k = :data:`TOP_AUTO` pairs per stage of at most :data:`TOP_AUTO_PARAMETERS` trained parameters
+(above, their products cost several times the pieces), fewer where ARPACK's workspace (ncv = max(2k + 1, 20)
+float64 vectors of p) and the k kept vectors would take more than half of the budget left (:func:`top_count`; 0
+with the dense Hessian, which is exact in every direction). Measured (``studies/fidelity.py``,
+``bench_fidelity_lm.py``): the LM task's record below the edge, replay LDS 0.23–0.27 with plain EK-FAC pieces,
+0.80–0.83 with 20 Gauss-Newton pairs, 0.89–0.93 with 20 Hessian pairs; digits Case 1 warm / scratch 0.195 / 0.072,
+0.463 / 0.140, 0.519 / 0.180 (EK-FAC influence 0.183 / 0.113).
+
+The scores are computed in two passes. First the reverse pass over the pieces (every rank the same) gives each
+piece's θ_ℓ and u_ℓ and the adjoints handed across the boundary; then the example terms
+score_z = Σ_ℓ (1/n) ∇ℓ(z; θ_ℓ)·u_ℓ are computed chunk by chunk like :meth:`influkit.Query.scores` rows
+(:mod:`.terms`: by contraction within the memory budget, sharded over ranks, streamed to ``out`` and resumable).
+
+Memory. What the pass holds across its phases: per piece u_ℓ (q × p, the model's dtype) and θ_ℓ — the record's own
+checkpoint when the piece ends on one (no copy), else replayed from the last checkpoint before it and kept — the
+adjoints (v, w) of the piece being unrolled (q × p each, moved to the piece's start in place, with block-sized
+temporaries: :meth:`FactoredCurvature.functions`), S̄'s adjoint, and under ``basis="shared"`` one eigenbasis per
+stage. Each phase that batches data sizes its batches from the budget (:mod:`influkit.memory`): a piece's
+curvature fit (:func:`fit_curvature`), the shared block's adjoint (∂(∇_θL·u)/∂S̄ over batches sized by the bytes
+one example's double-backward graph keeps, measured on a probe) and the example terms (:class:`Terms`). With
+``memory=`` the budget bounds what the whole call adds: every phase gets ``memory`` minus what the call holds then
+(:class:`influkit.memory.Held`, reported as ``held_bytes``); without it each phase's default budget is a share of
+what is free when the phase starts, which already leaves out what is held. After each phase the C allocator's freed
+pages go back to the system. The replay of a piece's steps costs what the recorded steps cost (their batches as
+recorded).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import numbers
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch.func import hessian
+from tqdm.auto import tqdm
+
+from .. import distributed
+from ..curvature import HVP_TRANSIENT, HessianOperator
+from ..errors import InputError
+from ..extras import require
+from ..factored.curvature import FactoredCurvature, fit_curvature
+from ..fitted import CurvatureConfig
+from ..memory import PROBE_EXAMPLES, Held, probe_bytes
+from ..memory import given as budget_given
+from ..memory import plan as memory_plan
+from ..memory import resolve as budget_of
+from ..results import InfluenceResult
+from ..scoring import release_freed_memory
+from .metagradient import hand_over, measure_adjoint, reweighted_at
+from .optimizers import SGD
+from .record import Record, StageRun
+from .replay import start, unit_weights
+from .terms import Terms, fingerprint, holding
+
+METHOD = "unrolled approximate (segments, dense Hessian)"
+CURVATURES = ("hessian", "ekfac", "kfac")
+BASES = ("each", "shared")
+
+
+def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = False, curvature: str = "hessian",
+                basis: str = "each", config: CurvatureConfig | None = None, chunk_size: int | None = None,
+                out: str | Path | None = None, gradients: str = "contraction", memory: int | None = None,
+                at=None, top: int | str = "auto", top_curvature: str = "hessian",
+                progress: bool = False) -> list[InfluenceResult]:
+    """One :class:`InfluenceResult` per stage: the segment-wise closed-form estimate of d measure / d w_z.
+
+    Same arguments and sign as :func:`influkit.unrolled.metagradients` (score = d measure / d w_z at w = 1, or at
+    the weights ``at``: the record re-run there and each piece linearized on that run with the weighted objective's
+    curvature; removing z predicts −score: ``removal``); ``segments`` pieces per stage; curvature: ``"hessian"`` (dense,
+    exact) or ``"ekfac"``/``"kfac"`` (factored, fitted with ``config``, default ``CurvatureConfig()``: the sampled
+    Fisher on every example); basis: ``"each"`` (a fit per piece) or ``"shared"`` (EK-FAC: one eigenbasis per stage,
+    eigenvalues re-estimated per piece) — module docstring — or one fitted EK-FAC curvature (or None) per stage, fitted
+    at that stage's final parameters over its trained parameters, e.g. ``chain.curvature(0).approximations["ekfac"]``
+    of the plain chain on the recorded models: used as its last piece's curvature and shared basis, not refitted. The example terms as :meth:`influkit.Query.scores`:
+    ``chunk_size`` rows at a time (default: what ``memory`` bytes hold, default budget when None), ``gradients``
+    "contraction" or "per-example", split over the ranks under ``torch.distributed``, and with ``out=DIR`` streamed
+    to a score store per stage (``DIR/stage-k``), resumable: a re-run skips the chunks already written.
+    top: with a factored curvature, the ``top`` largest eigenpairs of each stage's Hessian (``top_curvature``:
+    ``"hessian"``, or ``"gauss-newton"`` for its positive semi-definite part) at its final parameters (ARPACK's
+    Lanczos, ``scipy.sparse.linalg.eigsh``: ``pip install 'influkit[unrolled]'``; dense when top ≥ p − 1) are put
+    into every piece exactly: in their span the piece's map uses those eigenvalues, in the complement the factored
+    curvature's (module docstring, Top directions). Memory: top·p more per stage. Default ``"auto"``: TOP_AUTO per
+    stage of ≤ TOP_AUTO_PARAMETERS trained parameters, fewer where the budget is short, none with the dense Hessian
+    or where scipy is missing (a warning says so): :func:`top_count`. ``diagnostics["top"]`` says how many each
+    stage used, from which matrix, and why.
+    """
+    if int(segments) < 1:
+        raise InputError(f"segments must be ≥ 1, got {segments!r}.")
+    if curvature not in CURVATURES:
+        raise InputError(f"unknown curvature {curvature!r}; choose one of {CURVATURES}.")
+    if top != "auto" and (isinstance(top, bool) or not isinstance(top, numbers.Integral) or top < 0
+                          or (top and curvature == "hessian")):
+        raise InputError(f"top={top!r}: the exact top eigenpairs complete a factored curvature (curvature='ekfac' or "
+                         "'kfac', top ≥ 0, or 'auto'); the dense Hessian is exact in every direction already.")
+    if top_curvature not in TOP_CURVATURES:
+        raise InputError(f"unknown top_curvature {top_curvature!r}; choose one of {TOP_CURVATURES}.")
+    given = None if isinstance(basis, str) else list(basis)
+    if given is not None:
+        if len(given) != len(record) or not all(b is None or isinstance(b, FactoredCurvature) for b in given):
+            raise InputError(f"basis as a list needs one fitted EK-FAC curvature (or None) per recorded stage "
+                             f"({len(record)}), e.g. [chain.curvature(0).approximations['ekfac'], None].")
+        basis = "shared"
+    if basis not in BASES or (basis == "shared" and curvature != "ekfac"):
+        raise InputError(f"basis must be one of {BASES} or a list of fitted curvatures, and a shared eigenbasis "
+                         f"needs curvature='ekfac'; got basis={basis!r} with curvature={curvature!r}.")
+    config = CurvatureConfig() if config is None else config
+    for run in record.runs:
+        if not isinstance(run.optimizer, SGD) or run.optimizer.nesterov:
+            raise InputError(
+                f"approximate unrolling needs SGD steps (with or without heavy-ball momentum); a stage was trained "
+                f"with {run.optimizer!r}. Use ik.unrolled.metagradients (exact) for it."
+            )
+    record = reweighted_at(record, measure, at, progress)
+    for k, run in enumerate(record.runs):
+        uniform = run.weights is None or bool((run.weights == run.weights[0]).all())
+        if curvature != "hessian" and not uniform:
+            raise InputError(
+                f"stage {k} is weighted unevenly (at= or ik.unrolled.reweighted), and a factored curvature is fitted "
+                "on the unweighted examples, so it can only be rescaled by one weight per stage. Pass one float per "
+                "stage in at= (e.g. the drop sets' mean weight 1 − f), or curvature='hessian'."
+            )
+        if given is not None and given[k] is not None and run.weights is not None:
+            raise InputError(f"basis[{k}] was fitted at w = 1 and stage {k} is reweighted; pass None for it (its "
+                             "curvature is then fitted on the reweighted run).")
+    began = time.perf_counter()
+    adjoint, q, outputs = measure_adjoint(record, measure, per_test)
+    pieces: list = [None] * len(record)
+    plans: list = [None] * len(record)
+    stability: list = [None] * len(record)
+    existing = [[run.checkpoints for run in record.runs], [b.tensors() for c in given or () if c is not None
+                                                           for b in c.blocks]]
+    held = Held(before=existing)  # the record's checkpoints and the given curvatures are not this call's
+    held.hold(adjoint)
+    for k in range(len(record) - 1, -1, -1):
+        run = record.runs[k]
+        with holding(run.stage.model, _moved_frozen(run)):
+            theta_bar, anchor_bar, pieces[k], plans[k], stability[k] = _stage(
+                run, adjoint, q, int(segments), curvature, basis, config, memory, held, progress,
+                given[k] if given else None, top, top_curvature)
+        del adjoint
+        if k:
+            adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
+            held.hold(adjoint)
+        held.drop(theta_bar, anchor_bar)
+        del theta_bar, anchor_bar
+    directions_s = time.perf_counter() - began
+    where = "dense Hessian at each segment's end" if curvature == "hessian" else \
+        f"{curvature} ({config.fisher} Fisher, hessian_samples={config.hessian_samples}) " + \
+        ("fitted at each segment's end" if basis == "each" else "eigenbasis fitted at the stage's end, eigenvalues at "
+         "each segment's end")
+    method = METHOD if curvature == "hessian" else f"unrolled approximate (segments, {curvature})"
+    results = []
+    for k, run in enumerate(record.runs):
+        t0 = time.perf_counter()
+        stage_out = None if out is None else Path(out) / f"stage-{k}"
+        terms = Terms(run.stage, run.trained, pieces[k], chunk_size=chunk_size, gradients=gradients,
+                      memory=held.left(memory, "the example terms"), out=stage_out)
+        terms.scorer.memory["held_bytes"] = held.bytes  # with memory=: its budget is memory − this
+        with holding(run.stage.model, _moved_frozen(run)):
+            values, index, counts = terms.compute(fingerprint=fingerprint(f"{method}|{basis}", k, pieces[k]),
+                                                  out=stage_out, progress=progress)
+        diagnostics = {"seconds": {"approximate (pieces)": directions_s, "example terms": time.perf_counter() - t0},
+                       "settings": {"segments": int(segments), "curvature": where, "basis": basis,
+                                    "per_test": per_test, "measure_outputs": int(outputs)},
+                       "chunks": counts | {"chunk_size": terms.chunk_size, "ranks": distributed.world_size()},
+                       "scoring": terms.describe(), "memory": plans[k] + [terms.scorer.memory], "stage": k,
+                       "top": stability[k].pop("top", {"directions": 0, "why": "the dense Hessian is exact in "
+                                                                                  "every direction"}),
+                       "stability": stability[k]}
+        results.append(InfluenceResult(values=values if per_test else values[:, 0], n_train=len(run.stage), index=index,
+                                       method=f"{method}, stage {k}", diagnostics=diagnostics, removal_eps=-1.0))
+        held.drop(pieces[k])  # this stage's θ_ℓ and u_ℓ: not needed by the next stage's terms
+        pieces[k] = terms = None
+    return results
+
+
+def _moved_frozen(run: StageRun) -> dict:
+    """The frozen inherited block's values where they differ from the model's own (a record re-run at other weights
+    ends its previous stage elsewhere): the curvature fits and the example terms read the block from the model."""
+    named = dict(run.stage.model.named_parameters())
+    return {n: run.anchors[n] for n in run.frozen if not torch.equal(named[n].detach(), run.anchors[n])}
+
+
+def _boundaries(run: StageRun, pieces: int) -> list[tuple[int, int]]:
+    """[(a, b)]: the run's steps cut into ``pieces`` contiguous pieces."""
+    cuts = sorted({round(run.steps * i / pieces) for i in range(pieces + 1)})
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _parameters_at(run: StageRun, b: int) -> dict:
+    """θ_b: the recorded checkpoint when step b has one (held by the record already, not copied), else replayed from
+    the last checkpoint before b."""
+    if b in run.checkpoints:
+        return run.checkpoints[b][0]
+    a = max(t for t in run.checkpoints if t < b)
+    theta, state = run.checkpoints[a] if a else (start(run, run.anchors), run.checkpoints[0][1])
+    for t in range(a, b):
+        idx, x, y = run.batch(t)
+        theta, state = run.step(t, theta, state, run.anchors, unit_weights(run, idx, None, x), x, y)
+    return {n: v.detach() for n, v in theta.items()}
+
+
+def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list[float], momentum: float,
+           stability: dict | None = None):
+    """The transposed recursion of one piece, elementwise per eigen-coordinate (eigenvalue ``lam``): from the
+    adjoints (α, β) of (δθ, δb) at the piece's end, (α, β) at its start and the forcing's adjoint u.
+
+    A coordinate past the edge of stability (η_t λ > 2(1 + μ) at some step of the piece, where one step's linear map
+    has spectral radius > 1) is unrolled as gradient flow with the effective learning rate η_t / (1 − μ) and the
+    momentum buffer slaved to it (b = (λδ + f)/(1 − μ)): with A = exp(−λ Σ_t η_t / (1 − μ)),
+    u = −(1 − A)/λ · α + A/(1 − μ) · β, α ← A α + λA/(1 − μ) · β, β ← 0. The discrete map there grows as |1 − ηλ|^K
+    (10⁵ over 13 steps at ηλ = 3.5), while the run it linearizes did not diverge (its sharpness adapts, Cohen et
+    al. 2021); the flow keeps such a direction's share at its minimum's 1/λ. ``stability`` (a dict) collects the
+    piece's largest η_t λ and the count of coordinates so treated."""
+    edge = 2 * (1 + momentum) / max(lrs)
+    unstable = lam > edge
+    stable_lam = torch.where(unstable, torch.zeros_like(lam), lam)  # no overflow in the coordinates replaced below
+    a0, b0 = alpha, beta
+    forcing = torch.zeros_like(alpha)
+    for lr in reversed(lrs):  # step t: b' = μb + λδ + f, δ' = δ − η b'
+        forcing = forcing + beta - lr * alpha
+        alpha, beta = alpha * (1 - lr * stable_lam) + beta * stable_lam, momentum * (beta - lr * alpha)
+    if stability is not None:
+        stability["largest_lr_times_eigenvalue"] = max(stability.get("largest_lr_times_eigenvalue", 0.0),
+                                                       float(lam.max()) * max(lrs))
+        stability["coordinates_past_the_edge"] = stability.get("coordinates_past_the_edge", 0) + int(unstable.sum())
+        stability["coordinates"] = stability.get("coordinates", 0) + lam.numel()
+    if not bool(unstable.any()):
+        return alpha, beta, forcing
+    slaved = 1 / (1 - momentum)
+    decayed = torch.exp(-lam * (sum(lrs) * slaved))
+    safe = torch.where(unstable, lam, torch.ones_like(lam))
+    forcing = torch.where(unstable, -(1 - decayed) / safe * a0 + decayed * slaved * b0, forcing)
+    alpha = torch.where(unstable, decayed * a0 + lam * decayed * slaved * b0, alpha)
+    beta = torch.where(unstable, torch.zeros_like(beta), beta)
+    return alpha, beta, forcing
+
+
+def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, basis: str, config: CurvatureConfig,
+           memory: int | None, held: Held, progress: bool, fitted_end=None, top: int | str = 0,
+           top_curvature: str = "hessian"):
+    """Reverse pass of one stage through its pieces: (θ̄_0, S̄'s adjoint, [(θ_ℓ, u_ℓ (q, p))] in run order, the
+    memory plans of its phases, the pieces' stability summary (``_piece``)); ``adjoint`` (the stage's final adjoint,
+    this call's own dict) is consumed.
+    fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its last piece's), reused.
+    top: how many eigenpairs of ``top_curvature`` at the stage's end to put into the factored pieces
+    (``_top_directions``), or "auto" (:func:`top_count`); the stability summary records them under "top".
+    ``held`` counts what the pass keeps (module docstring, Memory)."""
+    names, anchor_names = list(run.trained), list(run.anchors)
+    shapes = {n: v.shape for n, v in run.checkpoints[0][0].items()} | {n: v.shape for n, v in run.anchors.items()}
+    sizes = {n: shapes[n].numel() for n in shapes}
+    reference = run.checkpoints[0][0][names[0]]
+
+    def flat(tensors: dict, keys: list[str]) -> torch.Tensor:  # (q, p) from {name: (q, *shape)}
+        return torch.cat([tensors[n].reshape(q, -1) for n in keys], dim=1)
+
+    def zeros(m: str) -> torch.Tensor:
+        return torch.zeros(q, *shapes[m], dtype=reference.dtype, device=reference.device)
+
+    v = flat({m: adjoint.get(m, zeros(m)) for m in names}, names)
+    w = torch.zeros_like(v)  # the adjoint of the momentum buffer (0 at the end: the measure does not read it)
+    anchor_bar = {m: adjoint[m].clone() if m in run.frozen and m in adjoint else zeros(m) for m in anchor_names}
+    held.drop(adjoint)
+    adjoint.clear()  # consumed (v and S̄'s adjoint are copies): its tensors freed before the pieces allocate theirs
+    held.hold(v, w, anchor_bar)
+    momentum, decay = run.optimizer.momentum, run.optimizer.weight_decay
+    out, plans, kept = [], [], None
+    stability = {"edge": 2 * (1 + momentum)}
+    directions = None
+    if curvature != "hessian":
+        k, why = top_count(top, v.shape[1], v.element_size(), held.left(memory, "the top directions"))
+        stability["top"] = {"directions": k, "curvature": top_curvature, "why": why}
+        if k:
+            began = time.perf_counter()
+            directions, products = _top_directions(run, _parameters_at(run, run.steps), k, v.dtype, top_curvature)
+            stability["top"] |= {"products": products, "seconds": time.perf_counter() - began}
+    held.hold(directions)
+    for a, b in tqdm(list(reversed(_boundaries(run, pieces))), desc="segments", disable=not progress, leave=False):
+        theta_end = _parameters_at(run, b)
+        held.hold(theta_end)  # counted only when replayed (a checkpoint is the record's)
+        release_freed_memory()  # each phase's freed buffers back to the system before the next allocates its own
+        lrs = run.lrs[a:b]
+        if curvature == "hessian":
+            held.drop(v, w)
+            u, v, w = _dense_piece(run, theta_end, v, w, lrs, momentum, decay, stability)
+            held.hold(v, w)
+        else:
+            fitted = fitted_end if b == run.steps and fitted_end is not None else \
+                _fit(run, curvature, config, theta_end, kept, held.left(memory, "a piece's curvature fit"))
+            if fitted is not fitted_end:
+                plans.append({"piece": [a, b]} | fitted.info["memory"])
+            if basis == "shared":  # the eigenbases stay for the next piece (its fit shares them)
+                held.drop([blk.tensors() for blk in kept.blocks] if kept is not None else [])
+                held.hold([blk.tensors() for blk in fitted.blocks])
+                kept = fitted
+            release_freed_memory()
+            u = _factored_piece(fitted, v, w, lrs, momentum, decay, stability, directions)
+            del fitted
+        held.hold(u)
+        out.append((theta_end, u))
+        if anchor_names:
+            plans.append(_anchor_adjoint(run, theta_end, u, anchor_bar, held.left(memory, "the shared block's adjoint")))
+            release_freed_memory()
+    if kept is not None:
+        held.drop([blk.tensors() for blk in kept.blocks])
+    held.drop(directions)
+    theta_bar = {m: t.reshape(q, *shapes[m]) for m, t in zip(names, v.split([sizes[m] for m in names], dim=1))}
+    held.drop(w)
+    return theta_bar, anchor_bar, out[::-1], plans, stability
+
+
+def _dense_piece(run: StageRun, theta_end: dict, v: torch.Tensor, w: torch.Tensor, lrs: list[float], momentum: float,
+                 decay: float, stability: dict):
+    """(u, v', w') of one piece with the dense Hessian of the stage objective at θ_ℓ, eigendecomposed."""
+    names = list(run.trained)
+    n = len(run.stage)
+    every = torch.arange(n)
+    x_all, y_all = run.stage.data.take(every)
+    weights = unit_weights(run, every, None, v)  # the run's data weights (ones for a recorded run)
+    shapes = {m: theta_end[m].shape for m in names}
+
+    def objective(theta_flat):
+        theta = dict(zip(names, (t.reshape(shapes[m]) for m, t in zip(names, theta_flat.split(
+            [theta_end[m].numel() for m in names])))))
+        return run.objective(theta, run.anchors, x_all, y_all, weights)
+
+    lam, eigvecs = torch.linalg.eigh(hessian(objective)(torch.cat([theta_end[m].reshape(-1) for m in names])))
+    alpha, beta, forcing = _piece(lam + decay, v @ eigvecs, w @ eigvecs, lrs, momentum, stability)
+    return forcing @ eigvecs.T, alpha @ eigvecs.T, beta @ eigvecs.T
+
+
+def _anchor_adjoint(run: StageRun, theta_end: dict, u: torch.Tensor, anchor_bar: dict, memory: int | None) -> dict:
+    """S̄'s adjoint += Cᵀu (in place), C = ∂∇_θL/∂S̄ at θ_ℓ: ∂(∇_θL_B · u_j)/∂S̄ summed over batches B of the data,
+    sized from the memory budget by the bytes one example's double-backward graph keeps (measured on a probe, the
+    parameter values excluded, × HVP_TRANSIENT as a Hessian-vector product's,
+    :func:`influkit.curvature.hvp_bytes_per_example`) besides one S̄-sized gradient (fixed). Returns the memory plan."""
+    n, q = len(run.stage), u.shape[0]
+    names = list(run.trained)
+    theta = {m: theta_end[m].detach().requires_grad_(True) for m in names}
+    anchors = {m: run.anchors[m].detach().requires_grad_(True) for m in anchor_bar}
+    directions = [dict(zip(names, (t.reshape(theta[m].shape) for m, t in zip(names, u[j].split(
+        [theta[m].numel() for m in names]))))) for j in range(q)]
+
+    def pull(idx, first: bool, probe: bool = False) -> None:
+        """S̄'s adjoint += ∂(∇_θL_B · u_j)/∂S̄ for each j on one batch B (the run's data weights); ``probe``: only
+        its double-backward graph."""
+        x, y = run.stage.data.take(idx)
+        with torch.enable_grad():
+            weights = unit_weights(run, idx, None, u)
+            value = run.objective(theta, anchors, x, y, weights, size=n, penalties=first)
+            gradient = torch.autograd.grad(value, list(theta.values()), create_graph=True)
+            if probe:
+                return
+            for j in range(q):
+                dot = sum((g * directions[j][m]).sum() for g, m in zip(gradient, names))
+                back = torch.autograd.grad(dot, list(anchors.values()), retain_graph=j < q - 1, allow_unused=True)
+                for m, t in zip(anchors, back):
+                    if t is not None:
+                        anchor_bar[m][j] += t.detach()
+
+    count = min(PROBE_EXAMPLES, n)
+    leaves = [*theta.values(), *anchors.values()]
+    per = int(HVP_TRANSIENT * probe_bytes(lambda _: pull(torch.arange(count), False, probe=True), run.stage.model,
+                                          count, leaves))
+    gradient_bytes = sum(t.numel() * t.element_size() for t in anchors.values())  # ∂/∂S̄ of one j at a time
+    plan = memory_plan(budget_of(memory, u.device), per, "shared block's adjoint", most=n, fixed=gradient_bytes,
+                       default=not budget_given(memory))
+    for i, idx in enumerate(torch.arange(n).split(plan["batch"])):
+        pull(idx, i == 0)
+    return plan
+
+
+def _fit(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, basis, memory: int | None):
+    """The factored curvature C_ℓ at θ_ℓ (with ``basis``: its eigenvalues in that curvature's kept eigenbases); on a
+    run reweighted by one weight c (``approximate`` checks it is uniform), its data part scaled by c."""
+    n = len(run.stage)
+    indices = None
+    if config.hessian_samples is not None and config.hessian_samples < n:
+        indices = torch.randperm(n, generator=torch.Generator().manual_seed(config.seed))[:config.hessian_samples]
+    fitted = fit_curvature(run.stage, run.trained, kind=kind, fisher=config.fisher, indices=indices,
+                           extra=run.proximal(), at=theta_end, seed=config.seed, memory=memory, basis=basis)
+    if run.weights is not None:
+        fitted.scale_data(float(run.weights[0]))
+    return fitted
+
+
+TOP_CURVATURES = ("hessian", "gauss-newton")
+TOP_AUTO = 20
+"""The most eigenpairs per stage ``top="auto"`` puts into the factored pieces."""
+TOP_AUTO_PARAMETERS = 1_000_000
+"""The most trained parameters of a stage for which ``top="auto"`` computes them: ARPACK needs 2k + 1 to 4k
+products (50–90 for k = 20 on the digits stages, 80–95 on the LM task's stages) in float64, which took 2.4× the
+plain EK-FAC pieces on the LM task's two stages (210k + 2k parameters: 150 s against 63 s), 8× on its continuation
+alone, and far more on a 9.6 M-parameter BERT (258 Hessian products, 2,757 s; 136 Gauss-Newton ones, 1,914 s); above
+it pass ``top=k``."""
+
+
+def top_count(top: int | str, p: int, itemsize: int, budget: int | None) -> tuple[int, str]:
+    """(k, why): the number of top eigenpairs of a stage with p trained parameters. ``top`` itself when
+    it is a number; for "auto" none when p > TOP_AUTO_PARAMETERS, else the largest k ≤ TOP_AUTO whose ARPACK
+    workspace (ncv = max(2k + 1, 20) float64 vectors of p; none when k ≥ p − 1, which is dense: p² float64) plus the
+    k kept vectors (``itemsize`` bytes per entry) fit in half of ``budget`` (bytes; None: the default budget), and 0
+    where scipy is missing (with a warning naming the extra)."""
+    if top != "auto":
+        return int(top), "given"
+    if p > TOP_AUTO_PARAMETERS:
+        return 0, (f"auto: {p:,} trained parameters > TOP_AUTO_PARAMETERS ({TOP_AUTO_PARAMETERS:,}), where the "
+                   "eigenpairs' products cost several times the pieces; pass top=k to have them")
+    half = budget_of(budget) // 2
+
+    def workspace(k: int) -> int:
+        lanczos = p * p * 8 if k >= p - 1 else max(2 * k + 1, 20) * p * 8
+        return lanczos + k * p * itemsize
+
+    k = min(TOP_AUTO, p)
+    while k and workspace(k) > half:
+        k -= 1
+    if not k:
+        return 0, f"auto: one eigenpair's workspace ({workspace(1) / 2**30:.2f} GiB) is over half the budget left"
+    if importlib.util.find_spec("scipy") is None:
+        warnings.warn("approximate(top='auto') found no scipy, so its factored pieces have no exact top curvature "
+                      "directions (top=0); pip install 'influkit[unrolled]' to add them.", stacklevel=4)
+        return 0, "auto: scipy (ARPACK) is not installed"
+    return k, "auto" if k == min(TOP_AUTO, p) else f"auto: as many as fit half the budget left ({half / 2**30:.2f} GiB)"
+
+
+def _top_directions(run: StageRun, theta_end: dict, k: int, dtype: torch.dtype, curvature: str = "hessian"
+                    ) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    """((g (k,), V (p, k)), products taken): the k largest (algebraic) eigenpairs of the stage objective's Hessian,
+    or its Gauss-Newton matrix (``curvature``), at ``theta_end`` (the model holds the stage's inherited block), by
+    ARPACK's Lanczos on its products, or densely when k ≥ p − 1 (either way through scipy: ``top_count`` takes none
+    without it). A stage re-run at one weight c per example (``at=``) has c·H_data + ∇²(R + proximal) (the
+    operator's ``data_weight``)."""
+    linalg = require("scipy.sparse.linalg", "approximate(..., top=k)")
+    operator = HessianOperator(run.stage, list(run.trained), at=theta_end, curvature=curvature,
+                               extra=run.proximal(), data_weight=1.0 if run.weights is None else float(run.weights[0]))
+    p = operator.dim
+    if k >= p - 1:
+        dense = operator.matvec(torch.eye(p, dtype=operator.dtype, device=operator.device)).double()
+        values, vectors = torch.linalg.eigh(0.5 * (dense + dense.T))
+        return (values[-k:].to(dtype), vectors[:, -k:].to(dtype)), operator.products
+    matvec = lambda x: operator.matvec(torch.as_tensor(x, dtype=operator.dtype, device=operator.device  # noqa: E731
+                                               ).reshape(p, -1)).double().cpu().numpy().reshape(x.shape)
+    values, vectors = linalg.eigsh(linalg.LinearOperator((p, p), matvec=matvec, dtype=float), k=k, which="LA")
+    device = theta_end[next(iter(theta_end))].device
+    return (torch.as_tensor(values, dtype=dtype, device=device),
+            torch.as_tensor(vectors, dtype=dtype, device=device)), operator.products
+
+
+def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], momentum: float, decay: float,
+                    stability: dict, directions: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """u of one piece with the factored curvature C fitted at θ_ℓ, and (v, w) moved to the piece's start **in
+    place**: each output is Σ_j f_j(C)·input_j with f_j the piece's coefficient functions of one eigenvalue (``_piece``
+    run on unit inputs), all applied in one pass over C's blocks (:meth:`FactoredCurvature.functions`), so the piece
+    adds u and block-sized temporaries only."""
+
+    def coefficients(lam):  # [[f_ij]]: outputs i = (u, v', w'), inputs j = (v, w)
+        one, zero = torch.ones_like(lam), torch.zeros_like(lam)
+        from_v = _piece(lam + decay, one, zero, lrs, momentum, stability)
+        from_w = _piece(lam + decay, zero, one, lrs, momentum) if momentum else None
+        return [[c[i] for c in (from_v, from_w) if c is not None] for i in (2, 0, 1)]
+
+    if directions is not None:  # the top span's coordinates kept apart, the factored map runs on the complement
+        g, basis = directions
+        v_top, w_top = v @ basis, w @ basis
+        v -= v_top @ basis.T
+        w -= w_top @ basis.T
+    u = torch.zeros_like(v)
+    if momentum:
+        fitted.functions([v.T, w.T], coefficients, out=[u.T, v.T, w.T])
+    else:  # w stays 0
+        fitted.functions([v.T], lambda lam: coefficients(lam)[:2], out=[u.T, v.T])
+    if directions is not None:  # the complement's outputs projected back onto it, the span's own map added
+        for x in (u, v, w):
+            x -= (x @ basis) @ basis.T
+        (u_v, v_v, w_v), (u_w, v_w, w_w) = ([c[i] for i in (2, 0, 1)] for c in (
+            _piece(g + decay, torch.ones_like(g), torch.zeros_like(g), lrs, momentum, stability),
+            _piece(g + decay, torch.zeros_like(g), torch.ones_like(g), lrs, momentum)))
+        u += (v_top * u_v + w_top * u_w) @ basis.T
+        v += (v_top * v_v + w_top * v_w) @ basis.T
+        w += (v_top * w_v + w_top * w_w) @ basis.T
+    return u
