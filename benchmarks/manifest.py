@@ -1,0 +1,103 @@
+"""The manifest of a results folder: for each results file, the command that wrote it, the commit, the date, the
+machine (CPU model and cores, or the GPU) and the load while it ran.
+
+Every folder under ``benchmarks/results/`` and ``studies/results/`` holds one ``MANIFEST.json``::
+
+    {"entries": [{"files": ["bench_x.txt"], "command": "python -m benchmarks.bench_x --quick",
+                  "commit": "96dc2d3", "dirty": false, "date": "2026-11-27T16:40:00+00:00",
+                  "machine": "AMD EPYC ... | 2 cores", "device": "cpu", "load": [1.9, 2.1, 2.0],
+                  "note": ""}]}
+
+A new entry replaces the older entries for the same files. From a script::
+
+    from benchmarks.manifest import record
+    record(RESULTS / "bench_x", ["bench_x.txt"], note="...")   # command = this process's argv
+
+or by hand, for a file written by a command that does not record itself::
+
+    python -m benchmarks.manifest benchmarks/results/bench_x bench_x.txt --command "python -m ..." --load 2.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+NAME = "MANIFEST.json"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def machine() -> str:
+    """The CPU model and core count of this machine."""
+    cpu = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} | {os.cpu_count()} cores"
+
+
+def device() -> str:
+    """``cpu``, or the name of the CUDA device torch sees."""
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def record(folder: Path | str, files: list[str], command: str | None = None, *, load: list[float] | None = None,
+           note: str = "") -> dict:
+    """Add (or replace) the entry for ``files`` in ``folder/MANIFEST.json`` and return it. ``load`` defaults to the
+    1-, 5- and 15-minute load averages now (call it when the run ends)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    entry = {
+        "files": sorted(files),
+        "command": command if command is not None else "python " + " ".join(sys.argv),
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "device": device(),
+        "load": [round(x, 2) for x in (load if load is not None else os.getloadavg())],
+        "note": note,
+    }
+    path = folder / NAME
+    entries = json.loads(path.read_text())["entries"] if path.exists() else []
+    entries = [e for e in entries if not set(e["files"]) & set(files)] + [entry]
+    path.write_text(json.dumps({"entries": sorted(entries, key=lambda e: e["files"])}, indent=1) + "\n")
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Record a results file's command, commit, date, machine and load.")
+    parser.add_argument("folder", help="the results folder (its MANIFEST.json is created or updated)")
+    parser.add_argument("files", nargs="+", help="the files of that folder the entry describes")
+    parser.add_argument("--command", required=True, help="the command that wrote them")
+    parser.add_argument("--load", type=float, nargs="+", help="the load average while it ran (default: now)")
+    parser.add_argument("--note", default="", help="anything a reader needs to know (e.g. what ran beside it)")
+    args = parser.parse_args(argv)
+    print(json.dumps(record(args.folder, args.files, args.command, load=args.load, note=args.note), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
