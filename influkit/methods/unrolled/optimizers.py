@@ -201,6 +201,10 @@ def from_torch(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> Group
             if group.get(flag):
                 raise NotReplayable(f"param group {i} sets {flag}=True, which replay does not repeat; construct the "
                                     f"optimizer with {flag}=False.")
+        if "max_momentum" in group:
+            raise NotReplayable(f"param group {i} has its momentum cycled by a scheduler (OneCycleLR / CyclicLR "
+                                "cycle_momentum=True), which replay does not record; construct the scheduler with "
+                                "cycle_momentum=False.")
         on_cpu = all(p.device.type == "cpu" for p in group["params"])
         if not on_cpu and group.get("foreach") is not False:
             raise NotReplayable(f"param group {i} would take torch.optim's multi-tensor (foreach) kernels on "
