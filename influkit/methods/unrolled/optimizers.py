@@ -170,10 +170,11 @@ class Groups:
                 new_state.setdefault(slot, {}).update(values)
         return {n: new_params[n] for n in params}, new_state
 
-    def clip(self, grads: Tensors, max_norm: float, norm_type: float) -> Tensors:
+    def clip(self, grads: Tensors, max_norm: float, norm_type: float, order: list[str] | None = None) -> Tensors:
         """The gradients scaled as ``clip_grad_norm_(params, max_norm, norm_type)`` scales them: by
-        min(max_norm / (‖(‖g_i‖)_i‖ + 10⁻⁶), 1), the per-tensor norms taken in the optimizer's order."""
-        order = [n for n in self.order if n in grads]
+        min(max_norm / (‖(‖g_i‖)_i‖ + 10⁻⁶), 1), the per-tensor norms stacked in ``order`` (default the optimizer's:
+        the order decides the rounding of the total)."""
+        order = [n for n in (self.order if order is None else order) if n in grads]
         total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(grads[n], norm_type) for n in order]),
                                          norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -99,7 +99,9 @@ class StageRun:
     (``parts[t]``: their sizes, in the order their gradients were accumulated), the random-number generator states
     each one's forward started from (``rngs[t]``), the gradient clipping (``clips[t]``: (max_norm, norm_type) or
     None), and once the modules' train/eval flags (``modes``); the data term of a micro-batch is divided by
-    ``accumulate`` as the loop divided it.
+    ``accumulate`` as the loop divided it. A Trainer run (``influkit.hf.RecordCallback``) keeps each step's batch
+    as its collator made it (``inputs[t]``) and the divisor of each micro-batch's summed loss (``divisors[t]``:
+    its number of predicted tokens), and clips in the model's parameter order (``clip_order``).
     """
 
     def __init__(self, stage: Stage, optimizer: Optimizer, link: Link | None, previous: "StageRun | None",
@@ -135,6 +137,9 @@ class StageRun:
         self.clips: list[tuple[float, float] | None] = []
         self.modes: dict[str, bool] | None = None
         self.accumulate = 1
+        self.divisors: list[list[int] | None] = []
+        self.clip_order: list[str] | None = None
+        self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.checkpoints: dict[int, tuple[Tensors, State]] = {}
         self.weights: torch.Tensor | None = None
         self.seconds = 0.0
@@ -167,8 +172,12 @@ class StageRun:
         return lambda theta: self.plan.proximal_term(theta, anchors)
 
     def batch(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(indices, inputs, targets) of step t."""
+        """(indices, inputs, targets) of step t: the stage's examples at its indices, or the batch as it was fed
+        where the run keeps it (``inputs``: a Trainer's collator masks each batch anew)."""
         idx = self.batches[t]
+        if self.inputs is not None:
+            x, y = self.inputs[t]
+            return idx, x.to(self.stage.device), y.to(self.stage.device)
         x, y = self.stage.data.take(idx)
         return idx, x, y
 
@@ -180,11 +189,12 @@ class StageRun:
         θ as autograd leaves (a graph to pull back through)."""
         parts = self.parts[t] if t < len(self.parts) and self.parts[t] is not None else [x.shape[0]]
         rngs = self.rngs[t] if t < len(self.rngs) and self.rngs[t] is not None else [None] * len(parts)
+        divisors = self.divisors[t] if t < len(self.divisors) and self.divisors[t] is not None else \
+            [size if len(parts) == 1 else count for count in parts]
         total, begin = None, 0
-        for count, rng in zip(parts, rngs):
+        for count, rng, divisor in zip(parts, rngs, divisors):
             part = slice(begin, begin + count)
             begin += count
-            divisor = size if len(parts) == 1 else count
             with replaying(self.stage.model, rng, self.modes):
                 if graph:
                     loss = self.objective(theta, anchors, x[part], y[part], w[part], size=divisor, penalties=penalties)
@@ -200,7 +210,7 @@ class StageRun:
         learning rate(s)."""
         clip = self.clips[t] if t < len(self.clips) else None
         if clip is not None:
-            grads = self.optimizer.clip(grads, *clip)
+            grads = self.optimizer.clip(grads, *clip, order=self.clip_order)
         return self.optimizer.update(theta, state, grads, self.lrs[t], t + 1)
 
     def step(self, t: int, theta: Tensors, state: State, anchors: Tensors, w: torch.Tensor,

@@ -76,14 +76,44 @@ def autocast_on() -> bool:
     return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
 
 
+def check_replayable(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """The optimizer's pure :class:`~.optimizers.Groups`, after refusing what replay cannot repeat in the model and
+    the optimizer (module docstring)."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    norms = [n for n, m in model.named_modules() if isinstance(m, _NORMS) and m.training]
+    if norms:
+        raise NotReplayable(f"batch-norm layers {norms[:3]} are in train mode: their running statistics change "
+                            "outside the parameters and the optimizer; put them in eval mode (module.eval()) or "
+                            "use LayerNorm / GroupNorm.")
+    if autocast_on():
+        raise NotReplayable("autocast (fp16 / bf16) is on: mixed precision is not replayed; train in the "
+                            "model's own dtype.")
+    if any(p.device.type == "cuda" for p in model.parameters()) and not torch.are_deterministic_algorithms_enabled():
+        raise NotReplayable("CUDA kernels may be non-deterministic, so a replay would not repeat the run; call "
+                            "torch.use_deterministic_algorithms(True) (and set CUBLAS_WORKSPACE_CONFIG=:4096:8) "
+                            "before training.")
+    return from_torch(optimizer, {id(p): n for n, p in model.named_parameters()})
+
+
+def eval_stage(model: nn.Module, build) -> Stage:
+    """``build()`` (a :class:`Stage` of ``model``) run with the model in eval mode, its modules' modes restored after
+    (a Stage checks eval mode; the watched run trains in train mode and replays in it)."""
+    modes = {n: m.training for n, m in model.named_modules()}
+    model.eval()
+    try:
+        return build()
+    finally:
+        for n, m in model.named_modules():
+            m.training = modes[n]
+
+
 class Watch:
     """Records one stage of the user's own loop (module docstring); made by :meth:`Record.watch`, used as a context
     manager. ``run`` is the :class:`StageRun` being recorded; leaving the block appends it to the record."""
 
     def __init__(self, record, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, loss_fn, *,
                  link: Link | None = None, accumulate: int = 1, checkpoint_every: int = 16):
-        if not isinstance(model, nn.Module):
-            raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
         if not isinstance(loader, DataLoader):
             raise NotReplayable(f"loader must be the torch DataLoader the loop iterates, got {type(loader).__name__}.")
         if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
@@ -95,32 +125,17 @@ class Watch:
                                 "Trainer with influkit.hf.RecordCallback.")
         if int(accumulate) < 1:
             raise InputError(f"accumulate must be ≥ 1, got {accumulate!r}.")
-        norms = [n for n, m in model.named_modules() if isinstance(m, _NORMS) and m.training]
-        if norms:
-            raise NotReplayable(f"batch-norm layers {norms[:3]} are in train mode: their running statistics change "
-                                "outside the parameters and the optimizer; put them in eval mode (module.eval()) or "
-                                "use LayerNorm / GroupNorm.")
-        if autocast_on():
-            raise NotReplayable("autocast (fp16 / bf16) is on: mixed precision is not replayed; train in the "
-                                "model's own dtype.")
-        devices = {p.device for p in model.parameters()}
-        if any(d.type == "cuda" for d in devices) and not torch.are_deterministic_algorithms_enabled():
-            raise NotReplayable("CUDA kernels may be non-deterministic, so a replay would not repeat the run; call "
-                                "torch.use_deterministic_algorithms(True) (and set CUBLAS_WORKSPACE_CONFIG=:4096:8) "
-                                "before training.")
-        names = {id(p): n for n, p in model.named_parameters()}
-        groups = from_torch(optimizer, names)
-        self.model, self.optimizer, self.loader, self.groups = model, optimizer, loader, groups
-        trained = set(groups.order)
-        modes = {n: m.training for n, m in model.named_modules()}
-        model.eval()
-        try:
-            stage = Stage(model, loss_fn, loader.dataset, params=[n for n, _ in model.named_parameters()
-                                                                  if n in trained])
-        finally:
-            for n, m in model.named_modules():
-                m.training = modes[n]
+        groups = check_replayable(model, optimizer)
+        stage = eval_stage(model, lambda: Stage(model, loss_fn, loader.dataset, params=[
+            n for n, _ in model.named_parameters() if n in set(groups.order)]))
+        self._setup(record, model, optimizer, groups, stage, loader, link=link, checkpoint_every=checkpoint_every)
+        self.run.accumulate = int(accumulate)
+
+    def _setup(self, record, model: nn.Module, optimizer: torch.optim.Optimizer, groups, stage: Stage,
+               loader: DataLoader, *, link: Link | None, checkpoint_every: int) -> None:
+        """The stage's :class:`StageRun` (its plan checked against what the optimizer trains) and the watch's state."""
         run = StageRun(stage, groups, link, record.runs[-1] if record.runs else None, checkpoint_every)
+        trained = set(groups.order)
         fixed = sorted(trained & set(run.frozen))
         if fixed:
             raise NotReplayable(f"the optimizer updates {fixed[:3]}, the shared block a Case 1 link keeps fixed; "
@@ -130,12 +145,12 @@ class Watch:
         if missing:
             raise NotReplayable(f"a Case 2 link finetunes the shared block {missing[:3]}, but the optimizer does not "
                                 "hold it; pass those parameters to the optimizer.")
-        run.accumulate = int(accumulate)
+        self.model, self.optimizer, self.loader, self.groups = model, optimizer, loader, groups
         self.record, self.run = record, run
-        self.devices = ["cpu"] + sorted({str(d) for d in devices if d.type == "cuda"})
+        self.devices = ["cpu"] + sorted({str(p.device) for p in model.parameters() if p.device.type == "cuda"})
         self._named = dict(model.named_parameters())
         self._queue: collections.deque = collections.deque()
-        self._pending: list[tuple[torch.Tensor, dict]] = []
+        self._pending: list[tuple[torch.Tensor, dict, object]] = []
         self._clip: tuple[float, float] | None = None
         self._handles: list = []
         self._sampler = None
@@ -161,7 +176,7 @@ class Watch:
         return self.run.plan.proximal_term(self._named, self.run.anchors)
 
     # ---------------------------------------------------------------------------------------------------- hooks
-    def _forward(self, module, args) -> None:
+    def _forward(self, module, args, kwargs) -> None:
         if self._checking or not torch.is_grad_enabled():
             return
         if autocast_on():
@@ -171,7 +186,15 @@ class Watch:
             raise NotReplayable("a forward pass that builds gradients ran on data that did not come from the "
                                 "watched loader (or before its iterator was created inside the `with` block); "
                                 "evaluate under torch.no_grad() and iterate the loader inside the block.")
-        self._pending.append((self._queue.popleft(), {d: generator_state(d) for d in self.devices}))
+        self._pending.append((self._queue.popleft(), {d: generator_state(d) for d in self.devices},
+                              self._captured(args, kwargs)))
+
+    def _captured(self, args, kwargs):
+        """What else a forward pass records (nothing here; a Trainer's batch as its collator made it)."""
+        return None
+
+    def _record_step(self, extras: list) -> None:
+        """Record what the step's forwards captured besides indices and generator states (nothing here)."""
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         run = self.run
@@ -194,12 +217,13 @@ class Watch:
             raise NotReplayable("a module switched between train and eval mode during the run; keep the modes fixed "
                                 "while watching (evaluate outside the `with` block, or under a copy of the model).")
         t = run.steps
-        idx = torch.cat([i for i, _ in self._pending])
+        idx = torch.cat([i for i, _, _ in self._pending])
         if int(idx.max()) >= len(run.stage):
             raise NotReplayable("the loader yielded indices beyond the dataset; replay takes examples by index.")
         run.batches.append(idx)
-        run.parts.append([len(i) for i, _ in self._pending] if len(self._pending) > 1 else None)
-        run.rngs.append([rng for _, rng in self._pending])
+        run.parts.append([len(i) for i, _, _ in self._pending] if len(self._pending) > 1 else None)
+        run.rngs.append([rng for _, rng, _ in self._pending])
+        self._record_step([extra for _, _, extra in self._pending])
         run.clips.append(self._clip)
         run.lrs.append(tuple(float(group["lr"]) for group in optimizer.param_groups))
         self._pending, self._clip = [], None
@@ -229,7 +253,7 @@ class Watch:
         finally:
             self._checking = False
         if run.clips[0] is not None:
-            grads = self.groups.clip(grads, *run.clips[0])
+            grads = self.groups.clip(grads, *run.clips[0], order=run.clip_order)
         gap = max(float((grads[n] - self._named[n].grad).abs().max()) for n in run.trained)
         if gap > 0 or not all(torch.equal(grads[n], self._named[n].grad) for n in run.trained):
             raise NotReplayable(
@@ -248,7 +272,7 @@ class Watch:
         run.checkpoints[0] = (theta, self.groups.init(theta))
         self._sampler = self.loader.batch_sampler
         object.__setattr__(self.loader, "batch_sampler", _Indices(self._sampler, self._queue))
-        self._handles = [self.model.register_forward_pre_hook(self._forward),
+        self._handles = [self.model.register_forward_pre_hook(self._forward, with_kwargs=True),
                          self.optimizer.register_step_pre_hook(self._before_step),
                          self.optimizer.register_step_post_hook(self._after_step)]
         self._start, self._open = time.perf_counter(), True
