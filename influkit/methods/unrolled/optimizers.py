@@ -49,7 +49,7 @@ class SGD:
     maximize: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, f"lr must be > 0, got {self.lr!r}")
+        _check(self.lr >= 0, f"lr must be ≥ 0, got {self.lr!r}")
         _check(0 <= self.momentum < 1, f"momentum must lie in [0, 1), got {self.momentum!r}")
         _check(self.weight_decay >= 0, f"weight_decay must be ≥ 0, got {self.weight_decay!r}")
         _check(not self.nesterov or (self.momentum > 0 and self.dampening == 0),
@@ -91,7 +91,7 @@ class Adam:
     decoupled = False
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, f"lr must be > 0, got {self.lr!r}")
+        _check(self.lr >= 0, f"lr must be ≥ 0, got {self.lr!r}")
         _check(all(0 <= b < 1 for b in self.betas), f"betas must lie in [0, 1), got {self.betas!r}")
         _check(self.eps > 0, f"eps must be > 0, got {self.eps!r}")
         _check(self.weight_decay >= 0, f"weight_decay must be ≥ 0, got {self.weight_decay!r}")

@@ -280,7 +280,7 @@ class StageRecorder:
         run.batches.append(idx)
         run.lrs.append(float(run.optimizer.lr if lr is None else lr))
         _, x, y = run.batch(t)
-        w = torch.ones(idx.numel(), dtype=x.dtype if x.is_floating_point() else torch.get_default_dtype(),
+        w = torch.ones(idx.numel(), dtype=x.dtype if x.is_floating_point() else next(iter(self.theta.values())).dtype,
                        device=run.stage.device)
         self.theta, self.state = run.step(t, self.theta, self.state, run.anchors, w, x, y)
         if (t + 1) % run.every == 0:

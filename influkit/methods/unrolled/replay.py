@@ -30,8 +30,8 @@ def start(run: StageRun, anchors: Tensors) -> Tensors:
 
 def unit_weights(run: StageRun, idx: torch.Tensor, weights: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """The batch's data weights w_B (the run's own where no weights are given: ones for a recorded run), on the
-    stage's device."""
-    dtype = like.dtype if like.is_floating_point() else torch.get_default_dtype()
+    stage's device, in the inputs' floating dtype (the trained parameters' for token ids)."""
+    dtype = like.dtype if like.is_floating_point() else next(iter(run.checkpoints[0][0].values())).dtype
     weights = run.weights if weights is None else weights
     if weights is None:
         return torch.ones(idx.numel(), dtype=dtype, device=run.stage.device)
