@@ -20,7 +20,8 @@ The stage's own data (``record.runs[k].stage``) holds the training examples as t
 length (masked-LM: every token a target), for influkit's other tools; the replay uses the batches as they were fed.
 
 Refused before the first step (:class:`~influkit.errors.NotReplayable`): ``fp16`` / ``bf16``, gradient accumulation
-(``gradient_accumulation_steps`` > 1: the Trainer's loss scaling then depends on the model's loss signature), more
+(``gradient_accumulation_steps`` > 1: the Trainer's loss scaling then depends on the model's loss signature), an
+attention implementation other than ``"eager"`` (sdpa's CPU kernel has no second derivative), more
 than one process, a fused or foreach-on-GPU optimizer (``optim="adamw_torch"`` is torch.optim's AdamW, replayed
 exactly; transformers' default ``adamw_torch_fused`` is not), and what :func:`~influkit.unrolled.watch.check_replayable`
 refuses. A Case 2 link is refused (the Trainer adds no proximal term); Case 1 — the shared block frozen
@@ -36,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..errors import InputError, NotReplayable
+from ..errors import InputError, NotReplayable, warn
 from ..links import Link
 from ..stage import Stage
 from ..unrolled.watch import Watch, check_replayable, eval_stage
@@ -114,6 +115,12 @@ class _TrainerWatch(Watch):
         if link is not None and link.case == 2:
             raise NotReplayable("a Case 2 link needs the proximal term α‖S − S̄‖² in the loss, which the Trainer does "
                                 "not add; use Case 1 (freeze the shared block) or record.watch with run.penalty().")
+        attention = getattr(getattr(model, "config", None), "_attn_implementation", "eager")
+        if attention != "eager":
+            raise NotReplayable(f"the model computes attention with {attention!r}, whose CPU kernel's backward is not "
+                                "differentiable again (the exact metagradient needs it); build the model with "
+                                "attn_implementation='eager' (from_pretrained(..., attn_implementation='eager') or in "
+                                "its config).")
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
         if any(group.get("fused") for group in optimizer.param_groups):
             raise NotReplayable("the Trainer's optimizer is fused (transformers' default optim='adamw_torch_fused'), "
@@ -131,6 +138,9 @@ class _TrainerWatch(Watch):
         self.fields, self.max_grad_norm = fields, args.max_grad_norm
         self._setup(record, model, optimizer, groups, stage, loader, link=link, checkpoint_every=checkpoint_every)
         self.run.inputs = []
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self._padding_idx = getattr(embedding, "padding_idx", None)
+        self._padding_warned = False
         self.run.clip_order = [n for n, p in model.named_parameters() if n in trained]
         self.__enter__()
 
@@ -162,7 +172,23 @@ class _TrainerWatch(Watch):
             raise NotReplayable(f"the Trainer passed the model {unknown}, which replay does not feed; keep the "
                                 f"batch to {FIELDS} and labels.")
         batch = {f: kwargs[f].detach().clone() for f in self.fields if f in kwargs}
+        self._check_padding_tokens(batch)
         return pack(batch, self.fields, kwargs["labels"].detach().clone())
+
+    def _check_padding_tokens(self, batch: dict) -> None:
+        """Warn once when the padding token is fed at an attended position (a collator's random replacement draws
+        it): the embedding's padding row gets no gradient there, and the exact metagradient's component through
+        that row disagrees with finite differences of the re-run training (tests/test_hf_trainer_record.py)."""
+        if self._padding_warned or self._padding_idx is None:
+            return
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        attended = ids if mask is None else ids[mask.bool()]
+        if bool((attended == self._padding_idx).any()):
+            self._padding_warned = True
+            warn(f"a training batch feeds the padding token {self._padding_idx} at an attended position (the "
+                 "collator's random replacement drew it); replay stays exact, but the metagradient through the "
+                 "embedding's padding row is not: exclude special tokens from the random replacement (a collator "
+                 "with random_replace_prob=0.0, or one drawing only non-special tokens).")
 
     def _record_step(self, extras: list) -> None:
         (x, y), = extras
