@@ -293,6 +293,8 @@ class _Graph:
             columns.append(torch.autograd.grad([self.outputs[k] for k in wanted], list(self.inputs.values()),
                                                [cotangents[k][j] for k in wanted], allow_unused=True,
                                                materialize_grads=True, retain_graph=j < q - 1))
+        if q == 1:
+            return {k: columns[0][i].unsqueeze(0) for i, k in enumerate(self.inputs)}
         return {k: torch.stack([column[i] for column in columns]) for i, k in enumerate(self.inputs)}
 
 
@@ -446,7 +448,7 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
                 scores.index_add_(0, ids.to(scores.device), w_grad)
                 terms_ids.append(ids)
                 terms.append(w_grad)
-            stats["adjoint_bytes"] = max(stats["adjoint_bytes"], tensor_bytes((theta_bar, state_bar, anchor_bar)))
+        stats["adjoint_bytes"] = max(stats["adjoint_bytes"], tensor_bytes((theta_bar, state_bar, anchor_bar)))
         empty = torch.zeros(0, q, dtype=scores.dtype)
         journal.finish(j, torch.cat(terms_ids) if terms_ids else torch.zeros(0, dtype=torch.long),
                        torch.cat(terms) if terms else empty, theta_bar, state_bar, anchor_bar)

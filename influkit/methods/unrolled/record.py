@@ -48,27 +48,32 @@ def tensor_bytes(tree) -> int:
 
 
 @contextmanager
-def replaying(model: torch.nn.Module, rng: dict | None, modes: dict[str, bool] | None):
+def replaying(rng: dict | None, modes: list[tuple[torch.nn.Module, bool]] | None):
     """Inside the block: the random-number generators at the recorded states ``rng`` ({"cpu": state, "cuda:i":
-    state}) and the model's modules in the recorded train/eval ``modes`` ({module name: training}); the caller's
-    generator states and modes are restored after, so a replay leaves the user's randomness untouched."""
+    state}) and the modules in the recorded train/eval ``modes`` ([(module, training)]); the caller's generator
+    states and modes are restored after, so a replay leaves the user's randomness and modules untouched."""
     if rng is None and modes is None:
         yield
         return
     kept_rng = {device: generator_state(device) for device in (rng or {})}
-    modules = dict(model.named_modules()) if modes is not None else {}
-    kept_modes = {name: module.training for name, module in modules.items()}
+    changed = [(module, module.training) for module, training in (modes or ()) if module.training != training]
     try:
         for device, value in (rng or {}).items():
             set_generator_state(device, value)
-        for name, training in (modes or {}).items():
-            modules[name].training = training
+        for module, training in changed:
+            module.training = not training
         yield
     finally:
         for device, value in kept_rng.items():
             set_generator_state(device, value)
-        for name, training in kept_modes.items():
-            modules[name].training = training
+        for module, training in changed:
+            module.training = training
+
+
+def module_modes(model: torch.nn.Module, modes: dict[str, bool]) -> list[tuple[torch.nn.Module, bool]]:
+    """[(module, training)] of ``model``'s modules named in ``modes`` ({module name: training})."""
+    modules = dict(model.named_modules())
+    return [(modules[name], training) for name, training in modes.items()]
 
 
 def generator_state(device: str) -> torch.Tensor:
@@ -140,6 +145,7 @@ class StageRun:
         self.divisors: list[list[int] | None] = []
         self.clip_order: list[str] | None = None
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._mode_list: tuple | None = None  # (modes, [(module, training)]) resolved by mode_list()
         self.checkpoints: dict[int, tuple[Tensors, State]] = {}
         self.weights: torch.Tensor | None = None
         self.seconds = 0.0
@@ -195,7 +201,7 @@ class StageRun:
         for count, rng, divisor in zip(parts, rngs, divisors):
             part = slice(begin, begin + count)
             begin += count
-            with replaying(self.stage.model, rng, self.modes):
+            with replaying(rng, self.mode_list()):
                 if graph:
                     loss = self.objective(theta, anchors, x[part], y[part], w[part], size=divisor, penalties=penalties)
                     g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
@@ -204,6 +210,14 @@ class StageRun:
                                              penalties=penalties)
             total = g if total is None else {n: total[n] + g[n] for n in total}
         return total
+
+    def mode_list(self) -> list[tuple[torch.nn.Module, bool]] | None:
+        """The recorded modes as [(module, training)] (None where none were recorded), resolved once."""
+        if self.modes is None:
+            return None
+        if self._mode_list is None or self._mode_list[0] is not self.modes:
+            self._mode_list = (self.modes, module_modes(self.stage.model, self.modes))
+        return self._mode_list[1]
 
     def update(self, t: int, theta: Tensors, state: State, grads: Tensors) -> tuple[Tensors, State]:
         """(θ_{t+1}, state_{t+1}): step t's gradient clipped as recorded, then the optimizer's update at step t's

@@ -129,10 +129,10 @@ def as_measure(record: Record, test, measure: Measure | None = None) -> Callable
     if isinstance(test, (tuple, list)) and len(test) == 2 and all(torch.is_tensor(t) for t in test):
         stage = record.runs[-1].stage
         inputs, targets = (t.to(stage.device) for t in test)
-        evaluation = {name: False for name, _ in stage.model.named_modules()}
+        evaluation = [(module, False) for module in stage.model.modules()]
 
         def values(params):
-            with replaying(stage.model, None, evaluation):
+            with replaying(None, evaluation):
                 if measure is None:
                     return stage.losses(params, inputs, targets)
                 return measure(stage.outputs(params, inputs), targets)

@@ -40,7 +40,7 @@ import time
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from ..errors import InputError, NotReplayable
@@ -126,7 +126,9 @@ class Watch:
         if int(accumulate) < 1:
             raise InputError(f"accumulate must be ≥ 1, got {accumulate!r}.")
         groups = check_replayable(model, optimizer)
-        stage = eval_stage(model, lambda: Stage(model, loss_fn, loader.dataset, params=[
+        dataset = loader.dataset  # a TensorDataset's own tensors: the rows default_collate stacks, taken at once
+        data = dataset.tensors if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2 else dataset
+        stage = eval_stage(model, lambda: Stage(model, loss_fn, data, params=[
             n for n, _ in model.named_parameters() if n in set(groups.order)]))
         self._setup(record, model, optimizer, groups, stage, loader, link=link, checkpoint_every=checkpoint_every)
         self.run.accumulate = int(accumulate)
