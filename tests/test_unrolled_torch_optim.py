@@ -358,3 +358,10 @@ def test_out_of_range_step_indices_are_refused_when_stepped():
                 rec.step(bad)
         rec.step([0, 1, 11])
     assert rec.run.steps == 1
+
+
+def test_the_approximate_unrolling_refuses_a_run_recorded_with_dropout_on():
+    record = Record()
+    pretrain(record, "sgd", epochs=1)
+    with pytest.raises(ik.InputError, match="metagradients"):
+        ik.unrolled.approximate(record, TEST)

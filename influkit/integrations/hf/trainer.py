@@ -36,6 +36,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers import TrainerCallback
 
 from ..errors import InputError, NotReplayable, warn
 from ..links import Link
@@ -44,11 +45,6 @@ from ..unrolled.watch import Watch, check_replayable, eval_stage
 from .batches import FIELDS, pack
 from .masking import IGNORE
 from .model import HFModel
-
-try:
-    from transformers import TrainerCallback
-except ImportError:  # pragma: no cover - transformers is this package's dependency
-    TrainerCallback = object
 
 
 def trainer_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
