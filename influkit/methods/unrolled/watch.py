@@ -50,6 +50,7 @@ from .optimizers import from_torch, torch_state
 from .record import StageRun, generator_state
 
 _NORMS = (nn.modules.batchnorm._BatchNorm,)
+HYPER = ("momentum", "nesterov", "weight_decay", "dampening", "betas", "eps", "maximize")  # fixed while watched
 
 
 class _Indices:
@@ -159,6 +160,10 @@ class Watch:
         self._start = 0.0
         self._open = False
         self._checking = False  # the first step's check runs the model itself
+        self._hyper = [tuple(group[k] for k in HYPER if k in group) for group in optimizer.param_groups]
+        self._modules = list(model.modules())
+        self._modes: list[bool] | None = None
+        self._examples = len(stage)
 
     # ------------------------------------------------------------------------------------------- the user's calls
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -206,21 +211,21 @@ class Watch:
         if unused:
             raise NotReplayable(f"parameters {unused[:3]} have no gradient at step {run.steps + 1}: torch.optim skips "
                                 "them, replay would not; leave them out of the optimizer or let the loss reach them.")
-        for i, (group, rule) in enumerate(zip(optimizer.param_groups, self.groups.rules)):
-            now = from_torch_values(group)
-            if any(now[k] != getattr(rule, k) for k in now):
-                raise NotReplayable(f"param group {i}'s hyper-parameters changed during training ({now} vs "
-                                    f"{rule}): only the learning rate is recorded per step; turn off momentum "
-                                    "cycling (OneCycleLR / CyclicLR cycle_momentum=False).")
-        modes = {n: m.training for n, m in self.model.named_modules()}
+        hyper = [tuple(group[k] for k in HYPER if k in group) for group in optimizer.param_groups]
+        if hyper != self._hyper:
+            raise NotReplayable(f"the param groups' hyper-parameters changed during training ({hyper} vs "
+                                f"{self._hyper}): only the learning rate is recorded per step; turn off momentum "
+                                "cycling (OneCycleLR / CyclicLR cycle_momentum=False).")
+        modes = [m.training for m in self._modules]
         if run.modes is None:
-            run.modes = modes
-        elif modes != run.modes:
+            run.modes = {n: m.training for n, m in self.model.named_modules()}
+            self._modes = modes
+        elif modes != self._modes:
             raise NotReplayable("a module switched between train and eval mode during the run; keep the modes fixed "
                                 "while watching (evaluate outside the `with` block, or under a copy of the model).")
         t = run.steps
         idx = torch.cat([i for i, _, _ in self._pending])
-        if int(idx.max()) >= len(run.stage):
+        if int(idx.max()) >= self._examples:
             raise NotReplayable("the loader yielded indices beyond the dataset; replay takes examples by index.")
         run.batches.append(idx)
         run.parts.append([len(i) for i, _, _ in self._pending] if len(self._pending) > 1 else None)
@@ -293,13 +298,3 @@ class Watch:
         run.checkpoints[run.steps] = self._checkpoint()
         run.seconds = time.perf_counter() - self._start
         self.record.runs.append(run)
-
-
-def from_torch_values(group: dict) -> dict:
-    """A param group's hyper-parameters other than the learning rate, as the pure rules name them."""
-    keys = ("momentum", "nesterov", "weight_decay", "dampening", "betas", "eps", "maximize")
-    out = {k: group[k] for k in keys if k in group}
-    if "betas" in out:
-        out["betas"] = tuple(float(b) for b in out["betas"])
-    return out
-
