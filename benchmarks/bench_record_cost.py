@@ -10,10 +10,12 @@ of ``--repeats``:
 - recorded + metagradient: the recorded loop, then ``ik.unrolled.metagradients`` of the summed loss of 100 test
   points (q = 1) — one exact metagradient for every pretraining and finetuning example;
 - q measures: ``per_test=True`` over q test points in one pass, against q separate passes of one test point each
-  (after one recording), both as seconds and as a ratio.
+  (after one recording), both as seconds and as a ratio;
+- a Hugging Face ``Trainer`` run (a tiny BERT's masked-LM training, 32 steps) plain and recorded by
+  ``hf.RecordCallback`` (its ratio to the plain Trainer run).
 
-Targets (issue 37, item 4): recorded ≤ 1.15× plain, recorded + metagradient ≤ 3× plain (the metagradient's own
-ratio is reported beside). Results: ``benchmarks/results/bench_record_cost/`` (``cost.csv``, ``cost.png``,
+Targets (issue 37, item 4): recorded ≤ 1.15× plain (the Trainer's too), recorded + metagradient ≤ 3× plain (the
+metagradient's own ratio is reported beside). Results: ``benchmarks/results/bench_record_cost/`` (``cost.csv``, ``cost.png``,
 ``MANIFEST.json``).
 
     python -m benchmarks.bench_record_cost              # 5 repeats, q = 10
@@ -106,6 +108,45 @@ def train(data, record: ik.unrolled.Record | None):
     return fin
 
 
+def trainer_run(record: ik.unrolled.Record | None) -> None:
+    """A tiny BERT's masked-LM Trainer run (2 layers, hidden 64; 256 generated sentences, 2 epochs of 16), plain
+    or recorded by ``hf.RecordCallback``."""
+    import tempfile
+
+    from transformers import (BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer,
+                              TrainingArguments)
+
+    from influkit import hf
+
+    tokenizer, rows = TRAINER_DATA
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, intermediate_size=128, max_position_embeddings=32,
+                                       attn_implementation="eager"))
+    args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=16, num_train_epochs=2,
+                             learning_rate=1e-3, warmup_steps=4, optim="adamw_torch", report_to=[],
+                             save_strategy="no", logging_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+    callbacks = [] if record is None else [hf.RecordCallback(record)]
+    Trainer(model, args, train_dataset=rows, data_collator=DataCollatorForLanguageModeling(tokenizer),
+            callbacks=callbacks).train()
+
+
+def trainer_data():
+    """(tokenizer, rows): 256 sentences of 6-12 words drawn from 200 made-up words, tokenized."""
+    from influkit import hf
+
+    gen = torch.Generator().manual_seed(3)
+    words = [f"w{i}" for i in range(200)]
+    texts = [" ".join(words[j] for j in torch.randint(0, 200, (int(torch.randint(6, 13, (1,), generator=gen)),),
+                                                      generator=gen)) for _ in range(256)]
+    tokenizer = hf.train_wordpiece(texts, vocab_size=300)
+    enc = tokenizer(texts, truncation=True, max_length=16)
+    return tokenizer, [{k: enc[k][i] for k in ("input_ids", "attention_mask")} for i in range(len(texts))]
+
+
+TRAINER_DATA = None
+
+
 def seconds(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -149,6 +190,16 @@ def main(argv=None) -> pd.DataFrame:
               "ratio to plain": min(together) / best["plain"], "target": None, "repeats": len(together)},
              {"run": f"{q} measures in {q} separate passes", "seconds (fastest)": min(separate),
               "ratio to plain": min(separate) / best["plain"], "target": None, "repeats": len(separate)}]
+    global TRAINER_DATA
+    TRAINER_DATA = trainer_data()
+    trainer_times = {"Trainer plain": [], "Trainer recorded": []}
+    for _ in range(repeats):
+        trainer_times["Trainer plain"].append(seconds(lambda: trainer_run(None)))
+        trainer_times["Trainer recorded"].append(seconds(lambda: trainer_run(ik.unrolled.Record())))
+    plain_trainer = min(trainer_times["Trainer plain"])
+    rows += [{"run": k, "seconds (fastest)": min(v), "ratio to plain": min(v) / plain_trainer,
+              "target": 1.15 if k == "Trainer recorded" else None, "repeats": repeats}
+             for k, v in trainer_times.items()]
     table = pd.DataFrame(rows)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     OUT.mkdir(parents=True, exist_ok=True)
