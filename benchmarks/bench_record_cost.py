@@ -16,10 +16,11 @@ of ``--repeats``:
 
 Targets (issue 37, item 4): recorded ≤ 1.15× plain (the Trainer's too), recorded + metagradient ≤ 3× plain (the
 metagradient's own ratio is reported beside). Results: ``benchmarks/results/bench_record_cost/`` (``cost.csv``, ``cost.png``,
-``MANIFEST.json``).
+``profile_metagradient.txt`` with ``--profile``, ``MANIFEST.json``).
 
     python -m benchmarks.bench_record_cost              # 5 repeats, q = 10
     python -m benchmarks.bench_record_cost --quick      # 2 repeats, q = 4
+    python -m benchmarks.bench_record_cost --repeats 10 --profile   # the committed results
 """
 
 from __future__ import annotations
@@ -147,6 +148,23 @@ def trainer_data():
 TRAINER_DATA = None
 
 
+def profile(record, test) -> str:
+    """cProfile of one metagradient (after a warm-up), the 25 largest internal times, to profile_metagradient.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    ik.unrolled.metagradients(record, test)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    ik.unrolled.metagradients(record, test)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    (OUT / "profile_metagradient.txt").write_text(text.getvalue())
+    return "profile_metagradient.txt"
+
+
 def seconds(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -158,6 +176,7 @@ def main(argv=None) -> pd.DataFrame:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--q", type=int, default=10, help="test points of the q-measures comparison")
     parser.add_argument("--quick", action="store_true", help="2 repeats, q = 4")
+    parser.add_argument("--profile", action="store_true", help="also write where one metagradient's time goes")
     args = parser.parse_args(argv)
     repeats, q = (2, 4) if args.quick else (args.repeats, args.q)
     torch.set_num_threads(1)
@@ -207,15 +226,18 @@ def main(argv=None) -> pd.DataFrame:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
     ax.barh(table["run"], table["ratio to plain"], color="tab:blue")
     for target in (1.15, 3.0):
         ax.axvline(target, color="tab:red", lw=0.8, ls="--")
-    ax.set_xlabel("seconds / plain torch.optim run (fastest of repeats, one process)")
+    ax.set_xlabel("seconds / the plain run (torch.optim loop; Trainer rows: the plain Trainer run)")
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(OUT / "cost.png", dpi=120)
-    manifest(OUT, ["cost.csv", "cost.png"], note="shared 2-core machine (seven jobs at once); one torch thread; "
+    files = ["cost.csv", "cost.png"]
+    if args.profile:
+        files.append(profile(record, test))
+    manifest(OUT, files, note="shared 2-core machine (seven jobs at once); one torch thread; "
              "timings interleaved in one process, fastest of the repeats")
     return table
 
