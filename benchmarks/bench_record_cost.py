@@ -15,8 +15,8 @@ of ``--repeats``:
   ``hf.RecordCallback`` (its ratio to the plain Trainer run).
 
 Targets (issue 37, item 4): recorded ≤ 1.15× plain (the Trainer's too), recorded + metagradient ≤ 3× plain (the
-metagradient's own ratio is reported beside). Results: ``benchmarks/results/bench_record_cost/`` (``cost.csv``, ``cost.png``,
-``profile_metagradient.txt`` with ``--profile``, ``MANIFEST.json``).
+metagradient's own ratio is reported beside). Results: ``benchmarks/results/bench_record_cost/`` (``cost.csv``,
+``cost.png``, ``profile_metagradient.txt`` with ``--profile``, ``MANIFEST.json``).
 
     python -m benchmarks.bench_record_cost              # 5 repeats, q = 10
     python -m benchmarks.bench_record_cost --quick      # 2 repeats, q = 4

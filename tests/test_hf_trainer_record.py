@@ -1,5 +1,5 @@
-"""A Hugging Face Trainer run recorded by ``hf.RecordCallback``: the record replays the Trainer's own final weights bit for
-bit (random masked-LM masks from DataCollatorForLanguageModeling, dropout, linear warmup and decay, clipping), the
+"""A Hugging Face Trainer run recorded by ``hf.RecordCallback``: the record replays the Trainer's own final weights bit
+for bit (random masked-LM masks from DataCollatorForLanguageModeling, dropout, linear warmup and decay, clipping), the
 callback does not change the run, the exact metagradient equals central finite differences of the re-run training
 (one stage and masked-LM pretraining → Case 1 classification), and what replay cannot repeat is refused before the
 first step."""

@@ -135,7 +135,7 @@ def test_the_watched_run_is_the_plain_run_and_replay_repeats_it_bit_for_bit(kind
     for (n, a), b in zip(watched.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), n
     run = record.runs[0]
-    assert run.steps == (6 if PRE[kind][3] == 1 else 2)  # accumulating: 3 micro-batches an epoch, the third carried over
+    assert run.steps == (6 if PRE[kind][3] == 1 else 2)  # accumulating: 3 micro-batches an epoch, one carried over
     assert ik.unrolled.verify(record) == 0.0
     final = ik.unrolled.replay(record)[0]
     assert all(torch.equal(final[n], p) for n, p in watched.named_parameters())
