@@ -51,6 +51,11 @@ class ModelModeError(InfluenceError, RuntimeError):
     """A model left in train mode with dropout or batch-norm layers."""
 
 
+class NotReplayable(InfluenceError, ValueError):
+    """A training run that replay cannot repeat bit for bit (an unknown optimizer, autocast, a sampler whose indices
+    cannot be captured, ...), refused before its first step; the message names the change that makes it replayable."""
+
+
 class NumericalError(InfluenceError, FloatingPointError):
     """NaN or Inf appeared in a gradient, Hessian-vector product or solver iterate."""
 

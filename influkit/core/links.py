@@ -9,8 +9,9 @@ A :class:`Link` joins stage k−1 to stage k; a :class:`StagePlan` is what stage
 
 LoRA is a Case 1 or Case 2 link whose shared block is the base model's weights (``influkit.hf.lora_link``).
 The influence computation (:class:`~influkit.chain.Chain`: trained names, the proximal term of each stage's
-Hessian) and every re-training (:mod:`influkit.validation.retrain`: which names to train, the objective, where
-the block starts) read these plans, so both always agree on what each stage optimizes.
+Hessian), every re-training (:mod:`influkit.validation.retrain`: which names to train, the objective, where
+the block starts) and every recorded run (:class:`influkit.unrolled.record.StageRun`: what it trains, what it holds
+fixed, its proximal term) read these plans, so all agree on what each stage optimizes.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ class StagePlan:
     ``inherited``), those of them held fixed (``fixed``, Case 1) and the proximal term (``proximal``, Case 2)
     centred at the previous stage's current values."""
 
-    def __init__(self, stage: Stage, link: Link | None = None, previous: "StagePlan | None" = None):
+    def __init__(self, stage: Stage, link: Link | None = None, previous: "StagePlan | None" = None, *,
+                 inherit: bool = False):
+        """inherit: write the previous stage's current values of the shared block into ``stage``'s model first
+        (:meth:`receive`; a recorded run trains from them), else the model must already hold them (Case 1 warns)."""
         self.stage = stage
         self.link = link
         self.inherited: dict[str, str] = {}
@@ -71,6 +75,8 @@ class StagePlan:
                     f"shared parameters {dead} are neither trained in the previous stage nor inherited by it, so "
                     "they cannot carry influence; include them in that stage's params."
                 )
+            if inherit:
+                self.receive(stage.model, previous.stage.state())
         order = [n for n, _ in stage.model.named_parameters()]
         if self.case == 1:
             self.trained = [n for n in stage.param_names if n not in self.inherited]
@@ -113,8 +119,13 @@ class StagePlan:
         """α Σ_S ‖S − S̄‖² as a function of this stage's parameters, S̄ from ``previous`` (Case 2; else None)."""
         if self.case != 2:
             return None
-        centre, alpha = self.centre(previous), self.link.alpha
-        return lambda params: alpha * sum(((params[n] - c) ** 2).sum() for n, c in centre.items())
+        centre = self.centre(previous)
+        return lambda params: self.proximal_term(params, centre)
+
+    def proximal_term(self, params: Mapping[str, torch.Tensor], centre: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """α Σ_{s∈S} ‖params_s − centre_s‖² (Case 2's proximal term, differentiable in both; centre on this stage's
+        names)."""
+        return self.link.alpha * sum(((params[n] - centre[n]) ** 2).sum() for n in self.inherited)
 
     def objective(self, stage: Stage, previous: Mapping[str, torch.Tensor] | None = None, *,
                   regularizer_scale: float = 1.0) -> Stage:

@@ -29,6 +29,8 @@ Decoders and LoRA (``peft``, the ``lora`` extra):
     res = ik.Chain([pre, fin], [hf.lora_link(pre, fin, case=1)]).query(test).scores()
     res.top(10, texts=documents)
 
+- a ``Trainer`` run is recorded for exact unrolled attribution by one callback,
+  ``Trainer(..., callbacks=[hf.RecordCallback(record)])`` (:mod:`~influkit.hf.trainer`);
 - dict batches are packed into the (inputs, targets) tensors influkit streams (:mod:`~influkit.hf.batches`);
 - :class:`HFModel` calls the transformers model on them with the model's own parameter names, so the shared
   block is named by its prefix (``shared="bert"``; a pooler the classification model adds is its own);
@@ -53,11 +55,13 @@ from .pretrained import CheckpointUnavailable, checkpoint_dir, new_parameters, p
 from .snippets import SOURCES, Snippet, rated_snippets
 from .stages import causal_lm_stage, classification_stage, masked_lm_batch, masked_lm_stage
 from .tokenizer import BPE_SPECIAL_TOKENS, SPECIAL_TOKENS, train_bpe, train_wordpiece
+from .trainer import RecordCallback
 
 __all__ = [
     "BPE_SPECIAL_TOKENS",
     "CheckpointUnavailable",
     "FIELDS",
+    "RecordCallback",
     "HFModel",
     "SOURCES",
     "SPECIAL_TOKENS",

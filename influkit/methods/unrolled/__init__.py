@@ -1,6 +1,8 @@
 """Unrolled attribution: differentiate the training that actually ran, stage by stage, by exact replay.
 
-``Record`` records training (pure optimizer steps on data-weighted losses, checkpoints), ``replay`` re-runs it
+``Record`` records training — the user's own ``torch.optim`` loop through ``record.watch(model, optimizer, loader,
+loss_fn)`` (dropout, schedulers, clipping, accumulation; :mod:`.watch`), a Hugging Face ``Trainer`` through
+``influkit.hf.RecordCallback``, or influkit's own pure steps (``record.train``) — and ``replay`` re-runs it
 with other per-example weights, and ``metagradients`` returns d measure(final model) / d w_z for every example
 of every stage by reverse mode through the recorded steps (MAGIC-style), the adjoint handed across each
 pretrain → finetune boundary. A score is d measure / d w_z at w = 1 (or at the weights ``at=``: the drop sets' mean
@@ -8,6 +10,11 @@ pretrain → finetune boundary. A score is d measure / d w_z at w = 1 (or at the
 −score. ``sharpness`` puts each checkpoint's largest Hessian eigenvalue beside its learning rate: a run past the
 edge of stability (η·λ_max > 2(1 + μ)) answers whole-example drops far from linearly, and ``linearity`` checks
 the answer itself on a few replayed drop sets.
+
+    record = ik.unrolled.Record()
+    with record.watch(model, optimizer, loader, loss_fn) as run:   # the loop inside, unchanged
+        ...
+    scores = ik.unrolled.metagradients(record, (x_test, y_test))[0]
 
     record = ik.unrolled.Record()
     record.train(pre_stage, ik.unrolled.AdamW(lr=1e-2, weight_decay=1e-3), steps=300, batch_size=32)
@@ -21,6 +28,7 @@ from .optimizers import SGD, Adam, AdamW
 from .record import Record, StageRecorder, StageRun
 from .replay import outputs, replay, reweighted, verify
 from .segments import approximate
+from .watch import Watch
 from .stability import linearity, sharpness
 
-__all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "linearity", "StageRecorder", "StageRun", "metagradients", "outputs", "replay", "reweighted", "sharpness", "verify"]
+__all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "linearity", "StageRecorder", "StageRun", "Watch", "metagradients", "outputs", "replay", "reweighted", "sharpness", "verify"]

@@ -37,7 +37,8 @@ def fingerprint(record: Record, adjoint: dict) -> str:
             digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
 
     for run in record.runs:
-        digest.update(f"{run.optimizer!r}|{run.lrs}|{run.trained}|{run.inherited}|{run.every}".encode())
+        digest.update(f"{run.optimizer!r}|{run.lrs}|{run.trained}|{run.inherited}|{run.every}|{run.parts}|"
+                      f"{run.clips}|{run.accumulate}|{run.divisors}".encode())
         add({f"batch{t}": idx for t, idx in enumerate(run.batches)})
         add(run.checkpoints[0][0])
         add(run.final)

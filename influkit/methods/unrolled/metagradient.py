@@ -73,10 +73,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.func import grad, jacrev, vjp, vmap
+from torch.func import jacrev, vjp, vmap
 from tqdm.auto import tqdm
 
 from .. import distributed
+from ..chain import Measure
 from ..errors import InputError
 from ..results import InfluenceResult
 from .journal import Journal, fingerprint
@@ -87,13 +88,15 @@ METHOD = "unrolled exact (replay)"
 LOOPED, VMAPPED = "looped", "vmapped"  # how a step is pulled back for q measure outputs (module docstring)
 
 
-def metagradients(record: Record, measure, *, per_test: bool = False, out: str | Path | None = None,
-                  at=None, progress: bool = False) -> list[InfluenceResult]:
+def metagradients(record: Record, test, *, measure: Measure | None = None, per_test: bool = False,
+                  out: str | Path | None = None, at=None, progress: bool = False) -> list[InfluenceResult]:
     """One :class:`InfluenceResult` per recorded stage: values[z] = d measure(final model) / d w_z at w = ``at``.
 
-    measure: an (inputs, targets) test set (its per-test losses under the last stage), a callable params → scalar
-    or (q,) tensor of the last stage's final values (trained θ_T and fixed shared block), or an :class:`Adjoint`
-    (d measure / d those final values, computed outside the record).
+    test: an (inputs, targets) test set (its per-test values ``measure(outputs, targets)`` under the last stage in
+    eval mode; ``measure`` is what ``Chain.query(x_test, measure=)`` takes, default the stage's loss, so one measure
+    object gives both methods the same test function), a callable params → scalar or (q,) tensor of the last
+    stage's final values (trained θ_T and fixed shared block), or an :class:`Adjoint` (d measure / d those final
+    values, computed outside the record).
     per_test: keep one column per measure output, values (n_k, q); else the outputs are summed.
     out: a directory journaling the pass (each finished segment's example terms and the adjoint after it,
     :mod:`.journal`): a re-run of the same call resumes after the last finished segment.
@@ -112,8 +115,11 @@ def metagradients(record: Record, measure, *, per_test: bool = False, out: str |
     weights' min / mean / max).
     """
     start_time = time.perf_counter()
-    record = reweighted_at(record, measure, at, progress)
-    adjoint, q, outputs = measure_adjoint(record, measure, per_test)
+    if distributed.world_size() > 1 and any(run.rngs for run in record.runs):
+        raise InputError("a watched run replays each micro-batch from its own generator state, which splitting its "
+                         "batches over ranks would change; compute its metagradient in one process.")
+    record = reweighted_at(record, test, at, progress)
+    adjoint, q, outputs = measure_adjoint(record, test, per_test, measure)
     journal = Journal(out, fingerprint(record, adjoint), q)
     settings = {"measure_outputs": int(outputs), "per_test": per_test, "at": describe_at(at, record)}
     return _backward(record, adjoint, q, per_test, settings, start_time, progress, journal)
@@ -219,13 +225,15 @@ class Adjoint:
     batched: bool = False
 
 
-def measure_adjoint(record: Record, measure, per_test: bool) -> tuple[dict, int, int]:
+def measure_adjoint(record: Record, test, per_test: bool, measure: Measure | None = None) -> tuple[dict, int, int]:
     """(θ̄_T = ∂f/∂(final values) with a leading dimension q, q, the measure's number of outputs)."""
     if not len(record):
         raise InputError("the record has no stage; train one with record.train(...) or record.recorder(...).")
-    if isinstance(measure, Adjoint):
-        return given_adjoint(record, measure, per_test)
-    fn = as_measure(record, measure)
+    if isinstance(test, Adjoint):
+        if measure is not None:
+            raise InputError("measure= applies to an (inputs, targets) test set, not to an Adjoint.")
+        return given_adjoint(record, test, per_test)
+    fn = as_measure(record, test, measure)
     final = {n: v.detach() for n, v in record.runs[-1].final.items()}
     with torch.no_grad():
         outputs = fn(final).numel()
@@ -285,6 +293,8 @@ class _Graph:
             columns.append(torch.autograd.grad([self.outputs[k] for k in wanted], list(self.inputs.values()),
                                                [cotangents[k][j] for k in wanted], allow_unused=True,
                                                materialize_grads=True, retain_graph=j < q - 1))
+        if q == 1:
+            return {k: columns[0][i].unsqueeze(0) for i, k in enumerate(self.inputs)}
         return {k: torch.stack([column[i] for column in columns]) for i, k in enumerate(self.inputs)}
 
 
@@ -340,15 +350,14 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
             w = unit_weights(run, ids, None, xs)  # the run's weights
             if pull == LOOPED:
                 leaf_anchors, w = _leaves(anchors), w.detach().requires_grad_()
-                loss = run.objective(theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead)
-                g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
+                g = run.gradient(t, theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead, graph=True)
                 gradient_graph = _Graph({("gradient", n): v for n, v in g.items()},
                                         {("theta", n): v for n, v in theta.items()}
                                         | {("anchor", n): v for n, v in leaf_anchors.items()} | {"w": w})
             else:
                 def gradient(inputs):
                     th, an = {n: inputs["theta", n] for n in theta}, {n: inputs["anchor", n] for n in anchors}
-                    g = grad(run.objective)(th, an, xs, ys, inputs["w"], size=idx.numel(), penalties=lead)
+                    g = run.gradient(t, th, an, xs, ys, inputs["w"], size=idx.numel(), penalties=lead)
                     return {("gradient", n): v for n, v in g.items()}
 
                 gradient_graph = _Pullback(gradient, {("theta", n): v for n, v in theta.items()}
@@ -359,14 +368,14 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
         g = {n: _summed(v.detach() if pull == LOOPED else v) for n, v in g.items()}
         if pull == LOOPED:
             g = _leaves(g)
-            new_theta, new_state = run.optimizer.update(theta, state, g, run.lrs[t], t + 1)
+            new_theta, new_state = run.update(t, theta, state, g)
             update_graph = _Graph(_keyed(new_theta, new_state),
                                   _keyed(theta, state) | {("gradient", n): v for n, v in g.items()})
             return new_theta, new_state, (ids, update_graph, gradient_graph)
 
     def update(inputs):
         th, st = _unkeyed(inputs, theta, state)
-        return _keyed(*run.optimizer.update(th, st, {n: inputs["gradient", n] for n in theta}, run.lrs[t], t + 1))
+        return _keyed(*run.update(t, th, st, {n: inputs["gradient", n] for n in theta}))
 
     update_graph = _Pullback(update, _keyed(theta, state) | {("gradient", n): v for n, v in g.items()})
     new_theta, new_state = _unkeyed(update_graph.outputs, theta, state)
@@ -439,7 +448,7 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
                 scores.index_add_(0, ids.to(scores.device), w_grad)
                 terms_ids.append(ids)
                 terms.append(w_grad)
-            stats["adjoint_bytes"] = max(stats["adjoint_bytes"], tensor_bytes((theta_bar, state_bar, anchor_bar)))
+        stats["adjoint_bytes"] = max(stats["adjoint_bytes"], tensor_bytes((theta_bar, state_bar, anchor_bar)))
         empty = torch.zeros(0, q, dtype=scores.dtype)
         journal.finish(j, torch.cat(terms_ids) if terms_ids else torch.zeros(0, dtype=torch.long),
                        torch.cat(terms) if terms else empty, theta_bar, state_bar, anchor_bar)

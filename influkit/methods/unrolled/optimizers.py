@@ -3,18 +3,20 @@
 Each rule returns new tensors and never updates in place; training, replay and the metagradient's reverse pass all
 call the same function, so a replay repeats the recorded arithmetic operation for operation. ``params``,
 ``grads`` and every state slot are dicts name → tensor over the trained parameters; ``step`` counts from 1;
-``lr`` is the step's learning rate (a schedule is recorded step by step). The formulas follow ``torch.optim``'s
-(``foreach=False``) so a run recorded here matches one trained with it to rounding (``tests/test_unrolled.py``).
+``lr`` is the step's learning rate (a schedule is recorded step by step). Each rule calls the very kernels of
+``torch.optim``'s single-tensor path (``foreach=False``: ``add(alpha=)``, ``lerp``, ``addcmul``, ``addcdiv``) in its
+order, out of place, so a run of ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` is repeated bit for bit
+(``tests/test_unrolled_torch_optim.py``). :class:`Groups` is a ``torch.optim`` optimizer's parameter groups, one rule
+each, with gradient clipping by the global norm (``torch.nn.utils.clip_grad_norm_``'s arithmetic).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, NotReplayable
 
 Tensors = dict[str, torch.Tensor]
 State = dict[str, Tensors]
@@ -32,21 +34,26 @@ def _safe_sqrt(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class SGD:
-    """Stochastic gradient descent with heavy-ball momentum μ and coupled weight decay λ (``torch.optim.SGD``).
+    """Stochastic gradient descent with heavy-ball momentum μ, dampening τ and coupled weight decay λ
+    (``torch.optim.SGD``).
 
-    d = g + λθ;  b ← μ b + d (b₀ = 0, so b₁ = d);  θ ← θ − lr·(d + μ b if nesterov else b).
+    d = ±g + λθ (− under ``maximize``);  b ← d at step 1, else μ b + (1 − τ) d;  θ ← θ − lr·(d + μ b if nesterov
+    else b).
     """
 
     lr: float
     momentum: float = 0.0
     nesterov: bool = False
     weight_decay: float = 0.0
+    dampening: float = 0.0
+    maximize: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, f"lr must be > 0, got {self.lr!r}")
+        _check(self.lr >= 0, f"lr must be ≥ 0, got {self.lr!r}")
         _check(0 <= self.momentum < 1, f"momentum must lie in [0, 1), got {self.momentum!r}")
         _check(self.weight_decay >= 0, f"weight_decay must be ≥ 0, got {self.weight_decay!r}")
-        _check(not self.nesterov or self.momentum > 0, "nesterov needs momentum > 0")
+        _check(not self.nesterov or (self.momentum > 0 and self.dampening == 0),
+               "nesterov needs momentum > 0 and dampening = 0")
 
     def init(self, params: Tensors) -> State:
         """The state before the first step: the momentum buffer b = 0 (none without momentum)."""
@@ -56,11 +63,14 @@ class SGD:
         """(θ', state') after one step."""
         new_params, buffers = {}, {}
         for n, p in params.items():
-            d = grads[n] + self.weight_decay * p if self.weight_decay else grads[n]
+            d = -grads[n] if self.maximize else grads[n]
+            if self.weight_decay:
+                d = torch.add(d, p, alpha=self.weight_decay)
             if self.momentum:
-                buffers[n] = self.momentum * state["momentum"][n] + d
-                d = d + self.momentum * buffers[n] if self.nesterov else buffers[n]
-            new_params[n] = p - lr * d
+                buffers[n] = d if step == 1 else torch.add(state["momentum"][n] * self.momentum, d,
+                                                           alpha=1 - self.dampening)
+                d = torch.add(d, buffers[n], alpha=self.momentum) if self.nesterov else buffers[n]
+            new_params[n] = torch.add(p, d, alpha=-lr)
         return new_params, ({"momentum": buffers} if self.momentum else {})
 
 
@@ -68,7 +78,7 @@ class SGD:
 class Adam:
     """Adam (Kingma & Ba) with coupled weight decay λ (an L2 term in the gradient; ``torch.optim.Adam``).
 
-    d = g + λθ;  m ← m + (1−β₁)(d − m);  v ← β₂v + (1−β₂)d²;
+    d = ±g + λθ;  m ← m + (1−β₁)(d − m);  v ← β₂v + (1−β₂)d²;
     θ ← θ − (lr / (1−β₁ᵗ)) · m / (√v / √(1−β₂ᵗ) + ε).
     """
 
@@ -76,11 +86,12 @@ class Adam:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    maximize: bool = False
 
     decoupled = False
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, f"lr must be > 0, got {self.lr!r}")
+        _check(self.lr >= 0, f"lr must be ≥ 0, got {self.lr!r}")
         _check(all(0 <= b < 1 for b in self.betas), f"betas must lie in [0, 1), got {self.betas!r}")
         _check(self.eps > 0, f"eps must be > 0, got {self.eps!r}")
         _check(self.weight_decay >= 0, f"weight_decay must be ≥ 0, got {self.weight_decay!r}")
@@ -94,17 +105,18 @@ class Adam:
         """(θ', state') after one step (``step`` ≥ 1 enters the bias corrections)."""
         beta1, beta2 = self.betas
         step_size = lr / (1 - beta1**step)
-        correction2 = math.sqrt(1 - beta2**step)
+        correction2 = (1 - beta2**step) ** 0.5
         new_params, m_new, v_new = {}, {}, {}
         for n, p in params.items():
-            d = grads[n]
+            d = -grads[n] if self.maximize else grads[n]
             if self.weight_decay and self.decoupled:
                 p = p * (1 - lr * self.weight_decay)
             elif self.weight_decay:
-                d = d + self.weight_decay * p
-            m_new[n] = state["m"][n] + (1 - beta1) * (d - state["m"][n])
-            v_new[n] = beta2 * state["v"][n] + (1 - beta2) * d * d
-            new_params[n] = p - step_size * m_new[n] / (_safe_sqrt(v_new[n]) / correction2 + self.eps)
+                d = torch.add(d, p, alpha=self.weight_decay)
+            m_new[n] = torch.lerp(state["m"][n], d, 1 - beta1)
+            v_new[n] = torch.addcmul(state["v"][n] * beta2, d, d, value=1 - beta2)
+            new_params[n] = torch.addcdiv(p, m_new[n], _safe_sqrt(v_new[n]) / correction2 + self.eps,
+                                          value=-step_size)
         return new_params, {"m": m_new, "v": v_new}
 
 
@@ -117,7 +129,124 @@ class AdamW(Adam):
     decoupled = True
 
 
-Optimizer = SGD | Adam
+Rule = SGD | Adam
+
+
+@dataclass(frozen=True)
+class Groups:
+    """A ``torch.optim`` optimizer as pure rules: ``rules[i]`` updates the parameters ``names[i]`` (group i) with
+    that group's hyper-parameters; ``update`` takes one learning rate per group (``lr``: a tuple). ``order``: every
+    name in the optimizer's order (the order its gradient norm is summed in)."""
+
+    rules: tuple[Rule, ...]
+    names: tuple[tuple[str, ...], ...]
+
+    @property
+    def order(self) -> list[str]:
+        return [n for group in self.names for n in group]
+
+    @property
+    def lr(self) -> tuple[float, ...]:
+        return tuple(rule.lr for rule in self.rules)
+
+    def init(self, params: Tensors) -> State:
+        """The state before the first step: each group's rule's, merged by slot."""
+        state: State = {}
+        for rule, names in zip(self.rules, self.names):
+            for slot, values in rule.init({n: params[n] for n in names}).items():
+                state.setdefault(slot, {}).update(values)
+        return state
+
+    def update(self, params: Tensors, state: State, grads: Tensors, lr: tuple[float, ...],
+               step: int) -> tuple[Tensors, State]:
+        """(θ', state') after one step of every group, group i at learning rate lr[i]."""
+        new_params: Tensors = {}
+        new_state: State = {}
+        for rule, names, rate in zip(self.rules, self.names, lr):
+            part = {slot: {n: values[n] for n in names} for slot, values in state.items()}
+            p, s = rule.update({n: params[n] for n in names}, part, {n: grads[n] for n in names}, rate, step)
+            new_params.update(p)
+            for slot, values in s.items():
+                new_state.setdefault(slot, {}).update(values)
+        return {n: new_params[n] for n in params}, new_state
+
+    def clip(self, grads: Tensors, max_norm: float, norm_type: float, order: list[str] | None = None) -> Tensors:
+        """The gradients scaled as ``clip_grad_norm_(params, max_norm, norm_type)`` scales them: by
+        min(max_norm / (‖(‖g_i‖)_i‖ + 10⁻⁶), 1), the per-tensor norms stacked in ``order`` (default the optimizer's:
+        the order decides the rounding of the total)."""
+        order = [n for n in (self.order if order is None else order) if n in grads]
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(grads[n], norm_type) for n in order]),
+                                         norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return {n: g * coefficient for n, g in grads.items()}
+
+
+def from_torch(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> Groups:
+    """The pure :class:`Groups` of a ``torch.optim`` SGD, Adam or AdamW (``names``: id(parameter) → model name).
+
+    Refuses (:class:`~influkit.errors.NotReplayable`) what replay cannot repeat bit for bit: another optimizer class,
+    amsgrad, fused / capturable / differentiable kernels, the foreach kernels off the CPU (on the CPU they give the
+    single-tensor bits, measured in the tests), tensor hyper-parameters, a parameter
+    outside the model, or state from earlier steps."""
+    kind = type(optimizer)
+    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        raise NotReplayable(
+            f"influkit replays torch.optim.SGD, Adam and AdamW exactly; {kind.__module__}.{kind.__qualname__} is not "
+            "one of them. Train with one of those three (any lr_scheduler, parameter groups, clipping).")
+    if optimizer.state:
+        raise NotReplayable("the optimizer has state from earlier steps; start watching with a fresh optimizer, "
+                            "before its first step().")
+    rules, groups = [], []
+    for i, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "fused", "capturable", "differentiable"):
+            if group.get(flag):
+                raise NotReplayable(f"param group {i} sets {flag}=True, which replay does not repeat; construct the "
+                                    f"optimizer with {flag}=False.")
+        if "max_momentum" in group:
+            raise NotReplayable(f"param group {i} has its momentum cycled by a scheduler (OneCycleLR / CyclicLR "
+                                "cycle_momentum=True), which replay does not record; construct the scheduler with "
+                                "cycle_momentum=False.")
+        on_cpu = all(p.device.type == "cpu" for p in group["params"])
+        if not on_cpu and group.get("foreach") is not False:
+            raise NotReplayable(f"param group {i} would take torch.optim's multi-tensor (foreach) kernels on "
+                                f"{group['params'][0].device.type}, which replay's single-tensor kernels are not "
+                                "checked to match bit for bit there; construct the optimizer with foreach=False.")
+        values = {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
+        bad = [k for k, v in values.items() if torch.is_tensor(v) or (isinstance(v, tuple) and
+                                                                      any(torch.is_tensor(b) for b in v))]
+        if bad:
+            raise NotReplayable(f"param group {i} has tensor hyper-parameters {bad}; give them as Python floats.")
+        unknown = [p for p in group["params"] if id(p) not in names]
+        if unknown:
+            raise NotReplayable(f"param group {i} holds {len(unknown)} tensors that are not parameters of the watched "
+                                "model; watch the model that owns every optimized parameter.")
+        groups.append(tuple(names[id(p)] for p in group["params"]))
+        if kind is torch.optim.SGD:
+            rules.append(SGD(lr=float(values["lr"]), momentum=float(values["momentum"]),
+                             nesterov=bool(values["nesterov"]), weight_decay=float(values["weight_decay"]),
+                             dampening=float(values["dampening"]), maximize=bool(values["maximize"])))
+        else:
+            decoupled = kind is torch.optim.AdamW or values.get("decoupled_weight_decay", False)
+            rules.append((AdamW if decoupled else Adam)(
+                lr=float(values["lr"]), betas=tuple(float(b) for b in values["betas"]), eps=float(values["eps"]),
+                weight_decay=float(values["weight_decay"]), maximize=bool(values["maximize"])))
+    return Groups(tuple(rules), tuple(groups))
+
+
+def torch_state(optimizer: torch.optim.Optimizer, groups: Groups, names: dict[int, str]) -> State:
+    """The optimizer's current state in the pure rules' slots (copies): SGD's momentum buffers, Adam's m and v."""
+    state: State = {}
+    slots = {"momentum_buffer": "momentum", "exp_avg": "m", "exp_avg_sq": "v"}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, slot in slots.items():
+                value = optimizer.state.get(p, {}).get(key)
+                if value is not None:
+                    state.setdefault(slot, {})[names[id(p)]] = value.detach().clone()
+    return state
+
+
+Optimizer = SGD | Adam | Groups
 
 
 def _check(ok: bool, message: str) -> None:

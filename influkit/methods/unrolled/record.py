@@ -12,9 +12,11 @@ the optimizer and its hyper-parameters, which parameters train and which are inh
 ``checkpoint_every`` steps plus the last. A replay repeats the same operations on the same inputs, so on one
 device and thread setting it reproduces the checkpoints bit for bit (:func:`influkit.unrolled.verify` checks it).
 
-Use :meth:`Record.train` (seeded mini-batches, a learning-rate schedule) or drive your own loop with
-:meth:`Record.recorder` (``with record.recorder(stage, opt) as rec: rec.step(batch_indices, lr)``); both update the
-stage's model in place, so after training it holds the recorded final parameters.
+Record the user's own ``torch.optim`` loop with :meth:`Record.watch` (:mod:`.watch`: dropout, schedulers, clipping,
+gradient accumulation, parameter groups), train with :meth:`Record.train` (seeded mini-batches, a learning-rate
+schedule), or drive a loop through :meth:`Record.recorder` (``with record.recorder(stage, opt) as rec:
+rec.step(batch_indices, lr)``); each updates the stage's model in place, so after training it holds the recorded
+final parameters. What a stage trains and inherits is its :class:`influkit.links.StagePlan`, as in ``ik.Chain``.
 """
 
 from __future__ import annotations
@@ -22,16 +24,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from torch.func import grad
 from tqdm.auto import tqdm
 
-from ..chain import Link
-from ..errors import InputError, ParameterError
-from ..params import shared_parameters
+from ..errors import InputError
+from ..links import Link, StagePlan
 from ..stage import Stage
-from .optimizers import SGD, Adam, Optimizer, State, Tensors
+from .optimizers import SGD, Adam, Groups, Optimizer, State, Tensors
 
 
 def tensor_bytes(tree) -> int:
@@ -45,25 +47,76 @@ def tensor_bytes(tree) -> int:
     return 0
 
 
+@contextmanager
+def replaying(rng: dict | None, modes: list[tuple[torch.nn.Module, bool]] | None):
+    """Inside the block: the random-number generators at the recorded states ``rng`` ({"cpu": state, "cuda:i":
+    state}) and the modules in the recorded train/eval ``modes`` ([(module, training)]); the caller's generator
+    states and modes are restored after, so a replay leaves the user's randomness and modules untouched."""
+    if rng is None and modes is None:
+        yield
+        return
+    kept_rng = {device: generator_state(device) for device in (rng or {})}
+    changed = [(module, module.training) for module, training in (modes or ()) if module.training != training]
+    try:
+        for device, value in (rng or {}).items():
+            set_generator_state(device, value)
+        for module, training in changed:
+            module.training = not training
+        yield
+    finally:
+        for device, value in kept_rng.items():
+            set_generator_state(device, value)
+        for module, training in changed:
+            module.training = training
+
+
+def module_modes(model: torch.nn.Module, modes: dict[str, bool]) -> list[tuple[torch.nn.Module, bool]]:
+    """[(module, training)] of ``model``'s modules named in ``modes`` ({module name: training})."""
+    modules = dict(model.named_modules())
+    return [(modules[name], training) for name, training in modes.items()]
+
+
+def generator_state(device: str) -> torch.Tensor:
+    """The default generator's state on ``device`` ("cpu" or "cuda:i")."""
+    return torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state(device)
+
+
+def set_generator_state(device: str, state: torch.Tensor) -> None:
+    """Set the default generator's state on ``device`` ("cpu" or "cuda:i")."""
+    if device == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.cuda.set_rng_state(state, device)
+
+
 class StageRun:
     """One recorded stage: its objective, optimizer, per-step batches and learning rates, and checkpoints.
 
-    trained: names of the parameters the optimizer updates (θ). inherited: {this stage's name: previous stage's
-    name} for the shared block; ``anchors`` holds its values at the end of the previous stage (S̄). frozen: the
-    inherited names that stay fixed (Case 1; they enter the model from ``anchors``). alpha: the proximal weight
-    (Case 2, else 0). checkpoints: {step: (θ_step, state_step)}, step 0 and the last included. weights: the data
-    weights w of the run the checkpoints hold, shape (n,) — None for a recorded run (w = 1); a record re-run at
-    other weights (:func:`influkit.unrolled.reweighted`) carries them, and replay and the reverse pass use them.
+    plan: the stage's :class:`influkit.links.StagePlan` — the one place that decides what a stage trains and
+    inherits, shared with :class:`influkit.Chain`: trained names (θ), inherited names {this stage's: previous
+    stage's} (``inherited``), the fixed ones (``frozen``, Case 1; they enter the model from ``anchors``, the previous
+    stage's final values S̄) and the proximal weight ``alpha`` (Case 2, else 0). checkpoints: {step: (θ_step,
+    state_step)}, step 0 and the last included. weights: the data weights w of the run the checkpoints hold, shape
+    (n,) — None for a recorded run (w = 1); a record re-run at other weights (:func:`influkit.unrolled.reweighted`)
+    carries them, and replay and the reverse pass use them.
+
+    A run recorded from the user's own loop (:meth:`Record.watch`) also keeps, per step: its micro-batches
+    (``parts[t]``: their sizes, in the order their gradients were accumulated), the random-number generator states
+    each one's forward started from (``rngs[t]``), the gradient clipping (``clips[t]``: (max_norm, norm_type) or
+    None), and once the modules' train/eval flags (``modes``); the data term of a micro-batch is divided by
+    ``accumulate`` as the loop divided it. A Trainer run (``influkit.hf.RecordCallback``) keeps each step's batch
+    as its collator made it (``inputs[t]``) and the divisor of each micro-batch's summed loss (``divisors[t]``:
+    its number of predicted tokens), and clips in the model's parameter order (``clip_order``).
     """
 
     def __init__(self, stage: Stage, optimizer: Optimizer, link: Link | None, previous: "StageRun | None",
                  every: int):
         if not isinstance(stage, Stage):
             raise InputError(f"stage must be an influkit.Stage, got {type(stage).__name__}.")
-        if not isinstance(optimizer, (SGD, Adam)):
+        if not isinstance(optimizer, (SGD, Adam, Groups)):
             raise InputError(
                 f"optimizer must be ik.unrolled.SGD, Adam or AdamW (pure update rules replay can repeat), "
-                f"got {type(optimizer).__name__}."
+                f"got {type(optimizer).__name__}; to record a torch.optim optimizer use record.watch(...)."
             )
         if int(every) < 1:
             raise InputError(f"checkpoint_every must be ≥ 1, got {every!r}.")
@@ -72,29 +125,27 @@ class StageRun:
                 "the first stage of a record takes no link, and every later stage needs link=ik.Link(shared, case=...) "
                 "saying which block it inherits from the previous stage."
             )
+        if previous is not None and previous.steps not in previous.checkpoints:
+            raise InputError("the previous stage's recording was not finished; leave its `with` block first.")
         self.stage, self.optimizer, self.link, self.every = stage, optimizer, link, int(every)
-        self.inherited: dict[str, str] = {}
-        self.anchors: Tensors = {}
-        if link is not None:
-            self.inherited = shared_parameters(previous.stage.model, stage.model, link.shared)
-            final = previous.final
-            dead = [m for m in self.inherited.values() if m not in final]
-            if dead:
-                raise ParameterError(
-                    f"shared parameters {dead} are neither trained in the previous stage nor inherited by it, so no "
-                    "data reaches them; include them in that stage's params."
-                )
-            self.anchors = {n: final[m].clone() for n, m in self.inherited.items()}
-        case = link.case if link is not None else 0
-        order = [n for n, _ in stage.model.named_parameters()]
-        chosen = set(stage.param_names) | (set(self.inherited) if case == 2 else set())
-        self.trained = [n for n in order if n in chosen and not (case == 1 and n in self.inherited)]
-        if not self.trained:
-            raise ParameterError("this stage trains nothing besides the fixed shared block; give it params to train.")
-        self.frozen = [n for n in self.inherited if n not in self.trained]
-        self.alpha = link.alpha if case == 2 else 0.0
+        self.plan = StagePlan(stage, link, None if previous is None else previous.plan, inherit=True)
+        self.inherited = self.plan.inherited
+        self.anchors: Tensors = {} if previous is None else \
+            {n: previous.final[m].clone() for n, m in self.inherited.items()}
+        self.trained = list(self.plan.trained)
+        self.frozen = list(self.plan.fixed)
+        self.alpha = link.alpha if self.plan.case == 2 else 0.0
         self.batches: list[torch.Tensor] = []
-        self.lrs: list[float] = []
+        self.lrs: list = []
+        self.parts: list[list[int] | None] = []
+        self.rngs: list[list | None] = []
+        self.clips: list[tuple[float, float] | None] = []
+        self.modes: dict[str, bool] | None = None
+        self.accumulate = 1
+        self.divisors: list[list[int] | None] = []
+        self.clip_order: list[str] | None = None
+        self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._mode_list: tuple | None = None  # (modes, [(module, training)]) resolved by mode_list()
         self.checkpoints: dict[int, tuple[Tensors, State]] = {}
         self.weights: torch.Tensor | None = None
         self.seconds = 0.0
@@ -102,41 +153,84 @@ class StageRun:
     # ------------------------------------------------------------------------------------------ the pure step
     def objective(self, theta: Tensors, anchors: Tensors, x: torch.Tensor, y: torch.Tensor,
                   w: torch.Tensor, *, size: int | None = None, penalties: bool = True) -> torch.Tensor:
-        """L_t(θ; w) on one batch (module docstring): the data-weighted mean loss + R(θ) + the proximal term.
+        """L_t(θ; w) on one batch (module docstring): the data-weighted mean loss + R(θ) + the proximal term, divided
+        by ``accumulate`` (a micro-batch of an accumulated step).
 
         size: the divisor of the data term (default the batch's length; a part of a batch passes the whole one's);
         penalties: False leaves out R and the proximal term (the data term of one part of a sum over parts)."""
         params = {n: anchors[n] for n in self.frozen} | theta
         losses = self.stage.losses(params, x, y)
         value = (w * losses).sum() / (losses.shape[0] if size is None else size)
-        if not penalties:
-            return value
-        reg = self.stage.regularization(theta)
-        if reg is not None:
-            value = value + reg
-        if self.alpha:
-            value = value + self.proximal(anchors)(theta)
-        return value
+        if penalties:
+            reg = self.stage.regularization(theta)
+            if reg is not None:
+                value = value + reg
+            if self.alpha:
+                value = value + self.plan.proximal_term(theta, anchors)
+        return value / self.accumulate if self.accumulate != 1 else value
 
     def proximal(self, anchors: Tensors | None = None):
         """The Case 2 proximal term θ ↦ α Σ_{s∈S} ‖θ_s − S̄_s‖² (S̄: ``anchors``, default the recorded ones), or None
         without one: the ``extra`` of the stage's curvature operators."""
         if not self.alpha:
             return None
-        anchors, alpha = self.anchors if anchors is None else anchors, self.alpha
-        return lambda theta: alpha * sum(((theta[n] - anchors[n]) ** 2).sum() for n in self.inherited)
+        anchors = self.anchors if anchors is None else anchors
+        return lambda theta: self.plan.proximal_term(theta, anchors)
 
     def batch(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(indices, inputs, targets) of step t."""
+        """(indices, inputs, targets) of step t: the stage's examples at its indices, or the batch as it was fed
+        where the run keeps it (``inputs``: a Trainer's collator masks each batch anew)."""
         idx = self.batches[t]
+        if self.inputs is not None:
+            x, y = self.inputs[t]
+            return idx, x.to(self.stage.device), y.to(self.stage.device)
         x, y = self.stage.data.take(idx)
         return idx, x, y
+
+    def gradient(self, t: int, theta: Tensors, anchors: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
+                 *, size: int | None = None, penalties: bool = True, graph: bool = False) -> Tensors:
+        """∇_θ L_t(θ; w) of step t on (x, y, w): summed over its micro-batches in the recorded order, each from its
+        recorded generator state and module modes (:func:`replaying`). graph: False takes ``torch.func.grad`` (a
+        pure function, composable with torch.func transforms); True ``torch.autograd.grad(create_graph=True)`` from
+        θ as autograd leaves (a graph to pull back through)."""
+        parts = self.parts[t] if t < len(self.parts) and self.parts[t] is not None else [x.shape[0]]
+        rngs = self.rngs[t] if t < len(self.rngs) and self.rngs[t] is not None else [None] * len(parts)
+        divisors = self.divisors[t] if t < len(self.divisors) and self.divisors[t] is not None else \
+            [size if len(parts) == 1 else count for count in parts]
+        total, begin = None, 0
+        for count, rng, divisor in zip(parts, rngs, divisors):
+            part = slice(begin, begin + count)
+            begin += count
+            with replaying(rng, self.mode_list()):
+                if graph:
+                    loss = self.objective(theta, anchors, x[part], y[part], w[part], size=divisor, penalties=penalties)
+                    g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
+                else:
+                    g = grad(self.objective)(theta, anchors, x[part], y[part], w[part], size=divisor,
+                                             penalties=penalties)
+            total = g if total is None else {n: total[n] + g[n] for n in total}
+        return total
+
+    def mode_list(self) -> list[tuple[torch.nn.Module, bool]] | None:
+        """The recorded modes as [(module, training)] (None where none were recorded), resolved once."""
+        if self.modes is None:
+            return None
+        if self._mode_list is None or self._mode_list[0] is not self.modes:
+            self._mode_list = (self.modes, module_modes(self.stage.model, self.modes))
+        return self._mode_list[1]
+
+    def update(self, t: int, theta: Tensors, state: State, grads: Tensors) -> tuple[Tensors, State]:
+        """(θ_{t+1}, state_{t+1}): step t's gradient clipped as recorded, then the optimizer's update at step t's
+        learning rate(s)."""
+        clip = self.clips[t] if t < len(self.clips) else None
+        if clip is not None:
+            grads = self.optimizer.clip(grads, *clip, order=self.clip_order)
+        return self.optimizer.update(theta, state, grads, self.lrs[t], t + 1)
 
     def step(self, t: int, theta: Tensors, state: State, anchors: Tensors, w: torch.Tensor,
              x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, State]:
         """(θ_{t+1}, state_{t+1}) = update(θ_t, state_t, ∇_θ L_t(θ_t; w), lr_t): a pure function of its inputs."""
-        grads = grad(self.objective)(theta, anchors, x, y, w)
-        return self.optimizer.update(theta, state, grads, self.lrs[t], t + 1)
+        return self.update(t, theta, state, self.gradient(t, theta, anchors, x, y, w))
 
     # ----------------------------------------------------------------------------------------------- access
     @property
@@ -174,10 +268,7 @@ class StageRecorder:
 
     def __init__(self, record: "Record", run: StageRun):
         self.record, self.run = record, run
-        named = dict(run.stage.model.named_parameters())
-        with torch.no_grad():
-            for n, value in run.anchors.items():
-                named[n].copy_(value)
+        named = dict(run.stage.model.named_parameters())  # the inherited block is in it (the run's plan put it)
         self._named = named
         self.theta: Tensors = {n: named[n].detach().clone() for n in run.trained}
         self.state: State = run.optimizer.init(self.theta)
@@ -193,12 +284,17 @@ class StageRecorder:
         idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1).cpu()
         if idx.numel() == 0:
             raise InputError("a step needs at least one example index.")
+        n = len(self.run.stage)
+        if int(idx.min()) < 0 or int(idx.max()) >= n:
+            raise InputError(f"step indices must lie in [0, {n}), the stage's {n} examples; got "
+                             f"{[int(i) for i in idx if not 0 <= int(i) < n][:5]} (negative indices are refused: "
+                             "an example's id is its position in the stage's data).")
         run = self.run
         t = run.steps
         run.batches.append(idx)
         run.lrs.append(float(run.optimizer.lr if lr is None else lr))
         _, x, y = run.batch(t)
-        w = torch.ones(idx.numel(), dtype=x.dtype if x.is_floating_point() else torch.get_default_dtype(),
+        w = torch.ones(idx.numel(), dtype=x.dtype if x.is_floating_point() else next(iter(self.theta.values())).dtype,
                        device=run.stage.device)
         self.theta, self.state = run.step(t, self.theta, self.state, run.anchors, w, x, y)
         if (t + 1) % run.every == 0:
@@ -247,6 +343,23 @@ class Record:
         """A :class:`StageRecorder` for the next stage (``link`` joins it to the previous one, as in ``ik.Chain``)."""
         return StageRecorder(self, StageRun(stage, optimizer, link, self.runs[-1] if self.runs else None,
                                             checkpoint_every))
+
+    def watch(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader, loss_fn, *,
+              link: Link | None = None, accumulate: int = 1, checkpoint_every: int = 16):
+        """A :class:`~.watch.Watch` recording the next stage from the user's own loop: ``with record.watch(model,
+        optimizer, loader, loss_fn) as run:`` around it, nothing else changed (:mod:`.watch`).
+
+        optimizer: the loop's ``torch.optim.SGD``, ``Adam`` or ``AdamW`` (fresh; any parameter groups and
+        ``lr_scheduler``); its parameters are the stage's trained ones. loader: the loop's DataLoader over a
+        map-style dataset of (input, target) pairs. loss_fn(outputs, targets) → (B,) per-example losses; the loop's
+        loss is ``loss_fn(model(x), y).mean()`` (``/ accumulate`` with gradient accumulation; ``+ run.penalty()``
+        under a Case 2 link). link: joins the stage to the previous one, as in ``ik.Chain``; the model's inherited
+        block is set to the previous stage's final values when the watch is made. Dropout may stay on: each
+        forward's generator state is recorded and replayed."""
+        from .watch import Watch
+
+        return Watch(self, model, optimizer, loader, loss_fn, link=link, accumulate=accumulate,
+                     checkpoint_every=checkpoint_every)
 
     def train(self, stage: Stage, optimizer: Optimizer, *, steps: int, batch_size: int, seed: int = 0,
               link: Link | None = None, schedule: Callable[[int], float] | None = None,

@@ -16,11 +16,10 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
+from ..chain import Measure
 from ..errors import InputError
 from .optimizers import Tensors
-from .record import Record, StageRun, stage_weights
-
-Measure = Callable[[Tensors], torch.Tensor]
+from .record import Record, StageRun, replaying, stage_weights
 
 
 def start(run: StageRun, anchors: Tensors) -> Tensors:
@@ -31,8 +30,8 @@ def start(run: StageRun, anchors: Tensors) -> Tensors:
 
 def unit_weights(run: StageRun, idx: torch.Tensor, weights: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """The batch's data weights w_B (the run's own where no weights are given: ones for a recorded run), on the
-    stage's device."""
-    dtype = like.dtype if like.is_floating_point() else torch.get_default_dtype()
+    stage's device, in the inputs' floating dtype (the trained parameters' for token ids)."""
+    dtype = like.dtype if like.is_floating_point() else next(iter(run.checkpoints[0][0].values())).dtype
     weights = run.weights if weights is None else weights
     if weights is None:
         return torch.ones(idx.numel(), dtype=dtype, device=run.stage.device)
@@ -112,21 +111,39 @@ def reweighted(record: Record, weights, *, progress: bool = False) -> Record:
     return out
 
 
-def as_measure(record: Record, measure) -> Measure:
-    """``measure`` as a function of the last stage's final values returning a scalar or a (q,) vector.
+def as_measure(record: Record, test, measure: Measure | None = None) -> Callable[[Tensors], torch.Tensor]:
+    """``test`` as a function of the last stage's final values returning a scalar or a (q,) vector.
 
-    measure: a callable params → tensor, or an (inputs, targets) test set: its per-test losses under the last stage.
+    test: an (inputs, targets) test set — its per-test values ``measure(outputs, targets)`` under the last stage,
+    the model in eval mode (no dropout); ``measure`` is the :data:`influkit.chain.Measure` that ``Chain.query`` takes
+    (the same object gives the same test function to both), default the stage's loss — or a callable
+    params → tensor of the final values themselves (then ``measure`` must be None).
     """
-    if callable(measure):
-        return measure
-    if isinstance(measure, (tuple, list)) and len(measure) == 2 and all(torch.is_tensor(t) for t in measure):
+    if measure is not None and not callable(measure):
+        raise InputError("measure must be callable as measure(outputs, targets) -> (B,), as Chain.query takes it.")
+    if callable(test):
+        if measure is not None:
+            raise InputError("measure= applies to an (inputs, targets) test set; a callable test is already a "
+                             "function of the final values.")
+        return test
+    if isinstance(test, (tuple, list)) and len(test) == 2 and all(torch.is_tensor(t) for t in test):
         stage = record.runs[-1].stage
-        inputs, targets = (t.to(stage.device) for t in measure)
-        return lambda params: stage.losses(params, inputs, targets)
-    raise InputError("measure must be a callable params -> tensor or an (inputs, targets) pair of test tensors.")
+        inputs, targets = (t.to(stage.device) for t in test)
+        evaluation = [(module, False) for module in stage.model.modules()]
+
+        def values(params):
+            with replaying(None, evaluation):
+                if measure is None:
+                    return stage.losses(params, inputs, targets)
+                return measure(stage.outputs(params, inputs), targets)
+
+        return values
+    raise InputError("the test must be an (inputs, targets) pair of test tensors or a callable params -> tensor.")
 
 
-def outputs(record: Record, measure, weights=None, *, progress: bool = False) -> torch.Tensor:
-    """The measure (scalar or (q,)) of the final model after replaying the record with ``weights``."""
+def outputs(record: Record, test, weights=None, *, measure: Measure | None = None,
+            progress: bool = False) -> torch.Tensor:
+    """The measure (scalar or (q,)) of the final model after replaying the record with ``weights`` (``test`` and
+    ``measure`` as :func:`as_measure` takes them)."""
     with torch.no_grad():
-        return as_measure(record, measure)(replay(record, weights, progress=progress)[-1]).detach()
+        return as_measure(record, test, measure)(replay(record, weights, progress=progress)[-1]).detach()

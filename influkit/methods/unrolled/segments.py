@@ -139,6 +139,12 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     or where scipy is missing (a warning says so): :func:`top_count`. ``diagnostics["top"]`` says how many each
     stage used, from which matrix, and why.
     """
+    stochastic = [k for k, run in enumerate(record.runs) if run.inputs is not None or any(
+        isinstance(m, torch.nn.modules.dropout._DropoutNd) and training for m, training in run.mode_list() or ())]
+    if stochastic:
+        raise InputError(f"stages {stochastic} were recorded with dropout on or from a Trainer's collated batches; "
+                         "the approximate unrolling linearizes each piece's deterministic objective on the stage's "
+                         "data, which those runs did not train on: use ik.unrolled.metagradients (exact) for them.")
     if int(segments) < 1:
         raise InputError(f"segments must be ≥ 1, got {segments!r}.")
     if curvature not in CURVATURES:

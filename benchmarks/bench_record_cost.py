@@ -1,0 +1,246 @@
+"""What recording the user's own torch.optim loop and its exact metagradient cost, against the plain loop.
+
+The MLP of issue 37: pretraining on 2,000 examples (64 features, 10 classes; AdamW, linear warmup, dropout 0.1,
+clipping at norm 1, 200 steps of 32), then Case 1 finetuning of a new head on 200 examples (2 classes; SGD + momentum,
+100 steps of 32): 300 steps of a 64-128-128 tanh MLP, float32, one thread. In ONE process, interleaved, the fastest
+of ``--repeats``:
+
+- plain: the loop with torch.optim and a DataLoader, nothing else;
+- recorded: the same loop inside ``record.watch(...)`` (both stages);
+- recorded + metagradient: the recorded loop, then ``ik.unrolled.metagradients`` of the summed loss of 100 test
+  points (q = 1) — one exact metagradient for every pretraining and finetuning example;
+- q measures: ``per_test=True`` over q test points in one pass, against q separate passes of one test point each
+  (after one recording), both as seconds and as a ratio;
+- a Hugging Face ``Trainer`` run (a tiny BERT's masked-LM training, 32 steps) plain and recorded by
+  ``hf.RecordCallback`` (its ratio to the plain Trainer run).
+
+Targets (issue 37, item 4): recorded ≤ 1.15× plain (the Trainer's too), recorded + metagradient ≤ 3× plain (the
+metagradient's own ratio is reported beside). Results: ``benchmarks/results/bench_record_cost/`` (``cost.csv``,
+``cost.png``, ``profile_metagradient.txt`` with ``--profile``, ``MANIFEST.json``).
+
+    python -m benchmarks.bench_record_cost              # 5 repeats, q = 10
+    python -m benchmarks.bench_record_cost --quick      # 2 repeats, q = 4
+    python -m benchmarks.bench_record_cost --repeats 10 --profile   # the committed results
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import influkit as ik
+
+from .manifest import record as manifest
+
+OUT = Path(__file__).resolve().parent / "results" / "bench_record_cost"
+
+
+class MLP(nn.Module):
+    def __init__(self, classes: int):
+        super().__init__()
+        self.embedding = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Dropout(0.1), nn.Linear(128, 128), nn.Tanh())
+        self.head = nn.Linear(128, classes)
+
+    def forward(self, x):
+        return self.head(self.embedding(x))
+
+
+def task():
+    """(pretraining set, finetuning set, test set): Gaussian clusters in 64 dimensions, one per class."""
+    gen = torch.Generator().manual_seed(0)
+    centres = torch.randn(10, 64, generator=gen)
+
+    def draw(n, classes):
+        y = torch.randint(0, classes, (n,), generator=gen)
+        return centres[y] + 1.5 * torch.randn(n, 64, generator=gen), y
+
+    return draw(2000, 10), draw(200, 2), draw(100, 2)
+
+
+def per_example(outputs, targets):
+    return nn.functional.cross_entropy(outputs, targets, reduction="none")
+
+
+def loop(model, optimizer, loader, steps, *, scheduler=None, clip=None, run=None, params=None):
+    """The user's loop: ``steps`` optimizer steps over the loader's epochs (clipping through ``run`` when watched)."""
+    t = 0
+    while t < steps:
+        for x, y in loader:
+            optimizer.zero_grad()
+            per_example(model(x), y).mean().backward()
+            if clip is not None:
+                run.clip_grad_norm_(clip) if run is not None else torch.nn.utils.clip_grad_norm_(params, clip)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            t += 1
+            if t == steps:
+                return
+
+
+def train(data, record: ik.unrolled.Record | None):
+    """Both stages, plain (``record`` None) or watched; returns the finetuned model."""
+    (xp, yp), (xf, yf), _ = data
+    torch.manual_seed(0)
+    pre = MLP(10)
+    opt = torch.optim.AdamW(pre.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / 20))
+    loader = DataLoader(TensorDataset(xp, yp), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(1))
+    if record is None:
+        loop(pre, opt, loader, 200, scheduler=sched, clip=1.0, params=list(pre.parameters()))
+    else:
+        with record.watch(pre, opt, loader, per_example) as run:
+            loop(pre, opt, loader, 200, scheduler=sched, clip=1.0, run=run)
+    fin = MLP(2)
+    fin.embedding.load_state_dict(pre.embedding.state_dict())
+    opt = torch.optim.SGD(fin.head.parameters(), lr=0.05, momentum=0.9)
+    loader = DataLoader(TensorDataset(xf, yf), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(2))
+    if record is None:
+        loop(fin, opt, loader, 100)
+    else:
+        with record.watch(fin, opt, loader, per_example, link=ik.Link("embedding", case=1)):
+            loop(fin, opt, loader, 100)
+    return fin
+
+
+def trainer_run(record: ik.unrolled.Record | None) -> None:
+    """A tiny BERT's masked-LM Trainer run (2 layers, hidden 64; 256 generated sentences, 2 epochs of 16), plain
+    or recorded by ``hf.RecordCallback``."""
+    import tempfile
+
+    from transformers import (BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, Trainer,
+                              TrainingArguments)
+
+    from influkit import hf
+
+    tokenizer, rows = TRAINER_DATA
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, intermediate_size=128, max_position_embeddings=32,
+                                       attn_implementation="eager"))
+    args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=16, num_train_epochs=2,
+                             learning_rate=1e-3, warmup_steps=4, optim="adamw_torch", report_to=[],
+                             save_strategy="no", logging_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+    callbacks = [] if record is None else [hf.RecordCallback(record)]
+    Trainer(model, args, train_dataset=rows, data_collator=DataCollatorForLanguageModeling(tokenizer),
+            callbacks=callbacks).train()
+
+
+def trainer_data():
+    """(tokenizer, rows): 256 sentences of 6-12 words drawn from 200 made-up words, tokenized."""
+    from influkit import hf
+
+    gen = torch.Generator().manual_seed(3)
+    words = [f"w{i}" for i in range(200)]
+    texts = [" ".join(words[j] for j in torch.randint(0, 200, (int(torch.randint(6, 13, (1,), generator=gen)),),
+                                                      generator=gen)) for _ in range(256)]
+    tokenizer = hf.train_wordpiece(texts, vocab_size=300)
+    enc = tokenizer(texts, truncation=True, max_length=16)
+    return tokenizer, [{k: enc[k][i] for k in ("input_ids", "attention_mask")} for i in range(len(texts))]
+
+
+TRAINER_DATA = None
+
+
+def profile(record, test) -> str:
+    """cProfile of one metagradient (after a warm-up), the 25 largest internal times, to profile_metagradient.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    ik.unrolled.metagradients(record, test)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    ik.unrolled.metagradients(record, test)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    (OUT / "profile_metagradient.txt").write_text(text.getvalue())
+    return "profile_metagradient.txt"
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> pd.DataFrame:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--q", type=int, default=10, help="test points of the q-measures comparison")
+    parser.add_argument("--quick", action="store_true", help="2 repeats, q = 4")
+    parser.add_argument("--profile", action="store_true", help="also write where one metagradient's time goes")
+    args = parser.parse_args(argv)
+    repeats, q = (2, 4) if args.quick else (args.repeats, args.q)
+    torch.set_num_threads(1)
+    data = task()
+    test = data[2]
+    times = {"plain": [], "recorded": [], "recorded + metagradient": [], "metagradient": []}
+    for _ in range(repeats):  # interleaved: the machine's load moves within minutes
+        times["plain"].append(seconds(lambda: train(data, None)))
+        times["recorded"].append(seconds(lambda: train(data, ik.unrolled.Record())))
+        record = ik.unrolled.Record()
+        start = time.perf_counter()
+        train(data, record)
+        middle = time.perf_counter()
+        results = ik.unrolled.metagradients(record, test)
+        end = time.perf_counter()
+        times["recorded + metagradient"].append(end - start)
+        times["metagradient"].append(end - middle)
+        assert results[0].diagnostics["replay"]["max_error"] == 0.0
+    best = {k: min(v) for k, v in times.items()}
+    rows = [{"run": k, "seconds (fastest)": best[k], "ratio to plain": best[k] / best["plain"],
+             "target": {"recorded": 1.15, "recorded + metagradient": 3.0}.get(k), "repeats": repeats}
+            for k in times]
+    points = (test[0][:q], test[1][:q])
+    together, separate = [], []
+    for _ in range(max(1, repeats // 2)):
+        together.append(seconds(lambda: ik.unrolled.metagradients(record, points, per_test=True)))
+        separate.append(seconds(lambda: [ik.unrolled.metagradients(record, (points[0][j:j + 1], points[1][j:j + 1]))
+                                          for j in range(q)]))
+    rows += [{"run": f"{q} measures in one pass (per_test)", "seconds (fastest)": min(together),
+              "ratio to plain": min(together) / best["plain"], "target": None, "repeats": len(together)},
+             {"run": f"{q} measures in {q} separate passes", "seconds (fastest)": min(separate),
+              "ratio to plain": min(separate) / best["plain"], "target": None, "repeats": len(separate)}]
+    global TRAINER_DATA
+    TRAINER_DATA = trainer_data()
+    trainer_times = {"Trainer plain": [], "Trainer recorded": []}
+    for _ in range(repeats):
+        trainer_times["Trainer plain"].append(seconds(lambda: trainer_run(None)))
+        trainer_times["Trainer recorded"].append(seconds(lambda: trainer_run(ik.unrolled.Record())))
+    plain_trainer = min(trainer_times["Trainer plain"])
+    rows += [{"run": k, "seconds (fastest)": min(v), "ratio to plain": min(v) / plain_trainer,
+              "target": 1.15 if k == "Trainer recorded" else None, "repeats": repeats}
+             for k, v in trainer_times.items()]
+    table = pd.DataFrame(rows)
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    OUT.mkdir(parents=True, exist_ok=True)
+    table.to_csv(OUT / "cost.csv", index=False)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.barh(table["run"], table["ratio to plain"], color="tab:blue")
+    for target in (1.15, 3.0):
+        ax.axvline(target, color="tab:red", lw=0.8, ls="--")
+    ax.set_xlabel("seconds / the plain run (torch.optim loop; Trainer rows: the plain Trainer run)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(OUT / "cost.png", dpi=120)
+    files = ["cost.csv", "cost.png"]
+    if args.profile:
+        files.append(profile(record, test))
+    manifest(OUT, files, note="shared 2-core machine (seven jobs at once); one torch thread; "
+             "timings interleaved in one process, fastest of the repeats")
+    return table
+
+
+if __name__ == "__main__":
+    main()

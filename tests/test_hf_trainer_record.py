@@ -1,0 +1,151 @@
+"""A Hugging Face Trainer run recorded by ``hf.RecordCallback``: the record replays the Trainer's own final weights bit
+for bit (random masked-LM masks from DataCollatorForLanguageModeling, dropout, linear warmup and decay, clipping), the
+callback does not change the run, the exact metagradient equals central finite differences of the re-run training
+(one stage and masked-LM pretraining → Case 1 classification), and what replay cannot repeat is refused before the
+first step."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification,  # noqa: E402
+                          DataCollatorForLanguageModeling, DataCollatorWithPadding, Trainer, TrainingArguments)
+
+import influkit as ik  # noqa: E402
+from influkit import hf  # noqa: E402
+
+TEXTS = ["the movie was good", "a bad film indeed", "great acting and story", "boring plot, weak ending",
+         "i loved the music", "the worst movie ever", "fine but too long", "what a wonderful surprise"]
+LABELS = [1, 0, 1, 0, 1, 0, 0, 1]
+EPS = 1e-6
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return hf.train_wordpiece(TEXTS * 2, vocab_size=60)
+
+
+def examples(tokenizer, texts, labels=None):
+    enc = tokenizer(texts, truncation=True, max_length=10)  # unpadded: the collator pads each batch
+    rows = [{k: enc[k][i] for k in ("input_ids", "attention_mask")} for i in range(len(texts))]
+    return rows if labels is None else [row | {"labels": y} for row, y in zip(rows, labels)]
+
+
+def config(tokenizer, **kwargs):
+    return BertConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      intermediate_size=32, max_position_embeddings=16, attn_implementation="eager", **kwargs)
+
+
+def arguments(**kwargs):
+    base = dict(per_device_train_batch_size=4, num_train_epochs=2, learning_rate=5e-3, warmup_steps=2,
+                lr_scheduler_type="linear", optim="adamw_torch", max_grad_norm=0.5, report_to=[], save_strategy="no",
+                logging_strategy="no", use_cpu=True, seed=3, disable_tqdm=True)
+    return TrainingArguments(tempfile.mkdtemp(), **(base | kwargs))
+
+
+def pretrain(tokenizer, callbacks=(), random_replace_prob=0.1, **kwargs):
+    torch.manual_seed(0)
+    model = BertForMaskedLM(config(tokenizer)).double()
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3, random_replace_prob=random_replace_prob)
+    trainer = Trainer(model, arguments(**kwargs), train_dataset=examples(tokenizer, TEXTS * 2),
+                      data_collator=collator, callbacks=list(callbacks))
+    trainer.train()
+    return model
+
+
+def test_a_recorded_trainer_run_is_the_trainers_own_bit_for_bit(tokenizer):
+    record = ik.unrolled.Record()
+    recorded = pretrain(tokenizer, [hf.RecordCallback(record)])
+    plain = pretrain(tokenizer)
+    for (n, a), b in zip(recorded.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), n
+    run = record.runs[0]
+    assert run.steps == 8 and run.lrs[0] == (0.0, 0.0) and run.clips[0] == (0.5, 2.0)
+    masked = [int((y != -100).sum()) for _, y in run.inputs]
+    assert len(set(masked)) > 1  # the collator drew other masks for every batch
+    assert ik.unrolled.verify(record) == 0.0
+    final = ik.unrolled.replay(record)[0]
+    for n, p in recorded.named_parameters():
+        assert torch.equal(final[n], p), n
+
+
+def replayed(record, test, stage: int, z: int, eps: float) -> float:
+    weights = [torch.ones(len(run.stage), dtype=torch.float64) for run in record.runs]
+    weights[stage][z] += eps
+    return float(ik.unrolled.outputs(record, test, weights).sum())
+
+
+NO_RANDOM_TOKENS = 0.0  # the collator's random replacement can feed [PAD], whose embedding row breaks the derivative
+
+
+def test_the_metagradient_of_a_trainer_run_equals_central_differences(tokenizer):
+    record = ik.unrolled.Record()
+    pretrain(tokenizer, [hf.RecordCallback(record)], random_replace_prob=NO_RANDOM_TOKENS)
+    stage = record.runs[0].stage
+    test = stage.data.take(torch.tensor([0, 3]))
+    scores = ik.unrolled.metagradients(record, test)[0]
+    assert scores.diagnostics["replay"]["max_error"] == 0.0
+    for z in (1, 6, 12):
+        fd = (replayed(record, test, 0, z, EPS) - replayed(record, test, 0, z, -EPS)) / (2 * EPS)
+        assert float(scores.values[z]) == pytest.approx(fd, rel=1e-6, abs=1e-9), z
+
+
+def test_pretraining_then_case_1_finetuning_by_the_trainer_is_attributed_across_the_boundary(tokenizer):
+    record = ik.unrolled.Record()
+    mlm = pretrain(tokenizer, [hf.RecordCallback(record)], random_replace_prob=NO_RANDOM_TOKENS, num_train_epochs=1)
+    torch.manual_seed(1)
+    clf = BertForSequenceClassification(config(tokenizer, num_labels=2)).double()
+    clf.bert.load_state_dict(mlm.bert.state_dict(), strict=False)
+    shared = {f"bert.{n}": f"bert.{n}" for n, _ in mlm.bert.named_parameters()}
+    for n, p in clf.named_parameters():
+        p.requires_grad_(n not in shared)  # the pretrained encoder fixed: Case 1
+    callback = hf.RecordCallback(record, link=ik.Link(shared, case=1))
+    Trainer(clf, arguments(num_train_epochs=3), train_dataset=examples(tokenizer, TEXTS, LABELS),
+            data_collator=DataCollatorWithPadding(tokenizer), callbacks=[callback]).train()
+    assert len(record) == 2 and set(record.runs[1].frozen) == set(shared)
+    assert ik.unrolled.verify(record) == 0.0
+    test = record.runs[1].stage.data.take(torch.tensor([0, 1]))
+    results = ik.unrolled.metagradients(record, test)
+    for k, z in ((0, 2), (0, 9), (1, 5)):
+        fd = (replayed(record, test, k, z, EPS) - replayed(record, test, k, z, -EPS)) / (2 * EPS)
+        assert float(results[k].values[z]) == pytest.approx(fd, rel=1e-6, abs=1e-9), (k, z)
+
+
+@pytest.mark.parametrize("kwargs, fix", [
+    ({"optim": "adamw_torch_fused"}, "optim='adamw_torch'"),
+    ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=1"),
+    ({"optim": "adamw_torch", "bf16": True}, "bf16=False"),
+])
+def test_what_replay_cannot_repeat_is_refused_before_the_first_step(tokenizer, kwargs, fix):
+    torch.manual_seed(0)
+    model = BertForMaskedLM(config(tokenizer)).double()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    record = ik.unrolled.Record()
+    try:
+        args = arguments(**kwargs)
+    except ValueError:
+        pytest.skip(f"transformers refuses {kwargs} on this machine itself")
+    trainer = Trainer(model, args, train_dataset=examples(tokenizer, TEXTS),
+                      data_collator=DataCollatorForLanguageModeling(tokenizer), callbacks=[hf.RecordCallback(record)])
+    with pytest.raises(ik.NotReplayable, match=fix.replace("(", r"\(").replace(")", r"\)")):
+        trainer.train()
+    assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())
+    assert not len(record)
+
+
+def test_attention_without_a_second_derivative_is_refused_before_the_first_step(tokenizer):
+    torch.manual_seed(0)
+    cfg = config(tokenizer)
+    cfg._attn_implementation = "sdpa"
+    model = BertForMaskedLM(cfg).double()
+    record = ik.unrolled.Record()
+    trainer = Trainer(model, arguments(), train_dataset=examples(tokenizer, TEXTS),
+                      data_collator=DataCollatorForLanguageModeling(tokenizer), callbacks=[hf.RecordCallback(record)])
+    with pytest.raises(ik.NotReplayable, match="attn_implementation='eager'"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not len(record)
