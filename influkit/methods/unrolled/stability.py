@@ -8,58 +8,125 @@ et al. 2021) answers a change of its data weights far from linearly: the exact m
 infinitesimal changes (it is the run's derivative) but predicts whole-example drops poorly. :func:`sharpness`
 measures λ_max of each stage's full-data objective (1/n) Σ ℓ(z; θ_t) + R(θ_t) (+ the Case 2 proximal term) over the
 trained parameters at the record's checkpoints by Lanczos (:func:`influkit.stationarity.extreme_eigenvalues`; a
-Ritz value, never above λ_max) and puts η_t·λ_max beside the edge. Adam's stability depends on its preconditioner
-too, so its rows leave the edge empty. Past the edge is a cause, not the only one: a run below it can still answer
-drops irregularly (mini-batch noise; on Fashion-MNIST SGD at lr 0.05 stayed at η·λ_max ≤ 0.48 of an edge of 3.8 and
-was chaotic), so :func:`linearity` checks the answer itself: a few drop sets replayed at full and at small size,
-against the scores' prediction.
+Ritz value, never above λ_max) and puts η_t·λ_max beside the edge.
+
+Adam and AdamW step by η·P⁻¹m̂ with the diagonal preconditioner P = diag(√v̂ + ε) (v̂ = v/(1 − β₂ᵗ), the
+bias-corrected second moment). With P frozen — it moves slowly once v has averaged many steps — one step on a
+quadratic with Hessian H is heavy-ball descent on the preconditioned Hessian P⁻¹H with learning rate η(1 − β₁) and
+momentum β₁ (m is an exponential average, m ← β₁m + (1 − β₁)g; its bias correction 1/(1 − β₁ᵗ) tends to 1), so
+an eigen-direction of P⁻¹H with eigenvalue a is stable exactly when η(1 − β₁)·a < 2(1 + β₁): the edge is
+η·λ_max(P⁻¹H) = 2(1 + β₁)/(1 − β₁), 38 for β₁ = 0.9 (Cohen et al. 2022, "Adaptive Gradient Methods at the Edge of
+Stability", arXiv:2207.14484, §2: "preconditioned sharpness" against 38/η). For Adam rows :func:`sharpness`
+reports λ_max(P⁻¹(H + λI)) (λ Adam's coupled decay; AdamW's decoupled decay only contracts, θ ← (1 − ηλ)θ, and is
+left out) by Lanczos on the symmetric P^{-1/2}(H + λI)P^{-1/2}, which has the same eigenvalues.
+
+Past the edge is a cause, not the only one: a run below it can still answer drops irregularly (mini-batch noise; on
+Fashion-MNIST SGD at lr 0.05 stayed below its edge and was chaotic), so :func:`linearity` checks the answer itself:
+a few drop sets replayed at full and at small size, against the scores' prediction, and :func:`diagnose` reads
+both tables and names what to change.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 import torch
+from torch.func import grad
 from tqdm.auto import tqdm
 
 from ..curvature import HessianOperator
 from ..errors import InputError
 from ..results import InfluenceResult
 from ..stationarity import STEPS, extreme_eigenvalues
-from .optimizers import SGD
-from .record import Record
-from .replay import outputs
+from .optimizers import SGD, Adam, Tensors
+from .record import Record, StageRun
+from .replay import outputs, unit_weights
 from .terms import holding
 
-COLUMNS = ("stage", "step", "lr", "max_eigenvalue", "lr_times_eigenvalue", "edge", "past_edge", "lanczos_steps")
+COLUMNS = ("stage", "step", "lr", "max_eigenvalue", "lr_times_eigenvalue", "edge", "past_edge", "preconditioned",
+           "lanczos_steps")
 
 
 def sharpness(record: Record, *, steps: int = STEPS, memory: int | None = None, progress: bool = False) -> pd.DataFrame:
     """One row per checkpoint of every recorded stage (module docstring): ``stage``, ``step`` t, ``lr`` η_t (the
-    learning rate of the step taken from θ_t; the last step's at the final checkpoint), ``max_eigenvalue`` λ_max of
-    the stage objective's Hessian at θ_t plus the coupled weight decay, ``lr_times_eigenvalue`` η_t·λ_max,
-    ``edge`` 2(1 + μ) for SGD (None for Adam/AdamW), ``past_edge`` (η_t·λ_max > edge), ``lanczos_steps``.
+    learning rate of the step taken from θ_t; the last step's at the final checkpoint), ``max_eigenvalue`` — SGD:
+    λ_max(H_t + decay·I), H_t the Hessian of the stage objective at θ_t; Adam/AdamW: λ_max(P_t⁻¹(H_t + λI)), the
+    preconditioned sharpness (:func:`preconditioner`) — ``lr_times_eigenvalue`` η_t·max_eigenvalue, ``edge`` (SGD
+    2(1 + μ), Nesterov 2(1 + μ)/(1 + 2μ); Adam 2(1 + β₁)/(1 − β₁)), ``past_edge`` (η_t·max_eigenvalue > edge),
+    ``preconditioned`` (True for Adam rows), ``lanczos_steps``.
     steps: Lanczos steps (Hessian-vector products) per checkpoint; memory: their budget (bytes). The Hessian is the
-    recorded objective's (w = 1), the Case 1 fixed block at the previous stage's final values."""
+    recorded objective's (at the weights the run carries: w = 1 when recorded), the Case 1 fixed block at the
+    previous stage's final values."""
     rows = []
     jobs = [(k, t) for k, run in enumerate(record.runs) for t in sorted(run.checkpoints)]
     for k, t in tqdm(jobs, desc="sharpness", disable=not progress, leave=False):
         run = record.runs[k]
         theta = run.checkpoints[t][0]
+        adam = isinstance(run.optimizer, Adam)
         with holding(run.stage.model, {n: run.anchors[n] for n in run.frozen}):
             operator = HessianOperator(run.stage, list(run.trained), at=theta, extra=run.proximal(), memory=memory)
+            if adam:
+                decay = 0.0 if run.optimizer.decoupled else run.optimizer.weight_decay
+                operator = Preconditioned(operator, preconditioner(run, t), decay)
             _, largest, m = extreme_eigenvalues(operator, steps)
-        sgd = isinstance(run.optimizer, SGD)
-        largest += run.optimizer.weight_decay if sgd else 0.0
+        if not adam:
+            largest += run.optimizer.weight_decay
         lr = run.lrs[min(t, run.steps - 1)]
-        edge = edge_of_stability(run.optimizer) if sgd else None
-        rows.append((k, t, lr, largest, lr * largest, edge, None if edge is None else lr * largest > edge, m))
+        edge = edge_of_stability(run.optimizer)
+        rows.append((k, t, lr, largest, lr * largest, edge, lr * largest > edge, adam, m))
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
-def edge_of_stability(optimizer: SGD) -> float:
-    """The largest η·λ at which one SGD step is linearly stable: 2(1 + μ), or 2(1 + μ)/(1 + 2μ) with Nesterov."""
+def edge_of_stability(optimizer: SGD | Adam) -> float:
+    """The largest η·λ at which one step is linearly stable (module docstring): SGD 2(1 + μ), or 2(1 + μ)/(1 + 2μ)
+    with Nesterov, λ an eigenvalue of H; Adam/AdamW 2(1 + β₁)/(1 − β₁), λ an eigenvalue of P⁻¹H."""
+    if isinstance(optimizer, Adam):
+        beta1 = optimizer.betas[0]
+        return 2 * (1 + beta1) / (1 - beta1)
     mu = optimizer.momentum
     return 2 * (1 + mu) / (1 + 2 * mu) if optimizer.nesterov else 2 * (1 + mu)
+
+
+def preconditioner(run: StageRun, t: int) -> Tensors:
+    """Adam's diagonal preconditioner P_t = √v̂ + ε of the step taken from θ_t (name → tensor over the trained
+    parameters): v_{t+1} = β₂v_t + (1 − β₂)d_t² with d_t the recorded batch's gradient at θ_t (plus λθ_t under
+    coupled decay), v̂ = v_{t+1}/(1 − β₂^{t+1}); at the final checkpoint T, the last step's: v̂ = v_T/(1 − β₂^T)."""
+    optimizer = run.optimizer
+    beta2, eps = optimizer.betas[1], optimizer.eps
+    theta, state = run.checkpoints[t]
+    v = state["v"]
+    if t < run.steps:
+        idx, x, y = run.batch(t)
+        d = grad(run.objective)(theta, run.anchors, x, y, unit_weights(run, idx, None, x))
+        if optimizer.weight_decay and not optimizer.decoupled:
+            d = {n: d[n] + optimizer.weight_decay * theta[n] for n in d}
+        v, t = {n: beta2 * v[n] + (1 - beta2) * d[n] ** 2 for n in v}, t + 1
+    return {n: torch.sqrt(v[n].detach() / (1 - beta2**t)) + eps for n in v}
+
+
+class Preconditioned:
+    """The symmetric operator P^{-1/2}(H + λI)P^{-1/2} (P diagonal, over the same flat parameters as ``hessian``):
+    the same eigenvalues as P⁻¹(H + λI)."""
+
+    def __init__(self, hessian, p: Tensors, decay: float = 0.0):
+        self.hessian, self.decay = hessian, float(decay)
+        self.scale = hessian.space.flatten(p).to(hessian.dtype).rsqrt()
+
+    @property
+    def dim(self) -> int:
+        return self.hessian.dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hessian.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.hessian.device
+
+    def matvec(self, vec: torch.Tensor) -> torch.Tensor:
+        scale = self.scale if vec.dim() == 1 else self.scale[:, None]
+        u = scale * vec
+        return scale * (self.hessian.matvec(u) + self.decay * u)
 
 
 def linearity(record: Record, measure, scores: InfluenceResult, *, stage: int = 0, fraction: float = 0.01,
