@@ -16,11 +16,11 @@ Linearity (baseline and remedy): for the same single drops, the replayed change 
 in (1e-5, 0.25, 0.5, 1), against −score_z: the derivative is right when t = 1e-5 agrees; the t where the agreement
 leaves says how far the run answers linearly.
 
-    python -m benchmarks.bench_adamw_drops            # every factor, both cases (about 15 minutes on one core)
+    python -m benchmarks.bench_adamw_drops            # every factor, both cases (about 10 minutes on an idle core)
     python -m benchmarks.bench_adamw_drops --quick    # baseline, SGD and the remedy only
 
-Writes benchmarks/results/bench_adamw_drops/{factors.md, factors.csv, linearity.md, single_drops.png} and
-MANIFEST.json.
+Writes benchmarks/results/bench_adamw_drops/{factors.md, factors.csv, linearity.md, diagnosis.md,
+single_drops.png} and MANIFEST.json.
 """
 
 from __future__ import annotations
@@ -84,26 +84,24 @@ class Setting:
 
     name: str
     optimizer: object = field(default_factory=lambda: AdamW(lr=1e-2, weight_decay=1e-2))
-    warmup: int = 0
+    warmup: tuple[int, int] = (0, 0)  # linear warmup steps of (pretraining, finetuning); 0: none
     batch_size: int = 32
 
 
 def settings(quick: bool) -> list[Setting]:
     base = Setting("AdamW baseline (lr 1e-2, ε 1e-8, β₂ 0.999, batch 32)")
     adamw = lambda **kw: AdamW(**({"lr": 1e-2, "weight_decay": 1e-2} | kw))  # noqa: E731
-    remedy = Setting("AdamW + linear warmup over 100 steps", warmup=100)
+    remedy = Setting("AdamW + linear warmup over 100 steps", warmup=(100, 100))
     sgd = Setting("SGD + momentum 0.9 (lr 0.05)", SGD(lr=0.05, momentum=0.9))
     if quick:
         return [base, sgd, remedy]
     return [base, sgd,
-            Setting("ε = 1e-6", adamw(eps=1e-6)), Setting("ε = 1e-4", adamw(eps=1e-4)),
-            Setting("ε = 1e-3", adamw(eps=1e-3)),
-            Setting("β₂ = 0.99", adamw(betas=(0.9, 0.99))), Setting("β₂ = 0.95", adamw(betas=(0.9, 0.95))),
+            Setting("ε = 1e-4", adamw(eps=1e-4)), Setting("ε = 1e-3", adamw(eps=1e-3)),
+            Setting("β₂ = 0.99", adamw(betas=(0.9, 0.99))),
             Setting("no bias correction", AdamWUncorrected(lr=1e-2, weight_decay=1e-2)),
-            Setting("warmup 10 steps", warmup=10), Setting("warmup 30 steps", warmup=30),
+            Setting("warmup 10 steps", warmup=(10, 10)), Setting("warmup 30 steps", warmup=(30, 30)),
             remedy,
-            Setting("lr 3e-3", adamw(lr=3e-3)), Setting("lr 1e-3", adamw(lr=1e-3)),
-            Setting("batch 64", batch_size=64), Setting("batch 128", batch_size=128)]
+            Setting("lr 1e-3", adamw(lr=1e-3)), Setting("batch 128", batch_size=128)]
 
 
 def data():
@@ -124,14 +122,14 @@ def train(setting: Setting, case: int, sets) -> ik.unrolled.Record:
     fin = ik.Stage(MLP(5).double(), cross_entropy, fin_data, params="head" if case == 1 else None)
     lr = setting.optimizer.lr
 
-    def schedule(t):
-        return lr * min(1.0, (t + 1) / setting.warmup)
+    def schedule(warmup):
+        return (lambda t: lr * min(1.0, (t + 1) / warmup)) if warmup else None
 
     record = ik.unrolled.Record()
-    sched = schedule if setting.warmup else None
-    record.train(pre, setting.optimizer, steps=200, batch_size=setting.batch_size, seed=0, schedule=sched)
-    record.train(fin, setting.optimizer, steps=100, batch_size=setting.batch_size, seed=1, schedule=sched,
-                 link=ik.Link("embedding", case=case, alpha=0.01 if case == 2 else 0.0))
+    record.train(pre, setting.optimizer, steps=200, batch_size=setting.batch_size, seed=0,
+                 schedule=schedule(setting.warmup[0]))
+    record.train(fin, setting.optimizer, steps=100, batch_size=setting.batch_size, seed=1,
+                 schedule=schedule(setting.warmup[1]), link=ik.Link("embedding", case=case, alpha=0.01 if case == 2 else 0.0))
     return record
 
 
@@ -171,7 +169,7 @@ def measure(setting: Setting, case: int, sets, drops) -> tuple[dict, tuple]:
     test = sets[2]
     loss = float(ik.unrolled.outputs(record, test).sum())
     predicted, replayed = single_drops(record, test, drops)
-    table = ik.unrolled.sharpness(record)
+    table = ik.unrolled.sharpness(record, steps=10)
     ratio = table["lr_times_eigenvalue"] / table["edge"]
     first, later = ratio[table["step"] == 0], ratio[table["step"] > 0]
     row = {"setting": setting.name, "case": case, "pearson": pearson(predicted, replayed[:, 0]),
@@ -181,20 +179,55 @@ def measure(setting: Setting, case: int, sets, drops) -> tuple[dict, tuple]:
     return row, (predicted, replayed[:, 0])
 
 
+def diagnosis(setting: Setting, case: int, sets, lines: list[str]) -> pd.DataFrame:
+    """ik.unrolled.diagnose of one run (its sharpness with every step < 12, and 1 % drop sets' linearity), appended
+    to ``lines`` as Markdown."""
+    record = train(setting, case, sets)
+    scores = ik.unrolled.metagradients(record, sets[2])[0]
+    table = ik.unrolled.sharpness(record, steps=10, first=12)
+    early = table[table["step"] < 12]
+    lines += [f"## {setting.name}, Case {case}", "",
+              "η·λ_max(P⁻¹H) / edge at steps 0..11, per stage: " + "; ".join(
+                  f"stage {k}: " + ", ".join(f"{v:.2f}" for v in (g["lr_times_eigenvalue"] / g["edge"]))
+                  for k, g in early.groupby("stage")), ""]
+    found = ik.unrolled.diagnose(table, ik.unrolled.linearity(record, sets[2], scores, fraction=0.01, sets=4,
+                                                                steps=(1.0, 1e-4)))
+    lines += [markdown(found, ".3g") if len(found) else "no finding", ""]
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="baseline, SGD and the remedy only")
-    parser.add_argument("--singles", type=int, default=60, help="single pretraining drops replayed per run")
+    parser.add_argument("--singles", type=int, default=30, help="single pretraining drops replayed per run")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     setup(1)
     print(machine_info(), flush=True)
     sets = data()
     drops = torch.randperm(len(sets[0][0]), generator=torch.Generator().manual_seed(1))[:args.singles]
-    rows, scatter = [], {}
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "_quick" if args.quick else ""
     start = time.perf_counter()
-    for setting in settings(args.quick):
-        for case in (1, 2):
+
+    # what ik.unrolled.diagnose says about the baseline (every one of the first 12 steps measured), and its remedy
+    lines = ["# ik.unrolled.diagnose on the baseline and on the remedy it names", "",
+             "sharpness(record, steps=10, first=12) (every step < 12 and every checkpoint) and linearity(record, "
+             "test, scores, fraction=0.01, sets=4, steps=(1.0, 1e-4)) of each run.", ""]
+    baseline = settings(args.quick)[0]
+    diagnosed = {}
+    for case in (1, 2):
+        warmup = [0, 0]
+        for row in diagnosis(baseline, case, sets, lines).itertuples():
+            if row.finding == "past the edge of stability" and not pd.isna(row.warmup):
+                warmup[row.stage] = int(row.warmup)
+        diagnosed[case] = Setting(f"AdamW + the diagnosed warmup {tuple(warmup)}", warmup=tuple(warmup))
+        diagnosis(diagnosed[case], case, sets, lines)
+    (args.out / f"diagnosis{suffix}.md").write_text("\n".join(lines) + "\n")
+
+    rows, scatter = [], {}
+    for case in (1, 2):
+        for setting in settings(args.quick) + [diagnosed[case]]:
             row, points = measure(setting, case, sets, drops)
             rows.append(row)
             scatter[setting.name, case] = points
@@ -202,23 +235,21 @@ def main(argv: list[str] | None = None) -> int:
                   f"loss {row['test loss (sum)']:.2f} sharpness/edge {row['sharpness/edge at step 0 (max over stages)']:.2f}"
                   f" / {row['sharpness/edge later (max)']:.2f}", flush=True)
     factors = pd.DataFrame(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "_quick" if args.quick else ""
     factors.to_csv(args.out / f"factors{suffix}.csv", index=False)
     header = (f"# AdamW single-drop predictions: one factor at a time\n\n{machine_info()} (shared machine)\n\n"
               f"{args.singles} single pretraining drops replayed per run; Pearson r / Spearman ρ of −score and the "
               f"replayed change of the summed test loss; sharpness/edge = η·λ_max(P⁻¹H)/(2(1+β₁)/(1−β₁)) for Adam, "
-              f"η·λ_max(H)/(2(1+μ)) for SGD. {__doc__.split(chr(10) + chr(10))[1]}\n\n")
+              f"η·λ_max(H)/(2(1+μ)) for SGD, at the checkpoints (every ⌈√T⌉ steps; diagnosis.md has every early "
+              f"step). {__doc__.split(chr(10) + chr(10))[1]}\n\n")
     (args.out / f"factors{suffix}.md").write_text(header + markdown(factors, ".3f") + "\n")
 
-    # linearity of the baseline and the remedy in the dropped weight, single drops
+    # linearity of the baseline and the diagnosed remedy in the dropped weight, single drops
     lines = ["# Linearity of single drops: replayed (m(w_z = 1 − t) − m(1))/t against −score_z", "",
              "Pearson r and median |replayed / predicted| over the single drops, per t (t = 1e-5: the derivative).",
              ""]
-    chosen = [s for s in settings(args.quick) if s.name.startswith(("AdamW baseline", "AdamW + linear warmup"))]
     lin_rows = []
-    for setting in chosen:
-        for case in (1, 2):
+    for case in (1, 2):
+        for setting in (baseline, diagnosed[case]):
             record = train(setting, case, sets)
             predicted, replayed = single_drops(record, sets[2], drops[:args.singles // 2], LINEARITY_STEPS)
             for j, t in enumerate(LINEARITY_STEPS):
@@ -228,10 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(markdown(pd.DataFrame(lin_rows), ".4g"))
     (args.out / f"linearity{suffix}.md").write_text("\n".join(lines) + "\n")
 
-    names = [chosen[0].name, chosen[1].name]
     fig, axes = plt.subplots(2, 2, figsize=(9, 8))
-    for i, name in enumerate(names):
+    for i in range(2):
         for j, case in enumerate((1, 2)):
+            name = diagnosed[case].name if i else baseline.name
             p, a = scatter[name, case]
             ax = axes[j, i]
             ax.scatter(p, a, s=12, alpha=0.8)
@@ -244,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     fig.tight_layout()
     fig.savefig(args.out / f"single_drops{suffix}.png", dpi=100)
     seconds = time.perf_counter() - start
-    files = [f"factors{suffix}.md", f"factors{suffix}.csv", f"linearity{suffix}.md", f"single_drops{suffix}.png"]
+    files = [f"factors{suffix}.md", f"factors{suffix}.csv", f"linearity{suffix}.md", f"single_drops{suffix}.png",
+             f"diagnosis{suffix}.md"]
     manifest(args.out, files, note=f"{seconds:.0f} s; shared 2-core machine, other helpers running")
     print(f"wrote {args.out} in {seconds:.0f} s")
     return 0

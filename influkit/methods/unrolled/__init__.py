@@ -21,6 +21,6 @@ from .optimizers import SGD, Adam, AdamW
 from .record import Record, StageRecorder, StageRun
 from .replay import outputs, replay, reweighted, verify
 from .segments import approximate
-from .stability import linearity, sharpness
+from .stability import diagnose, linearity, sharpness
 
-__all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "linearity", "StageRecorder", "StageRun", "metagradients", "outputs", "replay", "reweighted", "sharpness", "verify"]
+__all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "diagnose", "linearity", "StageRecorder", "StageRun", "metagradients", "outputs", "replay", "reweighted", "sharpness", "verify"]

@@ -28,6 +28,8 @@ both tables and names what to change.
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 import torch
 from torch.func import grad
@@ -46,8 +48,11 @@ COLUMNS = ("stage", "step", "lr", "max_eigenvalue", "lr_times_eigenvalue", "edge
            "lanczos_steps")
 
 
-def sharpness(record: Record, *, steps: int = STEPS, memory: int | None = None, progress: bool = False) -> pd.DataFrame:
-    """One row per checkpoint of every recorded stage (module docstring): ``stage``, ``step`` t, ``lr`` η_t (the
+def sharpness(record: Record, *, steps: int = STEPS, memory: int | None = None, first: int = 0,
+              progress: bool = False) -> pd.DataFrame:
+    """One row per checkpoint of every recorded stage (module docstring), and per step t < ``first`` of each stage
+    (those states replayed from the stage's start; Adam's first steps, where v̂ rests on few batches, are where it
+    is sharpest): ``stage``, ``step`` t, ``lr`` η_t (the
     learning rate of the step taken from θ_t; the last step's at the final checkpoint), ``max_eigenvalue`` — SGD:
     λ_max(H_t + decay·I), H_t the Hessian of the stage objective at θ_t; Adam/AdamW: λ_max(P_t⁻¹(H_t + λI)), the
     preconditioned sharpness (:func:`preconditioner`) — ``lr_times_eigenvalue`` η_t·max_eigenvalue, ``edge`` (SGD
@@ -57,16 +62,17 @@ def sharpness(record: Record, *, steps: int = STEPS, memory: int | None = None, 
     recorded objective's (at the weights the run carries: w = 1 when recorded), the Case 1 fixed block at the
     previous stage's final values."""
     rows = []
-    jobs = [(k, t) for k, run in enumerate(record.runs) for t in sorted(run.checkpoints)]
+    states = [early_states(run, first) | run.checkpoints for run in record.runs]
+    jobs = [(k, t) for k in range(len(record.runs)) for t in sorted(states[k])]
     for k, t in tqdm(jobs, desc="sharpness", disable=not progress, leave=False):
         run = record.runs[k]
-        theta = run.checkpoints[t][0]
+        theta, state = states[k][t]
         adam = isinstance(run.optimizer, Adam)
         with holding(run.stage.model, {n: run.anchors[n] for n in run.frozen}):
             operator = HessianOperator(run.stage, list(run.trained), at=theta, extra=run.proximal(), memory=memory)
             if adam:
                 decay = 0.0 if run.optimizer.decoupled else run.optimizer.weight_decay
-                operator = Preconditioned(operator, preconditioner(run, t), decay)
+                operator = Preconditioned(operator, preconditioner(run, t, theta, state), decay)
             _, largest, m = extreme_eigenvalues(operator, steps)
         if not adam:
             largest += run.optimizer.weight_decay
@@ -86,13 +92,23 @@ def edge_of_stability(optimizer: SGD | Adam) -> float:
     return 2 * (1 + mu) / (1 + 2 * mu) if optimizer.nesterov else 2 * (1 + mu)
 
 
-def preconditioner(run: StageRun, t: int) -> Tensors:
-    """Adam's diagonal preconditioner P_t = √v̂ + ε of the step taken from θ_t (name → tensor over the trained
-    parameters): v_{t+1} = β₂v_t + (1 − β₂)d_t² with d_t the recorded batch's gradient at θ_t (plus λθ_t under
+def early_states(run: StageRun, first: int) -> dict[int, tuple[Tensors, dict]]:
+    """{t: (θ_t, state_t)} for t < min(first, steps), the run's steps replayed from its start (θ_0, state_0)."""
+    theta, state = run.checkpoints[0]
+    kept = {}
+    for t in range(min(int(first), run.steps)):
+        kept[t] = (theta, state)
+        idx, x, y = run.batch(t)
+        theta, state = run.step(t, theta, state, run.anchors, unit_weights(run, idx, None, x), x, y)
+    return kept
+
+
+def preconditioner(run: StageRun, t: int, theta: Tensors, state: dict) -> Tensors:
+    """Adam's diagonal preconditioner P_t = √v̂ + ε of the step taken from (θ_t, state_t) (name → tensor over the
+    trained parameters): v_{t+1} = β₂v_t + (1 − β₂)d_t² with d_t the recorded batch's gradient at θ_t (plus λθ_t under
     coupled decay), v̂ = v_{t+1}/(1 − β₂^{t+1}); at the final checkpoint T, the last step's: v̂ = v_T/(1 − β₂^T)."""
     optimizer = run.optimizer
     beta2, eps = optimizer.betas[1], optimizer.eps
-    theta, state = run.checkpoints[t]
     v = state["v"]
     if t < run.steps:
         idx, x, y = run.batch(t)
@@ -166,3 +182,82 @@ def linearity(record: Record, measure, scores: InfluenceResult, *, stage: int = 
             cosine = float(delta @ predicted / (delta.norm() * predicted.norm()).clamp_min(1e-300))
             rows.append((j, t, cosine, float(delta.norm() / predicted.norm().clamp_min(1e-300))))
     return pd.DataFrame(rows, columns=["set", "t", "cosine", "ratio"])
+
+
+def diagnose(sharpness: pd.DataFrame, linearity: pd.DataFrame | None = None, *, margin: float = 1.0) -> pd.DataFrame:
+    """One row per finding about a recorded run: ``stage`` (None: the whole run), ``finding``, ``evidence``,
+    ``remedy`` (what to change in the training, with ``torch.optim`` settings or an influkit option) and its numbers
+    ``warmup`` (steps of a linear warmup, or None) and ``lr_divisor`` (or None), read from a
+    :func:`sharpness` table and optionally a :func:`linearity` table. Empty: nothing found.
+
+    Past the edge: a stage whose η_t·λ_t (λ_t: max_eigenvalue, P_t⁻¹H_t for Adam) exceeds the edge at some step.
+    The remedy keeps every measured step below ``margin``·edge if λ_t stayed as measured: for Adam, a linear warmup
+    lr_t = lr·min(1, (t+1)/W) with W = ⌈max_t (t+1)·lr·λ_t / (margin·edge)⌉ over the rows (lr the stage's largest),
+    at most the stage's steps (beyond them, lr divided by W / steps too); for SGD the learning rate divided by
+    max_t lr·λ_t / (margin·edge). Adam is sharpest
+    in its first steps (v̂ averages few batches), so a table with ``first`` > 0 shows the steps between checkpoints.
+
+    Non-linear drops (with ``linearity``, at least one t = 1 and one t < 1): at the smallest t a median over sets of
+    cos(Δ_t, p) above 0.95 and of |log(‖Δ_t‖/‖p‖)| below log 1.05 says the scores are the run's derivative, while at
+    t = 1 a median cosine below 0.9 or median |log ratio| above log 2 (ratios off by more than 2× either way) says a
+    whole drop moves the run beyond its linear response; the remedy
+    is the stage's past-the-edge remedy where one was found, else to score at the drop's midpoint
+    (``metagradients(..., at=1 − f/2)``, f the dropped fraction). If the small-t agreement fails too, either the
+    scores are not this record's derivative (another record or measure) or the run is so sensitive that t is not
+    yet small."""
+    rows = []
+    for k, table in sharpness.groupby("stage", sort=True):
+        past = table[table["past_edge"].astype(bool)]
+        if past.empty:
+            continue
+        edge, peak = float(table["edge"].iloc[0]), float(table["lr"].max())
+        eigen = table["lr_times_eigenvalue"] / table["lr"]
+        need = (table["step"] + 1) * peak * eigen / (margin * edge)
+        worst = float((peak * eigen).max() / (margin * edge))
+        kind = "η·λ_max(P⁻¹H)" if bool(table["preconditioned"].iloc[0]) else "η·λ_max(H)"
+        steps = int(table["step"].max())
+        needed = int(math.ceil(need.max()))
+        warmup = min(needed, steps) if bool(table["preconditioned"].iloc[0]) else None
+        if warmup is None:
+            remedy = f"divide the learning rate by {worst:.3g} (lr ≤ {peak / worst:.3g})"
+        else:
+            remedy = (f"warm the learning rate up linearly over the first {warmup} steps, lr_t = lr·min(1, (t + 1)/"
+                      f"{warmup}) (torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, (t + 1) / "
+                      f"{warmup})))")
+            if needed > steps:
+                remedy += (f"; the measured steps ask for {needed} > the stage's {steps} steps, so if the drops "
+                           f"still disagree, also divide lr by {needed / steps:.3g}")
+        ratio = past["lr_times_eigenvalue"] / past["edge"]
+        rows.append((int(k), "past the edge of stability",
+                     f"{kind} above the edge {edge:.3g} at steps {list(map(int, past['step']))[:12]} (up to "
+                     f"{float(ratio.max()):.3g}× the edge); steps that expand the run's linearization carry a whole "
+                     "drop's change beyond the derivative's reach", remedy, warmup,
+                     worst if warmup is None else (needed / steps if needed > steps else None)))
+    if linearity is not None and (linearity["t"] == 1.0).any() and (linearity["t"] < 1.0).any():
+        table = linearity.assign(spread=linearity["ratio"].clip(lower=1e-300).map(math.log).abs())
+        medians = table.groupby("t")[["cosine", "ratio", "spread"]].median()
+        small, whole = medians.iloc[0], medians.loc[1.0]
+        t_small = float(medians.index[0])
+        derivative = small["cosine"] > 0.95 and small["spread"] < math.log(1.05)
+        nonlinear = whole["cosine"] < 0.9 or whole["spread"] > math.log(2)
+        def ratios(t):
+            return "[" + ", ".join(f"{v:.3g}" for v in linearity.loc[linearity["t"] == t, "ratio"]) + "]"
+
+        if not derivative:
+            rows.append((None, f"not linear even at t = {t_small:g}",
+                         f"median cosine {small['cosine']:.3g}, ratios {ratios(t_small)} at t = {t_small:g} (both → 1 "
+                         "as t → 0 for the record's own metagradient)",
+                         "check the scores with a smaller t (they must come from this record and measure: "
+                         "metagradients(record, measure)); a run this sensitive needs the past-the-edge remedy "
+                         "first", None, None))
+        elif nonlinear:
+            found = [r for r in rows if r[1] == "past the edge of stability"]
+            remedy = ("; ".join(f"stage {r[0]}: {r[3]}" for r in found) if found else
+                      "score at the drop's midpoint: metagradients(record, measure, at=[1 - f/2, ...]) for a "
+                      "dropped fraction f")
+            rows.append((None, "whole drops are non-linear",
+                         f"median cosine {small['cosine']:.3g}, ratios {ratios(t_small)} at t = {t_small:g} (the "
+                         f"derivative is right) but median cosine {whole['cosine']:.3g}, ratios {ratios(1.0)} at t = 1",
+                         remedy, None, None))
+    found = pd.DataFrame(rows, columns=["stage", "finding", "evidence", "remedy", "warmup", "lr_divisor"])
+    return found.astype({"stage": "Int64", "warmup": "Int64", "lr_divisor": "Float64"})
