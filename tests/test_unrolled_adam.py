@@ -94,3 +94,81 @@ def test_sgd_rows_keep_the_plain_hessian():
     assert not table["preconditioned"].any()
     assert list(table["max_eigenvalue"]) == pytest.approx([expected] * 3, rel=1e-9)
     assert (table["edge"] == 3.0).all()
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 128):
+        super().__init__()
+        self.embedding = nn.Sequential(nn.Linear(64, width), nn.Tanh())
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x):
+        return self.head(self.embedding(x))
+
+
+def digits_run(warmup: int = 0) -> tuple[Record, tuple]:
+    """AdamW (lr 0.02) on 200 real digits 0–4 for 40 steps of 20, the same seeded start and batches every time;
+    ``warmup``: lr_t = lr·min(1, (t + 1)/warmup)."""
+    pytest.importorskip("sklearn")
+    from influkit.apps.datasets import load_digits_tensors
+    from influkit.apps.objectives import cross_entropy
+
+    x, y = load_digits_tensors()
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm][y[perm] < 5], y[perm][y[perm] < 5]
+    torch.manual_seed(0)
+    stage = ik.Stage(MLP().double().eval(), cross_entropy, (x[:200], y[:200]))
+    record = Record()
+    schedule = (lambda t: 0.02 * min(1.0, (t + 1) / warmup)) if warmup else None
+    record.train(stage, AdamW(lr=0.02), steps=40, batch_size=20, schedule=schedule)
+    return record, (x[200:250], y[200:250])
+
+
+def single_drop_pearson(record: Record, test, drops: int = 25) -> float:
+    """Pearson r of −score_z and the replayed change of the summed test loss with w_z = 0, over the first examples."""
+    scores = ik.unrolled.metagradients(record, test)[0]
+    base = ik.unrolled.outputs(record, test).sum()
+    replayed = []
+    for z in range(drops):
+        w = torch.ones(len(record.runs[0].stage), dtype=torch.float64)
+        w[z] = 0
+        replayed.append(float(ik.unrolled.outputs(record, test, w).sum() - base))
+    predicted = -scores.values.double()[torch.argsort(scores.index)][:drops]
+    return float(torch.corrcoef(torch.stack([predicted, torch.tensor(replayed, dtype=torch.float64)]))[0, 1])
+
+
+def test_diagnose_names_a_warmup_that_makes_single_drops_agree_with_replay():
+    """AdamW on real digits: its first steps are far past Adam's edge (v̂ rests on one or two batches), and the
+    metagradient predicts single drops badly although it is the run's derivative (linearity at t = 1e-4). diagnose
+    finds both and names a warmup W; the same run warmed up over W steps predicts them well and raises no finding."""
+    record, test = digits_run()
+    table = ik.unrolled.sharpness(record, first=6)
+    assert table.loc[table["step"] == 0, "past_edge"].all()
+    scores = ik.unrolled.metagradients(record, test)[0]
+    linear = ik.unrolled.linearity(record, test, scores, fraction=0.02, sets=4, steps=(1.0, 1e-4))
+    found = ik.unrolled.diagnose(table, linear)
+    assert list(found["finding"]) == ["past the edge of stability", "whole drops are non-linear"]
+    warmup = int(found["warmup"].iloc[0])
+    assert 1 < warmup <= 40 and f"over the first {warmup} steps" in found["remedy"].iloc[0]
+    assert single_drop_pearson(record, test) < 0.7
+    remedied, _ = digits_run(warmup)
+    assert single_drop_pearson(remedied, test) > 0.9
+    assert ik.unrolled.diagnose(ik.unrolled.sharpness(remedied, first=6)).empty
+
+
+def test_diagnose_of_a_run_below_the_edge_finds_nothing_and_sgd_past_it_is_told_its_learning_rate():
+    """A sharpness table below the edge gives no finding; an SGD stage past it (η·λ = 2.5× the edge 2) is told to
+    divide lr by that factor, which puts every row at the edge."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(10, 4, generator=gen, dtype=torch.float64)
+    y = torch.randn(10, generator=gen, dtype=torch.float64)
+    lam = float(torch.linalg.eigvalsh(x.T @ x / 10)[-1])
+    for lr, past in ((1.0 / lam, False), (5.0 / lam, True)):
+        record = Record()
+        record.train(ik.Stage(Linear(4).double().eval(), squared, (x, y)), SGD(lr=lr), steps=3, batch_size=10)
+        found = ik.unrolled.diagnose(ik.unrolled.sharpness(record, steps=4))
+        if not past:
+            assert found.empty
+        else:
+            assert list(found["finding"]) == ["past the edge of stability"] and found["warmup"].isna().all()
+            assert float(found["lr_divisor"].iloc[0]) == pytest.approx(2.5, rel=1e-9)
