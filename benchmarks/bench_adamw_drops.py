@@ -86,6 +86,7 @@ class Setting:
     optimizer: object = field(default_factory=lambda: AdamW(lr=1e-2, weight_decay=1e-2))
     warmup: tuple[int, int] = (0, 0)  # linear warmup steps of (pretraining, finetuning); 0: none
     batch_size: int = 32
+    lr_divisor: tuple[float, float] = (1.0, 1.0)  # each stage's learning rate divided by
 
 
 def settings(quick: bool) -> list[Setting]:
@@ -120,16 +121,16 @@ def train(setting: Setting, case: int, sets) -> ik.unrolled.Record:
     torch.manual_seed(0)
     pre = ik.Stage(MLP(5).double(), cross_entropy, pre_data)
     fin = ik.Stage(MLP(5).double(), cross_entropy, fin_data, params="head" if case == 1 else None)
-    lr = setting.optimizer.lr
-
-    def schedule(warmup):
-        return (lambda t: lr * min(1.0, (t + 1) / warmup)) if warmup else None
+    def schedule(k):
+        lr, warmup = setting.optimizer.lr / setting.lr_divisor[k], setting.warmup[k]
+        if not warmup and lr == setting.optimizer.lr:
+            return None
+        return lambda t: lr * min(1.0, (t + 1) / warmup) if warmup else lr
 
     record = ik.unrolled.Record()
-    record.train(pre, setting.optimizer, steps=200, batch_size=setting.batch_size, seed=0,
-                 schedule=schedule(setting.warmup[0]))
-    record.train(fin, setting.optimizer, steps=100, batch_size=setting.batch_size, seed=1,
-                 schedule=schedule(setting.warmup[1]), link=ik.Link("embedding", case=case, alpha=0.01 if case == 2 else 0.0))
+    record.train(pre, setting.optimizer, steps=200, batch_size=setting.batch_size, seed=0, schedule=schedule(0))
+    record.train(fin, setting.optimizer, steps=100, batch_size=setting.batch_size, seed=1, schedule=schedule(1),
+                 link=ik.Link("embedding", case=case, alpha=0.01 if case == 2 else 0.0))
     return record
 
 
@@ -196,12 +197,52 @@ def diagnosis(setting: Setting, case: int, sets, lines: list[str]) -> pd.DataFra
     return found
 
 
+def remedies(args) -> int:
+    """--remedies: each case's baseline diagnosed, then single drops under its remedies (remedies.md, .csv)."""
+    setup(1)
+    sets = data()
+    drops = torch.randperm(len(sets[0][0]), generator=torch.Generator().manual_seed(1))[:args.singles]
+    start, rows, lines = time.perf_counter(), [], []
+    baseline = settings(True)[0]
+    for case in (1, 2):
+        warmup, divisor = [0, 0], [1.0, 1.0]
+        for row in diagnosis(baseline, case, sets, lines).itertuples():
+            if row.finding == "past the edge of stability":
+                warmup[row.stage] = 0 if pd.isna(row.warmup) else int(row.warmup)
+                divisor[row.stage] = 1.0 if pd.isna(row.lr_divisor) else round(float(row.lr_divisor), 1)
+        candidates = [baseline, Setting(f"AdamW + the diagnosed warmup {tuple(warmup)}", warmup=tuple(warmup))]
+        if divisor != [1.0, 1.0]:
+            candidates.append(Setting(f"AdamW + the diagnosed warmup {tuple(warmup)}, lr / {tuple(divisor)}",
+                                      warmup=tuple(warmup), lr_divisor=tuple(divisor)))
+        for setting in candidates:
+            row, _ = measure(setting, case, sets, drops)
+            rows.append(row)
+            print(f"{setting.name:70s} case {case}: r {row['pearson']:+.3f} loss {row['test loss (sum)']:.2f}",
+                  flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = pd.DataFrame(rows)
+    table.to_csv(args.out / "remedies.csv", index=False)
+    (args.out / "remedies.md").write_text(
+        f"# The diagnosed remedies, applied\n\n{machine_info()} (shared machine)\n\nEach case's baseline diagnosed "
+        "(ik.unrolled.diagnose of sharpness(first=12) and linearity), then its remedies recorded and "
+        f"{args.singles} single pretraining drops replayed (columns as in factors.md).\n\n"
+        + markdown(table, ".3f") + "\n\n" + "\n".join(lines) + "\n")
+    seconds = time.perf_counter() - start
+    manifest(args.out, ["remedies.md", "remedies.csv"], note=f"{seconds:.0f} s; shared 2-core machine")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="baseline, SGD and the remedy only")
     parser.add_argument("--singles", type=int, default=30, help="single pretraining drops replayed per run")
+    parser.add_argument("--remedies", action="store_true",
+                        help="only diagnose the baseline and measure its remedies: the named warmups, and the warmups "
+                             "with the learning rates divided as the diagnosis names where a warmup alone is capped")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.remedies:
+        return remedies(args)
     setup(1)
     print(machine_info(), flush=True)
     sets = data()

@@ -51,16 +51,15 @@ COLUMNS = ("stage", "step", "lr", "max_eigenvalue", "lr_times_eigenvalue", "edge
 def sharpness(record: Record, *, steps: int = STEPS, memory: int | None = None, first: int = 0,
               progress: bool = False) -> pd.DataFrame:
     """One row per checkpoint of every recorded stage (module docstring), and per step t < ``first`` of each stage
-    (those states replayed from the stage's start; Adam's first steps, where v̂ rests on few batches, are where it
-    is sharpest): ``stage``, ``step`` t, ``lr`` η_t (the
-    learning rate of the step taken from θ_t; the last step's at the final checkpoint), ``max_eigenvalue`` — SGD:
-    λ_max(H_t + decay·I), H_t the Hessian of the stage objective at θ_t; Adam/AdamW: λ_max(P_t⁻¹(H_t + λI)), the
-    preconditioned sharpness (:func:`preconditioner`) — ``lr_times_eigenvalue`` η_t·max_eigenvalue, ``edge`` (SGD
-    2(1 + μ), Nesterov 2(1 + μ)/(1 + 2μ); Adam 2(1 + β₁)/(1 − β₁)), ``past_edge`` (η_t·max_eigenvalue > edge),
-    ``preconditioned`` (True for Adam rows), ``lanczos_steps``.
-    steps: Lanczos steps (Hessian-vector products) per checkpoint; memory: their budget (bytes). The Hessian is the
-    recorded objective's (at the weights the run carries: w = 1 when recorded), the Case 1 fixed block at the
-    previous stage's final values."""
+    (those states replayed from the stage's start; Adam is sharpest in its first steps, where v̂ rests on few
+    batches): ``stage``, ``step`` t, ``lr`` η_t (the learning rate of the step taken from θ_t; the last step's at
+    the final checkpoint), ``max_eigenvalue`` — SGD: λ_max(H_t + decay·I), H_t the Hessian of the stage objective at
+    θ_t; Adam/AdamW: λ_max(P_t⁻¹(H_t + λI)), the preconditioned sharpness (:func:`preconditioner`) —
+    ``lr_times_eigenvalue`` η_t·max_eigenvalue, ``edge`` (:func:`edge_of_stability`: SGD 2(1 + μ), Nesterov
+    2(1 + μ)/(1 + 2μ); Adam 2(1 + β₁)/(1 − β₁)), ``past_edge`` (η_t·max_eigenvalue > edge), ``preconditioned``
+    (True for Adam rows), ``lanczos_steps``.
+    steps: Lanczos steps (Hessian-vector products) per row; memory: their budget (bytes). The Hessian is the
+    recorded objective's (w = 1), the Case 1 fixed block at the previous stage's final values."""
     rows = []
     states = [early_states(run, first) | run.checkpoints for run in record.runs]
     jobs = [(k, t) for k in range(len(record.runs)) for t in sorted(states[k])]
