@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             scatter[setting.name, case] = points
             print(f"{setting.name:55s} case {case}: r {row['pearson']:+.3f} ρ {row['spearman']:+.3f} "
-                  f"loss {row['test loss (sum)']:.2f} sharpness/edge {row['sharpness/edge at step 0 (max over stages)']:.2f}"
+                  f"loss {row['test loss (sum)']:.2f} "
+                  f"sharpness/edge {row['sharpness/edge at step 0 (max over stages)']:.2f}"
                   f" / {row['sharpness/edge later (max)']:.2f}", flush=True)
     factors = pd.DataFrame(rows)
     factors.to_csv(args.out / f"factors{suffix}.csv", index=False)

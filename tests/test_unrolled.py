@@ -503,7 +503,8 @@ def test_sharpness_of_a_two_stage_record_is_the_top_eigenvalue_of_each_stages_ob
                                                                       run.checkpoints[row.step][1]).values()]).rsqrt()
             dense = scale[:, None] * dense * scale[None, :]
         assert row.max_eigenvalue == pytest.approx(float(torch.linalg.eigvalsh(dense)[-1]), rel=1e-8)
-    assert table.loc[table["stage"] == 1, "edge"].eq(3.8).all() and (table.loc[table["stage"] == 0, "edge"] - 38).abs().max() < 1e-9
+    assert table.loc[table["stage"] == 1, "edge"].eq(3.8).all()
+    assert (table.loc[table["stage"] == 0, "edge"] - 38).abs().max() < 1e-9
 
 
 def test_linearity_is_exact_where_the_run_is_affine_in_the_weights_and_tends_to_one_as_the_drop_shrinks():
