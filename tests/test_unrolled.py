@@ -14,6 +14,7 @@ from torch import nn
 import influkit as ik
 from influkit.memory import SAFETY, MemoryBudgetError
 from influkit.unrolled import SGD, Adam, AdamW, Record, metagradient
+from influkit.unrolled.stability import preconditioner
 
 from conftest import cross_entropy, l2
 
@@ -455,11 +456,12 @@ def test_past_the_edge_of_stability_a_piece_takes_the_gradient_flow_closed_form(
 
 
 @pytest.mark.parametrize("optimizer, edge", [(SGD(lr=0.3, weight_decay=0.1), 2.0), (SGD(lr=0.3, momentum=0.5), 3.0),
-                                              (SGD(lr=0.3, momentum=0.5, nesterov=True), 1.5), (Adam(lr=0.3), None)])
+                                              (SGD(lr=0.3, momentum=0.5, nesterov=True), 1.5)])
 @pytest.mark.parametrize("strength", [1.0, 12.0])
 def test_sharpness_on_a_quadratic_is_its_hessians_eigenvalue_beside_the_edge_of_stability(optimizer, edge, strength):
     """Losses linear in θ under R = (c/2)‖θ‖²: the Hessian is c·I at every checkpoint, so λ_max = c (+ SGD's coupled
-    weight decay) exactly, and η·λ_max is past the edge 2(1 + μ) (Nesterov 2(1 + μ)/(1 + 2μ)) only for c = 12."""
+    weight decay) exactly, and η·λ_max is past the edge 2(1 + μ) (Nesterov 2(1 + μ)/(1 + 2μ)) only for c = 12.
+    (Adam's preconditioned rows: tests/test_unrolled_adam.py.)"""
     gen = torch.Generator().manual_seed(6)
     torch.manual_seed(6)
     stage = ik.Stage(LinearInTheta().eval(), linear_loss, (0.5 * torch.randn(10, 8, generator=gen),
@@ -468,21 +470,19 @@ def test_sharpness_on_a_quadratic_is_its_hessians_eigenvalue_beside_the_edge_of_
     record.train(stage, optimizer, steps=6, batch_size=5, checkpoint_every=2)
     table = ik.unrolled.sharpness(record)
     assert list(table["step"]) == [0, 2, 4, 6] and (table["stage"] == 0).all()
-    decay = optimizer.weight_decay if edge is not None else 0.0
+    decay = optimizer.weight_decay
     torch.testing.assert_close(torch.tensor(table["max_eigenvalue"].values), torch.full((4,), strength + decay,
                                dtype=torch.float64), rtol=1e-9, atol=0)
     torch.testing.assert_close(torch.tensor(table["lr_times_eigenvalue"].values),
                                torch.full((4,), 0.3 * (strength + decay), dtype=torch.float64), rtol=1e-9, atol=0)
-    if edge is None:
-        assert table["edge"].isna().all() and table["past_edge"].isna().all()
-    else:
-        assert list(table["edge"]) == pytest.approx([edge] * 4)
-        assert list(table["past_edge"]) == [0.3 * (strength + decay) > edge] * 4
+    assert list(table["edge"]) == pytest.approx([edge] * 4)
+    assert list(table["past_edge"]) == [0.3 * (strength + decay) > edge] * 4
 
 
 def test_sharpness_of_a_two_stage_record_is_the_top_eigenvalue_of_each_stages_objective():
     """Tanh network, AdamW pretraining then SGD + momentum finetuning of the head (Case 1): at every checkpoint the
-    largest eigenvalue equals that of the dense Hessian of the stage's full-data objective there (float64)."""
+    largest eigenvalue equals that of the dense Hessian of the stage's full-data objective there (float64),
+    preconditioned by Adam's P = √v̂ + ε (``stability.preconditioner``) in the AdamW stage."""
     record = recorded("case 1: AdamW -> SGD + momentum")
     table = ik.unrolled.sharpness(record, steps=60)
     assert list(table["stage"]) == [0] * len(record.runs[0].checkpoints) + [1] * len(record.runs[1].checkpoints)
@@ -498,8 +498,13 @@ def test_sharpness_of_a_two_stage_record_is_the_top_eigenvalue_of_each_stages_ob
             return run.objective(parts, run.anchors, x, y, torch.ones(len(y), dtype=x.dtype))
 
         dense = torch.func.hessian(objective)(torch.cat([theta[n].reshape(-1) for n in names]))
+        if row.preconditioned:
+            scale = torch.cat([p.reshape(-1) for p in preconditioner(run, row.step, theta,
+                                                                      run.checkpoints[row.step][1]).values()]).rsqrt()
+            dense = scale[:, None] * dense * scale[None, :]
         assert row.max_eigenvalue == pytest.approx(float(torch.linalg.eigvalsh(dense)[-1]), rel=1e-8)
-    assert table.loc[table["stage"] == 1, "edge"].eq(3.8).all() and table.loc[table["stage"] == 0, "edge"].isna().all()
+    assert table.loc[table["stage"] == 1, "edge"].eq(3.8).all()
+    assert (table.loc[table["stage"] == 0, "edge"] - 38).abs().max() < 1e-9
 
 
 def test_linearity_is_exact_where_the_run_is_affine_in_the_weights_and_tends_to_one_as_the_drop_shrinks():

@@ -7,9 +7,11 @@ with other per-example weights, and ``metagradients`` returns d measure(final mo
 of every stage by reverse mode through the recorded steps (MAGIC-style), the adjoint handed across each
 pretrain → finetune boundary. A score is d measure / d w_z at w = 1 (or at the weights ``at=``: the drop sets' mean
 1 − f to rank random drops of a fraction f, the midpoint 1 − f/2 to predict one drop's change); removing z predicts
-−score. ``sharpness`` puts each checkpoint's largest Hessian eigenvalue beside its learning rate: a run past the
-edge of stability (η·λ_max > 2(1 + μ)) answers whole-example drops far from linearly, and ``linearity`` checks
-the answer itself on a few replayed drop sets.
+−score. ``sharpness`` puts each checkpoint's largest Hessian eigenvalue (Adam's: of P⁻¹H, its preconditioned
+Hessian) beside its learning rate: a run past the edge of stability (SGD η·λ_max > 2(1 + μ); Adam
+η·λ_max(P⁻¹H) > 2(1 + β₁)/(1 − β₁)) answers whole-example drops far from linearly, ``linearity`` checks the
+answer itself on a few replayed drop sets, and ``diagnose`` reads both and names what to change (a warmup, a lower
+learning rate).
 
     record = ik.unrolled.Record()
     with record.watch(model, optimizer, loader, loss_fn) as run:   # the loop inside, unchanged
@@ -28,7 +30,8 @@ from .optimizers import SGD, Adam, AdamW
 from .record import Record, StageRecorder, StageRun
 from .replay import outputs, replay, reweighted, verify
 from .segments import approximate
+from .stability import diagnose, linearity, sharpness
 from .watch import Watch
-from .stability import linearity, sharpness
 
-__all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "linearity", "StageRecorder", "StageRun", "Watch", "metagradients", "outputs", "replay", "reweighted", "sharpness", "verify"]
+__all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "diagnose", "linearity", "StageRecorder",
+           "StageRun", "Watch", "metagradients", "outputs", "replay", "reweighted", "sharpness", "verify"]
