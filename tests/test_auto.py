@@ -83,13 +83,6 @@ def test_every_explicit_setting_wins():
     assert decide(at("non-stationary", r=0.5), 10**7, preconditioner="kfac").preconditioner == "kfac"
 
 
-def test_a_small_stage_under_a_shared_approximation_is_solved_exactly():
-    small = decide(at("minimum"), 165, solver="ekfac", shared_approximation=True)
-    assert small.solver == "cg_spd" and "solved exactly" in small.reason
-    assert decide(at("minimum"), DIRECT_MAX + 1, solver="ekfac", shared_approximation=True).solver == "ekfac"
-    assert decide(at("minimum"), 165, solver="ekfac").solver == "ekfac"  # one config per stage: as named
-
-
 def test_without_a_position_the_size_decides():
     assert decide(None, 20).solver == "direct" and decide(None, DIRECT_MAX + 1).solver == "minres"
     assert decide(None, 20, dense=False).solver == "minres"
@@ -187,7 +180,10 @@ def test_training_facts_give_the_damping_and_named_solvers_keep_the_hessian():
     torch.testing.assert_close(direct.s, torch.linalg.solve(h, total_grad(stage, *test)), rtol=1e-8, atol=1e-12)
 
 
-def test_the_small_head_of_a_shared_ekfac_chain_is_solved_exactly(monkeypatch):
+@pytest.mark.parametrize("solver", ["ekfac", "auto"])
+def test_one_solve_config_means_what_a_list_of_equal_ones_means(solver):
+    """One SolveConfig for a two-stage chain is the list of two equal ones: the same solvers (an explicit EK-FAC
+    on the small head too) and the same scores."""
     from conftest import digits
 
     x, y = digits(120)
@@ -196,16 +192,15 @@ def test_the_small_head_of_a_shared_ekfac_chain_is_solved_exactly(monkeypatch):
     fin_model = copy.deepcopy(pre).eval()
     pre_stage = ik.Stage(pre, cross_entropy, (x, y), regularizer=l2(1e-2))
     fin_stage = ik.Stage(fin_model, cross_entropy, (x, y % 2 * 3), params="2", regularizer=l2(1e-2))
-    monkeypatch.setattr(auto, "DIRECT_MAX", 200)  # the 910-parameter first stage counts as large
+    config = ik.SolveConfig(solver=solver, damping=1e-2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ik.StationarityWarning)
-        shared = ik.Chain([pre_stage, fin_stage], [ik.Link("0", case=1)], solve=ik.SolveConfig(solver="ekfac", damping=1e-2))
-        solves = shared.query((x[:4], y[:4])).solves
-        apart = ik.Chain([pre_stage, fin_stage], [ik.Link("0", case=1)], solve=[ik.SolveConfig(solver="ekfac", damping=1e-2)] * 2)
-        named = apart.query((x[:4], y[:4])).solves
-    assert solves[0]["solver"] == "ekfac" and solves[1]["solver"] != "ekfac" and "solved exactly" in solves[1]["choice"]
-    assert solves[1]["residual"] <= default_tol(torch.float64)
-    assert [s["solver"] for s in named] == ["ekfac", "ekfac"]
+        one = ik.Chain([pre_stage, fin_stage], [ik.Link("0", case=1)], solve=config).query((x[:4], y[:4])).scores()
+        two = ik.Chain([pre_stage, fin_stage], [ik.Link("0", case=1)], solve=[config] * 2).query((x[:4], y[:4])).scores()
+    assert [s["solver"] for s in one.diagnostics["solves"]] == [s["solver"] for s in two.diagnostics["solves"]]
+    if solver == "ekfac":
+        assert [s["solver"] for s in one.diagnostics["solves"]] == ["ekfac", "ekfac"]
+    torch.testing.assert_close(one.values, two.values, rtol=1e-12, atol=0)
 
 
 # ---- models trained with Adam for a few steps, every setting at its default ----

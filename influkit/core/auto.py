@@ -34,10 +34,9 @@ Damping rules (off a minimum, when the user gave none):
   about H's: both share the Gauss-Newton part), so MINRES converges in a bounded number of steps.
 
 Every explicit setting wins: a named solver is used as given (no decision), and with ``solver="auto"`` a damping
-> 0, ``matrix="gauss-newton"`` or a ``preconditioner`` is kept. One exception, for a single SolveConfig shared
-by all stages that names an approximate inverse (``kfac``/``ekfac``/``arnoldi``): a stage with p ≤
-``DIRECT_MAX`` is solved by this decision instead (a factored approximation of a small head is poor, and exact
-is cheap there); give one SolveConfig per stage to force the approximation on it.
+> 0, ``matrix="gauss-newton"`` or a ``preconditioner`` is kept. A chain given one SolveConfig applies it to every
+stage, exactly as a list of equal ones (a small head under ``solver="ekfac"`` is solved by EK-FAC: name
+``solver="auto"`` or ``"direct"`` for it in a list to solve it exactly).
 """
 
 from __future__ import annotations
@@ -97,21 +96,17 @@ def spectral_damping(position: Position) -> float:
 
 def decide(position: Position | None, p: int, *, n_rhs: int = 1, memory: int | None = None,
            training: Training | None = None, solver: str = "auto", damping: float = 0.0, matrix: str = "hessian",
-           preconditioner: str | None = None, dense: bool = True, shared_approximation: bool = False, itemsize: int = 8) -> Choice:
+           preconditioner: str | None = None, dense: bool = True, itemsize: int = 8) -> Choice:
     """The :class:`Choice` for a stage at ``position`` with p trained parameters (module table).
 
     n_rhs: right-hand sides solved at once (1 for a summed test loss, the test-set size with ``per_test``).
     memory: the budget in bytes (None: unbounded); a dense H needs 3·p²·``itemsize`` of it.
     solver, damping, matrix, preconditioner: what the user set (``solver != "auto"`` ends the decision).
     dense: the operator can form H (False for a bare operator without ``dense()``).
-    shared_approximation: the settings are one SolveConfig shared by every stage of a chain, and its solver is an
-    approximate inverse (:data:`influkit.solvers.APPROXIMATE_INVERSES`).
     """
-    if solver != "auto" and not (shared_approximation and p <= DIRECT_MAX and position is not None):
+    if solver != "auto":
         return Choice(matrix, solver, damping, preconditioner, "")
-    prefix = "auto: " if solver == "auto" else (
-        f"auto: p = {p} ≤ {DIRECT_MAX} under a shared solver={solver!r}, solved exactly instead (one SolveConfig "
-        "per stage forces it); ")
+    prefix = "auto: "
     fits = dense and (memory is None or 3 * p * p * itemsize <= memory)
     if position is None:
         if p <= DIRECT_MAX and dense and preconditioner is None:

@@ -8,12 +8,29 @@ minimum (∇L = 0, H ≻ 0). Models trained with Adam for a few epochs are rarel
   seeded sample S of min(n, ``SAMPLE``) examples — "typical": the size of one example's pull, which the influence
   of one example is measured against.
 - ``min_eigenvalue`` θ_min, ``max_eigenvalue`` θ_max: the extreme Ritz values of H after m = min(p, ``STEPS``)
-  Lanczos steps (a :class:`~influkit.chain.Chain` asks ``FEW_STEPS`` for a stage solved by K-FAC/EK-FAC: one
-  Hessian-vector product costs about three gradient passes, and 20 of them more than that solve's whole fit, two
-  data passes and the eigendecompositions; fewer steps bound the spectrum less tightly, never wrongly) (three-term recurrence from a seeded start, O(p) memory, m Hessian-vector products). They bound
+  Lanczos steps (three-term recurrence from a seeded start, O(p) memory, m Hessian-vector products). They bound
   the spectrum from inside, λ_min ≤ θ_min ≤ θ_max ≤ λ_max: a negative θ_min *certifies* negative curvature, a
   small |θ_min| certifies a near-null direction, a positive θ_min does not certify H ≻ 0 (curvature Lanczos did
   not reach in m steps is not seen).
+
+**A check sized to its stage's fit** (``light=True``: a :class:`~influkit.chain.Chain` asks it for a stage whose
+solve fits a factored curvature — ``kfac``/``ekfac`` as the approximate inverse or the preconditioner —, whose fit
+is two data passes and no Hessian-vector product, where the full check's m products, about three passes each, and
+its gradient pass would cost many times that fit):
+
+- the sample is s = min(n, max(``LIGHT_SAMPLE_MIN``, min(``SAMPLE``, ⌈n/``LIGHT_SAMPLE_SHARE``⌉))) examples, so its
+  per-example gradients cost about 1/16 of one data pass;
+- ∇L is estimated by the sample's mean gradient ĝ (+ ∇(R + extra), which needs no data). Drawn without
+  replacement, ĝ − ∇L has mean 0 and E‖ĝ − ∇L‖² = SE² = (1 − s/n)·σ²/s, σ² = Σ_{i∈S}‖∇ℓ_i − ĝ‖²/(s − 1) (estimated
+  on the sample). By the central limit theorem over the s examples, ‖ĝ − ∇L‖ ≤ ``BOUND_Z``·SE with probability
+  about 95 % whatever the gradients' covariance (the rank-one case, |N(0, SE²)|, has the heaviest tail; Chebyshev
+  without the CLT gives ≥ 75 %). ``gradient_bound`` b = ``BOUND_Z``·SE/g is that half-width on r; when
+  r − b > ``GRADIENT_TOL`` the stage is non-stationary from the sample alone (``gradient_source="sample"``);
+  otherwise the exact gradient pass decides (``"data"``, b = 0), as in the full check;
+- a non-stationary stage's verdict does not depend on the eigenvalues, which then come from the fitted factored
+  curvature C ≈ G, the matrix its solve uses (``spectrum``: C's extreme eigenvalues, ``eigenvalue_source="ekfac"``
+  or ``"kfac"``, no Hessian-vector product); a stationary one gets the full m Lanczos steps on the exact H, since
+  its verdict rests on θ_min.
 
 Verdict, with ε = √(machine epsilon of H's dtype) (1.5e-8 in float64, 3.5e-4 in float32: a float32
 Hessian-vector product carries a relative error well above float32's epsilon) and s = max(|θ_min|, |θ_max|):
@@ -25,12 +42,12 @@ Hessian-vector product carries a relative error well above float32's epsilon) an
 | ``singular``       | r ≤ ``GRADIENT_TOL`` and |θ_min| ≤ ε·s (or H = 0)        |
 | ``minimum``        | r ≤ ``GRADIENT_TOL`` and θ_min > ε·s                     |
 
-Cost: per-example gradients of the sample and m Hessian-vector products; when the sample is the whole data set
-(n ≤ ``SAMPLE``) its per-example gradients also give ∇L (their mean plus the data-free part ∇(R + extra)), else one
-more gradient pass over the data. Both passes run in the chunks the per-example gradients fit in the memory budget
-(:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the per-example one); a
-:class:`~influkit.chain.Chain` without ``memory=`` runs a ``kfac``/``ekfac`` stage's passes and products in batches
-of at most ``memory.DEFAULT_WORKING`` (``least=1``: :meth:`~influkit.chain.Chain._lean_check`).
+Cost of the full check: per-example gradients of the sample and m Hessian-vector products; when the sample is the
+whole data set (n ≤ ``SAMPLE``) its per-example gradients also give ∇L (their mean plus the data-free part
+∇(R + extra)), else one more gradient pass over the data. Both passes run in the chunks the per-example gradients
+fit in the memory budget (:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the
+per-example one); a :class:`~influkit.chain.Chain` without ``memory=`` runs a light check's passes and products in
+batches of at most ``memory.DEFAULT_WORKING`` (``least=1``).
 """
 
 from __future__ import annotations
@@ -38,7 +55,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -48,13 +65,16 @@ from .gradients import chunk_for, per_example_grad_rows
 from .memory import DEFAULT_EXAMPLES
 from .operators import Operator
 from .params import ParamSpace, point
+from .progress import bar
 from .scoring import release_freed_memory
 from .stage import Stage
 
 GRADIENT_TOL = 1e-3  # r above it: not a stationary point
 SAMPLE = 64  # examples whose per-example gradient norms give the typical norm g
 STEPS = 20  # Lanczos steps (Hessian-vector products) for θ_min, θ_max
-FEW_STEPS = 6  # the Lanczos steps a Chain asks for a stage solved by a factored inverse (kfac, ekfac)
+LIGHT_SAMPLE_SHARE = 16  # a light check's sample: about n/16 examples ...
+LIGHT_SAMPLE_MIN = 8  # ... at least 8 (and at most SAMPLE)
+BOUND_Z = 2.0  # ‖ĝ − ∇L‖ ≤ BOUND_Z·SE with probability ≈ 95 % (module docstring)
 VERDICTS = ("minimum", "saddle", "non-stationary", "singular")
 
 
@@ -72,6 +92,9 @@ class Position:
     lanczos_steps: int
     eigenvalue_tol: float  # ε
     seconds: float
+    gradient_bound: float = 0.0  # b: r's half-width at ≈95 % (0: ∇L from the whole data, exact)
+    gradient_source: str = "data"  # "data": ∇L from every example; "sample": estimated on the sample (light check)
+    eigenvalue_source: str = "lanczos"  # "lanczos" on the exact H, or the fitted factored curvature ("ekfac", "kfac")
 
     @property
     def at_minimum(self) -> bool:
@@ -84,13 +107,18 @@ class Position:
     @classmethod
     def from_summary(cls, summary: dict) -> "Position":
         """The position :meth:`summary` wrote."""
-        return cls(**{k: v for k, v in summary.items() if k != "gradient_tol"})
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in summary.items() if k in known})
 
     def describe(self) -> str:
         """One line: the verdict with the numbers it rests on."""
-        return (f"{self.verdict}: ‖∇L‖ = {self.gradient_norm:.2g} × the typical per-example gradient norm "
-                f"(stationary below {GRADIENT_TOL:g}), Hessian eigenvalues within [{self.min_eigenvalue:.3g}, "
-                f"{self.max_eigenvalue:.3g}] ({self.lanczos_steps} Lanczos steps)")
+        bound = f" ± {self.gradient_bound:.2g} (from {self.sample} examples)" if self.gradient_source == "sample" else ""
+        spectrum = (f"Hessian eigenvalues within [{self.min_eigenvalue:.3g}, {self.max_eigenvalue:.3g}] "
+                    f"({self.lanczos_steps} Lanczos steps)" if self.eigenvalue_source == "lanczos" else
+                    f"{self.eigenvalue_source.upper()} eigenvalues within [{self.min_eigenvalue:.3g}, "
+                    f"{self.max_eigenvalue:.3g}] (its fit)")
+        return (f"{self.verdict}: ‖∇L‖ = {self.gradient_norm:.2g}{bound} × the typical per-example gradient norm "
+                f"(stationary below {GRADIENT_TOL:g}), {spectrum}")
 
 
 def eigenvalue_tol(dtype: torch.dtype) -> float:
@@ -110,7 +138,8 @@ def verdict(gradient_norm: float, min_eigenvalue: float, max_eigenvalue: float, 
     return "minimum"
 
 
-def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0) -> tuple[float, float, int]:
+def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0,
+                        progress: bool = False) -> tuple[float, float, int]:
     """(θ_min, θ_max, m): the extreme Ritz values of the symmetric ``operator`` after m ≤ ``steps`` Lanczos steps.
 
     Plain three-term recurrence (no stored basis: three vectors, updated in place) in the operator's precision, at
@@ -126,7 +155,9 @@ def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0
     previous = torch.zeros_like(q)
     alphas, betas = [], []
     beta = 0.0
+    steps_bar = bar(steps, "Lanczos (where the stage stands)", progress)
     for _ in range(steps):
+        steps_bar.update()
         w = torch.sub(operator.matvec(q.to(operator.dtype)).to(dtype), previous, alpha=beta)  # a new vector
         alpha = float(q @ w)
         w.sub_(q, alpha=alpha)
@@ -136,6 +167,7 @@ def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0
             break
         betas.append(beta)
         previous, q = q, w.div_(beta)
+    steps_bar.close()
     m = len(alphas)
     tri = torch.diag(torch.tensor(alphas, dtype=torch.float64))
     if m > 1:
@@ -145,42 +177,70 @@ def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0
     return float(theta[0]), float(theta[-1]), m
 
 
+def light_sample(n: int) -> int:
+    """The sample of a light check: min(n, max(LIGHT_SAMPLE_MIN, min(SAMPLE, ⌈n/LIGHT_SAMPLE_SHARE⌉)))."""
+    return min(n, max(LIGHT_SAMPLE_MIN, min(SAMPLE, -(-n // LIGHT_SAMPLE_SHARE))))
+
+
 def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, extra: Callable | None = None,
            seed: int = 0, sample: int = SAMPLE, steps: int = STEPS, memory: int | None = None,
-           least: int = DEFAULT_EXAMPLES) -> Position:
-    """Where ``stage`` stands at its current parameters ``names`` (module docstring), after ``steps`` Lanczos steps.
+           least: int = DEFAULT_EXAMPLES, light: bool = False,
+           spectrum: Callable[[], tuple[float, float, str]] | None = None, progress: bool = False) -> Position:
+    """Where ``stage`` stands at its current parameters ``names`` (module docstring).
 
     operator: H of the objective over ``names`` (e.g. the chain's :class:`~influkit.curvature.HessianOperator`,
     with its ``hessian_samples``); extra: the term the objective adds besides the stage's (Case 2's proximal term);
     memory: the budget in bytes the gradient passes are chunked by (None: the default, :mod:`influkit.memory`, whose
-    floor of examples per chunk is ``least``).
+    floor of examples per chunk is ``least``). light: the check sized to a factored fit (module docstring: the
+    sample :func:`light_sample`, ∇L from it when it settles the verdict, and the eigenvalues of a non-stationary
+    stage from ``spectrum()`` — (θ_min, θ_max, its source) of the fitted approximation — instead of Lanczos).
     """
     start = time.perf_counter()
     names = stage.param_names if names is None else list(names)
-    picked = sample_indices(len(stage), min(sample, len(stage)), seed)
-    x, y = stage.data.take(torch.arange(len(stage)) if picked is None else picked)
+    n = len(stage)
+    size = light_sample(n) if light else min(sample, n)
+    picked = sample_indices(n, size, seed)
+    x, y = stage.data.take(torch.arange(n) if picked is None else picked)
     values = point(stage.state(), names)
     row = 2 * sum(t.numel() * t.element_size() for t in values.values())  # a gradient row and vmap's copy of it
     chunk = chunk_for(stage, x, y, names, None, row, "where the stage stands", memory, least)  # both passes' batch
     norms, summed = [], 0.0
-    for rows in per_example_grad_rows(stage, x, y, names, chunk_size=chunk):
-        norms.append(rows.norm(dim=1))
-        summed = summed + rows.sum(0)
-    typical = float(torch.cat(norms).double().pow(2).mean().sqrt())
-    if picked is None:  # the sample is every example: ∇L = their mean gradient + ∇(R + extra), no second pass
-        penalty = penalty_gradient(stage, names, extra=extra)
-        objective = summed / len(stage) + (0.0 if penalty is None else ParamSpace(penalty).flatten(penalty))
+    for rows in per_example_grad_rows(stage, x, y, names, chunk_size=chunk, progress=progress):
+        norms.append(rows.norm(dim=1).double())
+        summed = summed + rows.sum(0, dtype=torch.float64)
+    s = int(x.shape[0])
+    typical = float(torch.cat(norms).pow(2).mean().sqrt())
+    penalty = penalty_gradient(stage, names, extra=extra)
+    penalty = 0.0 if penalty is None else ParamSpace(penalty).flatten(penalty).double()
+    estimate = summed / s + penalty
+    bound, source = 0.0, "data"
+    if picked is not None and s > 1:
+        # Σ‖g_i − ĝ‖² = Σ‖g_i‖² − s‖ḡ‖² (ḡ the sample's mean loss gradient)
+        spread = max(float(torch.cat(norms).pow(2).sum()) - s * float((summed / s).pow(2).sum()), 0.0) / (s - 1)
+        bound = BOUND_Z * math.sqrt((1 - s / n) * spread / s)
+        if light and typical > 0 and (float(estimate.norm()) - bound) / typical > GRADIENT_TOL:
+            source = "sample"
+    if source == "sample":
+        objective = estimate
+    elif picked is None:  # the sample is every example: ∇L = their mean gradient + ∇(R + extra), no second pass
+        objective, bound = estimate, 0.0
     else:
         full = gradient(stage, names, extra=extra, batch_size=chunk)
-        objective = ParamSpace(full).flatten(full)
+        objective, bound = ParamSpace(full).flatten(full), 0.0
     absolute = float(objective.double().norm())
     relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
     release_freed_memory()  # the passes' freed buffers back to the system before the products allocate theirs
-    low, high, m = extreme_eigenvalues(operator, steps, seed=seed)
     tol = eigenvalue_tol(operator.dtype)
+    if light and spectrum is not None and relative > GRADIENT_TOL:
+        low, high, where = spectrum()
+        m = 0
+    else:
+        (low, high, m), where = extreme_eigenvalues(operator, steps, seed=seed, progress=progress), "lanczos"
     return Position(gradient_norm=relative, min_eigenvalue=low, max_eigenvalue=high,
                     verdict=verdict(relative, low, high, tol), objective_gradient=absolute, typical_gradient=typical,
-                    sample=int(x.shape[0]), lanczos_steps=m, eigenvalue_tol=tol, seconds=time.perf_counter() - start)
+                    sample=s, lanczos_steps=m, eigenvalue_tol=tol, seconds=time.perf_counter() - start,
+                    gradient_bound=bound / typical if typical > 0 and source == "sample" else 0.0,
+                    gradient_source=source, eigenvalue_source=where)
 
 
 def warn_not_at_minimum(positions: Sequence[Position], names: Sequence[str], remedy: Sequence[str]) -> None:
