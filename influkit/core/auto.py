@@ -29,9 +29,13 @@ Damping rules (off a minimum, when the user gave none):
 - **training** (:class:`Training`: T optimizer steps of learning rate η): λ = 1/(ηT). T steps of gradient descent
   of size η on a quadratic move θ by −[I − (I − ηH)^T] H⁻¹∇: H⁻¹ along curvatures ≫ 1/(ηT), ηT·I below — the
   response of a short continued training is H⁻¹ damped by about 1/(ηT).
-- **spectral**: λ = ``DAMPING_RATIO`` · θ_max, θ_max the largest Ritz value of H from the stationarity check;
-  it bounds the condition number of G + λI by about 1 + 1/``DAMPING_RATIO`` (G's largest eigenvalue is at most
-  about H's: both share the Gauss-Newton part), so MINRES converges in a bounded number of steps.
+- **spectral, scaled by how far off the minimum**: λ = ``DAMPING_RATIO`` · θ_max · min(1, r/``R_REF``), θ_max the
+  largest eigenvalue the stationarity check found (H's Ritz value, or the fitted EK-FAC's), r = ‖∇L‖/g the stage's
+  gradient norm relative to the typical per-example gradient norm. At r ≥ ``R_REF`` it bounds the condition number
+  of G + λI by about 1 + 1/``DAMPING_RATIO`` (G's largest eigenvalue is at most about H's: both share the
+  Gauss-Newton part); nearer the minimum the damping shrinks in proportion to r, so a stage a hair off its minimum
+  (r just above ``stationarity.GRADIENT_TOL``) is solved almost undamped, as its near-exact curvature deserves.
+  ``R_REF`` is the gradient norm of the stages where ``DAMPING_RATIO`` was measured (docs/guides/defaults.md).
 
 Every explicit setting wins: a named solver is used as given (no decision), and with ``solver="auto"`` a damping
 > 0, ``matrix="gauss-newton"`` or a ``preconditioner`` is kept. A chain given one SolveConfig applies it to every
@@ -50,6 +54,9 @@ from .stationarity import Position
 DIRECT_MAX = 3000
 # λ = DAMPING_RATIO · θ_max off a minimum without Training: studies/fidelity_lm.py (README: auto's damping)
 DAMPING_RATIO = 1e-2
+# the relative gradient norm r from which the full DAMPING_RATIO applies (below: λ ∝ r): the stages of
+# studies/fidelity_lm.py where DAMPING_RATIO was measured stood at r = 0.017 and 0.037
+R_REF = 0.03
 # above this many parameters the Gauss-Newton solve off a minimum is preconditioned by EK-FAC
 PRECONDITION_MIN = 10**6
 # off a minimum, above PRECONDITION_MIN parameters and p·n_rhs > this, the EK-FAC approximate inverse replaces MINRES
@@ -90,8 +97,10 @@ class Choice:
 
 
 def spectral_damping(position: Position) -> float:
-    """λ = DAMPING_RATIO · max(θ_max, 0)."""
-    return DAMPING_RATIO * max(position.max_eigenvalue, 0.0)
+    """λ = DAMPING_RATIO · max(θ_max, 0) · min(1, r/R_REF) off a minimum (module docstring); at a singular
+    stationary point, where the damping stands for H's null space rather than the distance, DAMPING_RATIO · θ_max."""
+    scale = 1.0 if position.verdict == "singular" else min(1.0, position.gradient_norm / R_REF)
+    return DAMPING_RATIO * max(position.max_eigenvalue, 0.0) * scale
 
 
 def decide(position: Position | None, p: int, *, n_rhs: int = 1, memory: int | None = None,
@@ -154,4 +163,7 @@ def _damping(position: Position, given: float, training: Training | None) -> tup
         return given, "as given"
     if training is not None:
         return training.damping, f"1/(ηT), η = {training.lr:g}, T = {training.steps}"
-    return spectral_damping(position), f"{DAMPING_RATIO:g} × θ_max = {position.max_eigenvalue:.3g}"
+    if position.verdict == "singular":
+        return spectral_damping(position), f"{DAMPING_RATIO:g} × θ_max = {position.max_eigenvalue:.3g}"
+    return spectral_damping(position), (f"{DAMPING_RATIO:g} × θ_max × min(1, r/{R_REF:g}), θ_max = "
+                                        f"{position.max_eigenvalue:.3g}, r = {position.gradient_norm:.2g}")

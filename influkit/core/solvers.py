@@ -55,7 +55,8 @@ from typing import ClassVar
 import torch
 
 from . import krylov
-from .auto import PRECONDITION_MIN, Choice, Training, decide
+from . import auto
+from .auto import Choice, Training, decide
 from .errors import ConvergenceWarning, InputError, NumericalError, warn
 from .factored import deflated
 from .fitted import CurvatureConfig, FittedCurvature
@@ -187,7 +188,7 @@ class SolveConfig:
             return self.solver
         if self.preconditioner in FACTORED_PRECONDITIONERS:
             return self.preconditioner
-        if self.solver == "auto" and self.preconditioner is None and dim > PRECONDITION_MIN:
+        if self.solver == "auto" and self.preconditioner is None and dim > auto.PRECONDITION_MIN:
             return "ekfac"
         return None
 
