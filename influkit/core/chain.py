@@ -9,7 +9,7 @@ the values stage k inherits from stage k−1 through its incoming :class:`Link` 
 Up-weighting a stage-1 example z (F_1 → F_1 + ε·ℓ_1(z)) moves every optimum; the score of z on the summed
 test loss f(T) of the last stage is I(z, T) = df(T)/dε (positive = harmful; removing z is ε = −1/n_1).
 
-Derivation (adjoint propagated backwards, one solve per stage). Stationarity ∇_θk F_k(θ_k*, c_k) = 0 gives
+Derivation (adjoint propagated backwards, one solve per stage; the recursion itself is :mod:`influkit.adjoint`). Stationarity ∇_θk F_k(θ_k*, c_k) = 0 gives
 dθ_k*/dc_k = −H_k⁻¹ ∂²F_k/∂θ_k∂c_k, H_k = ∇²_θk F_k. Let a_k = df/dθ_k* (the adjoint on what stage k trains)
 and b_k = the direct derivative of f with respect to c_k through the fixed block (Case 1 only). Then
 
@@ -38,9 +38,8 @@ from pathlib import Path
 
 import torch
 
-from . import distributed, files, stationarity
+from . import adjoint, distributed, files, stationarity
 from .auto import Choice
-from .curvature import hvp, hvp_bytes_per_example
 from .data import as_examples
 from .errors import FileFormatError, InputError, LossError
 from .factored.tokens import TokenGradient, token_gradient
@@ -386,28 +385,12 @@ class Chain:
         grads = ParamSpace(_values(last.stage, names)).unflatten(flat)
         a = {n: grads[n] for n in last.trained}
         b = {n: grads[n] for n in last.fixed}
-        seconds = {"test_gradient": time.perf_counter() - start, "cross_products": 0.0}
-        solutions: list[Solution] = [None] * len(self)  # type: ignore[list-item]
-        for k in range(len(self) - 1, -1, -1):
-            plan, solver = self.plans[k], self._query_solver(k, flat.shape[1] if per_test else 1)
-            op = solver.operator
-            space = ParamSpace(_values(plan.stage, plan.trained))
-            factors = tokens.factors if tokens is not None and k == len(self) - 1 else None
-            rhs = tokens.flat if factors is not None else space.flatten(a, batched=per_test)  # its names: trained only
-            solutions[k] = solver.solve(rhs, progress=progress, factors=factors)
-            v = space.unflatten(solutions[k].x)
-            if k == 0:
-                break
-            start = time.perf_counter()
-            if plan.link.case == 1:
-                tangent = {n: torch.zeros_like(b[n]) for n in plan.fixed} | v
-                cross = hvp(plan.stage, tangent, indices=op.indices, batched=per_test,
-                            batch_size=self._cross_batch(plan, list(tangent), flat.shape[1] if per_test else 1))
-                g = {n: b[n] - cross[n] for n in plan.fixed}
-            else:
-                g = {n: 2 * plan.link.alpha * v[n] for n in plan.inherited}
-            seconds["cross_products"] += time.perf_counter() - start
-            a, b = self._pull_back(k, g, per_test, flat.shape[1] if per_test else None)
+        seconds = {"test_gradient": time.perf_counter() - start}
+        n_rhs = flat.shape[1] if per_test else 1
+        solvers = [self._query_solver(k, n_rhs) for k in range(len(self))]
+        solutions, seconds["cross_products"] = adjoint.propagate(
+            self.plans, solvers, a, b, per_test=per_test, n_rhs=n_rhs, memory=self.memory, progress=progress,
+            factors=None if tokens is None else (tokens.flat, tokens.factors))
         seconds.update({f"solve_stage{k}": sol.seconds for k, sol in enumerate(solutions)})
         test_digest = Rows(last.stage, torch.arange(tx.shape[0]), (tx, ty)).digest()
         if measure is not None:
@@ -425,24 +408,6 @@ class Chain:
             return None
         return token_gradient(measured, tx, ty, last.trained, solver.approximation, chunk_size=chunk_size,
                               memory=self.memory)
-
-    def _cross_batch(self, plan: StagePlan, names: list[str], n_rhs: int) -> int:
-        """Examples per batch of the Case 1 cross product ∂²F/∂S∂θ · v over ``names`` = S ∪ θ, from its own measured
-        bytes per example (a double backward through the shared block, far more than the stage's own products over
-        θ when θ is a small head) × the ``n_rhs`` tangents vmapped at once, under the chain's memory budget."""
-        per = hvp_bytes_per_example(plan.stage, names) * max(n_rhs, 1)
-        return memory_plan(memory_budget(self.memory), per, "cross products", most=max(len(plan.stage), 1),
-                           default=self.memory is None)["batch"]
-
-    def _pull_back(self, k: int, g: dict[str, torch.Tensor], per_test: bool, n_rhs: int | None):
-        """Map df/dc_k (stage k's names) onto stage k−1: (a on what it trains, b on what it inherited fixed)."""
-        previous = self.plans[k - 1]
-        values = _values(previous.stage, previous.trained + previous.fixed)
-        lead = () if n_rhs is None else (n_rhs,)
-        total = {n: torch.zeros(*lead, *t.shape, dtype=t.dtype, device=t.device) for n, t in values.items()}
-        for name, earlier in self.plans[k].inherited.items():
-            total[earlier] = total[earlier] + g[name]
-        return {n: total[n] for n in previous.trained}, {n: total[n] for n in previous.fixed}
 
 
 def _per_stage(given, kind: type, what: str, stages: int) -> list:

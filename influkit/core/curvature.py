@@ -33,6 +33,7 @@ from .memory import given as memory_given
 from .memory import resolve as memory_budget
 from .operators import DenseOperator, SymmetricFactor
 from .params import Params, ParamSpace, point
+from .progress import steps as progress_steps
 from .stage import Stage
 from .vectorize import vmap_or_loop
 
@@ -412,19 +413,21 @@ class HessianOperator:
 
     __call__ = matvec
 
-    def dense(self, chunk: int = 256) -> torch.Tensor:
-        """The explicit p×p Hessian, built once from products with blocks of unit vectors (O(p) HVPs), then kept."""
+    def dense(self, chunk: int = 256, progress: bool = False) -> torch.Tensor:
+        """The explicit p×p Hessian, built once from products with blocks of unit vectors (O(p) HVPs), then kept
+        (``progress``: a bar over the blocks)."""
         if self._dense is None:
             p = self.dim
             eye = torch.eye(p, dtype=self.dtype, device=self.device)
-            cols = [self.matvec(eye[:, s : s + chunk]) for s in range(0, p, chunk)]
+            starts = progress_steps(range(0, p, chunk), "dense Hessian", progress, -(-p // chunk))
+            cols = [self.matvec(eye[:, s : s + chunk]) for s in starts]
             h = torch.cat(cols, dim=1)
             self._dense = DenseOperator(0.5 * (h + h.T))
         return self._dense.matrix
 
-    def factor(self, damping: float = 0.0) -> SymmetricFactor:
+    def factor(self, damping: float = 0.0, progress: bool = False) -> SymmetricFactor:
         """The factorization of the dense H + λI (built and kept on first use), for repeated ``direct`` solves."""
-        self.dense()
+        self.dense(progress=progress)
         return self._dense.factor(damping)
 
     def restore_dense(self, matrix: torch.Tensor) -> None:

@@ -49,7 +49,7 @@ class HasDense(Protocol):
 class Factorable(Protocol):
     """An operator that keeps the factorization of A + λI per damping (``direct`` solves reuse it)."""
 
-    def factor(self, damping: float = 0.0) -> "SymmetricFactor": ...
+    def factor(self, damping: float = 0.0, progress: bool = False) -> "SymmetricFactor": ...
 
 
 @runtime_checkable
@@ -155,8 +155,8 @@ class DenseOperator:
     def dense(self) -> torch.Tensor:
         return self.matrix
 
-    def factor(self, damping: float = 0.0) -> SymmetricFactor:
-        """The (cached) factorization of matrix + damping·I."""
+    def factor(self, damping: float = 0.0, progress: bool = False) -> SymmetricFactor:
+        """The (cached) factorization of matrix + damping·I (``progress``: unused, the matrix is at hand)."""
         if float(damping) not in self._factors:
             self._factors[float(damping)] = SymmetricFactor(self.matrix, damping)
         return self._factors[float(damping)]

@@ -368,14 +368,14 @@ class Direct(Solver):
     component in H's null space, and is reported unconverged otherwise."""
 
     def _prepare(self, progress: bool) -> None:
-        self._factor()
+        self._factor(progress)
 
     _own: SymmetricFactor | None = None
 
-    def _factor(self) -> SymmetricFactor:
+    def _factor(self, progress: bool = False) -> SymmetricFactor:
         op, damping = self.operator, self.config.damping
         if isinstance(op, Factorable):
-            return op.factor(damping)
+            return op.factor(damping, progress=progress)
         if not dense_form(op):
             raise InputError("solver='direct' needs an operator with a dense() Hessian; use 'minres' or 'cg'.")
         if self._own is None:
