@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.manifest import record
+
 
 def run(args) -> dict:
     import influkit as ik
@@ -47,6 +49,31 @@ def run(args) -> dict:
             "check_share": where["seconds"] / fit, "position": where}
 
 
+def summarize(out: Path) -> None:
+    """fit_phases.md (a table) and fit_phases.png (stacked bars: the check and the rest of the fit, per run)."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    rows = json.loads((out / "fit_phases.json").read_text())
+    frame = pd.DataFrame([{"label": r["label"], "n": r["n"], "length": r["length"], "trained": r["trained"],
+                           "fit_s": r["fit_s"], "check_s": r["check_s"], "rest_s": r["rest_s"],
+                           "check_share": r["check_share"], "r": r["position"]["gradient_norm"],
+                           "r_bound": r["position"].get("gradient_bound", 0.0),
+                           "gradient_source": r["position"].get("gradient_source", "data"),
+                           "lanczos_steps": r["position"]["lanczos_steps"], "sample": r["position"]["sample"]}
+                          for r in rows])
+    (out / "fit_phases.md").write_text(frame.to_string(index=False, float_format=lambda v: f"{v:.3g}") + "\n")
+    names = [f"{r.label}\nn={r.n}" for r in frame.itertuples()]
+    fig, ax = plt.subplots(figsize=(1.6 * len(frame) + 2, 3.2))
+    ax.bar(names, frame.check_s, label="where the stage stands (check)")
+    ax.bar(names, frame.rest_s, bottom=frame.check_s, label="the rest of the fit (EK-FAC)")
+    ax.set_ylabel("seconds")
+    ax.set_title("MiniLM masked-LM stage, EK-FAC: fit seconds by phase")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "fit_phases.png", dpi=120)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--label", required=True)
@@ -62,6 +89,10 @@ def main(argv=None) -> None:
     rows = [r for r in rows if (r["label"], r["n"], r["length"]) != (row["label"], row["n"], row["length"])] + [row]
     file.write_text(json.dumps(rows, indent=1, default=str))
     print(json.dumps({k: v for k, v in row.items() if k != "position"}, default=str))
+    summarize(out)
+    record(out, ["fit_phases.json", "fit_phases.md", "fit_phases.png"],
+           note="2 shared CPU cores (seven helpers at once): compare rows of one run only; the before rows ran the "
+                "commit before issue 38 (an export of influkit/ first on sys.path)")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ the values stage k inherits from stage k−1 through its incoming :class:`Link` 
 Up-weighting a stage-1 example z (F_1 → F_1 + ε·ℓ_1(z)) moves every optimum; the score of z on the summed
 test loss f(T) of the last stage is I(z, T) = df(T)/dε (positive = harmful; removing z is ε = −1/n_1).
 
-Derivation (adjoint propagated backwards, one solve per stage; the recursion itself is :mod:`influkit.adjoint`). Stationarity ∇_θk F_k(θ_k*, c_k) = 0 gives
-dθ_k*/dc_k = −H_k⁻¹ ∂²F_k/∂θ_k∂c_k, H_k = ∇²_θk F_k. Let a_k = df/dθ_k* (the adjoint on what stage k trains)
+Derivation (adjoint propagated backwards, one solve per stage; the recursion is :mod:`influkit.adjoint`).
+Stationarity ∇_θk F_k(θ_k*, c_k) = 0 gives dθ_k*/dc_k = −H_k⁻¹ ∂²F_k/∂θ_k∂c_k, H_k = ∇²_θk F_k. Let a_k = df/dθ_k* (the adjoint on what stage k trains)
 and b_k = the direct derivative of f with respect to c_k through the fixed block (Case 1 only). Then
 
     a_N = ∇_θN f(T),  b_N = ∇_SN f(T);     v_k = H_k⁻¹ a_k;
@@ -153,8 +153,8 @@ class Chain:
         """Build what does not depend on the test set: each stage's :class:`~influkit.fitted.FittedCurvature`, where
         each stage stands (``positions``, :mod:`influkit.stationarity`: per-example gradients of a sample of 64 — a
         second gradient pass when the stage has more examples — and 20 Hessian-vector products of the exact Hessian;
-        for a stage whose solve fits a factored curvature, the light check sized to that fit) and its prepared :class:`~influkit.solvers.Solver`,
-        chosen by :func:`influkit.auto.decide` from that position (``solver="auto"``) or as configured, which fits on
+        for a stage whose solve fits a factored curvature, the light check sized to that fit) and its prepared
+        :class:`~influkit.solvers.Solver`, chosen by :func:`influkit.auto.decide` from that position (``solver="auto"``) or as configured, which fits on
         its curvature what it needs (a dense factorization for ``direct``, the factored curvature or Lanczos
         eigenpairs). Cached; :meth:`query` calls it when needed. Returns self."""
         if self._solvers is not None:

@@ -105,8 +105,10 @@ def gradient(
     batch_size: int | None = None,
     *,
     memory: int | None = None,
+    progress: bool = False,
 ) -> Params:
-    """∇ over ``names`` of the objective mean loss + R (+ ``extra``), over ``indices`` (default: all data).
+    """∇ over ``names`` of the objective mean loss + R (+ ``extra``), over ``indices`` (default: all data)
+    (``progress``: a bar over the batches).
 
     In batches of ``batch_size`` when given, else sized from the measured bytes of one example's forward and
     backward under the budget ``memory`` (bytes; None: the default rule of :mod:`influkit.memory`, which never fills
@@ -123,7 +125,9 @@ def gradient(
         size = memory_plan(memory_budget(memory, next(iter(params.values())).device),
                            backward_bytes(stage, *probe, names, at), "the gradient pass", most=max(n_local, 1),
                            default=not memory_given(memory))["batch"]
-    for b, (x, y) in enumerate(stage.batches(local, size)):
+    n_local = len(stage) if local is None else len(local)
+    batches = progress_steps(stage.batches(local, size), "gradient pass", progress, -(-n_local // size))
+    for b, (x, y) in enumerate(batches):
         g = grad(term)(params, x, y, 1.0 / n, owns_regularizer and b == 0)
         for k in total:
             total[k] += g[k]

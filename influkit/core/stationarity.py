@@ -225,7 +225,7 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     elif picked is None:  # the sample is every example: ∇L = their mean gradient + ∇(R + extra), no second pass
         objective, bound = estimate, 0.0
     else:
-        full = gradient(stage, names, extra=extra, batch_size=chunk)
+        full = gradient(stage, names, extra=extra, batch_size=chunk, progress=progress)
         objective, bound = ParamSpace(full).flatten(full), 0.0
     absolute = float(objective.double().norm())
     relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
