@@ -19,14 +19,18 @@ is two data passes and no Hessian-vector product, where the full check's m produ
 its gradient pass would cost many times that fit):
 
 - the sample is s = min(n, max(``LIGHT_SAMPLE_MIN``, min(``SAMPLE``, ⌈n/``LIGHT_SAMPLE_SHARE``⌉))) examples, so its
-  per-example gradients cost about 1/16 of one data pass;
+  per-example gradients cost about 1/16 of one data pass; when it does not settle the verdict (below), it is drawn
+  on (the same seeded order) to the size s' that would settle it were ‖∇L‖ its unbiased estimate
+  ρ = (‖ĝ‖² − SE²)^½, s' = 1.2·Z²σ²/((ρ − GRADIENT_TOL·g)² + Z²σ²/n), provided s' ≤ n/``LIGHT_GROW_SHARE`` (a quarter of the data, cheaper than the exact
+  pass); ``sample`` says how many were used;
 - ∇L is estimated by the sample's mean gradient ĝ (+ ∇(R + extra), which needs no data). Drawn without
   replacement, ĝ − ∇L has mean 0 and E‖ĝ − ∇L‖² = SE² = (1 − s/n)·σ²/s, σ² = Σ_{i∈S}‖∇ℓ_i − ĝ‖²/(s − 1) (estimated
   on the sample). By the central limit theorem over the s examples, ‖ĝ − ∇L‖ ≤ ``BOUND_Z``·SE with probability
   about 95 % whatever the gradients' covariance (the rank-one case, |N(0, SE²)|, has the heaviest tail; Chebyshev
   without the CLT gives ≥ 75 %). ``gradient_bound`` b = ``BOUND_Z``·SE/g is that half-width on r; when
   r − b > ``GRADIENT_TOL`` the stage is non-stationary from the sample alone (``gradient_source="sample"``);
-  otherwise the exact gradient pass decides (``"data"``, b = 0), as in the full check;
+  otherwise the exact gradient pass decides (``"data"``, b = 0), as in the full check. ``seconds`` counts the
+  check's own work, not the factored fit ``spectrum`` runs (the solve's, which would run anyway);
 - a non-stationary stage's verdict does not depend on the eigenvalues, which then come from the fitted factored
   curvature C ≈ G, the matrix its solve uses (``spectrum``: C's extreme eigenvalues, ``eigenvalue_source="ekfac"``
   or ``"kfac"``, no Hessian-vector product); a stationary one gets the full m Lanczos steps on the exact H, since
@@ -59,7 +63,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from .curvature import gradient, penalty_gradient, sample_indices
+from .curvature import gradient, penalty_gradient
 from .errors import StationarityWarning, warn
 from .gradients import chunk_for, per_example_grad_rows
 from .memory import DEFAULT_EXAMPLES
@@ -75,6 +79,7 @@ STEPS = 20  # Lanczos steps (Hessian-vector products) for θ_min, θ_max
 LIGHT_SAMPLE_SHARE = 16  # a light check's sample: about n/16 examples ...
 LIGHT_SAMPLE_MIN = 8  # ... at least 8 (and at most SAMPLE)
 BOUND_Z = 2.0  # ‖ĝ − ∇L‖ ≤ BOUND_Z·SE with probability ≈ 95 % (module docstring)
+LIGHT_GROW_SHARE = 4  # an unsettled light sample is drawn up to the size that settles it when that is ≤ n/4
 VERDICTS = ("minimum", "saddle", "non-stationary", "singular")
 
 
@@ -199,48 +204,91 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     names = stage.param_names if names is None else list(names)
     n = len(stage)
     size = light_sample(n) if light else min(sample, n)
-    picked = sample_indices(n, size, seed)
-    x, y = stage.data.take(torch.arange(n) if picked is None else picked)
+    order = None if size == n else torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     values = point(stage.state(), names)
     row = 2 * sum(t.numel() * t.element_size() for t in values.values())  # a gradient row and vmap's copy of it
+    x, y = stage.data.take(torch.arange(n) if order is None else order[:size].sort().values)
     chunk = chunk_for(stage, x, y, names, None, row, "where the stage stands", memory, least)  # both passes' batch
-    norms, summed = [], 0.0
-    for rows in per_example_grad_rows(stage, x, y, names, chunk_size=chunk, progress=progress):
-        norms.append(rows.norm(dim=1).double())
-        summed = summed + rows.sum(0, dtype=torch.float64)
-    s = int(x.shape[0])
-    typical = float(torch.cat(norms).pow(2).mean().sqrt())
     penalty = penalty_gradient(stage, names, extra=extra)
     penalty = 0.0 if penalty is None else ParamSpace(penalty).flatten(penalty).double()
-    estimate = summed / s + penalty
-    bound, source = 0.0, "data"
-    if picked is not None and s > 1:
-        # Σ‖g_i − ĝ‖² = Σ‖g_i‖² − s‖ḡ‖² (ḡ the sample's mean loss gradient)
-        spread = max(float(torch.cat(norms).pow(2).sum()) - s * float((summed / s).pow(2).sum()), 0.0) / (s - 1)
-        bound = BOUND_Z * math.sqrt((1 - s / n) * spread / s)
+    sums = _SampleSums()
+    sums.add(stage, x, y, names, chunk, progress)
+    estimate, bound, source = sums.mean() + penalty, 0.0, "data"
+    if order is not None:
+        bound = sums.bound(n)
+        grown = light and _settling_size(sums, float(estimate.norm()), n)
+        if grown and grown <= n // LIGHT_GROW_SHARE and grown > size:  # a second draw settles it, at a fraction of a pass
+            sums.add(stage, *stage.data.take(order[size:grown].sort().values), names, chunk, progress)
+            estimate, bound = sums.mean() + penalty, sums.bound(n)
+        typical = sums.typical()
         if light and typical > 0 and (float(estimate.norm()) - bound) / typical > GRADIENT_TOL:
             source = "sample"
-    if source == "sample":
+    typical = sums.typical()
+    if source == "sample" or order is None:  # the sample settles it, or is every example (∇L exact, no second pass)
         objective = estimate
-    elif picked is None:  # the sample is every example: ∇L = their mean gradient + ∇(R + extra), no second pass
-        objective, bound = estimate, 0.0
     else:
         full = gradient(stage, names, extra=extra, batch_size=chunk, progress=progress)
-        objective, bound = ParamSpace(full).flatten(full), 0.0
+        objective = ParamSpace(full).flatten(full)
     absolute = float(objective.double().norm())
     relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
     release_freed_memory()  # the passes' freed buffers back to the system before the products allocate theirs
     tol = eigenvalue_tol(operator.dtype)
+    fitting = 0.0  # seconds of the factored fit spectrum() runs: the solve's own fit, not the check's
     if light and spectrum is not None and relative > GRADIENT_TOL:
+        fitting = time.perf_counter()
         low, high, where = spectrum()
-        m = 0
+        fitting, m = time.perf_counter() - fitting, 0
     else:
         (low, high, m), where = extreme_eigenvalues(operator, steps, seed=seed, progress=progress), "lanczos"
     return Position(gradient_norm=relative, min_eigenvalue=low, max_eigenvalue=high,
                     verdict=verdict(relative, low, high, tol), objective_gradient=absolute, typical_gradient=typical,
-                    sample=s, lanczos_steps=m, eigenvalue_tol=tol, seconds=time.perf_counter() - start,
+                    sample=sums.count, lanczos_steps=m, eigenvalue_tol=tol,
+                    seconds=time.perf_counter() - start - fitting,
                     gradient_bound=bound / typical if typical > 0 and source == "sample" else 0.0,
                     gradient_source=source, eigenvalue_source=where)
+
+
+class _SampleSums:
+    """Running sums of a sample's per-example loss gradients: their count, sum and squared norms."""
+
+    def __init__(self):
+        self.count, self.summed, self.squares = 0, 0.0, []
+
+    def add(self, stage: Stage, x, y, names, chunk: int, progress: bool) -> None:
+        for rows in per_example_grad_rows(stage, x, y, names, chunk_size=chunk, progress=progress):
+            self.squares.append(rows.norm(dim=1).double().pow(2))
+            self.summed = self.summed + rows.sum(0, dtype=torch.float64)
+        self.count += int(x.shape[0])
+
+    def mean(self) -> torch.Tensor:
+        return self.summed / self.count
+
+    def typical(self) -> float:
+        """g = (mean ‖∇ℓ_i‖²)^½ over the sample."""
+        return float(torch.cat(self.squares).mean().sqrt())
+
+    def spread(self) -> float:
+        """σ² = Σ‖∇ℓ_i − ĝ‖²/(s − 1) = (Σ‖∇ℓ_i‖² − s‖ĝ‖²)/(s − 1)."""
+        s = self.count
+        return max(float(torch.cat(self.squares).sum()) - s * float(self.mean().pow(2).sum()), 0.0) / max(s - 1, 1)
+
+    def bound(self, n: int) -> float:
+        """BOUND_Z · SE, SE² = (1 − s/n) σ²/s: the half-width of ‖∇L‖ at ≈95 % (module docstring)."""
+        s = self.count
+        return BOUND_Z * math.sqrt(max(1 - s / n, 0.0) * self.spread() / s)
+
+
+def _settling_size(sums: _SampleSums, estimate: float, n: int) -> int | None:
+    """The sample size s at which the bound would settle non-stationarity if ‖∇L‖ were its unbiased estimate
+    (‖ĝ‖² − SE²)^½ (E‖ĝ‖² = ‖∇L‖² + SE²): BOUND_Z² (1 − s/n) σ²/s ≤ (‖∇L‖ − GRADIENT_TOL·g)², times 1.2; None when
+    that estimate is itself below the threshold."""
+    s = sums.count
+    unbiased = math.sqrt(max(estimate ** 2 - max(1 - s / n, 0.0) * sums.spread() / s, 0.0))
+    margin = unbiased - GRADIENT_TOL * sums.typical()
+    if margin <= 0:
+        return None
+    z2 = BOUND_Z ** 2 * sums.spread()
+    return math.ceil(1.2 * z2 / (margin ** 2 + z2 / n))
 
 
 def warn_not_at_minimum(positions: Sequence[Position], names: Sequence[str], remedy: Sequence[str]) -> None:
