@@ -114,7 +114,11 @@ def test_a_stage_solved_by_ekfac_gets_the_light_check_whose_bound_holds_the_exac
     assert (light.min_eigenvalue, light.max_eigenvalue) == (ekfac.smallest(), ekfac.largest())
     assert "EKFAC eigenvalues" in light.describe() and "±" in light.describe()
     with torch.no_grad():
-        model[2].bias[0] = 0.0  # untrained, r ≈ 0.13: inside a 25-example sample's bound, so one gradient pass decides
+        model[2].bias[0] = 2.0  # r ≈ 0.4: inside 25 examples' bound, settled by drawing on to the size that settles it
+    grown = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-2)).fit().positions[0]
+    assert grown.gradient_source == "sample" and 25 < grown.sample <= 400 // stationarity.LIGHT_GROW_SHARE
+    with torch.no_grad():
+        model[2].bias[0] = 0.0  # untrained, r ≈ 0.13: settling would take more than n/4 examples: one gradient pass
     monkeypatch.undo()
     products = spy(monkeypatch, curvature, "hvp", "batch_size")
     unsettled = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-2)).fit().positions[0]
