@@ -390,3 +390,61 @@ def test_chain_errors(two):
     head_only = ik.Stage(two.models[1], ce, two.data[1], params=ENC, regularizer=l2)
     with pytest.raises(ik.ParameterError, match="trains nothing besides"):
         ik.Chain([stages[0], head_only], [ik.Link("enc", case=1)])
+
+
+# ---- progress, early checks, explicit settings (issue 38) ----
+
+def test_progress_off_prints_nothing_and_on_draws_a_bar_on_every_phase(two, capsys, monkeypatch):
+    """progress=False prints nothing; progress=True (with the bars' delay at 0) draws the stationarity check's,
+    the solve's and the scoring's bars, on ik.influence and on Chain/query/scores alike."""
+    from influkit import progress
+
+    stage = ik.Stage(two.models[0], ce, two.data[0], regularizer=l2)
+    test = two.data[0][0][:5], two.data[0][1][:5]
+    solve = ik.SolveConfig(solver="minres")
+    ik.influence(stage, two.z, test, solve=solve, progress=False)
+    ik.Chain([stage], solve=solve, progress=False).query(test).scores(two.z)
+    quiet = capsys.readouterr()
+    assert quiet.err == "" and quiet.out == ""
+    monkeypatch.setattr(progress, "DELAY", 0.0)
+    ik.influence(stage, two.z, test, solve=solve, progress=True)
+    shown = capsys.readouterr().err
+    for phase in ("Lanczos", "minres solve", "scoring"):
+        assert phase in shown, phase
+    ik.Chain([stage], solve=solve).query(test).scores(two.z)  # on by default
+    assert "minres solve" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["shape", "index", "measure"])
+def test_a_malformed_test_set_fails_before_the_fit(two, bad, monkeypatch):
+    """A test set of the wrong width, an index out of range, or a measure that does not return one value per
+    example is refused before any Hessian-vector product or gradient pass of the fit."""
+    from influkit import curvature, stationarity
+
+    calls = []
+    monkeypatch.setattr(curvature, "hvp", lambda *a, **k: calls.append("hvp"))
+    monkeypatch.setattr(stationarity, "assess", lambda *a, **k: calls.append("assess"))
+    stage = ik.Stage(two.models[0], ce, two.data[0], regularizer=l2)
+    x, y = two.data[0]
+    given = {"shape": ((x[:3, :-1], y[:3]), None), "index": (torch.tensor([0, 10_000]), None),
+             "measure": ((x[:3], y[:3]), lambda out, t: out.sum())}[bad]
+    with pytest.raises(ik.InfluenceError):
+        ik.Chain([stage]).query(given[0], measure=given[1])
+    with pytest.raises(ik.InfluenceError):
+        ik.influence(stage, torch.tensor([10_000]) if bad == "index" else None, given[0], measure=given[1])
+    assert calls == []
+
+
+@pytest.mark.parametrize("solver", ["ekfac", "direct", "minres", "cg_spd"])
+def test_an_explicit_solver_is_used_on_every_stage_without_a_warning_replacing_it(two, solver):
+    """A named solver runs on every stage of a two-stage chain, as named (no StationarityWarning is turned into
+    another choice): the diagnostics record it and no reason starts with 'auto'."""
+    pre = ik.Stage(two.models[0], ce, two.data[0], regularizer=l2)
+    fin = ik.Stage(two.models[1], ce, two.data[1], params=two.trained[1], regularizer=l2)
+    config = ik.SolveConfig(solver=solver, damping=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # not at a minimum of the damped objective; drift
+        res = ik.Chain([pre, fin], [ik.Link("enc", case=1)], solve=config).query(two.test).scores()
+    assert [s["solver"] for s in res.diagnostics["solves"]] == [solver, solver]
+    assert not any(s["choice"].startswith("auto") for s in res.diagnostics["solves"])
+    assert len(res.values) == len(pre)  # z defaults to every stage-1 example

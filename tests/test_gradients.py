@@ -46,8 +46,8 @@ def _tolist_loss(outputs, targets):
 
 @pytest.mark.parametrize("loss", [_item_loss, _tolist_loss])
 def test_unvectorizable_loss_falls_back_to_a_loop_and_warns_once(mlp_stage, loss):
-    stage = mlp_stage.with_(regularizer=None)
-    stage = ik.Stage(stage.model, loss, stage._data)
+    stage = mlp_stage.with_(regularizer=None, loss=loss)
+    attributes = dict(vars(stage))
     x, y = stage.data.take(torch.arange(12))
     with pytest.warns(ik.VectorizationWarning, match="cannot run under torch.func.vmap"):
         fast = per_example_grads(stage, x, y, chunk_size=5)
@@ -56,6 +56,7 @@ def test_unvectorizable_loss_falls_back_to_a_loop_and_warns_once(mlp_stage, loss
         warnings.simplefilter("error", ik.VectorizationWarning)  # once per stage
         again = per_example_grads(stage, x, y, chunk_size=5)
     assert torch.equal(again, fast)
+    assert vars(stage) == attributes  # remembered by influkit, nothing written onto the user's Stage
 
 
 def test_total_grad_sized_from_the_budget_keeps_the_probe_gradient(mlp_stage):

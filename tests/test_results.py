@@ -156,3 +156,14 @@ def test_tampered_or_foreign_files_are_refused(tmp_path):
     save_file({"values": torch.zeros(3)}, str(tmp_path / "plain.safetensors"))
     with pytest.raises(ik.FileFormatError, match="no influkit header"):
         ik.load(tmp_path / "plain.safetensors")
+
+
+def test_top_indices_index_the_training_data_in_the_order_of_top():
+    """top_indices(k) are top(k)'s example ids as a LongTensor, in the same order, usable to index the data."""
+    values = torch.tensor([0.5, -2.0, 3.0, 1.0, -0.1], dtype=torch.float64)
+    res = InfluenceResult(values=values, n_train=50, index=torch.tensor([10, 11, 12, 13, 14]))
+    data = torch.arange(50) * 100
+    harmful = res.top_indices(3)
+    assert harmful.dtype == torch.long and harmful.tolist() == res.top(3)["example"].tolist() == [12, 13, 10]
+    assert res.top_indices(2, harmful=False).tolist() == res.top(2, harmful=False)["example"].tolist() == [11, 14]
+    assert data[harmful].tolist() == [1200, 1300, 1000]

@@ -87,23 +87,55 @@ def test_the_objective_gradient_with_a_regularizer_is_exact(repeat, monkeypatch)
 
 
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum
-def test_a_stage_solved_by_ekfac_takes_fewer_lanczos_steps_inside_the_longer_runs_values():
-    """A stage of p > DIRECT_MAX solved by EK-FAC (no Hessian-vector product of its own) gets FEW_STEPS Lanczos
-    steps, any other solver STEPS; from the same start the shorter run's Ritz values lie inside the longer run's
-    (nested Krylov spaces), so the short run claims no curvature the long one does not see."""
-    from influkit import stationarity
-    from influkit.auto import DIRECT_MAX
+def test_a_stage_solved_by_ekfac_gets_the_light_check_whose_bound_holds_the_exact_gradient_norm(monkeypatch):
+    """A stage solved by EK-FAC gets the check sized to that fit: per-example gradients of light_sample(n) examples,
+    ∇L estimated from them when r − bound > GRADIENT_TOL (no gradient pass, no Hessian-vector product), the
+    eigenvalues those of the fitted EK-FAC. Its verdict is the full check's, and the exact r (full check: every
+    example's gradient) lies inside the sampled r ± bound."""
+    from influkit import curvature, stationarity
 
-    x, y = digits(200)
+    x, y = digits(400)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 50), nn.Tanh(), nn.Linear(50, 10)).double()
+    with torch.no_grad():
+        model[2].bias[0] = 6.0  # every example pulls class 0's logit down: far from stationary (r ≈ 0.6)
     stage = ik.Stage(model, cross_entropy, (x, y), regularizer=l2(1e-2))
-    assert stage.num_trained > DIRECT_MAX
-    short = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-2)).fit().positions[0]
-    long = ik.Chain([stage], solve=ik.SolveConfig(solver="minres", damping=1e-2, max_iter=2)).fit().positions[0]
-    assert (short.lanczos_steps, long.lanczos_steps) == (stationarity.FEW_STEPS, stationarity.STEPS)
-    assert long.min_eigenvalue <= short.min_eigenvalue < short.max_eigenvalue <= long.max_eigenvalue
-    assert short.gradient_norm == long.gradient_norm and short.verdict == long.verdict == "non-stationary"
+    full = ik.Chain([stage], solve=ik.SolveConfig(solver="minres", damping=1e-2, max_iter=2)).fit().positions[0]
+    products = spy(monkeypatch, curvature, "hvp", "batch_size")
+    monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a gradient pass over all the data"))
+    chain = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-2)).fit()
+    light = chain.positions[0]
+    assert products == [] and light.lanczos_steps == 0 and light.eigenvalue_source == "ekfac"
+    assert (light.gradient_source, full.gradient_source) == ("sample", "data") and full.gradient_bound == 0.0
+    assert light.sample == stationarity.light_sample(400) == 25 and full.sample == stationarity.SAMPLE
+    assert light.verdict == full.verdict == "non-stationary"
+    assert abs(light.gradient_norm - full.gradient_norm) <= light.gradient_bound
+    ekfac = chain.curvature(0).approximations["ekfac"]
+    assert (light.min_eigenvalue, light.max_eigenvalue) == (ekfac.smallest(), ekfac.largest())
+    assert "EKFAC eigenvalues" in light.describe() and "±" in light.describe()
+    with torch.no_grad():
+        model[2].bias[0] = 2.0  # r ≈ 0.4: inside 25 examples' bound, settled by drawing on to the size that settles it
+    grown = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-2)).fit().positions[0]
+    assert grown.gradient_source == "sample" and 25 < grown.sample <= 400 // stationarity.LIGHT_GROW_SHARE
+    with torch.no_grad():
+        model[2].bias[0] = 0.0  # untrained, r ≈ 0.13: settling would take more than n/4 examples: one gradient pass
+    monkeypatch.undo()
+    products = spy(monkeypatch, curvature, "hvp", "batch_size")
+    unsettled = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-2)).fit().positions[0]
+    assert unsettled.gradient_source == "data" and unsettled.gradient_bound == 0.0 and products == []
+    assert unsettled.verdict == "non-stationary" and unsettled.eigenvalue_source == "ekfac"
+
+
+def test_the_light_check_of_a_stationary_stage_is_the_full_check(logreg_digits):
+    """At a minimum the sample cannot settle r (r − bound < GRADIENT_TOL): the exact gradient pass and the Lanczos
+    steps on the exact H decide, as in the full check: the same verdict and numbers."""
+    stage, _ = logreg_digits
+    full = position(stage)
+    light = assess(stage, None, HessianOperator(stage), light=True,
+                   spectrum=lambda: pytest.fail("a stationary stage's eigenvalues come from Lanczos"))
+    assert light.verdict == full.verdict == "minimum" and light.gradient_source == "data"
+    assert light.max_eigenvalue == pytest.approx(full.max_eigenvalue, rel=1e-12)
+    assert light.lanczos_steps == full.lanczos_steps
 
 
 def test_a_saddle():
@@ -216,11 +248,11 @@ def spy(monkeypatch, module, name: str, keyword: str) -> list:
 
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum
 def test_without_memory_the_check_of_an_ekfac_stage_streams_the_rules_batch_and_finds_the_same_position(monkeypatch):
-    """Without memory=, the check of a stage solved by EK-FAC runs its per-example gradient pass and its
-    Hessian-vector products in batches of at most DEFAULT_WORKING (at least one example), not the DEFAULT_EXAMPLES
+    """Without memory=, the check of a stage solved by EK-FAC runs its per-example gradient pass (and any
+    Hessian-vector product) in batches of at most DEFAULT_WORKING (at least one example), not the DEFAULT_EXAMPLES
     floor: with DEFAULT_WORKING shrunk to one byte the operator plans 8 examples and the check 1, the gradient pass
-    and every product the check runs use batches of 1, and the position equals the one a given budget finds on the
-    cached graph (sums over batches: float64 rounding). A given memory= keeps the chain's operator for the check."""
+    uses batches of 1, and the position equals the one a given budget finds (sums over batches: float64 rounding).
+    A given memory= keeps the chain's operator for the check."""
     from influkit import curvature, memory, stationarity
 
     x, y = digits(100)
@@ -238,8 +270,8 @@ def test_without_memory_the_check_of_an_ekfac_stage_streams_the_rules_batch_and_
     plans = {p["phase"]: p for p in chain.memory_plans()}
     assert plans["Hessian-vector products"]["batch"] == memory.DEFAULT_EXAMPLES
     assert plans["stationarity check"]["batch"] == 1
-    assert batches == [1] * stationarity.FEW_STEPS
-    assert chunks == [1]  # the per-example gradient pass under the same rule (8 without it)
+    assert batches == []  # non-stationary from its sample: no product (the eigenvalues are EK-FAC's)
+    assert chunks and set(chunks) == {1}  # the per-example gradient passes under the same rule (8 without it)
     small, normal = chain.positions[0], given.positions[0]
     for field in ("gradient_norm", "min_eigenvalue", "max_eigenvalue", "objective_gradient", "typical_gradient"):
         assert getattr(small, field) == pytest.approx(getattr(normal, field), rel=1e-10, abs=0), field

@@ -29,15 +29,18 @@ Damping rules (off a minimum, when the user gave none):
 - **training** (:class:`Training`: T optimizer steps of learning rate η): λ = 1/(ηT). T steps of gradient descent
   of size η on a quadratic move θ by −[I − (I − ηH)^T] H⁻¹∇: H⁻¹ along curvatures ≫ 1/(ηT), ηT·I below — the
   response of a short continued training is H⁻¹ damped by about 1/(ηT).
-- **spectral**: λ = ``DAMPING_RATIO`` · θ_max, θ_max the largest Ritz value of H from the stationarity check;
-  it bounds the condition number of G + λI by about 1 + 1/``DAMPING_RATIO`` (G's largest eigenvalue is at most
-  about H's: both share the Gauss-Newton part), so MINRES converges in a bounded number of steps.
+- **spectral, scaled by how far off the minimum**: λ = ``DAMPING_RATIO`` · θ_max · min(1, r/``R_REF``), θ_max the
+  largest eigenvalue the stationarity check found (H's Ritz value, or the fitted EK-FAC's), r = ‖∇L‖/g the stage's
+  gradient norm relative to the typical per-example gradient norm. At r ≥ ``R_REF`` it bounds the condition number
+  of G + λI by about 1 + 1/``DAMPING_RATIO`` (G's largest eigenvalue is at most about H's: both share the
+  Gauss-Newton part); nearer the minimum the damping shrinks in proportion to r, so a stage a hair off its minimum
+  (r just above ``stationarity.GRADIENT_TOL``) is solved almost undamped, as its near-exact curvature deserves.
+  ``R_REF`` is the gradient norm of the stages where ``DAMPING_RATIO`` was measured (docs/guides/defaults.md).
 
 Every explicit setting wins: a named solver is used as given (no decision), and with ``solver="auto"`` a damping
-> 0, ``matrix="gauss-newton"`` or a ``preconditioner`` is kept. One exception, for a single SolveConfig shared
-by all stages that names an approximate inverse (``kfac``/``ekfac``/``arnoldi``): a stage with p ≤
-``DIRECT_MAX`` is solved by this decision instead (a factored approximation of a small head is poor, and exact
-is cheap there); give one SolveConfig per stage to force the approximation on it.
+> 0, ``matrix="gauss-newton"`` or a ``preconditioner`` is kept. A chain given one SolveConfig applies it to every
+stage, exactly as a list of equal ones (a small head under ``solver="ekfac"`` is solved by EK-FAC: name
+``solver="auto"`` or ``"direct"`` for it in a list to solve it exactly).
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ from .stationarity import Position
 DIRECT_MAX = 3000
 # λ = DAMPING_RATIO · θ_max off a minimum without Training: studies/fidelity_lm.py (README: auto's damping)
 DAMPING_RATIO = 1e-2
+# the relative gradient norm r from which the full DAMPING_RATIO applies (below: λ ∝ r): the stages of
+# studies/fidelity_lm.py where DAMPING_RATIO was measured stood at r = 0.017 and 0.037
+R_REF = 0.03
 # above this many parameters the Gauss-Newton solve off a minimum is preconditioned by EK-FAC
 PRECONDITION_MIN = 10**6
 # off a minimum, above PRECONDITION_MIN parameters and p·n_rhs > this, the EK-FAC approximate inverse replaces MINRES
@@ -91,27 +97,25 @@ class Choice:
 
 
 def spectral_damping(position: Position) -> float:
-    """λ = DAMPING_RATIO · max(θ_max, 0)."""
-    return DAMPING_RATIO * max(position.max_eigenvalue, 0.0)
+    """λ = DAMPING_RATIO · max(θ_max, 0) · min(1, r/R_REF) off a minimum (module docstring); at a singular
+    stationary point, where the damping stands for H's null space rather than the distance, DAMPING_RATIO · θ_max."""
+    scale = 1.0 if position.verdict == "singular" else min(1.0, position.gradient_norm / R_REF)
+    return DAMPING_RATIO * max(position.max_eigenvalue, 0.0) * scale
 
 
 def decide(position: Position | None, p: int, *, n_rhs: int = 1, memory: int | None = None,
            training: Training | None = None, solver: str = "auto", damping: float = 0.0, matrix: str = "hessian",
-           preconditioner: str | None = None, dense: bool = True, shared_approximation: bool = False, itemsize: int = 8) -> Choice:
+           preconditioner: str | None = None, dense: bool = True, itemsize: int = 8) -> Choice:
     """The :class:`Choice` for a stage at ``position`` with p trained parameters (module table).
 
     n_rhs: right-hand sides solved at once (1 for a summed test loss, the test-set size with ``per_test``).
     memory: the budget in bytes (None: unbounded); a dense H needs 3·p²·``itemsize`` of it.
     solver, damping, matrix, preconditioner: what the user set (``solver != "auto"`` ends the decision).
     dense: the operator can form H (False for a bare operator without ``dense()``).
-    shared_approximation: the settings are one SolveConfig shared by every stage of a chain, and its solver is an
-    approximate inverse (:data:`influkit.solvers.APPROXIMATE_INVERSES`).
     """
-    if solver != "auto" and not (shared_approximation and p <= DIRECT_MAX and position is not None):
+    if solver != "auto":
         return Choice(matrix, solver, damping, preconditioner, "")
-    prefix = "auto: " if solver == "auto" else (
-        f"auto: p = {p} ≤ {DIRECT_MAX} under a shared solver={solver!r}, solved exactly instead (one SolveConfig "
-        "per stage forces it); ")
+    prefix = "auto: "
     fits = dense and (memory is None or 3 * p * p * itemsize <= memory)
     if position is None:
         if p <= DIRECT_MAX and dense and preconditioner is None:
@@ -159,4 +163,7 @@ def _damping(position: Position, given: float, training: Training | None) -> tup
         return given, "as given"
     if training is not None:
         return training.damping, f"1/(ηT), η = {training.lr:g}, T = {training.steps}"
-    return spectral_damping(position), f"{DAMPING_RATIO:g} × θ_max = {position.max_eigenvalue:.3g}"
+    if position.verdict == "singular":
+        return spectral_damping(position), f"{DAMPING_RATIO:g} × θ_max = {position.max_eigenvalue:.3g}"
+    return spectral_damping(position), (f"{DAMPING_RATIO:g} × θ_max × min(1, r/{R_REF:g}), θ_max = "
+                                        f"{position.max_eigenvalue:.3g}, r = {position.gradient_norm:.2g}")

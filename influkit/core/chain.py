@@ -9,8 +9,8 @@ the values stage k inherits from stage k−1 through its incoming :class:`Link` 
 Up-weighting a stage-1 example z (F_1 → F_1 + ε·ℓ_1(z)) moves every optimum; the score of z on the summed
 test loss f(T) of the last stage is I(z, T) = df(T)/dε (positive = harmful; removing z is ε = −1/n_1).
 
-Derivation (adjoint propagated backwards, one solve per stage). Stationarity ∇_θk F_k(θ_k*, c_k) = 0 gives
-dθ_k*/dc_k = −H_k⁻¹ ∂²F_k/∂θ_k∂c_k, H_k = ∇²_θk F_k. Let a_k = df/dθ_k* (the adjoint on what stage k trains)
+Derivation (adjoint propagated backwards, one solve per stage; the recursion is :mod:`influkit.adjoint`).
+Stationarity ∇_θk F_k(θ_k*, c_k) = 0 gives dθ_k*/dc_k = −H_k⁻¹ ∂²F_k/∂θ_k∂c_k, H_k = ∇²_θk F_k. Let a_k = df/dθ_k* (the adjoint on what stage k trains)
 and b_k = the direct derivative of f with respect to c_k through the fixed block (Case 1 only). Then
 
     a_N = ∇_θN f(T),  b_N = ∇_SN f(T);     v_k = H_k⁻¹ a_k;
@@ -38,9 +38,8 @@ from pathlib import Path
 
 import torch
 
-from . import distributed, files, stationarity
-from .auto import DIRECT_MAX, Choice
-from .curvature import hvp, hvp_bytes_per_example
+from . import adjoint, distributed, files, stationarity
+from .auto import Choice
 from .data import as_examples
 from .errors import FileFormatError, InputError, LossError
 from .factored.tokens import TokenGradient, token_gradient
@@ -60,7 +59,6 @@ from .stage import Stage, check_example_shape
 from .store import resumed_chunk_size
 
 QUERY_KIND = "query"
-FACTORED = ("kfac", "ekfac")  # solvers whose stages get stationarity.FEW_STEPS Lanczos steps (Chain._lanczos_steps)
 FIT_KIND = "chain-fit"
 
 
@@ -79,12 +77,16 @@ class Chain:
 
     :meth:`fit` measures where each stage stands (:mod:`influkit.stationarity`, ``positions``; in every result's
     ``diagnostics["stages"]``, with one warning naming the stages not at a minimum), then prepares each stage's
-    solver as :func:`influkit.auto.decide` chooses from it (``solver="auto"``) or as configured.
+    solver as :func:`influkit.auto.decide` chooses from it (``solver="auto"``) or as configured. One config for
+    every stage means exactly what a list of equal configs means. ``progress``: a bar on every phase that runs
+    longer than :data:`influkit.progress.DELAY` seconds (the fit's passes and Lanczos steps, the solves, the
+    scoring); ``False`` prints nothing. ``query`` and ``scores`` take it from the chain unless given.
     """
 
     def __init__(self, stages: Sequence[Stage], links: Sequence[Link] = (),
                  solve: SolveConfig | Sequence[SolveConfig] = SolveConfig(), *,
-                 curvature: CurvatureConfig | Sequence[CurvatureConfig] = CurvatureConfig(), memory: int | None = None):
+                 curvature: CurvatureConfig | Sequence[CurvatureConfig] = CurvatureConfig(), memory: int | None = None,
+                 progress: bool = True):
         stages, links = list(stages), list(links)
         if not stages:
             raise InputError("a Chain needs at least one Stage.")
@@ -99,8 +101,7 @@ class Chain:
         self.stages, self.links = stages, links
         self.solve_configs = _per_stage(solve, SolveConfig, "solve", len(stages))
         self.curvature_configs = _per_stage(curvature, CurvatureConfig, "curvature", len(stages))
-        # one config for every stage of a multi-stage chain (auto.decide's ``shared``: a small stage is solved exactly)
-        self._shared = isinstance(solve, SolveConfig) and len(stages) > 1
+        self.progress = bool(progress)
         self.plans: list[StagePlan] = []
         for k, stage in enumerate(stages):
             self.plans.append(StagePlan(stage, links[k - 1] if k else None, self.plans[-1] if k else None))
@@ -150,10 +151,10 @@ class Chain:
 
     def fit(self) -> "Chain":
         """Build what does not depend on the test set: each stage's :class:`~influkit.fitted.FittedCurvature`, where
-        each stage stands (``positions``: per-example gradients of a sample of 64 — a second gradient pass when
-        the stage has more examples — and 20 Hessian-vector products of the exact Hessian per stage, 6 for a stage
-        solved by ``kfac``/``ekfac``: :mod:`influkit.stationarity`, :meth:`_lanczos_steps`) and its prepared :class:`~influkit.solvers.Solver`,
-        chosen by :func:`influkit.auto.decide` from that position (``solver="auto"``) or as configured, which fits on
+        each stage stands (``positions``, :mod:`influkit.stationarity`: per-example gradients of a sample of 64 — a
+        second gradient pass when the stage has more examples — and 20 Hessian-vector products of the exact Hessian;
+        for a stage whose solve fits a factored curvature, the light check sized to that fit) and its prepared
+        :class:`~influkit.solvers.Solver`, chosen by :func:`influkit.auto.decide` from that position (``solver="auto"``) or as configured, which fits on
         its curvature what it needs (a dense factorization for ``direct``, the factored curvature or Lanczos
         eigenpairs). Cached; :meth:`query` calls it when needed. Returns self."""
         if self._solvers is not None:
@@ -172,7 +173,8 @@ class Chain:
         ``rank`` keeps the operator and the factors; a new ``fisher`` the operator and the eigenpairs), the rest is
         fitted for what its solver needs. Where each stage stands is kept when its Hessian sample is."""
         other = Chain(self.stages, self.links, self.solve_configs if solve is None else solve,
-                      curvature=self.curvature_configs if curvature is None else curvature, memory=self.memory)
+                      curvature=self.curvature_configs if curvature is None else curvature, memory=self.memory,
+                      progress=self.progress)
         if self._solvers is None:
             return other
         start = time.perf_counter()
@@ -206,31 +208,47 @@ class Chain:
 
     def _position(self, k: int) -> Position:
         """Where stage k stands, measured on its exact Hessian (the configured sample), kept per sample, seed and
-        number of Lanczos steps (:meth:`_lanczos_steps`)."""
+        whether the check is the light one (:meth:`_factored_fit`)."""
         config = self.curvature_configs[k]
-        key = (k, config.hessian_samples, config.seed, self._lanczos_steps(k))
+        fitted = self._factored_fit(k)
+        key = (k, config.hessian_samples, config.seed, fitted)
         if key not in self._positions:
             plan = self.plans[k]
             hessian = self._check_operator(k, self._curvature_for(k, "hessian").operator)
-            least = 1 if self._lean_check(k) else DEFAULT_EXAMPLES
-            self._positions[key] = stationarity.assess(plan.stage, plan.trained, hessian, extra=plan.proximal,
-                                                       seed=config.seed, steps=key[-1], memory=self.memory, least=least)
+            spectrum = None if fitted is None else (lambda: self._factored_spectrum(k, fitted))
+            self._positions[key] = stationarity.assess(
+                plan.stage, plan.trained, hessian, extra=plan.proximal, seed=config.seed, memory=self.memory,
+                least=1 if self._lean_check(k) else DEFAULT_EXAMPLES, light=fitted is not None, spectrum=spectrum,
+                progress=self.progress)
         return self._positions[key]
 
+    def _factored_fit(self, k: int) -> str | None:
+        """The factored curvature (``"kfac"``/``"ekfac"``) stage k's solve fits off a minimum, whose cost the
+        stationarity check is sized to (:meth:`influkit.solvers.SolveConfig.factored_fit`), or None."""
+        return self.solve_configs[k].factored_fit(self.dims[k])
+
+    def _factored_spectrum(self, k: int, name: str) -> tuple[float, float, str]:
+        """(smallest, largest eigenvalue, name) of stage k's fitted factored curvature ``name`` (fitted now if not
+        yet: the solve fits it anyway), on the matrix its solve uses off a minimum."""
+        config = self.solve_configs[k]
+        matrix = "gauss-newton" if config.solver == "auto" else self.curvature_configs[k].matrix
+        fitted = self._curvature_for(k, matrix).approximation(name, progress=self.progress,
+                                                              fallback=config.solver == "auto")
+        return fitted.smallest(), fitted.largest(), name
+
     def _lean_check(self, k: int) -> bool:
-        """The rule: without ``memory=``, the stationarity check of a stage solved by a factored inverse
-        (:meth:`_factored`: its fit has no Hessian-vector product nor per-example gradient rows, so the check's would
-        set its peak memory) runs its per-example gradient passes and its Hessian-vector products in batches of at
-        most ``memory.DEFAULT_WORKING`` (× SAFETY), at least one example (:func:`influkit.memory.default_count` with
-        ``least=1``), not the ``DEFAULT_EXAMPLES`` floor — the least working memory a default phase holds (the factor
-        fit's default batch holds DEFAULT_WORKING or 8 examples), one example when that one alone is more. The
-        results are the same: sums over batches."""
-        return self.memory is None and self._factored(k)
+        """The rule: without ``memory=``, the light stationarity check of a stage whose solve fits a factored
+        curvature (:meth:`_factored_fit`: its fit has no Hessian-vector product nor per-example gradient rows, so the
+        check's would set its peak memory) runs its per-example gradient passes and its Hessian-vector products in
+        batches of at most ``memory.DEFAULT_WORKING`` (× SAFETY), at least one example
+        (:func:`influkit.memory.default_count` with ``least=1``), not the ``DEFAULT_EXAMPLES`` floor — the least
+        working memory a default phase holds. The results are the same: sums over batches."""
+        return self.memory is None and self._factored_fit(k) is not None
 
     def _check_operator(self, k: int, operator: Operator) -> Operator:
         """The operator stage k's stationarity check multiplies with: streamed in the batches of :meth:`_lean_check`
         (same H: a product is a sum over batches; the plan is in :meth:`memory_plans`), else the chain's own."""
-        record = getattr(operator, "memory", {})
+        record = operator.memory
         if not self._lean_check(k) or "bytes_per_example" not in record:
             return operator
         plan = memory_plan(record["budget"], record["bytes_per_example"], "stationarity check", most=record["batch"],
@@ -240,28 +258,17 @@ class Chain:
         self._check_memory[k] = plan | {"cache_graph": False}
         return operator.streamed(self._check_memory[k])
 
-    def _factored(self, k: int) -> bool:
-        """Whether stage k, of p > ``auto.DIRECT_MAX``, is solved as configured by a factored inverse (``kfac``/``ekfac``)."""
-        dim = sum(t.numel() for t in _values(self.plans[k].stage, self.plans[k].trained).values())
-        return self.solve_configs[k].solver in FACTORED and dim > DIRECT_MAX
-
-    def _lanczos_steps(self, k: int) -> int:
-        """``stationarity.FEW_STEPS`` for a :meth:`_factored` stage (no Hessian-vector product of its own, and a fit of
-        two data passes, where ``STEPS`` products, about three passes each, would cost more than the fit), else
-        ``stationarity.STEPS`` (a smaller stage may be solved exactly, chosen from them)."""
-        return stationarity.FEW_STEPS if self._factored(k) else stationarity.STEPS
-
     def _choice(self, k: int, n_rhs: int = 1) -> Choice:
         """Stage k's solve for ``n_rhs`` right-hand sides: :func:`influkit.auto.decide` on its position."""
         values = _values(self.plans[k].stage, self.plans[k].trained)
         dim = sum(t.numel() for t in values.values())
         itemsize = next(iter(values.values())).element_size()
         return self.solve_configs[k].decide(self.positions[k], dim, matrix=self.curvature_configs[k].matrix,
-                                            n_rhs=n_rhs, memory=memory_budget(self.memory), shared=self._shared,
-                                            itemsize=itemsize)
+                                            n_rhs=n_rhs, memory=memory_budget(self.memory), itemsize=itemsize)
 
     def _prepare(self, k: int, choice: Choice) -> Solver:
-        return self.solve_configs[k].prepare(self._curvature_for(k, choice.matrix), choice=choice)
+        return self.solve_configs[k].prepare(self._curvature_for(k, choice.matrix), choice=choice,
+                                             progress=self.progress)
 
     def _query_solver(self, k: int, n_rhs: int) -> Solver:
         """The fitted solver of stage k, or the one auto chooses for ``n_rhs`` > 1 right-hand sides (kept)."""
@@ -329,7 +336,7 @@ class Chain:
         self._curvatures = [self._new_curvature(plan, config) for plan, config in zip(self.plans, self.curvature_configs)]
         self.positions = [Position.from_summary(p) for p in meta["positions"]]
         for k, (config, position) in enumerate(zip(self.curvature_configs, self.positions)):
-            self._positions[k, config.hessian_samples, config.seed, self._lanczos_steps(k)] = position
+            self._positions[k, config.hessian_samples, config.seed, self._factored_fit(k)] = position
         for k in range(len(self)):
             self._curvature_for(k, self._choice(k).matrix).load(tensors, meta.get("fitted", {}).get(str(k), {}),
                                                                  f"stage{k}.")
@@ -338,7 +345,7 @@ class Chain:
         return self
 
     def query(self, x_test, *, measure: Measure | None = None, per_test: bool = False, chunk_size: int | None = None,
-              progress: bool = False) -> "Query":
+              progress: bool | None = None) -> "Query":
         """The N solves for the test function f(T) = Σ_t m(x_t) of the last stage (one per test point with ``per_test``).
 
         x_test: (inputs, targets) tensors, or 1-D indices into the last stage's data.
@@ -360,13 +367,15 @@ class Chain:
         chunk_size: test examples per gradient batch (default: sized from the chain's memory budget).
         When the last stage is solved by ``kfac``/``ekfac`` (no ``residual``), the test gradient's Kronecker blocks are
         kept as token factors where that is cheaper (:mod:`influkit.factored.tokens`); the query's last solve lists
-        them (``solves[-1]["token_factors"]``).
+        them (``solves[-1]["token_factors"]``). The test set and ``measure`` are checked before anything is fitted.
+        progress: bars on the solves (default: the chain's ``progress``).
         """
-        self.fit()
+        progress = self.progress if progress is None else progress
         last = self.plans[-1]
         (tx, ty), _ = as_examples(x_test, last.stage.data, "x_test")
         check_example_shape(last.stage, tx, "x_test")
         measured = last.stage if measure is None else _measure_stage(last.stage, measure)
+        self.fit()
         start = time.perf_counter()
         names = last.trained + last.fixed
         tokens = self._token_gradient(measured, tx, ty, chunk_size) if not per_test else None
@@ -376,28 +385,12 @@ class Chain:
         grads = ParamSpace(_values(last.stage, names)).unflatten(flat)
         a = {n: grads[n] for n in last.trained}
         b = {n: grads[n] for n in last.fixed}
-        seconds = {"test_gradient": time.perf_counter() - start, "cross_products": 0.0}
-        solutions: list[Solution] = [None] * len(self)  # type: ignore[list-item]
-        for k in range(len(self) - 1, -1, -1):
-            plan, solver = self.plans[k], self._query_solver(k, flat.shape[1] if per_test else 1)
-            op = solver.operator
-            space = ParamSpace(_values(plan.stage, plan.trained))
-            factors = tokens.factors if tokens is not None and k == len(self) - 1 else None
-            rhs = tokens.flat if factors is not None else space.flatten(a, batched=per_test)  # its names: trained only
-            solutions[k] = solver.solve(rhs, progress=progress, factors=factors)
-            v = space.unflatten(solutions[k].x)
-            if k == 0:
-                break
-            start = time.perf_counter()
-            if plan.link.case == 1:
-                tangent = {n: torch.zeros_like(b[n]) for n in plan.fixed} | v
-                cross = hvp(plan.stage, tangent, indices=op.indices, batched=per_test,
-                            batch_size=self._cross_batch(plan, list(tangent), flat.shape[1] if per_test else 1))
-                g = {n: b[n] - cross[n] for n in plan.fixed}
-            else:
-                g = {n: 2 * plan.link.alpha * v[n] for n in plan.inherited}
-            seconds["cross_products"] += time.perf_counter() - start
-            a, b = self._pull_back(k, g, per_test, flat.shape[1] if per_test else None)
+        seconds = {"test_gradient": time.perf_counter() - start}
+        n_rhs = flat.shape[1] if per_test else 1
+        solvers = [self._query_solver(k, n_rhs) for k in range(len(self))]
+        solutions, seconds["cross_products"] = adjoint.propagate(
+            self.plans, solvers, a, b, per_test=per_test, n_rhs=n_rhs, memory=self.memory, progress=progress,
+            factors=None if tokens is None else (tokens.flat, tokens.factors))
         seconds.update({f"solve_stage{k}": sol.seconds for k, sol in enumerate(solutions)})
         test_digest = Rows(last.stage, torch.arange(tx.shape[0]), (tx, ty)).digest()
         if measure is not None:
@@ -411,28 +404,10 @@ class Chain:
         """The summed test gradient with its Kronecker blocks as token factors (:mod:`influkit.factored.tokens`)
         when the last stage is solved by ``kfac``/``ekfac`` (no residual) over all it differentiates; else None."""
         last, solver = self.plans[-1], self._query_solver(len(self) - 1, 1)
-        if last.fixed or not solver.takes_factors:
+        if last.fixed or not solver.uses_token_factors:
             return None
         return token_gradient(measured, tx, ty, last.trained, solver.approximation, chunk_size=chunk_size,
                               memory=self.memory)
-
-    def _cross_batch(self, plan: StagePlan, names: list[str], n_rhs: int) -> int:
-        """Examples per batch of the Case 1 cross product ∂²F/∂S∂θ · v over ``names`` = S ∪ θ, from its own measured
-        bytes per example (a double backward through the shared block, far more than the stage's own products over
-        θ when θ is a small head) × the ``n_rhs`` tangents vmapped at once, under the chain's memory budget."""
-        per = hvp_bytes_per_example(plan.stage, names) * max(n_rhs, 1)
-        return memory_plan(memory_budget(self.memory), per, "cross products", most=max(len(plan.stage), 1),
-                           default=self.memory is None)["batch"]
-
-    def _pull_back(self, k: int, g: dict[str, torch.Tensor], per_test: bool, n_rhs: int | None):
-        """Map df/dc_k (stage k's names) onto stage k−1: (a on what it trains, b on what it inherited fixed)."""
-        previous = self.plans[k - 1]
-        values = _values(previous.stage, previous.trained + previous.fixed)
-        lead = () if n_rhs is None else (n_rhs,)
-        total = {n: torch.zeros(*lead, *t.shape, dtype=t.dtype, device=t.device) for n, t in values.items()}
-        for name, earlier in self.plans[k].inherited.items():
-            total[earlier] = total[earlier] + g[name]
-        return {n: total[n] for n in previous.trained}, {n: total[n] for n in previous.fixed}
 
 
 def _per_stage(given, kind: type, what: str, stages: int) -> list:
@@ -448,7 +423,7 @@ def _measure_stage(stage: Stage, measure: Measure) -> Stage:
     if not callable(measure):
         raise InputError("measure must be callable as measure(outputs, targets) -> (B,) values, one per test example.")
     try:
-        return Stage(stage.model, measure, stage._data, params=stage.param_names, batch_size=stage.data.batch_size)
+        return stage.with_(loss=measure)
     except LossError as exc:
         raise LossError(f"measure(outputs, targets) must return one finite value per example, shape (B,): {exc}") from None
 
@@ -485,7 +460,7 @@ class Query:
         """The chain's fingerprint combined with the test set's and ``per_test``: what the scores depend on."""
         return hashlib.sha256(f"{self.chain.fingerprint()}|{self.test_digest}|{self.per_test}".encode()).hexdigest()
 
-    def scores(self, z=None, *, chunk_size: int | None = None, out: str | Path | None = None, progress: bool = False,
+    def scores(self, z=None, *, chunk_size: int | None = None, out: str | Path | None = None, progress: bool | None = None,
                gradients: str = "contraction", autocast: torch.dtype | None = None) -> InfluenceResult:
         """Influence I(z, T) = −∇ℓ_1(z)ᵀ s of stage-1 examples ``z`` (indices or (inputs, targets); default all).
 
@@ -496,7 +471,9 @@ class Query:
         contraction. Scoring z in parts gives the same numbers as scoring it whole. Under ``torch.distributed`` the chunks are split
         over the ranks and every rank returns the whole result. ``out``: a directory to stream the scores to,
         chunk by chunk, resumable after a crash (a score store, :mod:`influkit.store`); the result is memory-mapped from it.
+        progress: a bar over the chunks (default: the chain's ``progress``).
         """
+        progress = self.chain.progress if progress is None else progress
         plan = self.chain.plans[0]
         rows = Rows.of(plan.stage, z)
         start = time.perf_counter()

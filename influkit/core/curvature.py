@@ -33,6 +33,7 @@ from .memory import given as memory_given
 from .memory import resolve as memory_budget
 from .operators import DenseOperator, SymmetricFactor
 from .params import Params, ParamSpace, point
+from .progress import steps as progress_steps
 from .stage import Stage
 from .vectorize import vmap_or_loop
 
@@ -104,8 +105,10 @@ def gradient(
     batch_size: int | None = None,
     *,
     memory: int | None = None,
+    progress: bool = False,
 ) -> Params:
-    """∇ over ``names`` of the objective mean loss + R (+ ``extra``), over ``indices`` (default: all data).
+    """∇ over ``names`` of the objective mean loss + R (+ ``extra``), over ``indices`` (default: all data)
+    (``progress``: a bar over the batches).
 
     In batches of ``batch_size`` when given, else sized from the measured bytes of one example's forward and
     backward under the budget ``memory`` (bytes; None: the default rule of :mod:`influkit.memory`, which never fills
@@ -122,7 +125,9 @@ def gradient(
         size = memory_plan(memory_budget(memory, next(iter(params.values())).device),
                            backward_bytes(stage, *probe, names, at), "the gradient pass", most=max(n_local, 1),
                            default=not memory_given(memory))["batch"]
-    for b, (x, y) in enumerate(stage.batches(local, size)):
+    n_local = len(stage) if local is None else len(local)
+    batches = progress_steps(stage.batches(local, size), "gradient pass", progress, -(-n_local // size))
+    for b, (x, y) in enumerate(batches):
         g = grad(term)(params, x, y, 1.0 / n, owns_regularizer and b == 0)
         for k in total:
             total[k] += g[k]
@@ -412,19 +417,21 @@ class HessianOperator:
 
     __call__ = matvec
 
-    def dense(self, chunk: int = 256) -> torch.Tensor:
-        """The explicit p×p Hessian, built once from products with blocks of unit vectors (O(p) HVPs), then kept."""
+    def dense(self, chunk: int = 256, progress: bool = False) -> torch.Tensor:
+        """The explicit p×p Hessian, built once from products with blocks of unit vectors (O(p) HVPs), then kept
+        (``progress``: a bar over the blocks)."""
         if self._dense is None:
             p = self.dim
             eye = torch.eye(p, dtype=self.dtype, device=self.device)
-            cols = [self.matvec(eye[:, s : s + chunk]) for s in range(0, p, chunk)]
+            starts = progress_steps(range(0, p, chunk), "dense Hessian", progress, -(-p // chunk))
+            cols = [self.matvec(eye[:, s : s + chunk]) for s in starts]
             h = torch.cat(cols, dim=1)
             self._dense = DenseOperator(0.5 * (h + h.T))
         return self._dense.matrix
 
-    def factor(self, damping: float = 0.0) -> SymmetricFactor:
+    def factor(self, damping: float = 0.0, progress: bool = False) -> SymmetricFactor:
         """The factorization of the dense H + λI (built and kept on first use), for repeated ``direct`` solves."""
-        self.dense()
+        self.dense(progress=progress)
         return self._dense.factor(damping)
 
     def restore_dense(self, matrix: torch.Tensor) -> None:

@@ -11,8 +11,9 @@ approximation a solver asked for, fitted on first request and kept. A :class:`~i
 and hands it to that stage's solver; :meth:`influkit.Chain.with_solve` hands the same object to new solve settings,
 so a damping or solver sweep refits nothing; for a stage whose CurvatureConfig changed it hands over
 :meth:`FittedCurvature.derive`, which keeps every fitted item whose settings did not change. What an item depends
-on is not written down anywhere: each fit reads the settings through a recorder, and the settings it read are kept
-beside it (``reads``).
+on is declared: the operator by :data:`OPERATOR_SETTINGS`, each approximation by its ``depends_on``
+(:class:`~influkit.factored.approximations.Approximation`); the values of those settings are kept beside each fitted
+item (``reads``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .factored.approximations import APPROXIMATIONS
 from .operators import DenseOperator, Operator
 
 MATRICES = CURVATURES  # ("hessian", "gauss-newton")
+OPERATOR_SETTINGS = ("matrix", "hessian_samples", "seed")  # what a stage's HessianOperator is built from
 
 
 @dataclass(frozen=True)
@@ -69,16 +71,9 @@ class CurvatureConfig:
         return asdict(self)
 
 
-class _Reads:
-    """A CurvatureConfig that records which settings are read from it (``read``: {name: value})."""
-
-    def __init__(self, config: CurvatureConfig):
-        self._config, self.read = config, {}
-
-    def __getattr__(self, name: str):
-        value = getattr(self._config, name)
-        self.read[name] = value
-        return value
+def settings(config: CurvatureConfig, names: tuple[str, ...]) -> dict:
+    """{name: value} of the settings ``names`` of ``config`` (what a fitted item depends on)."""
+    return {name: getattr(config, name) for name in names}
 
 
 class FittedCurvature:
@@ -103,11 +98,10 @@ class FittedCurvature:
     @classmethod
     def of_stage(cls, stage, names, config: CurvatureConfig, *, extra=None, memory: int | None = None) -> "FittedCurvature":
         """The (not yet fitted) curvature of ``stage``'s objective [+ ``extra``] over the parameters ``names``."""
-        reads = _Reads(config)
-        operator = HessianOperator(stage, names, samples=reads.hessian_samples, seed=reads.seed, extra=extra,
-                                   curvature=reads.matrix, memory=memory)
+        operator = HessianOperator(stage, names, samples=config.hessian_samples, seed=config.seed, extra=extra,
+                                   curvature=config.matrix, memory=memory)
         fitted = cls(operator, config, memory=memory)
-        fitted.reads["operator"] = reads.read
+        fitted.reads["operator"] = settings(config, OPERATOR_SETTINGS)
         return fitted
 
     def derive(self, config: CurvatureConfig) -> "FittedCurvature":
@@ -140,7 +134,7 @@ class FittedCurvature:
         if kept is not None and (fallback or kept.info.get("fisher", self.config.fisher) == self.config.fisher):
             return kept
         kind = APPROXIMATIONS[name]
-        if kind.needs_stage and getattr(self.operator, "stage", None) is None:
+        if kind.needs_stage and not isinstance(self.operator, HessianOperator):
             if fallback:
                 self.notes.append("no preconditioner: the operator has no Stage to fit factors on")
                 return None
@@ -148,28 +142,28 @@ class FittedCurvature:
                 f"{name!r} needs the Hessian operator of a Stage (the factors come from the model's layers); got a "
                 f"{type(self.operator).__name__}. Use influkit.curvature.HessianOperator or a Chain."
             )
-        reads = _Reads(self.config)
+        config = self.config
         try:
-            fitted = kind.fit(self.operator, reads, memory=self.memory, progress=progress)
+            fitted = kind.fit(self.operator, config, memory=self.memory, progress=progress)
         except FactoredCurvatureError:
             if not fallback or self.config.fisher != "sampled":
                 raise
             self.notes.append(f"{name} on the empirical Fisher: the loss's predictive distribution is not recognised")
-            reads = _Reads(replace(self.config, fisher="empirical"))
-            fitted = kind.fit(self.operator, reads, memory=self.memory, progress=progress)
-        self.approximations[name], self.reads[name] = fitted, reads.read
+            config = replace(self.config, fisher="empirical")
+            fitted = kind.fit(self.operator, config, memory=self.memory, progress=progress)
+        self.approximations[name], self.reads[name] = fitted, settings(config, kind.depends_on)
         return fitted
 
     def memory_plans(self) -> list[dict]:
         """The batch sizes the operator and each fit chose from the memory budget."""
-        plans = [dict(getattr(self.operator, "memory", {}))]
+        plans = [dict(self.operator.memory)] if isinstance(self.operator, HessianOperator) else [{}]
         return plans + [a.info["memory"] for a in self.approximations.values() if "memory" in a.info]
 
     # ---- persistence (tensors + JSON meta; see influkit.files)
     def state(self, prefix: str = "") -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors, JSON meta) of what was fitted — the dense H if built, every approximation — for :meth:`load`."""
         tensors: dict[str, torch.Tensor] = {}
-        if getattr(self.operator, "has_dense", False):
+        if isinstance(self.operator, HessianOperator) and self.operator.has_dense:
             tensors[f"{prefix}hessian"] = self.operator.dense()
         meta: dict = {"notes": list(self.notes), "reads": self.reads, "approximations": {}}
         for name, fitted in self.approximations.items():

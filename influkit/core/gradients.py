@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 from torch.func import grad
-from tqdm.auto import tqdm
+from .progress import steps as progress_steps
 
 from . import memory
 from .memory import PROBE_EXAMPLES, probe_bytes
@@ -33,7 +33,7 @@ def _single_loss(stage: Stage):
 
 def _chunks(inputs: torch.Tensor, targets: torch.Tensor, chunk_size: int, progress: bool, desc: str):
     starts = range(0, inputs.shape[0], chunk_size)
-    for s in tqdm(starts, desc=desc, disable=not progress, leave=False):
+    for s in progress_steps(starts, desc, progress):
         yield inputs[s : s + chunk_size], targets[s : s + chunk_size]
 
 
@@ -107,11 +107,11 @@ def per_example_grads(
 
 def per_example_grad_rows(
     stage: Stage, inputs: torch.Tensor, targets: torch.Tensor, names: Sequence[str] | None = None, *,
-    chunk_size: int | None = None, memory: int | None = None,
+    chunk_size: int | None = None, memory: int | None = None, progress: bool = False,
 ):
     """Yield the (chunk, p) blocks of :func:`per_example_grads` one at a time (chunks sized from the budget
     ``memory`` in bytes when ``chunk_size`` is None): memory O(chunk · p) for a reduction over all rows."""
-    return _grad_rows(stage, inputs, targets, names, None, chunk_size, False, memory)
+    return _grad_rows(stage, inputs, targets, names, None, chunk_size, progress, memory)
 
 
 def project_per_example_grads(

@@ -21,6 +21,7 @@ from .data import as_examples
 from .errors import InputError
 from .gradients import per_example_grads
 from .results import InfluenceResult
+from .scoring import Rows
 from .fitted import CurvatureConfig
 from .solvers import SolveConfig
 from .stage import Stage, check_example_shape
@@ -28,8 +29,8 @@ from .stage import Stage, check_example_shape
 
 def influence(
     stage: Stage,
-    z,
-    x_test,
+    z=None,
+    x_test=None,
     *,
     solve: SolveConfig | None = None,
     curvature: CurvatureConfig | None = None,
@@ -37,11 +38,12 @@ def influence(
     measure: Measure | None = None,
     per_test: bool = False,
     chunk_size: int | None = None,
-    progress: bool = False,
+    progress: bool = True,
 ) -> InfluenceResult:
     """Influence I(z, T) = −∇f(T)ᵀ H⁻¹ ∇ℓ(z) of each training example z on the test loss: ``Chain([stage])``.
 
-    z, x_test: (inputs, targets) tensors, or 1-D indices into the stage's data.
+    z, x_test: (inputs, targets) tensors, or 1-D indices into the stage's data (z default None: every example;
+    x_test required); both are checked before anything is fitted.
     solve: a :class:`~influkit.solvers.SolveConfig` (default ``SolveConfig()``: ``solver="auto"``, no damping; the
     choice and its reason are in ``diagnostics["solves"][0]["choice"]``).
     curvature: a :class:`~influkit.fitted.CurvatureConfig` (which matrix, ``hessian_samples``, how approximations are
@@ -51,10 +53,14 @@ def influence(
     see :meth:`influkit.Chain.query`.
     per_test: return the (len(z), len(x_test)) matrix (one batched solve with len(x_test) right-hand sides).
     chunk_size: examples per scoring chunk (default: as many as the memory budget holds).
+    progress: a bar on every phase longer than a few seconds (``False``: nothing printed).
     """
+    if x_test is None:
+        raise InputError("x_test is required: the test examples, (inputs, targets) or indices into the stage's data.")
+    Rows.of(stage, z)  # z checked before the fit
     config = SolveConfig() if solve is None else solve
     chain = Chain([stage if params is None else stage.with_(params=params)], solve=config,
-                  curvature=curvature or CurvatureConfig())
+                  curvature=curvature or CurvatureConfig(), progress=progress)
     query = chain.query(x_test, measure=measure, per_test=per_test, chunk_size=chunk_size, progress=progress)
     return query.scores(z, chunk_size=chunk_size, progress=progress)
 
@@ -68,7 +74,7 @@ def self_influence(
     params: str | Iterable[str] | None = None,
     rhs_chunk: int = 256,
     chunk_size: int | None = None,
-    progress: bool = False,
+    progress: bool = True,
 ) -> InfluenceResult:
     """Self-influence I(z, z) = −∇ℓ(z)ᵀ H⁻¹ ∇ℓ(z) of each training example on its own loss.
 
@@ -81,12 +87,13 @@ def self_influence(
     if rhs_chunk < 1:
         raise InputError(f"rhs_chunk must be ≥ 1, got {rhs_chunk}.")
     chain = Chain([stage if params is None else stage.with_(params=params)], solve=config,
-                  curvature=curvature or CurvatureConfig()).fit()
+                  curvature=curvature or CurvatureConfig(), progress=progress)
     plan = chain.plans[0]
     z = torch.arange(len(stage)) if z is None else z
     (zx, zy), z_ids = as_examples(z, plan.stage.data, "z")
-    solver = chain.solver(0, n_rhs=min(rhs_chunk, zx.shape[0]))
     check_example_shape(plan.stage, zx, "z")
+    chain.fit()
+    solver = chain.solver(0, n_rhs=min(rhs_chunk, zx.shape[0]))
     start = time.perf_counter()
     chunking = {} if chunk_size is None else {"chunk_size": chunk_size}
     grads = per_example_grads(plan.stage, zx, zy, plan.trained, progress=progress, **chunking)

@@ -142,8 +142,7 @@ class StagePlan:
             value = regularizer_scale * own if own is not None else 0.0
             return value + penalty(params) if penalty is not None else value
 
-        return Stage(stage.model, stage.loss, stage._data, params=list(self.trained), regularizer=regularizer,
-                     batch_size=stage.data.batch_size)
+        return stage.with_(params=list(self.trained), regularizer=regularizer)
 
     def receive(self, model: nn.Module, previous: Mapping[str, torch.Tensor],
                 original: Mapping[str, torch.Tensor] | None = None) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from .chain import Chain, Link, Measure
 from .errors import InputError
 from .results import InfluenceResult
+from .scoring import Rows
 from .fitted import CurvatureConfig
 from .solvers import SolveConfig
 from .stage import Stage
@@ -29,8 +30,8 @@ from .stage import Stage
 def score(
     pretrain: Stage,
     finetune: Stage,
-    z,
-    x_test,
+    z=None,
+    x_test=None,
     *,
     shared: str | Mapping[str, str],
     case: int = 1,
@@ -40,14 +41,15 @@ def score(
     measure: Measure | None = None,
     per_test: bool = False,
     chunk_size: int | None = None,
-    progress: bool = False,
+    progress: bool = True,
 ) -> InfluenceResult:
     """Influence I(z, T) of each pretraining example z on the finetuned model's summed test loss f(T).
 
     pretrain, finetune: the two stages (:class:`~influkit.stage.Stage`: model, loss, data, trained parameters,
     regularizer).
-    z: pretraining examples, (inputs, targets) or indices into the pretrain data; x_test likewise for the
-    finetune stage (the test loss is the finetune stage's loss, or ``measure``: see :meth:`influkit.Chain.query`).
+    z: pretraining examples, (inputs, targets) or indices into the pretrain data (default None: every one);
+    x_test (required) likewise for the finetune stage (the test loss is the finetune stage's loss, or ``measure``:
+    see :meth:`influkit.Chain.query`). Both are checked before anything is fitted.
     shared: the shared parameters W (module prefix, or {finetune_name: pretrain_name}).
     case: 1 (W fixed in finetuning) or 2 (W finetuned with the proximal term α‖W − W̄‖², α > 0).
     solve: one :class:`~influkit.solvers.SolveConfig` or a (pretrain, finetune) pair (default ``SolveConfig()``:
@@ -57,13 +59,17 @@ def score(
     curvature: one :class:`~influkit.fitted.CurvatureConfig` or a (pretrain, finetune) pair (which matrix,
     ``hessian_samples``, how approximations are fitted; default ``CurvatureConfig()``).
     per_test: return the (len(z), len(x_test)) matrix, from batched right-hand sides (still two solves).
+    progress: a bar on every phase longer than a few seconds (``False``: nothing printed).
     """
     for which, stage in (("pretrain", pretrain), ("finetune", finetune)):
         if not isinstance(stage, Stage):
             raise InputError(f"{which} must be an influkit.Stage, got {type(stage).__name__}; wrap a model as "
                              f"influkit.Stage(model, loss, data, params=..., regularizer=...).")
+    if x_test is None:
+        raise InputError("x_test is required: the finetune stage's test examples, (inputs, targets) or indices.")
+    Rows.of(pretrain, z)  # z checked before the fit
     link = Link(shared, case=case, alpha=alpha)
     chain = Chain([pretrain, finetune], [link], solve=SolveConfig() if solve is None else solve,
-                  curvature=curvature or CurvatureConfig())
+                  curvature=curvature or CurvatureConfig(), progress=progress)
     query = chain.query(x_test, measure=measure, per_test=per_test, chunk_size=chunk_size, progress=progress)
     return query.scores(z, chunk_size=chunk_size, progress=progress)

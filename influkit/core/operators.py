@@ -1,7 +1,10 @@
 """The :class:`Operator` protocol — anything that applies a symmetric p×p matrix — and the small operators.
 
-Solvers accept any object with ``dim``, ``dtype``, ``device`` and ``matvec`` taking (p,) or (p, k); ``dense()``
-is optional (``direct`` needs it). :class:`~influkit.curvature.HessianOperator` (Hessian-vector products of
+Solvers accept any object with ``dim``, ``dtype``, ``device`` and ``matvec`` taking (p,) or (p, k). What else an
+operator can do is declared by the capability protocols it satisfies, each one method or attribute:
+:class:`HasDense` (``dense()``: the explicit matrix, which ``direct`` factors), :class:`Factorable`
+(``factor(damping)``: a kept factorization of A + λI) and :class:`CountsProducts` (``products``: the number of
+products applied so far, reported by every solve). :class:`~influkit.curvature.HessianOperator` (Hessian-vector products of
 a stage objective) is the main one; this module holds the generic ones: a dense matrix (with its
 factorization cached per damping, so repeated ``direct`` solves cost one triangular solve), a sum of
 operators, and a dense matrix built on first use.
@@ -33,6 +36,37 @@ class Operator(Protocol):
     def matvec(self, vec: torch.Tensor) -> torch.Tensor:
         """A·vec for vec of shape (p,) or (p, k)."""
         ...
+
+
+@runtime_checkable
+class HasDense(Protocol):
+    """An operator that can form its explicit matrix."""
+
+    def dense(self) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class Factorable(Protocol):
+    """An operator that keeps the factorization of A + λI per damping (``direct`` solves reuse it)."""
+
+    def factor(self, damping: float = 0.0, progress: bool = False) -> "SymmetricFactor": ...
+
+
+@runtime_checkable
+class CountsProducts(Protocol):
+    """An operator that counts the matrix-vector products it applied (``products``)."""
+
+    products: int
+
+
+def dense_form(operator) -> bool:
+    """Whether ``operator`` can give its explicit matrix (:class:`HasDense` or :class:`Factorable`)."""
+    return isinstance(operator, (HasDense, Factorable))
+
+
+def products_of(operator) -> int:
+    """The products ``operator`` applied so far (0 for one that does not count them, :class:`CountsProducts`)."""
+    return operator.products if isinstance(operator, CountsProducts) else 0
 
 
 def count_products(vec: torch.Tensor) -> int:
@@ -121,8 +155,8 @@ class DenseOperator:
     def dense(self) -> torch.Tensor:
         return self.matrix
 
-    def factor(self, damping: float = 0.0) -> SymmetricFactor:
-        """The (cached) factorization of matrix + damping·I."""
+    def factor(self, damping: float = 0.0, progress: bool = False) -> SymmetricFactor:
+        """The (cached) factorization of matrix + damping·I (``progress``: unused, the matrix is at hand)."""
         if float(damping) not in self._factors:
             self._factors[float(damping)] = SymmetricFactor(self.matrix, damping)
         return self._factors[float(damping)]
@@ -153,7 +187,7 @@ class SumOperator:
 
     @property
     def products(self) -> int:
-        return sum(getattr(op, "products", 0) for op in self.operators)
+        return sum(products_of(op) for op in self.operators)
 
     def matvec(self, vec: torch.Tensor) -> torch.Tensor:
         return sum(op.matvec(vec) for op in self.operators)

@@ -112,6 +112,12 @@ class InfluenceResult:
         frame = self.to_frame()[["example", "score", "removal"]]
         return _with_texts(frame.sort_values("score", ascending=not harmful).head(k).reset_index(drop=True), texts)
 
+    def top_indices(self, k: int = 10, harmful: bool = True) -> torch.Tensor:
+        """The example ids of :meth:`top` (the k largest scores, or the k smallest with ``harmful=False``), in that
+        order, as a LongTensor that indexes the training data directly (``x[res.top_indices(10)]``)."""
+        order = torch.argsort(self.total.cpu().double(), descending=harmful, stable=True)[:k]
+        return self.index[order].long()
+
     def suspicious(self, k: int = 10, texts=None) -> "pd.DataFrame":
         """The k examples a self-influence result flags first: those whose removal would raise their own loss the
         most (largest ``removal``) — the ones the model fits only by memorizing them: mislabelled, duplicated with

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from .progress import steps as progress_steps
 
 from . import distributed, files
 from .data import as_examples
@@ -220,7 +220,7 @@ def gather_chunks(chunk, n_rows: int, chunk_size: int, empty: torch.Tensor, *, p
     trim_every: computed chunks between returns of freed heap pages (:attr:`Scorer.trim_every`)."""
     mine, counts = rank_chunks(n_rows, chunk_size)
     blocks = []
-    for i, c in enumerate(tqdm(mine, desc=desc, disable=not progress or distributed.rank() != 0, leave=False)):
+    for i, c in enumerate(progress_steps(mine, desc, progress and distributed.rank() == 0)):
         blocks.append(chunk(c)[0])
         if (i + 1) % trim_every == 0:
             release_freed_memory()
@@ -243,7 +243,7 @@ def stream_chunks(chunk, n_rows: int, chunk_size: int, header: dict, dtype: torc
     mine, _ = rank_chunks(n_rows, chunk_size)
     rank = distributed.rank()
     counts = {"computed": 0, "reused": 0}
-    for c in tqdm(mine, desc=desc, disable=not progress or rank != 0, leave=False):
+    for c in progress_steps(mine, desc, progress and rank == 0):
         if store.has(c):
             counts["reused"] += 1
             continue

@@ -53,20 +53,22 @@ from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
 import torch
-from tqdm.auto import tqdm
 
 from . import krylov
+from . import auto
 from .auto import Choice, Training, decide
 from .errors import ConvergenceWarning, InputError, NumericalError, warn
 from .factored import deflated
 from .fitted import CurvatureConfig, FittedCurvature
-from .operators import DenseOperator, Operator, SymmetricFactor
+from .operators import DenseOperator, Factorable, Operator, SymmetricFactor, dense_form, products_of
+from .progress import bar as progress_bar
 from .stage import all_finite
 
 METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "neumann", "identity")
 APPROXIMATE_INVERSES = ("kfac", "ekfac", "arnoldi")  # x = C⁻¹b for a fitted approximation C (factored.approximations)
 SOLVERS = METHODS + APPROXIMATE_INVERSES  # the built-in solvers; :func:`register` adds more
 PRECONDITIONERS = ("kfac", "ekfac", "diagonal")
+FACTORED_PRECONDITIONERS = ("kfac", "ekfac")  # fitted from the model's layers, two data passes
 
 
 @dataclass
@@ -172,12 +174,23 @@ class SolveConfig:
 
     def decide(self, position, dim: int, *, matrix: str = "hessian", **context) -> Choice:
         """:func:`influkit.auto.decide` for these settings on a stage whose curvature settings name ``matrix``
-        (``context``: n_rhs, memory, dense, shared, itemsize)."""
+        (``context``: n_rhs, memory, dense, itemsize)."""
         pre = self.preconditioner if isinstance(self.preconditioner, str) or self.preconditioner is None else "given"
-        shared = context.pop("shared", False) and self.solver in APPROXIMATE_INVERSES
         choice = decide(position, dim, training=self.training, solver=self.solver, damping=self.damping,
-                        matrix=matrix, preconditioner=pre, shared_approximation=shared, **context)
+                        matrix=matrix, preconditioner=pre, **context)
         return replace(choice, preconditioner=self.preconditioner) if pre == "given" else choice
+
+    def factored_fit(self, dim: int) -> str | None:
+        """The factored curvature (``"kfac"``/``"ekfac"``) a stage of p = ``dim`` fits for this solve off a minimum —
+        the approximate inverse (a solver whose ``takes_factors``), the named preconditioner, or ``auto``'s EK-FAC
+        above ``auto.PRECONDITION_MIN`` parameters — else None."""
+        if self.solver != "auto" and REGISTRY[self.solver].takes_factors:
+            return self.solver
+        if self.preconditioner in FACTORED_PRECONDITIONERS:
+            return self.preconditioner
+        if self.solver == "auto" and self.preconditioner is None and dim > auto.PRECONDITION_MIN:
+            return "ekfac"
+        return None
 
     def chosen(self, choice: Choice) -> "SolveConfig":
         """These settings with ``choice``'s solver, damping and preconditioner in place of ``auto``'s (its matrix is
@@ -197,8 +210,7 @@ class SolveConfig:
             raise InputError("give the curvature settings once: the FittedCurvature was fitted with its own CurvatureConfig.")
         if choice is None:
             op = operator.operator
-            choice = self.decide(None, op.dim, matrix=operator.config.matrix,
-                                 dense=hasattr(op, "dense") or hasattr(op, "factor"))
+            choice = self.decide(None, op.dim, matrix=operator.config.matrix, dense=dense_form(op))
         return REGISTRY[choice.solver](self.chosen(choice), operator, choice=choice.reason)
 
     def prepare(self, operator: "Operator | torch.Tensor | FittedCurvature", curvature: CurvatureConfig | None = None,
@@ -250,7 +262,8 @@ class Solver:
     iterative: ClassVar[bool] = False  # True: runs ``max_iter`` steps at most, with a progress bar
     accepts_preconditioner: ClassVar[bool] = False  # True: SolveConfig(preconditioner=..., deflate=...) applies
     default_max_iter: ClassVar[int | None] = None  # None: min(10·p, 2,000)
-    takes_factors: ClassVar[bool] = False  # True: solve() takes b's Kronecker blocks as token factors
+    takes_factors: ClassVar[bool] = False  # True: x is fitted from a factored curvature (kfac, ekfac), whose blocks
+    # can take b as token factors (:attr:`uses_token_factors`)
 
     def __init__(self, config: SolveConfig, curvature: FittedCurvature, *, choice: str = ""):
         self.config, self.curvature, self.choice = config, curvature, choice
@@ -258,6 +271,12 @@ class Solver:
         self.name = config.solver if config.solver != "auto" else config.choose(self.operator.dim)[0]
         self.automatic = choice.startswith("auto")  # chosen by influkit.auto, not named by the user
         self.preconditioner_name = ""
+
+    @property
+    def uses_token_factors(self) -> bool:
+        """Whether :meth:`solve` takes b's Kronecker blocks as token factors: a factored solver without the residual
+        check (which needs b formed)."""
+        return self.takes_factors and not self.config.residual
 
     def prepare(self, *, progress: bool = False) -> "Solver":
         """Fit what this method needs on the operator (nothing by default). Returns self."""
@@ -272,7 +291,7 @@ class Solver:
 
         factors: for ``kfac``/``ekfac`` without ``residual``, b's Kronecker blocks given as token factors (b holds 0
         there; :class:`~influkit.factored.tokens.TokenGradient`), rotated from them."""
-        if factors and not self.takes_factors:
+        if factors and not self.uses_token_factors:
             raise InputError(f"{self.name} solves a dense right-hand side; token factors apply to kfac/ekfac "
                              "without residual.")
         operator, damping = self.operator, self.config.damping
@@ -285,9 +304,9 @@ class Solver:
         tol = self.config.tol if self.config.tol is not None else APPROXIMATE_TOL if self.approximate else \
             default_tol(rhs.dtype)
         max_iter = self.config.max_iter or self.default_max_iter or min(10 * operator.dim, 2000)
-        start_products = getattr(operator, "products", 0)
+        start_products = products_of(operator)
         start = time.perf_counter()
-        bar = tqdm(total=max_iter, desc=f"{self.name} solve", disable=not (progress and self.iterative), leave=False)
+        bar = progress_bar(max_iter, f"{self.name} solve", progress and self.iterative)
         if factors:
             x, iterations, residual, floor = self.approximation.solve(rhs, damping, factors).to(rhs.dtype), 0, math.nan, math.nan
         else:
@@ -308,7 +327,7 @@ class Solver:
         return Solution(
             x=x.reshape(-1) if single else x, solver=self.name, iterations=iterations, residual=float(residual),
             tol=float(tol), converged=converged, seconds=time.perf_counter() - start,
-            products=getattr(operator, "products", 0) - start_products, damping=float(damping),
+            products=products_of(operator) - start_products, damping=float(damping),
             choice="; ".join([why] + notes) if notes else why, preconditioner=self.preconditioner_name,
             floor=float(floor),
         )
@@ -349,15 +368,17 @@ class Direct(Solver):
     component in H's null space, and is reported unconverged otherwise."""
 
     def _prepare(self, progress: bool) -> None:
-        self._factor()
+        self._factor(progress)
 
-    def _factor(self) -> SymmetricFactor:
+    _own: SymmetricFactor | None = None
+
+    def _factor(self, progress: bool = False) -> SymmetricFactor:
         op, damping = self.operator, self.config.damping
-        if hasattr(op, "factor"):
-            return op.factor(damping)
-        if not hasattr(op, "dense"):
+        if isinstance(op, Factorable):
+            return op.factor(damping, progress=progress)
+        if not dense_form(op):
             raise InputError("solver='direct' needs an operator with a dense() Hessian; use 'minres' or 'cg'.")
-        if getattr(self, "_own", None) is None:
+        if self._own is None:
             self._own = SymmetricFactor(op.dense(), damping)
         return self._own
 
@@ -510,10 +531,7 @@ class _Approximation(Solver):
 class Factored(_Approximation):
     """K-FAC / EK-FAC: x = (C + λI)⁻¹ b with C the Kronecker-factored (eigenvalue-corrected) Gauss-Newton matrix."""
 
-    @property
-    def takes_factors(self) -> bool:
-        """b's Kronecker blocks may come as token factors, except when the residual check needs b formed."""
-        return not self.config.residual
+    takes_factors = True
 
     def _prepare(self, progress: bool) -> None:
         if self.approximation is None:

@@ -80,12 +80,12 @@ class Stage:
 
     def with_(
         self, *, model: nn.Module | None = None, data=None, regularizer: Regularizer | None = None,
-        params: str | Iterable[str] | None = None,
+        params: str | Iterable[str] | None = None, loss: LossFn | None = None,
     ) -> "Stage":
         """A new stage with the same loss (and, unless replaced, trained parameter names) and some parts replaced."""
         return Stage(
             self.model if model is None else model,
-            self.loss,
+            self.loss if loss is None else loss,
             self._data if data is None else data,
             params=self.param_names if params is None else self.select(params),
             regularizer=self.regularizer if regularizer is None else regularizer,

@@ -8,12 +8,33 @@ minimum (∇L = 0, H ≻ 0). Models trained with Adam for a few epochs are rarel
   seeded sample S of min(n, ``SAMPLE``) examples — "typical": the size of one example's pull, which the influence
   of one example is measured against.
 - ``min_eigenvalue`` θ_min, ``max_eigenvalue`` θ_max: the extreme Ritz values of H after m = min(p, ``STEPS``)
-  Lanczos steps (a :class:`~influkit.chain.Chain` asks ``FEW_STEPS`` for a stage solved by K-FAC/EK-FAC: one
-  Hessian-vector product costs about three gradient passes, and 20 of them more than that solve's whole fit, two
-  data passes and the eigendecompositions; fewer steps bound the spectrum less tightly, never wrongly) (three-term recurrence from a seeded start, O(p) memory, m Hessian-vector products). They bound
+  Lanczos steps (three-term recurrence from a seeded start, O(p) memory, m Hessian-vector products). They bound
   the spectrum from inside, λ_min ≤ θ_min ≤ θ_max ≤ λ_max: a negative θ_min *certifies* negative curvature, a
   small |θ_min| certifies a near-null direction, a positive θ_min does not certify H ≻ 0 (curvature Lanczos did
   not reach in m steps is not seen).
+
+**A check sized to its stage's fit** (``light=True``: a :class:`~influkit.chain.Chain` asks it for a stage whose
+solve fits a factored curvature — ``kfac``/``ekfac`` as the approximate inverse or the preconditioner —, whose fit
+is two data passes and no Hessian-vector product, where the full check's m products, about three passes each, and
+its gradient pass would cost many times that fit):
+
+- the sample is s = min(n, max(``LIGHT_SAMPLE_MIN``, min(``SAMPLE``, ⌈n/``LIGHT_SAMPLE_SHARE``⌉))) examples, so its
+  per-example gradients cost about 1/16 of one data pass; when it does not settle the verdict (below), it is drawn
+  on (the same seeded order) to the size s' that would settle it were ‖∇L‖ its unbiased estimate
+  ρ = (‖ĝ‖² − SE²)^½, s' = 1.2·Z²σ²/((ρ − GRADIENT_TOL·g)² + Z²σ²/n), provided s' ≤ n/``LIGHT_GROW_SHARE`` (a quarter of the data, cheaper than the exact
+  pass); ``sample`` says how many were used;
+- ∇L is estimated by the sample's mean gradient ĝ (+ ∇(R + extra), which needs no data). Drawn without
+  replacement, ĝ − ∇L has mean 0 and E‖ĝ − ∇L‖² = SE² = (1 − s/n)·σ²/s, σ² = Σ_{i∈S}‖∇ℓ_i − ĝ‖²/(s − 1) (estimated
+  on the sample). By the central limit theorem over the s examples, ‖ĝ − ∇L‖ ≤ ``BOUND_Z``·SE with probability
+  about 95 % whatever the gradients' covariance (the rank-one case, |N(0, SE²)|, has the heaviest tail; Chebyshev
+  without the CLT gives ≥ 75 %). ``gradient_bound`` b = ``BOUND_Z``·SE/g is that half-width on r; when
+  r − b > ``GRADIENT_TOL`` the stage is non-stationary from the sample alone (``gradient_source="sample"``);
+  otherwise the exact gradient pass decides (``"data"``, b = 0), as in the full check. ``seconds`` counts the
+  check's own work, not the factored fit ``spectrum`` runs (the solve's, which would run anyway);
+- a non-stationary stage's verdict does not depend on the eigenvalues, which then come from the fitted factored
+  curvature C ≈ G, the matrix its solve uses (``spectrum``: C's extreme eigenvalues, ``eigenvalue_source="ekfac"``
+  or ``"kfac"``, no Hessian-vector product); a stationary one gets the full m Lanczos steps on the exact H, since
+  its verdict rests on θ_min.
 
 Verdict, with ε = √(machine epsilon of H's dtype) (1.5e-8 in float64, 3.5e-4 in float32: a float32
 Hessian-vector product carries a relative error well above float32's epsilon) and s = max(|θ_min|, |θ_max|):
@@ -25,12 +46,12 @@ Hessian-vector product carries a relative error well above float32's epsilon) an
 | ``singular``       | r ≤ ``GRADIENT_TOL`` and |θ_min| ≤ ε·s (or H = 0)        |
 | ``minimum``        | r ≤ ``GRADIENT_TOL`` and θ_min > ε·s                     |
 
-Cost: per-example gradients of the sample and m Hessian-vector products; when the sample is the whole data set
-(n ≤ ``SAMPLE``) its per-example gradients also give ∇L (their mean plus the data-free part ∇(R + extra)), else one
-more gradient pass over the data. Both passes run in the chunks the per-example gradients fit in the memory budget
-(:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the per-example one); a
-:class:`~influkit.chain.Chain` without ``memory=`` runs a ``kfac``/``ekfac`` stage's passes and products in batches
-of at most ``memory.DEFAULT_WORKING`` (``least=1``: :meth:`~influkit.chain.Chain._lean_check`).
+Cost of the full check: per-example gradients of the sample and m Hessian-vector products; when the sample is the
+whole data set (n ≤ ``SAMPLE``) its per-example gradients also give ∇L (their mean plus the data-free part
+∇(R + extra)), else one more gradient pass over the data. Both passes run in the chunks the per-example gradients
+fit in the memory budget (:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the
+per-example one); a :class:`~influkit.chain.Chain` without ``memory=`` runs a light check's passes and products in
+batches of at most ``memory.DEFAULT_WORKING`` (``least=1``).
 """
 
 from __future__ import annotations
@@ -38,23 +59,27 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from .curvature import gradient, penalty_gradient, sample_indices
+from .curvature import gradient, penalty_gradient
 from .errors import StationarityWarning, warn
 from .gradients import chunk_for, per_example_grad_rows
 from .memory import DEFAULT_EXAMPLES
 from .operators import Operator
 from .params import ParamSpace, point
+from .progress import bar
 from .scoring import release_freed_memory
 from .stage import Stage
 
 GRADIENT_TOL = 1e-3  # r above it: not a stationary point
 SAMPLE = 64  # examples whose per-example gradient norms give the typical norm g
 STEPS = 20  # Lanczos steps (Hessian-vector products) for θ_min, θ_max
-FEW_STEPS = 6  # the Lanczos steps a Chain asks for a stage solved by a factored inverse (kfac, ekfac)
+LIGHT_SAMPLE_SHARE = 16  # a light check's sample: about n/16 examples ...
+LIGHT_SAMPLE_MIN = 8  # ... at least 8 (and at most SAMPLE)
+BOUND_Z = 2.0  # ‖ĝ − ∇L‖ ≤ BOUND_Z·SE with probability ≈ 95 % (module docstring)
+LIGHT_GROW_SHARE = 4  # an unsettled light sample is drawn up to the size that settles it when that is ≤ n/4
 VERDICTS = ("minimum", "saddle", "non-stationary", "singular")
 
 
@@ -72,6 +97,9 @@ class Position:
     lanczos_steps: int
     eigenvalue_tol: float  # ε
     seconds: float
+    gradient_bound: float = 0.0  # b: r's half-width at ≈95 % (0: ∇L from the whole data, exact)
+    gradient_source: str = "data"  # "data": ∇L from every example; "sample": estimated on the sample (light check)
+    eigenvalue_source: str = "lanczos"  # "lanczos" on the exact H, or the fitted factored curvature ("ekfac", "kfac")
 
     @property
     def at_minimum(self) -> bool:
@@ -84,13 +112,18 @@ class Position:
     @classmethod
     def from_summary(cls, summary: dict) -> "Position":
         """The position :meth:`summary` wrote."""
-        return cls(**{k: v for k, v in summary.items() if k != "gradient_tol"})
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in summary.items() if k in known})
 
     def describe(self) -> str:
         """One line: the verdict with the numbers it rests on."""
-        return (f"{self.verdict}: ‖∇L‖ = {self.gradient_norm:.2g} × the typical per-example gradient norm "
-                f"(stationary below {GRADIENT_TOL:g}), Hessian eigenvalues within [{self.min_eigenvalue:.3g}, "
-                f"{self.max_eigenvalue:.3g}] ({self.lanczos_steps} Lanczos steps)")
+        bound = f" ± {self.gradient_bound:.2g} (from {self.sample} examples)" if self.gradient_source == "sample" else ""
+        spectrum = (f"Hessian eigenvalues within [{self.min_eigenvalue:.3g}, {self.max_eigenvalue:.3g}] "
+                    f"({self.lanczos_steps} Lanczos steps)" if self.eigenvalue_source == "lanczos" else
+                    f"{self.eigenvalue_source.upper()} eigenvalues within [{self.min_eigenvalue:.3g}, "
+                    f"{self.max_eigenvalue:.3g}] (its fit)")
+        return (f"{self.verdict}: ‖∇L‖ = {self.gradient_norm:.2g}{bound} × the typical per-example gradient norm "
+                f"(stationary below {GRADIENT_TOL:g}), {spectrum}")
 
 
 def eigenvalue_tol(dtype: torch.dtype) -> float:
@@ -110,7 +143,8 @@ def verdict(gradient_norm: float, min_eigenvalue: float, max_eigenvalue: float, 
     return "minimum"
 
 
-def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0) -> tuple[float, float, int]:
+def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0,
+                        progress: bool = False) -> tuple[float, float, int]:
     """(θ_min, θ_max, m): the extreme Ritz values of the symmetric ``operator`` after m ≤ ``steps`` Lanczos steps.
 
     Plain three-term recurrence (no stored basis: three vectors, updated in place) in the operator's precision, at
@@ -126,7 +160,9 @@ def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0
     previous = torch.zeros_like(q)
     alphas, betas = [], []
     beta = 0.0
+    steps_bar = bar(steps, "Lanczos (where the stage stands)", progress)
     for _ in range(steps):
+        steps_bar.update()
         w = torch.sub(operator.matvec(q.to(operator.dtype)).to(dtype), previous, alpha=beta)  # a new vector
         alpha = float(q @ w)
         w.sub_(q, alpha=alpha)
@@ -136,6 +172,7 @@ def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0
             break
         betas.append(beta)
         previous, q = q, w.div_(beta)
+    steps_bar.close()
     m = len(alphas)
     tri = torch.diag(torch.tensor(alphas, dtype=torch.float64))
     if m > 1:
@@ -145,42 +182,113 @@ def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0
     return float(theta[0]), float(theta[-1]), m
 
 
+def light_sample(n: int) -> int:
+    """The sample of a light check: min(n, max(LIGHT_SAMPLE_MIN, min(SAMPLE, ⌈n/LIGHT_SAMPLE_SHARE⌉)))."""
+    return min(n, max(LIGHT_SAMPLE_MIN, min(SAMPLE, -(-n // LIGHT_SAMPLE_SHARE))))
+
+
 def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, extra: Callable | None = None,
            seed: int = 0, sample: int = SAMPLE, steps: int = STEPS, memory: int | None = None,
-           least: int = DEFAULT_EXAMPLES) -> Position:
-    """Where ``stage`` stands at its current parameters ``names`` (module docstring), after ``steps`` Lanczos steps.
+           least: int = DEFAULT_EXAMPLES, light: bool = False,
+           spectrum: Callable[[], tuple[float, float, str]] | None = None, progress: bool = False) -> Position:
+    """Where ``stage`` stands at its current parameters ``names`` (module docstring).
 
     operator: H of the objective over ``names`` (e.g. the chain's :class:`~influkit.curvature.HessianOperator`,
     with its ``hessian_samples``); extra: the term the objective adds besides the stage's (Case 2's proximal term);
     memory: the budget in bytes the gradient passes are chunked by (None: the default, :mod:`influkit.memory`, whose
-    floor of examples per chunk is ``least``).
+    floor of examples per chunk is ``least``). light: the check sized to a factored fit (module docstring: the
+    sample :func:`light_sample`, ∇L from it when it settles the verdict, and the eigenvalues of a non-stationary
+    stage from ``spectrum()`` — (θ_min, θ_max, its source) of the fitted approximation — instead of Lanczos).
     """
     start = time.perf_counter()
     names = stage.param_names if names is None else list(names)
-    picked = sample_indices(len(stage), min(sample, len(stage)), seed)
-    x, y = stage.data.take(torch.arange(len(stage)) if picked is None else picked)
+    n = len(stage)
+    size = light_sample(n) if light else min(sample, n)
+    order = None if size == n else torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     values = point(stage.state(), names)
     row = 2 * sum(t.numel() * t.element_size() for t in values.values())  # a gradient row and vmap's copy of it
+    x, y = stage.data.take(torch.arange(n) if order is None else order[:size].sort().values)
     chunk = chunk_for(stage, x, y, names, None, row, "where the stage stands", memory, least)  # both passes' batch
-    norms, summed = [], 0.0
-    for rows in per_example_grad_rows(stage, x, y, names, chunk_size=chunk):
-        norms.append(rows.norm(dim=1))
-        summed = summed + rows.sum(0)
-    typical = float(torch.cat(norms).double().pow(2).mean().sqrt())
-    if picked is None:  # the sample is every example: ∇L = their mean gradient + ∇(R + extra), no second pass
-        penalty = penalty_gradient(stage, names, extra=extra)
-        objective = summed / len(stage) + (0.0 if penalty is None else ParamSpace(penalty).flatten(penalty))
+    penalty = penalty_gradient(stage, names, extra=extra)
+    penalty = 0.0 if penalty is None else ParamSpace(penalty).flatten(penalty).double()
+    sums = _SampleSums()
+    sums.add(stage, x, y, names, chunk, progress)
+    estimate, bound, source = sums.mean() + penalty, 0.0, "data"
+    if order is not None:
+        bound = sums.bound(n)
+        grown = light and _settling_size(sums, float(estimate.norm()), n)
+        if grown and grown <= n // LIGHT_GROW_SHARE and grown > size:  # a second draw settles it, at a fraction of a pass
+            sums.add(stage, *stage.data.take(order[size:grown].sort().values), names, chunk, progress)
+            estimate, bound = sums.mean() + penalty, sums.bound(n)
+        typical = sums.typical()
+        if light and typical > 0 and (float(estimate.norm()) - bound) / typical > GRADIENT_TOL:
+            source = "sample"
+    typical = sums.typical()
+    if source == "sample" or order is None:  # the sample settles it, or is every example (∇L exact, no second pass)
+        objective = estimate
     else:
-        full = gradient(stage, names, extra=extra, batch_size=chunk)
+        full = gradient(stage, names, extra=extra, batch_size=chunk, progress=progress)
         objective = ParamSpace(full).flatten(full)
     absolute = float(objective.double().norm())
     relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
     release_freed_memory()  # the passes' freed buffers back to the system before the products allocate theirs
-    low, high, m = extreme_eigenvalues(operator, steps, seed=seed)
     tol = eigenvalue_tol(operator.dtype)
+    fitting = 0.0  # seconds of the factored fit spectrum() runs: the solve's own fit, not the check's
+    if light and spectrum is not None and relative > GRADIENT_TOL:
+        fitting = time.perf_counter()
+        low, high, where = spectrum()
+        fitting, m = time.perf_counter() - fitting, 0
+    else:
+        (low, high, m), where = extreme_eigenvalues(operator, steps, seed=seed, progress=progress), "lanczos"
     return Position(gradient_norm=relative, min_eigenvalue=low, max_eigenvalue=high,
                     verdict=verdict(relative, low, high, tol), objective_gradient=absolute, typical_gradient=typical,
-                    sample=int(x.shape[0]), lanczos_steps=m, eigenvalue_tol=tol, seconds=time.perf_counter() - start)
+                    sample=sums.count, lanczos_steps=m, eigenvalue_tol=tol,
+                    seconds=time.perf_counter() - start - fitting,
+                    gradient_bound=bound / typical if typical > 0 and source == "sample" else 0.0,
+                    gradient_source=source, eigenvalue_source=where)
+
+
+class _SampleSums:
+    """Running sums of a sample's per-example loss gradients: their count, sum and squared norms."""
+
+    def __init__(self):
+        self.count, self.summed, self.squares = 0, 0.0, []
+
+    def add(self, stage: Stage, x, y, names, chunk: int, progress: bool) -> None:
+        for rows in per_example_grad_rows(stage, x, y, names, chunk_size=chunk, progress=progress):
+            self.squares.append(rows.norm(dim=1).double().pow(2))
+            self.summed = self.summed + rows.sum(0, dtype=torch.float64)
+        self.count += int(x.shape[0])
+
+    def mean(self) -> torch.Tensor:
+        return self.summed / self.count
+
+    def typical(self) -> float:
+        """g = (mean ‖∇ℓ_i‖²)^½ over the sample."""
+        return float(torch.cat(self.squares).mean().sqrt())
+
+    def spread(self) -> float:
+        """σ² = Σ‖∇ℓ_i − ĝ‖²/(s − 1) = (Σ‖∇ℓ_i‖² − s‖ĝ‖²)/(s − 1)."""
+        s = self.count
+        return max(float(torch.cat(self.squares).sum()) - s * float(self.mean().pow(2).sum()), 0.0) / max(s - 1, 1)
+
+    def bound(self, n: int) -> float:
+        """BOUND_Z · SE, SE² = (1 − s/n) σ²/s: the half-width of ‖∇L‖ at ≈95 % (module docstring)."""
+        s = self.count
+        return BOUND_Z * math.sqrt(max(1 - s / n, 0.0) * self.spread() / s)
+
+
+def _settling_size(sums: _SampleSums, estimate: float, n: int) -> int | None:
+    """The sample size s at which the bound would settle non-stationarity if ‖∇L‖ were its unbiased estimate
+    (‖ĝ‖² − SE²)^½ (E‖ĝ‖² = ‖∇L‖² + SE²): BOUND_Z² (1 − s/n) σ²/s ≤ (‖∇L‖ − GRADIENT_TOL·g)², times 1.2; None when
+    that estimate is itself below the threshold."""
+    s = sums.count
+    unbiased = math.sqrt(max(estimate ** 2 - max(1 - s / n, 0.0) * sums.spread() / s, 0.0))
+    margin = unbiased - GRADIENT_TOL * sums.typical()
+    if margin <= 0:
+        return None
+    z2 = BOUND_Z ** 2 * sums.spread()
+    return math.ceil(1.2 * z2 / (margin ** 2 + z2 / n))
 
 
 def warn_not_at_minimum(positions: Sequence[Position], names: Sequence[str], remedy: Sequence[str]) -> None:

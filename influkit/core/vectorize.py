@@ -7,6 +7,7 @@ stage (naming the cause and the fix) and maps the function over the batch in a P
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,8 @@ from torch.func import vmap
 from .errors import VectorizationWarning, warn
 
 _VMAP_FAILURES = ("vmap:", "doesn't have storage", "data-dependent", "Batching rule not implemented")
+_LOOPING: "weakref.WeakSet[object]" = weakref.WeakSet()  # owners whose function vmap could not trace (nothing is
+# written onto the owner itself; an owner that cannot be weakly referenced is tried under vmap each time)
 
 
 def _is_vmap_failure(exc: RuntimeError) -> bool:
@@ -24,10 +27,11 @@ def _is_vmap_failure(exc: RuntimeError) -> bool:
 def vmap_or_loop(fn: Callable, in_dims: tuple, owner: object, *args):
     """``vmap(fn, in_dims)(*args)``, or the same result by looping over the batched arguments if vmap fails.
 
-    owner: the object (a Stage) whose loss is being mapped; its first failure warns, later calls loop silently.
+    owner: the object (a Stage) whose loss is being mapped; its first failure warns, later calls loop silently
+    (the owner is remembered here, in a weak set, not marked).
     The outputs of ``fn`` are tensors or dicts of tensors; they are stacked along a new first dimension.
     """
-    if getattr(owner, "_vmap_fails", False):
+    if _remembered(owner):
         return _loop(fn, in_dims, *args)
     try:
         return vmap(fn, in_dims=in_dims)(*args)
@@ -42,10 +46,17 @@ def vmap_or_loop(fn: Callable, in_dims: tuple, owner: object, *args):
             VectorizationWarning,
         )
         try:
-            owner._vmap_fails = True
-        except AttributeError:
+            _LOOPING.add(owner)
+        except TypeError:
             pass
         return _loop(fn, in_dims, *args)
+
+
+def _remembered(owner: object) -> bool:
+    try:
+        return owner in _LOOPING
+    except TypeError:
+        return False
 
 
 def _loop(fn: Callable, in_dims: tuple, *args):

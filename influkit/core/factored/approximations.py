@@ -42,6 +42,7 @@ class Approximation:
 
     name: ClassVar[str] = ""
     needs_stage: ClassVar[bool] = True  # fitted from the stage's model and data, not from the operator's products
+    depends_on: ClassVar[tuple[str, ...]] = ()  # the CurvatureConfig settings its fit reads (besides the operator)
 
     @classmethod
     def fit(cls, operator, config, *, memory: int | None = None, progress: bool = False):
@@ -59,6 +60,7 @@ class Arnoldi(Approximation):
     """The top-``rank`` Lanczos eigenpairs (θ, V) of H: (H + λI)⁻¹ ≈ V diag(1/(θ + λ)) Vᵀ (:mod:`.arnoldi`)."""
 
     needs_stage = False
+    depends_on = ("rank", "seed")
 
     @classmethod
     def fit(cls, operator, config, *, memory=None, progress=False):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 import torch
-from tqdm.auto import tqdm
+from ..progress import steps as progress_steps
 
 from ..errors import InputError
 
@@ -39,7 +39,7 @@ def lanczos(operator, rank: int, iterations: int | None = None, *, seed: int = 0
     basis[:, 0] = q / q.norm()
     alphas, betas = [], []
     products = 0
-    for j in tqdm(range(steps), desc="Lanczos", disable=not progress, leave=False):
+    for j in progress_steps(range(steps), "Lanczos", progress):
         w = operator.matvec(basis[:, j].to(operator.dtype)).to(torch.float64)
         products += 1
         alpha = float(basis[:, j] @ w)

@@ -46,7 +46,7 @@ from typing import ClassVar
 
 import torch
 from torch.func import grad
-from tqdm.auto import tqdm
+from ..progress import steps as progress_steps
 
 from .. import distributed
 from ..errors import FileFormatError, InputError, warn
@@ -312,6 +312,12 @@ class FactoredCurvature:
         tops = [float(b.eigenvalues.max()) + b.shift if isinstance(b, KroneckerBlock) else float((b.values + b.shift).max())
                 for b in self.blocks]
         return max(tops) if tops else 0.0
+
+    def smallest(self) -> float:
+        """The smallest eigenvalue of C."""
+        lows = [float(b.eigenvalues.min()) + b.shift if isinstance(b, KroneckerBlock) else float((b.values + b.shift).min())
+                for b in self.blocks]
+        return min(lows) if lows else 0.0
 
     def mean_eigenvalue(self) -> float:
         """trace(C)/p: the scale kronfluence's heuristic damping (0.1 × this) uses."""
@@ -680,8 +686,7 @@ class FactorFit:
         self.pseudo, self.passes = None, self.passes + 1
         cached = 0
         batches = -(-len(self.local) // self.batch_size)
-        for start in tqdm(range(0, len(self.local), self.batch_size), total=batches, desc=label,
-                          disable=not self.progress, leave=False):
+        for start in progress_steps(range(0, len(self.local), self.batch_size), label, self.progress, batches):
             index = self.local[start : start + self.batch_size]
             x, y = next(iter(self.stage.batches(index, self.batch_size)))
             labelled = lambda outputs, targets: partial(self._labels(outputs, targets), index=index)  # noqa: E731
@@ -917,6 +922,7 @@ class _Factored(Approximation):
     of each kind says which passes of a :class:`FactorFit` it runs (``passes``)."""
 
     kronecker: ClassVar[bool] = True  # False: no Kronecker factors (no layer is too wide for them)
+    depends_on = ("fisher", "seed")
 
     @classmethod
     def fit(cls, operator, config, *, memory=None, progress=False):
