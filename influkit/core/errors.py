@@ -9,8 +9,10 @@ import warnings
 
 import torch
 
-# frames in these directories are library code: a warning is attributed to the first frame outside them
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+# frames in these directories are library code: a warning is attributed to the first frame outside them (influkit's
+# folder, which holds core/, methods/ and integrations/, and torch's)
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+                 os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 _LIBRARY_FILES = (os.path.abspath(contextlib.__file__), os.path.abspath(functools.__file__))
 
 
