@@ -298,3 +298,58 @@ def _failing_worker(rank: int, world: int, init_file: str, out: str) -> None:
 
 def test_a_failing_rank_fails_the_others(tmp_path):
     assert_a_failing_rank_fails_the_others(_failing_worker, tmp_path)
+
+
+JOB_FACTORY = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    import test_index as t
+
+    def build(device):
+        stage, chain = t.problem(1)
+        return {{"stages": chain.stages, "links": chain.links, "test": torch.arange(8)}}
+    """
+)
+
+JOB = textwrap.dedent(
+    """
+    factory = "index_factory:build"
+    out = "scores"
+    device = "cpu"
+    [solve]
+    solver = "direct"
+    damping = 0.1
+    [index]
+    directory = "the-index"
+    projection = "identity"
+    shard_size = 16
+    top = 3
+    """
+)
+
+
+def test_cli_builds_and_queries_an_index_from_a_job_file(tmp_path, capsys):
+    from influkit.cli import main
+
+    (tmp_path / "index_factory.py").write_text(JOB_FACTORY.format(tests=str(TESTS)))
+    (tmp_path / "job.toml").write_text(JOB)
+    try:
+        assert main(["index", "build", str(tmp_path / "job.toml"), "--quiet"]) == 0
+        assert "40 rows × 147" in capsys.readouterr().out
+        with pytest.warns(ik.StationarityWarning):
+            assert main(["index", "query", str(tmp_path / "job.toml"), "--quiet"]) == 0
+        assert "top 3 re-scored exactly" in capsys.readouterr().out
+    finally:
+        sys.modules.pop("index_factory", None)
+    with pytest.warns(ik.StationarityWarning):
+        _, chain = problem(1)
+        truth = chain.query(torch.arange(8)).scores().values
+    import numpy as np
+
+    torch.testing.assert_close(torch.from_numpy(np.load(tmp_path / "scores" / "values.npy")), truth, rtol=0, atol=1e-10)
+    top = ik.load(tmp_path / "scores" / "top.safetensors")
+    assert top.index.tolist() == truth.argsort(descending=True)[:3].tolist()
+    (tmp_path / "bad.toml").write_text(JOB.replace("top = 3", "tops = 3"))
+    assert main(["index", "build", str(tmp_path / "bad.toml")]) == 2
+    assert "unknown [index] settings ['tops']" in capsys.readouterr().err

@@ -84,6 +84,11 @@ class GradientIndex:
         """The index in ``directory``."""
         return cls(directory)
 
+    @staticmethod
+    def exists(directory: str | Path) -> bool:
+        """Whether ``directory`` holds an index (its manifest)."""
+        return ShardFiles(directory).exists()
+
     def __repr__(self) -> str:
         m = self.manifest
         return (f"GradientIndex({self.directory}, {self.n_rows} rows × {self.width}, {m['config']['projection']}, "
