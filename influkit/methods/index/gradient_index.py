@@ -37,7 +37,7 @@ from .projections import FlatBlock, KroneckerBlock
 from .shards import FORMAT, PROJECTIONS, PROJECTIONS_KIND, VERSION, ShardFiles, checkpoint_fingerprint, data_digest
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-DEFAULT_DIM = 1024  # numbers per example: 4 KB a row in float32
+DEFAULT_DIM = 1000  # numbers per example: 4,000 bytes a row in float32
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ class IndexConfig:
     uncompressed: D = the number of trained parameters) or "eigenbasis" (the top eigenvectors of each side of a
     fitted K-FAC/EK-FAC curvature, passed to :meth:`GradientIndex.build` as ``factored``);
     dtype: the rows' dtype ("float32", "float64", ...; None: the trained parameters'); shard_size: rows per shard
-    file; batch_size: examples per forward/backward.
+    file; batch_size: examples per forward/backward (8: on a CPU a batch that stays near the caches; the forward and
+    backward dominate, as in contraction scoring, :data:`influkit.scoring.CPU_CHUNK_BYTES`).
     """
 
     dim: int = DEFAULT_DIM
@@ -57,7 +58,7 @@ class IndexConfig:
     seed: int = 0
     dtype: str | None = None
     shard_size: int = 4096
-    batch_size: int = 32
+    batch_size: int = 8
 
     def __post_init__(self):
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -198,10 +199,11 @@ class GradientIndex:
         distributed.barrier()
 
     # ---- checking and layout
-    def check(self, stage: Stage, names=None, *, data: bool = True) -> None:
-        """Raise :class:`IndexMismatchError` unless ``stage`` (its checkpoint, trained ``names`` and, with ``data``,
-        its examples) is the one indexed, with every shard on disk."""
-        _check(self.manifest, stage, list(stage.param_names if names is None else names), None, data=data)
+    def check(self, stage: Stage, names=None, *, checkpoint: bool = True, data: bool = True) -> None:
+        """Raise :class:`IndexMismatchError` unless ``stage`` (its trained ``names``, with ``checkpoint`` its model's
+        values, with ``data`` its examples) is the one indexed, with every shard on disk."""
+        _check(self.manifest, stage, list(stage.param_names if names is None else names), None,
+               checkpoint=checkpoint, data=data)
         if not self.complete:
             raise IndexMismatchError(f"{self.directory}: some shards are missing (an interrupted build); run the same "
                                      "GradientIndex.build (or append) again to finish it.")
@@ -248,14 +250,18 @@ class GradientIndex:
         per test point. ``removal`` = −values/m as for any result."""
         plan = query.chain.plans[0]
         start = time.perf_counter()
-        self.check(plan.stage, plan.trained, data=check_data)
+        self.check(plan.stage, plan.trained, data=False)
+        fingerprinted = time.perf_counter()
+        if check_data:
+            self.check(plan.stage, plan.trained, checkpoint=False)
         checked = time.perf_counter()
         s = self.directions(query).cpu()
         blocks = []
         for _, rows in tqdm(list(self.shards()), desc="index scores", disable=not progress, leave=False):
             blocks.append(rows @ s)
         values = -torch.cat(blocks).to(query.s.dtype)
-        seconds = dict(query.seconds) | {"index_check": checked - start, "index_product": time.perf_counter() - checked}
+        seconds = dict(query.seconds) | {"index_checkpoint": fingerprinted - start, "index_data": checked - fingerprinted,
+                                         "index_check": checked - start, "index_product": time.perf_counter() - checked}
         return InfluenceResult(
             values=values if query.per_test else values.reshape(-1), n_train=len(plan.stage),
             method=f"{query.chain.method} (gradient index)",
@@ -324,14 +330,15 @@ def _plan_shards(stage: Stage, start: int, stop: int, size: int) -> list[dict]:
             for s in range(start, stop, size)]
 
 
-def _check(manifest: dict, stage: Stage, names, config: IndexConfig | None, *, data: bool = True) -> None:
+def _check(manifest: dict, stage: Stage, names, config: IndexConfig | None, *, checkpoint: bool = True,
+           data: bool = True) -> None:
     """IndexMismatchError naming what differs between the index's manifest and ``stage`` (and ``config``)."""
     where = "the index"
     if list(names) != manifest["names"]:
         raise IndexMismatchError(f"{where} holds gradients over other parameters ({len(manifest['names'])} names, "
                                  f"e.g. {manifest['names'][:3]}) than the stage trains ({list(names)[:3]}...); "
                                  "build an index for these parameters.")
-    if checkpoint_fingerprint(stage, names) != manifest["checkpoint"]:
+    if checkpoint and checkpoint_fingerprint(stage, names) != manifest["checkpoint"]:
         raise IndexMismatchError(f"{where} was built at another checkpoint: the stage model's parameter or buffer "
                                  "values differ from those indexed. Load the indexed checkpoint, or build a new index.")
     if config is not None and config.summary() != manifest["config"]:
