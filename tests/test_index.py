@@ -148,6 +148,7 @@ def test_eigenbasis_projection_of_full_size_is_exact(case1, tmp_path):
     full = GradientIndex.build(stage, tmp_path / "full", IndexConfig(projection="eigenbasis", dim=10**6),
                                factored=factored)
     torch.testing.assert_close(full.scores(query).values, query.scores().values, rtol=0, atol=1e-10)
+    assert {b["basis"] for b in full.manifest["blocks"] if b["kind"] == "kronecker"} == {"eigenbasis"}
     small = GradientIndex.build(stage, tmp_path / "small", IndexConfig(projection="eigenbasis", dim=64),
                                 factored=factored)
     assert small.width < full.width

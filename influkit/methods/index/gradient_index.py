@@ -217,6 +217,7 @@ class GradientIndex:
             for i, block in enumerate(layout.blocks):
                 if isinstance(block, KroneckerBlock):
                     block.p_out, block.p_in = tensors.get(f"block{i}.p_out"), tensors.get(f"block{i}.p_in")
+                    block.basis = meta["blocks"][i].get("basis") if i < len(meta["blocks"]) else block.basis
                 elif isinstance(block, FlatBlock):
                     block.projection = tensors.get(f"block{i}.projection")
             if layout.describe() != meta["blocks"]:

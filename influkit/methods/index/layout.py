@@ -63,12 +63,14 @@ class Layout:
         for i, layer in enumerate(layers):
             if shapes[i][0] == "kronecker":
                 p_out = p_in = None
-                if projection == "random":
+                sides = eigen_sides(layer, factored, *ks[i], dtype) if projection == "eigenbasis" else None
+                if sides is not None:
+                    blocks.append(KroneckerBlock(layer, *sides, basis="eigenbasis"))
+                    continue
+                if projection != "identity":
                     p_out = random_projection(ks[i][0], shapes[i][1][0], generator, dtype)
                     p_in = random_projection(ks[i][1], shapes[i][1][1], generator, dtype)
-                elif projection == "eigenbasis":
-                    p_out, p_in = eigen_sides(layer, factored, *ks[i], dtype)
-                blocks.append(KroneckerBlock(layer, p_out, p_in))
+                blocks.append(KroneckerBlock(layer, p_out, p_in, basis=projection if projection == "identity" else "random"))
             else:
                 p = None if ks[i] is None else random_projection(ks[i][0], layer.size, generator, dtype)
                 blocks.append(FlatBlock(layer.name, layer.params, [state[n].numel() for n in layer.params], layer, p))

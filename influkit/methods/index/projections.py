@@ -21,7 +21,8 @@ unbiased (and exact on a side kept whole, k = d); with ``projection="identity"``
 ``projection="eigenbasis"`` takes P_out and P_in from a fitted K-FAC/EK-FAC curvature's eigenbases instead: the
 k eigenvectors of each side that carry the most gradient second moment (the eigenvalue matrix E of M's block,
 E[o, i] = E[(Q_outᵀ ∇M Q_in)²_oi], summed over the other side), an orthogonal projection onto the subspace
-where the gradients live (exact when k is the full size).
+where the gradients live (exact when k is the full size); a layer the curvature gave no Kronecker block (and every
+flat block) takes random projections, and its ``basis`` in the layout says so.
 
 The dimension rule (:func:`allot`): ``dim`` numbers per example in all, shared equally among the blocks
 (b = ⌊dim / #blocks⌋, at least 1); a Kronecker block takes k_in = min(d_in, ⌊√b⌋) and k_out = min(d_out, ⌊b / k_in⌋),
@@ -67,8 +68,8 @@ class KroneckerBlock(Block):
 
     kind = "kronecker"
 
-    def __init__(self, layer: Layer, p_out: torch.Tensor | None, p_in: torch.Tensor | None):
-        self.layer, self.p_out, self.p_in = layer, p_out, p_in
+    def __init__(self, layer: Layer, p_out: torch.Tensor | None, p_in: torch.Tensor | None, basis: str = "random"):
+        self.layer, self.p_out, self.p_in, self.basis = layer, p_out, p_in, basis
         self.params = layer.params
         self.d_out, self.d_in = kronecker_sides(layer)
 
@@ -129,7 +130,7 @@ class KroneckerBlock(Block):
 
     def describe(self):
         return {"kind": self.kind, "layer": self.layer.name, "module": self.layer.kind, "params": self.params,
-                "sides": [self.d_out, self.d_in], "k": [self.k_out, self.k_in], "width": self.width}
+                "sides": [self.d_out, self.d_in], "k": [self.k_out, self.k_in], "width": self.width, "basis": self.basis}
 
 
 class FlatBlock(Block):
@@ -215,13 +216,13 @@ def random_projection(rows: int, cols: int, generator: torch.Generator, dtype: t
     return (q.T * math.sqrt(cols / rows)).to(dtype).contiguous()
 
 
-def eigen_sides(layer: Layer, factored, k_out: int, k_in: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def eigen_sides(layer: Layer, factored, k_out: int, k_in: int, dtype: torch.dtype):
     """(P_out, P_in) from a fitted factored curvature's block of ``layer``: each side's k eigenvectors of most
-    gradient second moment (the eigenvalue matrix summed over the other side), as rows."""
+    gradient second moment (the eigenvalue matrix summed over the other side), as rows; None where the curvature
+    gave the layer no Kronecker block (a diagonal one: its factors did not fit the memory budget)."""
     block = next((b for b in getattr(factored, "blocks", []) if getattr(b, "layer", None) == layer.name), None)
     if block is None:
-        raise InputError(f"projection='eigenbasis': the factored curvature has no Kronecker block for layer "
-                         f"{layer.name!r}; fit it on the index's stage and parameters (kind 'kfac' or 'ekfac').")
+        return None
     energy = block.eigenvalues.to(torch.float64)
     rows_basis = block.left if block.left is not None else torch.eye(block.rows, dtype=torch.float64)
     rows_basis, cols_basis = rows_basis.to(torch.float64), block.right.to(torch.float64)
