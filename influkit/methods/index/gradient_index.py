@@ -257,12 +257,14 @@ class GradientIndex:
             self.check(plan.stage, plan.trained, checkpoint=False)
         checked = time.perf_counter()
         s = self.directions(query).cpu()
+        compressed = time.perf_counter()
         blocks = []
         for _, rows in tqdm(list(self.shards()), desc="index scores", disable=not progress, leave=False):
             blocks.append(rows @ s)
         values = -torch.cat(blocks).to(query.s.dtype)
         seconds = dict(query.seconds) | {"index_checkpoint": fingerprinted - start, "index_data": checked - fingerprinted,
-                                         "index_check": checked - start, "index_product": time.perf_counter() - checked}
+                                         "index_check": checked - start, "index_directions": compressed - checked,
+                                         "index_product": time.perf_counter() - compressed}
         return InfluenceResult(
             values=values if query.per_test else values.reshape(-1), n_train=len(plan.stage),
             method=f"{query.chain.method} (gradient index)",
