@@ -2,7 +2,7 @@
 contraction pass, for new finetunes (a Case 1 head, a LoRA adapter) and 100 test examples (issue 40).
 
 Model: ``BertForMaskedLM`` from a config with random weights (cost, not fidelity; float32): ``--layers`` 2,
-``--hidden`` 256, vocabulary 30,522 (the 5.4 M-class BERT of bench_transformer; ``--model minilm`` takes
+``--hidden`` 256, vocabulary 30,522 (bench_transformer's small BERT, 9.6 M parameters; ``--model minilm`` takes
 all-MiniLM-L6-v2's shape: 6 layers, hidden 384), stage 1 the masked-LM loss (token-summed cross-entropy, 15 %
 masked) over ``--sequences`` random token-id sequences of ``--length`` tokens, its trained parameters the encoder
 layers. The chain's stage-1 solve is EK-FAC fitted on ``--fit-samples`` sequences (λ = 0.1 × mean eigenvalue),
@@ -23,7 +23,7 @@ weights: a check of the compression, not the fidelity study, which is studies/fi
 
 Rates are per sequence; the extrapolation to ``--extrapolate`` sequences multiplies them (labelled as such).
 
-    python -m benchmarks.bench_index --sequences 1000 --tag bert          # ≈ 10 min on 2 shared cores
+    python -m benchmarks.bench_index --sequences 400 --fit-samples 64 --tag bert   # ≈ 25 min on 2 busy shared cores
     python -m benchmarks.bench_index --quick                              # 100 sequences
 """
 
