@@ -99,6 +99,26 @@ def test_uncompressed_scores_equal_the_chains_contraction(case, tmp_path):
     assert kinds == {"kronecker", "flat"} and any(b["layer"] is None for b in index.manifest["blocks"] if b["kind"] == "flat")
 
 
+@pytest.mark.filterwarnings("ignore::influkit.StationarityWarning")
+def test_a_lora_finetune_of_gpt2_is_scored_exactly_by_an_uncompressed_index(tmp_path):
+    """GPT-2's Conv1D (weights stored (in, out)), its embedding tied to the decoder (one parameter, two layers), and
+    a LoRA stage linked in Case 1: the index's scores are the chain's."""
+    pytest.importorskip("peft")
+    from influkit import hf
+    from test_hf_lm import completions, lora_model, pretrain_stage
+
+    pre = pretrain_stage("gpt2")
+    fin = hf.causal_lm_stage(lora_model(pre, "gpt2"), completions(8, 5))
+    chain = ik.Chain([pre, fin], [hf.lora_link(pre, fin, case=1)], solve=ik.SolveConfig(solver="direct", damping=0.1))
+    query = chain.query(hf.pack(completions(3, 9)), per_test=True)
+    index = GradientIndex.build(pre, tmp_path / "index", EXACT)
+    assert {b["module"] for b in index.manifest["blocks"] if b["kind"] == "kronecker"} >= {"conv1d-transposed",
+                                                                                         "embedding", "linear"}
+    truth = query.scores().values
+    assert truth.abs().max() > 1e-4
+    torch.testing.assert_close(index.scores(query).values, truth, rtol=0, atol=1e-10)
+
+
 def test_single_stage_and_rows_are_the_per_example_gradients(tmp_path):
     stage, _ = problem(1)
     index = GradientIndex.build(stage, tmp_path / "index", EXACT)
