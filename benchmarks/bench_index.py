@@ -23,7 +23,7 @@ weights: a check of the compression, not the fidelity study, which is studies/fi
 
 Rates are per sequence; the extrapolation to ``--extrapolate`` sequences multiplies them (labelled as such).
 
-    python -m benchmarks.bench_index --sequences 400 --fit-samples 64 --tag bert   # ≈ 25 min on 2 busy shared cores
+    python -m benchmarks.bench_index --sequences 400 --fit-samples 64 --tag bert   # the committed run
     python -m benchmarks.bench_index --quick                              # 100 sequences
 """
 
