@@ -13,6 +13,7 @@ from .ensemble import Ensemble
 from .errors import (
     ConvergenceWarning,
     FileFormatError,
+    IndexMismatchError,
     InfluenceError,
     InputError,
     LossError,
@@ -37,7 +38,7 @@ from .stage import Stage
 # Method and application packages load on first use (``ik.ssl``, ``ik.validation``, ...), so `import influkit`
 # stays the core: no h5py (elmo), transformers (hf), pandas (validation, ssl) or matplotlib (apps); the optional
 # dependencies are extras (influkit/extras.py).
-_LAZY = ("apps", "elmo", "hf", "ssl", "turnover", "unrolled", "validation")
+_LAZY = ("apps", "elmo", "hf", "index", "ssl", "turnover", "unrolled", "validation")
 
 
 def __getattr__(name: str):
@@ -80,6 +81,7 @@ __all__ = [
     "SolveConfig",
     "Stage",
     "elmo",
+    "index",
     "influence",
     "load",
     "load_query",

@@ -70,6 +70,10 @@ class MissingDependencyError(InfluenceError, ImportError):
     """An optional dependency is not installed; the message names the extra that installs it (``influkit[elmo]``...)."""
 
 
+class IndexMismatchError(InfluenceError, ValueError):
+    """A gradient index used with another checkpoint, other data or other settings than it was built from."""
+
+
 class DataUnavailable(InfluenceError, RuntimeError):
     """A data set that is not on this machine and could not be fetched; the message says how to get it."""
 

@@ -6,6 +6,7 @@
 | sklearn      | scikit-learn | apps     | the digits data of :mod:`influkit.apps` (``influkit demo``) |
 | matplotlib   | matplotlib   | plot     | the report page, :mod:`influkit.apps` plots             |
 | scipy        | scipy        | unrolled | ``ik.unrolled.approximate(..., top=k)`` (ARPACK's Lanczos) |
+| faiss        | faiss-cpu    | index    | approximate top-k search of a gradient index (``ann=True``) |
 
 ``pip install influkit`` needs none of them (``apps`` installs ``plot`` too; ``dev`` installs all of them).
 """
@@ -18,7 +19,7 @@ from types import ModuleType
 from .errors import MissingDependencyError
 
 EXTRAS = {"h5py": ("h5py", "elmo"), "sklearn": ("scikit-learn", "apps"), "matplotlib": ("matplotlib", "plot"),
-          "scipy": ("scipy", "unrolled")}
+          "scipy": ("scipy", "unrolled"), "faiss": ("faiss-cpu", "index")}
 
 
 def require(module: str, purpose: str) -> ModuleType:

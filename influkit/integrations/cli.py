@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     score = sub.add_parser("score", help="run a scoring job from a TOML/YAML config (works under torchrun)")
     score.add_argument("config", type=Path, help="the job's config file (see influkit.jobs)")
     score.add_argument("--quiet", action="store_true", help="no progress bars")
+    index = sub.add_parser("index", help="build or query a gradient index from a TOML/YAML config (influkit.index.job)")
+    index.add_argument("action", choices=("build", "query"), help="build (or resume, or append to) the index of "
+                       "stage 1; query it with the chain's test set")
+    index.add_argument("config", type=Path, help="the job's config file with an [index] table")
+    index.add_argument("--quiet", action="store_true", help="no progress bars")
     page = sub.add_parser("report", help="a self-contained HTML page of a saved result (influkit.report)")
     page.add_argument("result", type=Path, help="a result file written by InfluenceResult.save")
     page.add_argument("-o", "--output", type=Path, default=None, help="the HTML file (default: RESULT.html)")
@@ -136,6 +141,10 @@ def _run(args) -> int:
         from .jobs import main as score_main
 
         return score_main(args.config, quiet=args.quiet)
+    if args.command == "index":
+        from .index.job import main as index_main
+
+        return index_main(args.action, args.config, quiet=args.quiet)
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()

@@ -38,7 +38,8 @@ from .results import InfluenceResult
 from .solvers import SolveConfig
 from .stage import Stage
 
-KEYS = {"factory", "out", "chunk_size", "per_test", "device", "solve", "curvature", "timeout_seconds"}
+KEYS = {"factory", "out", "chunk_size", "per_test", "device", "solve", "curvature", "timeout_seconds",
+        "index"}  # [index]: influkit index build|query (influkit.index.job)
 
 
 def read_config(path: str | Path) -> dict:

@@ -1,0 +1,359 @@
+"""``GradientIndex``: a stage's per-example gradients, compressed and written to disk once, scored against any query.
+
+Built once from a stage (a pretraining stage: its model at the checkpoint and its data), the index holds for
+every example z one row c(z) of D numbers, the compressed gradient ∇ℓ(z) (:mod:`.projections`). A
+:class:`~influkit.chain.Query` of any chain whose stage 1 is that stage — a new finetuned head (Case 1), a
+finetuned encoder (Case 2), a LoRA adapter, a new test set, summed or per test point — gives the adjoint s on
+stage 1's trained parameters; the index compresses it the same way to s̃ (D × k) and
+
+    I(z, T) ≈ −c(z)ᵀ s̃      for every z at once: one matrix product over the shards
+
+(the chain's sign convention: I(z, T) = −∇ℓ(z)ᵀ s, positive = harmful; ``removal`` = −values/m). With identity
+projections (``projection="identity"``) the rows are the exact per-example gradients and so are the scores.
+:meth:`GradientIndex.top` re-scores the candidates exactly (contraction, :meth:`Query.scores` on those rows only).
+
+Before scoring, the query's stage 1 is checked against the index: the checkpoint (every value of its model's
+state), the trained parameter names and the data (the digest of each shard's examples); any difference is an
+:class:`~influkit.errors.IndexMismatchError`. Under ``torch.distributed`` a build's shards are split over the ranks
+(each writes its own, disjoint) and a query is computed on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import distributed, files
+from ..errors import IndexMismatchError, InputError
+from ..results import InfluenceResult
+from ..scoring import rank_chunks, release_freed_memory
+from ..stage import Stage
+from .layout import Layout
+from .projections import FlatBlock, KroneckerBlock
+from .shards import FORMAT, PROJECTIONS, PROJECTIONS_KIND, VERSION, ShardFiles, checkpoint_fingerprint, data_digest
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+DEFAULT_DIM = 1000  # numbers per example: 4,000 bytes a row in float32
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """How an index is built.
+
+    dim: numbers per example in all (the dimension rule of :mod:`.projections` shares them among the layers);
+    projection: "random" (LoGra-style random Kronecker projections, seeded by ``seed``), "identity" (exact,
+    uncompressed: D = the number of trained parameters) or "eigenbasis" (the top eigenvectors of each side of a
+    fitted K-FAC/EK-FAC curvature, passed to :meth:`GradientIndex.build` as ``factored``);
+    dtype: the rows' dtype ("float32", "float64", ...; None: the trained parameters'); shard_size: rows per shard
+    file; batch_size: examples per forward/backward (8: on a CPU a batch that stays near the caches; the forward and
+    backward dominate, as in contraction scoring, :data:`influkit.scoring.CPU_CHUNK_BYTES`).
+    """
+
+    dim: int = DEFAULT_DIM
+    projection: str = "random"
+    seed: int = 0
+    dtype: str | None = None
+    shard_size: int = 4096
+    batch_size: int = 8
+
+    def __post_init__(self):
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InputError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}.")
+        if self.shard_size < 1 or self.batch_size < 1:
+            raise InputError("shard_size and batch_size must be ≥ 1.")
+
+    def summary(self) -> dict:
+        return asdict(self)
+
+
+class GradientIndex:
+    """An index on disk in ``directory`` (open one with :meth:`open`, make one with :meth:`build`)."""
+
+    def __init__(self, directory: str | Path):
+        self.files = ShardFiles(directory)
+        if not self.files.exists():
+            raise InputError(f"{directory} holds no gradient index; build one with GradientIndex.build(stage, directory).")
+        self.manifest = self.files.read_manifest()
+        self._layouts: dict[int, Layout] = {}
+
+    @classmethod
+    def open(cls, directory: str | Path) -> "GradientIndex":
+        """The index in ``directory``."""
+        return cls(directory)
+
+    @staticmethod
+    def exists(directory: str | Path) -> bool:
+        """Whether ``directory`` holds an index (its manifest)."""
+        return ShardFiles(directory).exists()
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return (f"GradientIndex({self.directory}, {self.n_rows} rows × {self.width}, {m['config']['projection']}, "
+                f"{len(m['shards'])} shards)")
+
+    @property
+    def directory(self) -> Path:
+        return self.files.directory
+
+    @property
+    def n_rows(self) -> int:
+        return sum(s["stop"] - s["start"] for s in self.manifest["shards"])
+
+    @property
+    def width(self) -> int:
+        """D: numbers per example."""
+        return int(self.manifest["width"])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.manifest["dtype"]]
+
+    @property
+    def bytes_per_example(self) -> int:
+        return self.width * torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def complete(self) -> bool:
+        """Whether every planned shard is on disk."""
+        return all(self.files.has(c, s["stop"] - s["start"], self.width) for c, s in enumerate(self.manifest["shards"]))
+
+    # ---- building
+    @classmethod
+    def build(cls, stage: Stage, directory: str | Path, config: IndexConfig = IndexConfig(), *, factored=None,
+              progress: bool = False) -> "GradientIndex":
+        """Index every example of ``stage`` (its trained parameters, at its model's current values) in ``directory``.
+
+        A directory that already holds this index (same checkpoint, settings and data) is resumed: only the shards
+        not on disk are computed. One that holds another index is refused (:class:`IndexMismatchError`); to add
+        examples use :meth:`append`. ``factored``: a fitted :class:`~influkit.factored.FactoredCurvature` of the
+        stage (``projection="eigenbasis"``). Under ``torch.distributed`` every rank calls it; the shards are split."""
+        files_ = ShardFiles(directory)
+        if distributed.rank() == 0:
+            if files_.exists():
+                manifest = files_.read_manifest()
+                _check(manifest, stage, stage.param_names, config)
+                if sum(s["stop"] - s["start"] for s in manifest["shards"]) != len(stage):
+                    raise IndexMismatchError(
+                        f"{directory} indexes {sum(s['stop'] - s['start'] for s in manifest['shards'])} examples, the "
+                        f"stage has {len(stage)}: add new examples with GradientIndex.open(dir).append(stage), or "
+                        "build into a new directory.")
+            else:
+                dtype = DTYPES[config.dtype] if config.dtype else next(
+                    iter(stage.state()[n] for n in stage.param_names)).dtype
+                layout = Layout.plan(stage, stage.param_names, projection=config.projection, dim=config.dim,
+                                     seed=config.seed, dtype=dtype, factored=factored)
+                files_.directory.mkdir(parents=True, exist_ok=True)
+                files.write(files_.directory / PROJECTIONS, PROJECTIONS_KIND, layout.tensors(), {"blocks": layout.describe()})
+                files_.write_manifest({
+                    "format": FORMAT, "version": VERSION, "checkpoint": checkpoint_fingerprint(stage, stage.param_names),
+                    "names": list(stage.param_names), "config": config.summary(), "width": layout.width,
+                    "dtype": str(dtype).removeprefix("torch."), "blocks": layout.describe(),
+                    "shards": _plan_shards(stage, 0, len(stage), config.shard_size)})
+        distributed.barrier()
+        index = cls(directory)
+        index._fill(stage, progress)
+        return index
+
+    def append(self, stage: Stage, *, progress: bool = False) -> "GradientIndex":
+        """Index the examples of ``stage`` past those already indexed (its data: the indexed examples, unchanged and
+        in order, then the new ones), without recomputing any row. Refused for another checkpoint or changed data.
+        Resumable like :meth:`build`. Returns self."""
+        config = IndexConfig(**self.manifest["config"])
+        if distributed.rank() == 0:
+            _check(self.manifest, stage, stage.param_names, config)
+            if len(stage) < self.n_rows:
+                raise IndexMismatchError(f"the stage has {len(stage)} examples, fewer than the {self.n_rows} indexed; "
+                                         "append needs the indexed examples first, then the new ones.")
+            if len(stage) > self.n_rows:
+                self.manifest["shards"] += _plan_shards(stage, self.n_rows, len(stage), config.shard_size)
+                self.files.write_manifest(self.manifest)
+        distributed.barrier()
+        self.manifest = self.files.read_manifest()
+        self._fill(stage, progress)
+        return self
+
+    def _fill(self, stage: Stage, progress: bool) -> None:
+        """Compute and write this rank's planned shards that are not on disk (rank r: the r-th contiguous range)."""
+        layout = self.layout(stage)
+        shards = self.manifest["shards"]
+        batch = self.manifest["config"]["batch_size"]
+        mine, _ = rank_chunks(len(shards), 1)
+        todo = [c for c in mine if not self.files.has(c, shards[c]["stop"] - shards[c]["start"], self.width)]
+        bar = tqdm(total=sum(shards[c]["stop"] - shards[c]["start"] for c in todo), desc="indexing",
+                   disable=not progress or distributed.rank() != 0, leave=False)
+        for c in todo:
+            start, stop = shards[c]["start"], shards[c]["stop"]
+            rows = torch.empty(stop - start, self.width, dtype=self.dtype)
+            for s in range(start, stop, batch):
+                x, y = stage.data.take(torch.arange(s, min(stop, s + batch)))
+                rows[s - start : s - start + x.shape[0]] = layout.rows(x, y, self.dtype).detach().cpu()
+                bar.update(x.shape[0])
+            self.files.put(c, rows)
+            del rows
+            release_freed_memory()
+        bar.close()
+        distributed.barrier()
+
+    # ---- checking and layout
+    def check(self, stage: Stage, names=None, *, checkpoint: bool = True, data: bool = True) -> None:
+        """Raise :class:`IndexMismatchError` unless ``stage`` (its trained ``names``, with ``checkpoint`` its model's
+        values, with ``data`` its examples) is the one indexed, with every shard on disk."""
+        _check(self.manifest, stage, list(stage.param_names if names is None else names), None,
+               checkpoint=checkpoint, data=data)
+        if not self.complete:
+            raise IndexMismatchError(f"{self.directory}: some shards are missing (an interrupted build); run the same "
+                                     "GradientIndex.build (or append) again to finish it.")
+
+    def layout(self, stage: Stage) -> Layout:
+        """The row layout on ``stage``'s model with the stored projections."""
+        if id(stage) not in self._layouts:
+            tensors, meta = files.read(self.directory / PROJECTIONS, PROJECTIONS_KIND)
+            layout = Layout.plan(stage, self.manifest["names"], projection="identity", dim=1, seed=0,
+                                 dtype=self.dtype)
+            for i, block in enumerate(layout.blocks):
+                if isinstance(block, KroneckerBlock):
+                    block.p_out, block.p_in = tensors.get(f"block{i}.p_out"), tensors.get(f"block{i}.p_in")
+                    block.basis = meta["blocks"][i].get("basis") if i < len(meta["blocks"]) else block.basis
+                elif isinstance(block, FlatBlock):
+                    block.projection = tensors.get(f"block{i}.projection")
+            if layout.describe() != meta["blocks"]:
+                raise IndexMismatchError(f"{self.directory}: the model's layers differ from those the index was built "
+                                         "on (another architecture or other trained parameters).")
+            for block in layout.blocks:
+                for name, t in block.tensors().items():
+                    setattr(block, name, t.to(stage.device))
+            self._layouts[id(stage)] = layout
+        return self._layouts[id(stage)]
+
+    def shards(self):
+        """(start, rows) of every shard in order, rows memory-mapped."""
+        for c, shard in enumerate(self.manifest["shards"]):
+            yield shard["start"], self.files.get(c)
+
+    def matrix(self) -> torch.Tensor:
+        """All rows (n_rows, D) in memory (for small indexes and tests)."""
+        return torch.cat([rows for _, rows in self.shards()]) if self.manifest["shards"] else \
+            torch.empty(0, self.width, dtype=self.dtype)
+
+    # ---- queries
+    def directions(self, query) -> torch.Tensor:
+        """(D, k) the query's adjoint s on stage 1, compressed like the rows (k = 1, or the test points)."""
+        plan = query.chain.plans[0]
+        return self.layout(plan.stage).directions(query.s, self.dtype)
+
+    def scores(self, query, *, check_data: bool = True, progress: bool = False) -> InfluenceResult:
+        """I(z, T) ≈ −c(z)ᵀ s̃ of every indexed example for a :class:`~influkit.chain.Query` whose chain's stage 1 is
+        the indexed stage (checked; ``check_data=False`` skips hashing its examples again): (m,) summed, or (m, n_test)
+        per test point. ``removal`` = −values/m as for any result."""
+        plan = query.chain.plans[0]
+        start = time.perf_counter()
+        self.check(plan.stage, plan.trained, data=False)
+        fingerprinted = time.perf_counter()
+        if check_data:
+            self.check(plan.stage, plan.trained, checkpoint=False)
+        checked = time.perf_counter()
+        s = self.directions(query).cpu()
+        compressed = time.perf_counter()
+        blocks = []
+        for _, rows in tqdm(list(self.shards()), desc="index scores", disable=not progress, leave=False):
+            blocks.append(rows @ s)
+        values = -torch.cat(blocks).to(query.s.dtype)
+        seconds = dict(query.seconds) | {"index_checkpoint": fingerprinted - start, "index_data": checked - fingerprinted,
+                                         "index_check": checked - start, "index_directions": compressed - checked,
+                                         "index_product": time.perf_counter() - compressed}
+        return InfluenceResult(
+            values=values if query.per_test else values.reshape(-1), n_train=len(plan.stage),
+            method=f"{query.chain.method} (gradient index)",
+            diagnostics={"stages": query.stages, "solves": query.solves, "seconds": seconds,
+                         "settings": query.settings() | {"index": self.describe()}})
+
+    def top(self, query, k: int = 10, *, candidates: int | None = None, harmful: bool = True, column: int | None = None,
+            ann: bool = False, chunk_size: int | None = None) -> InfluenceResult:
+        """The k most harmful (``harmful=False``: helpful) examples, ranked by exact scores: the index proposes
+        ``candidates`` rows (default max(4k, 100)) by its scores — summed over the test points, or of test point
+        ``column`` — and :meth:`Query.scores` re-scores exactly those rows by contraction. ``ann``: the candidates
+        from an approximate inner-product search (faiss HNSW, :mod:`.ann`) instead of scoring every row. The result's
+        rows are the k examples (``index``: their ids), ``diagnostics["index"]`` the candidates' index scores."""
+        if k < 1:
+            raise InputError(f"k must be ≥ 1, got {k}.")
+        m = self.n_rows
+        candidates = min(m, candidates or max(4 * k, 100))
+        plan = query.chain.plans[0]
+        start = time.perf_counter()
+        if ann:
+            from .ann import search
+
+            self.check(plan.stage, plan.trained)
+            s = self.directions(query).cpu()
+            direction = s[:, column] if column is not None else s.sum(1)
+            ids = search(self, direction if not harmful else -direction, candidates)
+            approx = -(self._rows_at(ids) @ direction)
+        else:
+            approx_all = self.scores(query)
+            key = approx_all.values if not approx_all.per_test else \
+                approx_all.values[:, column] if column is not None else approx_all.values.sum(1)
+            ids = key.argsort(descending=harmful)[:candidates]
+            approx = key[ids]
+        proposed = time.perf_counter()
+        exact = query.scores(ids, chunk_size=chunk_size)
+        key = exact.values if not exact.per_test else \
+            exact.values[:, column] if column is not None else exact.values.sum(1)
+        order = key.argsort(descending=harmful)[:k]
+        diagnostics = dict(exact.diagnostics)
+        diagnostics["index"] = self.describe() | {
+            "candidates": ids.tolist(), "candidate_scores": approx.tolist(), "ann": ann,
+            "seconds": {"candidates": proposed - start, "rescoring": time.perf_counter() - proposed}}
+        return InfluenceResult(values=exact.values[order], n_train=len(plan.stage), index=exact.index[order],
+                               method=f"{query.chain.method} (gradient index top-{k}, re-scored)",
+                               diagnostics=diagnostics)
+
+    def _rows_at(self, ids: torch.Tensor) -> torch.Tensor:
+        """(len(ids), D) the rows of examples ``ids``."""
+        out = torch.empty(ids.shape[0], self.width, dtype=self.dtype)
+        for start, rows in self.shards():
+            hit = (ids >= start) & (ids < start + rows.shape[0])
+            if hit.any():
+                out[hit] = rows[ids[hit] - start]
+        return out
+
+    def describe(self) -> dict:
+        """The index's settings, size and layout summary (JSON-friendly)."""
+        return {"directory": str(self.directory), "rows": self.n_rows, "width": self.width,
+                "dtype": self.manifest["dtype"], "bytes_per_example": self.bytes_per_example,
+                "config": self.manifest["config"], "checkpoint": self.manifest["checkpoint"],
+                "blocks": len(self.manifest["blocks"])}
+
+
+def _plan_shards(stage: Stage, start: int, stop: int, size: int) -> list[dict]:
+    return [{"start": s, "stop": min(stop, s + size), "data": data_digest(stage, s, min(stop, s + size))}
+            for s in range(start, stop, size)]
+
+
+def _check(manifest: dict, stage: Stage, names, config: IndexConfig | None, *, checkpoint: bool = True,
+           data: bool = True) -> None:
+    """IndexMismatchError naming what differs between the index's manifest and ``stage`` (and ``config``)."""
+    where = "the index"
+    if list(names) != manifest["names"]:
+        raise IndexMismatchError(f"{where} holds gradients over other parameters ({len(manifest['names'])} names, "
+                                 f"e.g. {manifest['names'][:3]}) than the stage trains ({list(names)[:3]}...); "
+                                 "build an index for these parameters.")
+    if checkpoint and checkpoint_fingerprint(stage, names) != manifest["checkpoint"]:
+        raise IndexMismatchError(f"{where} was built at another checkpoint: the stage model's parameter or buffer "
+                                 "values differ from those indexed. Load the indexed checkpoint, or build a new index.")
+    if config is not None and config.summary() != manifest["config"]:
+        changed = sorted(k for k, v in config.summary().items() if manifest["config"].get(k) != v)
+        raise IndexMismatchError(f"{where} was built with other settings ({', '.join(changed)} differ); pass the "
+                                 "same IndexConfig, or build into a new directory.")
+    if data:
+        indexed = sum(s["stop"] - s["start"] for s in manifest["shards"])
+        if config is None and indexed != len(stage):
+            raise IndexMismatchError(f"{where} holds {indexed} examples, the stage {len(stage)}: append the new "
+                                     "examples (GradientIndex.append) or query with the indexed data.")
+        for shard in manifest["shards"]:
+            if shard["stop"] > len(stage) or data_digest(stage, shard["start"], shard["stop"]) != shard["data"]:
+                raise IndexMismatchError(f"{where} was built on other data: examples {shard['start']}–{shard['stop'] - 1} "
+                                         "of the stage differ from those indexed (values or order). Build a new index.")

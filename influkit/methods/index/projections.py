@@ -1,0 +1,237 @@
+"""The per-layer compression of a gradient index: which block of a stage's trained parameters is projected how.
+
+Every trained parameter belongs to one block, and a block turns an example's gradient over its parameters into
+``width`` numbers, linearly, without forming that gradient where it is a sum of token outer products:
+
+- a Kronecker block (a registered layer with Kronecker structure: ``nn.Linear``, convolutions, transformers'
+  ``Conv1D``, ``nn.Embedding``): the per-example gradient of its block matrix M (d_out × d_in, output-gradient side
+  first; a trained bias is M's last input column, ā = [a; 1]) is Σ_t g_t ā_tᵀ, and the block stores
+
+      C = P_out (Σ_t g_t ā_tᵀ) P_inᵀ = Σ_t (P_out g_t)(P_in ā_t)ᵀ        (k_out × k_in)
+
+  computed from the projected tokens (LoGra's Kronecker-factored projection). An embedding's inputs are one-hot,
+  so P_in ā_t is the column P_in[:, x_t];
+- a flat block (normalization layers, whose per-example gradients Σ_t g_t ⊙ â_t cost what one contraction costs,
+  and every trained parameter no registered layer owns, from per-example gradients): C = P r, r the gradient row.
+
+A direction S over the same parameters (the chain's adjoint s) is compressed the same way, S̃ = P_out S_M P_inᵀ or
+P s, and ⟨C, S̃⟩ is the index's estimate of ⟨∇ℓ, s⟩. With ``projection="random"`` each P (k × d) has orthonormal rows spanning a
+uniformly random subspace, scaled by √(d/k) (a Gaussian matrix orthonormalized), so E[PᵀP] = I and the estimate is
+unbiased (and exact on a side kept whole, k = d); with ``projection="identity"`` every P is the identity and it is exact.
+``projection="eigenbasis"`` takes P_out and P_in from a fitted K-FAC/EK-FAC curvature's eigenbases instead: the
+k eigenvectors of each side that carry the most gradient second moment (the eigenvalue matrix E of M's block,
+E[o, i] = E[(Q_outᵀ ∇M Q_in)²_oi], summed over the other side), an orthogonal projection onto the subspace
+where the gradients live (exact when k is the full size); a layer the curvature gave no Kronecker block (and every
+flat block) takes random projections, and its ``basis`` in the layout says so.
+
+The dimension rule (:func:`allot`): ``dim`` numbers per example in all, shared equally among the blocks
+(b = ⌊dim / #blocks⌋, at least 1); a Kronecker block takes k_in = min(d_in, ⌊√b⌋) and k_out = min(d_out, ⌊b / k_in⌋),
+a flat block k = min(n, b). A block never stores more numbers than its own gradient has.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..errors import InputError
+from ..layers import Layer
+
+PROJECTIONS = ("random", "identity", "eigenbasis")
+
+
+class Block:
+    """One block of the index's row: ``width`` numbers compressing the gradient over ``params``."""
+
+    kind = "block"
+    params: list[str]
+
+    @property
+    def width(self) -> int:
+        raise NotImplementedError
+
+    def direction(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """(k, width) compressed directions from {param: (k, *shape)} (the same map as the gradient rows)."""
+        raise NotImplementedError
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        raise NotImplementedError
+
+
+class KroneckerBlock(Block):
+    """A Kronecker-structured layer: C = P_out (Σ_t g_t ā_tᵀ) P_inᵀ (None: the identity on that side)."""
+
+    kind = "kronecker"
+
+    def __init__(self, layer: Layer, p_out: torch.Tensor | None, p_in: torch.Tensor | None, basis: str = "random"):
+        self.layer, self.p_out, self.p_in, self.basis = layer, p_out, p_in, basis
+        self.params = layer.params
+        self.d_out, self.d_in = kronecker_sides(layer)
+
+    @property
+    def k_out(self) -> int:
+        return self.d_out if self.p_out is None else self.p_out.shape[0]
+
+    @property
+    def k_in(self) -> int:
+        return self.d_in if self.p_in is None else self.p_in.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.k_out * self.k_in
+
+    def compress(self, inp: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """(B, width) of one recorded call (its raw input and output-gradient), never forming Σ_t g_t ā_tᵀ."""
+        layer = self.layer
+        a, g = layer.inputs(inp), layer.grads(grad)
+        if layer.one_hot:
+            g = g * layer.token_mask(a).unsqueeze(-1).to(g.dtype)
+            if self.p_in is None:
+                a = torch.nn.functional.one_hot(a, self.d_in).to(g.dtype)
+            else:
+                a = self.p_in.T.to(g.dtype)[a]
+        else:
+            a = a.to(g.dtype)
+            if self.p_in is not None:
+                p = self.p_in.to(g.dtype)
+                a = a @ p[:, :-1].T + p[:, -1] if layer.bias is not None else a @ p.T
+            elif layer.bias is not None:
+                a = torch.cat([a, torch.ones(*a.shape[:-1], 1, dtype=a.dtype, device=a.device)], dim=-1)
+        if self.p_out is not None:
+            g = g @ self.p_out.T.to(g.dtype)
+        return torch.einsum("bto,bti->boi", g, a).reshape(g.shape[0], -1)
+
+    def matrix(self, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """(k, d_out, d_in) block matrices S_M of directions given per parameter as (k, *shape)."""
+        layer, module = self.layer, self.layer.module
+        w = parts[layer.weight]
+        k = w.shape[0]
+        w = w.reshape(k, *module.weight.shape)
+        m = w.transpose(1, 2) if layer.inputs_first else w.reshape(k, self.d_out, -1)
+        if layer.bias is not None:
+            m = torch.cat([m, parts[layer.bias].reshape(k, self.d_out, 1)], dim=2)
+        return m
+
+    def direction(self, parts):
+        m = self.matrix(parts)
+        if self.p_out is not None:
+            m = self.p_out.to(m.dtype) @ m
+        if self.p_in is not None:
+            m = m @ self.p_in.T.to(m.dtype)
+        return m.reshape(m.shape[0], -1)
+
+    def tensors(self):
+        return {k: v for k, v in (("p_out", self.p_out), ("p_in", self.p_in)) if v is not None}
+
+    def describe(self):
+        return {"kind": self.kind, "layer": self.layer.name, "module": self.layer.kind, "params": self.params,
+                "sides": [self.d_out, self.d_in], "k": [self.k_out, self.k_in], "width": self.width, "basis": self.basis}
+
+
+class FlatBlock(Block):
+    """Parameters compressed from their per-example gradient rows r: C = P r (P None: the identity).
+
+    ``layer``: the registered layer whose :meth:`~influkit.layers.Layer.example_gradients` give r (a normalization),
+    or None: r comes from per-example gradients (:func:`influkit.gradients.project_per_example_grads`)."""
+
+    kind = "flat"
+
+    def __init__(self, name: str, params: Sequence[str], sizes: Sequence[int], layer: Layer | None,
+                 projection: torch.Tensor | None):
+        self.name, self.params, self.sizes, self.layer, self.projection = name, list(params), list(sizes), layer, projection
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def width(self) -> int:
+        return self.size if self.projection is None else self.projection.shape[0]
+
+    def compress_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.projection is None else rows @ self.projection.T.to(rows.dtype)
+
+    def compress(self, inp: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """(B, width) of one recorded call of the block's layer."""
+        a, g = self.layer.inputs(inp), self.layer.grads(grad)
+        return self.compress_rows(torch.cat(self.layer.example_gradients(a.to(g.dtype), g), dim=1))
+
+    def directions_matrix(self, dtype: torch.dtype, device) -> torch.Tensor:
+        """(n, width): Pᵀ, what per-example gradients are multiplied by (the identity when P is)."""
+        if self.projection is None:
+            return torch.eye(self.size, dtype=dtype, device=device)
+        return self.projection.T.to(dtype)
+
+    def direction(self, parts):
+        k = next(iter(parts.values())).shape[0]
+        flat = torch.cat([parts[n].reshape(k, -1) for n in self.params], dim=1)
+        return self.compress_rows(flat)
+
+    def tensors(self):
+        return {} if self.projection is None else {"projection": self.projection}
+
+    def describe(self):
+        return {"kind": self.kind, "name": self.name, "params": self.params, "size": self.size, "width": self.width,
+                "layer": None if self.layer is None else self.layer.name}
+
+
+def kronecker_sides(layer: Layer) -> tuple[int, int]:
+    """(d_out, d_in) of a Kronecker layer's block matrix, output-gradient side first (d_in with a bias column)."""
+    if layer.one_hot:
+        vocab, dim = layer.shape
+        return dim, vocab
+    out, width = layer.features
+    return out, width + (layer.bias is not None)
+
+
+def allot(sizes: Sequence[tuple[str, tuple[int, ...]]], dim: int) -> list[tuple[int, ...]]:
+    """The dimension rule: per block ((kind, sides) with sides (d_out, d_in) or (n,)), its (k_out, k_in) or (k,)
+    out of ``dim`` numbers per example shared equally (module docstring)."""
+    if dim < 1:
+        raise InputError(f"dim (numbers per example in the index) must be ≥ 1, got {dim}.")
+    share = max(1, dim // max(len(sizes), 1))
+    out = []
+    for kind, sides in sizes:
+        if kind == "kronecker":
+            d_out, d_in = sides
+            k_in = min(d_in, max(1, math.isqrt(share)))
+            out.append((min(d_out, max(1, share // k_in)), k_in))
+        else:
+            out.append((min(sides[0], share),))
+    return out
+
+
+def random_projection(rows: int, cols: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """(rows, cols), rows ≤ cols: orthonormal rows spanning a uniformly random subspace (of a Gaussian matrix),
+    scaled by √(cols/rows), so that E[PᵀP] = I; with rows = cols, P is orthogonal and the projection exact."""
+    if rows >= cols:
+        return torch.eye(cols, dtype=dtype)
+    q, r = torch.linalg.qr(torch.randn(cols, rows, generator=generator, dtype=torch.float64))
+    q = q * torch.sign(torch.diagonal(r))  # the Haar-distributed basis (QR's signs fixed)
+    return (q.T * math.sqrt(cols / rows)).to(dtype).contiguous()
+
+
+def eigen_sides(layer: Layer, factored, k_out: int, k_in: int, dtype: torch.dtype):
+    """(P_out, P_in) from a fitted factored curvature's block of ``layer``: each side's k eigenvectors of most
+    gradient second moment (the eigenvalue matrix summed over the other side), as rows; None where the curvature
+    gave the layer no Kronecker block (a diagonal one: its factors did not fit the memory budget)."""
+    block = next((b for b in getattr(factored, "blocks", []) if getattr(b, "layer", None) == layer.name), None)
+    if block is None:
+        return None
+    energy = block.eigenvalues.to(torch.float64)
+    rows_basis = block.left if block.left is not None else torch.eye(block.rows, dtype=torch.float64)
+    rows_basis, cols_basis = rows_basis.to(torch.float64), block.right.to(torch.float64)
+    row_energy, col_energy = energy.sum(1), energy.sum(0)
+    # M's rows are the input side when the weight is stored (in, out) (an embedding, transformers' Conv1D)
+    if layer.inputs_first:
+        in_basis, in_energy, out_basis, out_energy = rows_basis, row_energy, cols_basis, col_energy
+    else:
+        out_basis, out_energy, in_basis, in_energy = rows_basis, row_energy, cols_basis, col_energy
+    p_out = out_basis[:, out_energy.argsort(descending=True)[:k_out]].T
+    p_in = in_basis[:, in_energy.argsort(descending=True)[:k_in]].T
+    return p_out.to(dtype).contiguous(), p_in.to(dtype).contiguous()
