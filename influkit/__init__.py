@@ -21,6 +21,7 @@ from .errors import (
     ModelModeError,
     NumericalError,
     ParameterError,
+    ProximalWarning,
     StationarityWarning,
     VectorizationWarning,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "NumericalError",
     "Operator",
     "ParameterError",
+    "ProximalWarning",
     "Query",
     "Solution",
     "StationarityWarning",
