@@ -261,7 +261,8 @@ def test_check_against_retraining_is_shown_with_its_noise_floor(digits_result, t
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Chromium not installed (apt-get install chromium)")
 def test_chromium_lays_out_the_strip_without_overlap_and_collapses_long_cells(digits_result, tmp_path):
     """Measured in a real browser (a script appended to a copy of the page, the DOM dumped after layout): no two
-    captions of the test-set strip overlap, and no cell of the solves table is taller than 120 px."""
+    captions of the test-set strip overlap or run together (8 px apart at least, text to text), and no cell of the solves table is taller
+    than 120 px."""
     import subprocess
 
     from influkit.report import CHROMIUM_FLAGS
@@ -272,12 +273,13 @@ def test_chromium_lays_out_the_strip_without_overlap_and_collapses_long_cells(di
     page = write_report(summed, tmp_path / "page.html", queries=test_x.reshape(-1, 8, 8),
                         query_labels=[f"digit {int(v)}" for v in test_y]).read_text()
     probe = """<script>
-      const boxes = [...document.querySelectorAll('.strip .queryitem .note')].map(e => e.getBoundingClientRect())
+      const text = e => { const r = document.createRange(); r.selectNodeContents(e); return r.getBoundingClientRect(); };
+      const boxes = [...document.querySelectorAll('.strip .queryitem .note')].map(text)  // the text's own extent
                                                                            .filter(b => b.width > 0);
       let overlaps = 0;
       for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
         const a = boxes[i], b = boxes[j];
-        if (a.left < b.right - 0.5 && b.left < a.right - 0.5 && a.top < b.bottom - 0.5 && b.top < a.bottom - 0.5) overlaps++;
+        if (a.left < b.right + 8 && b.left < a.right + 8 && a.top < b.bottom && b.top < a.bottom) overlaps++;  // < 8 px apart
       }
       const tallest = Math.max(...[...document.querySelectorAll('td')].map(e => e.getBoundingClientRect().height));
       document.body.setAttribute('data-probe', `${boxes.length} ${overlaps} ${Math.round(tallest)}`);

@@ -116,7 +116,8 @@ def check_retraining(
         if len(members) == 0 or not bool(((members >= 0) & (members < m)).all()):
             raise InputError(f"group {name!r} must be non-empty indices of the {m} stage-1 examples.")
         chosen[name] = members
-    removal = total * (-1.0 / m) if not torch.is_tensor(result.removal_eps) else total * result.removal_eps.cpu().double()
+    eps = result.removal_eps
+    removal = total * (eps.cpu().double() if torch.is_tensor(eps) else float(eps))  # the result's own removal
     position = {int(i): j for j, i in enumerate(ids.tolist())}
     predicted = {}
     for name, members in chosen.items():
