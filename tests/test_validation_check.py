@@ -89,6 +89,9 @@ def test_named_groups_and_bad_input(convex):
     check = check_retraining(res, retrain, k=2, seeds=1, random=0, groups={"first two": [0, 1]}, progress=False)
     row = check.table.set_index("group").loc["first two"]
     assert row["predicted"] == pytest.approx(float(res.removal[0] + res.removal[1]), rel=1e-12)
+    whole = ik.InfluenceResult(values=res.values, n_train=res.n_train, removal_eps=-1.0)  # e.g. unrolled: removal = −score
+    named = check_retraining(whole, retrain, k=2, seeds=1, random=0, groups={"first two": [0, 1]}, progress=False)
+    assert named.table.set_index("group").loc["first two", "predicted"] == pytest.approx(-float(res.values[:2].sum()))
     with pytest.raises(ik.InputError, match="k must be"):
         check_retraining(res, retrain, k=0, progress=False)
     with pytest.raises(ik.InputError, match="seeds"):
