@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # annotations only: matplotlib is the `plot` extra, loaded wh
 MAX_TEXT = 600  # characters of a text example shown
 STRIP = 16  # test examples shown in the strip of a summed result; the rest behind "all N test examples"
 MAX_QUERIES_STORED = 500  # test examples rendered into the page at most
-LONG_CELL = 80  # characters of a table cell shown before it is collapsed into <details>
+LONG_CELL = 60  # characters of a table cell shown before it is collapsed into <details> (one line of its start)
 
 _CSS = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 24px auto; max-width: 1100px;
@@ -63,7 +63,9 @@ h1 { font-size: 1.5em; margin-bottom: 0.2em; } h2 { font-size: 1.2em; border-bot
 .strip .queryitem.textitem { width: 220px; max-width: 220px; text-align: left; }
 .strip .queryitem .note { white-space: normal; overflow-wrap: anywhere; line-height: 1.2; }
 details.more { margin: 6px 0; } details.more > summary { cursor: pointer; color: #2471a3; font-size: 0.85em; }
-details.cell > summary { cursor: pointer; } details.cell { max-width: 420px; }
+details.cell > summary { cursor: pointer; white-space: nowrap; overflow: hidden; text-overflow: ellipsis;
+                         max-width: 260px; } details.cell[open] { min-width: 360px; }
+.tablewrap { overflow-x: auto; max-width: 100%; }
 .banner { border: 1px solid #e0b252; background: #fdf3dc; border-radius: 6px; padding: 8px 12px; margin: 10px 0; }
 .banner b { color: #8a5a00; }
 .card .text, .queryitem .text { white-space: pre-wrap; word-break: break-word; font-family: ui-monospace,
@@ -363,8 +365,7 @@ def _cell(value) -> str:
     text = _text(value)
     if len(text) <= LONG_CELL:
         return html.escape(text)
-    return (f'<details class="cell"><summary>{html.escape(text[:LONG_CELL - 20])}…</summary>'
-            f"{html.escape(text)}</details>")
+    return f'<details class="cell"><summary>{html.escape(text[:LONG_CELL])}…</summary>{html.escape(text)}</details>'
 
 
 def _html_table(rows: list[dict], columns: Sequence[str] | None = None) -> str:
@@ -372,7 +373,7 @@ def _html_table(rows: list[dict], columns: Sequence[str] | None = None) -> str:
     columns = list(columns or dict.fromkeys(k for row in rows for k in row))
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in columns)
     body = "".join("<tr>" + "".join(f"<td>{_cell(row.get(c))}</td>" for c in columns) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f'<div class="tablewrap"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
 def _settings(settings: dict) -> str:
