@@ -254,6 +254,9 @@ def test_check_against_retraining_is_shown_with_its_noise_floor(digits_result, t
     assert f"noise floor ±{check.noise_floor:.3g}" in text and text.count("<img") == 2
     # the table alone gives the same page; a leave-out frame with a noise floor draws it on the scatter
     assert write_report(summed, tmp_path / "t.html", validation=check.table).read_text() == text
+    attach(summed, validation=check).save(tmp_path / "r.safetensors")  # the check travels with the saved result
+    assert cli(["report", str(tmp_path / "r.safetensors"), "-o", str(tmp_path / "again.html")]) == 0
+    assert (tmp_path / "again.html").read_text() == text
     loo = pd.DataFrame({"predicted": [0.1, 0.2, -0.3], "actual": [0.1, 0.25, -0.2], "noise_floor": 0.05})
     assert "noise floor ±0.05" in write_report(summed, tmp_path / "l.html", validation=loo).read_text()
 
