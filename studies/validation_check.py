@@ -25,8 +25,9 @@ test cross-entropy of held-out movie snippets). Scored as that study scores it (
 with kronfluence's damping heuristic, the head by the direct solve); a retraining re-runs the masked-LM stage
 from the checkpoint on the kept snippets and refits the head, batch orders from the seed.
 
-Run ``python -m studies.validation_check`` (both; ``--part mlp|minilm``; ``--quick`` for a smoke run in a temporary
-directory). Results: ``studies/results/validation/`` (tables, per-run CSVs, plots, summary.json, MANIFEST.json).
+Run ``python -m studies.validation_check`` (both; ``--part mlp|minilm|minilm-defaults``, the last scoring MiniLM at
+the library's defaults; ``--quick`` for a smoke run in a temporary directory). Results:
+``studies/results/validation/`` (tables, per-run CSVs, plots, report pages, ``<part>_summary.json``, MANIFEST.json).
 """
 
 from __future__ import annotations
@@ -249,7 +250,9 @@ def run_mlp(cfg: MLP, out: Path, progress: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- (b) MiniLM
-def run_minilm(quick: bool, out: Path, progress: bool) -> dict:
+def run_minilm(quick: bool, out: Path, progress: bool, defaults: bool = False) -> tuple[dict, list[str]]:
+    """The MiniLM check (module docstring), scored with the study's settings or, ``defaults``, the library's;
+    returns the summary and the files written."""
     from influkit import hf
     from studies import minilm_domain_adaptation as dapt
 
@@ -264,7 +267,8 @@ def run_minilm(quick: bool, out: Path, progress: bool) -> dict:
     test = hf.pack(data.test[1])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        chain = dapt.chain(trained, "case1", cfg, residual=False)  # the study's settings: EK-FAC, the head exact
+        chain = ik.Chain([pre, fin], [dapt.link(trained, "case1", cfg)]) if defaults else \
+            dapt.chain(trained, "case1", cfg, residual=False)  # the study's settings: EK-FAC, the head exact
         res = chain.query(test, progress=progress).scores(progress=progress)
     scored = time.perf_counter() - start
     init = hf.pretrained(dapt.BertForMaskedLM, path, seed=cfg.seed)
@@ -285,11 +289,13 @@ def run_minilm(quick: bool, out: Path, progress: bool) -> dict:
         return float(dapt.test_losses(head, data.test[1]).sum())
 
     check = check_retraining(res, retrain, k=k, seeds=seeds, random=1, progress=progress)
-    check.save(out, "minilm_case1")
-    write_report(res, out / "minilm_case1_report.html", examples=[s.text for s in data.corpus],
+    name = "minilm_defaults_case1" if defaults else "minilm_case1"
+    files = [p.name for p in check.save(out, name)] + [f"{name}_report.html"]
+    write_report(res, out / f"{name}_report.html", examples=[s.text for s in data.corpus],
                  labels=[s.source for s in data.corpus], queries=[s.text for s in data.test[0]], validation=check,
                  title="MiniLM domain-adaptive MLM → sentiment head, Case 1, checked against retraining")
     return {
+        "settings": "library defaults" if defaults else "the study's: EK-FAC stage 1 (λ = 0.1 × mean eigenvalue), direct head",
         "config": {"per_source": cfg.per_source, "corpus": len(data.corpus), "n_finetune": cfg.n_finetune,
                    "n_test": cfg.n_test, "top_layers": cfg.top_layers, "pre_epochs": cfg.pre_epochs,
                    "head_epochs": cfg.head_epochs, "k": k, "seeds": seeds},
@@ -298,12 +304,14 @@ def run_minilm(quick: bool, out: Path, progress: bool) -> dict:
         "solves": [{"stage": s["stage"], "solver": s.get("solver")} for s in res.diagnostics["solves"]],
         "noise_floor": check.noise_floor, "seconds_score": scored,
         "seconds_check": time.perf_counter() - start - scored, "table": check.table.to_dict(orient="records"),
-    }
+    }, files
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=("mlp", "minilm", "all"), default="all", help="which pipeline to check")
+    parser.add_argument("--part", choices=("mlp", "minilm", "minilm-defaults", "all"), default="all",
+                        help="which pipeline to check (minilm: the study's solve settings; minilm-defaults: the "
+                             "library's defaults; all: mlp and minilm)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a temporary directory unless --out")
     parser.add_argument("--out", type=Path, default=None, help=f"results directory (default {RESULTS})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -312,26 +320,25 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (Path(tempfile.mkdtemp(prefix="validation-check-")) if args.quick else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
-    summary_path = out / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    written = []
-    if args.part in ("mlp", "all"):
-        cfg = MLP() if not args.quick else replace(MLP(), pre_epochs=10, head_epochs=5, case2_epochs=3, seeds=2, k=3,
-                                                   random=1)
+    parts = ["mlp", "minilm"] if args.part == "all" else [args.part]
+    for part in parts:  # each part: its files, its <part>_summary.json, its manifest entry
         start = time.perf_counter()
-        summary["mlp"] = run_mlp(cfg, out, progress) | {"seconds": time.perf_counter() - start}
-        written += sorted(p.name for p in out.glob("mlp_*"))
-    if args.part in ("minilm", "all"):
-        start = time.perf_counter()
-        summary["minilm"] = run_minilm(args.quick, out, progress) | {"seconds": time.perf_counter() - start}
-        written += sorted(p.name for p in out.glob("minilm_*"))
-    summary_path.write_text(json.dumps(summary, indent=1, default=float) + "\n")
-    if not args.quick:
-        from benchmarks.manifest import record
+        if part == "mlp":
+            cfg = MLP() if not args.quick else replace(MLP(), pre_epochs=10, head_epochs=5, case2_epochs=3, seeds=2,
+                                                       k=3, random=1)
+            summary = run_mlp(cfg, out, progress)
+            files = sorted(p.name for p in out.glob("mlp_*") if p.name != "mlp_summary.json")
+        else:
+            summary, files = run_minilm(args.quick, out, progress, defaults=part == "minilm-defaults")
+        summary["seconds"] = time.perf_counter() - start
+        name = f"{part.replace('-', '_')}_summary.json"
+        (out / name).write_text(json.dumps(summary, indent=1, default=float) + "\n")
+        if not args.quick:
+            from benchmarks.manifest import record
 
-        record(out, written + ["summary.json"], note="shared machine: 2 cores, several helpers' jobs beside this one")
-    print(json.dumps({part: {name: v.get("noise_floor") if isinstance(v, dict) else v for name, v in entry.items()}
-                      for part, entry in summary.items()}, indent=1, default=str))  # the noise floors
+            record(out, files + [name], note="shared machine: 2 cores, several helpers' jobs beside this one")
+        print(name, json.dumps({k: v.get("noise_floor") if isinstance(v, dict) else v for k, v in summary.items()},
+                               default=str))  # the noise floors
     return 0
 
 
