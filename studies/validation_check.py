@@ -26,7 +26,8 @@ with kronfluence's damping heuristic, the head by the direct solve); a retrainin
 from the checkpoint on the kept snippets and refits the head, batch orders from the seed.
 
 Run ``python -m studies.validation_check`` (both; ``--part mlp|minilm|minilm-defaults``, the last scoring MiniLM at
-the library's defaults; ``--quick`` for a smoke run in a temporary directory). Results:
+the library's defaults, where ``auto`` may choose an iterative solve of stage 1 with thousands of Hessian-vector
+products, which on a CPU takes hours; ``--quick`` for a smoke run in a temporary directory). Results:
 ``studies/results/validation/`` (tables, per-run CSVs, plots, report pages, ``<part>_summary.json``, MANIFEST.json).
 """
 
