@@ -135,9 +135,6 @@ def _sections(result: InfluenceResult, k: int, max_queries: int) -> list[dict[st
     return sections
 
 
-CHECK_COLUMNS = ("group", "size", "predicted", "actual", "actual_sd", "noise_floor", "seeds")
-
-
 def _validation(validation) -> dict[str, Any]:
     """What the page shows of a validation (finite rows only): ``predicted`` and ``actual`` lists, and, from a
     :func:`~influkit.validation.check_retraining` check or its table, ``group``, ``size``, ``actual_sd``, ``seeds``
@@ -328,9 +325,9 @@ def _scatter(pairs: dict[str, Any]) -> tuple[str, str]:
 
 def _check(stored: dict[str, Any]) -> tuple[str, str, str]:
     """A check against retraining: (figure PNG, its one-line summary, its table as HTML)."""
-    from .validation.check import plot_check
+    from .validation.check import COLUMNS, plot_check
 
-    table = pd.DataFrame({column: stored[column] for column in CHECK_COLUMNS if column in stored})
+    table = pd.DataFrame({column: stored[column] for column in COLUMNS if column in stored})
     if "noise_floor" in stored:
         table["noise_floor"] = stored["noise_floor"]
     seeds = max(stored.get("seeds") or [1])

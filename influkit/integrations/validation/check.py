@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 Retrain = Callable[[torch.Tensor, int], float]  # retrain(keep, seed) -> the measure after re-running every stage
 
-COLUMNS = ("group", "size", "predicted", "actual", "actual_sd", "noise_floor", "seeds")
+COLUMNS = ("group", "size", "predicted", "actual", "actual_sd", "noise_floor", "seeds")  # the table's, in order
 
 
 @dataclass
@@ -158,7 +158,7 @@ def check_retraining(
         "actual_sd": changes.std(ddof=1).reindex(list(chosen)).to_numpy() if len(seeds) > 1 else np.nan,
         "noise_floor": floor,
         "seeds": len(seeds),
-    })
+    }, columns=list(COLUMNS))
     return RetrainingCheck(table=table, runs=runs, noise_floor=floor)
 
 
