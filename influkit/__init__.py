@@ -23,6 +23,7 @@ from .errors import (
     NotReplayable,
     NumericalError,
     ParameterError,
+    ProximalWarning,
     StationarityWarning,
     VectorizationWarning,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "NumericalError",
     "Operator",
     "ParameterError",
+    "ProximalWarning",
     "Query",
     "Solution",
     "StationarityWarning",

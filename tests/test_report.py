@@ -192,3 +192,109 @@ def test_unrolled_results_say_what_their_score_is(tmp_path):
     assert "training objective + ε·loss(z)" not in page
     influence = render(ik.influence(stage, torch.arange(12), (x[:2], y[:2])))
     assert "training objective + ε·loss(z)" in influence and "dw_z" not in influence
+
+
+def test_whole_test_set_header_and_settings_read_as_they_are(digits_result, tmp_path):
+    """Every test example is on the page (the first ones in the strip, the rest behind <details>), the header says
+    what the scores are over, and the settings are tables, not JSON."""
+    from influkit.report import STRIP
+
+    res, (train_x, _), (test_x, test_y) = digits_result
+    summed = ik.InfluenceResult(values=res.total.clone(), n_train=300, method="multi-stage case 1",
+                                diagnostics={"settings": {"n_test": 100, "per_test": False,
+                                                          "links": [{"shared": {"body.weight": "body.weight"}, "case": 1,
+                                                                     "alpha": None}],
+                                                          "solve": [{"solver": "direct", "damping": 0.0}] * 2}})
+    text = write_report(summed, tmp_path / "all.html", queries=test_x.reshape(-1, 8, 8),
+                        query_labels=test_y.tolist()).read_text()
+    assert text.count('alt="query ') == len(test_x) == 100
+    strip, rest = text.split("<details class=\"more\">", 1)
+    assert strip.count('alt="query ') == STRIP and f"the other {100 - STRIP} test examples" in rest
+    assert "scores of 300 training examples summed over 100 test examples" in text and "(300)" not in text
+    assert '{"' not in text and "[{" not in text  # no raw JSON
+    settings = text.split("<h3>settings</h3>", 1)[1]
+    assert "<th>solver</th>" in settings and "<th>link case</th>" in settings and "body.weight" in settings
+
+
+def test_long_cells_are_collapsed_and_banners_name_what_is_off(digits_result):
+    from influkit.report import LONG_CELL, render
+
+    res, _, _ = digits_result
+    choice = "auto chose minres on the Gauss-Newton matrix because " + "the stage is not at a minimum; " * 20
+    res.diagnostics["solves"] = [{"stage": 0, "solver": "minres", "choice": choice, "converged": True}]
+    res.diagnostics["stages"] = [
+        {"verdict": "minimum", "gradient_norm": 1e-9, "min_eigenvalue": 0.1, "max_eigenvalue": 3.0, "gradient_tol": 1e-3},
+        {"verdict": "non-stationary", "gradient_norm": 0.4, "min_eigenvalue": -0.2, "max_eigenvalue": 3.0,
+         "gradient_tol": 1e-3, "proximal": {"alpha": 0.01, "alpha_fit": 0.137, "residual": 0.6, "agrees": False}}]
+    page = render(res)
+    cell = re.search(r'<details class="cell"><summary>(.*?)</summary>(.*?)</details>', page)
+    assert cell and cell.group(1) == choice[:LONG_CELL] + "…" and cell.group(2) == choice  # the whole text, collapsed
+    banners = re.findall(r'<div class="banner">(.*?)</div>', page)
+    assert len(banners) == 2
+    assert "stage 1 is not at a minimum" in banners[0] and "stage 0" not in "".join(banners)
+    assert "α̂ = 0.137" in banners[1] and "alpha=α̂" in banners[1]
+    res.diagnostics["stages"] = [res.diagnostics["stages"][0]]
+    assert 'class="banner"' not in render(res)
+
+
+def test_check_against_retraining_is_shown_with_its_noise_floor(digits_result, tmp_path):
+    from influkit.validation import check_retraining
+
+    res, _, _ = digits_result
+    summed = ik.InfluenceResult(values=res.total.clone(), n_train=300, method="single-stage")
+    shift = {0: 0.0, 1: 0.3, 2: -0.1}
+    removal = summed.removal
+
+    def retrain(keep, seed):  # a linear "retraining": the predicted change, plus what the seed adds
+        dropped = torch.ones(300, dtype=torch.bool)
+        dropped[keep] = False
+        return float(1.1 * removal[dropped].sum()) + shift[seed]
+
+    check = check_retraining(summed, retrain, k=5, seeds=3, random=2, progress=False)
+    text = write_report(summed, tmp_path / "check.html", validation=check).read_text()
+    assert "checked against retraining" in text and "most harmful" in text and "random 2" in text
+    assert f"noise floor ±{check.noise_floor:.3g}" in text and text.count("<img") == 2
+    # the table alone gives the same page; a leave-out frame with a noise floor draws it on the scatter
+    assert write_report(summed, tmp_path / "t.html", validation=check.table).read_text() == text
+    attach(summed, validation=check).save(tmp_path / "r.safetensors")  # the check travels with the saved result
+    assert cli(["report", str(tmp_path / "r.safetensors"), "-o", str(tmp_path / "again.html")]) == 0
+    assert (tmp_path / "again.html").read_text() == text
+    loo = pd.DataFrame({"predicted": [0.1, 0.2, -0.3], "actual": [0.1, 0.25, -0.2], "noise_floor": 0.05})
+    assert "noise floor ±0.05" in write_report(summed, tmp_path / "l.html", validation=loo).read_text()
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Chromium not installed (apt-get install chromium)")
+def test_chromium_lays_out_the_strip_without_overlap_and_collapses_long_cells(digits_result, tmp_path):
+    """Measured in a real browser (a script appended to a copy of the page, the DOM dumped after layout): no two
+    captions of the test-set strip overlap or run together (8 px apart at least, text to text), and no cell of the
+    solves table, whose long ``choice`` is collapsed, is taller than 60 px."""
+    import subprocess
+
+    from influkit.report import CHROMIUM_FLAGS
+
+    res, _, (test_x, test_y) = digits_result
+    summed = ik.InfluenceResult(values=res.total.clone(), n_train=300, method="single-stage",
+                                diagnostics={"solves": [{"stage": k, "choice": "a long reason " * 80, "solver": "minres",
+                                                         "converged": True, "damping": 0.0057, "floor": float("nan"),
+                                                         "iterations": 35, "preconditioner": None, "products": 36,
+                                                         "residual": 9.04e-12, "seconds": 0.6, "tol": 1e-10,
+                                                         "token_factors": []} for k in range(2)]})
+    page = write_report(summed, tmp_path / "page.html", queries=test_x.reshape(-1, 8, 8),
+                        query_labels=[f"digit {int(v)}" for v in test_y]).read_text()
+    probe = """<script>
+      const text = e => { const r = document.createRange(); r.selectNodeContents(e); return r.getBoundingClientRect(); };
+      const boxes = [...document.querySelectorAll('.strip .queryitem .note')].map(text)  // the text's own extent
+                                                                           .filter(b => b.width > 0);
+      let overlaps = 0;
+      for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
+        const a = boxes[i], b = boxes[j];
+        if (a.left < b.right + 8 && b.left < a.right + 8 && a.top < b.bottom && b.top < a.bottom) overlaps++;  // < 8 px apart
+      }
+      const tallest = Math.max(...[...document.querySelectorAll('td')].map(e => e.getBoundingClientRect().height));
+      document.body.setAttribute('data-probe', `${boxes.length} ${overlaps} ${Math.round(tallest)}`);
+    </script></body>"""
+    (tmp_path / "probe.html").write_text(page.replace("</body>", probe))
+    dom = subprocess.run(["chromium", *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1100,1600",
+                          "--dump-dom", (tmp_path / "probe.html").as_uri()], capture_output=True, text=True, timeout=120).stdout
+    shown, overlaps, tallest = map(int, re.search(r'data-probe="(\d+) (\d+) (-?\d+)"', dom).groups())
+    assert shown >= 16 and overlaps == 0 and tallest <= 60

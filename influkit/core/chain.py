@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from . import adjoint, distributed, files, stationarity
+from . import adjoint, distributed, files, proximal, stationarity
 from .auto import Choice
 from .data import as_examples
 from .errors import FileFormatError, InputError, LossError
@@ -112,6 +112,7 @@ class Chain:
         self._positions: dict[tuple, Position] = {}
         self._check_memory: dict[int, dict] = {}  # stage → the batch plan of its stationarity check's own products
         self.positions: list[Position] | None = None
+        self.drifts: list[proximal.Drift | None] | None = None  # each Case 2 stage's drift against its α
         self.fit_seconds: float | None = None
         self.memory = None if memory is None else memory_budget(memory)  # bytes; None: a share of what is free
 
@@ -182,6 +183,7 @@ class Chain:
         other._derived = {key: fitted.derive(replace(other.curvature_configs[key[0]], matrix=key[1]))
                           for key, fitted in self._derived.items()}
         other._positions = dict(self._positions)
+        other.drifts = self.drifts
         other._check_memory = dict(self._check_memory)
         return other._prepare_all(start)
 
@@ -192,6 +194,8 @@ class Chain:
         """Where each stage stands, then each stage's solver prepared on the curvature its choice names (fitting there
         only what is missing); the fit's seconds counted from ``start``."""
         self.positions = [self._position(k) for k in range(len(self))]
+        if self.drifts is None:
+            self.drifts = proximal.check(self.plans, memory=self.memory)
         self._solvers = [self._prepare(k, self._choice(k)) for k in range(len(self))]
         self.fit_seconds = time.perf_counter() - start
         self._warn_positions()
@@ -395,7 +399,8 @@ class Chain:
         test_digest = Rows(last.stage, torch.arange(tx.shape[0]), (tx, ty)).digest()
         if measure is not None:
             test_digest += f"|measure={_qualname(measure)}"
-        stages = [position.summary() for position in self.positions]
+        stages = [position.summary() | ({"proximal": drift.summary()} if drift else {})
+                  for position, drift in zip(self.positions, self.drifts)]
         query = Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds, test_digest, stages)
         query.solves[-1]["token_factors"] = sorted(tokens.factors) if tokens is not None else []
         return query

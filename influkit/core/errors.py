@@ -87,6 +87,11 @@ class StationarityWarning(UserWarning):
     the numbers (:mod:`influkit.stationarity`) and what ``solver="auto"`` did about it."""
 
 
+class ProximalWarning(UserWarning):
+    """A Case 2 stage's shared block drifted from the previous stage's values differently from what its proximal
+    weight α implies; the message gives the α that matches the drift (:mod:`influkit.proximal`)."""
+
+
 class VectorizationWarning(UserWarning):
     """A loss could not be vectorized with ``torch.func.vmap`` and runs in a (slower) per-example loop instead."""
 

@@ -2,8 +2,10 @@
 
 The page shows, per query, the most harmful (largest score: up-weighting them raises that query's loss) and the
 most helpful (smallest score) training examples rendered as they are — images as thumbnails, text as text —,
-the distribution of the scores, the solve diagnostics, and the validation scatter (predicted vs actual change of
-the test loss on removal) when there is one. Nothing is fetched when it opens: the CSS is inline and every
+the distribution of the scores, where each stage stands (a banner names every stage not at a minimum and every
+Case 2 stage whose drift disagrees with its α), the solve diagnostics and settings as tables, and the validation
+(predicted vs actual change of the test loss on removal) when there is one: a leave-out scatter, or a check
+against retraining (:func:`influkit.validation.check_retraining`) with its table and the noise floor drawn. Nothing is fetched when it opens: the CSS is inline and every
 picture is a base64 PNG ``data:`` URI, so the file can be mailed or archived alone.
 
 The report only reads a result. What the page needs beyond the scores — the renderings of the examples it
@@ -17,7 +19,6 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
 import math
 import shutil
 import subprocess
@@ -39,6 +40,9 @@ if TYPE_CHECKING:  # annotations only: matplotlib is the `plot` extra, loaded wh
     from matplotlib.figure import Figure
 
 MAX_TEXT = 600  # characters of a text example shown
+STRIP = 16  # test examples shown in the strip of a summed result; the rest behind "all N test examples"
+MAX_QUERIES_STORED = 500  # test examples rendered into the page at most
+LONG_CELL = 60  # characters of a table cell shown before it is collapsed into <details> (one line of its start)
 
 _CSS = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 24px auto; max-width: 1100px;
@@ -53,8 +57,17 @@ h1 { font-size: 1.5em; margin-bottom: 0.2em; } h2 { font-size: 1.2em; border-bot
 .harmful .card { border-top: 4px solid #c0392b; } .helpful .card { border-top: 4px solid #2471a3; }
 .card img, .queryitem img { width: 88px; height: 88px; image-rendering: pixelated; display: block;
                             margin: 2px auto; background: #fff; object-fit: contain; }
+.strip { display: flex; flex-wrap: wrap; gap: 6px 4px; align-items: flex-start; }
 .strip .queryitem img { width: 48px; height: 48px; }
-.strip .queryitem { font-size: 0.75em; margin-right: 2px; text-align: center; }
+.strip .queryitem { font-size: 0.72em; margin: 0; text-align: center; width: 64px; max-width: 64px; }
+.strip .queryitem.textitem { width: 220px; max-width: 220px; text-align: left; }
+.strip .queryitem .note { white-space: normal; overflow-wrap: anywhere; line-height: 1.2; }
+details.more { margin: 6px 0; } details.more > summary { cursor: pointer; color: #2471a3; font-size: 0.85em; }
+details.cell > summary { cursor: pointer; white-space: nowrap; overflow: hidden; text-overflow: ellipsis;
+                         max-width: 260px; } details.cell[open] { min-width: 360px; }
+.tablewrap { overflow-x: auto; max-width: 100%; }
+.banner { border: 1px solid #e0b252; background: #fdf3dc; border-radius: 6px; padding: 8px 12px; margin: 10px 0; }
+.banner b { color: #8a5a00; }
 .card .text, .queryitem .text { white-space: pre-wrap; word-break: break-word; font-family: ui-monospace,
                                  'DejaVu Sans Mono', monospace; }
 .queryitem { display: inline-block; vertical-align: top; max-width: 420px; margin-right: 8px; }
@@ -122,21 +135,36 @@ def _sections(result: InfluenceResult, k: int, max_queries: int) -> list[dict[st
     return sections
 
 
-def _validation_pairs(validation) -> dict[str, list]:
-    """{"predicted": [...], "actual": [...]} (finite pairs) from a leave-out frame or such a dict."""
-    if isinstance(validation, pd.DataFrame):
-        frame = validation
-    elif isinstance(validation, dict):
-        frame = pd.DataFrame({k: list(v) for k, v in validation.items()})
-    else:
-        raise InputError(f"validation must be a DataFrame (e.g. influkit.validation.leave_out_retrain's) or a dict "
-                         f"with 'predicted' and 'actual', got {type(validation).__name__}.")
+def _validation(validation) -> dict[str, Any]:
+    """What the page shows of a validation (finite rows only): ``predicted`` and ``actual`` lists, and, from a
+    :func:`~influkit.validation.check_retraining` check or its table, ``group``, ``size``, ``actual_sd``, ``seeds``
+    and the ``noise_floor`` (also taken from a leave-out frame or dict that carries one)."""
+    frame = getattr(validation, "table", validation)  # a RetrainingCheck: its table
+    if isinstance(frame, dict):
+        frame = pd.DataFrame({k: list(v) if isinstance(v, (list, tuple, np.ndarray)) else [v] * len(frame["predicted"])
+                              for k, v in frame.items()}) if "predicted" in frame else pd.DataFrame(frame)
+    if not isinstance(frame, pd.DataFrame):
+        raise InputError(f"validation must be a check_retraining result or table, a leave-out DataFrame (e.g. "
+                         f"influkit.validation.leave_out_retrain's) or a dict with 'predicted' and 'actual', got "
+                         f"{type(validation).__name__}.")
     missing = {"predicted", "actual"} - set(frame.columns)
     if missing:
         raise InputError(f"validation lacks the column(s) {sorted(missing)}: give the predicted and the actual change "
-                         "of the test loss for each removal (leave_out_retrain(..., predicted=result) has both).")
+                         "of the test loss for each removal (leave_out_retrain(..., predicted=result) has both, "
+                         "influkit.validation.check_retraining's table too).")
     frame = frame[np.isfinite(frame["predicted"].astype(float)) & np.isfinite(frame["actual"].astype(float))]
-    return {"predicted": frame["predicted"].astype(float).tolist(), "actual": frame["actual"].astype(float).tolist()}
+    stored: dict[str, Any] = {"predicted": frame["predicted"].astype(float).tolist(),
+                              "actual": frame["actual"].astype(float).tolist()}
+    if "group" in frame.columns:
+        stored["group"] = [str(g) for g in frame["group"]]
+        for column in ("size", "seeds"):
+            if column in frame.columns:
+                stored[column] = [int(v) for v in frame[column]]
+        if "actual_sd" in frame.columns:
+            stored["actual_sd"] = [float(v) for v in frame["actual_sd"]]
+    if "noise_floor" in frame.columns and len(frame) and np.isfinite(float(frame["noise_floor"].iloc[0])):
+        stored["noise_floor"] = float(frame["noise_floor"].iloc[0])
+    return stored
 
 
 def attach(
@@ -157,8 +185,9 @@ def attach(
     examples: the training examples, indexable by the result's example ids (``result.index``): a list of
     strings, or images as an (N, H, W), (N, C, H, W), (N, H, W, C) tensor/array (or (N, D) with
     ``image_shape``); only the ones shown are rendered and kept. queries: the test examples, one per column of a
-    per-test result (else a strip of the test set). validation: a leave-out frame with ``predicted`` and
-    ``actual``. labels / query_labels: a caption per training / test example (e.g. the class).
+    per-test result (else a strip of the test set, up to ``MAX_QUERIES_STORED``). validation: a
+    :func:`~influkit.validation.check_retraining` check (or its table: groups, spread over seeds, noise floor), or a
+    leave-out frame with ``predicted`` and ``actual`` (and ``noise_floor`` when known). labels / query_labels: a caption per training / test example (e.g. the class).
     k: examples per list (default 8); max_queries: test columns shown of a per-test result (default 12).
     Arguments left None keep what an earlier :func:`attach` stored. ``result`` itself is not changed.
     """
@@ -184,15 +213,16 @@ def attach(
             raise InputError(f"labels has {len(labels)} entries but the result names example {max(shown)}.")
         stored["labels"] = dict(stored.get("labels") or {}) | {str(i): str(labels[i]) for i in shown}
     if queries is not None:
-        count = min(result.values.shape[1], max_queries) if result.per_test else min(len(queries), 16)
+        count = min(result.values.shape[1], max_queries) if result.per_test else min(len(queries), MAX_QUERIES_STORED)
         if result.per_test and len(queries) < count:
             raise InputError(f"queries has {len(queries)} entries for a result with {result.values.shape[1]} test "
                              "columns: pass one test example per column.")
         stored["queries"] = [render_example(queries[j], image_shape) for j in range(count)]
+        stored["n_queries"] = len(queries)
     if query_labels is not None:
-        stored["query_labels"] = [str(v) for v in list(query_labels)[: max(max_queries, 16)]]
+        stored["query_labels"] = [str(v) for v in list(query_labels)[: max(max_queries, MAX_QUERIES_STORED)]]
     if validation is not None:
-        stored["validation"] = _validation_pairs(validation)
+        stored["validation"] = _validation(validation)
     return replace(result, diagnostics=dict(result.diagnostics) | {"report": stored})
 
 
@@ -216,9 +246,27 @@ def _query_item(j: int, stored: dict, compact: bool = False) -> str:
     item = queries[j]
     body = (f'<img alt="query {j}" src="data:image/png;base64,{item["png"]}">' if "png" in item
             else f'<div class="text">{html.escape(item["text"])}</div>')
-    label = f" · {html.escape(labels[j])}" if j < len(labels) else ""
-    name = f"#{j}" if compact else f"test example {j}"
-    return f'<div class="queryitem">{body}<div class="note">{name}{label}</div></div>'
+    label = html.escape(labels[j]) if j < len(labels) else ""
+    if compact:  # a strip: the caption on lines of its own, inside the item's fixed width
+        caption = f"#{j}" + (f"<br>{label}" if label else "")
+        kind = "queryitem" if "png" in item else "queryitem textitem"
+        return f'<div class="{kind}">{body}<div class="note">{caption}</div></div>'
+    return f'<div class="queryitem">{body}<div class="note">test example {j}{" · " + label if label else ""}</div></div>'
+
+
+def _test_strip(stored: dict) -> str:
+    """The test set of a summed result: the first ``STRIP`` examples, the others (all stored) behind <details>."""
+    items, total = stored["queries"], int(stored.get("n_queries", len(stored["queries"])))
+    first = "".join(_query_item(i, stored, compact=True) for i in range(min(STRIP, len(items))))
+    out = [f'<p class="note">test set ({total} examples):</p><div class="strip">{first}</div>']
+    if len(items) > STRIP:
+        rest = "".join(_query_item(i, stored, compact=True) for i in range(STRIP, len(items)))
+        what = f"the other {len(items) - STRIP} test examples" + ("" if len(items) == total else
+                                                                  f" (the first {len(items)} of {total} are stored)")
+        out.append(f'<details class="more"><summary>{what}</summary><div class="strip">{rest}</div></details>')
+    elif total > len(items):
+        out.append(f'<p class="note">the first {len(items)} of {total} test examples</p>')
+    return "".join(out)
 
 
 def _removal_eps(result: InfluenceResult, example_id: int) -> float:
@@ -249,32 +297,104 @@ def _mean_tied_ranks(v: np.ndarray) -> np.ndarray:
     return (np.searchsorted(ordered, v, "left") + np.searchsorted(ordered, v, "right") + 1) / 2.0
 
 
-def _scatter(pairs: dict[str, list]) -> tuple[str, str]:
+def _scatter(pairs: dict[str, Any]) -> tuple[str, str]:
+    """The leave-out scatter (predicted vs actual per removal), the noise floor as a band around 0 when known."""
     p, a = np.asarray(pairs["predicted"], float), np.asarray(pairs["actual"], float)
+    floor = pairs.get("noise_floor")
     if p.size >= 2 and p.std() > 0 and a.std() > 0:
         r, rho = np.corrcoef(p, a)[0, 1], np.corrcoef(_mean_tied_ranks(p), _mean_tied_ranks(a))[0, 1]
         stats = f"Pearson r = {r:.3f}, Spearman ρ = {rho:.3f}, {p.size} removals"
     else:
         stats = f"{p.size} removals (no correlation: fewer than two distinct predicted or actual values)"
+    if floor is not None:
+        stats += f"; noise floor ±{floor:.3g} (retraining with nothing removed)"
     fig = require("matplotlib.figure", "the report page").Figure(figsize=(4.8, 4.2))
     ax = fig.add_subplot()
+    if floor is not None:
+        ax.axhspan(-floor, floor, color="#d5d8dc", alpha=0.7, lw=0, label="noise floor")
     ax.scatter(p, a, s=16, alpha=0.8)
     if p.size:
         lo, hi = min(p.min(), a.min()), max(p.max(), a.max())
         ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls="--")
     ax.set_xlabel("predicted change of the test loss")
     ax.set_ylabel("actual change (leave-out retraining)")
-    ax.set_title(stats, fontsize=9)
+    ax.set_title(stats if floor is None else stats.split(";")[0], fontsize=9)
     fig.tight_layout()
     return _figure_png(fig), stats
+
+
+def _check(stored: dict[str, Any]) -> tuple[str, str, str]:
+    """A check against retraining: (figure PNG, its one-line summary, its table as HTML)."""
+    from .validation.check import COLUMNS, plot_check
+
+    table = pd.DataFrame({column: stored[column] for column in COLUMNS if column in stored})
+    if "noise_floor" in stored:
+        table["noise_floor"] = stored["noise_floor"]
+    seeds = max(stored.get("seeds") or [1])
+    floor = stored.get("noise_floor")
+    stats = (f"{len(table)} groups removed, each retrained with {seeds} seed{'s' if seeds > 1 else ''}; noise floor "
+             + (f"±{floor:.3g} (sd of the measure over seeds with nothing removed)" if floor is not None else
+                "unknown (one seed)"))
+    fig = plot_check(table)
+    return _figure_png(fig), stats, _table(table)
 
 
 def _table(frame: pd.DataFrame) -> str:
     return frame.to_html(index=False, border=0, float_format=lambda v: f"{v:.4g}", na_rep="")
 
 
-def _cell(value):
-    return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
+def _text(value) -> str:
+    """A settings or diagnostics value as short readable text: numbers as %.4g, lists joined, mappings as k: v
+    (a mapping of names to the same names as the names alone)."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        if all(k == v for k, v in value.items()):
+            return ", ".join(map(str, value))
+        return "; ".join(f"{k}: {_text(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_text(v) for v in value)
+    return "" if value is None else str(value)
+
+
+def _cell(value) -> str:
+    """HTML of one table cell: escaped, and collapsed into <details> beyond ``LONG_CELL`` characters."""
+    text = _text(value)
+    if len(text) <= LONG_CELL:
+        return html.escape(text)
+    return f'<details class="cell"><summary>{html.escape(text[:LONG_CELL])}…</summary>{html.escape(text)}</details>'
+
+
+def _html_table(rows: list[dict], columns: Sequence[str] | None = None) -> str:
+    """Rows of dicts as an HTML table, every cell through :func:`_cell` (None and missing keys blank)."""
+    columns = list(columns or dict.fromkeys(k for row in rows for k in row))
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(row.get(c))}</td>" for c in columns) + "</tr>" for row in rows)
+    return f'<div class="tablewrap"><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def _settings(settings: dict) -> str:
+    """The settings as tables: one row per stage of the per-stage lists (solve, curvature; links name the stage
+    they lead into), the scalars as setting/value rows."""
+    parts, scalars = [], []
+    per_stage = {k: v for k, v in sorted(settings.items())  # sorted: a saved result's JSON may keep another order
+                 if isinstance(v, list) and v and all(isinstance(x, dict) for x in v)}
+    stages = max((len(v) + (1 if k == "links" else 0) for k, v in per_stage.items()), default=0)
+    if stages:
+        rows = [{"stage": k} for k in range(stages)]
+        for key, entries in per_stage.items():
+            offset = 1 if key == "links" else 0
+            for j, entry in enumerate(entries):
+                for name, value in sorted(entry.items()):
+                    column = f"link {name}" if key == "links" else name if key == "solve" else f"{key} {name}"
+                    rows[j + offset][column] = value
+        parts.append(_html_table(rows))
+    for key, value in sorted(settings.items()):
+        if key not in per_stage:
+            scalars.append({"setting": key, "value": value})
+    if scalars:
+        parts.append(_html_table(scalars, ["setting", "value"]))
+    return "\n".join(parts)
 
 
 def _convergence(solve: dict) -> dict:
@@ -291,28 +411,52 @@ def _stage_first(item: tuple[str, Any]) -> tuple[bool, str]:
 
 def _diagnostics(result: InfluenceResult) -> str:
     parts = []
-    solves = [{k: _cell(v) for k, v in sorted(_convergence(s).items(), key=_stage_first)}
-              for s in result.diagnostics.get("solves") or []]
-    parts.append(_table(pd.DataFrame(solves)) if solves else '<p class="note">no solves recorded</p>')
+    solves = [dict(sorted(_convergence(s).items(), key=_stage_first)) for s in result.diagnostics.get("solves") or []]
+    parts.append(_html_table(solves) if solves else '<p class="note">no solves recorded</p>')
     seconds = dict(sorted((result.diagnostics.get("seconds") or {}).items()))
     if seconds:
-        parts.append("<h3>time (s)</h3>" + _table(pd.DataFrame([seconds])))
+        parts.append("<h3>time (s)</h3>" + _html_table([seconds]))
     settings = result.diagnostics.get("settings") or {}
     if settings:
-        rows = [{"setting": k, "value": str(_cell(v))} for k, v in sorted(settings.items())]
-        parts.append("<h3>settings</h3>" + _table(pd.DataFrame(rows)))
+        parts.append("<h3>settings</h3>" + _settings(settings))
     return "\n".join(parts)
+
+
+def _banner(result: InfluenceResult) -> str:
+    """A banner naming every stage not at a minimum (``diagnostics["stages"][k]["verdict"]``) and every Case 2
+    stage whose drift disagrees with its α (``["proximal"]``); empty when there is none."""
+    lines = []
+    for k, stage in enumerate(result.diagnostics.get("stages") or []):
+        verdict = stage.get("verdict")
+        if verdict is not None and verdict != "minimum":
+            lines.append(f"<b>stage {k} is not at a minimum</b> ({html.escape(str(verdict))}: ‖∇L‖ = "
+                         f"{_text(stage.get('gradient_norm'))} × the typical per-example gradient, Hessian eigenvalues "
+                         f"within [{_text(stage.get('min_eigenvalue'))}, {_text(stage.get('max_eigenvalue'))}]). "
+                         "Influence functions assume a minimum: read the scores as a local linearization and check "
+                         "them against retraining (influkit.validation.check_retraining).")
+        drift = stage.get("proximal") or {}
+        if drift.get("agrees") is False:
+            lines.append(f"<b>stage {k}: the Case 2 drift disagrees with α = {_text(drift.get('alpha'))}</b>: the α "
+                         f"that explains the shared block's drift is α̂ = {_text(drift.get('alpha_fit'))} (influkit."
+                         "proximal); for a finetuning without a proximal term use Link(..., case=2, alpha=α̂).")
+    return "".join(f'<div class="banner">{line}</div>' for line in lines)
 
 
 def _stages(stages: list[dict]) -> str:
     """The verdict of each stage with the numbers it rests on (:mod:`influkit.stationarity`)."""
     keys = ("verdict", "gradient_norm", "min_eigenvalue", "max_eigenvalue", "lanczos_steps")
     rows = [{"stage": k} | {key: stage.get(key) for key in keys} for k, stage in enumerate(stages)]
+    for row, stage in zip(rows, stages):
+        drift = stage.get("proximal")
+        if drift:  # a Case 2 stage: the α the drift implies beside the link's (influkit.proximal)
+            row |= {"alpha": drift["alpha"], "alpha_fit": drift["alpha_fit"], "drift_residual": drift["residual"]}
     tol = stages[0].get("gradient_tol")
     note = ('<p class="note">gradient_norm: ‖∇L‖ over the RMS per-example gradient norm (stationary at or below '
             f"{tol:g}); min/max_eigenvalue: Lanczos estimates of the Hessian's extreme eigenvalues (a negative minimum "
             "is certain, a positive one is not proof of a minimum). Influence functions assume a minimum; "
-            "<i>solver=auto</i> uses the damped Gauss-Newton matrix elsewhere (the solves' <i>choice</i>).</p>")
+            "<i>solver=auto</i> uses the damped Gauss-Newton matrix elsewhere (the solves' <i>choice</i>). A Case 2 stage "
+            "adds alpha (its link's α), alpha_fit (α̂, the α that explains the shared block's drift) and "
+            "drift_residual (how far ∇_W F = −2α(W − W̄) is from holding at α, 0 to 1).</p>")
     return note + _table(pd.DataFrame(rows))
 
 
@@ -336,9 +480,12 @@ def render(result: InfluenceResult) -> str:
     title = stored.get("title") or f"influence report — {result.method or 'influence'}"
     out = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>",
            f"<style>{_CSS}</style></head><body>", f"<h1>{html.escape(title)}</h1>"]
-    shape = "×".join(map(str, result.values.shape))
+    n_test = (result.diagnostics.get("settings") or {}).get("n_test")
+    on = (f"on each of {result.values.shape[1]} test examples" if result.per_test else
+          f"summed over {n_test} test examples" if n_test is not None else "summed over the test set")
     out.append(f'<p class="note">{html.escape(result.method or "influence")} · scores of {result.values.shape[0]} '
-               f"training examples ({shape}) · n_train = {result.n_train}. {_meaning(result)}</p>")
+               f"training examples {on} · n_train = {result.n_train}. {_meaning(result)}</p>")
+    out.append(_banner(result))
     sections = _sections(result, k, max_queries)
     out.append("<h2>Most harmful and most helpful training examples</h2>")
     if result.per_test and result.values.shape[1] > len(sections):
@@ -348,8 +495,7 @@ def render(result: InfluenceResult) -> str:
         head = f"query {j}" if j is not None else "the whole test set (scores summed over it)"
         out.append(f'<div class="query"><h3>{head}</h3>')
         if j is None and stored.get("queries"):
-            strip = "".join(_query_item(i, stored, compact=True) for i in range(len(stored["queries"])))
-            out.append(f'<div class="strip"><span class="note">test set: </span>{strip}</div>')
+            out.append(_test_strip(stored))
         out.append('<div class="qbody">' + (_query_item(j, stored) if j is not None else "") + "<div>")
         for kind, caption in (("harmful", "most harmful (largest score)"), ("helpful", "most helpful (smallest score)")):
             cards = "".join(_example_card(i, v, _removal_eps(result, i) * v, stored, wide) for i, v in s[kind])
@@ -357,12 +503,24 @@ def render(result: InfluenceResult) -> str:
         out.append("</div></div></div>")
     out.append('<div class="panels"><div><h2>Score distribution</h2>')
     out.append(f'<img class="plot" alt="histogram of scores" src="data:image/png;base64,{_histogram(result)}"></div>')
-    if stored.get("validation"):
-        png, stats = _scatter(stored["validation"])
+    validation = stored.get("validation")
+    table = ""
+    if validation and "group" in validation:
+        png, stats, table = _check(validation)
+        out.append("<div><h2>Validation: predicted vs actual change on retraining</h2>")
+    elif validation:
+        png, stats = _scatter(validation)
         out.append("<div><h2>Validation: predicted vs actual change on removal</h2>")
+    if validation:
         out.append(f'<p class="note">{html.escape(stats)}</p>')
         out.append(f'<img class="plot" alt="validation scatter" src="data:image/png;base64,{png}"></div>')
     out.append("</div>")
+    if table:
+        out.append('<h3>checked against retraining</h3><p class="note">predicted: the sum of <i>removal</i> over the '
+                   "group; actual: the change of the measure when the group is removed and every stage retrained, "
+                   "mean and sd over seeds (paired with the same seed's run with nothing removed); noise floor: the "
+                   "sd over seeds of that run. An actual change inside the noise floor is what retraining does by "
+                   "chance.</p>" + table)
     stages = result.diagnostics.get("stages") or []
     if stages:
         out.append("<h2>Where each stage stands</h2>" + _stages(stages))

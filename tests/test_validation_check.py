@@ -1,0 +1,130 @@
+"""influkit.validation.check_retraining: predicted removal effects against the user's own retraining, with the noise
+floor of retraining itself — on a convex model trained to its minimum (float64 L2 logistic regression on real
+digits, L-BFGS), where influence and retraining must agree."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import cross_entropy, digits, l2, need
+
+import influkit as ik
+from influkit.training import fit_lbfgs, newton_refine
+from influkit.validation import check_retraining, plot_check
+
+WEIGHT = 0.3  # strongly convex: removing 2 of 300 examples stays in the linear regime
+
+
+def retrainer(stage, test):
+    """retrain(keep, seed): the logistic regression re-fitted to its minimum on ``keep``, every kept example keeping
+    its weight 1/m (the regularizer scaled by m/|keep|: the objective whose ε = −1/m the scores linearize);
+    deterministic — the seed changes nothing (each kept set is trained once). Returns the summed test loss."""
+    m = len(stage)
+    x, y = stage.data.take(torch.arange(m))
+
+    done: dict[bytes, float] = {}  # deterministic: a kept set trained once serves every seed and test
+
+    def retrain(keep: torch.Tensor, seed: int) -> float:
+        key = keep.numpy().tobytes()
+        if key not in done:
+            done[key] = fit(keep)
+        return done[key]
+
+    def fit(keep: torch.Tensor) -> float:
+        model = copy.deepcopy(stage.model)
+        scale = m / len(keep)
+        refit = ik.Stage(model, cross_entropy, (x[keep], y[keep]),
+                         regularizer=lambda p: scale * l2(WEIGHT)(p))
+        fit_lbfgs(refit, max_iter=500)
+        newton_refine(refit)
+        with torch.no_grad():
+            return float(cross_entropy(model(test[0]), test[1]).sum())
+
+    return retrain
+
+
+@pytest.fixture(scope="module")
+def convex():
+    """Multinomial L2 logistic regression on 300 real digits at its minimum (L-BFGS, then Newton), 20 test digits."""
+    x, y = digits()
+    torch.manual_seed(0)
+    stage = ik.Stage(torch.nn.Linear(64, 10).double(), cross_entropy, (x[:300], y[:300]), regularizer=l2(WEIGHT))
+    fit_lbfgs(stage, max_iter=1000)
+    assert newton_refine(stage) < 1e-12
+    test = (x[300:320], y[300:320])
+    res = ik.influence(stage, torch.arange(len(stage)), test, solve=ik.SolveConfig(solver="direct"), progress=False)
+    return res, retrainer(stage, test)
+
+
+def test_prediction_and_retraining_agree_on_a_convex_model_and_the_noise_floor_is_zero(convex):
+    res, retrain = convex
+    check = check_retraining(res, retrain, k=2, seeds=2, random=2, progress=False)
+    table = check.table.set_index("group")
+    assert list(table.index) == ["most harmful", "most helpful", "random 1", "random 2"]
+    assert (table["size"] == 2).all() and (table["seeds"] == 2).all()
+    # a deterministic retrainer: nothing moves with the seed
+    assert check.noise_floor == 0.0 and (table["noise_floor"] == 0.0).all()
+    assert np.allclose(table["actual_sd"], 0.0, atol=1e-12)
+    # the linear prediction of removing 2 of 300 examples at a minimum: agreement up to second-order terms
+    np.testing.assert_allclose(table["actual"], table["predicted"], rtol=0.1)
+    assert table.loc["most harmful", "actual"] < 0 < table.loc["most helpful", "actual"]
+    # the predicted column is the sum of the result's removal over the group
+    removal = dict(zip(res.index.tolist(), res.removal.tolist()))
+    top = torch.argsort(res.total, descending=True)[:2].tolist()
+    assert table.loc["most harmful", "predicted"] == pytest.approx(sum(removal[i] for i in top), rel=1e-12)
+    # one run per group and seed plus the baseline's
+    assert len(check.runs) == (4 + 1) * 2
+
+
+def test_noise_floor_is_the_baseline_spread_over_seeds_and_pairing_cancels_it(convex):
+    res, retrain = convex
+    shift = {0: 0.0, 1: 0.5, 2: -0.2}  # what a seed adds to every run with it (a batch order's effect)
+    noisy = lambda keep, seed: retrain(keep, seed) + shift[seed]  # noqa: E731
+    plain = check_retraining(res, retrain, k=2, seeds=1, random=0, progress=False)
+    check = check_retraining(res, noisy, k=2, seeds=[0, 1, 2], random=0, progress=False)
+    assert check.noise_floor == pytest.approx(np.std(list(shift.values()), ddof=1), rel=1e-12)
+    # paired by seed, the seed's shift cancels in every change
+    np.testing.assert_allclose(check.table["actual"], plain.table["actual"], rtol=1e-9)
+    assert np.isnan(plain.noise_floor)  # one seed cannot measure a spread
+
+
+def test_named_groups_and_bad_input(convex):
+    res, retrain = convex
+    check = check_retraining(res, retrain, k=2, seeds=1, random=0, groups={"first two": [0, 1]}, progress=False)
+    row = check.table.set_index("group").loc["first two"]
+    assert row["predicted"] == pytest.approx(float(res.removal[0] + res.removal[1]), rel=1e-12)
+    whole = ik.InfluenceResult(values=res.values, n_train=res.n_train, removal_eps=-1.0)  # e.g. unrolled: removal = −score
+    named = check_retraining(whole, retrain, k=2, seeds=1, random=0, groups={"first two": [0, 1]}, progress=False)
+    assert named.table.set_index("group").loc["first two", "predicted"] == pytest.approx(-float(res.values[:2].sum()))
+    with pytest.raises(ik.InputError, match="k must be"):
+        check_retraining(res, retrain, k=0, progress=False)
+    with pytest.raises(ik.InputError, match="seeds"):
+        check_retraining(res, retrain, seeds=[1, 1], progress=False)
+    with pytest.raises(ik.InputError, match="finite"):
+        check_retraining(res, lambda keep, seed: float("nan"), k=2, seeds=1, random=0, progress=False)
+    with pytest.raises(ik.InputError, match="stage-1 examples"):
+        check_retraining(res, retrain, k=2, seeds=1, random=0, groups={"g": [10_000]}, progress=False)
+    partial = ik.InfluenceResult(values=res.values[:5], index=torch.arange(5), n_train=res.n_train)
+    with pytest.raises(ik.InputError, match="did not score"):
+        check_retraining(partial, retrain, k=2, seeds=1, random=0, groups={"g": [7]}, progress=False)
+
+
+def test_progress_bar_and_plot(convex, capsys, tmp_path):
+    need("matplotlib")
+    res, retrain = convex
+    check = check_retraining(res, lambda keep, seed: retrain(keep, 0) + 0.1 * seed, k=2, seeds=2, random=1)
+    assert "retraining" in capsys.readouterr().err  # the bar, on by default
+    check_retraining(res, retrain, k=2, seeds=1, random=0, progress=False)
+    assert capsys.readouterr().err == ""
+    fig = plot_check(check.table, title="convex")
+    ax = fig.axes[0]
+    band = [p for p in ax.patches if p.get_label().startswith("noise floor")]
+    assert len(band) == 1  # the noise floor drawn as a band around 0, ±sd
+    box = band[0].get_bbox()  # its y in data coordinates
+    assert np.isclose(box.y1, check.noise_floor) and np.isclose(box.y0, -check.noise_floor)
+    paths = check.save(tmp_path, "convex")
+    assert all(p.exists() for p in paths)
