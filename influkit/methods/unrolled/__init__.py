@@ -27,7 +27,8 @@ learning rate).
 
 from .metagradient import Adjoint, metagradients
 from .optimizers import SGD, Adam, AdamW
-from .record import Record, StageRecorder, StageRun
+from .record import Record, StageRecorder
+from .run import StageRun
 from .replay import outputs, replay, reweighted, verify
 from .segments import approximate
 from .stability import diagnose, linearity, sharpness

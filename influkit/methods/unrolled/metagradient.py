@@ -81,7 +81,8 @@ from ..chain import Measure
 from ..errors import InputError
 from ..results import InfluenceResult
 from .journal import Journal, fingerprint
-from .record import Record, StageRun, stage_weights, tensor_bytes
+from .record import Record, stage_weights
+from .run import StageRun, tensor_bytes
 from .replay import as_measure, deviation, reweighted, start, unit_weights
 
 METHOD = "unrolled exact (replay)"

@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from ..chain import Measure
 from ..errors import InputError
 from .optimizers import Tensors
-from .record import Record, StageRun, replaying, stage_weights
+from .record import Record, stage_weights
+from .run import StageRun, replaying
 
 
 def start(run: StageRun, anchors: Tensors) -> Tensors:

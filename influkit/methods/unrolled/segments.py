@@ -103,7 +103,8 @@ from ..results import InfluenceResult
 from ..scoring import release_freed_memory
 from .metagradient import hand_over, measure_adjoint, reweighted_at
 from .optimizers import SGD
-from .record import Record, StageRun
+from .record import Record
+from .run import StageRun
 from .replay import start, unit_weights
 from .terms import Terms, fingerprint, holding
 

@@ -40,7 +40,8 @@ from ..errors import InputError
 from ..results import InfluenceResult
 from ..stationarity import STEPS, extreme_eigenvalues
 from .optimizers import SGD, Adam, Tensors
-from .record import Record, StageRun
+from .record import Record
+from .run import StageRun
 from .replay import outputs, unit_weights
 from .terms import holding
 

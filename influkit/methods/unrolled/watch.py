@@ -47,7 +47,7 @@ from ..errors import InputError, NotReplayable
 from ..links import Link
 from ..stage import Stage
 from .optimizers import from_torch, torch_state
-from .record import StageRun, generator_state
+from .run import StageRun, generator_state
 
 _NORMS = (nn.modules.batchnorm._BatchNorm,)
 HYPER = ("momentum", "nesterov", "weight_decay", "dampening", "betas", "eps", "maximize")  # fixed while watched
