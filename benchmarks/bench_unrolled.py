@@ -107,7 +107,7 @@ def one(steps: int, every: int, per_test: bool, baseline: str | None) -> dict:
     import influkit as ik
 
     torch.set_num_threads(1)
-    task = Task(TASKS["digits-case1"], HERE / "results" / "fidelity" / "cache")
+    task = Task(TASKS["digits-case1"], HERE.parent / "studies" / "results" / "fidelity" / "cache")
     config = task.config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -63,21 +63,24 @@ def device() -> str:
         return "cpu"
 
 
-def record(folder: Path | str, files: list[str], command: str | None = None, *, load: list[float] | None = None,
-           note: str = "") -> dict:
+def record(folder: Path | str, files: list[str], command: str | None = None, *, load: list[float] | str | None = None,
+           note: str = "", commit: str | None = None, date: str | None = None, machine_name: str | None = None,
+           device_name: str | None = None) -> dict:
     """Add (or replace) the entry for ``files`` in ``folder/MANIFEST.json`` and return it. ``load`` defaults to the
-    1-, 5- and 15-minute load averages now (call it when the run ends)."""
+    1-, 5- and 15-minute load averages now (call it when the run ends). ``commit``, ``date``, ``machine_name`` and
+    ``device_name`` default to this checkout and this machine now; give them (or ``"unknown"``) when recording a file
+    written earlier."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     entry = {
         "files": sorted(files),
         "command": command if command is not None else "python " + " ".join(sys.argv),
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "device": device(),
-        "load": [round(x, 2) for x in (load if load is not None else os.getloadavg())],
+        "commit": commit if commit is not None else _git("rev-parse", "--short", "HEAD"),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")) if commit is None else False,
+        "date": date if date is not None else datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_name if machine_name is not None else machine(),
+        "device": device_name if device_name is not None else device(),
+        "load": load if isinstance(load, str) else [round(x, 2) for x in (load if load is not None else os.getloadavg())],
         "note": note,
     }
     path = folder / NAME
@@ -92,10 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", help="the results folder (its MANIFEST.json is created or updated)")
     parser.add_argument("files", nargs="+", help="the files of that folder the entry describes")
     parser.add_argument("--command", required=True, help="the command that wrote them")
-    parser.add_argument("--load", type=float, nargs="+", help="the load average while it ran (default: now)")
+    parser.add_argument("--load", nargs="+", help="the load average while it ran (default: now), or 'unknown'")
     parser.add_argument("--note", default="", help="anything a reader needs to know (e.g. what ran beside it)")
+    parser.add_argument("--commit", help="the commit that wrote them (default: HEAD), or 'unknown'")
+    parser.add_argument("--date", help="when they were written (default: now), or 'unknown'")
+    parser.add_argument("--machine", help="the CPU and cores they were measured on (default: this machine), or 'unknown'")
+    parser.add_argument("--device", help="cpu or the GPU (default: what torch sees here), or 'unknown'")
     args = parser.parse_args(argv)
-    print(json.dumps(record(args.folder, args.files, args.command, load=args.load, note=args.note), indent=1))
+    load = None if args.load is None else args.load[0] if args.load == ["unknown"] else [float(x) for x in args.load]
+    entry = record(args.folder, args.files, args.command, load=load, note=args.note, commit=args.commit,
+                   date=args.date, machine_name=args.machine, device_name=args.device)
+    print(json.dumps(entry, indent=1))
     return 0
 
 

@@ -11,10 +11,8 @@ the whole computation adds; the default needs no such count, being taken from wh
 
 **The default does not fill it.** Without ``memory=``, a phase's batch holds at most
 max(:data:`DEFAULT_EXAMPLES`, ⌊:data:`DEFAULT_WORKING` / (SAFETY · bytes per example)⌋) examples
-(:func:`default_count`). Larger batches buy no throughput on a CPU, only resident memory: scoring 64 sequences of
-the 5.4 M BERT of benchmarks/bench_transformer.py (2 layers, hidden 256, 32 tokens) in chunks of 8 / 32 / 64 took
-3.6 / 3.5 / 2.8 s and again 4.1 / 4.0 / 3.8 s (one process, load 14), while batches that filled half of the free
-memory took that job to a peak RSS of 8.0 GB against kronfluence's 0.64 GB (benchmarks/results/). Tiny examples
+(:func:`default_count`). Larger batches buy no throughput on a CPU, only resident memory (measured by
+``benchmarks/bench_transformer.py``, results in ``benchmarks/results/bench_transformer/``). Tiny examples
 (digits, small MLPs) still go in one batch (256 MiB of them). ``memory=`` lifts the cap: then
 the batches fill the given budget.
 

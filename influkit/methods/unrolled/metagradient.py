@@ -1,6 +1,6 @@
 """Exact metagradients: d measure(final model) / d w_z for every example of every recorded stage, by reverse mode.
 
-Sign convention (docs/DESIGN §1, "Unrolled attribution"): the score of z is d f(T; θ_final(w)) / d w_z at w = 1,
+Sign convention (docs/concepts.md, "Sign conventions"): the score of z is d f(T; θ_final(w)) / d w_z at w = 1,
 through every recorded step of every stage; removing z (w_z: 1 → 0) predicts a change of **−score**
 (``InfluenceResult.removal`` with ``removal_eps = −1``). For full-batch descent run to convergence the score
 tends to I(z, T)/m, the influence function's value.
