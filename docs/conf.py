@@ -8,6 +8,7 @@ MANIFEST.json files (docs/results_page.py)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -39,13 +40,31 @@ autodoc_default_options = {"members": True, "undoc-members": False, "show-inheri
 napoleon_google_docstring = False
 napoleon_numpy_docstring = False
 
+# Docstrings write absolute values and norms with bars (|x|, ‖g‖), which reStructuredText reads as substitution
+# references: escape every bar outside inline literals and outside table lines before autodoc parses them.
+_LITERAL = re.compile(r"(``.*?``)")
+
+
+def _escape_bars(app, what, name, obj, options, lines):
+    for i, line in enumerate(lines):
+        bare = line.strip()
+        if "|" not in line or bare.startswith("+") or (bare.startswith("|") and bare.endswith("|")):
+            continue
+        lines[i] = "".join(part if part.startswith("``") else part.replace("|", "\\|") for part in _LITERAL.split(line))
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _escape_bars)
+
+
 # The notebooks: copied next to the tutorials at each build and executed in a fresh kernel at the reduced size
 # (INFLUKIT_NOTEBOOK_SIZE=reduced, under a minute each on one core).
 nb_execution_mode = "force"
 nb_execution_timeout = 600
 nb_execution_raise_on_error = True
+nb_output_stderr = "remove"  # progress-bar and deprecation chatter; errors still fail the build
 os.environ.setdefault("INFLUKIT_NOTEBOOK_SIZE", "reduced")
-os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"  # the kernel's figures as images (not Agg)
 for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
     shutil.copyfile(notebook, HERE / "tutorials" / notebook.name)
 

@@ -78,10 +78,11 @@ def _page(root: Path, kind: str, folder: Path, page: Path) -> None:
              f"Generated from `{kind}/results/{folder.name}/` and its `MANIFEST.json` when the documentation was built.",
              "Seconds were measured on shared machines: compare ratios within one file, and read each file's load.", "",
              "## Manifest", ""]
-    rows = [[", ".join(f"`{f}`" for f in e["files"]), f"`{e['command']}`", e["commit"], e["date"], e["machine"],
-             e.get("device", "unknown"), _load(e["load"]), e.get("note", "")] for e in entries]
-    lines += _table(["files", "command", "commit", "date", "machine", "device", "load", "note"], rows) if rows else [
-        "No MANIFEST.json in this folder.", ""]
+    for e in entries:
+        lines += ["- " + ", ".join(f"`{f}`" for f in e["files"]) + f": written by `{e['command']}` at commit "
+                  f"{e['commit']}, {e['date']}, on {e['machine']} ({e.get('device', 'unknown')}), load "
+                  f"{_load(e['load'])}." + (f" *{e['note']}*" if e.get("note") else "")]
+    lines += [""] if entries else ["No MANIFEST.json in this folder.", ""]
     lines += ["## Files", ""]
     for path in sorted(folder.iterdir()):
         if path.name != "MANIFEST.json" and not path.name.startswith("."):

@@ -49,7 +49,7 @@ from .stationarity import Position
 
 # the largest p solved with a dense factorization (p HVPs to build H, one Cholesky): benchmarks/bench_auto.py
 DIRECT_MAX = 3000
-# λ = DAMPING_RATIO · θ_max off a minimum without Training: studies/fidelity_lm.py (README: auto's damping)
+# λ = DAMPING_RATIO · θ_max off a minimum without Training: studies/fidelity_lm.py (docs/concepts.md, "Where a stage stands")
 DAMPING_RATIO = 1e-2
 # above this many parameters the Gauss-Newton solve off a minimum is preconditioned by EK-FAC
 PRECONDITION_MIN = 10**6

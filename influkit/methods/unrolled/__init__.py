@@ -7,7 +7,7 @@ pretrain → finetune boundary. A score is d measure / d w_z at w = 1 (or at the
 1 − f to rank random drops of a fraction f, the midpoint 1 − f/2 to predict one drop's change); removing z predicts
 −score. ``sharpness`` puts each checkpoint's largest Hessian eigenvalue beside its learning rate: a run past the
 edge of stability (η·λ_max > 2(1 + μ)) answers whole-example drops far from linearly, and ``linearity`` checks
-the answer itself on a few replayed drop sets.
+the answer itself on a few replayed drop sets. A two-stage record::
 
     record = ik.unrolled.Record()
     record.train(pre_stage, ik.unrolled.AdamW(lr=1e-2, weight_decay=1e-3), steps=300, batch_size=32)
