@@ -19,10 +19,8 @@ drops it, is ⪰ 0 for convex losses, and G + λI is positive definite, so the s
 Why the approximate inverse when p·n_rhs is large: MINRES costs one product over the stage's data per step and
 right-hand side, tens of steps each even preconditioned, while EK-FAC (C ≈ G fitted once, x = (C + λI)⁻¹b) costs
 one fitting pass and then nothing per right-hand side. Its x is EK-FAC's, not the exact solve's (the reason says
-so; ``SolveConfig(residual=True)`` measures the gap, at one exact product per right-hand side). Measured on
-studies/fidelity_minilm.py (MiniLM, p = 3.7 M, 120 sequences of 32 tokens, 40 test snippets): one product
-takes 16-20 s on one idle core, so tens of steps per test snippet are hours; the approximate inverse with the
-spectral λ has LDS 0.164 ± 0.026 there (M = 120), above the example's hand-set EK-FAC, 0.100 ± 0.020.
+so; ``SolveConfig(residual=True)`` measures the gap, at one exact product per right-hand side). ``studies/fidelity_minilm.py`` measures both on MiniLM
+(``studies/results/fidelity/minilm-dapt.md``).
 
 Damping rules (off a minimum, when the user gave none):
 

@@ -49,9 +49,8 @@ from .store import ScoreStore
 GRADIENTS = ("contraction", "per-example")
 TRIM_EVERY = 16  # computed chunks between returns of freed heap pages (release_freed_memory)
 # On CPU under the default budget a contraction chunk holds at most this many measured bytes (at least
-# DEFAULT_EXAMPLES examples): a 5.4 M BERT (6 MB per 32-token sequence) scored 256 sequences in 3.6 CPU s at chunks
-# of 8 against 3.9 at the 22 its 256 MiB working share allowed (its 30,522-wide logits leaving the caches); BERT-base
-# (148 MB per sequence) keeps its 8.
+# DEFAULT_EXAMPLES examples): small chunks keep a large vocabulary's logits in the caches, and larger ones were not
+# faster (benchmarks/bench_transformer.py).
 CPU_CHUNK_BYTES = 32 * 2**20
 _HASH_ROWS = 1 << 20
 

@@ -442,10 +442,8 @@ TOP_AUTO = 20
 """The most eigenpairs per stage ``top="auto"`` puts into the factored pieces."""
 TOP_AUTO_PARAMETERS = 1_000_000
 """The most trained parameters of a stage for which ``top="auto"`` computes them: ARPACK needs 2k + 1 to 4k
-products (50–90 for k = 20 on the digits stages, 80–95 on the LM task's stages) in float64, which took 2.4× the
-plain EK-FAC pieces on the LM task's two stages (210k + 2k parameters: 150 s against 63 s), 8× on its continuation
-alone, and far more on a 9.6 M-parameter BERT (258 Hessian products, 2,757 s; 136 Gauss-Newton ones, 1,914 s); above
-it pass ``top=k``."""
+products in float64, which cost several times the plain EK-FAC pieces and grow with the stage (the costs measured are
+in ``benchmarks/results/bench_transformer/`` and ``studies/results/fidelity/``); above it pass ``top=k``."""
 
 
 def top_count(top: int | str, p: int, itemsize: int, budget: int | None) -> tuple[int, str]:
