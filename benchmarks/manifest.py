@@ -13,6 +13,7 @@ A new entry replaces the older entries for the same files. From a script::
     from benchmarks.manifest import record
     record(RESULTS / "bench_x", ["bench_x.txt"], note="...")   # command = this process's argv
 
+a benchmark that prints its tables keeps them with ``with saved_output(RESULTS / "bench_x", "bench_x.txt"): ...``,
 or by hand, for a file written by a command that does not record itself::
 
     python -m benchmarks.manifest benchmarks/results/bench_x bench_x.txt --command "python -m ..." --load 2.1
@@ -21,6 +22,7 @@ or by hand, for a file written by a command that does not record itself::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -63,6 +65,15 @@ def device() -> str:
         return "cpu"
 
 
+def _this_command() -> str:
+    """This process's command line, a module run with ``-m`` written as ``python -m package.module``."""
+    script = Path(sys.argv[0]).resolve()
+    if script.is_relative_to(ROOT) and script.suffix == ".py":
+        module = ".".join(script.relative_to(ROOT).with_suffix("").parts)
+        return " ".join(["python -m", module, *sys.argv[1:]])
+    return " ".join(["python", *sys.argv])
+
+
 def record(folder: Path | str, files: list[str], command: str | None = None, *, load: list[float] | str | None = None,
            note: str = "", commit: str | None = None, date: str | None = None, machine_name: str | None = None,
            device_name: str | None = None) -> dict:
@@ -74,7 +85,7 @@ def record(folder: Path | str, files: list[str], command: str | None = None, *, 
     folder.mkdir(parents=True, exist_ok=True)
     entry = {
         "files": sorted(files),
-        "command": command if command is not None else "python " + " ".join(sys.argv),
+        "command": command if command is not None else _this_command(),
         "commit": commit if commit is not None else _git("rev-parse", "--short", "HEAD"),
         "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")) if commit is None else False,
         "date": date if date is not None else datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -88,6 +99,38 @@ def record(folder: Path | str, files: list[str], command: str | None = None, *, 
     entries = [e for e in entries if not set(e["files"]) & set(files)] + [entry]
     path.write_text(json.dumps({"entries": sorted(entries, key=lambda e: e["files"])}, indent=1) + "\n")
     return entry
+
+
+class _Both:
+    """A text stream that writes to the terminal and keeps a copy."""
+
+    def __init__(self, stream):
+        self.stream, self.copy = stream, []
+
+    def write(self, text: str) -> int:
+        self.copy.append(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+@contextlib.contextmanager
+def saved_output(folder: Path | str, name: str, note: str = ""):
+    """Print as usual inside the block and keep a copy: on leaving it, write ``folder/name`` and record it (command =
+    this process's argv, load = now). A block left by an error still writes what it printed, recorded with a note."""
+    folder = Path(folder)
+    both, before = _Both(sys.stdout), sys.stdout
+    sys.stdout = both
+    failed = True
+    try:
+        yield folder / name
+        failed = False
+    finally:
+        sys.stdout = before
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("".join(both.copy))
+        record(folder, [name], note=("stopped by an error; " if failed else "") + note)
 
 
 def main(argv: list[str] | None = None) -> int:
