@@ -27,7 +27,7 @@ times are equal, log-log interpolation between neighbouring sizes) is derived pe
 one query and for 10 queries, and the rule is stated at the end.
 
 Run: ``nice -n 10 python -m benchmarks.bench_auto`` (~10 min) or ``--quick`` (n_train = 300, the two
-smallest MLPs, < 2 min). Single-threaded (torch.set_num_threads(1)); writes ``results/bench_auto[_quick].txt``.
+smallest MLPs, < 2 min). Single-threaded (torch.set_num_threads(1)); writes ``results/bench_auto/bench_auto[_quick].txt``.
 """
 
 from __future__ import annotations

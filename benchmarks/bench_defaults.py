@@ -1,9 +1,9 @@
 """Two recipes a new user runs with every solve setting at its default, timed end to end (query + scores).
 
-- ``lm-lora``: the README's language-model + LoRA snippet as written, ``ik.Chain([pre, fin],
+- ``lm-lora``: the language-model + LoRA recipe (docs/guides/causal-lm-lora.md) at the example's size, ``ik.Chain([pre, fin],
   [hf.lora_link(pre, fin, case=1)]).query(test).scores()``, on the trained models of
   ``examples/lm_pretrain_lora.py`` (pretrained with Adam, adapters fit by L-BFGS; cached by
-  ``bench_fidelity_lm.py train``) and the README's test completion ("positive:" → " a gorgeous, moving film").
+  ``bench_fidelity_lm.py train``) and that recipe's test completion ("positive:" → " a gorgeous, moving film").
 - ``tiny-bert``: the masked-LM → classifier recipe of ``influkit.hf`` (Case 1, ``shared="bert"``) on a tiny BERT
   (hidden 32, 2 layers, ~24k parameters) pretrained with Adam (60 steps) on 128 random-token sentences, its
   encoder copied into the classifier, the head trained with Adam (60 steps); 8 test sentences.

@@ -754,7 +754,7 @@ def main(argv=None) -> None:
     if args.part in ("all", "cifar"):
         run_cifar(args, log)
     name = "bench_distributed" + ("_quick" if args.quick else "") + ("" if args.part == "all" else f"_{args.part}")
-    log(f"\nwrote benchmarks/results/{name}.txt")
+    log(f"\nwrote benchmarks/results/bench_distributed/{name}.txt")
     log.save(name)
 
 

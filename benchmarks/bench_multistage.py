@@ -74,21 +74,26 @@ def main(argv=None) -> None:
         warnings.simplefilter("ignore")
         print(json.dumps(one_size(args.child, args.iterations)))
         return
-    rows = []
-    for m in args.m:
-        out = subprocess.run([sys.executable, __file__, "--child", str(m), "--iterations", str(args.iterations)],
-                             capture_output=True, text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(f"m = {m}: done", flush=True)
-    frame = pd.DataFrame(rows).set_index("m")
-    growth = frame["per_example_s"] / frame["per_example_s"].shift(1)
-    frame["per_example growth per step"] = growth
-    print("\n# influkit.score on the MNIST CNN of Table A (float32, 1 thread, CG iterations fixed at "
-          f"{args.iterations} per solve, pretraining Hessian on 1,000 samples)")
-    print(frame.to_string(float_format=lambda v: f"{v:.3g}"))
-    print("\nper-example part grows ≈ linearly in m (ideal growth = ratio of successive m); the solves do not "
-          "grow with m because the pretraining Hessian is sampled; the RSS growth of a run stays flat because "
-          "per-example gradients are streamed in chunks of 64 and only their dot products are kept.")
+    from pathlib import Path
+
+    from benchmarks.manifest import saved_output  # the parent runs as python -m benchmarks.bench_multistage
+
+    with saved_output(Path(__file__).resolve().parent / "results" / "bench_multistage", "bench_multistage.txt"):
+        rows = []
+        for m in args.m:
+            out = subprocess.run([sys.executable, __file__, "--child", str(m), "--iterations", str(args.iterations)],
+                                 capture_output=True, text=True, check=True)
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"m = {m}: done", flush=True)
+        frame = pd.DataFrame(rows).set_index("m")
+        growth = frame["per_example_s"] / frame["per_example_s"].shift(1)
+        frame["per_example growth per step"] = growth
+        print("\n# influkit.score on the MNIST CNN of Table A (float32, 1 thread, CG iterations fixed at "
+              f"{args.iterations} per solve, pretraining Hessian on 1,000 samples)")
+        print(frame.to_string(float_format=lambda v: f"{v:.3g}"))
+        print("\nper-example part grows ≈ linearly in m (ideal growth = ratio of successive m); the solves do not "
+              "grow with m because the pretraining Hessian is sampled; the RSS growth of a run stays flat because "
+              "per-example gradients are streamed in chunks of 64 and only their dot products are kept.")
 
 
 if __name__ == "__main__":

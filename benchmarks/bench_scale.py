@@ -14,7 +14,7 @@ embedding shared, ``solver="auto"``) on all 5,000 pretraining images.
 
 At λ = 0.1 this model's H + λI is indefinite with a continuum of eigenvalues through 0 (H's smallest Ritz value
 −0.42): the float64 reference does not converge in hundreds of iterations and the damped influence is ill-posed
-(``results/bench_scale_damping0.1_diagnostics.txt``); the committed table is ``--damping 1.0``, where H + λI ≻ 0.
+(``results/bench_scale/bench_scale_damping0.1_diagnostics.txt``); the committed table is ``--damping 1.0``, where H + λI ≻ 0.
 ``--curvature gauss-newton`` runs the same table at the issue's λ = 0.1 on the generalized Gauss-Newton matrix
 G (every solve, the reference — float64 CG — and the residuals): G + λI ≻ 0, so the exact damped influence is
 well posed there, and G is the matrix EK-FAC (ours and kronfluence's) approximates.

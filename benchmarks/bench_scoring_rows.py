@@ -8,7 +8,7 @@ seconds at K = 1 (``fidelity_methods.influkit_scores``: fit, query and scores, n
 
 ``--cache``: a fidelity cache holding digits-case1's trained member 0 (``studies/results/fidelity/cache``), read
 only. ``$PWD/benchmarks`` on the path serves older checkouts (885c1da), whose benchmarks import each other flat.
-Alternate checkouts by running this once per checkout per round (results/scoring_rows.txt).
+Alternate checkouts by running this once per checkout per round (results/bench_scoring_rows/scoring_rows.txt).
 """
 
 from __future__ import annotations

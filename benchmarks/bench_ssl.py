@@ -25,7 +25,8 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import influkit as ik
-from benchmarks.common import cross_entropy as ce, timed
+from benchmarks.common import RESULTS, cross_entropy as ce, timed
+from benchmarks.manifest import saved_output
 from influkit.gradients import per_example_grads, per_example_grads_serial
 from influkit.ssl import PseudoLabel, hypergradient, last_layer_grads
 
@@ -132,11 +133,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pd.set_option("display.width", 200)
-    grads = bench_per_example(args.n)
-    print(grads.drop(columns="part").to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    print()
-    hyper = bench_hypergradient(args.n)
-    print(hyper.drop(columns="part").to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    with saved_output(RESULTS / "bench_ssl", "bench_ssl.txt"):
+        grads = bench_per_example(args.n)
+        print(grads.drop(columns="part").to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        print()
+        hyper = bench_hypergradient(args.n)
+        print(hyper.drop(columns="part").to_string(index=False, float_format=lambda v: f"{v:.4g}"))
 
 
 if __name__ == "__main__":

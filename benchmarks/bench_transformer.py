@@ -83,7 +83,9 @@ import pandas as pd
 import torch
 from torch import nn
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks.manifest import record
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_transformer"
 JOBS = ("influkit-ekfac", "influkit-minres", "kronfluence", "case1", "case1-recorded", "case1-unrolled", "case1-both")
 IGNORE = -100
 
@@ -749,12 +751,13 @@ def main(argv=None) -> None:
             if result.get("phases"):
                 say(f"{model} {job}: resident memory by phase (sampled every 10 ms)\n{phase_table(result)}")
             rows.append(result)
-            RESULTS.mkdir(exist_ok=True)
+            RESULTS.mkdir(parents=True, exist_ok=True)
             (RESULTS / f"{args.name}.txt").write_text(log.getvalue())  # partial results survive an interrupted run
         summarize(model, mwork, [r for r in rows if r["model"] == model], say)
     say(f"load at the end: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.name}.txt").write_text(log.getvalue())
+    record(RESULTS, [f"{args.name}.txt"])
 
 
 def summarize(model: str, work: Path, rows: list[dict], say) -> None:

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 import influkit as ik
-from benchmarks.common import cross_entropy as ce, timed
+from benchmarks.common import RESULTS, cross_entropy as ce, timed
+from benchmarks.manifest import saved_output
 from influkit.apps.datasets import load_digits_tensors
 from influkit.errors import ConvergenceWarning
 from influkit.turnover import HashedMasks, TurnOverDropout, VolatileMasks, influence, train_turnover
@@ -99,11 +100,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     pd.set_option("display.width", 160)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)\n")
-    print("influence of every training example on one test example (seconds; speedup = Koh&Liang / turn-over)")
-    print(bench_influence([500, 1000, 1797]).to_string(index=False, float_format="%.4g"))
-    print("\nmask memory (bytes held between batches) and time per batch of 64 masks (ms), d = 256")
-    print(bench_memory([1_000, 10_000, 100_000, 1_000_000]).to_string(index=False, float_format="%.4g"))
+    with saved_output(RESULTS / "bench_turnover", "bench_turnover.txt"):
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)\n")
+        print("influence of every training example on one test example (seconds; speedup = Koh&Liang / turn-over)")
+        print(bench_influence([500, 1000, 1797]).to_string(index=False, float_format="%.4g"))
+        print("\nmask memory (bytes held between batches) and time per batch of 64 masks (ms), d = 256")
+        print(bench_memory([1_000, 10_000, 100_000, 1_000_000]).to_string(index=False, float_format="%.4g"))
 
 
 if __name__ == "__main__":

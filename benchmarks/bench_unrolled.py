@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.manifest import saved_output
+
 HERE = Path(__file__).resolve().parent
 REPEATS = 3
 
@@ -107,7 +109,7 @@ def one(steps: int, every: int, per_test: bool, baseline: str | None) -> dict:
     import influkit as ik
 
     torch.set_num_threads(1)
-    task = Task(TASKS["digits-case1"], HERE / "results" / "fidelity" / "cache")
+    task = Task(TASKS["digits-case1"], HERE.parent / "studies" / "results" / "fidelity" / "cache")
     config = task.config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -191,29 +193,30 @@ def main() -> None:
     if args.one or args.lm_one:
         print(json.dumps(lm(args.baseline) if args.lm_one else one(*args.one, args.per_test, args.baseline)))
         return
-    with open("/proc/loadavg") as handle:
-        print(f"load average before: {handle.read().split()[:3]}", flush=True)
-    extra = args.per_test or args.lm
-    q = "20" if args.lm else "100"
-    print(f"| code | {'task' if args.lm else 'T (pretraining steps)'} | checkpoint every | one training run s | "
-          f"metagradient (q = 1) s | ratio |" + (f" per test (q = {q}): first s | ratio | repeat s | ratio | pull |"
-                                                  if extra else "") +
-          " peak RSS growth MiB | segment's resident growth MiB | checkpoints MiB | replay error |")
-    print("|---" * (10 + 5 * extra) + "|")
-    baseline = ["--baseline", args.baseline] if args.baseline else []
-    configs = [("LM warm continuation", ["--lm-one"])] if args.lm else \
-        [(str(steps), ["--one", str(steps), str(every)] + ["--per-test"] * args.per_test)
-         for steps in args.steps for every in (math.ceil(math.sqrt(steps)), steps)]
-    for name, command in configs:
-        for label, row in measured(command + baseline).items():
-            extra_cells = (f" {row['first_per_test_s']:.2f} | {row['first_per_test_ratio']:.2f} | "
-                           f"{row['per_test_s']:.2f} | {row['per_test_ratio']:.2f} | {row['pull']} |") if extra else ""
-            peak = f"{row['peak_growth_MiB']:.1f}" if label == "this" else "(same process)"
-            print(f"| {label} | {name} | {row['every']} | {row['training_s']:.2f} | {row['metagradient_s']:.2f} | "
-                  f"{row['ratio']:.2f} |{extra_cells} {peak} | {row['segment_growth_MiB']:.1f} | "
-                  f"{row['checkpoints_MiB']:.3f} | {row['replay_error']:.1e} |", flush=True)
-    with open("/proc/loadavg") as handle:
-        print(f"load average after: {handle.read().split()[:3]}", flush=True)
+    with saved_output(HERE / "results" / "bench_unrolled", "bench_unrolled" + ("_lm" if args.lm else "") + ("_per_test" if args.per_test else "") + ("_baseline" if args.baseline else "") + ".txt"):
+        with open("/proc/loadavg") as handle:
+            print(f"load average before: {handle.read().split()[:3]}", flush=True)
+        extra = args.per_test or args.lm
+        q = "20" if args.lm else "100"
+        print(f"| code | {'task' if args.lm else 'T (pretraining steps)'} | checkpoint every | one training run s | "
+              f"metagradient (q = 1) s | ratio |" + (f" per test (q = {q}): first s | ratio | repeat s | ratio | pull |"
+                                                      if extra else "") +
+              " peak RSS growth MiB | segment's resident growth MiB | checkpoints MiB | replay error |")
+        print("|---" * (10 + 5 * extra) + "|")
+        baseline = ["--baseline", args.baseline] if args.baseline else []
+        configs = [("LM warm continuation", ["--lm-one"])] if args.lm else \
+            [(str(steps), ["--one", str(steps), str(every)] + ["--per-test"] * args.per_test)
+             for steps in args.steps for every in (math.ceil(math.sqrt(steps)), steps)]
+        for name, command in configs:
+            for label, row in measured(command + baseline).items():
+                extra_cells = (f" {row['first_per_test_s']:.2f} | {row['first_per_test_ratio']:.2f} | "
+                               f"{row['per_test_s']:.2f} | {row['per_test_ratio']:.2f} | {row['pull']} |") if extra else ""
+                peak = f"{row['peak_growth_MiB']:.1f}" if label == "this" else "(same process)"
+                print(f"| {label} | {name} | {row['every']} | {row['training_s']:.2f} | {row['metagradient_s']:.2f} | "
+                      f"{row['ratio']:.2f} |{extra_cells} {peak} | {row['segment_growth_MiB']:.1f} | "
+                      f"{row['checkpoints_MiB']:.3f} | {row['replay_error']:.1e} |", flush=True)
+        with open("/proc/loadavg") as handle:
+            print(f"load average after: {handle.read().split()[:3]}", flush=True)
 
 
 if __name__ == "__main__":

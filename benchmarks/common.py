@@ -28,6 +28,7 @@ from influkit.apps.objectives import cross_entropy, l2  # noqa: F401  (the one l
 from influkit.curvature import HessianOperator, gradient
 from influkit.gradients import per_example_grads_serial
 from influkit.training import fit_lbfgs, gradient_norm, newton_refine
+from benchmarks.manifest import record
 from influkit.validation.reference import explicit_hessian  # the one explicit-Hessian truth (tests use it too)
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -61,7 +62,8 @@ def machine_info() -> str:
 
 
 class Tee:
-    """Print to stdout and keep a copy, written to ``benchmarks/results/<name>.txt`` by :meth:`save`."""
+    """Print to stdout and keep a copy, written to ``benchmarks/results/<bench>/<name>.txt`` by :meth:`save`, which
+    also records the run in that folder's MANIFEST.json (``benchmarks.manifest.record``)."""
 
     def __init__(self):
         self.buffer = io.StringIO()
@@ -74,10 +76,14 @@ class Tee:
     def table(self, frame: pd.DataFrame, floatfmt: str = "{:.3g}") -> None:
         self(frame.to_string(index=False, float_format=lambda v: floatfmt.format(v)))
 
-    def save(self, name: str) -> Path:
-        RESULTS.mkdir(exist_ok=True)
-        path = RESULTS / f"{name}.txt"
+    def save(self, name: str, bench: str | None = None) -> Path:
+        """Write ``results/<bench>/<name>.txt`` and record it; ``bench`` defaults to the running script's module name
+        (``python -m benchmarks.bench_core`` → ``bench_core``)."""
+        folder = RESULTS / (bench or Path(sys.modules["__main__"].__file__).stem)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{name}.txt"
         path.write_text(self.buffer.getvalue())
+        record(folder, [path.name])
         return path
 
 

@@ -19,10 +19,8 @@ drops it, is ⪰ 0 for convex losses, and G + λI is positive definite, so the s
 Why the approximate inverse when p·n_rhs is large: MINRES costs one product over the stage's data per step and
 right-hand side, tens of steps each even preconditioned, while EK-FAC (C ≈ G fitted once, x = (C + λI)⁻¹b) costs
 one fitting pass and then nothing per right-hand side. Its x is EK-FAC's, not the exact solve's (the reason says
-so; ``SolveConfig(residual=True)`` measures the gap, at one exact product per right-hand side). Measured on
-studies/fidelity_minilm.py (MiniLM, p = 3.7 M, 120 sequences of 32 tokens, 40 test snippets): one product
-takes 16-20 s on one idle core, so tens of steps per test snippet are hours; the approximate inverse with the
-spectral λ has LDS 0.164 ± 0.026 there (M = 120), above the example's hand-set EK-FAC, 0.100 ± 0.020.
+so; ``SolveConfig(residual=True)`` measures the gap, at one exact product per right-hand side). ``studies/fidelity_minilm.py`` measures both on MiniLM
+(``studies/results/fidelity/minilm-dapt.md``).
 
 Damping rules (off a minimum, when the user gave none):
 
@@ -52,7 +50,7 @@ from .stationarity import Position
 
 # the largest p solved with a dense factorization (p HVPs to build H, one Cholesky): benchmarks/bench_auto.py
 DIRECT_MAX = 3000
-# λ = DAMPING_RATIO · θ_max off a minimum without Training: studies/fidelity_lm.py (README: auto's damping)
+# λ = DAMPING_RATIO · θ_max off a minimum without Training: studies/fidelity_lm.py (docs/concepts.md, "Where a stage stands")
 DAMPING_RATIO = 1e-2
 # the relative gradient norm r from which the full DAMPING_RATIO applies (below: λ ∝ r): the stages of
 # studies/fidelity_lm.py where DAMPING_RATIO was measured stood at r = 0.017 and 0.037

@@ -3,8 +3,7 @@
 For the objective L(θ) = (1/n) Σ_i ℓ_i(θ) + R(θ) of a :class:`~influkit.stage.Stage`,
 ``hvp`` returns H·v = ∇²L(θ)·v without forming H: reverse-over-reverse ``vjp(grad(L))`` by default, or
 forward-over-reverse ``jvp(grad(L))`` (``mode="fwd-rev"``; on CPU with torch 2.13 its forward-mode rules
-run through Python decompositions and measured 2–2.5× slower for small models, about equal for a CNN —
-``benchmarks/bench_core.py``). The data are streamed in batches and the products summed, so memory does not
+run through Python decompositions, slower for small models — ``benchmarks/bench_core.py`` measures both). The data are streamed in batches and the products summed, so memory does not
 grow with n.
 
 Mixed second derivatives are the same product taken over the union of two parameter blocks: with the
@@ -112,8 +111,8 @@ def gradient(
 
     In batches of ``batch_size`` when given, else sized from the measured bytes of one example's forward and
     backward under the budget ``memory`` (bytes; None: the default rule of :mod:`influkit.memory`, which never fills
-    it): the stage's own batches can hold its whole data set, every example's activations at once (a 30,522-word
-    masked-LM head over 120 sequences of 32 tokens: +1.6 GB, studies/fidelity_minilm.py)."""
+    it): the stage's own batches can hold its whole data set, every example's activations at once (a large vocabulary's logits for every
+    sequence)."""
     params = point(stage.state(), names, at)
     local, n, owns_regularizer = _share(stage, indices)
     term = _batch_objective(stage, extra)
@@ -190,8 +189,7 @@ def hvp_bytes_per_example(stage: Stage, names: Sequence[str], at: Params | None 
     """Bytes one example adds to a Hessian-vector product: what autograd keeps of the forward and of the
     create_graph backward (the cached gradient graph), measured on a probe of two examples
     (:func:`influkit.memory.probe_bytes`), × :data:`HVP_TRANSIENT` for the buffers a product's backward through that
-    graph allocates (not saved tensors: measured on a 2-layer BERT-base-width model, 4 sequences × 128 tokens,
-    resident growth 860 MB for 345 MB saved + 170 MB of parameter-sized vectors, i.e. 2.0× the saved bytes)."""
+    graph allocates (not saved tensors; the factor was measured as resident growth over saved bytes on a BERT-base-width model)."""
     count = min(PROBE_EXAMPLES, len(stage))
     x, y = stage.data.take(torch.arange(count))
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in point(stage.state(), names, at).items()}

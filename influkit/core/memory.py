@@ -11,10 +11,8 @@ the whole computation adds; the default needs no such count, being taken from wh
 
 **The default does not fill it.** Without ``memory=``, a phase's batch holds at most
 max(:data:`DEFAULT_EXAMPLES`, ⌊:data:`DEFAULT_WORKING` / (SAFETY · bytes per example)⌋) examples
-(:func:`default_count`). Larger batches buy no throughput on a CPU, only resident memory: scoring 64 sequences of
-the 5.4 M BERT of benchmarks/bench_transformer.py (2 layers, hidden 256, 32 tokens) in chunks of 8 / 32 / 64 took
-3.6 / 3.5 / 2.8 s and again 4.1 / 4.0 / 3.8 s (one process, load 14), while batches that filled half of the free
-memory took that job to a peak RSS of 8.0 GB against kronfluence's 0.64 GB (benchmarks/results/). Tiny examples
+(:func:`default_count`). Larger batches buy no throughput on a CPU, only resident memory (measured by
+``benchmarks/bench_transformer.py``, results in ``benchmarks/results/bench_transformer/``). Tiny examples
 (digits, small MLPs) still go in one batch (256 MiB of them). ``memory=`` lifts the cap: then
 the batches fill the given budget.
 
@@ -23,9 +21,8 @@ a probe batch of :data:`PROBE_EXAMPLES` examples under ``torch.autograd.graph.sa
 the distinct storages autograd keeps for the backward pass (the activations: what grows with the batch), plus
 the outputs; the model's parameters and buffers, which exist anyway, are not counted. Transient buffers of the
 backward pass itself (gradients flowing through one layer at a time, temporaries of the kernels) are not saved
-tensors; :data:`SAFETY` covers them: in ``tests/test_memory.py`` (a 1-layer BERT, 3,000-word vocabulary, 64 tokens)
-scoring measured 4.14 MB per example this way, and resident memory sampled during the scoring of chunks of 3 grew
-by 15.0 MB, 1.2× the estimate (48 rows in one chunk: 160 MB, 3.3 MB per row). A batch then holds
+tensors; :data:`SAFETY` covers them (``tests/test_memory.py`` checks resident growth during scoring against the estimate).
+A batch then holds
 ``floor(budget / (SAFETY · bytes per example))`` examples (:func:`fit_count`); a budget too small for one example
 raises :class:`MemoryBudgetError` with the bytes one example needs.
 

@@ -16,12 +16,10 @@ result's tensors are memory-mapped from the store: memory stays O(chunk_size · 
 chunk under a given ``memory=`` (a bound on resident growth), and every :data:`TRIM_EVERY` computed chunks under the
 default budget, and after the last, the C allocator's freed pages are returned to the system (glibc
 ``malloc_trim``): each chunk allocates and frees buffers of chunk_size · p floats, and once glibc has raised its mmap
-threshold past that size they come from the heap, whose freed pages otherwise stay resident and fragment — measured
-+17 MB of anonymous memory from 10⁴ to 10⁵ rows without the trim, none with one per chunk
-(``benchmarks/bench_distributed.py --part rss --rss-without-trim``, 2026-11-23); with one per 16 chunks, none either
-(2026-11-25, ``benchmarks/results/bench_transformer_ekfaclr_2026-11-25.txt``). Not after every chunk by default: the
-next chunk would fault all its pages in again (a 5.4 M BERT's scoring at chunks of 4: 4.7 CPU s with a trim per
-chunk, 3.3 without); but 16 chunks of fragmentation did exceed a given 24 MiB budget (27 MB, tests/test_memory.py).
+threshold past that size they come from the heap, whose freed pages otherwise stay resident and fragment
+(``benchmarks/bench_distributed.py --part rss --rss-without-trim`` measures the growth with and without the trim).
+Not after every chunk by default, because the next chunk would fault all its pages in again; under a given
+``memory=`` after every chunk, because a few chunks of fragmentation can exceed a small budget (tests/test_memory.py).
 Scoring all rows of a stage holds no O(m) index array (ids are ranges, hashed in pieces for the store's manifest).
 """
 
@@ -51,9 +49,8 @@ from .store import ScoreStore
 GRADIENTS = ("contraction", "per-example")
 TRIM_EVERY = 16  # computed chunks between returns of freed heap pages (release_freed_memory)
 # On CPU under the default budget a contraction chunk holds at most this many measured bytes (at least
-# DEFAULT_EXAMPLES examples): a 5.4 M BERT (6 MB per 32-token sequence) scored 256 sequences in 3.6 CPU s at chunks
-# of 8 against 3.9 at the 22 its 256 MiB working share allowed (its 30,522-wide logits leaving the caches); BERT-base
-# (148 MB per sequence) keeps its 8.
+# DEFAULT_EXAMPLES examples): small chunks keep a large vocabulary's logits in the caches, and larger ones were not
+# faster (benchmarks/bench_transformer.py).
 CPU_CHUNK_BYTES = 32 * 2**20
 _HASH_ROWS = 1 << 20
 

@@ -127,8 +127,7 @@ class SolveConfig:
     K = ``max_iter`` terms (default 20), Lorraine et al.'s truncated series, whatever its residual.
     residual: with ``True``, approximate inverses report the true relative residual of their x, at the cost of one
     exact Hessian-vector product over the stage's data per solve: 2-3 times the scoring of the whole data set, and
-    resident memory for its double-backward graph (benchmarks/bench_transformer.py, 5.4 M BERT: 17.8 s of a 22.3 s
-    query + scoring, peak RSS 8.0 GB vs 0.64 GB without); the default ``False`` skips it (residual NaN, converged
+    resident memory for its double-backward graph (``benchmarks/bench_transformer.py`` measures it); the default ``False`` skips it (residual NaN, converged
     None: not checked), as kronfluence and TRAK never check. Iterative and direct solves always report it.
     training: :class:`influkit.auto.Training` (lr, steps) of this stage, for auto's damping 1/(lr·steps) off a
     minimum.

@@ -149,7 +149,7 @@ def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0
 
     Plain three-term recurrence (no stored basis: three vectors, updated in place) in the operator's precision, at
     least float32 (a float32 Hessian-vector product carries float32's error anyway; float64 would triple the
-    memory, 2 GB more at BERT-base); loss of orthogonality only adds copies of converged Ritz values, not spurious
+    memory); loss of orthogonality only adds copies of converged Ritz values, not spurious
     extremes. Stops early on an invariant subspace (then the values are exact)."""
     p = operator.dim
     steps = max(1, min(steps, p))

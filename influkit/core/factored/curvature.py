@@ -17,8 +17,7 @@ The Hessian of R + extra enters as its diagonal, probed with one Rademacher vect
 R, e.g. L2 and the Case 2 proximal term), averaged over each Kronecker block. One streamed pass over the data
 (module hooks on the layers' forward inputs, autograd for their output-gradients) gives every statistic: each
 batch's products run in the model's dtype and are accumulated across batches in the model's dtype, at least
-float32 (a float64 model: float64; a float32 model: float32, as kronfluence does — half the accumulator memory,
-3.1 → 1.5 GB on BERT-base); eigendecompositions are float64, and the eigenbases and eigenvalues are then stored in the parameters' dtype (a float32 model's in
+float32 (a float64 model: float64; a float32 model: float32, as kronfluence does — half the accumulator memory); eigendecompositions are float64, and the eigenbases and eigenvalues are then stored in the parameters' dtype (a float32 model's in
 float32: half the memory; widened layer by layer when applied), each layer's covariances freed once decomposed;
 EK-FAC's Λ comes from the same pass's inputs and gradients, kept while they fit ``cache_bytes`` (else from a
 second pass with the same sampled labels).

@@ -11,12 +11,14 @@ pretrain → finetune boundary. A score is d measure / d w_z at w = 1 (or at the
 Hessian) beside its learning rate: a run past the edge of stability (SGD η·λ_max > 2(1 + μ); Adam
 η·λ_max(P⁻¹H) > 2(1 + β₁)/(1 − β₁)) answers whole-example drops far from linearly, ``linearity`` checks the
 answer itself on a few replayed drop sets, and ``diagnose`` reads both and names what to change (a warmup, a lower
-learning rate).
+learning rate). The user's own loop::
 
     record = ik.unrolled.Record()
     with record.watch(model, optimizer, loader, loss_fn) as run:   # the loop inside, unchanged
         ...
     scores = ik.unrolled.metagradients(record, (x_test, y_test))[0]
+
+A two-stage record trained by influkit's own optimizers::
 
     record = ik.unrolled.Record()
     record.train(pre_stage, ik.unrolled.AdamW(lr=1e-2, weight_decay=1e-3), steps=300, batch_size=32)

@@ -1,6 +1,6 @@
 """Exact metagradients: d measure(final model) / d w_z for every example of every recorded stage, by reverse mode.
 
-Sign convention (docs/DESIGN §1, "Unrolled attribution"): the score of z is d f(T; θ_final(w)) / d w_z at w = 1,
+Sign convention (docs/concepts.md, "Sign conventions"): the score of z is d f(T; θ_final(w)) / d w_z at w = 1,
 through every recorded step of every stage; removing z (w_z: 1 → 0) predicts a change of **−score**
 (``InfluenceResult.removal`` with ``removal_eps = −1``). For full-batch descent run to convergence the score
 tends to I(z, T)/m, the influence function's value.
@@ -41,18 +41,15 @@ dimension q and every step's backward runs once per output. A step is pulled bac
 as plain autograd graphs (the gradient taken with ``create_graph`` from leaf θ_t, S̄, w_{B_t}; the update from leaf
 θ_t, state_t, g_t) and pulled by one ``autograd.grad`` per output, the graph retained until the last. **Vmapped**:
 kept as ``torch.func.vjp`` pullbacks of the step, vmapped over the q outputs. One output is always looped (the
-pullback's per-step tracing costs more than the graph: digits, 0.44 s against 0.25 s of forward replay for 250
-steps). For q > 1 neither wins everywhere: vmapping amortizes per-operation overhead on small models (digits Case 1,
-q = 100: 14 s against 44 s looped), while on the LM task's decoder, whose steps are bound by memory traffic over its
-(tokens × vocabulary) logits, one double backward per output is faster (47 against 63 ms per output and step,
-q = 20). So the first q > 1 pass through a stage times both on one step (from the segment's checkpoint, results
+pullback's per-step tracing costs more than the graph). For q > 1 neither wins everywhere: vmapping amortizes
+per-operation overhead on small models, while on a decoder whose steps are bound by memory traffic over its
+(tokens × vocabulary) logits one double backward per output is faster (``benchmarks/bench_unrolled.py``). So the first q > 1 pass through a stage times both on one step (from the segment's checkpoint, results
 discarded: about two steps' work) and pulls every step the faster way; the choice is kept for the same stage shape
 and q in the process, so a repeated computation repeats its bits (``diagnostics["pull"]``: the choice and the
 trial's seconds). Forward over reverse — ``torch.func.jvp`` of θ ↦ ∇_{(θ, S̄, w)} L_t in the direction ḡ_t, which
 gives H_t ḡ_t, the shared block's term and the example terms in one pass with no graph kept from the replay — runs
-through Llama's operations and peft's LoRA in torch 2.13 but was slower everywhere measured: on the LM task 4.8× a
-gradient for one output (graph + double backward: 3.05×) and 114 against 47 ms per output at q = 20; on digits,
-q = 100, 15.4 s against 14.2 s vmapped.
+through Llama's operations and peft's LoRA in torch 2.13 but was slower than both ways above wherever it was
+measured, so it is not used.
 
 Ranks (``torch.distributed``, as :meth:`influkit.Query.scores`): a step is split into the gradient of the batch's
 loss, g_t = Σ_r g_t^r with rank r's contiguous share of B_t (:func:`influkit.distributed.shard`; R(θ) and the

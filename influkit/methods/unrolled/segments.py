@@ -42,8 +42,8 @@ fit per stage plus one streamed pass per further piece, instead of a fit (covari
 of EK-FAC's cost at scale) per piece — SOURCE's practical variant.
 
 Top directions (``top=k``, factored curvatures only). A block-diagonal curvature misses the cross-layer top of a
-transformer's spectrum (on the LM task's trained continuation EK-FAC's largest eigenvalue is 15.2, the Gauss-Newton
-matrix's 44.8, the Hessian's 69.9), so its pieces barely damp the directions the run contracts fastest. With ``top``
+transformer's spectrum (its largest eigenvalue can fall well below the Gauss-Newton matrix's and the Hessian's), so
+its pieces barely damp the directions the run contracts fastest. With ``top``
 the k largest eigenpairs (g_i, V_i) of each stage's Hessian H at its final parameters (``top_curvature="hessian"``,
 the matrix each piece linearizes with; ``"gauss-newton"``: its positive semi-definite part G) are put in exactly:
 each piece splits (v, w) into their coordinates in span V and the complement, runs the factored map f(C) on the
@@ -53,10 +53,8 @@ changes nothing, and with every eigenpair one piece per stage is the dense Hessi
 ``top="auto"`` takes k = :data:`TOP_AUTO` pairs per stage of at most :data:`TOP_AUTO_PARAMETERS` trained parameters
 (above, their products cost several times the pieces), fewer where ARPACK's workspace (ncv = max(2k + 1, 20)
 float64 vectors of p) and the k kept vectors would take more than half of the budget left (:func:`top_count`; 0
-with the dense Hessian, which is exact in every direction). Measured (``studies/fidelity.py``,
-``bench_fidelity_lm.py``): the LM task's record below the edge, replay LDS 0.23–0.27 with plain EK-FAC pieces,
-0.80–0.83 with 20 Gauss-Newton pairs, 0.89–0.93 with 20 Hessian pairs; digits Case 1 warm / scratch 0.195 / 0.072,
-0.463 / 0.140, 0.519 / 0.180 (EK-FAC influence 0.183 / 0.113).
+with the dense Hessian, which is exact in every direction). How the three choices rank drop sets is measured by
+``studies/fidelity.py`` and ``studies/fidelity_lm.py`` (``studies/results/fidelity/``, the docs' Results page).
 
 The scores are computed in two passes. First the reverse pass over the pieces (every rank the same) gives each
 piece's θ_ℓ and u_ℓ and the adjoints handed across the boundary; then the example terms
@@ -451,10 +449,8 @@ TOP_AUTO = 20
 """The most eigenpairs per stage ``top="auto"`` puts into the factored pieces."""
 TOP_AUTO_PARAMETERS = 1_000_000
 """The most trained parameters of a stage for which ``top="auto"`` computes them: ARPACK needs 2k + 1 to 4k
-products (50–90 for k = 20 on the digits stages, 80–95 on the LM task's stages) in float64, which took 2.4× the
-plain EK-FAC pieces on the LM task's two stages (210k + 2k parameters: 150 s against 63 s), 8× on its continuation
-alone, and far more on a 9.6 M-parameter BERT (258 Hessian products, 2,757 s; 136 Gauss-Newton ones, 1,914 s); above
-it pass ``top=k``."""
+products in float64, which cost several times the plain EK-FAC pieces and grow with the stage (the costs measured are
+in ``benchmarks/results/bench_transformer/`` and ``studies/results/fidelity/``); above it pass ``top=k``."""
 
 
 def top_count(top: int | str, p: int, itemsize: int, budget: int | None) -> tuple[int, str]:
