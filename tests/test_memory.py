@@ -194,7 +194,7 @@ def test_the_gradient_pass_and_the_cross_product_stream_in_capped_batches(monkey
     """Without memory=, the objective's gradient and the Case 1 cross product ∂²F/∂S∂θ·v (sized from its own cost
     × the right-hand sides, not from the head's products) hold at most DEFAULT_EXAMPLES examples at a time
     (DEFAULT_WORKING made tiny); the numbers equal those of one batch holding everything (memory=10**9)."""
-    from influkit import chain as chain_module
+    from influkit import adjoint
     from influkit.curvature import gradient
 
     monkeypatch.setattr(memory, "DEFAULT_WORKING", 1)
@@ -213,8 +213,8 @@ def test_the_gradient_pass_and_the_cross_product_stream_in_capped_batches(monkey
     head = mlp_stage(30)
     fin = ik.Stage(head.model, head.loss, head._data, params="2")
     sizes = []
-    hvp = chain_module.hvp
-    monkeypatch.setattr(chain_module, "hvp", lambda *a, **k: sizes.append(k["batch_size"]) or hvp(*a, **k))
+    hvp = adjoint.hvp
+    monkeypatch.setattr(adjoint, "hvp", lambda *a, **k: sizes.append(k["batch_size"]) or hvp(*a, **k))
     solve = [ik.SolveConfig(solver="direct", damping=0.1)] * 2
     test = fin.data.take(torch.arange(3))
     capped = ik.Chain([mlp_stage(), fin], [ik.Link("0", case=1)], solve=solve).query(test, per_test=True)
