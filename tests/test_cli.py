@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from conftest import need
 
@@ -16,6 +19,8 @@ from influkit.cli import main, parser
 from influkit.solvers import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "docs" / "guides" / "cli.md"
+BASH = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
 POSITIONALS = {"score": ["job.toml"], "report": ["result.safetensors"]}
 
 
@@ -106,3 +111,36 @@ def test_cli_error_prints_the_message_and_exits_non_zero(tmp_path):
         assert done.returncode == 2
         assert done.stderr.startswith("influkit report: error: ") and message in done.stderr
         assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def guide_commands() -> list[str]:
+    """The ``influkit`` lines of the guide's bash blocks that run (not after a ``<!-- no-run: REASON -->`` line)."""
+    text, lines = GUIDE.read_text(), []
+    for match in BASH.finditer(text):
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        if "no-run" in before:
+            assert re.search(r"<!--\s*no-run:\s*\S.*-->", before), f"a no-run marker without its reason: {before}"
+            continue
+        lines += [line for line in match.group(1).splitlines() if line.strip()]
+    assert all(line.startswith("influkit ") for line in lines), lines
+    return lines
+
+
+@pytest.mark.slow
+def test_guide_examples_run(tmp_path, monkeypatch, capsys):
+    """docs/guides/cli.md's runnable examples, in order: --help, a small demo, the report page of its result."""
+    need("sklearn"), need("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    commands = guide_commands()
+    assert [c.split()[1] for c in commands] == ["--help", "demo", "report"]
+    for command in commands:
+        try:
+            assert main(shlex.split(command)[1:]) == 0, command
+        except SystemExit as done:  # --help
+            assert done.code == 0, command
+    out = capsys.readouterr().out
+    for name in ("case1_scatter.png", "case1_gallery.png", "case1_loo.csv", "case1_report.html", "page.html"):
+        assert (tmp_path / "demo" / name).stat().st_size > 0, name
+    loo = pd.read_csv(tmp_path / "demo" / "case1_loo.csv")
+    assert len(loo) == 6 and {"predicted", "actual", "identity"} <= set(loo.columns)
+    assert "multi-stage influence" in out and "digits, Case 1" in (tmp_path / "demo" / "page.html").read_text()

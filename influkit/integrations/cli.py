@@ -168,7 +168,8 @@ def parser() -> argparse.ArgumentParser:
                       "else 8; examples the result did not store show as ids)")
     page.add_argument("--max-queries", type=_number(int, 1), default=None,
                       help="test columns shown (default: as stored, else 12)")
-    page.add_argument("--title", default=None, help="the page's title (default: as stored, else the file name)")
+    page.add_argument("--title", default=None,
+                      help="the page's title (default: as stored, else 'influence report — METHOD')")
     return top
 
 
