@@ -10,7 +10,9 @@ import warnings
 import torch
 
 # frames in these directories are library code: a warning is attributed to the first frame outside them
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
+# (influkit's package folder, holding core/, methods/ and integrations/, and torch's)
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep
+                      for f in (os.path.dirname(os.path.abspath(__file__)), torch.__file__))
 _LIBRARY_FILES = (os.path.abspath(contextlib.__file__), os.path.abspath(functools.__file__))
 
 
