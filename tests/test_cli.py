@@ -60,9 +60,8 @@ def test_abbreviated_options_are_refused(capsys):
                 prefix = option[:-1]
                 if not option.startswith("--") or prefix in options:
                     continue
-                value = [] if action.nargs == 0 else ["1"]
-                assert f"unrecognized arguments: {prefix}" in refused([name, *POSITIONALS.get(name, []), prefix, *value],
-                                                                        capsys)
+                argv = [name, *POSITIONALS.get(name, []), prefix, *([] if action.nargs == 0 else ["1"])]
+                assert f"unrecognized arguments: {prefix}" in refused(argv, capsys)
 
 
 def test_solver_is_one_of_the_registry(capsys):
@@ -77,7 +76,7 @@ def test_solver_is_one_of_the_registry(capsys):
     (["validate", "--n-pretrain", "many"], "argument --n-pretrain: an integer ≥ 1 is needed, got 'many'"),
     (["demo", "--n-test", "0"], "argument --n-test: an integer ≥ 1 is needed"),
     (["demo", "--n-test", "540"], "argument --n-test: at most 539 (digits 4–9 beside the 538 finetuning ones)"),
-    (["validate", "--lds", "--n-test", "878"], "argument --n-test: at most 877 (digits 4–9 beside the 200 finetuning"),
+    (["validate", "--lds", "--n-test", "878"], "argument --n-test: at most 877 (digits 4–9 beside the 200 finetun"),
     (["demo", "--removals", "1"], "argument --removals: between 2 and the 240 pretraining digits, got 1"),
     (["demo", "--full", "--n-pretrain", "30"], "argument --removals: between 2 and the 30 pretraining digits, got 40"),
     (["validate", "--removals", "0"], "argument --removals: an integer ≥ 1 is needed"),

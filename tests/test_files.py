@@ -80,12 +80,14 @@ def test_other_files_are_refused_naming_why(tmp_path):
         files.read(tmp_path / "pickled.pt", "thing")
 
 
+def checksum(path: Path) -> str:
+    raw = path.read_bytes()
+    return json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])["__metadata__"]["checksum"]
+
+
 def test_checksum_is_of_the_content_only(tmp_path):
     a = files.write(tmp_path / "a", "thing", tensors(), {"n": 3})
     b = files.write(tmp_path / "b", "thing", dict(reversed(tensors().items())), {"n": 3})
-    checksum = [json.loads(p.read_bytes()[8:8 + int.from_bytes(p.read_bytes()[:8], "little")])["__metadata__"]["checksum"]
-                for p in (a, b)]
-    assert checksum[0] == checksum[1]  # the order tensors are passed in does not matter
+    assert checksum(a) == checksum(b)  # the order tensors are passed in does not matter
     c = files.write(tmp_path / "c", "other", tensors(), {"n": 3})
-    assert json.loads(c.read_bytes()[8:8 + int.from_bytes(c.read_bytes()[:8], "little")])["__metadata__"]["checksum"] \
-        != checksum[0]  # the kind is part of it
+    assert checksum(c) != checksum(a)  # the kind is part of it

@@ -128,7 +128,7 @@ def test_minres_roundoff_floor_is_returned_and_respected():
     eps = torch.finfo(torch.float64).eps
     x, _, floor = krylov.minres(lambda v: a @ v, c, 1e-14, 500, Counter(), eps=eps)
     relres = ((c - a @ x).norm(dim=0) / c.norm(dim=0)).max().item()
-    # floor = eps·(‖A‖‖x‖/‖c‖ + 1) ≥ eps; it stopped at the tolerance or at the floor, and x is the solution
+    # floor = eps·(‖A‖‖x‖/‖c‖ + 1) ≥ eps; it stopped at the tolerance or the floor; x is the solution
     assert eps <= floor <= 1e-12
     assert relres <= max(1e-14, floor) * 10
     assert rel_err(x, torch.linalg.solve(a, c)) <= 1e-10

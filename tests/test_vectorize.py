@@ -54,7 +54,8 @@ def test_untraceable_function_loops_to_the_same_result_and_warns_once_per_owner(
         looped = vmap_or_loop(branching, (None, 0, 0), owner, w, x, y)
     assert owner._vmap_fails
     for key in ("loss", "grad"):
-        assert looped[key].shape == expected[key].shape and torch.allclose(looped[key], expected[key], rtol=1e-14, atol=0)
+        assert looped[key].shape == expected[key].shape
+        assert torch.allclose(looped[key], expected[key], rtol=1e-14, atol=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call loops silently
         again = vmap_or_loop(branching, (None, 0, 0), owner, w, x, y)

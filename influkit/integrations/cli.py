@@ -26,7 +26,7 @@ LDS_N_PRETRAIN, LDS_N_FINETUNE = 200, 200  # validate --lds: digits_lds's split 
 
 
 def _number(kind, low, high=None, *, open_low=False, open_high=False):
-    """An argparse ``type``: ``kind``(text) within [low, high] (open ends where asked), else a message with the range."""
+    """An argparse ``type``: ``kind``(text) in [low, high] (open ends where asked), else an error naming the range."""
     left, right = "(" if open_low else "[", ")" if open_high else "]"
     span = f"in {left}{low}, {high}{right}" if high is not None else (f"> {low}" if open_low else f"≥ {low}")
     noun = "an integer" if kind is int else "a number"
@@ -133,11 +133,12 @@ def parser() -> argparse.ArgumentParser:
     """The ``influkit`` argument parser: every command, every option with its help and its checked range."""
     top = argparse.ArgumentParser(prog="influkit", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = _command(sub, "demo", "the multi-stage experiment on digits end to end (Case 1 by default): train both stages, score "
-                                 "every pretraining digit, validate by leave-out retraining, write plots and a page "
-                                 "(--full: the paper-size run)")
+    demo = _command(sub, "demo", "the multi-stage experiment on digits end to end (Case 1 by default): train both "
+                                 "stages, score every pretraining digit, validate by leave-out retraining, write "
+                                 "plots and a page (--full: the paper-size run)")
     _add_common(demo, removals=None, removals_help=f"leave-out retrainings (half top-|score|, half random); default "
-                f"{DEMO_REMOVALS}, with --full 40", n_pretrain_default=f"{DEMO_SETTINGS['n_pretrain']}, with --full all 720")
+                f"{DEMO_REMOVALS}, with --full 40",
+                n_pretrain_default=f"{DEMO_SETTINGS['n_pretrain']}, with --full all 720")
     demo.add_argument("--full", action="store_true",
                       help="the paper-size run: all 720 pretraining digits, 40 removals, ‖∇‖ ≤ 1e-10 "
                            "(studies/results/digits/case1_*)")
