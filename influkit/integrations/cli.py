@@ -131,7 +131,8 @@ def _command(sub, name: str, text: str) -> argparse.ArgumentParser:
 
 def parser() -> argparse.ArgumentParser:
     """The ``influkit`` argument parser: every command, every option with its help and its checked range."""
-    top = argparse.ArgumentParser(prog="influkit", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    top = argparse.ArgumentParser(prog="influkit", description=__doc__.split("\n\n")[0].replace("``", ""),
+                                  allow_abbrev=False)
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = _command(sub, "demo", "the multi-stage experiment on digits end to end (Case 1 by default): train both "
                                  "stages, score every pretraining digit, validate by leave-out retraining, write "
