@@ -37,28 +37,24 @@ def run_fresh(code):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
+BUILD_BERT = ("import torch\n"
+              "cfg = BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,"
+              " intermediate_size=8, max_position_embeddings=16)\n"
+              "out = BertForMaskedLM(cfg)(input_ids=torch.tensor([[1, 2, 3]])).logits\n"
+              "assert out.shape == (1, 3, 30), out.shape\n")
+
+
 @pytest.mark.parametrize("distribution", sorted(PEERS))
 def test_peer_imports(distribution):
+    """Each peer's statement in a fresh interpreter; transformers then also builds a BERT with it (the failure of
+    issue 22: PyPI's torchvision for torch 2.13.0 next to the CPU wheel broke this import)."""
     if not installed(distribution):
         if REQUIRED:
             pytest.fail(f"{distribution} is not installed (INFLUKIT_REQUIRE_PEERS=1): pip install -e '.[bench,hf,dev]'")
         pytest.skip(f"{distribution} not installed")
-    done = run_fresh(PEERS[distribution])
-    assert done.returncode == 0, f"{PEERS[distribution]!r} failed:\n{done.stderr[-3000:]}"
-
-
-def test_transformers_builds_bert_beside_installed_torchvision():
-    """The failure of issue 22: PyPI's torchvision for torch 2.13.0 next to the CPU wheel broke this import."""
-    if not installed("transformers"):
-        pytest.skip("transformers not installed")
-    code = ("import torch, transformers\n"
-            "from transformers import BertConfig, BertForMaskedLM\n"
-            "cfg = BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,"
-            " intermediate_size=8, max_position_embeddings=16)\n"
-            "out = BertForMaskedLM(cfg)(input_ids=torch.tensor([[1, 2, 3]])).logits\n"
-            "assert out.shape == (1, 3, 30), out.shape\n")
+    code = PEERS[distribution] + ("\n" + BUILD_BERT if distribution == "transformers" else "")
     done = run_fresh(code)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, f"{code!r} failed:\n{done.stderr[-3000:]}"
 
 
 def test_torchvision_imports_when_installed():

@@ -267,13 +267,10 @@ def test_top_shows_the_documents_text():
 # --- influence against the explicit-Hessian formula -----------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", sorted(MODELS))
-def test_single_stage_equals_the_explicit_hessian_formula(kind):
-    stage = pretrain_stage(kind)
-    names = list(stage.param_names)
+def test_single_stage_equals_the_explicit_hessian_formula(pretrained):
+    _, stage, names, h = pretrained  # the pretraining stage of each model and its explicit Hessian
     test = hf.pack(completions(3, 9))
     res = ik.influence(stage, None, test, solve=ik.SolveConfig(solver="direct"), per_test=True, progress=False)
-    h = flat_hessian(stage, names)
     g_z = per_example_grads_serial(stage, *stage.data.take(torch.arange(len(stage))), names)
     g_t = per_example_grads_serial(stage, *test, names)
     expected = -g_z @ torch.linalg.solve(h, g_t.T)  # (m, n_test): −∇g(z)ᵀ H⁻¹ ∇f(x_t)
@@ -316,6 +313,7 @@ def test_a_link_naming_the_adapters_is_refused():
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def pretrained(request):
+    """(kind, the pretraining stage, its parameter names, its explicit Hessian H_G): built once per model."""
     pre = pretrain_stage(request.param)
     names = list(pre.param_names)
     return request.param, pre, names, flat_hessian(pre, names)

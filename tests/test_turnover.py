@@ -20,14 +20,10 @@ from influkit.turnover import (
     epoch_order,
     influence,
     model_with_ids,
-    philox4x32,
-    random_words,
     self_influence,
     train_turnover,
     turnover_layers,
 )
-
-M32 = 0xFFFFFFFF
 
 
 def mlp(p=0.5, masks=None, seed=0, d_in=5, hidden=16, classes=3):
@@ -42,50 +38,7 @@ def toy_data(n=40, d_in=5, classes=3, seed=1):
     return torch.randn(n, d_in, generator=g, dtype=torch.float64), torch.randint(classes, (n,), generator=g)
 
 
-# ---------------------------------------------------------------- Philox and volatile masks
-
-
-def philox_reference(ctr, key, rounds=10):
-    """Philox4x32 on plain Python integers (the specification, independent of the tensor code)."""
-    c0, c1, c2, c3 = ctr
-    k0, k1 = key
-    for r in range(rounds):
-        if r:
-            k0, k1 = (k0 + 0x9E3779B9) & M32, (k1 + 0xBB67AE85) & M32
-        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
-        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & M32, (p0 >> 32) ^ c3 ^ k1, p0 & M32
-    return c0, c1, c2, c3
-
-
-@pytest.mark.parametrize(
-    "ctr,key,want",
-    [  # Random123's published known-answer vectors for Philox4x32-10
-        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-        ((M32,) * 4, (M32, M32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-        (
-            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
-            (0xA4093822, 0x299F31D0),
-            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
-        ),
-    ],
-)
-def test_philox_known_answers(ctr, key, want):
-    got = philox4x32(tuple(torch.tensor([c]) for c in ctr), key)
-    assert tuple(int(w) for w in got) == want
-    assert philox_reference(ctr, key) == want
-
-
-@pytest.mark.parametrize("seed", [0, 7, 2**40 + 3])
-def test_random_words_equal_pure_python_integer_hash(seed):
-    ids = torch.tensor([0, 1, 17, 2**31 + 5, 2**33 + 1])
-    stream = 4 * 3 + 0
-    words = random_words(ids, 10, seed=seed, stream=stream)
-    assert words.dtype == torch.int64
-    for row, e in enumerate(ids.tolist()):
-        for j in range(10):
-            ctr = (j // 4, e & M32, e >> 32, stream)
-            want = philox_reference(ctr, (seed & M32, (seed >> 32) & M32))[j % 4]
-            assert int(words[row, j]) == want
+# ---------------------------------------------------------------- volatile masks (Philox words: test_philox.py)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -21,7 +21,22 @@ from influkit.validation import Retrainer, leave_out_retrain
 from influkit.validation.loo import summed_test_loss
 from influkit.validation.retrain import kept
 
-REMOVALS = [0, 7, [3, 11]]
+REMOVALS = [7, [3, 11]]  # one example, and a group of two
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """trained(case): (setup, split, pre, fin) of a small digits problem, trained once per case for this module."""
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            setup = DigitsSetup(case=case, n_pretrain=20, n_finetune=20, n_test=10, channels=(2, 4))
+            split = setup.split()
+            cache[case] = (setup, split, *train_stages(setup, split))
+        return cache[case]
+
+    return get
 
 
 def by_hand(setup: DigitsSetup, pre: Stage, fin: Stage, group, test) -> float:
@@ -50,10 +65,8 @@ def by_hand(setup: DigitsSetup, pre: Stage, fin: Stage, group, test) -> float:
 
 
 @pytest.mark.parametrize("case", [1, 2])
-def test_leave_out_through_the_retrainer_equals_the_two_stage_procedure(case):
-    setup = DigitsSetup(case=case, n_pretrain=40, n_finetune=40, n_test=20, channels=(2, 4))
-    split = setup.split()
-    pre, fin = train_stages(setup, split)
+def test_leave_out_through_the_retrainer_equals_the_two_stage_procedure(case, trained):
+    setup, split, pre, fin = trained(case)
     chain = Chain([pre, fin], [setup.link()])
     frame = leave_out_retrain(chain, REMOVALS, split.test, setup.retrainer(), progress=False)
     baseline = by_hand(setup, pre, fin, None, split.test)
@@ -62,10 +75,9 @@ def test_leave_out_through_the_retrainer_equals_the_two_stage_procedure(case):
     assert min(abs(v) for v in expected) > 1e-6  # the removals do change the finetuned test loss
 
 
-def test_kept_is_the_sorted_complement_and_bad_input_is_refused():
+def test_kept_is_the_sorted_complement_and_bad_input_is_refused(trained):
     assert kept(6, [4, 1]).tolist() == [0, 2, 3, 5] and kept(6, None) is None and kept(6, []) is None
-    setup = DigitsSetup(n_pretrain=20, n_finetune=20, n_test=10, channels=(2, 4))
-    pre, fin = train_stages(setup, setup.split())
+    setup, _, pre, fin = trained(1)
     chain = Chain([pre, fin], [setup.link()])
     with pytest.raises(InputError, match="unknown optimizer"):
         Retrainer(optimizer="sgd")

@@ -8,8 +8,8 @@ lower the test loss), print the most harmful and most helpful ones and save a ga
 are in ``studies/results/digits/``). No leave-out validation here (see ``influkit demo`` and
 ``studies/paper_experiments.py case2``). Needs ``pip install 'influkit[apps]'``.
 
-Run ``python examples/multistage/digits.py`` (≈ 2–3 min on one core) or ``--quick`` (150 pretraining, 60 test
-images).
+Run ``python examples/multistage/digits.py``, or ``--quick`` for a smaller problem (60 pretraining, 60 finetuning
+and 30 test images).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from influkit.apps.digits import DigitsSetup, accuracy, train_stages
 RESULTS = Path("influkit-results/multistage")
 
 
-def run_case(case: int, *, n_pretrain: int | None, n_test: int, k: int, out: Path) -> influkit.InfluenceResult:
-    setup = DigitsSetup(case=case, n_pretrain=n_pretrain, n_test=n_test)
+def run_case(case: int, *, n_pretrain: int | None, n_finetune: int | None, n_test: int, k: int,
+             out: Path) -> influkit.InfluenceResult:
+    setup = DigitsSetup(case=case, n_pretrain=n_pretrain, n_finetune=n_finetune, n_test=n_test)
     split = setup.split()
     start = time.perf_counter()
     pre, fin = train_stages(setup, split)
@@ -63,15 +64,16 @@ def run_case(case: int, *, n_pretrain: int | None, n_test: int, k: int, out: Pat
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="n_pretrain=150, n_test=60 (CI size)")
+    parser.add_argument("--quick", action="store_true", help="n_pretrain=60, n_finetune=60, n_test=30 (CI size)")
     parser.add_argument("--k", type=int, default=8, help="how many harmful and helpful examples to show")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    n_pretrain, n_test = (150, 60) if args.quick else (None, 300)
+    n_pretrain, n_finetune, n_test = (60, 60, 30) if args.quick else (None, None, 300)
     out = args.out or (RESULTS / "quick" if args.quick else RESULTS)
-    results = {case: run_case(case, n_pretrain=n_pretrain, n_test=n_test, k=args.k, out=out) for case in (1, 2)}
+    results = {case: run_case(case, n_pretrain=n_pretrain, n_finetune=n_finetune, n_test=n_test, k=args.k, out=out)
+               for case in (1, 2)}
     a, b = (results[c].values.double() for c in (1, 2))
     corr = torch.corrcoef(torch.stack([a, b]))[0, 1]
     print(f"\nmean |score|: Case 1 {a.abs().mean():.4f}, Case 2 {b.abs().mean():.4f}; "

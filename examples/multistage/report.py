@@ -7,6 +7,8 @@ as thumbnails, the first test digits as the queries and the leave-out validation
 a screenshot of the page (``docs/report.png`` was made this way).
 
     python examples/multistage/report.py [--out influkit-results/report] [--screenshot docs/report.png]
+
+``--quick`` runs a smaller problem (60 pretraining, 60 finetuning and 30 test digits, 6 leave-out retrainings).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("influkit-results/report"))
     parser.add_argument("--screenshot", type=Path, default=None, help="PNG of the page (default: OUT/report.png)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--quick", action="store_true", help="60 pretraining, 60 finetuning, 30 test digits, "
+                        "6 leave-out retrainings (CI size)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    setup = DigitsSetup.demo()
-    run = validate_digits(setup, n_removals=DEMO_REMOVALS, progress=not args.quiet)
+    setup = DigitsSetup.demo(**(dict(n_pretrain=60, n_finetune=60, n_test=30) if args.quick else {}))
+    run = validate_digits(setup, n_removals=6 if args.quick else DEMO_REMOVALS, progress=not args.quiet)
     page = args.out / "case1_report.html"
     saved = report_page(run, page).save(args.out / "case1_result.safetensors")  # renders the same page again
     print(f"wrote {page} and {saved}")

@@ -31,7 +31,7 @@ def test_cleansing_rejects_a_removal_count_outside_the_pretraining_set():
 
 @pytest.mark.slow
 def test_cleansing_table_tiny():
-    table = cleansing_table(DigitsSetup(n_pretrain=120, n_test=60), fraction=0.1, seeds=2, progress=False)
+    table = cleansing_table(DigitsSetup(n_pretrain=60, n_finetune=60, n_test=30), fraction=0.1, seeds=2, progress=False)
     assert list(table.index) == ["none", "top 10% harmful", "random 10%"]
     assert set(table.columns.get_level_values(0)) == {"test_accuracy", "test_loss"}
     assert set(table.columns.get_level_values(1)) == {"mean", "std"}
