@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import io
-import os
 import platform
 import sys
 import time
@@ -28,7 +27,7 @@ from influkit.apps.objectives import cross_entropy, l2  # noqa: F401  (the one l
 from influkit.curvature import HessianOperator, gradient
 from influkit.gradients import per_example_grads_serial
 from influkit.training import fit_lbfgs, gradient_norm, newton_refine
-from benchmarks.manifest import record
+from benchmarks.manifest import machine, record
 from influkit.validation.reference import explicit_hessian  # the one explicit-Hessian truth (tests use it too)
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -47,16 +46,8 @@ def setup(threads: int = 1) -> None:
 
 def machine_info() -> str:
     """One line: date, CPU model, core count, python/torch versions and the torch thread count."""
-    cpu = platform.processor() or "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return (
-        f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} | {cpu} | {os.cpu_count()} cores | "
+        f"{datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} | {machine()} | "
         f"python {platform.python_version()} | torch {torch.__version__} | torch threads {torch.get_num_threads()}"
     )
 
