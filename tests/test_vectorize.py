@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import influkit as ik
-from influkit.vectorize import vmap_or_loop
+from influkit.vectorize import _remembered, vmap_or_loop
 
 
 class Owner:
-    """Stands for the Stage whose loss is mapped (vmap_or_loop records its failure on it)."""
+    """Stands for the Stage whose loss is mapped (vmap_or_loop remembers its failure in a weak set, not on it)."""
 
 
 def tensor_only(w, x, y):
@@ -41,7 +41,7 @@ def test_traceable_function_is_vmapped_without_warning(batch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out = vmap_or_loop(tensor_only, (None, 0, 0), owner, w, x, y)
-    assert not getattr(owner, "_vmap_fails", False)
+    assert not _remembered(owner) and vars(owner) == {}
     assert torch.allclose(out["loss"], (x @ w - y) ** 2, rtol=1e-14, atol=0)
     assert torch.allclose(out["grad"], 2 * (x @ w - y)[:, None] * x, rtol=1e-14, atol=0)
 
@@ -52,7 +52,7 @@ def test_untraceable_function_loops_to_the_same_result_and_warns_once_per_owner(
     owner = Owner()
     with pytest.warns(ik.VectorizationWarning, match="cannot run under torch.func.vmap.*torch.where instead of if"):
         looped = vmap_or_loop(branching, (None, 0, 0), owner, w, x, y)
-    assert owner._vmap_fails
+    assert _remembered(owner) and vars(owner) == {}  # remembered by vectorize, nothing written onto the owner
     for key in ("loss", "grad"):
         assert looped[key].shape == expected[key].shape
         assert torch.allclose(looped[key], expected[key], rtol=1e-14, atol=0)
