@@ -16,8 +16,9 @@ on W after the head's implicit response) and s = (C + λI)⁻¹ u the stage-1 so
 - the same group's predicted Δf over a damping sweep λ = λ_study·10^j, at ``1/(ηT)`` and at the identity (s = u), and
   the fraction of the fitted curvature's eigenvalues below λ_study.
 
-Run ``python -m studies.validation_minilm_scale`` (``--quick``: smaller). Writes
-``studies/results/validation/minilm_scale.{json,md}`` and a MANIFEST entry.
+Run ``python -m studies.validation_minilm_scale`` (``--quick``: smaller; ``--table-only``: the Markdown from the
+JSON already written). Writes ``studies/results/validation/minilm_scale.{json,md}`` and a MANIFEST entry; the noise
+floor and the seeds' spread quoted beside them are ``minilm_summary.json``'s (``studies/validation_check.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,68 @@ def flat(stage: ik.Stage, names) -> torch.Tensor:
     return torch.cat([state[n].detach().reshape(-1).double() for n in names])
 
 
+def markdown(out: dict, summary: dict | None) -> str:
+    """The measurements as a page: what each number says about the −888."""
+    r, u, e, t = out["response"], out["units"], out["ekfac_vs_gauss_newton"], out["test_loss"]
+    c, pos, eig = out["config"], out["stage1_position"], out["curvature_eigenvalues"]
+    harmful = next((row for row in (summary or {}).get("table", []) if row["group"] == "most harmful"), None)
+    lines = [
+        "# MiniLM: why the study's predicted removals are 10⁴× what retraining shows (studies/validation_minilm_scale.py)",
+        "",
+        f"Pipeline of `minilm_summary.json` (corpus {c['corpus']} snippets, {c['n_test']} test snippets, masked-LM stage "
+        f"{c['pre_epochs']} epoch = {c['optimizer_steps']} AdamW steps at lr {c['pre_lr']:g}, p = {c['p_stage1']:,} "
+        f"trained values), scored as the study scores it (EK-FAC inverse of the empirical Fisher, λ = 0.1 × its mean "
+        f"eigenvalue = {out['lambda_study']:.3g}). Group: the {c['k']} most harmful snippets.",
+        "",
+        "| measurement | value | what it says |",
+        "|---|---|---|",
+        f"| Σ removal over the group (the table's predicted) | {u['predicted_sum_of_removal']:.4g} | |",
+        f"| uᵀ ΔW_predicted, ΔW = (1/m)(C + λI)⁻¹ Σ ∇g_i | {u['u_dot_dW_predicted']:.4g} | equal to "
+        f"{u['relative_difference']:.0e}: the scores are the parameter response's first-order effect — no 1/m, "
+        "sum-vs-mean or sign error between the solve and the scores |",
+        f"| ‖ΔW_predicted‖ | {r['dW_predicted_norm']:.4g} | |",
+        f"| ‖ΔW_actual‖ (MLM stage re-run without the group, same batch order) | {r['dW_actual_norm']:.3g} | the "
+        f"prediction is {r['ratio_predicted_to_actual']:.0f}× the actual parameter response (cosine "
+        f"{r['cosine']:.2f}) |",
+        f"| ‖θ̂ − θ_checkpoint‖ (the whole continued pretraining) | {r['whole_training_movement_norm']:.3g} | the "
+        "prediction has the removal of 10 snippets move W ~2,000× farther than all of training did |",
+        f"| stage 1: r = ‖∇L‖ / typical per-example gradient | {pos['gradient_norm']:.2g} ({pos['verdict']}) | far "
+        "from a minimum: the response of a re-optimized minimum is not what 8 steps do |",
+        f"| EK-FAC eigenvalues: max, mean, median | {eig['max']:.3g}, {eig['mean']:.3g}, {eig['median']:.2g} | the "
+        f"mean-eigenvalue heuristic gives λ = {out['lambda_study'] / eig['max']:.1e} × θ_max |",
+        f"| fraction of EK-FAC eigenvalues below λ | {eig['fraction_below_lambda']:.2f} | (C + λI)⁻¹ multiplies "
+        f"most directions by 1/λ ≈ {1 / out['lambda_study']:.0f} |",
+        f"| ‖(G + λI)s − u‖/‖u‖, G the exact Gauss-Newton matrix | {e['relative_residual']:.3g} | the EK-FAC x is not "
+        "the damped Gauss-Newton solve it stands for |",
+        f"| sᵀGs / sᵀCs along the solve | {e['ratio_sGs_to_sCs']:.3g} | G has that much more curvature where the "
+        "solve went than EK-FAC's empirical Fisher (rank ≤ the corpus' tokens) sees |",
+        f"| vᵀGv / vᵀCv along u and along the group's gradient | {e['along_gradients']['u']['ratio']:.2g}, "
+        f"{e['along_gradients']['group_gradient']['ratio']:.2g} | on gradient directions C and G agree within a small "
+        "factor: no units error in the curvature |",
+        f"| actual change of the summed test loss (seed 0) | {t['actual_change']:.3g} | on a baseline of "
+        f"{t['baseline_sum']:.3g} |",
+        f"| uᵀ ΔW_actual | {t['u_dot_dW_actual']:.3g} | the downstream first-order map given the actual ΔW |",
+    ]
+    if harmful:
+        lines.append(f"| over {harmful['seeds']} seeds (minilm_summary.json) | {harmful['actual']:.3g} ± "
+                     f"{harmful['actual_sd']:.2g}, noise floor {harmful['noise_floor']:.3g} | |")
+    lines += ["", "Damping sweep of the same EK-FAC inverse (the group's predicted Δf and ‖ΔW‖):", "",
+              "| damping | λ | predicted Δf | ‖ΔW_predicted‖ |", "|---|---|---|---|"]
+    for row in out["damping_sweep"]:
+        lam = "—" if row["lambda"] != row["lambda"] else f"{row['lambda']:.3g}"
+        lines.append(f"| {row['damping']} | {lam} | {row['predicted']:.4g} | {row['dW_norm']:.3g} |")
+    lines += ["", "Verdict: not a units or sign bug (the convex and two-stage tests in tests/test_validation_check.py "
+              "agree with retraining at minima; here the scores equal the parameter response's first-order effect). "
+              "The 10⁴× comes from influence functions applied off a minimum with an approximate curvature and a tiny "
+              f"damping: the study's λ ({out['lambda_study'] / eig['max']:.1e}·θ_max) leaves "
+              f"{100 * eig['fraction_below_lambda']:.0f} % of EK-FAC's near-null spectrum undamped, so the solve "
+              "amplifies the gradient's components there by up to 1/λ; the exact Gauss-Newton matrix has curvature "
+              f"there (residual {e['relative_residual']:.3g}), and the actual training ({c['optimizer_steps']} AdamW "
+              f"steps) moves W by {r['dW_actual_norm']:.2g} when the group is removed. The prediction falls about as "
+              "1/λ as λ grows (the sweep); auto's defaults on this stage: `minilm_defaults_case1_corpus60.csv`.", ""]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from influkit import hf
     from studies import minilm_domain_adaptation as dapt
@@ -51,7 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--k", type=int, default=10)
+    parser.add_argument("--table-only", action="store_true", help="write minilm_scale.md from minilm_scale.json")
     args = parser.parse_args(argv)
+    summary_path = RESULTS / "minilm_summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    if args.table_only:
+        (RESULTS / "minilm_scale.md").write_text(markdown(json.loads((RESULTS / "minilm_scale.json").read_text()), summary))
+        return 0
     torch.set_num_threads(1)
     start = time.perf_counter()
     path = hf.checkpoint_dir(dapt.PACKAGE)
@@ -156,10 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = RESULTS if not args.quick else Path("/tmp/minilm_scale")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "minilm_scale.json").write_text(json.dumps(out, indent=1, default=float) + "\n")
+    (out_dir / "minilm_scale.md").write_text(markdown(out, summary))
     if not args.quick:
         from benchmarks.manifest import record
 
-        record(out_dir, ["minilm_scale.json"], note="shared machine: 2 cores, several helpers' jobs beside this one")
+        record(out_dir, ["minilm_scale.json", "minilm_scale.md"], note="shared machine: 2 cores, several helpers' jobs beside this one")
     print(json.dumps(out, indent=1, default=float))
     return 0
 
