@@ -103,7 +103,7 @@ def markdown(out: dict, summary: dict | None) -> str:
               "amplifies the gradient's components there by up to 1/λ; the exact Gauss-Newton matrix has curvature "
               f"there (residual {e['relative_residual']:.3g}), and the actual training ({c['optimizer_steps']} AdamW "
               f"steps) moves W by {r['dW_actual_norm']:.2g} when the group is removed. The prediction falls about as "
-              "1/λ as λ grows (the sweep); auto's defaults on this stage: `minilm_defaults_case1_corpus60.csv`.", ""]
+              "1/λ as λ grows (the sweep); auto's defaults: `minilm_defaults_case1_top2.csv` (two layers).", ""]
     return "\n".join(lines)
 
 
