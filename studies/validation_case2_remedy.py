@@ -120,7 +120,27 @@ def markdown(rows: pd.DataFrame, per: pd.DataFrame) -> str:
     for r in rows.to_dict("records"):
         lines.append(f"| {r['pipeline']} | {r['group']} | {r['predicted']:+.3g} | {r['actual']:+.3g} ± {r['actual_sd']:.2g} "
                      f"| {r['noise_floor']:.3g} | {r['predicted_over_floor']:+.2f} | {r['actual_over_floor']:+.2f} |")
+    lines += ["", verdict(per)]
     return "\n".join(lines) + "\n"
+
+
+def verdict(per: pd.DataFrame) -> str:
+    """Whether scoring with α̂ instead of α = 0.01 lowered the RMSE against retraining, per finetuning without the term."""
+    by = per.set_index("pipeline")
+    parts = []
+    for base in ("case2-free", "case2-free-fast"):
+        given, fitted = by.loc[f"{base}, alpha=0.01"], by.loc[f"{base}, alpha=fit"]
+        change = fitted["rmse"] / given["rmse"]
+        parts.append(f"{base}: α̂ = {fitted['alpha']:.3g} against α = 0.01 (ProximalWarning "
+                     f"{'raised' if given['proximal_warning'] else 'not raised'} at α = 0.01), RMSE {given['rmse']:.3g} → "
+                     f"{fitted['rmse']:.3g} ({'unchanged' if abs(change - 1) < 0.05 else 'better' if change < 1 else 'worse'}, × {change:.2f}), "
+                     f"{given['rmse_over_floor']:.2f} → {fitted['rmse_over_floor']:.2f} noise floors; largest |predicted| "
+                     f"{given['max_abs_predicted_over_floor']:.2f} → {fitted['max_abs_predicted_over_floor']:.2f} floors")
+    inside = bool((per["max_abs_predicted_over_floor"] < 1).all())
+    return "Verdict: " + "; ".join(parts) + (
+        ". Every prediction of every Case 2 pipeline lies inside the noise floor (|predicted| / floor < 1), so no single "
+        "retraining can confirm or refute it." if inside else
+        ". Some predictions lie outside the noise floor (|predicted| / floor ≥ 1 above).")
 
 
 def main() -> int:
