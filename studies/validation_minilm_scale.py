@@ -31,7 +31,6 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import influkit as ik
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     data = dapt.load_data(cfg, path)
     init = hf.pretrained(dapt.BertForMaskedLM, path, seed=cfg.seed)
     trained = dapt.train_all(cfg, data, path, variants=("case1",))
-    pre, fin = trained.pre, trained.fin["case1"]
+    pre = trained.pre
     test = hf.pack(data.test[1])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
