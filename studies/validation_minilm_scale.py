@@ -68,7 +68,8 @@ def markdown(out: dict, summary: dict | None) -> str:
         f"prediction is {r['ratio_predicted_to_actual']:.0f}× the actual parameter response (cosine "
         f"{r['cosine']:.2f}) |",
         f"| ‖θ̂ − θ_checkpoint‖ (the whole continued pretraining) | {r['whole_training_movement_norm']:.3g} | the "
-        "prediction has the removal of 10 snippets move W ~2,000× farther than all of training did |",
+        f"prediction has the removal of {c['k']} snippets move W "
+        f"{r['dW_predicted_norm'] / r['whole_training_movement_norm']:.0f}× farther than all of training did |",
         f"| stage 1: r = ‖∇L‖ / typical per-example gradient | {pos['gradient_norm']:.2g} ({pos['verdict']}) | far "
         "from a minimum: the response of a re-optimized minimum is not what 8 steps do |",
         f"| EK-FAC eigenvalues: max, mean, median | {eig['max']:.3g}, {eig['mean']:.3g}, {eig['median']:.2g} | the "
@@ -93,7 +94,8 @@ def markdown(out: dict, summary: dict | None) -> str:
               "| damping | λ | predicted Δf | ‖ΔW_predicted‖ |", "|---|---|---|---|"]
     for row in out["damping_sweep"]:
         lam = "—" if row["lambda"] != row["lambda"] else f"{row['lambda']:.3g}"
-        lines.append(f"| {row['damping']} | {lam} | {row['predicted']:.4g} | {row['dW_norm']:.3g} |")
+        label = row["damping"] + (" (SGD's rule; this run is AdamW)" if row["damping"] == "1/(ηT)" else "")
+        lines.append(f"| {label} | {lam} | {row['predicted']:.4g} | {row['dW_norm']:.3g} |")
     lines += ["", "Verdict: not a units or sign bug (the convex and two-stage tests in tests/test_validation_check.py "
               "agree with retraining at minima; here the scores equal the parameter response's first-order effect). "
               "The 10⁴× comes from influence functions applied off a minimum with an approximate curvature and a tiny "
