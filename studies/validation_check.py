@@ -251,15 +251,18 @@ def run_mlp(cfg: MLP, out: Path, progress: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- (b) MiniLM
-def run_minilm(quick: bool, out: Path, progress: bool, defaults: bool = False) -> tuple[dict, list[str]]:
-    """The MiniLM check (module docstring), scored with the study's settings or, ``defaults``, the library's;
-    returns the summary and the files written."""
+def run_minilm(quick: bool, out: Path, progress: bool, defaults: bool = False,
+               per_source: int | None = None, top_layers: int = 1) -> tuple[dict, list[str]]:
+    """The MiniLM check (module docstring), scored with the study's settings or, ``defaults``, the library's, on
+    ``per_source`` snippets of each of the four sources (default 30; 15 with ``quick``), the masked-LM stage training
+    the top ``top_layers`` encoder layers; returns the summary and the files written."""
     from influkit import hf
     from studies import minilm_domain_adaptation as dapt
 
     path = hf.checkpoint_dir(dapt.PACKAGE)
-    cfg = dapt.Config(per_source=15 if quick else 30, n_finetune=40 if quick else 100, n_test=12 if quick else 40,
-                      top_layers=1, pre_epochs=1, head_epochs=20)
+    per_source = per_source or (15 if quick else 30)
+    cfg = dapt.Config(per_source=per_source, n_finetune=40 if quick else 100, n_test=12 if quick else 40,
+                      top_layers=top_layers, pre_epochs=1, head_epochs=20)
     k, seeds = (3, 2) if quick else (10, 3)
     data = dapt.load_data(cfg, path)
     start = time.perf_counter()
@@ -290,7 +293,8 @@ def run_minilm(quick: bool, out: Path, progress: bool, defaults: bool = False) -
         return float(dapt.test_losses(head, data.test[1]).sum())
 
     check = check_retraining(res, retrain, k=k, seeds=seeds, random=1, progress=progress)
-    name = "minilm_defaults_case1" if defaults else "minilm_case1"
+    name = (("minilm_defaults_case1" if defaults else "minilm_case1") + ("" if per_source == 30 else f"_corpus{4 * per_source}")
+            + ("" if top_layers == 1 else f"_top{top_layers}"))
     files = [p.name for p in check.save(out, name)] + [f"{name}_report.html"]
     write_report(res, out / f"{name}_report.html", examples=[s.text for s in data.corpus],
                  labels=[s.source for s in data.corpus], queries=[s.text for s in data.test[0]], validation=check,
@@ -302,7 +306,10 @@ def run_minilm(quick: bool, out: Path, progress: bool, defaults: bool = False) -
                    "head_epochs": cfg.head_epochs, "k": k, "seeds": seeds},
         "warnings": sorted({w.category.__name__ for w in caught if w.category.__module__.startswith("influkit")}),
         "verdicts": [s["verdict"] for s in res.diagnostics["stages"]],
-        "solves": [{"stage": s["stage"], "solver": s.get("solver")} for s in res.diagnostics["solves"]],
+        "solves": [{key: s.get(key) for key in ("stage", "solver", "damping", "iterations", "residual", "converged",
+                                                "choice")} for s in res.diagnostics["solves"]],
+        "positions": [{key: s.get(key) for key in ("verdict", "gradient_norm", "min_eigenvalue", "max_eigenvalue")}
+                      for s in res.diagnostics["stages"]],
         "noise_floor": check.noise_floor, "seconds_score": scored,
         "seconds_check": time.perf_counter() - start - scored, "table": check.table.to_dict(orient="records"),
     }, files
@@ -315,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
                              "library's defaults; all: mlp and minilm)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a temporary directory unless --out")
     parser.add_argument("--out", type=Path, default=None, help=f"results directory (default {RESULTS})")
+    parser.add_argument("--per-source", type=int, default=None,
+                        help="MiniLM: snippets per source in the masked-LM corpus (4 sources; default 30, 15 with --quick)")
+    parser.add_argument("--top-layers", type=int, default=1,
+                        help="MiniLM: top encoder layers the masked-LM stage trains (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # a shared 2-core machine: one thread per process
@@ -330,9 +341,12 @@ def main(argv: list[str] | None = None) -> int:
             summary = run_mlp(cfg, out, progress)
             files = sorted(p.name for p in out.glob("mlp_*") if p.name != "mlp_summary.json")
         else:
-            summary, files = run_minilm(args.quick, out, progress, defaults=part == "minilm-defaults")
+            summary, files = run_minilm(args.quick, out, progress, defaults=part == "minilm-defaults",
+                                        per_source=args.per_source, top_layers=args.top_layers)
         summary["seconds"] = time.perf_counter() - start
-        name = f"{part.replace('-', '_')}_summary.json"
+        corpus = "" if part == "mlp" or args.per_source in (None, 30) else f"_corpus{4 * args.per_source}"
+        corpus += "" if part == "mlp" or args.top_layers == 1 else f"_top{args.top_layers}"
+        name = f"{part.replace('-', '_')}{corpus}_summary.json"
         (out / name).write_text(json.dumps(summary, indent=1, default=float) + "\n")
         if not args.quick:
             from benchmarks.manifest import record
