@@ -114,8 +114,8 @@ def _stream(rows: list[list[int]], ids: list[int], batch_size: int, n_weights: i
 def magic_scores(model: torch.nn.Module, train_batches: Sequence[torch.Tensor], test_batch: torch.Tensor, *,
                  example_ids: Sequence[torch.Tensor] | None = None, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_root: float = 1e-17,
-                 weight_decay: float = 0.01, save_mode: str = "sqrt", workdir: str | Path | None = None,
-                 device: str = "cpu") -> MagicResult:
+                 weight_decay: float = 0.01, weights: torch.Tensor | None = None, save_mode: str = "sqrt",
+                 workdir: str | Path | None = None, device: str = "cpu") -> MagicResult:
     """Bergson's MAGIC on one run: a :class:`MagicResult` with score[z] = d L_test(θ_T) / d w_z at w = 1.
 
     model: a Hugging Face causal LM (a copy is trained, with eager attention as Bergson's ``prepare_trainer`` loads
@@ -124,6 +124,8 @@ def magic_scores(model: torch.nn.Module, train_batches: Sequence[torch.Tensor], 
     train_batches: one (B, T) input-id tensor per AdamW step (equal B; no padding, so every example has T − 1
     predicted tokens). example_ids: the (B,) example index of each row (default 0, 1, …, in order); an example seen
     at several steps gets one weight. test_batch: (q, T) input ids; L_test is their mean next-token loss.
+    weights: the data weights w (n,) the run is trained at and the derivative taken at (default 1; held in the
+    model's dtype, where Bergson's DataStream holds float32).
     AdamW: torchopt's, constant ``lr``, decoupled weight decay, ``eps_root`` inside the square root (Bergson's default
     1e-17; at 0 a parameter whose gradient is exactly 0 so far — an unseen token's embedding row — has an infinite
     derivative of √v and the scores are NaN; otherwise the difference from torch.optim's arithmetic is below float32). save_mode: Bergson's checkpoint schedule (``sqrt``, ``all``, ``log``).
@@ -151,6 +153,9 @@ def magic_scores(model: torch.nn.Module, train_batches: Sequence[torch.Tensor], 
             model.set_attn_implementation("eager")  # as Bergson's prepare_trainer: SDPA has no double backward
             model.loss_function = functools.partial(weighted_causal_lm_ce, reduction="mean")
             stream = _stream(rows, ids.tolist(), batch_size, n, device)
+            dtype = next(model.parameters()).dtype
+            stream.weights = torch.nn.Parameter(
+                torch.ones(n, dtype=dtype, device=device) if weights is None else weights.to(device, dtype).clone())
             queries = _stream(test_batch.tolist(), list(range(len(test_batch))), len(test_batch), len(test_batch),
                               device)
             opt = torchopt.adamw(lr, betas=betas, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
