@@ -56,7 +56,7 @@ from scipy.stats import pearsonr, spearmanr
 from torch import nn
 
 from benchmarks import bergson_peer
-from benchmarks.bergson_peer import Peak
+from benchmarks.bench_index import Peak
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_bergson"
 LENGTH = 32

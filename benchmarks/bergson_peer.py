@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,35 +37,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.bench_index import Peak
+
 IGNORE = -100
-
-
-def rss_now() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class Peak:
-    """Context manager: seconds and peak resident memory while it is open (a thread reading RSS every 10 ms)."""
-
-    def __enter__(self):
-        self.start = self.peak = rss_now()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        self.t0 = time.perf_counter()
-        return self
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_now())
-            self._stop.wait(0.01)
-
-    def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.t0
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_now())
 
 
 def faiss_cpu():
