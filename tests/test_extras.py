@@ -21,6 +21,8 @@ PEERS = {
     "captum": "from captum.influence import TracInCP",
     "traker": "from trak import TRAKer; from trak.projectors import BasicProjector",
     "dattri": "from dattri.algorithm.influence_function import IFAttributorExplicit",
+    "bergson": ("from bergson.magic.trainer import Trainer; from bergson.collection import collect_gradients; "
+                "from bergson.query.attributor import Attributor; import faiss"),
 }
 REQUIRED = os.environ.get("INFLUKIT_REQUIRE_PEERS") == "1"
 
