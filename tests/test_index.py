@@ -60,7 +60,7 @@ def corpus(n: int = 40, seed: int = 0):
     return x[:n], y[:n]
 
 
-def problem(case: int = 1, n: int = 40):
+def problem(case: int = 1, n: int = 40, solve=ik.SolveConfig(solver="direct", damping=0.1)):
     """(pretraining stage, chain) of a two-stage problem: the encoder shared with a new head (Case 1 or 2)."""
     torch.manual_seed(0)
     pre, fin = Tiny().eval(), Tiny(classes=2).eval()
@@ -69,8 +69,7 @@ def problem(case: int = 1, n: int = 40):
     fx, fy = torch.randint(0, 11, (30, 5), generator=gen), torch.randint(0, 2, (30,), generator=gen)
     pre_stage = ik.Stage(pre, ce, corpus(n))
     fin_stage = ik.Stage(fin, ce, (fx, fy), params="head" if case == 1 else None)
-    chain = ik.Chain([pre_stage, fin_stage], [ik.Link(SHARED, case=case, alpha=0.05)],
-                     solve=ik.SolveConfig(solver="direct", damping=0.1))
+    chain = ik.Chain([pre_stage, fin_stage], [ik.Link(SHARED, case=case, alpha=0.05)], solve=solve)
     return pre_stage, chain
 
 
@@ -174,6 +173,57 @@ def test_eigenbasis_projection_of_full_size_is_exact(case1, tmp_path):
     assert small.width < full.width
     with pytest.raises(ik.InputError, match="factored"):
         GradientIndex.build(stage, tmp_path / "none", IndexConfig(projection="eigenbasis"))
+
+
+@pytest.mark.parametrize("case", [1, 2])
+def test_whitened_uncompressed_index_equals_the_chain_solved_with_the_same_ekfac(case, tmp_path):
+    """Stage 1 solved by the EK-FAC approximate inverse, s = (C + λI)⁻¹ u; the index whitened by the same C and λ:
+    its rows are (C + λI)^{-1/2} ∇ℓ(z) (‖row‖² = ∇ℓᵀ (C + λI)⁻¹ ∇ℓ), its query columns (C + λI)^{1/2} s
+    (‖col‖² = sᵀ (C + λI) s), and the scores the chain's contraction scores."""
+    lam = 0.05
+    with pytest.warns(ik.StationarityWarning):
+        stage, chain = problem(case, solve=[ik.SolveConfig(solver="ekfac", damping=lam),
+                                            ik.SolveConfig(solver="direct", damping=0.1)])
+        summed, per_test = chain.query(torch.arange(8)), chain.query(torch.arange(8), per_test=True)
+    assert summed.solves[0]["solver"] == "ekfac" and summed.solves[0]["damping"] == lam
+    factored = chain.curvature(0).approximation("ekfac")
+    config = IndexConfig(projection="identity", whiten=True, damping=lam, shard_size=16, batch_size=7)
+    index = GradientIndex.build(stage, tmp_path / "index", config, factored=factored)
+    assert all(b["whitened"] for b in index.manifest["blocks"])
+    for query in (summed, per_test):
+        truth = query.scores()
+        assert truth.values.abs().max() > 1e-3
+        torch.testing.assert_close(index.scores(query).values, truth.values, rtol=0, atol=1e-10)
+    grads = per_example_grads(stage, *corpus(40), stage.param_names)  # (40, p)
+    rows = index.matrix()
+    torch.testing.assert_close((rows**2).sum(1), (grads * factored.solve(grads.T, lam).T).sum(1), rtol=1e-10, atol=0)
+    s = per_test.s
+    cols = index.directions(per_test)
+    torch.testing.assert_close((cols**2).sum(0), (s * (factored.matvec(s) + lam * s)).sum(0), rtol=1e-10, atol=0)
+
+
+def test_whitened_compression_is_unbiased_and_its_eigenbasis_of_full_size_exact(case1, tmp_path):
+    """Random projections of the whitened rows: the mean over seeds of the index's scores is the exact scores; the
+    whitened eigenbasis selection at full size keeps everything (exact). Refusals: no curvature, no damping."""
+    stage, _, query, _ = case1
+    factored = fit_curvature(stage, kind="ekfac")
+    truth = query.scores().values
+    x, y = corpus(40)
+    estimates = []
+    for seed in range(300):
+        layout = Layout.plan(stage, stage.param_names, projection="random", dim=32, seed=seed, dtype=torch.float64,
+                             factored=factored, whiten=True, damping=0.05)
+        estimates.append(-(layout.rows(x, y, torch.float64) @ layout.directions(query.s, torch.float64)).reshape(-1))
+    estimates = torch.stack(estimates)
+    single = (estimates - truth).norm(dim=1).median()
+    assert (estimates.mean(0) - truth).norm() < 0.1 * single
+    full = GradientIndex.build(stage, tmp_path / "full", IndexConfig(projection="eigenbasis", dim=10**6, whiten=True,
+                                                                     damping=0.05), factored=factored)
+    torch.testing.assert_close(full.scores(query).values, truth, rtol=0, atol=1e-10)
+    with pytest.raises(ik.InputError, match="factored"):
+        GradientIndex.build(stage, tmp_path / "none", IndexConfig(whiten=True, damping=0.1))
+    with pytest.raises(ik.InputError, match="damping"):
+        IndexConfig(whiten=True)
 
 
 def test_append_equals_rebuild(tmp_path):

@@ -48,6 +48,9 @@ class IndexConfig:
     projection: "random" (LoGra-style random Kronecker projections, seeded by ``seed``), "identity" (exact,
     uncompressed: D = the number of trained parameters) or "eigenbasis" (the top eigenvectors of each side of a
     fitted K-FAC/EK-FAC curvature, passed to :meth:`GradientIndex.build` as ``factored``);
+    whiten: store P (C + λI)^{-1/2} ∇ℓ(z) and compress a query's adjoint s to P (C + λI)^{1/2} s (:mod:`.projections`),
+    C the ``factored`` curvature, λ = ``damping`` (that of the chain's stage-1 solve, so that the query side is
+    (C + λI)^{-1/2} u for its s = (C + λI)⁻¹ u); exact uncompressed whatever λ;
     dtype: the rows' dtype ("float32", "float64", ...; None: the trained parameters'); shard_size: rows per shard
     file; batch_size: examples per forward/backward (8: on a CPU a batch that stays near the caches; the forward and
     backward dominate, as in contraction scoring, :data:`influkit.scoring.CPU_CHUNK_BYTES`).
@@ -56,6 +59,8 @@ class IndexConfig:
     dim: int = DEFAULT_DIM
     projection: str = "random"
     seed: int = 0
+    whiten: bool = False
+    damping: float | None = None
     dtype: str | None = None
     shard_size: int = 4096
     batch_size: int = 8
@@ -65,6 +70,9 @@ class IndexConfig:
             raise InputError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}.")
         if self.shard_size < 1 or self.batch_size < 1:
             raise InputError("shard_size and batch_size must be ≥ 1.")
+        if self.whiten and (self.damping is None or not self.damping >= 0):
+            raise InputError(f"whiten=True needs damping=λ ≥ 0 (got {self.damping!r}): the damping of the chain's "
+                             "stage-1 solve, e.g. result.diagnostics['solves'][0]['damping'].")
 
     def summary(self) -> dict:
         return asdict(self)
@@ -130,7 +138,7 @@ class GradientIndex:
         A directory that already holds this index (same checkpoint, settings and data) is resumed: only the shards
         not on disk are computed. One that holds another index is refused (:class:`IndexMismatchError`); to add
         examples use :meth:`append`. ``factored``: a fitted :class:`~influkit.factored.FactoredCurvature` of the
-        stage (``projection="eigenbasis"``). Under ``torch.distributed`` every rank calls it; the shards are split."""
+        stage (``projection="eigenbasis"``, ``whiten=True``). Under ``torch.distributed`` every rank calls it; the shards are split."""
         files_ = ShardFiles(directory)
         if distributed.rank() == 0:
             if files_.exists():
@@ -145,7 +153,8 @@ class GradientIndex:
                 dtype = DTYPES[config.dtype] if config.dtype else next(
                     iter(stage.state()[n] for n in stage.param_names)).dtype
                 layout = Layout.plan(stage, stage.param_names, projection=config.projection, dim=config.dim,
-                                     seed=config.seed, dtype=dtype, factored=factored)
+                                     seed=config.seed, dtype=dtype, factored=factored, whiten=config.whiten,
+                                     damping=config.damping)
                 files_.directory.mkdir(parents=True, exist_ok=True)
                 files.write(files_.directory / PROJECTIONS, PROJECTIONS_KIND, layout.tensors(), {"blocks": layout.describe()})
                 files_.write_manifest({
@@ -217,9 +226,12 @@ class GradientIndex:
             for i, block in enumerate(layout.blocks):
                 if isinstance(block, KroneckerBlock):
                     block.p_out, block.p_in = tensors.get(f"block{i}.p_out"), tensors.get(f"block{i}.p_in")
+                    block.q_out, block.q_in = tensors.get(f"block{i}.q_out"), tensors.get(f"block{i}.q_in")
+                    block.scale = tensors.get(f"block{i}.scale")
                     block.basis = meta["blocks"][i].get("basis") if i < len(meta["blocks"]) else block.basis
                 elif isinstance(block, FlatBlock):
                     block.projection = tensors.get(f"block{i}.projection")
+                    block.scale = tensors.get(f"block{i}.scale")
             if layout.describe() != meta["blocks"]:
                 raise IndexMismatchError(f"{self.directory}: the model's layers differ from those the index was built "
                                          "on (another architecture or other trained parameters).")
