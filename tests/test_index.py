@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -224,6 +225,36 @@ def test_whitened_compression_is_unbiased_and_its_eigenbasis_of_full_size_exact(
         GradientIndex.build(stage, tmp_path / "none", IndexConfig(whiten=True, damping=0.1))
     with pytest.raises(ik.InputError, match="damping"):
         IndexConfig(whiten=True)
+
+
+def test_whitened_eigenbasis_selection_keeps_entries_of_the_whitened_gradient(case1):
+    """The whitened eigenbasis selection (its rotation and selection one d × k product per token) stores, per
+    Kronecker layer, exactly the kept (out, in) entries of the uncompressed whitened block (Q_outᵀ ∇M Q_in) ⊙ scale,
+    and the query side the same entries of (Q_outᵀ S_M Q_in) ⊘ scale; the kept sides are those of most whitened energy."""
+    stage, _, query, _ = case1
+    factored = fit_curvature(stage, kind="ekfac")
+    x, y = corpus(40)
+    plan = dict(factored=factored, whiten=True, damping=0.05, dtype=torch.float64, seed=0)
+    full = Layout.plan(stage, stage.param_names, projection="identity", dim=1, **plan)
+    small = Layout.plan(stage, stage.param_names, projection="eigenbasis", dim=40, **plan)
+    full_rows, small_rows = full.rows(x, y, torch.float64), small.rows(x, y, torch.float64)
+    full_cols, small_cols = full.directions(query.s, torch.float64), small.directions(query.s, torch.float64)
+    offsets = lambda layout: np.cumsum([0] + [b.width for b in layout.blocks])  # noqa: E731
+    checked = 0
+    for i, (whole, kept) in enumerate(zip(full.blocks, small.blocks)):
+        if getattr(kept, "basis", None) != "eigenbasis" or kept.layer.one_hot:
+            continue
+        keep_out = (whole.q_out.T @ kept.q_out).abs().argmax(0) if whole.q_out is not None else \
+            kept.q_out.abs().argmax(0)
+        keep_in = (whole.q_in.T @ kept.q_in).abs().argmax(0)
+        energy = (1 - 0.05 * whole.scale**2).clamp_min(0)
+        assert set(keep_out.tolist()) == set(energy.sum(1).argsort(descending=True)[: kept.k_out].tolist())
+        (a, b), (c, d) = offsets(full)[i : i + 2], offsets(small)[i : i + 2]
+        for big, little in ((full_rows[:, a:b], small_rows[:, c:d]), (full_cols.T[:, a:b], small_cols.T[:, c:d])):
+            entries = big.reshape(-1, whole.d_out, whole.d_in)[:, keep_out][:, :, keep_in]
+            torch.testing.assert_close(little, entries.reshape(big.shape[0], -1), rtol=1e-10, atol=1e-12)
+        checked += 1
+    assert checked == 2 and small.width < full.width  # mix and head
 
 
 def test_append_equals_rebuild(tmp_path):

@@ -83,11 +83,14 @@ class Layout:
                         plain = KroneckerBlock(layer, None, None)
                         whitening = (None, None, plain.matrix(diagonal_parts(layer.params))[0].contiguous())
                 p_out = p_in = None
+                if projection == "eigenbasis" and whiten:
+                    kept, p_out, p_in = whitened_eigen_sides(whitening, layer, *ks[i], damping, dtype)
+                    blocks.append(KroneckerBlock(layer, p_out, p_in, basis="eigenbasis", whitening=kept))
+                    continue
                 if projection == "eigenbasis":
-                    sides = whitened_eigen_sides(whitening, *ks[i], damping, dtype) if whiten else \
-                        eigen_sides(layer, factored, *ks[i], dtype)
+                    sides = eigen_sides(layer, factored, *ks[i], dtype)
                     if sides is not None:
-                        blocks.append(KroneckerBlock(layer, *sides, basis="eigenbasis", whitening=whitening))
+                        blocks.append(KroneckerBlock(layer, *sides, basis="eigenbasis"))
                         continue
                 if projection != "identity":
                     p_out = random_projection(ks[i][0], shapes[i][1][0], generator, dtype)

@@ -79,7 +79,8 @@ class Block:
 class KroneckerBlock(Block):
     """A Kronecker-structured layer: C = P_out (Σ_t g_t ā_tᵀ) P_inᵀ (None: the identity on that side), or whitened
     (``whitening`` = (Q_out, Q_in, scale)): C = P_out ((Q_outᵀ Σ_t g_t ā_tᵀ Q_in) ⊙ scale) P_inᵀ, scale = (E + λ)^{-1/2}
-    of shape (d_out, d_in) (Q None: the standard basis)."""
+    of shape (d_out, d_in) (Q None: the standard basis). Q may keep only some eigenvectors (d × k columns, the
+    whitened eigenbasis selection; scale then the kept entries'), which never forms the whole Σ_t g_t ā_tᵀ."""
 
     kind = "kronecker"
 
@@ -96,11 +97,15 @@ class KroneckerBlock(Block):
 
     @property
     def k_out(self) -> int:
-        return self.d_out if self.p_out is None else self.p_out.shape[0]
+        if self.p_out is not None:
+            return self.p_out.shape[0]
+        return self.d_out if self.q_out is None else self.q_out.shape[1]
 
     @property
     def k_in(self) -> int:
-        return self.d_in if self.p_in is None else self.p_in.shape[0]
+        if self.p_in is not None:
+            return self.p_in.shape[0]
+        return self.d_in if self.q_in is None else self.q_in.shape[1]
 
     @property
     def width(self) -> int:
@@ -329,12 +334,19 @@ def diagonal_whitening(factored, damping: float) -> torch.Tensor:
     return (diag[:, 0] + damping).clamp_min(floor).rsqrt()
 
 
-def whitened_eigen_sides(whitening: tuple, k_out: int, k_in: int, damping: float, dtype: torch.dtype):
-    """(P_out, P_in) selecting, per side of a whitened block, the k eigen-directions of most whitened energy
-    Σ E/(E + λ) = Σ (1 − λ·scale²) (summed over the other side), as rows of the identity."""
-    scale = whitening[2].to(torch.float64)
-    energy = (1 - damping * scale**2).clamp_min(0)
+def whitened_eigen_sides(whitening: tuple, layer: Layer, k_out: int, k_in: int, damping: float, dtype: torch.dtype):
+    """((Q_out, Q_in, scale), P_out, P_in) keeping, per side of a whitened block, the k eigen-directions of most
+    whitened energy Σ (E + shift)/(E + shift + λ) = Σ (1 − λ·scale²) (summed over the other side): the kept columns
+    of each Q (the standard basis's where Q is None) and the kept entries of the scale, so that the rotation and the
+    selection are one (d × k) product per token. An embedding keeps its vocabulary side whole in the scale (one
+    column per token) and selects it with P_in."""
+    q_out, q_in, scale = whitening
+    energy = (1 - damping * scale.to(torch.float64) ** 2).clamp_min(0)
     d_out, d_in = scale.shape
-    p_out = torch.eye(d_out, dtype=dtype)[energy.sum(1).argsort(descending=True)[:k_out]]
-    p_in = torch.eye(d_in, dtype=dtype)[energy.sum(0).argsort(descending=True)[:k_in]]
-    return p_out.contiguous(), p_in.contiguous()
+    keep_out = energy.sum(1).argsort(descending=True)[:k_out]
+    keep_in = energy.sum(0).argsort(descending=True)[:k_in]
+    q_out = (torch.eye(d_out, dtype=dtype) if q_out is None else q_out)[:, keep_out].contiguous()
+    if layer.one_hot:
+        return (q_out, None, scale[keep_out].contiguous()), None, torch.eye(d_in, dtype=dtype)[keep_in].contiguous()
+    q_in = (torch.eye(d_in, dtype=dtype) if q_in is None else q_in)[:, keep_in].contiguous()
+    return (q_out, q_in, scale[keep_out][:, keep_in].contiguous()), None, None
