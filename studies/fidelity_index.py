@@ -94,11 +94,13 @@ def index_scores(pre, query, factored, variants, dims, work: Path):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--per-source", type=int, default=100, help="corpus snippets per source (4 sources)")
+    parser.add_argument("--per-source", type=int, default=100,
+                        help="corpus snippets per source for the rank fidelity (4 sources; 30: the task's own corpus, "
+                             "one chain for both measurements)")
     parser.add_argument("--dims", type=int, nargs="+", default=[1000, 8000, 64000])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--subsets", type=int, default=120, help="warm re-trainings for the LDS (0: no LDS)")
-    parser.add_argument("--top", type=int, default=100)
+    parser.add_argument("--top", type=int, default=100, help="top-k lists (at most a quarter of the corpus)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -116,11 +118,11 @@ def main(argv=None) -> None:
     work = Path(tempfile.mkdtemp(prefix="fidelity-index-"))
     rows, notes = [], []
     try:
-        # 1. rank fidelity on the widened corpus
-        wide = dataclasses.replace(cfg, per_source=args.per_source)
-        data = ex.load_data(wide, task.path)
+        # 1. rank fidelity (on the widened corpus, or the task's own when --per-source is its 30)
+        same = args.per_source == cfg.per_source
+        data = task.data if same else ex.load_data(dataclasses.replace(cfg, per_source=args.per_source), task.path)
         assert [s.text for s in data.corpus[: cfg.per_source]] == [s.text for s in task.data.corpus[: cfg.per_source]]
-        pre = ex.pretrain_stage(trained.pre.model.hf_model, data, cfg)
+        pre = trained.pre if same else ex.pretrain_stage(trained.pre.model.hf_model, data, cfg)
         chain = ex.chain(ex.Trained(pre, trained.fin, trained.info), "case1", cfg, "ekfac", residual=False)
         start = time.perf_counter()
         query = chain.query(test, per_test=True)
@@ -129,40 +131,47 @@ def main(argv=None) -> None:
         exact = query.scores().values.double().numpy()
         contraction_s = time.perf_counter() - start
         n = exact.shape[0]
+        top = min(args.top, n // 4)
         notes.append(f"rank fidelity: {n} corpus snippets ({args.per_source} per source), {exact.shape[1]} test snippets, "
                      f"stage 1 trains {pre.num_trained:,} parameters, λ = {query.solves[0]['damping']:.3g}; exact "
-                     f"contraction {contraction_s:.0f} s (solves {solve_s:.0f} s); chance top-{args.top} overlap "
-                     f"{args.top / n:.2f}")
+                     f"contraction {contraction_s:.0f} s (solves {solve_s:.0f} s); top-{top} lists (a quarter of the "
+                     f"corpus at most), chance overlap {top / n:.2f}")
         print(notes[-1], flush=True)
         factored = chain.curvature(0).approximation("ekfac")
-        ranked = {}
+        scored = {}
         for variant, dim, summary, approx in index_scores(pre, query, factored, args.variants, args.dims, work):
-            ranked[variant, dim] = {**summary, **compare(approx, exact, args.top)}
-            print(json.dumps(ranked[variant, dim]), flush=True)
-        del query, chain, factored
+            scored[variant, dim] = summary, approx
+            print(json.dumps({**summary, **compare(approx, exact, top)}), flush=True)
+        ranked = {key: {**summary, **compare(approx, exact, top)} for key, (summary, approx) in scored.items()}
 
         # 2. LDS on the task's corpus and its warm re-trainings
         lds = {}
-        if args.subsets:
-            subsets = task.subsets(args.subsets).numpy()
+        available = len(list((CACHE / f"order{ORDERS[0]}").glob("subset*.safetensors")))
+        m = min(args.subsets, available)
+        if m:
+            subsets = task.subsets(m).numpy()
             outputs = torch.stack([load_file(CACHE / f"order{ORDERS[0]}" / f"subset{j:04d}.safetensors")["outputs"]
-                                   for j in range(args.subsets)]).numpy()
-            chain = ex.chain(trained, "case1", cfg, "ekfac", residual=False)
-            query = chain.query(test, per_test=True)
-            exact_lds = lds_per_query(query.scores().values.double().numpy(), subsets, outputs)
+                                   for j in range(m)]).numpy()
+            if not same:
+                del query, chain, factored
+                chain = ex.chain(trained, "case1", cfg, "ekfac", residual=False)
+                query = chain.query(test, per_test=True)
+                exact = query.scores().values.double().numpy()
+                factored = chain.curvature(0).approximation("ekfac")
+                scored = {(variant, dim): (summary, approx) for variant, dim, summary, approx in
+                          index_scores(trained.pre, query, factored, args.variants, args.dims, work)}
+            exact_lds = lds_per_query(exact, subsets, outputs)
             valid = np.isfinite(exact_lds)
-            notes.append(f"LDS: the task's {task.n} corpus snippets, {args.subsets} warm re-trainings (random halves), "
+            notes.append(f"LDS: the task's {task.n} corpus snippets, {m} warm re-trainings (random halves), "
                          f"λ = {query.solves[0]['damping']:.3g}; exact contraction scores' LDS {exact_lds[valid].mean():.3f} "
                          f"± {sem(exact_lds):.3f}")
             print(notes[-1], flush=True)
-            factored = chain.curvature(0).approximation("ekfac")
-            for variant, dim, summary, approx in index_scores(trained.pre, query, factored, args.variants, args.dims, work):
+            for key, (summary, approx) in scored.items():
                 per = lds_per_query(approx, subsets, outputs)
                 diff = (exact_lds - per)[np.isfinite(exact_lds - per)]
-                lds[variant, dim] = {"lds": float(np.nanmean(per)), "lds_sem": sem(per),
-                                     "lds_exact": float(exact_lds[valid].mean()),
-                                     "exact_minus_index": float(diff.mean()), "exact_minus_index_sem": sem(diff)}
-                print(json.dumps(lds[variant, dim]), flush=True)
+                lds[key] = {"lds": float(np.nanmean(per)), "lds_sem": sem(per), "lds_exact": float(exact_lds[valid].mean()),
+                            "exact_minus_index": float(diff.mean()), "exact_minus_index_sem": sem(diff)}
+                print(json.dumps(lds[key]), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = [{**ranked[key], **lds.get(key, {})} for key in ranked]
@@ -174,7 +183,7 @@ def main(argv=None) -> None:
               + f"\n- shared 2-core machine, load {load_start} → {os.getloadavg()}")
     (RESULTS / "fidelity_index.md").write_text(header + "\n\n" + markdown(table) + "\n")
     table.to_csv(RESULTS / "fidelity_index.csv", index=False)
-    plot(table, n, args.top, RESULTS / "fidelity_index.png")
+    plot(table, n, top, RESULTS / "fidelity_index.png")
     record(RESULTS, ["fidelity_index.md", "fidelity_index.csv", "fidelity_index.png"],
            note="shared 2-core machine (six helpers)")
     print(header)

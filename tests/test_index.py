@@ -425,6 +425,8 @@ JOB = textwrap.dedent(
     [index]
     directory = "the-index"
     projection = "identity"
+    whiten = true
+    damping = 0.1
     shard_size = 16
     top = 3
     """
@@ -437,7 +439,8 @@ def test_cli_builds_and_queries_an_index_from_a_job_file(tmp_path, capsys):
     (tmp_path / "index_factory.py").write_text(JOB_FACTORY.format(tests=str(TESTS)))
     (tmp_path / "job.toml").write_text(JOB)
     try:
-        assert main(["index", "build", str(tmp_path / "job.toml"), "--quiet"]) == 0
+        with pytest.warns(ik.StationarityWarning):  # the chain's EK-FAC that whitens the index is fitted
+            assert main(["index", "build", str(tmp_path / "job.toml"), "--quiet"]) == 0
         assert "40 rows × 147" in capsys.readouterr().out
         with pytest.warns(ik.StationarityWarning):
             assert main(["index", "query", str(tmp_path / "job.toml"), "--quiet"]) == 0
