@@ -10,6 +10,9 @@ stage 1's trained parameters; the index compresses it the same way to s̃ (D × 
 
 (the chain's sign convention: I(z, T) = −∇ℓ(z)ᵀ s, positive = harmful; ``removal`` = −values/m). With identity
 projections (``projection="identity"``) the rows are the exact per-example gradients and so are the scores.
+Whitened (``IndexConfig(whiten=True, damping=λ)`` with the stage's fitted curvature C), c(z) compresses
+(C + λI)^{-1/2} ∇ℓ(z) and s̃ compresses (C + λI)^{1/2} s, the same score −⟨∇ℓ(z), s⟩ split evenly between the two
+sides, so the compression's error is relative to the whitened norms (:mod:`.projections`).
 :meth:`GradientIndex.top` re-scores the candidates exactly (contraction, :meth:`Query.scores` on those rows only).
 
 Before scoring, the query's stage 1 is checked against the index: the checkpoint (every value of its model's
