@@ -6,6 +6,7 @@ Ground truths: the chain's own contraction scores (Query.scores) and explicit pe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -28,8 +29,8 @@ from conftest import assert_a_failing_rank_fails_the_others, run_a_rank_that_may
 
 TESTS = Path(__file__).parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-EXACT = IndexConfig(projection="identity", shard_size=16, batch_size=7)
-SMALL = IndexConfig(dim=64, shard_size=16, batch_size=7)
+EXACT = IndexConfig(projection="identity", whiten=False, shard_size=16, batch_size=7)
+SMALL = IndexConfig(dim=64, projection="random", whiten=False, shard_size=16, batch_size=7)
 SHARED = {n: n for n in ("emb", "norm", "mix", "scale")}
 
 
@@ -165,15 +166,15 @@ def test_random_projections_are_unbiased(case1):
 def test_eigenbasis_projection_of_full_size_is_exact(case1, tmp_path):
     stage, _, query, _ = case1
     factored = fit_curvature(stage, kind="ekfac")
-    full = GradientIndex.build(stage, tmp_path / "full", IndexConfig(projection="eigenbasis", dim=10**6),
+    full = GradientIndex.build(stage, tmp_path / "full", IndexConfig(projection="eigenbasis", dim=10**6, whiten=False),
                                factored=factored)
     torch.testing.assert_close(full.scores(query).values, query.scores().values, rtol=0, atol=1e-10)
     assert {b["basis"] for b in full.manifest["blocks"] if b["kind"] == "kronecker"} == {"eigenbasis"}
-    small = GradientIndex.build(stage, tmp_path / "small", IndexConfig(projection="eigenbasis", dim=64),
+    small = GradientIndex.build(stage, tmp_path / "small", IndexConfig(projection="eigenbasis", dim=64, whiten=False),
                                 factored=factored)
     assert small.width < full.width
     with pytest.raises(ik.InputError, match="factored"):
-        GradientIndex.build(stage, tmp_path / "none", IndexConfig(projection="eigenbasis"))
+        GradientIndex.build(stage, tmp_path / "none", IndexConfig(projection="eigenbasis", whiten=False))
 
 
 @pytest.mark.parametrize("case", [1, 2])
@@ -224,7 +225,9 @@ def test_whitened_compression_is_unbiased_and_its_eigenbasis_of_full_size_exact(
     with pytest.raises(ik.InputError, match="factored"):
         GradientIndex.build(stage, tmp_path / "none", IndexConfig(whiten=True, damping=0.1))
     with pytest.raises(ik.InputError, match="damping"):
-        IndexConfig(whiten=True)
+        GradientIndex.build(stage, tmp_path / "no-damping", IndexConfig(), factored=factored)
+    with pytest.raises(ik.InputError, match="damping"):
+        IndexConfig(damping=-1.0)
 
 
 def test_whitened_eigenbasis_selection_keeps_entries_of_the_whitened_gradient(case1):
@@ -305,7 +308,7 @@ def test_a_mismatched_checkpoint_data_or_setting_is_refused(case1, tmp_path):
     stage, chain, query, _ = case1
     index = GradientIndex.build(stage, tmp_path / "index", SMALL)
     with pytest.raises(ik.IndexMismatchError, match="other settings"):
-        GradientIndex.build(stage, tmp_path / "index", IndexConfig(dim=128, shard_size=16, batch_size=7))
+        GradientIndex.build(stage, tmp_path / "index", dataclasses.replace(SMALL, dim=128))
     x, y = corpus(40)
     x[30, 2] = (x[30, 2] + 1) % 11
     other_data = ik.Stage(stage.model, ce, (x, y))

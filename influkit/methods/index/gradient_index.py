@@ -47,10 +47,14 @@ DEFAULT_DIM = 1000  # numbers per example: 4,000 bytes a row in float32
 class IndexConfig:
     """How an index is built.
 
+    The default is the whitened eigenbasis selection (``projection="eigenbasis", whiten=True``): it needs the
+    stage's fitted factored curvature (``factored=`` of :meth:`GradientIndex.build`) and ``damping``;
+    ``IndexConfig(projection="random", whiten=False)`` needs neither.
+
     dim: numbers per example in all (the dimension rule of :mod:`.projections` shares them among the layers);
-    projection: "random" (LoGra-style random Kronecker projections, seeded by ``seed``), "identity" (exact,
-    uncompressed: D = the number of trained parameters) or "eigenbasis" (the top eigenvectors of each side of a
-    fitted K-FAC/EK-FAC curvature, passed to :meth:`GradientIndex.build` as ``factored``);
+    projection: "eigenbasis" (per side of each layer, the eigenvectors of the fitted K-FAC/EK-FAC curvature with the
+    most gradient energy — whitened energy Σ E/(E + λ) when whitened), "random" (LoGra-style random Kronecker
+    projections, seeded by ``seed``) or "identity" (exact, uncompressed: D = the number of trained parameters);
     whiten: store P (C + λI)^{-1/2} ∇ℓ(z) and compress a query's adjoint s to P (C + λI)^{1/2} s (:mod:`.projections`),
     C the ``factored`` curvature, λ = ``damping`` (that of the chain's stage-1 solve, so that the query side is
     (C + λI)^{-1/2} u for its s = (C + λI)⁻¹ u); exact uncompressed whatever λ;
@@ -60,9 +64,9 @@ class IndexConfig:
     """
 
     dim: int = DEFAULT_DIM
-    projection: str = "random"
+    projection: str = "eigenbasis"
     seed: int = 0
-    whiten: bool = False
+    whiten: bool = True
     damping: float | None = None
     dtype: str | None = None
     shard_size: int = 4096
@@ -73,9 +77,8 @@ class IndexConfig:
             raise InputError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}.")
         if self.shard_size < 1 or self.batch_size < 1:
             raise InputError("shard_size and batch_size must be ≥ 1.")
-        if self.whiten and (self.damping is None or not self.damping >= 0):
-            raise InputError(f"whiten=True needs damping=λ ≥ 0 (got {self.damping!r}): the damping of the chain's "
-                             "stage-1 solve, e.g. result.diagnostics['solves'][0]['damping'].")
+        if self.damping is not None and not self.damping >= 0:
+            raise InputError(f"damping must be ≥ 0 (the λ of the chain's stage-1 solve), got {self.damping!r}.")
 
     def summary(self) -> dict:
         return asdict(self)

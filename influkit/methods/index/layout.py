@@ -46,10 +46,15 @@ class Layout:
         if projection not in PROJECTIONS:
             raise InputError(f"unknown projection={projection!r}; choose one of {PROJECTIONS}.")
         if (projection == "eigenbasis" or whiten) and factored is None:
-            raise InputError(f"{'whiten=True' if whiten else 'projection=eigenbasis'} needs the stage's fitted factored "
-                             "curvature: pass factored=chain.curvature(0).approximation('ekfac') (or "
-                             "ik.factored.fit_curvature(stage, kind='ekfac')) to GradientIndex.build.")
+            raise InputError(f"{'whiten=True' if whiten else 'projection=eigenbasis'} (the default) needs the stage's "
+                             "fitted factored curvature: pass factored=chain.curvature(0).approximation('ekfac') (or "
+                             "ik.factored.fit_curvature(stage, kind='ekfac')) to GradientIndex.build; or "
+                             "IndexConfig(projection='random', whiten=False) for an index without a curvature.")
         names = list(names)
+        if whiten and damping is None:
+            raise InputError("whiten=True (the default) needs IndexConfig(damping=λ), the damping of the chain's stage-1 "
+                             "solve (query.solves[0]['damping']); or IndexConfig(projection='random', whiten=False) for an "
+                             "index without a curvature.")
         if whiten:
             missing = [n for n in names if n not in factored.offsets]
             if missing:
