@@ -3,7 +3,7 @@ contraction pass, for new finetunes (a Case 1 head, a LoRA adapter) and 100 test
 
 Model: ``BertForMaskedLM`` from a config with random weights (cost, not fidelity; float32): ``--layers`` 2,
 ``--hidden`` 256, vocabulary 30,522 (bench_transformer's small BERT, 9.6 M parameters; ``--hidden 128`` gives
-5.4 M; ``--model minilm`` takes all-MiniLM-L6-v2's shape: 6 layers, hidden 384), stage 1 the masked-LM loss
+4.4 M; ``--model minilm`` takes all-MiniLM-L6-v2's shape: 6 layers, hidden 384), stage 1 the masked-LM loss
 (token-summed cross-entropy, 15 % masked) over random token-id sequences of ``--length`` tokens, its trained
 parameters the encoder layers. The chain's stage-1 solve is EK-FAC fitted on ``--fit-samples`` sequences
 (λ = 0.1 × mean eigenvalue), common to every query and timed once (``fit_s``). Finetunes (each a new chain on the
@@ -29,7 +29,7 @@ memory-mapped row. Each phase's peak resident memory (a sampler thread), bytes p
 "query speed-up" compares a new finetune's query through the index (solves + check + product) with the same
 solves + the contraction pass over the full corpus (scaled).
 
-    python -m benchmarks.bench_index --hidden 128 --sequences 2000 --tile 100 --tag bert-5m-200k   # committed run
+    python -m benchmarks.bench_index --hidden 128 --sequences 1000 --tile 200 --fit-samples 64 --tag bert-200k
     python -m benchmarks.bench_index --quick                                                       # 100 × 10
 """
 
