@@ -86,7 +86,7 @@ def compare(approx: np.ndarray, exact: np.ndarray, k: int) -> dict:
             f"top{k}_per_test": float(np.mean(tops)), f"top{k}_per_test_sem": sem(tops)}
 
 
-def index_scores(pre, query, factored, variants, dims, work: Path):
+def index_scores(pre, query, factored, variants, dims, work: Path, dtype: str | None = None):
     """Yield (variant, dim, summary, (n, q) scores) of every index variant at every dim on stage ``pre``."""
     from influkit.index import GradientIndex, IndexConfig
 
@@ -94,7 +94,7 @@ def index_scores(pre, query, factored, variants, dims, work: Path):
     for variant in variants:
         for dim in dims:
             settings = VARIANTS[variant]
-            config = IndexConfig(dim=dim, **settings, **({"damping": damping} if settings.get("whiten") else {}))
+            config = IndexConfig(dim=dim, dtype=dtype, **settings, **({"damping": damping} if settings.get("whiten") else {}))
             needs = settings.get("whiten") or settings.get("projection") == "eigenbasis"
             start = time.perf_counter()
             index = GradientIndex.build(pre, work / f"{variant}-{dim}", config, factored=factored if needs else None)
@@ -116,6 +116,7 @@ def main(argv=None) -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--subsets", type=int, default=120, help="warm re-trainings for the LDS (0: no LDS)")
     parser.add_argument("--chain", choices=list(CHAINS), default="ekfac")
+    parser.add_argument("--dtype", default=None, help="the rows' dtype (IndexConfig.dtype; default the parameters')")
     parser.add_argument("--top", type=int, default=100, help="top-k lists (at most a quarter of the corpus)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -155,7 +156,8 @@ def main(argv=None) -> None:
         print(notes[-1], flush=True)
         factored = chain.curvature(0).approximation("ekfac")
         scored = {}
-        for variant, dim, summary, approx in index_scores(pre, query, factored, args.variants, args.dims, work):
+        for variant, dim, summary, approx in index_scores(pre, query, factored, args.variants, args.dims, work,
+                                                                 args.dtype):
             scored[variant, dim] = summary, approx
             print(json.dumps({**summary, **compare(approx, exact, top)}), flush=True)
         ranked = {key: {**summary, **compare(approx, exact, top)} for key, (summary, approx) in scored.items()}
@@ -175,7 +177,7 @@ def main(argv=None) -> None:
                 exact = query.scores().values.double().numpy()
                 factored = chain.curvature(0).approximation("ekfac")
                 scored = {(variant, dim): (summary, approx) for variant, dim, summary, approx in
-                          index_scores(trained.pre, query, factored, args.variants, args.dims, work)}
+                          index_scores(trained.pre, query, factored, args.variants, args.dims, work, args.dtype)}
             exact_lds = lds_per_query(exact, subsets, outputs)
             valid = np.isfinite(exact_lds)
             notes.append(f"LDS: the task's {task.n} corpus snippets, {m} warm re-trainings (random halves), "
@@ -198,7 +200,7 @@ def main(argv=None) -> None:
               "EK-FAC and λ\n\n"
               + "\n".join(f"- {note}" for note in notes)
               + f"\n- shared 2-core machine, load {load_start} → {os.getloadavg()}")
-    name = "fidelity_index" if args.chain == "ekfac" else f"fidelity_index_{args.chain}"
+    name = "fidelity_index" + ("" if args.chain == "ekfac" else f"_{args.chain}") + (f"_{args.dtype}" if args.dtype else "")
     (RESULTS / f"{name}.md").write_text(header + "\n\n" + markdown(table) + "\n")
     table.to_csv(RESULTS / f"{name}.csv", index=False)
     plot(table, n, top, RESULTS / f"{name}.png")
