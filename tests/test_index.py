@@ -6,12 +6,14 @@ Ground truths: the chain's own contraction scores (Query.scores) and explicit pe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -27,8 +29,8 @@ from conftest import assert_a_failing_rank_fails_the_others, run_a_rank_that_may
 
 TESTS = Path(__file__).parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-EXACT = IndexConfig(projection="identity", shard_size=16, batch_size=7)
-SMALL = IndexConfig(dim=64, shard_size=16, batch_size=7)
+EXACT = IndexConfig(projection="identity", whiten=False, shard_size=16, batch_size=7)
+SMALL = IndexConfig(dim=64, projection="random", whiten=False, shard_size=16, batch_size=7)
 SHARED = {n: n for n in ("emb", "norm", "mix", "scale")}
 
 
@@ -60,7 +62,7 @@ def corpus(n: int = 40, seed: int = 0):
     return x[:n], y[:n]
 
 
-def problem(case: int = 1, n: int = 40):
+def problem(case: int = 1, n: int = 40, solve=ik.SolveConfig(solver="direct", damping=0.1)):
     """(pretraining stage, chain) of a two-stage problem: the encoder shared with a new head (Case 1 or 2)."""
     torch.manual_seed(0)
     pre, fin = Tiny().eval(), Tiny(classes=2).eval()
@@ -69,8 +71,7 @@ def problem(case: int = 1, n: int = 40):
     fx, fy = torch.randint(0, 11, (30, 5), generator=gen), torch.randint(0, 2, (30,), generator=gen)
     pre_stage = ik.Stage(pre, ce, corpus(n))
     fin_stage = ik.Stage(fin, ce, (fx, fy), params="head" if case == 1 else None)
-    chain = ik.Chain([pre_stage, fin_stage], [ik.Link(SHARED, case=case, alpha=0.05)],
-                     solve=ik.SolveConfig(solver="direct", damping=0.1))
+    chain = ik.Chain([pre_stage, fin_stage], [ik.Link(SHARED, case=case, alpha=0.05)], solve=solve)
     return pre_stage, chain
 
 
@@ -165,15 +166,98 @@ def test_random_projections_are_unbiased(case1):
 def test_eigenbasis_projection_of_full_size_is_exact(case1, tmp_path):
     stage, _, query, _ = case1
     factored = fit_curvature(stage, kind="ekfac")
-    full = GradientIndex.build(stage, tmp_path / "full", IndexConfig(projection="eigenbasis", dim=10**6),
+    full = GradientIndex.build(stage, tmp_path / "full", IndexConfig(projection="eigenbasis", dim=10**6, whiten=False),
                                factored=factored)
     torch.testing.assert_close(full.scores(query).values, query.scores().values, rtol=0, atol=1e-10)
     assert {b["basis"] for b in full.manifest["blocks"] if b["kind"] == "kronecker"} == {"eigenbasis"}
-    small = GradientIndex.build(stage, tmp_path / "small", IndexConfig(projection="eigenbasis", dim=64),
+    small = GradientIndex.build(stage, tmp_path / "small", IndexConfig(projection="eigenbasis", dim=64, whiten=False),
                                 factored=factored)
     assert small.width < full.width
     with pytest.raises(ik.InputError, match="factored"):
-        GradientIndex.build(stage, tmp_path / "none", IndexConfig(projection="eigenbasis"))
+        GradientIndex.build(stage, tmp_path / "none", IndexConfig(projection="eigenbasis", whiten=False))
+
+
+@pytest.mark.parametrize("case", [1, 2])
+def test_whitened_uncompressed_index_equals_the_chain_solved_with_the_same_ekfac(case, tmp_path):
+    """Stage 1 solved by the EK-FAC approximate inverse, s = (C + λI)⁻¹ u; the index whitened by the same C and λ:
+    its rows are (C + λI)^{-1/2} ∇ℓ(z) (‖row‖² = ∇ℓᵀ (C + λI)⁻¹ ∇ℓ), its query columns (C + λI)^{1/2} s
+    (‖col‖² = sᵀ (C + λI) s), and the scores the chain's contraction scores."""
+    lam = 0.05
+    with pytest.warns(ik.StationarityWarning):
+        stage, chain = problem(case, solve=[ik.SolveConfig(solver="ekfac", damping=lam),
+                                            ik.SolveConfig(solver="direct", damping=0.1)])
+        summed, per_test = chain.query(torch.arange(8)), chain.query(torch.arange(8), per_test=True)
+    assert summed.solves[0]["solver"] == "ekfac" and summed.solves[0]["damping"] == lam
+    factored = chain.curvature(0).approximation("ekfac")
+    config = IndexConfig(projection="identity", whiten=True, damping=lam, shard_size=16, batch_size=7)
+    index = GradientIndex.build(stage, tmp_path / "index", config, factored=factored)
+    assert all(b["whitened"] for b in index.manifest["blocks"])
+    for query in (summed, per_test):
+        truth = query.scores()
+        assert truth.values.abs().max() > 1e-3
+        torch.testing.assert_close(index.scores(query).values, truth.values, rtol=0, atol=1e-10)
+    grads = per_example_grads(stage, *corpus(40), stage.param_names)  # (40, p)
+    rows = index.matrix()
+    torch.testing.assert_close((rows**2).sum(1), (grads * factored.solve(grads.T, lam).T).sum(1), rtol=1e-10, atol=0)
+    s = per_test.s
+    cols = index.directions(per_test)
+    torch.testing.assert_close((cols**2).sum(0), (s * (factored.matvec(s) + lam * s)).sum(0), rtol=1e-10, atol=0)
+
+
+def test_whitened_compression_is_unbiased_and_its_eigenbasis_of_full_size_exact(case1, tmp_path):
+    """Random projections of the whitened rows: the mean over seeds of the index's scores is the exact scores; the
+    whitened eigenbasis selection at full size keeps everything (exact). Refusals: no curvature, no damping."""
+    stage, _, query, _ = case1
+    factored = fit_curvature(stage, kind="ekfac")
+    truth = query.scores().values
+    x, y = corpus(40)
+    estimates = []
+    for seed in range(300):
+        layout = Layout.plan(stage, stage.param_names, projection="random", dim=32, seed=seed, dtype=torch.float64,
+                             factored=factored, whiten=True, damping=0.05)
+        estimates.append(-(layout.rows(x, y, torch.float64) @ layout.directions(query.s, torch.float64)).reshape(-1))
+    estimates = torch.stack(estimates)
+    single = (estimates - truth).norm(dim=1).median()
+    assert (estimates.mean(0) - truth).norm() < 0.1 * single
+    full = GradientIndex.build(stage, tmp_path / "full", IndexConfig(projection="eigenbasis", dim=10**6, whiten=True,
+                                                                     damping=0.05), factored=factored)
+    torch.testing.assert_close(full.scores(query).values, truth, rtol=0, atol=1e-10)
+    with pytest.raises(ik.InputError, match="factored"):
+        GradientIndex.build(stage, tmp_path / "none", IndexConfig(whiten=True, damping=0.1))
+    with pytest.raises(ik.InputError, match="damping"):
+        GradientIndex.build(stage, tmp_path / "no-damping", IndexConfig(), factored=factored)
+    with pytest.raises(ik.InputError, match="damping"):
+        IndexConfig(damping=-1.0)
+
+
+def test_whitened_eigenbasis_selection_keeps_entries_of_the_whitened_gradient(case1):
+    """The whitened eigenbasis selection (its rotation and selection one d × k product per token) stores, per
+    Kronecker layer, exactly the kept (out, in) entries of the uncompressed whitened block (Q_outᵀ ∇M Q_in) ⊙ scale,
+    and the query side the same entries of (Q_outᵀ S_M Q_in) ⊘ scale; the kept sides are those of most whitened energy."""
+    stage, _, query, _ = case1
+    factored = fit_curvature(stage, kind="ekfac")
+    x, y = corpus(40)
+    plan = dict(factored=factored, whiten=True, damping=0.05, dtype=torch.float64, seed=0)
+    full = Layout.plan(stage, stage.param_names, projection="identity", dim=1, **plan)
+    small = Layout.plan(stage, stage.param_names, projection="eigenbasis", dim=40, **plan)
+    full_rows, small_rows = full.rows(x, y, torch.float64), small.rows(x, y, torch.float64)
+    full_cols, small_cols = full.directions(query.s, torch.float64), small.directions(query.s, torch.float64)
+    offsets = lambda layout: np.cumsum([0] + [b.width for b in layout.blocks])  # noqa: E731
+    checked = 0
+    for i, (whole, kept) in enumerate(zip(full.blocks, small.blocks)):
+        if getattr(kept, "basis", None) != "eigenbasis" or kept.layer.one_hot:
+            continue
+        keep_out = (whole.q_out.T @ kept.q_out).abs().argmax(0) if whole.q_out is not None else \
+            kept.q_out.abs().argmax(0)
+        keep_in = (whole.q_in.T @ kept.q_in).abs().argmax(0)
+        energy = (1 - 0.05 * whole.scale**2).clamp_min(0)
+        assert set(keep_out.tolist()) == set(energy.sum(1).argsort(descending=True)[: kept.k_out].tolist())
+        (a, b), (c, d) = offsets(full)[i : i + 2], offsets(small)[i : i + 2]
+        for big, little in ((full_rows[:, a:b], small_rows[:, c:d]), (full_cols.T[:, a:b], small_cols.T[:, c:d])):
+            entries = big.reshape(-1, whole.d_out, whole.d_in)[:, keep_out][:, :, keep_in]
+            torch.testing.assert_close(little, entries.reshape(big.shape[0], -1), rtol=1e-10, atol=1e-12)
+        checked += 1
+    assert checked == 2 and small.width < full.width  # mix and head
 
 
 def test_append_equals_rebuild(tmp_path):
@@ -224,7 +308,7 @@ def test_a_mismatched_checkpoint_data_or_setting_is_refused(case1, tmp_path):
     stage, chain, query, _ = case1
     index = GradientIndex.build(stage, tmp_path / "index", SMALL)
     with pytest.raises(ik.IndexMismatchError, match="other settings"):
-        GradientIndex.build(stage, tmp_path / "index", IndexConfig(dim=128, shard_size=16, batch_size=7))
+        GradientIndex.build(stage, tmp_path / "index", dataclasses.replace(SMALL, dim=128))
     x, y = corpus(40)
     x[30, 2] = (x[30, 2] + 1) % 11
     other_data = ik.Stage(stage.model, ce, (x, y))
@@ -344,6 +428,8 @@ JOB = textwrap.dedent(
     [index]
     directory = "the-index"
     projection = "identity"
+    whiten = true
+    damping = 0.1
     shard_size = 16
     top = 3
     """
@@ -356,7 +442,8 @@ def test_cli_builds_and_queries_an_index_from_a_job_file(tmp_path, capsys):
     (tmp_path / "index_factory.py").write_text(JOB_FACTORY.format(tests=str(TESTS)))
     (tmp_path / "job.toml").write_text(JOB)
     try:
-        assert main(["index", "build", str(tmp_path / "job.toml"), "--quiet"]) == 0
+        with pytest.warns(ik.StationarityWarning):  # the chain's EK-FAC that whitens the index is fitted
+            assert main(["index", "build", str(tmp_path / "job.toml"), "--quiet"]) == 0
         assert "40 rows × 147" in capsys.readouterr().out
         with pytest.warns(ik.StationarityWarning):
             assert main(["index", "query", str(tmp_path / "job.toml"), "--quiet"]) == 0

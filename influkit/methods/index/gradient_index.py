@@ -10,6 +10,9 @@ stage 1's trained parameters; the index compresses it the same way to s̃ (D × 
 
 (the chain's sign convention: I(z, T) = −∇ℓ(z)ᵀ s, positive = harmful; ``removal`` = −values/m). With identity
 projections (``projection="identity"``) the rows are the exact per-example gradients and so are the scores.
+Whitened (``IndexConfig(whiten=True, damping=λ)`` with the stage's fitted curvature C), c(z) compresses
+(C + λI)^{-1/2} ∇ℓ(z) and s̃ compresses (C + λI)^{1/2} s, the same score −⟨∇ℓ(z), s⟩ split evenly between the two
+sides, so the compression's error is relative to the whitened norms (:mod:`.projections`).
 :meth:`GradientIndex.top` re-scores the candidates exactly (contraction, :meth:`Query.scores` on those rows only).
 
 Before scoring, the query's stage 1 is checked against the index: the checkpoint (every value of its model's
@@ -44,18 +47,27 @@ DEFAULT_DIM = 1000  # numbers per example: 4,000 bytes a row in float32
 class IndexConfig:
     """How an index is built.
 
+    The default is the whitened eigenbasis selection (``projection="eigenbasis", whiten=True``): it needs the
+    stage's fitted factored curvature (``factored=`` of :meth:`GradientIndex.build`) and ``damping``;
+    ``IndexConfig(projection="random", whiten=False)`` needs neither.
+
     dim: numbers per example in all (the dimension rule of :mod:`.projections` shares them among the layers);
-    projection: "random" (LoGra-style random Kronecker projections, seeded by ``seed``), "identity" (exact,
-    uncompressed: D = the number of trained parameters) or "eigenbasis" (the top eigenvectors of each side of a
-    fitted K-FAC/EK-FAC curvature, passed to :meth:`GradientIndex.build` as ``factored``);
+    projection: "eigenbasis" (per side of each layer, the eigenvectors of the fitted K-FAC/EK-FAC curvature with the
+    most gradient energy — whitened energy Σ E/(E + λ) when whitened), "random" (LoGra-style random Kronecker
+    projections, seeded by ``seed``) or "identity" (exact, uncompressed: D = the number of trained parameters);
+    whiten: store P (C + λI)^{-1/2} ∇ℓ(z) and compress a query's adjoint s to P (C + λI)^{1/2} s (:mod:`.projections`),
+    C the ``factored`` curvature, λ = ``damping`` (that of the chain's stage-1 solve, so that the query side is
+    (C + λI)^{-1/2} u for its s = (C + λI)⁻¹ u); exact uncompressed whatever λ;
     dtype: the rows' dtype ("float32", "float64", ...; None: the trained parameters'); shard_size: rows per shard
     file; batch_size: examples per forward/backward (8: on a CPU a batch that stays near the caches; the forward and
     backward dominate, as in contraction scoring, :data:`influkit.scoring.CPU_CHUNK_BYTES`).
     """
 
     dim: int = DEFAULT_DIM
-    projection: str = "random"
+    projection: str = "eigenbasis"
     seed: int = 0
+    whiten: bool = True
+    damping: float | None = None
     dtype: str | None = None
     shard_size: int = 4096
     batch_size: int = 8
@@ -65,6 +77,8 @@ class IndexConfig:
             raise InputError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}.")
         if self.shard_size < 1 or self.batch_size < 1:
             raise InputError("shard_size and batch_size must be ≥ 1.")
+        if self.damping is not None and not self.damping >= 0:
+            raise InputError(f"damping must be ≥ 0 (the λ of the chain's stage-1 solve), got {self.damping!r}.")
 
     def summary(self) -> dict:
         return asdict(self)
@@ -130,7 +144,7 @@ class GradientIndex:
         A directory that already holds this index (same checkpoint, settings and data) is resumed: only the shards
         not on disk are computed. One that holds another index is refused (:class:`IndexMismatchError`); to add
         examples use :meth:`append`. ``factored``: a fitted :class:`~influkit.factored.FactoredCurvature` of the
-        stage (``projection="eigenbasis"``). Under ``torch.distributed`` every rank calls it; the shards are split."""
+        stage (``projection="eigenbasis"``, ``whiten=True``). Under ``torch.distributed`` every rank calls it; the shards are split."""
         files_ = ShardFiles(directory)
         if distributed.rank() == 0:
             if files_.exists():
@@ -145,7 +159,8 @@ class GradientIndex:
                 dtype = DTYPES[config.dtype] if config.dtype else next(
                     iter(stage.state()[n] for n in stage.param_names)).dtype
                 layout = Layout.plan(stage, stage.param_names, projection=config.projection, dim=config.dim,
-                                     seed=config.seed, dtype=dtype, factored=factored)
+                                     seed=config.seed, dtype=dtype, factored=factored, whiten=config.whiten,
+                                     damping=config.damping)
                 files_.directory.mkdir(parents=True, exist_ok=True)
                 files.write(files_.directory / PROJECTIONS, PROJECTIONS_KIND, layout.tensors(), {"blocks": layout.describe()})
                 files_.write_manifest({
@@ -217,9 +232,12 @@ class GradientIndex:
             for i, block in enumerate(layout.blocks):
                 if isinstance(block, KroneckerBlock):
                     block.p_out, block.p_in = tensors.get(f"block{i}.p_out"), tensors.get(f"block{i}.p_in")
+                    block.q_out, block.q_in = tensors.get(f"block{i}.q_out"), tensors.get(f"block{i}.q_in")
+                    block.scale = tensors.get(f"block{i}.scale")
                     block.basis = meta["blocks"][i].get("basis") if i < len(meta["blocks"]) else block.basis
                 elif isinstance(block, FlatBlock):
                     block.projection = tensors.get(f"block{i}.projection")
+                    block.scale = tensors.get(f"block{i}.scale")
             if layout.describe() != meta["blocks"]:
                 raise IndexMismatchError(f"{self.directory}: the model's layers differ from those the index was built "
                                          "on (another architecture or other trained parameters).")

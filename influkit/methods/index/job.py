@@ -8,10 +8,11 @@ of ``influkit score`` (:mod:`influkit.jobs`), with an ``[index]`` table::
     solver = "ekfac"
     [index]
     directory = "index"        # the index (relative to the config file)
-    dim = 1024                 # and the other IndexConfig settings: projection, seed, dtype, shard_size, batch_size
+    dim = 1024                 # and the other IndexConfig settings: projection, whiten, damping, seed, dtype, ...
     top = 20                   # query: also the top 20 re-scored exactly (top.safetensors)
 
-``build`` indexes the factory's stage 1 (resumable; under ``torchrun`` the shards are split over the ranks; run it
+``build`` indexes the factory's stage 1 (whitened, or projected on the eigenbasis: by the EK-FAC of the chain's
+stage 1, fitted with the job's ``[curvature]`` settings; resumable; under ``torchrun`` the shards are split over the ranks; run it
 again after adding examples to stage 1's data and it appends them); ``query`` runs the chain's solves for the
 factory's test set and scores every indexed example by the index: ``out/values.npy`` (rows in example order),
 ``out/query.safetensors``, and with ``top`` ``out/top.safetensors`` (an InfluenceResult, ``influkit report`` reads it).
@@ -58,10 +59,15 @@ def _setup(path: Path):
 def build(path: str | Path, *, progress: bool = True) -> GradientIndex:
     """Build (resume, or append to) the index of the config's stage 1."""
     path = Path(path).resolve()
-    _, _, _, stages, _, index_config, directory = _setup(path)
+    config, _, _, stages, links, index_config, directory = _setup(path)
     if GradientIndex.exists(directory):
         return GradientIndex.open(directory).append(stages[0], progress=progress)
-    return GradientIndex.build(stages[0], directory, index_config, progress=progress)
+    factored = None
+    if index_config.whiten or index_config.projection == "eigenbasis":
+        chain = Chain(stages, links, solve=_configs(SolveConfig, config.get("solve")),
+                      curvature=_configs(CurvatureConfig, config.get("curvature")))
+        factored = chain.curvature(0).approximation("ekfac", progress=progress)
+    return GradientIndex.build(stages[0], directory, index_config, factored=factored, progress=progress)
 
 
 def query(path: str | Path, *, progress: bool = True):

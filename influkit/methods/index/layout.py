@@ -21,7 +21,8 @@ from ..layers import Recorder
 from ..layers import plan as registered_layers
 from ..params import ParamSpace, point
 from ..stage import Stage, check_finite
-from .projections import PROJECTIONS, Block, FlatBlock, KroneckerBlock, allot, eigen_sides, random_projection, kronecker_sides
+from .projections import (PROJECTIONS, Block, FlatBlock, KroneckerBlock, allot, diagonal_whitening, eigen_sides,
+                          kronecker_sides, kronecker_whitening, random_projection, whitened_eigen_sides)
 
 FALLBACK = "per-example gradients"
 
@@ -39,14 +40,32 @@ class Layout:
 
     @classmethod
     def plan(cls, stage: Stage, names: Sequence[str], *, projection: str, dim: int, seed: int,
-             dtype: torch.dtype, factored=None) -> "Layout":
-        """The blocks of ``names`` with their projections (:mod:`.projections`: the dimension rule, the kinds)."""
+             dtype: torch.dtype, factored=None, whiten: bool = False, damping: float | None = None) -> "Layout":
+        """The blocks of ``names`` with their projections (:mod:`.projections`: the dimension rule, the kinds),
+        whitened by (C + λI)^{-1/2} of the fitted curvature ``factored`` with λ = ``damping`` if ``whiten``."""
         if projection not in PROJECTIONS:
             raise InputError(f"unknown projection={projection!r}; choose one of {PROJECTIONS}.")
-        if projection == "eigenbasis" and factored is None:
-            raise InputError("projection='eigenbasis' needs the stage's fitted factored curvature: pass factored="
-                             "ik.factored.fit_curvature(stage, kind='ekfac') (or chain.curvature(0).approximation('ekfac')).")
+        if (projection == "eigenbasis" or whiten) and factored is None:
+            raise InputError(f"{'whiten=True' if whiten else 'projection=eigenbasis'} (the default) needs the stage's "
+                             "fitted factored curvature: pass factored=chain.curvature(0).approximation('ekfac') (or "
+                             "ik.factored.fit_curvature(stage, kind='ekfac')) to GradientIndex.build; or "
+                             "IndexConfig(projection='random', whiten=False) for an index without a curvature.")
         names = list(names)
+        if whiten and damping is None:
+            raise InputError("whiten=True (the default) needs IndexConfig(damping=λ), the damping of the chain's stage-1 "
+                             "solve (query.solves[0]['damping']); or IndexConfig(projection='random', whiten=False) for an "
+                             "index without a curvature.")
+        if whiten:
+            missing = [n for n in names if n not in factored.offsets]
+            if missing:
+                raise InputError(f"the curvature passed as factored= is not over the indexed parameters (it lacks "
+                                 f"{missing[:3]}); fit it on this stage's trained parameters.")
+            diagonal = diagonal_whitening(factored, damping)
+
+            def diagonal_parts(params):
+                return {n: diagonal[factored.offsets[n] : factored.offsets[n] + stage.state()[n].numel()].reshape(
+                    1, *stage.state()[n].shape).to(dtype) for n in params}
+
         layers, _ = registered_layers(stage.model, names)
         layers = _batch_first(stage, layers)
         covered = {n for layer in layers for n in layer.params}
@@ -62,21 +81,35 @@ class Layout:
         blocks: list[Block] = []
         for i, layer in enumerate(layers):
             if shapes[i][0] == "kronecker":
+                whitening = None
+                if whiten:
+                    whitening = kronecker_whitening(layer, factored, damping, dtype)
+                    if whitening is None:  # the curvature gave the layer a diagonal block
+                        plain = KroneckerBlock(layer, None, None)
+                        whitening = (None, None, plain.matrix(diagonal_parts(layer.params))[0].contiguous())
                 p_out = p_in = None
-                sides = eigen_sides(layer, factored, *ks[i], dtype) if projection == "eigenbasis" else None
-                if sides is not None:
-                    blocks.append(KroneckerBlock(layer, *sides, basis="eigenbasis"))
+                if projection == "eigenbasis" and whiten:
+                    kept, p_out, p_in = whitened_eigen_sides(whitening, layer, *ks[i], damping, dtype)
+                    blocks.append(KroneckerBlock(layer, p_out, p_in, basis="eigenbasis", whitening=kept))
                     continue
+                if projection == "eigenbasis":
+                    sides = eigen_sides(layer, factored, *ks[i], dtype)
+                    if sides is not None:
+                        blocks.append(KroneckerBlock(layer, *sides, basis="eigenbasis"))
+                        continue
                 if projection != "identity":
                     p_out = random_projection(ks[i][0], shapes[i][1][0], generator, dtype)
                     p_in = random_projection(ks[i][1], shapes[i][1][1], generator, dtype)
-                blocks.append(KroneckerBlock(layer, p_out, p_in, basis=projection if projection == "identity" else "random"))
+                blocks.append(KroneckerBlock(layer, p_out, p_in, basis=projection if projection == "identity" else "random",
+                                             whitening=whitening))
             else:
                 p = None if ks[i] is None else random_projection(ks[i][0], layer.size, generator, dtype)
-                blocks.append(FlatBlock(layer.name, layer.params, [state[n].numel() for n in layer.params], layer, p))
+                scale = _flat_scale(diagonal_parts(layer.params), layer.params) if whiten else None
+                blocks.append(FlatBlock(layer.name, layer.params, [state[n].numel() for n in layer.params], layer, p, scale))
         if rest:
             p = None if ks[-1] is None else random_projection(ks[-1][0], shapes[-1][1][0], generator, dtype)
-            blocks.append(FlatBlock(FALLBACK, rest, [state[n].numel() for n in rest], None, p))
+            scale = _flat_scale(diagonal_parts(rest), rest) if whiten else None
+            blocks.append(FlatBlock(FALLBACK, rest, [state[n].numel() for n in rest], None, p, scale))
         return cls(stage, names, blocks)
 
     def describe(self) -> list[dict]:
@@ -125,6 +158,11 @@ class Layout:
             raise InputError(f"the direction has {s.shape[0]} entries; the index's parameters have {self.space.dim}.")
         parts = self.space.unflatten(s.to(dtype))
         return torch.cat([b.direction({n: parts[n] for n in b.params}) for b in self.blocks], dim=1).T.contiguous()
+
+
+def _flat_scale(parts: dict, params: Sequence[str]) -> torch.Tensor:
+    """(n,) the flat block's whitening scale, its parameters' entries in order."""
+    return torch.cat([parts[n].reshape(-1) for n in params])
 
 
 def _kronecker(layer) -> bool:

@@ -28,7 +28,7 @@ from ..errors import FileFormatError
 from ..stage import Stage
 
 FORMAT = "influkit-gradient-index"
-VERSION = 1
+VERSION = 2  # 2: whitening (the config's whiten and damping, the blocks' whitened flag)
 MANIFEST = "manifest.json"
 PROJECTIONS = "projections.safetensors"
 PROJECTIONS_KIND = "index-projections"
