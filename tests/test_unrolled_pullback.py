@@ -89,8 +89,9 @@ def test_parameter_groups_pull_back_each_group_with_its_own_rule():
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0])  # the closed form, and autograd through another norm
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3])  # the clipping active (every step scaled) and idle
-def test_a_recorded_steps_update_vjp_with_clipping_is_autograds(max_norm):
+def test_a_recorded_steps_update_vjp_with_clipping_is_autograds(max_norm, norm_type):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     gen = torch.Generator().manual_seed(1)
@@ -102,7 +103,7 @@ def test_a_recorded_steps_update_vjp_with_clipping_is_autograds(max_norm):
         for xb, yb in loader:
             optimizer.zero_grad()
             cross_entropy(model(xb), yb).mean().backward()
-            run.clip_grad_norm_(max_norm)
+            run.clip_grad_norm_(max_norm, norm_type)
             optimizer.step()
     run = record.runs[0]
     assert run.clips[1] is not None

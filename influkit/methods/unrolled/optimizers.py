@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import forward_ad
 
 from ..errors import InputError, NotReplayable
 
@@ -33,6 +34,9 @@ def _safe_sqrt(x: torch.Tensor) -> torch.Tensor:
     Adam's second moment v is exactly 0 only for a coordinate whose gradient was exactly 0 at every step so far;
     there √v is not differentiable and 0 is its symmetric subgradient (∞·0 would turn the adjoint into NaN).
     """
+    if not (torch.is_grad_enabled() or torch._C._functorch.is_functorch_wrapped_tensor(x)
+            or forward_ad.unpack_dual(x).tangent is not None):
+        return torch.sqrt(x)  # no derivative can be taken here: the same values in one kernel
     positive = x > 0
     return torch.sqrt(torch.where(positive, x, torch.ones_like(x))) * positive
 
@@ -172,17 +176,19 @@ class Adam:
         if self.weight_decay and not self.decoupled:
             d = torch._foreach_add(d, [params[n] for n in names], alpha=self.weight_decay)
         root = torch._foreach_sqrt(v_new)  # _safe_sqrt's values (v' ≥ 0)
-        inverse_denom = torch._foreach_reciprocal(torch._foreach_add(torch._foreach_div(root, correction2), self.eps))
-        scaled = torch._foreach_mul(params_bar, torch._foreach_mul(inverse_denom, step_size))  # s θ̄'/D
-        m_bar = torch._foreach_sub(m_bar, scaled)
-        # m'/(D · 2 c₂ √v'), times sign(√v') = 0 where v' = 0
-        tiny = torch.finfo(root[0].dtype).tiny if root else 0.0
-        slope = torch._foreach_mul(torch._foreach_reciprocal(torch._foreach_clamp_min(root, tiny)),
-                                   torch._foreach_sign(root))
-        slope = torch._foreach_mul(torch._foreach_mul(torch._foreach_mul(m_new, inverse_denom), slope),
-                                   0.5 / correction2)
-        v_bar = torch._foreach_addcmul(v_bar, scaled, slope)
-        d_bar = torch._foreach_addcmul(torch._foreach_mul(m_bar, 1 - beta1), d, v_bar, value=2 * (1 - beta2))
+        inverse_denom = torch._foreach_div(root, correction2)  # 1/D, built in place on fresh tensors
+        torch._foreach_add_(inverse_denom, self.eps)
+        torch._foreach_reciprocal_(inverse_denom)
+        scaled = torch._foreach_mul(params_bar, inverse_denom)  # θ̄'/D
+        m_bar = torch._foreach_add(m_bar, scaled, alpha=-step_size)
+        # m'/(D √v'), times sign(√v') = 0 where v' = 0; v̄ gains s θ̄'/D · m'/(D · 2 c₂ √v')
+        slope = torch._foreach_sign(root)
+        torch._foreach_div_(slope, torch._foreach_clamp_min(root, torch.finfo(root[0].dtype).tiny if root else 0.0))
+        torch._foreach_mul_(slope, m_new)
+        torch._foreach_mul_(slope, inverse_denom)
+        v_bar = torch._foreach_addcmul(v_bar, scaled, slope, value=step_size * 0.5 / correction2)
+        d_bar = torch._foreach_mul(m_bar, 1 - beta1)
+        torch._foreach_addcmul_(d_bar, d, v_bar, value=2 * (1 - beta2))
         if self.weight_decay and self.decoupled:
             params_bar = torch._foreach_mul(params_bar, 1 - lr * self.weight_decay)
         elif self.weight_decay:
@@ -266,6 +272,34 @@ class Groups:
         the order decides the rounding of the total)."""
         coefficient = self.clip_coefficient(grads, max_norm, norm_type, order)
         return {n: g * coefficient for n, g in grads.items()}
+
+    def clip_pullback(self, grads: Tensors, clipped_bar: Tensors, max_norm: float, norm_type: float,
+                      order: list[str] | None = None) -> Tensors:
+        """ḡ: the cotangents ``clipped_bar`` of :meth:`clip`'s outputs (a leading dimension q allowed) pulled back to
+        its inputs, ḡ_i = c ḡ'_i + (Σ_j ⟨ḡ'_j, g_j⟩) ∂c/∂g_i with c = :meth:`clip_coefficient`.
+
+        For the 2-norm ∂c/∂g_i = −[r ≤ 1] r g_i / ((T + 10⁻⁶) T) (T the total norm, r = max_norm / (T + 10⁻⁶); 0 where
+        T = 0, as autograd's subgradient); for another norm ∂c/∂g comes from autograd through the coefficient."""
+        names = list(grads)
+        g, bar = [grads[n] for n in names], [clipped_bar[n] for n in names]
+        lead = bar[0].shape[:bar[0].dim() - g[0].dim()]
+        if norm_type == 2.0:
+            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g, 2.0)))
+            ratio = max_norm / (total + 1e-6)
+            coefficient = torch.clamp(ratio, max=1.0)
+            factor = torch.where((ratio <= 1) & (total > 0), -ratio / ((total + 1e-6) * total), 0.0)
+            slopes = torch._foreach_mul(g, factor)
+        else:
+            with torch.enable_grad():
+                leaves = {n: grads[n].detach().requires_grad_() for n in names}
+                coefficient = self.clip_coefficient(leaves, max_norm, norm_type, order)
+                slopes = list(torch.autograd.grad(coefficient, list(leaves.values()), allow_unused=True,
+                                                  materialize_grads=True))
+            coefficient = coefficient.detach()
+        coefficient_bar = torch.cat([b.reshape(*lead, -1) for b in bar], -1) @ torch.cat([v.reshape(-1) for v in g])
+        out = torch._foreach_mul(bar, coefficient)
+        torch._foreach_addcmul_(out, [coefficient_bar.reshape(*lead, *[1] * v.dim()) for v in g], slopes)
+        return dict(zip(names, out))
 
     def clip_coefficient(self, grads: Tensors, max_norm: float, norm_type: float,
                          order: list[str] | None = None) -> torch.Tensor:

@@ -210,8 +210,7 @@ class StageRun:
     def update_vjp(self, t: int, theta: Tensors, state: State, grads: Tensors):
         """(θ_{t+1}, state_{t+1}, pullback) of :meth:`update` (the same operations, so the same values), with
         pullback(θ̄_{t+1}, s̄_{t+1}) = (θ̄_t, s̄_t, ḡ_t) its vector-Jacobian product in closed form (the rules'
-        ``pullback``; cotangents may carry a leading dimension q). Clipping g ↦ c(g)·g pulls back as
-        ḡ_i = c ḡ'_i + (Σ_j ⟨ḡ'_j, g_j⟩) ∂c/∂g_i, with ∂c/∂g from autograd through the coefficient once."""
+        ``pullback``, then the clipping's ``clip_pullback``; cotangents may carry a leading dimension q)."""
         clip = self.clips[t] if t < len(self.clips) else None
         clipped = grads if clip is None else self.optimizer.clip(grads, *clip, order=self.clip_order)
         new = self.optimizer.update(theta, state, clipped, self.lrs[t], t + 1)
@@ -221,19 +220,7 @@ class StageRun:
                                                                         new, (theta_bar, state_bar))
             if clip is None:
                 return out_theta, out_state, clipped_bar
-            with torch.enable_grad():
-                leaves = {n: g.detach().requires_grad_() for n, g in grads.items()}
-                coefficient = self.optimizer.clip_coefficient(leaves, *clip, order=self.clip_order)
-                slopes = torch.autograd.grad(coefficient, list(leaves.values()), allow_unused=True,
-                                             materialize_grads=True)
-            coefficient = coefficient.detach()
-            lead = next(iter(clipped_bar.values())).dim() - next(iter(grads.values())).dim()
-            coefficient_bar = sum((clipped_bar[n] * g).reshape(*clipped_bar[n].shape[:lead], -1).sum(-1)
-                                  for n, g in grads.items())
-            grad_bar = {n: torch.addcmul(clipped_bar[n] * coefficient,
-                                         coefficient_bar.reshape(*coefficient_bar.shape, *[1] * g.dim()), slope)
-                        for (n, g), slope in zip(grads.items(), slopes)}
-            return out_theta, out_state, grad_bar
+            return out_theta, out_state, self.optimizer.clip_pullback(grads, clipped_bar, *clip, order=self.clip_order)
 
         return new[0], new[1], pullback
 
