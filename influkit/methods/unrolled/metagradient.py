@@ -317,20 +317,14 @@ class _Graph:
 
 
 class _Update:
-    """One step's optimizer update pulled back in closed form (:meth:`StageRun.update_vjp`), keyed as :class:`_Graph`:
-    cotangents of ("theta", name) and ("state", slot, name) in, of those and ("gradient", name) out."""
+    """One step's optimizer update pulled back in closed form (:meth:`StageRun.update_vjp`)."""
 
     def __init__(self, pullback):
         self._pullback = pullback
 
-    def pull(self, cotangents: dict, deadline: float | None = None) -> dict:
-        theta_bar = {key[1]: v for key, v in cotangents.items() if key[0] == "theta"}
-        state_bar: dict = {}
-        for key, v in cotangents.items():
-            if key[0] == "state":
-                state_bar.setdefault(key[1], {})[key[2]] = v
-        theta, state, gradient = self._pullback(theta_bar, state_bar)
-        return _keyed(theta, state) | {("gradient", n): v for n, v in gradient.items()}
+    def pull(self, theta_bar: dict, state_bar: dict) -> tuple[dict, dict, dict]:
+        """(θ̄_t, s̄_t, ḡ_t) from (θ̄_{t+1}, s̄_{t+1}), each with the leading dimension q."""
+        return self._pullback(theta_bar, state_bar)
 
 
 class _Pullback:
@@ -354,12 +348,6 @@ def _leaves(tensors: dict) -> dict:
     return {n: v.detach().requires_grad_() for n, v in tensors.items()}
 
 
-def _keyed(theta: dict, state: dict) -> dict:
-    """θ and the optimizer state as one dict keyed ("theta", name) and ("state", slot, name) (:class:`_Graph`)."""
-    return {("theta", n): v for n, v in theta.items()} | {("state", slot, n): v for slot, s in state.items()
-                                                          for n, v in s.items()}
-
-
 def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
     """Step t forward, keeping what its reverse needs: (θ_{t+1}, state_{t+1}, (this rank's batch ids, the update's
     pullback, the gradient's graph or None)) — the update run without autograd and pulled back in closed form
@@ -367,16 +355,17 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
     pullback for "vmapped" (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its
     values are the recorded step's (the same operations; the segment's replay check compares them)."""
     idx, x, y = run.batch(t)
-    part = distributed.shard(torch.arange(idx.numel()))
-    ids = idx[part]
-    lead = part.numel() > 0 and int(part[0]) == 0  # the rank holding the batch's first example adds R and the prox
+    if distributed.active():
+        part = distributed.shard(torch.arange(idx.numel()))
+        ids, xs, ys = idx[part], x[part.to(x.device)], y[part.to(y.device)]
+        lead = part.numel() > 0 and int(part[0]) == 0  # the rank holding the batch's first example adds R and prox
+    else:
+        ids, xs, ys, lead = idx, x, y, True
     if pull != VMAPPED:
         theta = _leaves(theta)
     gradient_graph = None
     with torch.enable_grad():
-        if part.numel():
-            where = part.to(x.device)
-            xs, ys = x[where], y[where]
+        if ids.numel():
             w = unit_weights(run, ids, None, xs)  # the run's weights
             if pull != VMAPPED:
                 leaf_anchors, w = _leaves(anchors), w.detach().requires_grad_()
@@ -450,20 +439,25 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
         stats["segment_growth"] = max(stats["segment_growth"], _resident_bytes() - before)
         terms_ids, terms = [], []
         while held:
-            ids, update_graph, gradient_graph = held.pop()
-            pulled = update_graph.pull(_keyed(theta_bar, state_bar))
-            theta_bar = {n: pulled["theta", n] for n in theta_bar}
-            state_bar = {slot: {n: pulled["state", slot, n] for n in s} for slot, s in state_bar.items()}
+            ids, update, gradient_graph = held.pop()
+            theta_bar, state_bar, gradient_bar = update.pull(theta_bar, state_bar)
             # through the gradient: H_t ḡ_t, the shared block's term and the batch's example terms (this rank's
             # share of the batch; an empty share adds 0 to the sums over the ranks)
             through = {} if gradient_graph is None else \
-                gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar})
-            for n in theta_bar:
-                theta_bar[n] = theta_bar[n] + _summed(through["theta", n] if through else
-                                                      torch.zeros_like(theta_bar[n]))
-            for n in anchor_bar:
-                anchor_bar[n] = anchor_bar[n] + _summed(through["anchor", n] if through else
-                                                        torch.zeros_like(anchor_bar[n]))
+                gradient_graph.pull({("gradient", n): v for n, v in gradient_bar.items()})
+            if through and not distributed.active():  # one process: nothing to sum over ranks
+                theta_bar = dict(zip(theta_bar, torch._foreach_add(list(theta_bar.values()),
+                                                                   [through["theta", n] for n in theta_bar])))
+                if anchor_bar:
+                    anchor_bar = dict(zip(anchor_bar, torch._foreach_add(list(anchor_bar.values()),
+                                                                         [through["anchor", n] for n in anchor_bar])))
+            else:
+                for n in theta_bar:
+                    theta_bar[n] = theta_bar[n] + _summed(through["theta", n] if through else
+                                                          torch.zeros_like(theta_bar[n]))
+                for n in anchor_bar:
+                    anchor_bar[n] = anchor_bar[n] + _summed(through["anchor", n] if through else
+                                                            torch.zeros_like(anchor_bar[n]))
             if through:
                 w_grad = through["w"].T.to(scores.dtype)
                 scores.index_add_(0, ids.to(scores.device), w_grad)
@@ -499,10 +493,10 @@ def _faster_pull(run: StageRun, a: int, theta, state, anchors, theta_bar, state_
         begin = time.perf_counter()
         deadline = begin + min(seconds.values()) if seconds else None
         try:
-            _, _, (_, update_graph, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
-            pulled = update_graph.pull(_keyed(theta_bar, state_bar), deadline)
-            if pulled is not None and gradient_graph is not None:
-                gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar}, deadline)
+            _, _, (_, update, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
+            _, _, gradient_bar = update.pull(theta_bar, state_bar)
+            if gradient_graph is not None:
+                gradient_graph.pull({("gradient", n): v for n, v in gradient_bar.items()}, deadline)
         except RuntimeError:
             if pull != BATCHED:
                 raise
