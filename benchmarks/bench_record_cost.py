@@ -12,11 +12,20 @@ of ``--repeats``:
 - q measures: ``per_test=True`` over q test points in one pass, against q separate passes of one test point each
   (after one recording), both as seconds and as a ratio;
 - a Hugging Face ``Trainer`` run (a tiny BERT's masked-LM training, 32 steps) plain and recorded by
-  ``hf.RecordCallback`` (its ratio to the plain Trainer run).
+  ``hf.RecordCallback`` (its ratio to the plain Trainer run);
+- the tiny GPT-2 run of issue 37: a randomly initialized ``GPT2LMHeadModel`` (2 layers, width 64, 2 heads, untied
+  input and output embeddings, dropout 0.1, eager attention; 168 k parameters) trained as a causal LM on 96 real
+  snippets (the vaderSentiment tweets, a WordPiece vocabulary of 512 learned from them, at most 32 tokens) for 24
+  ``torch.optim.AdamW`` steps of 8 (linear warmup over 4 steps, clipping at norm 1), plain, recorded, and recorded +
+  the exact metagradient of 16 held-out snippets' summed loss (ratios to its own plain loop).
+
+The ``ratio before`` column is ``cost_before.csv``: this script run on the code before the reverse pass was
+optimized (its MANIFEST note names the commit), so the change is visible beside today's ratio.
 
 Targets (issue 37, item 4): recorded ≤ 1.15× plain (the Trainer's too), recorded + metagradient ≤ 3× plain (the
 metagradient's own ratio is reported beside). Results: ``benchmarks/results/bench_record_cost/`` (``cost.csv``,
-``cost.png``, ``profile_metagradient.txt`` with ``--profile``, ``MANIFEST.json``).
+``breakdown.csv``: where one metagradient's time goes, ``cost.png``, ``profile_metagradient.txt`` with
+``--profile``, ``MANIFEST.json``).
 
     python -m benchmarks.bench_record_cost              # 5 repeats, q = 10
     python -m benchmarks.bench_record_cost --quick      # 2 repeats, q = 4
@@ -67,13 +76,13 @@ def per_example(outputs, targets):
     return nn.functional.cross_entropy(outputs, targets, reduction="none")
 
 
-def loop(model, optimizer, loader, steps, *, scheduler=None, clip=None, run=None, params=None):
+def loop(model, optimizer, loader, steps, *, scheduler=None, clip=None, run=None, params=None, loss=per_example):
     """The user's loop: ``steps`` optimizer steps over the loader's epochs (clipping through ``run`` when watched)."""
     t = 0
     while t < steps:
         for x, y in loader:
             optimizer.zero_grad()
-            per_example(model(x), y).mean().backward()
+            loss(model(x), y).mean().backward()
             if clip is not None:
                 run.clip_grad_norm_(clip) if run is not None else torch.nn.utils.clip_grad_norm_(params, clip)
             optimizer.step()
@@ -146,6 +155,120 @@ def trainer_data():
 
 
 TRAINER_DATA = None
+GPT2_DATA = None
+
+
+def gpt2_data():
+    """(train (ids, labels), test (ids, labels), vocabulary size): 96 + 16 tweets of the vaderSentiment snippets,
+    WordPiece ids padded to 32 (labels: the ids, −100 on padding)."""
+    from influkit import hf
+
+    texts = [s.text for s in hf.rated_snippets(["tweets"])[:112]]
+    tokenizer = hf.train_wordpiece(texts, vocab_size=512, min_frequency=1)
+    enc = tokenizer(texts, padding="max_length", truncation=True, max_length=32, return_tensors="pt")
+    ids = enc["input_ids"]
+    labels = ids.masked_fill(enc["attention_mask"] == 0, -100)
+    return (ids[:96], labels[:96]), (ids[96:], labels[96:]), len(tokenizer)
+
+
+def token_mean_losses(outputs, labels):
+    """Per-snippet mean next-token cross-entropy over its real tokens, (B,)."""
+    logits = outputs.logits[:, :-1]
+    targets = labels[:, 1:]
+    losses = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                         ignore_index=-100, reduction="none").view(targets.shape)
+    return losses.sum(1) / (targets != -100).sum(1)
+
+
+def gpt2_train(record: ik.unrolled.Record | None):
+    """The tiny GPT-2's 24 AdamW steps, plain (``record`` None) or watched; returns the model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    (ids, labels), _, vocab = GPT2_DATA
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+                                       bos_token_id=2, eos_token_id=3,
+                                       tie_word_embeddings=False, attn_implementation="eager"))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / 4))
+    loader = DataLoader(TensorDataset(ids, labels), batch_size=8, shuffle=True,
+                        generator=torch.Generator().manual_seed(1))
+    if record is None:
+        loop(model, opt, loader, 24, scheduler=sched, clip=1.0, params=list(model.parameters()),
+             loss=token_mean_losses)
+    else:
+        with record.watch(model, opt, loader, token_mean_losses) as run:
+            loop(model, opt, loader, 24, scheduler=sched, clip=1.0, run=run, loss=token_mean_losses)
+    return model
+
+
+def gpt2_rows(repeats: int) -> list[dict]:
+    """Plain, recorded and recorded + metagradient seconds of the tiny GPT-2 run, fastest of ``repeats``."""
+    global GPT2_DATA
+    GPT2_DATA = gpt2_data()
+    test = GPT2_DATA[1]
+    times = {"GPT-2 plain": [], "GPT-2 recorded": [], "GPT-2 recorded + metagradient": [], "GPT-2 metagradient": []}
+    for _ in range(repeats):
+        times["GPT-2 plain"].append(seconds(lambda: gpt2_train(None)))
+        times["GPT-2 recorded"].append(seconds(lambda: gpt2_train(ik.unrolled.Record())))
+        record = ik.unrolled.Record()
+        start = time.perf_counter()
+        gpt2_train(record)
+        middle = time.perf_counter()
+        results = ik.unrolled.metagradients(record, test)
+        end = time.perf_counter()
+        times["GPT-2 recorded + metagradient"].append(end - start)
+        times["GPT-2 metagradient"].append(end - middle)
+        assert results[0].diagnostics["replay"]["max_error"] == 0.0
+    plain = min(times["GPT-2 plain"])
+    return [{"run": k, "seconds (fastest)": min(v), "ratio to plain": min(v) / plain,
+             "target": {"GPT-2 recorded": 1.15, "GPT-2 recorded + metagradient": 3.0}.get(k), "repeats": repeats}
+            for k, v in times.items()]
+
+
+def breakdown(plain_seconds: float, train_fn, test, label: str) -> list[dict]:
+    """Where one metagradient's seconds go (the fastest of 3 after a warm-up), each part as a ratio to the plain run:
+    the replayed gradient (forward + backward with ``create_graph``), the update forward, the update's closed-form
+    pullback, the double backward through the gradient's graph, and the rest (batches, bookkeeping, replay check).
+    Timed by wrapping those four functions for the measurement only."""
+    from influkit.unrolled import metagradient as mg
+    from influkit.unrolled import run as runs
+
+    parts = {"replayed gradient (forward + create_graph backward)": (runs.StageRun, "gradient"),
+             "update forward": (runs.StageRun, "update_vjp"), "update pullback (closed form)": (mg._Update, "pull"),
+             "double backward (H v + example terms)": (mg._Graph, "pull")}
+    spent = dict.fromkeys(parts, 0.0)
+    originals = {name: getattr(owner, attr) for name, (owner, attr) in parts.items()}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - begin
+        return wrapper
+
+    record = ik.unrolled.Record()
+    train_fn(record)
+    best = None
+    try:
+        for name, (owner, attr) in parts.items():
+            setattr(owner, attr, timed(name, originals[name]))
+        for _ in range(4):
+            for name in spent:
+                spent[name] = 0.0
+            total = seconds(lambda: ik.unrolled.metagradients(record, test))
+            if best is None or total < best[0]:
+                best = (total, dict(spent))
+    finally:
+        for name, (owner, attr) in parts.items():
+            setattr(owner, attr, originals[name])
+    total, spent = best
+    spent["rest (batches, bookkeeping, replay check)"] = total - sum(spent.values())
+    return [{"run": label, "part": name, "seconds": value, "ratio to plain": value / plain_seconds}
+            for name, value in spent.items()]
 
 
 def profile(record, test) -> str:
@@ -219,26 +342,53 @@ def main(argv=None) -> pd.DataFrame:
     rows += [{"run": k, "seconds (fastest)": min(v), "ratio to plain": min(v) / plain_trainer,
               "target": 1.15 if k == "Trainer recorded" else None, "repeats": repeats}
              for k, v in trainer_times.items()]
+    rows += gpt2_rows(repeats)
     table = pd.DataFrame(rows)
+    parts = pd.DataFrame(breakdown(best["plain"], lambda r: train(data, r), test, "MLP")
+                         + breakdown(table.set_index("run").loc["GPT-2 plain", "seconds (fastest)"], gpt2_train,
+                                     GPT2_DATA[1], "GPT-2"))
+    print(parts.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    if args.profile:
+        profiled = profile(record, test)
+    before = OUT / "cost_before.csv"
+    if before.exists():
+        table.insert(3, "ratio before", table["run"].map(pd.read_csv(before).set_index("run")["ratio to plain"]))
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     OUT.mkdir(parents=True, exist_ok=True)
     table.to_csv(OUT / "cost.csv", index=False)
+    parts.to_csv(OUT / "breakdown.csv", index=False)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    ax.barh(table["run"], table["ratio to plain"], color="tab:blue")
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    rows_at = range(len(table))
+    if "ratio before" in table:
+        ax.barh([i - 0.2 for i in rows_at], table["ratio before"], height=0.4, color="tab:gray", label="before")
+        ax.barh([i + 0.2 for i in rows_at], table["ratio to plain"], height=0.4, color="tab:blue", label="after")
+        ax.legend(loc="lower right")
+    else:
+        ax.barh(list(rows_at), table["ratio to plain"], color="tab:blue")
+    ax.set_yticks(list(rows_at), table["run"])
     for target in (1.15, 3.0):
         ax.axvline(target, color="tab:red", lw=0.8, ls="--")
-    ax.set_xlabel("seconds / the plain run (torch.optim loop; Trainer rows: the plain Trainer run)")
+    ax.set_xlabel("seconds / the plain run (its own plain loop; Trainer rows: the plain Trainer run)")
     ax.invert_yaxis()
+    left = {label: 0.0 for label in parts["run"].unique()}
+    for (name, group), color in zip(parts.groupby("part", sort=False), plt.cm.tab10.colors):
+        bx.barh(group["run"], group["ratio to plain"], left=[left[r] for r in group["run"]], color=color, label=name)
+        for r, v in zip(group["run"], group["ratio to plain"]):
+            left[r] += v
+    bx.set_xlabel("one metagradient's parts / the plain run")
+    bx.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    bx.invert_yaxis()
     fig.tight_layout()
     fig.savefig(OUT / "cost.png", dpi=120)
-    files = ["cost.csv", "cost.png"]
+    files = ["cost.csv", "breakdown.csv", "cost.png"]
     if args.profile:
-        files.append(profile(record, test))
-    manifest(OUT, files, note="shared 2-core machine (seven jobs at once); one torch thread; "
-             "timings interleaved in one process, fastest of the repeats")
+        files.append(profiled)
+    manifest(OUT, files, note="shared 2-core machine (six helpers' jobs at once); one torch thread; timings "
+             "interleaved in one process, fastest of the repeats; 'ratio before' from cost_before.csv, this script "
+             "run on commit a21da9b (the reverse pass before its optimization)")
     return table
 
 

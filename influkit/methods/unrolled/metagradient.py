@@ -50,8 +50,8 @@ output, the graph retained until the last. **Batched**: the same graph pulled fo
 ``torch.func.vjp`` pullback of the step's gradient, vmapped over the q outputs. One output is always looped. For
 q > 1 none wins everywhere: batching amortizes per-operation overhead on small models, while on a decoder whose
 steps are bound by memory traffic over its (tokens × vocabulary) logits one double backward per output is faster
-(``benchmarks/bench_unrolled.py``). So the first q > 1 pass through a stage times the three on one step (from the
-segment's checkpoint, results discarded: about three steps' work) and pulls every step the fastest way; the choice
+(``benchmarks/bench_unrolled.py``). So the first q > 1 pass through a stage times the three on one step, twice (from
+the segment's checkpoint, results discarded: about six steps' work) and pulls every step the fastest way; the choice
 is kept for the same stage shape and q in the process, so a repeated computation repeats its bits
 (``diagnostics["pull"]``: the choice and the trial's seconds). Forward over reverse — ``torch.func.jvp`` of θ ↦
 ∇_{(θ, S̄, w)} L_t in the direction ḡ_t, which gives H_t ḡ_t, the shared block's term and the example terms in one
@@ -485,24 +485,27 @@ def _pull_key(run: StageRun, q: int) -> tuple:
 def _faster_pull(run: StageRun, a: int, theta, state, anchors, theta_bar, state_bar) -> tuple[str, dict]:
     """For q > 1 measure outputs: the fastest way to pull this stage's steps (:data:`VMAPPED`, :data:`BATCHED` or
     :data:`LOOPED`) and the trial — each way's seconds for step a (its forward and the pull of the current adjoints,
-    from the step's checkpoint; the results are discarded; the looped way stops once it has taken longer than the
-    fastest before it; a batched backward that an operation of the model cannot batch counts as infinitely slow).
-    Rank 0's choice is every rank's."""
+    from the step's checkpoint; the results are discarded), the faster of two rounds (the first pays each way's
+    warm-up); a way stops once it has taken longer than the fastest so far, and a batched backward that an
+    operation of the model cannot batch counts as infinitely slow. Rank 0's choice is every rank's."""
     seconds: dict[str, float] = {}
-    for pull in (VMAPPED, BATCHED, LOOPED):
-        begin = time.perf_counter()
-        deadline = begin + min(seconds.values()) if seconds else None
-        try:
-            _, _, (_, update, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
-            _, _, gradient_bar = update.pull(theta_bar, state_bar)
-            if gradient_graph is not None:
-                gradient_graph.pull({("gradient", n): v for n, v in gradient_bar.items()}, deadline)
-        except RuntimeError:
-            if pull != BATCHED:
-                raise
-            seconds[pull] = float("inf")
-            continue
-        seconds[pull] = time.perf_counter() - begin
+    for _ in range(2):
+        for pull in (VMAPPED, BATCHED, LOOPED):
+            if seconds.get(pull) == float("inf"):
+                continue
+            begin = time.perf_counter()
+            deadline = begin + min(seconds.values()) if seconds else None
+            try:
+                _, _, (_, update, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
+                _, _, gradient_bar = update.pull(theta_bar, state_bar)
+                if gradient_graph is not None:
+                    gradient_graph.pull({("gradient", n): v for n, v in gradient_bar.items()}, deadline)
+            except RuntimeError:
+                if pull != BATCHED:
+                    raise
+                seconds[pull] = float("inf")
+                continue
+            seconds[pull] = min(seconds.get(pull, float("inf")), time.perf_counter() - begin)
     return distributed.broadcast_object(min(seconds, key=seconds.get)), {"seconds": seconds}
 
 
