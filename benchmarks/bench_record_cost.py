@@ -19,8 +19,9 @@ of ``--repeats``:
   ``torch.optim.AdamW`` steps of 8 (linear warmup over 4 steps, clipping at norm 1), plain, recorded, and recorded +
   the exact metagradient of 16 held-out snippets' summed loss (ratios to its own plain loop).
 
-The ``ratio before`` column is ``cost_before.csv``: this script run on the code before the reverse pass was
-optimized (its MANIFEST note names the commit), so the change is visible beside today's ratio.
+The ``ratio before`` column times the reverse pass as it was before its optimization (``metagradient.py`` of commit
+``BEFORE``, loaded beside today's and run on the same records, interleaved in the same process), so the change is
+visible beside today's ratio; its scores are checked to agree with today's.
 
 Targets (issue 37, item 4): recorded ≤ 1.15× plain (the Trainer's too), recorded + metagradient ≤ 3× plain (the
 metagradient's own ratio is reported beside). Results: ``benchmarks/results/bench_record_cost/`` (``cost.csv``,
@@ -48,6 +49,7 @@ import influkit as ik
 from .manifest import record as manifest
 
 OUT = Path(__file__).resolve().parent / "results" / "bench_record_cost"
+BEFORE = "a21da9b"  # the last commit before the reverse pass was optimized (issue 37, item 4)
 
 
 class MLP(nn.Module):
@@ -203,28 +205,66 @@ def gpt2_train(record: ik.unrolled.Record | None):
     return model
 
 
-def gpt2_rows(repeats: int) -> list[dict]:
-    """Plain, recorded and recorded + metagradient seconds of the tiny GPT-2 run, fastest of ``repeats``."""
+def gpt2_rows(repeats: int, before) -> list[dict]:
+    """Plain, recorded and recorded + metagradient seconds of the tiny GPT-2 run (the metagradient today's and
+    ``before``'s on the same record), fastest of ``repeats``."""
     global GPT2_DATA
     GPT2_DATA = gpt2_data()
     test = GPT2_DATA[1]
     times = {"GPT-2 plain": [], "GPT-2 recorded": [], "GPT-2 recorded + metagradient": [], "GPT-2 metagradient": []}
+    earlier = {"GPT-2 recorded + metagradient": [], "GPT-2 metagradient": []}
     for _ in range(repeats):
         times["GPT-2 plain"].append(seconds(lambda: gpt2_train(None)))
         times["GPT-2 recorded"].append(seconds(lambda: gpt2_train(ik.unrolled.Record())))
         record = ik.unrolled.Record()
-        start = time.perf_counter()
-        gpt2_train(record)
-        middle = time.perf_counter()
-        results = ik.unrolled.metagradients(record, test)
-        end = time.perf_counter()
-        times["GPT-2 recorded + metagradient"].append(end - start)
-        times["GPT-2 metagradient"].append(end - middle)
+        recording = seconds(lambda: gpt2_train(record))
+        reverse, results = timed_call(lambda: ik.unrolled.metagradients(record, test))
+        times["GPT-2 recorded + metagradient"].append(recording + reverse)
+        times["GPT-2 metagradient"].append(reverse)
         assert results[0].diagnostics["replay"]["max_error"] == 0.0
-    plain = min(times["GPT-2 plain"])
-    return [{"run": k, "seconds (fastest)": min(v), "ratio to plain": min(v) / plain,
-             "target": {"GPT-2 recorded": 1.15, "GPT-2 recorded + metagradient": 3.0}.get(k), "repeats": repeats}
-            for k, v in times.items()]
+        reverse, old = timed_call(lambda: before(record, test))
+        earlier["GPT-2 recorded + metagradient"].append(recording + reverse)
+        earlier["GPT-2 metagradient"].append(reverse)
+        assert agree(old, results)
+    return rows_of(times, earlier, "GPT-2 plain", {"GPT-2 recorded": 1.15, "GPT-2 recorded + metagradient": 3.0})
+
+
+def rows_of(times: dict, earlier: dict, plain: str, targets: dict) -> list[dict]:
+    """Table rows: each run's fastest seconds and ratio to the fastest ``plain``, beside the reverse pass before."""
+    base = min(times[plain])
+    return [{"run": k, "seconds (fastest)": min(v), "ratio to plain": min(v) / base,
+             "ratio before": min(earlier[k]) / base if k in earlier else None, "target": targets.get(k),
+             "repeats": len(v)} for k, v in times.items()]
+
+
+def agree(before: list, today: list) -> bool:
+    """Whether two metagradient passes' scores agree to float32 rounding."""
+    return all(torch.allclose(a.values, b.values, rtol=1e-3, atol=1e-5 * float(a.values.abs().max()))
+               for a, b in zip(before, today))
+
+
+def timed_call(fn):
+    """(seconds, result) of fn()."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def metagradients_before(commit: str = BEFORE):
+    """``ik.unrolled.metagradients`` as of ``commit``: that commit's ``metagradient.py`` (the reverse pass the
+    optimization rewrote) run against today's record, replay and optimizer modules, whose ``update`` it calls
+    unchanged — the reverse pass before, on the same record in the same process."""
+    import subprocess
+    import sys
+    import types
+
+    source = subprocess.run(["git", "show", f"{commit}:influkit/methods/unrolled/metagradient.py"], check=True,
+                            capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    module = types.ModuleType("influkit.unrolled.metagradient_before")
+    module.__package__ = "influkit.unrolled"
+    sys.modules[module.__name__] = module  # its dataclasses look their module up there
+    exec(compile(source, f"{commit}:influkit/methods/unrolled/metagradient.py", "exec"), module.__dict__)
+    return module.metagradients
 
 
 def breakdown(plain_seconds: float, train_fn, test, label: str) -> list[dict]:
@@ -305,44 +345,41 @@ def main(argv=None) -> pd.DataFrame:
     torch.set_num_threads(1)
     data = task()
     test = data[2]
+    before = metagradients_before()
     times = {"plain": [], "recorded": [], "recorded + metagradient": [], "metagradient": []}
+    earlier = {"recorded + metagradient": [], "metagradient": []}
     for _ in range(repeats):  # interleaved: the machine's load moves within minutes
         times["plain"].append(seconds(lambda: train(data, None)))
         times["recorded"].append(seconds(lambda: train(data, ik.unrolled.Record())))
         record = ik.unrolled.Record()
-        start = time.perf_counter()
-        train(data, record)
-        middle = time.perf_counter()
-        results = ik.unrolled.metagradients(record, test)
-        end = time.perf_counter()
-        times["recorded + metagradient"].append(end - start)
-        times["metagradient"].append(end - middle)
+        recording = seconds(lambda: train(data, record))
+        reverse, results = timed_call(lambda: ik.unrolled.metagradients(record, test))
+        times["recorded + metagradient"].append(recording + reverse)
+        times["metagradient"].append(reverse)
         assert results[0].diagnostics["replay"]["max_error"] == 0.0
+        reverse, old = timed_call(lambda: before(record, test))
+        earlier["recorded + metagradient"].append(recording + reverse)
+        earlier["metagradient"].append(reverse)
+        assert agree(old, results)
     best = {k: min(v) for k, v in times.items()}
-    rows = [{"run": k, "seconds (fastest)": best[k], "ratio to plain": best[k] / best["plain"],
-             "target": {"recorded": 1.15, "recorded + metagradient": 3.0}.get(k), "repeats": repeats}
-            for k in times]
     points = (test[0][:q], test[1][:q])
-    together, separate = [], []
+    together, separate = f"{q} measures in one pass (per_test)", f"{q} measures in {q} separate passes"
+    times |= {together: [], separate: []}
+    earlier |= {together: [], separate: []}
     for _ in range(max(1, repeats // 2)):
-        together.append(seconds(lambda: ik.unrolled.metagradients(record, points, per_test=True)))
-        separate.append(seconds(lambda: [ik.unrolled.metagradients(record, (points[0][j:j + 1], points[1][j:j + 1]))
-                                          for j in range(q)]))
-    rows += [{"run": f"{q} measures in one pass (per_test)", "seconds (fastest)": min(together),
-              "ratio to plain": min(together) / best["plain"], "target": None, "repeats": len(together)},
-             {"run": f"{q} measures in {q} separate passes", "seconds (fastest)": min(separate),
-              "ratio to plain": min(separate) / best["plain"], "target": None, "repeats": len(separate)}]
+        for fn, out in ((ik.unrolled.metagradients, times), (before, earlier)):
+            out[together].append(seconds(lambda: fn(record, points, per_test=True)))
+            out[separate].append(seconds(lambda: [fn(record, (points[0][j:j + 1], points[1][j:j + 1]))
+                                                  for j in range(q)]))
+    rows = rows_of(times, earlier, "plain", {"recorded": 1.15, "recorded + metagradient": 3.0})
     global TRAINER_DATA
     TRAINER_DATA = trainer_data()
     trainer_times = {"Trainer plain": [], "Trainer recorded": []}
     for _ in range(repeats):
         trainer_times["Trainer plain"].append(seconds(lambda: trainer_run(None)))
         trainer_times["Trainer recorded"].append(seconds(lambda: trainer_run(ik.unrolled.Record())))
-    plain_trainer = min(trainer_times["Trainer plain"])
-    rows += [{"run": k, "seconds (fastest)": min(v), "ratio to plain": min(v) / plain_trainer,
-              "target": 1.15 if k == "Trainer recorded" else None, "repeats": repeats}
-             for k, v in trainer_times.items()]
-    rows += gpt2_rows(repeats)
+    rows += rows_of(trainer_times, {}, "Trainer plain", {"Trainer recorded": 1.15})
+    rows += gpt2_rows(repeats, before)
     table = pd.DataFrame(rows)
     parts = pd.DataFrame(breakdown(best["plain"], lambda r: train(data, r), test, "MLP")
                          + breakdown(table.set_index("run").loc["GPT-2 plain", "seconds (fastest)"], gpt2_train,
@@ -350,9 +387,6 @@ def main(argv=None) -> pd.DataFrame:
     print(parts.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     if args.profile:
         profiled = profile(record, test)
-    before = OUT / "cost_before.csv"
-    if before.exists():
-        table.insert(3, "ratio before", table["run"].map(pd.read_csv(before).set_index("run")["ratio to plain"]))
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     OUT.mkdir(parents=True, exist_ok=True)
     table.to_csv(OUT / "cost.csv", index=False)
@@ -362,12 +396,10 @@ def main(argv=None) -> pd.DataFrame:
     import matplotlib.pyplot as plt
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     rows_at = range(len(table))
-    if "ratio before" in table:
-        ax.barh([i - 0.2 for i in rows_at], table["ratio before"], height=0.4, color="tab:gray", label="before")
-        ax.barh([i + 0.2 for i in rows_at], table["ratio to plain"], height=0.4, color="tab:blue", label="after")
-        ax.legend(loc="lower right")
-    else:
-        ax.barh(list(rows_at), table["ratio to plain"], color="tab:blue")
+    ax.barh([i - 0.2 for i in rows_at], table["ratio before"], height=0.4, color="tab:gray",
+            label=f"reverse pass before (commit {BEFORE})")
+    ax.barh([i + 0.2 for i in rows_at], table["ratio to plain"], height=0.4, color="tab:blue", label="today")
+    ax.legend(loc="lower right")
     ax.set_yticks(list(rows_at), table["run"])
     for target in (1.15, 3.0):
         ax.axvline(target, color="tab:red", lw=0.8, ls="--")
@@ -387,8 +419,8 @@ def main(argv=None) -> pd.DataFrame:
     if args.profile:
         files.append(profiled)
     manifest(OUT, files, note="shared 2-core machine (six helpers' jobs at once); one torch thread; timings "
-             "interleaved in one process, fastest of the repeats; 'ratio before' from cost_before.csv, this script "
-             "run on commit a21da9b (the reverse pass before its optimization)")
+             "interleaved in one process, fastest of the repeats; 'ratio before': the reverse pass of commit "
+             f"{BEFORE} (its metagradient.py) on the same records, timed in the same process")
     return table
 
 
