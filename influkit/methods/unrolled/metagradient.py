@@ -352,8 +352,8 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
     """Step t forward, keeping what its reverse needs: (θ_{t+1}, state_{t+1}, (this rank's batch ids, the update's
     pullback, the gradient's graph or None)) — the update run without autograd and pulled back in closed form
     (:class:`_Update`); the gradient's plain autograd graph for ``pull`` = "looped" or "batched", its ``torch.func``
-    pullback for "vmapped" (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its
-    values are the recorded step's (the same operations; the segment's replay check compares them)."""
+    pullback for "vmapped" (module docstring). The gradient is this rank's share of the batch, summed over the
+    ranks; its values are the recorded step's (the same operations; the segment's replay check compares them)."""
     idx, x, y = run.batch(t)
     if distributed.active():
         part = distributed.shard(torch.arange(idx.numel()))
