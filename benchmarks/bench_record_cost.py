@@ -363,7 +363,6 @@ def main(argv=None) -> pd.DataFrame:
         earlier["recorded + metagradient"].append(recording + reverse)
         earlier["metagradient"].append(reverse)
         assert agree(old, results)
-    best = {k: min(v) for k, v in times.items()}
     points = (test[0][:q], test[1][:q])
     together, separate = f"{q} measures in one pass (per_test)", f"{q} measures in {q} separate passes"
     times |= {together: [], separate: []}
