@@ -1,7 +1,8 @@
 """The optimizers' closed-form pullbacks (what the exact reverse pass uses instead of autograd through the update)
 equal autograd's vector-Jacobian product of the same update in float64: SGD (momentum, Nesterov, dampening, weight
 decay, maximize; the first step and a later one), Adam and AdamW (coupled / decoupled decay, maximize, coordinates
-whose second moment is exactly 0), parameter groups, and a recorded step with gradient clipping active and not."""
+whose second moment is exactly 0), parameter groups, and a recorded step with gradient clipping active and not; and
+a batched pull of a step's gradient graph gives every input the leading q."""
 
 from __future__ import annotations
 
@@ -122,3 +123,16 @@ def test_a_recorded_steps_update_vjp_with_clipping_is_autograds(max_norm, norm_t
     theirs = autograd_pullback(lambda p, s, g: run.update(1, p, s, g), theta, state, grads, bar)
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_a_batched_pull_gives_every_input_the_leading_q():
+    """One backward batched over q = 3 cotangents: an input the outputs do not reach gets (q, *shape) zeros too (its
+    adjoint is summed over ranks by shape), the others each column's own vector-Jacobian product."""
+    from influkit.unrolled.metagradient import _Graph
+
+    used, unused = torch.randn(2, 4, dtype=torch.float64, requires_grad=True), torch.randn(5, requires_grad=True)
+    graph = _Graph({"out": (used**2).sum(0)}, {"used": used, "unused": unused}, batched=True)
+    cotangents = torch.randn(3, 4, dtype=torch.float64)
+    pulled = graph.pull({"out": cotangents})
+    assert pulled["unused"].shape == (3, 5) and not pulled["unused"].any()
+    torch.testing.assert_close(pulled["used"], 2 * used.detach() * cotangents[:, None, :])

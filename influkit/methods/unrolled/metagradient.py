@@ -304,7 +304,9 @@ class _Graph:
                 pulled = torch.autograd.grad([self.outputs[k] for k in wanted], list(self.inputs.values()),
                                              [cotangents[k] for k in wanted], allow_unused=True,
                                              materialize_grads=True, is_grads_batched=True)
-            return dict(zip(self.inputs, pulled))
+            # an input the outputs do not reach comes back as unbatched zeros: give it the leading q as well
+            return {k: v if v.dim() > leaf.dim() else v.expand(q, *v.shape)
+                    for (k, leaf), v in zip(self.inputs.items(), pulled)}
         for j in range(q):
             if deadline is not None and time.perf_counter() > deadline:
                 return None
@@ -495,14 +497,19 @@ def _faster_pull(run: StageRun, a: int, theta, state, anchors, theta_bar, state_
                 continue
             begin = time.perf_counter()
             deadline = begin + min(seconds.values()) if seconds else None
+            failed = False
             try:
                 _, _, (_, update, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
                 _, _, gradient_bar = update.pull(theta_bar, state_bar)
                 if gradient_graph is not None:
                     gradient_graph.pull({("gradient", n): v for n, v in gradient_bar.items()}, deadline)
-            except RuntimeError:
-                if pull != BATCHED:
+            except RuntimeError as error:
+                if pull != BATCHED or isinstance(error, distributed.DistributedError):
                     raise
+                failed = True
+            if distributed.active():  # every rank drops the way if any rank could not batch it (same collectives)
+                failed = bool(distributed.all_reduce_(torch.tensor([float(failed)])).item())
+            if failed:
                 seconds[pull] = float("inf")
                 continue
             seconds[pull] = min(seconds.get(pull, float("inf")), time.perf_counter() - begin)
