@@ -12,11 +12,21 @@ of ``--repeats``:
 - q measures: ``per_test=True`` over q test points in one pass, against q separate passes of one test point each
   (after one recording), both as seconds and as a ratio;
 - a Hugging Face ``Trainer`` run (a tiny BERT's masked-LM training, 32 steps) plain and recorded by
-  ``hf.RecordCallback`` (its ratio to the plain Trainer run).
+  ``hf.RecordCallback`` (its ratio to the plain Trainer run);
+- the tiny GPT-2 run of issue 37: a randomly initialized ``GPT2LMHeadModel`` (2 layers, width 64, 2 heads, untied
+  input and output embeddings, dropout 0.1, eager attention; 168 k parameters) trained as a causal LM on 96 real
+  snippets (the vaderSentiment tweets, a WordPiece vocabulary of 512 learned from them, at most 32 tokens) for 24
+  ``torch.optim.AdamW`` steps of 8 (linear warmup over 4 steps, clipping at norm 1), plain, recorded, and recorded +
+  the exact metagradient of 16 held-out snippets' summed loss (ratios to its own plain loop).
+
+The ``ratio before`` column times the reverse pass as it was before its optimization (``metagradient.py`` of commit
+``BEFORE``, loaded beside today's and run on the same records, interleaved in the same process), so the change is
+visible beside today's ratio; its scores are checked to agree with today's.
 
 Targets (issue 37, item 4): recorded ≤ 1.15× plain (the Trainer's too), recorded + metagradient ≤ 3× plain (the
 metagradient's own ratio is reported beside). Results: ``benchmarks/results/bench_record_cost/`` (``cost.csv``,
-``cost.png``, ``profile_metagradient.txt`` with ``--profile``, ``MANIFEST.json``).
+``breakdown.csv``: where one metagradient's time goes, ``cost.png``, ``profile_metagradient.txt`` with
+``--profile``, ``MANIFEST.json``).
 
     python -m benchmarks.bench_record_cost              # 5 repeats, q = 10
     python -m benchmarks.bench_record_cost --quick      # 2 repeats, q = 4
@@ -39,6 +49,7 @@ import influkit as ik
 from .manifest import record as manifest
 
 OUT = Path(__file__).resolve().parent / "results" / "bench_record_cost"
+BEFORE = "a21da9b"  # the last commit before the reverse pass was optimized (issue 37, item 4)
 
 
 class MLP(nn.Module):
@@ -67,13 +78,13 @@ def per_example(outputs, targets):
     return nn.functional.cross_entropy(outputs, targets, reduction="none")
 
 
-def loop(model, optimizer, loader, steps, *, scheduler=None, clip=None, run=None, params=None):
+def loop(model, optimizer, loader, steps, *, scheduler=None, clip=None, run=None, params=None, loss=per_example):
     """The user's loop: ``steps`` optimizer steps over the loader's epochs (clipping through ``run`` when watched)."""
     t = 0
     while t < steps:
         for x, y in loader:
             optimizer.zero_grad()
-            per_example(model(x), y).mean().backward()
+            loss(model(x), y).mean().backward()
             if clip is not None:
                 run.clip_grad_norm_(clip) if run is not None else torch.nn.utils.clip_grad_norm_(params, clip)
             optimizer.step()
@@ -146,6 +157,160 @@ def trainer_data():
 
 
 TRAINER_DATA = None
+GPT2_DATA = None
+
+
+def gpt2_data():
+    """(train (ids, labels), test (ids, labels), vocabulary size): 96 + 16 tweets of the vaderSentiment snippets,
+    WordPiece ids padded to 32 (labels: the ids, −100 on padding)."""
+    from influkit import hf
+
+    texts = [s.text for s in hf.rated_snippets(["tweets"])[:112]]
+    tokenizer = hf.train_wordpiece(texts, vocab_size=512, min_frequency=1)
+    enc = tokenizer(texts, padding="max_length", truncation=True, max_length=32, return_tensors="pt")
+    ids = enc["input_ids"]
+    labels = ids.masked_fill(enc["attention_mask"] == 0, -100)
+    return (ids[:96], labels[:96]), (ids[96:], labels[96:]), len(tokenizer)
+
+
+def token_mean_losses(outputs, labels):
+    """Per-snippet mean next-token cross-entropy over its real tokens, (B,)."""
+    logits = outputs.logits[:, :-1]
+    targets = labels[:, 1:]
+    losses = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                         ignore_index=-100, reduction="none").view(targets.shape)
+    return losses.sum(1) / (targets != -100).sum(1)
+
+
+def gpt2_train(record: ik.unrolled.Record | None):
+    """The tiny GPT-2's 24 AdamW steps, plain (``record`` None) or watched; returns the model."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    (ids, labels), _, vocab = GPT2_DATA
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+                                       bos_token_id=2, eos_token_id=3,
+                                       tie_word_embeddings=False, attn_implementation="eager"))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / 4))
+    loader = DataLoader(TensorDataset(ids, labels), batch_size=8, shuffle=True,
+                        generator=torch.Generator().manual_seed(1))
+    if record is None:
+        loop(model, opt, loader, 24, scheduler=sched, clip=1.0, params=list(model.parameters()),
+             loss=token_mean_losses)
+    else:
+        with record.watch(model, opt, loader, token_mean_losses) as run:
+            loop(model, opt, loader, 24, scheduler=sched, clip=1.0, run=run, loss=token_mean_losses)
+    return model
+
+
+def gpt2_rows(repeats: int, before) -> list[dict]:
+    """Plain, recorded and recorded + metagradient seconds of the tiny GPT-2 run (the metagradient today's and
+    ``before``'s on the same record), fastest of ``repeats``."""
+    global GPT2_DATA
+    GPT2_DATA = gpt2_data()
+    test = GPT2_DATA[1]
+    times = {"GPT-2 plain": [], "GPT-2 recorded": [], "GPT-2 recorded + metagradient": [], "GPT-2 metagradient": []}
+    earlier = {"GPT-2 recorded + metagradient": [], "GPT-2 metagradient": []}
+    for _ in range(repeats):
+        times["GPT-2 plain"].append(seconds(lambda: gpt2_train(None)))
+        times["GPT-2 recorded"].append(seconds(lambda: gpt2_train(ik.unrolled.Record())))
+        record = ik.unrolled.Record()
+        recording = seconds(lambda: gpt2_train(record))
+        reverse, results = timed_call(lambda: ik.unrolled.metagradients(record, test))
+        times["GPT-2 recorded + metagradient"].append(recording + reverse)
+        times["GPT-2 metagradient"].append(reverse)
+        assert results[0].diagnostics["replay"]["max_error"] == 0.0
+        reverse, old = timed_call(lambda: before(record, test))
+        earlier["GPT-2 recorded + metagradient"].append(recording + reverse)
+        earlier["GPT-2 metagradient"].append(reverse)
+        assert agree(old, results)
+    return rows_of(times, earlier, "GPT-2 plain", {"GPT-2 recorded": 1.15, "GPT-2 recorded + metagradient": 3.0})
+
+
+def rows_of(times: dict, earlier: dict, plain: str, targets: dict) -> list[dict]:
+    """Table rows: each run's fastest seconds and ratio to the fastest ``plain``, beside the reverse pass before."""
+    base = min(times[plain])
+    return [{"run": k, "seconds (fastest)": min(v), "ratio to plain": min(v) / base,
+             "ratio before": min(earlier[k]) / base if k in earlier else None, "target": targets.get(k),
+             "repeats": len(v)} for k, v in times.items()]
+
+
+def agree(before: list, today: list) -> bool:
+    """Whether two metagradient passes' scores agree to float32 rounding."""
+    return all(torch.allclose(a.values, b.values, rtol=1e-3, atol=1e-5 * float(a.values.abs().max()))
+               for a, b in zip(before, today))
+
+
+def timed_call(fn):
+    """(seconds, result) of fn()."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def metagradients_before(commit: str = BEFORE):
+    """``ik.unrolled.metagradients`` as of ``commit``: that commit's ``metagradient.py`` (the reverse pass the
+    optimization rewrote) run against today's record, replay and optimizer modules, whose ``update`` it calls
+    unchanged — the reverse pass before, on the same record in the same process."""
+    import subprocess
+    import sys
+    import types
+
+    source = subprocess.run(["git", "show", f"{commit}:influkit/methods/unrolled/metagradient.py"], check=True,
+                            capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    module = types.ModuleType("influkit.unrolled.metagradient_before")
+    module.__package__ = "influkit.unrolled"
+    sys.modules[module.__name__] = module  # its dataclasses look their module up there
+    exec(compile(source, f"{commit}:influkit/methods/unrolled/metagradient.py", "exec"), module.__dict__)
+    return module.metagradients
+
+
+def breakdown(train_fn, test, label: str) -> list[dict]:
+    """Where one metagradient's seconds go (its fastest of 4, each beside a plain run), each part as a ratio to the
+    fastest plain run of those 4:
+    the replayed gradient (forward + backward with ``create_graph``), the update forward, the update's closed-form
+    pullback, the double backward through the gradient's graph, and the rest (batches, bookkeeping, replay check).
+    Timed by wrapping those four functions for the measurement only."""
+    from influkit.unrolled import metagradient as mg
+    from influkit.unrolled import run as runs
+
+    parts = {"replayed gradient (forward + create_graph backward)": (runs.StageRun, "gradient"),
+             "update forward": (runs.StageRun, "update_vjp"), "update pullback (closed form)": (mg._Update, "pull"),
+             "double backward (H v + example terms)": (mg._Graph, "pull")}
+    spent = dict.fromkeys(parts, 0.0)
+    originals = {name: getattr(owner, attr) for name, (owner, attr) in parts.items()}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - begin
+        return wrapper
+
+    record = ik.unrolled.Record()
+    train_fn(record)
+    best, plain_seconds = None, float("inf")
+    try:
+        for name, (owner, attr) in parts.items():
+            setattr(owner, attr, timed(name, originals[name]))
+        for _ in range(4):
+            plain_seconds = min(plain_seconds, seconds(lambda: train_fn(None)))
+            for name in spent:
+                spent[name] = 0.0
+            total = seconds(lambda: ik.unrolled.metagradients(record, test))
+            if best is None or total < best[0]:
+                best = (total, dict(spent))
+    finally:
+        for name, (owner, attr) in parts.items():
+            setattr(owner, attr, originals[name])
+    total, spent = best
+    spent["rest (batches, bookkeeping, replay check)"] = total - sum(spent.values())
+    return [{"run": label, "part": name, "seconds": value, "ratio to plain": value / plain_seconds}
+            for name, value in spent.items()]
 
 
 def profile(record, test) -> str:
@@ -182,63 +347,79 @@ def main(argv=None) -> pd.DataFrame:
     torch.set_num_threads(1)
     data = task()
     test = data[2]
+    before = metagradients_before()
     times = {"plain": [], "recorded": [], "recorded + metagradient": [], "metagradient": []}
+    earlier = {"recorded + metagradient": [], "metagradient": []}
     for _ in range(repeats):  # interleaved: the machine's load moves within minutes
         times["plain"].append(seconds(lambda: train(data, None)))
         times["recorded"].append(seconds(lambda: train(data, ik.unrolled.Record())))
         record = ik.unrolled.Record()
-        start = time.perf_counter()
-        train(data, record)
-        middle = time.perf_counter()
-        results = ik.unrolled.metagradients(record, test)
-        end = time.perf_counter()
-        times["recorded + metagradient"].append(end - start)
-        times["metagradient"].append(end - middle)
+        recording = seconds(lambda: train(data, record))
+        reverse, results = timed_call(lambda: ik.unrolled.metagradients(record, test))
+        times["recorded + metagradient"].append(recording + reverse)
+        times["metagradient"].append(reverse)
         assert results[0].diagnostics["replay"]["max_error"] == 0.0
-    best = {k: min(v) for k, v in times.items()}
-    rows = [{"run": k, "seconds (fastest)": best[k], "ratio to plain": best[k] / best["plain"],
-             "target": {"recorded": 1.15, "recorded + metagradient": 3.0}.get(k), "repeats": repeats}
-            for k in times]
+        reverse, old = timed_call(lambda: before(record, test))
+        earlier["recorded + metagradient"].append(recording + reverse)
+        earlier["metagradient"].append(reverse)
+        assert agree(old, results)
     points = (test[0][:q], test[1][:q])
-    together, separate = [], []
+    together, separate = f"{q} measures in one pass (per_test)", f"{q} measures in {q} separate passes"
+    times |= {together: [], separate: []}
+    earlier |= {together: [], separate: []}
     for _ in range(max(1, repeats // 2)):
-        together.append(seconds(lambda: ik.unrolled.metagradients(record, points, per_test=True)))
-        separate.append(seconds(lambda: [ik.unrolled.metagradients(record, (points[0][j:j + 1], points[1][j:j + 1]))
-                                          for j in range(q)]))
-    rows += [{"run": f"{q} measures in one pass (per_test)", "seconds (fastest)": min(together),
-              "ratio to plain": min(together) / best["plain"], "target": None, "repeats": len(together)},
-             {"run": f"{q} measures in {q} separate passes", "seconds (fastest)": min(separate),
-              "ratio to plain": min(separate) / best["plain"], "target": None, "repeats": len(separate)}]
+        for fn, out in ((ik.unrolled.metagradients, times), (before, earlier)):
+            out[together].append(seconds(lambda: fn(record, points, per_test=True)))
+            out[separate].append(seconds(lambda: [fn(record, (points[0][j:j + 1], points[1][j:j + 1]))
+                                                  for j in range(q)]))
+    rows = rows_of(times, earlier, "plain", {"recorded": 1.15, "recorded + metagradient": 3.0})
     global TRAINER_DATA
     TRAINER_DATA = trainer_data()
     trainer_times = {"Trainer plain": [], "Trainer recorded": []}
     for _ in range(repeats):
         trainer_times["Trainer plain"].append(seconds(lambda: trainer_run(None)))
         trainer_times["Trainer recorded"].append(seconds(lambda: trainer_run(ik.unrolled.Record())))
-    plain_trainer = min(trainer_times["Trainer plain"])
-    rows += [{"run": k, "seconds (fastest)": min(v), "ratio to plain": min(v) / plain_trainer,
-              "target": 1.15 if k == "Trainer recorded" else None, "repeats": repeats}
-             for k, v in trainer_times.items()]
+    rows += rows_of(trainer_times, {}, "Trainer plain", {"Trainer recorded": 1.15})
+    rows += gpt2_rows(repeats, before)
     table = pd.DataFrame(rows)
+    parts = pd.DataFrame(breakdown(lambda r: train(data, r), test, "MLP") + breakdown(gpt2_train, GPT2_DATA[1], "GPT-2"))
+    print(parts.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    if args.profile:
+        profiled = profile(record, test)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     OUT.mkdir(parents=True, exist_ok=True)
     table.to_csv(OUT / "cost.csv", index=False)
+    parts.to_csv(OUT / "breakdown.csv", index=False)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    ax.barh(table["run"], table["ratio to plain"], color="tab:blue")
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    rows_at = range(len(table))
+    ax.barh([i - 0.2 for i in rows_at], table["ratio before"], height=0.4, color="tab:gray",
+            label=f"reverse pass before (commit {BEFORE})")
+    ax.barh([i + 0.2 for i in rows_at], table["ratio to plain"], height=0.4, color="tab:blue", label="today")
+    ax.legend(loc="lower right")
+    ax.set_yticks(list(rows_at), table["run"])
     for target in (1.15, 3.0):
         ax.axvline(target, color="tab:red", lw=0.8, ls="--")
-    ax.set_xlabel("seconds / the plain run (torch.optim loop; Trainer rows: the plain Trainer run)")
+    ax.set_xlabel("seconds / the plain run (its own plain loop; Trainer rows: the plain Trainer run)")
     ax.invert_yaxis()
+    left = {label: 0.0 for label in parts["run"].unique()}
+    for (name, group), color in zip(parts.groupby("part", sort=False), plt.cm.tab10.colors):
+        bx.barh(group["run"], group["ratio to plain"], left=[left[r] for r in group["run"]], color=color, label=name)
+        for r, v in zip(group["run"], group["ratio to plain"]):
+            left[r] += v
+    bx.set_xlabel("one metagradient's parts / the plain run")
+    bx.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    bx.invert_yaxis()
     fig.tight_layout()
     fig.savefig(OUT / "cost.png", dpi=120)
-    files = ["cost.csv", "cost.png"]
+    files = ["cost.csv", "breakdown.csv", "cost.png"]
     if args.profile:
-        files.append(profile(record, test))
-    manifest(OUT, files, note="shared 2-core machine (seven jobs at once); one torch thread; "
-             "timings interleaved in one process, fastest of the repeats")
+        files.append(profiled)
+    manifest(OUT, files, note="shared 2-core machine (six helpers' jobs at once); one torch thread; timings "
+             "interleaved in one process, fastest of the repeats; 'ratio before': the reverse pass of commit "
+             f"{BEFORE} (its metagradient.py) on the same records, timed in the same process")
     return table
 
 

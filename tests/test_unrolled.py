@@ -259,12 +259,12 @@ def test_per_test_columns_sum_to_the_summed_measure_and_the_result_saves(tmp_pat
     assert torch.equal(loaded.removal, -per_test[0].values) and loaded.method == per_test[0].method
 
 
-@pytest.mark.parametrize("pull", ["looped", "vmapped"])
+@pytest.mark.parametrize("pull", ["looped", "batched", "vmapped"])
 @pytest.mark.parametrize("name", ["case 2: SGD + momentum -> AdamW", "LoRA: AdamW -> Adam"])
 def test_each_way_of_pulling_several_measures_gives_each_measures_own_metagradient(name, pull, monkeypatch):
-    """q > 1 outputs pulled one double backward per output (looped) or by vmapped torch.func pullbacks: column j
-    equals the one-measure metagradient of test point j alone (that path is checked against finite differences
-    above)."""
+    """q > 1 outputs pulled one double backward per output (looped), one batched over them (batched) or by vmapped
+    torch.func pullbacks: column j equals the one-measure metagradient of test point j alone (that path is checked
+    against finite differences above)."""
     record = recorded(name)
     x, y = TEST
     chosen = {metagradient._pull_key(run, len(x)): pull for run in record.runs}
@@ -284,7 +284,7 @@ def test_the_first_several_measure_pass_times_each_pull_and_keeps_the_fastest(mo
     chosen = first[0].diagnostics["pull"]["stages"]
     for run, stage in zip(record.runs, chosen):
         seconds = stage["trial"]["seconds"]
-        assert set(seconds) == {"looped", "vmapped"} and min(seconds.values()) > 0
+        assert set(seconds) == {"looped", "batched", "vmapped"} and min(seconds.values()) > 0
         assert stage["pull"] == min(seconds, key=seconds.get) == metagradient._PULLS[metagradient._pull_key(run, 4)]
     again = ik.unrolled.metagradients(recorded("case 1: AdamW -> SGD + momentum"), TEST, per_test=True)  # a new record
     assert all(torch.equal(a.values, b.values) for a, b in zip(first, again))

@@ -367,7 +367,7 @@ def test_the_approximate_unrolling_refuses_a_run_recorded_with_dropout_on():
         ik.unrolled.approximate(record, TEST)
 
 
-@pytest.mark.parametrize("pull", ["looped", "vmapped"])
+@pytest.mark.parametrize("pull", ["looped", "batched", "vmapped"])
 def test_several_measures_of_a_dropout_run_are_each_measures_own_metagradient(pull, monkeypatch):
     """q = 4 per-test losses pulled either way through steps with dropout: column j equals the one-measure
     metagradient of test point j alone (checked against finite differences above)."""

@@ -36,20 +36,27 @@ backward per step (H_t v_t, the shared block's term and the batch's example term
 ``benchmarks/bench_unrolled.py`` measures the ratio to training). Each segment's recomputed end is compared with
 the next checkpoint, so the pass also checks that replay reproduces the whole record (``diagnostics["replay"]``).
 
+The optimizer's update is not recorded as a graph: it runs forward without autograd (the very operations of the
+recorded step, so the same values) and is pulled back in closed form — each rule's ``pullback``
+(:mod:`.optimizers`), the clipping's through :meth:`StageRun.update_vjp` — a few fused elementwise operations over
+every tensor at once (``torch._foreach_*``) with the adjoints' leading dimension q broadcast, where autograd's
+backward through the update ran a dozen small kernels per tensor. Only the gradient's graph is kept.
+
 A measure with q outputs (per-test losses) is differentiated for all q at once: the adjoints carry a leading
-dimension q and every step's backward runs once per output. A step is pulled back one of two ways. **Looped**: kept
-as plain autograd graphs (the gradient taken with ``create_graph`` from leaf θ_t, S̄, w_{B_t}; the update from leaf
-θ_t, state_t, g_t) and pulled by one ``autograd.grad`` per output, the graph retained until the last. **Vmapped**:
-kept as ``torch.func.vjp`` pullbacks of the step, vmapped over the q outputs. One output is always looped (the
-pullback's per-step tracing costs more than the graph). For q > 1 neither wins everywhere: vmapping amortizes
-per-operation overhead on small models, while on a decoder whose steps are bound by memory traffic over its
-(tokens × vocabulary) logits one double backward per output is faster (``benchmarks/bench_unrolled.py``). So the first q > 1 pass through a stage times both on one step (from the segment's checkpoint, results
-discarded: about two steps' work) and pulls every step the faster way; the choice is kept for the same stage shape
-and q in the process, so a repeated computation repeats its bits (``diagnostics["pull"]``: the choice and the
-trial's seconds). Forward over reverse — ``torch.func.jvp`` of θ ↦ ∇_{(θ, S̄, w)} L_t in the direction ḡ_t, which
-gives H_t ḡ_t, the shared block's term and the example terms in one pass with no graph kept from the replay — runs
-through Llama's operations and peft's LoRA in torch 2.13 but was slower than both ways above wherever it was
-measured, so it is not used.
+dimension q. The gradient's graph of a step is pulled back one of three ways. **Looped**: kept as a plain autograd
+graph (the gradient taken with ``create_graph`` from leaf θ_t, S̄, w_{B_t}) and pulled by one ``autograd.grad`` per
+output, the graph retained until the last. **Batched**: the same graph pulled for all q outputs by one
+``autograd.grad(..., is_grads_batched=True)`` (the backward vmapped over the outputs). **Vmapped**: kept as a
+``torch.func.vjp`` pullback of the step's gradient, vmapped over the q outputs. One output is always looped. For
+q > 1 none wins everywhere: batching amortizes per-operation overhead on small models, while on a decoder whose
+steps are bound by memory traffic over its (tokens × vocabulary) logits one double backward per output is faster
+(``benchmarks/bench_unrolled.py``). So the first q > 1 pass through a stage times the three on one step, twice (from
+the segment's checkpoint, results discarded: about six steps' work) and pulls every step the fastest way; the choice
+is kept for the same stage shape and q in the process, so a repeated computation repeats its bits
+(``diagnostics["pull"]``: the choice and the trial's seconds). Forward over reverse — ``torch.func.jvp`` of θ ↦
+∇_{(θ, S̄, w)} L_t in the direction ḡ_t, which gives H_t ḡ_t, the shared block's term and the example terms in one
+pass with no graph kept from the replay — runs through Llama's operations and peft's LoRA in torch 2.13 but was
+slower than the ways above wherever it was measured, so it is not used.
 
 Ranks (``torch.distributed``, as :meth:`influkit.Query.scores`): a step is split into the gradient of the batch's
 loss, g_t = Σ_r g_t^r with rank r's contiguous share of B_t (:func:`influkit.distributed.shard`; R(θ) and the
@@ -65,6 +72,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,7 +91,7 @@ from .run import StageRun, tensor_bytes
 from .replay import as_measure, deviation, reweighted, start, unit_weights
 
 METHOD = "unrolled exact (replay)"
-LOOPED, VMAPPED = "looped", "vmapped"  # how a step is pulled back for q measure outputs (module docstring)
+LOOPED, BATCHED, VMAPPED = "looped", "batched", "vmapped"  # how a step is pulled back for q outputs (module docstring)
 
 
 def metagradients(record: Record, test, *, measure: Measure | None = None, per_test: bool = False,
@@ -118,7 +126,7 @@ def metagradients(record: Record, test, *, measure: Measure | None = None, per_t
                          "batches over ranks would change; compute its metagradient in one process.")
     record = reweighted_at(record, test, at, progress)
     adjoint, q, outputs = measure_adjoint(record, test, per_test, measure)
-    journal = Journal(out, fingerprint(record, adjoint), q)
+    journal = Journal(out, "" if out is None else fingerprint(record, adjoint), q)
     settings = {"measure_outputs": int(outputs), "per_test": per_test, "at": describe_at(at, record)}
     return _backward(record, adjoint, q, per_test, settings, start_time, progress, journal)
 
@@ -193,10 +201,12 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
                    "note": "checkpoints and adjoints counted exactly; one segment's step graphs measured as the "
                            "growth of resident memory while it is held (0 where the allocator reused freed pages)"},
         "segments": {"computed": stats["computed"], "reused": stats["reused"], "ranks": distributed.world_size()},
-        "pull": {"stages": stats["pulls"], "note": "per stage, how each step was pulled back for the q measure "
-                 "outputs (looped: one autograd double backward per output; vmapped: torch.func pullbacks vmapped "
-                 "over the outputs): q = 1 looped; q > 1 the faster on a timed trial step (trial: its seconds, the "
-                 "looped way's stopped once past the vmapped one's; None where an earlier pass in this process chose "
+        "pull": {"stages": stats["pulls"], "note": "per stage, how each step's gradient was pulled back for the q "
+                 "measure outputs (looped: one autograd double backward per output; batched: one double backward "
+                 "batched over the outputs; vmapped: torch.func pullbacks vmapped over the outputs): q = 1 looped; "
+                 "q > 1 the fastest on a timed trial step (trial: its seconds, the looped way's stopped once past the "
+                 "fastest before it; inf: the model cannot be batched; None where an earlier pass in this process "
+                 "chose "
                  "for the same stage shape and q); None: every segment reused"},
         "ratio_to_recorded_training": seconds / training if training > 0 else None,
     }
@@ -274,17 +284,29 @@ def hand_over(record: Record, k: int, theta_bar: dict, anchor_bar: dict, q: int)
 @dataclass
 class _Graph:
     """One step's plain autograd graph: ``outputs`` as functions of the leaf tensors ``inputs``, both keyed
-    ("theta", name), ("state", slot, name), ("gradient", name), ("anchor", name) or "w"."""
+    ("gradient", name), ("theta", name), ("anchor", name) or "w"; ``batched``: pull q > 1 columns in one batched
+    backward (:data:`BATCHED`), else one backward per column."""
 
     outputs: dict
     inputs: dict
+    batched: bool = False
 
     def pull(self, cotangents: dict, deadline: float | None = None) -> dict | None:
         """{input key: Σ_out cotangent[out] · ∂out/∂input} for cotangents with a leading dimension q: one backward
-        per column, the graph kept until the last (which frees it). None once ``time.perf_counter()`` passes
-        ``deadline`` between columns (the pull trial's slower way)."""
+        per column, the graph kept until the last (which frees it), or all q columns in one backward vmapped over
+        them (``batched``, autograd's ``is_grads_batched``). None once ``time.perf_counter()`` passes ``deadline``
+        between columns (the pull trial's slower way)."""
         wanted = [k for k, o in self.outputs.items() if o.requires_grad]
         q, columns = cotangents[wanted[0]].shape[0], []
+        if self.batched and q > 1:
+            with warnings.catch_warnings():  # an operation without a batching rule runs per column: the trial judges
+                warnings.filterwarnings("ignore", message="There is a performance drop")
+                pulled = torch.autograd.grad([self.outputs[k] for k in wanted], list(self.inputs.values()),
+                                             [cotangents[k] for k in wanted], allow_unused=True,
+                                             materialize_grads=True, is_grads_batched=True)
+            # an input the outputs do not reach comes back as unbatched zeros: give it the leading q as well
+            return {k: v if v.dim() > leaf.dim() else v.expand(q, *v.shape)
+                    for (k, leaf), v in zip(self.inputs.items(), pulled)}
         for j in range(q):
             if deadline is not None and time.perf_counter() > deadline:
                 return None
@@ -294,6 +316,17 @@ class _Graph:
         if q == 1:
             return {k: columns[0][i].unsqueeze(0) for i, k in enumerate(self.inputs)}
         return {k: torch.stack([column[i] for column in columns]) for i, k in enumerate(self.inputs)}
+
+
+class _Update:
+    """One step's optimizer update pulled back in closed form (:meth:`StageRun.update_vjp`)."""
+
+    def __init__(self, pullback):
+        self._pullback = pullback
+
+    def pull(self, theta_bar: dict, state_bar: dict) -> tuple[dict, dict, dict]:
+        """(θ̄_t, s̄_t, ḡ_t) from (θ̄_{t+1}, s̄_{t+1}), each with the leading dimension q."""
+        return self._pullback(theta_bar, state_bar)
 
 
 class _Pullback:
@@ -317,41 +350,32 @@ def _leaves(tensors: dict) -> dict:
     return {n: v.detach().requires_grad_() for n, v in tensors.items()}
 
 
-def _keyed(theta: dict, state: dict) -> dict:
-    """θ and the optimizer state as one dict keyed ("theta", name) and ("state", slot, name) (:class:`_Graph`)."""
-    return {("theta", n): v for n, v in theta.items()} | {("state", slot, n): v for slot, s in state.items()
-                                                          for n, v in s.items()}
-
-
-def _unkeyed(keyed: dict, theta: dict, state: dict) -> tuple[dict, dict]:
-    """(θ, state) with the names and slots of ``theta`` and ``state`` from a :func:`_keyed` dict."""
-    return ({n: keyed["theta", n] for n in theta},
-            {slot: {n: keyed["state", slot, n] for n in s} for slot, s in state.items()})
-
-
 def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
     """Step t forward, keeping what its reverse needs: (θ_{t+1}, state_{t+1}, (this rank's batch ids, the update's
-    graph, the gradient's graph or None)) — plain autograd graphs for ``pull`` = "looped", ``torch.func`` pullbacks
-    for "vmapped" (module docstring). The gradient is this rank's share of the batch, summed over the ranks; its
-    values are the recorded step's (the same operations; the segment's replay check compares them)."""
+    pullback, the gradient's graph or None)) — the update run without autograd and pulled back in closed form
+    (:class:`_Update`); the gradient's plain autograd graph for ``pull`` = "looped" or "batched", its ``torch.func``
+    pullback for "vmapped" (module docstring). The gradient is this rank's share of the batch, summed over the
+    ranks; its values are the recorded step's (the same operations; the segment's replay check compares them)."""
     idx, x, y = run.batch(t)
-    part = distributed.shard(torch.arange(idx.numel()))
-    ids = idx[part]
-    lead = part.numel() > 0 and int(part[0]) == 0  # the rank holding the batch's first example adds R and the prox
-    if pull == LOOPED:
-        theta, state = _leaves(theta), {slot: _leaves(s) for slot, s in state.items()}
+    if distributed.active():
+        part = distributed.shard(torch.arange(idx.numel()))
+        ids, xs, ys = idx[part], x[part.to(x.device)], y[part.to(y.device)]
+        lead = part.numel() > 0 and int(part[0]) == 0  # the rank holding the batch's first example adds R and prox
+    else:
+        ids, xs, ys, lead = idx, x, y, True
+    if pull != VMAPPED:
+        theta = _leaves(theta)
     gradient_graph = None
     with torch.enable_grad():
-        if part.numel():
-            where = part.to(x.device)
-            xs, ys = x[where], y[where]
+        if ids.numel():
             w = unit_weights(run, ids, None, xs)  # the run's weights
-            if pull == LOOPED:
+            if pull != VMAPPED:
                 leaf_anchors, w = _leaves(anchors), w.detach().requires_grad_()
                 g = run.gradient(t, theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead, graph=True)
                 gradient_graph = _Graph({("gradient", n): v for n, v in g.items()},
                                         {("theta", n): v for n, v in theta.items()}
-                                        | {("anchor", n): v for n, v in leaf_anchors.items()} | {"w": w})
+                                        | {("anchor", n): v for n, v in leaf_anchors.items()} | {"w": w},
+                                        batched=pull == BATCHED)
             else:
                 def gradient(inputs):
                     th, an = {n: inputs["theta", n] for n in theta}, {n: inputs["anchor", n] for n in anchors}
@@ -363,21 +387,11 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
                 g = {n: gradient_graph.outputs["gradient", n] for n in theta}
         else:
             g = {n: torch.zeros_like(v) for n, v in theta.items()}
-        g = {n: _summed(v.detach() if pull == LOOPED else v) for n, v in g.items()}
-        if pull == LOOPED:
-            g = _leaves(g)
-            new_theta, new_state = run.update(t, theta, state, g)
-            update_graph = _Graph(_keyed(new_theta, new_state),
-                                  _keyed(theta, state) | {("gradient", n): v for n, v in g.items()})
-            return new_theta, new_state, (ids, update_graph, gradient_graph)
-
-    def update(inputs):
-        th, st = _unkeyed(inputs, theta, state)
-        return _keyed(*run.update(t, th, st, {n: inputs["gradient", n] for n in theta}))
-
-    update_graph = _Pullback(update, _keyed(theta, state) | {("gradient", n): v for n, v in g.items()})
-    new_theta, new_state = _unkeyed(update_graph.outputs, theta, state)
-    return new_theta, new_state, (ids, update_graph, gradient_graph)
+    with torch.no_grad():
+        g = {n: _summed(v.detach()) for n, v in g.items()}
+        new_theta, new_state, pullback = run.update_vjp(t, _detached(theta),
+                                                        {slot: _detached(s) for slot, s in state.items()}, g)
+    return new_theta, new_state, (ids, _Update(pullback), gradient_graph)
 
 
 def _summed(tensor: torch.Tensor) -> torch.Tensor:
@@ -427,20 +441,25 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
         stats["segment_growth"] = max(stats["segment_growth"], _resident_bytes() - before)
         terms_ids, terms = [], []
         while held:
-            ids, update_graph, gradient_graph = held.pop()
-            pulled = update_graph.pull(_keyed(theta_bar, state_bar))
-            theta_bar = {n: pulled["theta", n] for n in theta_bar}
-            state_bar = {slot: {n: pulled["state", slot, n] for n in s} for slot, s in state_bar.items()}
+            ids, update, gradient_graph = held.pop()
+            theta_bar, state_bar, gradient_bar = update.pull(theta_bar, state_bar)
             # through the gradient: H_t ḡ_t, the shared block's term and the batch's example terms (this rank's
             # share of the batch; an empty share adds 0 to the sums over the ranks)
             through = {} if gradient_graph is None else \
-                gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar})
-            for n in theta_bar:
-                theta_bar[n] = theta_bar[n] + _summed(through["theta", n] if through else
-                                                      torch.zeros_like(theta_bar[n]))
-            for n in anchor_bar:
-                anchor_bar[n] = anchor_bar[n] + _summed(through["anchor", n] if through else
-                                                        torch.zeros_like(anchor_bar[n]))
+                gradient_graph.pull({("gradient", n): v for n, v in gradient_bar.items()})
+            if through and not distributed.active():  # one process: nothing to sum over ranks
+                theta_bar = dict(zip(theta_bar, torch._foreach_add(list(theta_bar.values()),
+                                                                   [through["theta", n] for n in theta_bar])))
+                if anchor_bar:
+                    anchor_bar = dict(zip(anchor_bar, torch._foreach_add(list(anchor_bar.values()),
+                                                                         [through["anchor", n] for n in anchor_bar])))
+            else:
+                for n in theta_bar:
+                    theta_bar[n] = theta_bar[n] + _summed(through["theta", n] if through else
+                                                          torch.zeros_like(theta_bar[n]))
+                for n in anchor_bar:
+                    anchor_bar[n] = anchor_bar[n] + _summed(through["anchor", n] if through else
+                                                            torch.zeros_like(anchor_bar[n]))
             if through:
                 w_grad = through["w"].T.to(scores.dtype)
                 scores.index_add_(0, ids.to(scores.device), w_grad)
@@ -466,19 +485,34 @@ def _pull_key(run: StageRun, q: int) -> tuple:
 
 
 def _faster_pull(run: StageRun, a: int, theta, state, anchors, theta_bar, state_bar) -> tuple[str, dict]:
-    """For q > 1 measure outputs: the faster way to pull this stage's steps (:data:`LOOPED` or :data:`VMAPPED`) and
-    the trial — each way's seconds for step a (its forward and the pull of the current adjoints, from the step's
-    checkpoint; the results are discarded; the looped way stops once it has taken longer than the vmapped one).
-    Rank 0's choice is every rank's."""
-    seconds = {}
-    for pull in (VMAPPED, LOOPED):
-        begin = time.perf_counter()
-        deadline = begin + seconds[VMAPPED] if seconds else None
-        _, _, (_, update_graph, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
-        pulled = update_graph.pull(_keyed(theta_bar, state_bar), deadline)
-        if pulled is not None and gradient_graph is not None:
-            gradient_graph.pull({("gradient", n): pulled["gradient", n] for n in theta_bar}, deadline)
-        seconds[pull] = time.perf_counter() - begin
+    """For q > 1 measure outputs: the fastest way to pull this stage's steps (:data:`VMAPPED`, :data:`BATCHED` or
+    :data:`LOOPED`) and the trial — each way's seconds for step a (its forward and the pull of the current adjoints,
+    from the step's checkpoint; the results are discarded), the faster of two rounds (the first pays each way's
+    warm-up); a way stops once it has taken longer than the fastest so far, and a batched backward that an
+    operation of the model cannot batch counts as infinitely slow. Rank 0's choice is every rank's."""
+    seconds: dict[str, float] = {}
+    for _ in range(2):
+        for pull in (VMAPPED, BATCHED, LOOPED):
+            if seconds.get(pull) == float("inf"):
+                continue
+            begin = time.perf_counter()
+            deadline = begin + min(seconds.values()) if seconds else None
+            failed = False
+            try:
+                _, _, (_, update, gradient_graph) = _forward_step(run, a, theta, state, anchors, pull)
+                _, _, gradient_bar = update.pull(theta_bar, state_bar)
+                if gradient_graph is not None:
+                    gradient_graph.pull({("gradient", n): v for n, v in gradient_bar.items()}, deadline)
+            except RuntimeError as error:
+                if pull != BATCHED or isinstance(error, distributed.DistributedError):
+                    raise
+                failed = True
+            if distributed.active():  # every rank drops the way if any rank could not batch it (same collectives)
+                failed = bool(distributed.all_reduce_(torch.tensor([float(failed)])).item())
+            if failed:
+                seconds[pull] = float("inf")
+                continue
+            seconds[pull] = min(seconds.get(pull, float("inf")), time.perf_counter() - begin)
     return distributed.broadcast_object(min(seconds, key=seconds.get)), {"seconds": seconds}
 
 

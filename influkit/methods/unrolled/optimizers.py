@@ -8,6 +8,11 @@ call the same function, so a replay repeats the recorded arithmetic operation fo
 order, out of place, so a run of ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` is repeated bit for bit
 (``tests/test_unrolled_torch_optim.py``). :class:`Groups` is a ``torch.optim`` optimizer's parameter groups, one rule
 each, with gradient clipping by the global norm (``torch.nn.utils.clip_grad_norm_``'s arithmetic).
+
+Each rule's ``pullback`` is the vector-Jacobian product of its ``update`` written out by hand — what autograd would
+give through the update, in a few fused elementwise operations per tensor instead of a recorded graph — so the
+metagradient's reverse pass (:mod:`.metagradient`) takes the update forward without autograd and pulls it back
+in closed form: given the cotangents (θ̄', s̄') of the outputs it returns (θ̄, s̄, ḡ) on the inputs.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import forward_ad
 
 from ..errors import InputError, NotReplayable
 
@@ -28,6 +34,9 @@ def _safe_sqrt(x: torch.Tensor) -> torch.Tensor:
     Adam's second moment v is exactly 0 only for a coordinate whose gradient was exactly 0 at every step so far;
     there √v is not differentiable and 0 is its symmetric subgradient (∞·0 would turn the adjoint into NaN).
     """
+    if not (torch.is_grad_enabled() or torch._C._functorch.is_functorch_wrapped_tensor(x)
+            or forward_ad.unpack_dual(x).tangent is not None):
+        return torch.sqrt(x)  # no derivative can be taken here: the same values in one kernel
     positive = x > 0
     return torch.sqrt(torch.where(positive, x, torch.ones_like(x))) * positive
 
@@ -72,6 +81,34 @@ class SGD:
                 d = torch.add(d, buffers[n], alpha=self.momentum) if self.nesterov else buffers[n]
             new_params[n] = torch.add(p, d, alpha=-lr)
         return new_params, ({"momentum": buffers} if self.momentum else {})
+
+    def pullback(self, params: Tensors, state: State, grads: Tensors, lr: float, step: int, new: tuple[Tensors, State],
+                 bar: tuple[Tensors, State]) -> tuple[Tensors, State, Tensors]:
+        """(θ̄, s̄, ḡ): the cotangents ``bar`` = (θ̄', s̄') of :meth:`update`'s outputs ``new`` pulled back to its inputs.
+
+        d̄₂ = −lr θ̄';  nesterov: d̄ = d̄₂, b̄' ← b̄' + μ d̄₂, else d̄ = 0, b̄' ← b̄' + d̄₂;  step 1: d̄ += b̄', b̄ = 0,
+        else d̄ += (1 − τ) b̄', b̄ = μ b̄';  θ̄ = θ̄' + λ d̄;  ḡ = ±d̄.
+        """
+        names = list(params)
+        params_bar = [bar[0][n] for n in names]
+        d_bar = torch._foreach_mul(params_bar, -lr)
+        buffers = {}
+        if self.momentum:
+            b_bar = [bar[1]["momentum"][n] for n in names]
+            b_bar = torch._foreach_add(b_bar, d_bar, alpha=self.momentum if self.nesterov else 1.0)
+            if step == 1:
+                d_bar = torch._foreach_add(d_bar, b_bar) if self.nesterov else b_bar
+                buffers = {n: torch.zeros_like(v) for n, v in zip(names, b_bar)}
+            else:
+                scale = 1 - self.dampening
+                d_bar = torch._foreach_add(d_bar, b_bar, alpha=scale) if self.nesterov else \
+                    torch._foreach_mul(b_bar, scale)
+                buffers = dict(zip(names, torch._foreach_mul(b_bar, self.momentum)))
+        if self.weight_decay:
+            params_bar = torch._foreach_add(params_bar, d_bar, alpha=self.weight_decay)
+        grad_bar = torch._foreach_neg(d_bar) if self.maximize else d_bar
+        state_bar = {"momentum": buffers} if self.momentum else {}
+        return dict(zip(names, params_bar)), state_bar, dict(zip(names, grad_bar))
 
 
 @dataclass(frozen=True)
@@ -118,6 +155,48 @@ class Adam:
             new_params[n] = torch.addcdiv(p, m_new[n], _safe_sqrt(v_new[n]) / correction2 + self.eps,
                                           value=-step_size)
         return new_params, {"m": m_new, "v": v_new}
+
+    def pullback(self, params: Tensors, state: State, grads: Tensors, lr: float, step: int, new: tuple[Tensors, State],
+                 bar: tuple[Tensors, State]) -> tuple[Tensors, State, Tensors]:
+        """(θ̄, s̄, ḡ): the cotangents ``bar`` = (θ̄', s̄') of :meth:`update`'s outputs ``new`` pulled back to its inputs.
+
+        With D = √v'/c₂ + ε (c₂ = √(1−β₂ᵗ)) and s = lr/(1−β₁ᵗ): m̄' ← m̄' − s θ̄'/D;
+        v̄' ← v̄' + s θ̄'·m'/D² / (2 c₂ √v') (0 where v' = 0, :func:`_safe_sqrt`'s subgradient); m̄ = β₁ m̄';
+        v̄ = β₂ v̄';  d̄ = (1−β₁) m̄' + 2(1−β₂) d·v̄';  θ̄ = (1 − lr λ) θ̄' (decoupled) or θ̄' + λ d̄;  ḡ = ±d̄.
+        """
+        beta1, beta2 = self.betas
+        step_size = lr / (1 - beta1**step)
+        correction2 = (1 - beta2**step) ** 0.5
+        names = list(params)
+        params_bar, m_bar, v_bar = ([tree[n] for n in names] for tree in (bar[0], bar[1]["m"], bar[1]["v"]))
+        m_new, v_new = [new[1]["m"][n] for n in names], [new[1]["v"][n] for n in names]
+        d = [grads[n] for n in names]
+        if self.maximize:
+            d = torch._foreach_neg(d)
+        if self.weight_decay and not self.decoupled:
+            d = torch._foreach_add(d, [params[n] for n in names], alpha=self.weight_decay)
+        root = torch._foreach_sqrt(v_new)  # _safe_sqrt's values (v' ≥ 0)
+        inverse_denom = torch._foreach_div(root, correction2)  # 1/D, built in place on fresh tensors
+        torch._foreach_add_(inverse_denom, self.eps)
+        torch._foreach_reciprocal_(inverse_denom)
+        scaled = torch._foreach_mul(params_bar, inverse_denom)  # θ̄'/D
+        m_bar = torch._foreach_add(m_bar, scaled, alpha=-step_size)
+        # m'/(D √v'), times sign(√v') = 0 where v' = 0; v̄ gains s θ̄'/D · m'/(D · 2 c₂ √v')
+        slope = torch._foreach_sign(root)
+        torch._foreach_div_(slope, torch._foreach_clamp_min(root, torch.finfo(root[0].dtype).tiny if root else 0.0))
+        torch._foreach_mul_(slope, m_new)
+        torch._foreach_mul_(slope, inverse_denom)
+        v_bar = torch._foreach_addcmul(v_bar, scaled, slope, value=step_size * 0.5 / correction2)
+        d_bar = torch._foreach_mul(m_bar, 1 - beta1)
+        torch._foreach_addcmul_(d_bar, d, v_bar, value=2 * (1 - beta2))
+        if self.weight_decay and self.decoupled:
+            params_bar = torch._foreach_mul(params_bar, 1 - lr * self.weight_decay)
+        elif self.weight_decay:
+            params_bar = torch._foreach_add(params_bar, d_bar, alpha=self.weight_decay)
+        grad_bar = torch._foreach_neg(d_bar) if self.maximize else d_bar
+        return (dict(zip(names, params_bar)),
+                {"m": dict(zip(names, torch._foreach_mul(m_bar, beta1))),
+                 "v": dict(zip(names, torch._foreach_mul(v_bar, beta2)))}, dict(zip(names, grad_bar)))
 
 
 @dataclass(frozen=True)
@@ -170,15 +249,65 @@ class Groups:
                 new_state.setdefault(slot, {}).update(values)
         return {n: new_params[n] for n in params}, new_state
 
+    def pullback(self, params: Tensors, state: State, grads: Tensors, lr: tuple[float, ...], step: int,
+                 new: tuple[Tensors, State], bar: tuple[Tensors, State]) -> tuple[Tensors, State, Tensors]:
+        """(θ̄, s̄, ḡ): each group's rule's :meth:`~Adam.pullback` on its names, merged as :meth:`update` merges."""
+        pick = lambda tree, names: {slot: {n: v[n] for n in names} for slot, v in tree.items()}  # noqa: E731
+        out_params: Tensors = {}
+        out_state: State = {}
+        grad_bars: Tensors = {}
+        for rule, names, rate in zip(self.rules, self.names, lr):
+            p, s, g = rule.pullback({n: params[n] for n in names}, pick(state, names), {n: grads[n] for n in names},
+                                    rate, step, ({n: new[0][n] for n in names}, pick(new[1], names)),
+                                    ({n: bar[0][n] for n in names}, pick(bar[1], names)))
+            out_params.update(p)
+            grad_bars.update(g)
+            for slot, values in s.items():
+                out_state.setdefault(slot, {}).update(values)
+        return {n: out_params[n] for n in params}, out_state, {n: grad_bars[n] for n in params}
+
     def clip(self, grads: Tensors, max_norm: float, norm_type: float, order: list[str] | None = None) -> Tensors:
         """The gradients scaled as ``clip_grad_norm_(params, max_norm, norm_type)`` scales them: by
         min(max_norm / (‖(‖g_i‖)_i‖ + 10⁻⁶), 1), the per-tensor norms stacked in ``order`` (default the optimizer's:
         the order decides the rounding of the total)."""
+        coefficient = self.clip_coefficient(grads, max_norm, norm_type, order)
+        return {n: g * coefficient for n, g in grads.items()}
+
+    def clip_pullback(self, grads: Tensors, clipped_bar: Tensors, max_norm: float, norm_type: float,
+                      order: list[str] | None = None) -> Tensors:
+        """ḡ: the cotangents ``clipped_bar`` of :meth:`clip`'s outputs (a leading dimension q allowed) pulled back to
+        its inputs, ḡ_i = c ḡ'_i + (Σ_j ⟨ḡ'_j, g_j⟩) ∂c/∂g_i with c = :meth:`clip_coefficient`.
+
+        For the 2-norm ∂c/∂g_i = −[r ≤ 1] r g_i / ((T + 10⁻⁶) T) (T the total norm, r = max_norm / (T + 10⁻⁶); 0 where
+        T = 0, as autograd's subgradient); for another norm ∂c/∂g comes from autograd through the coefficient."""
+        names = list(grads)
+        g, bar = [grads[n] for n in names], [clipped_bar[n] for n in names]
+        lead = bar[0].shape[:bar[0].dim() - g[0].dim()]
+        if norm_type == 2.0:
+            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g, 2.0)))
+            ratio = max_norm / (total + 1e-6)
+            coefficient = torch.clamp(ratio, max=1.0)
+            factor = torch.where((ratio <= 1) & (total > 0), -ratio / ((total + 1e-6) * total), 0.0)
+            slopes = torch._foreach_mul(g, factor)
+        else:
+            with torch.enable_grad():
+                leaves = {n: grads[n].detach().requires_grad_() for n in names}
+                coefficient = self.clip_coefficient(leaves, max_norm, norm_type, order)
+                slopes = list(torch.autograd.grad(coefficient, list(leaves.values()), allow_unused=True,
+                                                  materialize_grads=True))
+            coefficient = coefficient.detach()
+        coefficient_bar = torch.cat([b.reshape(*lead, -1) for b in bar], -1) @ torch.cat([v.reshape(-1) for v in g])
+        out = torch._foreach_mul(bar, coefficient)
+        torch._foreach_addcmul_(out, [coefficient_bar.reshape(*lead, *[1] * v.dim()) for v in g], slopes)
+        return dict(zip(names, out))
+
+    def clip_coefficient(self, grads: Tensors, max_norm: float, norm_type: float,
+                         order: list[str] | None = None) -> torch.Tensor:
+        """The factor :meth:`clip` scales every gradient by, min(max_norm / (‖(‖g_i‖)_i‖ + 10⁻⁶), 1), a 0-d tensor."""
         order = [n for n in (self.order if order is None else order) if n in grads]
         total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(grads[n], norm_type) for n in order]),
                                          norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        return {n: g * coefficient for n, g in grads.items()}
+        return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
 def from_torch(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> Groups:

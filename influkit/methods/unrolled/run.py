@@ -207,6 +207,23 @@ class StageRun:
             grads = self.optimizer.clip(grads, *clip, order=self.clip_order)
         return self.optimizer.update(theta, state, grads, self.lrs[t], t + 1)
 
+    def update_vjp(self, t: int, theta: Tensors, state: State, grads: Tensors):
+        """(θ_{t+1}, state_{t+1}, pullback) of :meth:`update` (the same operations, so the same values), with
+        pullback(θ̄_{t+1}, s̄_{t+1}) = (θ̄_t, s̄_t, ḡ_t) its vector-Jacobian product in closed form (the rules'
+        ``pullback``, then the clipping's ``clip_pullback``; cotangents may carry a leading dimension q)."""
+        clip = self.clips[t] if t < len(self.clips) else None
+        clipped = grads if clip is None else self.optimizer.clip(grads, *clip, order=self.clip_order)
+        new = self.optimizer.update(theta, state, clipped, self.lrs[t], t + 1)
+
+        def pullback(theta_bar: Tensors, state_bar: State) -> tuple[Tensors, State, Tensors]:
+            out_theta, out_state, clipped_bar = self.optimizer.pullback(theta, state, clipped, self.lrs[t], t + 1,
+                                                                        new, (theta_bar, state_bar))
+            if clip is None:
+                return out_theta, out_state, clipped_bar
+            return out_theta, out_state, self.optimizer.clip_pullback(grads, clipped_bar, *clip, order=self.clip_order)
+
+        return new[0], new[1], pullback
+
     def step(self, t: int, theta: Tensors, state: State, anchors: Tensors, w: torch.Tensor,
              x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, State]:
         """(θ_{t+1}, state_{t+1}) = update(θ_t, state_t, ∇_θ L_t(θ_t; w), lr_t): a pure function of its inputs."""
