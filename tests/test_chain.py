@@ -288,6 +288,52 @@ def test_with_solve_reuses_the_fit_and_equals_a_fresh_chain(two, solver):
     assert all(other.operator(k) is not operators[k] for k in range(3))  # another matrix: fitted anew
 
 
+@pytest.mark.filterwarnings("ignore")  # untrained finetunes: the stationarity and Case 1 warnings
+@pytest.mark.parametrize("solver", ["auto", "ekfac"])
+def test_a_new_finetune_reuses_the_pretraining_fit_and_equals_a_fresh_chain(two, solver):
+    """Two finetunes of one pretrained stage: the second chain takes stage 0's fit from the first (same operator,
+    same position, same factors) and scores what the same chain fitted from scratch scores."""
+    solve = ik.SolveConfig(solver=solver, damping=0.1)
+    pre = ik.Stage(two.models[0], ce, two.data[0], regularizer=l2)
+
+    def finetune(seed):
+        return ik.Stage(Net(seed), ce, data(seed), params=HEAD + ADAPTER, regularizer=l2)
+
+    link = ik.Link("enc", case=1)
+    first = ik.Chain([pre, finetune(21)], [link], solve=solve, progress=False).fit()
+    second_fin = finetune(22)
+    second = ik.Chain([pre, second_fin], [link], solve=solve, progress=False).reuse(first)
+    assert second.reused == 1
+    second.fit()
+    assert second.curvature(0) is first.curvature(0) and second.positions[0] is first.positions[0]
+    assert second.curvature(1) is not first.curvature(1)
+    fresh = ik.Chain([pre, second_fin], [link], solve=solve, progress=False)
+    torch.testing.assert_close(second.query(two.test).scores(two.z).values,
+                               fresh.query(two.test).scores(two.z).values, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_reuse_refuses_changed_parameters_and_chains_sharing_nothing(two):
+    model = Net(0)
+    model.load_state_dict(two.models[0].state_dict())
+    pre = ik.Stage(model, ce, two.data[0], regularizer=l2)
+    fin = ik.Stage(Net(23), ce, data(23), params=HEAD, regularizer=l2)
+    first = ik.Chain([pre, fin], [ik.Link("enc", case=1)], progress=False).fit()
+    other_pre = ik.Stage(model, ce, two.data[0], regularizer=l2)  # the same model, another Stage object
+    with pytest.raises(ik.InputError, match="share no leading stage"):
+        ik.Chain([other_pre, fin], [ik.Link("enc", case=1)], progress=False).reuse(first)
+    with pytest.raises(ik.InputError, match="share no leading stage"):  # other settings: not the same fit
+        ik.Chain([pre, fin], [ik.Link("enc", case=1)], solve=ik.SolveConfig(solver="direct"),
+                 progress=False).reuse(first)
+    with torch.no_grad():
+        model.enc.bias.add_(0.1)  # the pretrained stage moved after the first chain was fitted
+    with pytest.raises(ik.InputError, match="changed since"):
+        ik.Chain([pre, fin], [ik.Link("enc", case=1)], progress=False).reuse(first)
+    fitted = ik.Chain([pre, fin], [ik.Link("enc", case=1)], progress=False).fit()
+    with pytest.raises(ik.InputError, match="already fitted"):
+        fitted.reuse(first)
+
+
 # ---- persistence ----
 
 def test_query_and_result_round_trip_bit_identical(two, tmp_path):

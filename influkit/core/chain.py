@@ -106,6 +106,9 @@ class Chain:
         for k, stage in enumerate(stages):
             self.plans.append(StagePlan(stage, links[k - 1] if k else None, self.plans[-1] if k else None))
         self._curvatures: list[FittedCurvature] | None = None
+        self._handed: dict[int, FittedCurvature] = {}  # stage → the FittedCurvature another chain handed over (reuse)
+        self._digests: list[str] | None = None  # each stage's parameter digest when it was fitted
+        self.reused = 0  # how many leading stages were handed over by reuse()
         self._solvers: list[Solver] | None = None
         self._more_solvers: dict[tuple[int, str], Solver] = {}  # other choices for queries with many right-hand sides
         self._derived: dict[tuple[int, str], FittedCurvature] = {}  # (stage, matrix) auto chose besides the configured
@@ -161,8 +164,43 @@ class Chain:
         if self._solvers is not None:
             return self
         start = time.perf_counter()
-        self._curvatures = [self._new_curvature(plan, config) for plan, config in zip(self.plans, self.curvature_configs)]
+        self._digests = [parameters_digest(plan.stage) for plan in self.plans]
+        self._curvatures = [self._handed.get(k) or self._new_curvature(plan, config)
+                            for k, (plan, config) in enumerate(zip(self.plans, self.curvature_configs))]
         return self._prepare_all(start)
+
+    def reuse(self, other: "Chain") -> "Chain":
+        """Take what ``other`` fitted for the leading stages the two chains share, so that :meth:`fit` fits only the
+        rest: a new finetune (a head, a LoRA adapter, another task) of a pretraining stage that another chain has
+        already fitted. Stage k is shared when stages 0..k are the same :class:`Stage` objects joined by equal
+        links, with equal solve and curvature settings and the same memory budget; the stage's parameters must be
+        those ``other`` was fitted on (refused otherwise, as is a chain sharing no stage). Handed over, per shared
+        stage: its FittedCurvature (operator, factors, eigenpairs), where it stands (:mod:`influkit.stationarity`)
+        and the curvatures ``auto`` derived for it. Stage 0's Hessian and position depend on stage 0 alone, so the
+        scores equal those of the same chain fitted from scratch. Call before :meth:`fit`; returns self."""
+        if self._solvers is not None:
+            raise InputError("this chain is already fitted; call chain.reuse(other) before fit() or query().")
+        other.fit()
+        shared = 0
+        while (shared < min(len(self), len(other)) and self.stages[shared] is other.stages[shared]
+               and (shared == 0 or self.links[shared - 1] == other.links[shared - 1])
+               and self.solve_configs[shared] == other.solve_configs[shared]
+               and self.curvature_configs[shared] == other.curvature_configs[shared] and self.memory == other.memory):
+            shared += 1
+        if not shared:
+            raise InputError("chain.reuse(other): the chains share no leading stage (the same Stage object with the "
+                             "same solve and curvature settings and memory budget); fit this chain on its own.")
+        changed = [k for k in range(shared) if parameters_digest(self.stages[k]) != other._digests[k]]
+        if changed:
+            raise InputError(f"chain.reuse(other): the parameters of stage(s) {changed} changed since the other chain "
+                             f"was fitted; fit this chain on its own (or fit the other chain again first).")
+        self._handed = {k: other._curvatures[k] for k in range(shared)}
+        self._derived.update({key: fitted for key, fitted in other._derived.items() if key[0] < shared})
+        self._positions.update({key: position for key, position in other._positions.items() if key[0] < shared})
+        self._check_memory.update({k: plan for k, plan in other._check_memory.items() if k < shared})
+        self._more_solvers.update({key: solver for key, solver in other._more_solvers.items() if key[0] < shared})
+        self.reused = shared
+        return self
 
     def with_solve(self, solve: SolveConfig | Sequence[SolveConfig] | None = None, *,
                    curvature: CurvatureConfig | Sequence[CurvatureConfig] | None = None) -> "Chain":
@@ -180,6 +218,7 @@ class Chain:
             return other
         start = time.perf_counter()
         other._curvatures = [old.derive(config) for config, old in zip(other.curvature_configs, self._curvatures)]
+        other._digests = self._digests
         other._derived = {key: fitted.derive(replace(other.curvature_configs[key[0]], matrix=key[1]))
                           for key, fitted in self._derived.items()}
         other._positions = dict(self._positions)
@@ -310,10 +349,7 @@ class Chain:
         for plan, config, curvature in zip(self.plans, self.solve_configs, self.curvature_configs):
             stage = plan.stage
             digest.update(f"{type(stage.model).__name__}|{len(stage)}|{plan.trained}|{plan.inherited}".encode())
-            for name, tensor in sorted(stage.state().items()):
-                t = tensor.detach().cpu().contiguous()
-                digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-                digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            digest.update(parameters_digest(stage).encode())
             digest.update(repr(sorted(config.summary().items())).encode())
             digest.update(repr(sorted(curvature.summary().items())).encode())
         for link in self.links:
@@ -337,6 +373,7 @@ class Chain:
         tensors, meta = files.read(path, FIT_KIND)
         if meta["fingerprint"] != self.fingerprint():
             raise FileFormatError(f"{path} was fitted for another chain (models, data sizes or settings differ).")
+        self._digests = [parameters_digest(plan.stage) for plan in self.plans]
         self._curvatures = [self._new_curvature(plan, config) for plan, config in zip(self.plans, self.curvature_configs)]
         self.positions = [Position.from_summary(p) for p in meta["positions"]]
         for k, (config, position) in enumerate(zip(self.curvature_configs, self.positions)):
@@ -535,3 +572,13 @@ def load_query(path: str | Path, chain: Chain) -> Query:
     s = tensors["s"].to(chain.plans[0].stage.device)
     return Query(chain, s, meta["per_test"], meta["n_test"], meta["solves"], meta["seconds"], meta["test_digest"],
                  meta.get("stages", []))
+
+
+def parameters_digest(stage: Stage) -> str:
+    """A SHA-256 digest of every parameter and buffer of the stage's model (names, dtypes, shapes and values)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(stage.state().items()):
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
