@@ -56,16 +56,21 @@ import influkit as ik  # noqa: E402
 from influkit import hf  # noqa: E402
 from influkit.validation.lds import lds_per_query  # noqa: E402
 from studies.fidelity_replay import drop_sets  # noqa: E402
-from studies.minilm_domain_adaptation import PACKAGE, Config, load_data  # noqa: E402
+from studies.minilm_domain_adaptation import PACKAGE, Config, heuristic_damping, load_data  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "minilm_replay"
+COST = Path(__file__).parent.parent / "benchmarks" / "results" / "bench_record_cost"
 FRACTIONS = (0.01, 0.05, 0.1)
-SIZES = Config(per_source=20, n_finetune=64, n_test=8, max_len=24)
-QUICK = Config(per_source=10, n_finetune=32, n_test=4, max_len=24)
-TOP_LAYER = "bert.encoder.layer.5"
+SIZES = Config(per_source=20, n_finetune=64, n_test=8, max_len=24, top_layers=1)
+QUICK = Config(per_source=10, n_finetune=32, n_test=4, max_len=24, top_layers=1)
+TOP_LAYER = "bert.encoder.layer.5"  # shared_names(SIZES): the one layer the masked-LM Trainer trains
 DROPOUT = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
 GROUP = 10
 EXACT = "unrolled exact metagradient (replay)"
+INFLUENCE = {"defaults": "influkit influence functions, defaults (ik.Chain, nothing set)",
+             "ekfac": "influkit influence functions, EK-FAC (both stages, heuristic damping)",
+             "kronfluence": "kronfluence 1.0.1 EK-FAC (single stage, cross-stage model)",
+             "trak": "TRAK (traker, proj_dim 128, single stage, cross-stage model)"}
 APPROXIMATE_REFUSED = ("ik.unrolled.approximate refuses records of dropout runs and of a Trainer's collated batches "
                        "(it linearizes each piece's deterministic objective on the stage's data, which these runs did "
                        "not train on)")
@@ -78,6 +83,8 @@ class Run:
     corpus: list
     train: list
     seconds: dict
+    models: tuple  # the Trainers' own trained models (masked LM, classifier)
+    data: object  # minilm_domain_adaptation.Data
 
 
 def arguments(epochs: int, lr: float, seed: int) -> TrainingArguments:
@@ -148,7 +155,47 @@ def train(cfg: Config) -> Run:
     test_items = data.test[0]
     test = hf.pack(tok([s.text for s in test_items], padding=True, truncation=True, max_length=cfg.max_len,
                        return_tensors="pt"), labels=torch.tensor([int(s.rating > 0) for s in test_items]))
-    return Run(record, test, data.corpus, data.train[0], seconds)
+    return Run(record, test, data.corpus, data.train[0], seconds, (pre.model, fin.model), data)
+
+
+def stages(run: Run, cfg: Config) -> tuple[ik.Stage, ik.Stage, ik.Link]:
+    """The two final models as influkit stages (eval mode, no dropout; the masked-LM stage with a fixed mask per
+    snippet) over what each Trainer trained, and the Case 1 link over the top layer."""
+    mlm, clf = (m.eval() for m in run.models)
+    pre = hf.masked_lm_stage(mlm, run.data.corpus_batch, tokenizer=run.data.tokenizer, seed=cfg.seed,
+                             params=[TOP_LAYER, "cls"])
+    fin = hf.classification_stage(clf, run.data.train[1], params=["bert.pooler", "classifier"])
+    return pre, fin, ik.Link({n: n for n in [TOP_LAYER]}, case=1)
+
+
+def influence_scores(run: Run, cfg: Config, method: str) -> np.ndarray:
+    """(n_corpus, q) scores of the corpus snippets (sign: d measure / d w_z, as the exact row's) by ``method``:
+    ``defaults``: influkit's ``ik.Chain([pre, fin], [link])``, nothing set. ``ekfac``: both stages EK-FAC (empirical
+    Fisher for the masked-LM stage) damped by kronfluence's heuristic (0.1 × the mean eigenvalue,
+    ``minilm_domain_adaptation.heuristic_damping``). ``kronfluence`` / ``trak``: the single-stage peers on the
+    cross-stage model, as ``studies/fidelity_minilm`` wires them (K = 1)."""
+    import warnings
+    from types import SimpleNamespace
+
+    from studies import fidelity_minilm, minilm_domain_adaptation
+
+    pre, fin, link = stages(run, cfg)
+    if method in ("kronfluence", "trak"):
+        task = SimpleNamespace(trained=SimpleNamespace(pre=pre, fin={"case1": fin}), ex=minilm_domain_adaptation,
+                               cfg=cfg, data=run.data, n=len(run.corpus), q=int(run.test[0].shape[0]))
+        return getattr(fidelity_minilm, f"{method}_scores")(task)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ik.StationarityWarning)
+        if method == "defaults":
+            chain = ik.Chain([pre, fin], [link]).fit()
+        else:
+            solves = [ik.SolveConfig(solver="ekfac"), ik.SolveConfig(solver="ekfac")]
+            fitted = ik.Chain([pre, fin], [link], solve=solves,
+                              curvature=[ik.CurvatureConfig(fisher="empirical"), ik.CurvatureConfig()]).fit()
+            damped = [ik.SolveConfig(solver="ekfac", damping=heuristic_damping(fitted, k, cfg)) for k in range(2)]
+            chain = fitted.with_solve(damped)
+        result = chain.query(hf.pack(run.data.test[1]), per_test=True).scores()  # padded as the stage's data
+    return result.values.detach().double().numpy()
 
 
 def peak_rss_mib() -> float:
@@ -218,43 +265,123 @@ def plot(rows_: dict, actual: dict, masks: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--subsets", type=int, default=50)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    progress = not args.no_progress
-    cfg = QUICK if args.quick else SIZES
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
+def step_all(cfg: Config, out: Path, subsets: int, progress: bool) -> None:
+    """Train and record, the exact row, the replays of every drop set, the leave-out groups."""
     run = train(cfg)
     facts = {"corpus": len(run.corpus), "finetuning": len(run.train), "test": int(run.test[0].shape[0]),
              "steps": [r.steps for r in run.record.runs], "recorded final weights == the Trainer's": True,
              "seconds": run.seconds, "approximate unrolling": APPROXIMATE_REFUSED}
     rows_ = scored(run, progress)
     base = ik.unrolled.outputs(run.record, run.test).numpy()
-    masks = {f: drop_sets(len(run.corpus), f, args.subsets) for f in FRACTIONS}
+    masks = {f: drop_sets(len(run.corpus), f, subsets) for f in FRACTIONS}
     actual = {}
     for f in FRACTIONS:
         actual[f] = replayed(run, masks[f], progress)
         np.savez(out / f"replayed_{int(f * 100)}.npz", keep=masks[f].numpy(), losses=actual[f])
-        table = lds_table(rows_, actual, masks)
-        table.to_csv(out / "lds.csv", index=False)  # after each fraction: a partial run leaves its rows
+        lds_table(rows_, actual, masks).to_csv(out / "lds.csv", index=False)  # a partial run leaves its rows
     groups = leave_out(run, rows_[EXACT]["scores"][0], base, progress)
     groups.to_csv(out / "leave_out.csv", index=False)
-    plot(rows_, actual, masks, out / "lds.png")
     np.savez(out / "scores.npz", **{f"{name} stage {k}": s for name, row in rows_.items()
                                     for k, s in enumerate(row["scores"])})
+    (out / "costs.json").write_text(json.dumps({n: {k: r[k] for k in ("seconds", "peak_rss_mib")}
+                                                for n, r in rows_.items()}, indent=2))
     (out / "summary.json").write_text(json.dumps(facts | {"machine": "shared 2-core CPU, 1 torch thread"},
                                                  indent=2, default=float))
-    print(table.to_string(index=False))
-    print(groups.to_string(index=False))
+
+
+def step_influence(cfg: Config, out: Path, method: str) -> None:
+    """One influence row in its own process (its peak RSS its own): scores and cost to influence_<method>.npz."""
+    run = train(cfg)
+    start = time.perf_counter()
+    scores = influence_scores(run, cfg, method)
+    np.savez(out / f"influence_{method}.npz", scores=scores, seconds=time.perf_counter() - start,
+             peak_rss_mib=peak_rss_mib())
+
+
+def step_table(out: Path) -> pd.DataFrame:
+    """lds.csv and lds.png from every row computed so far and the replays on disk."""
+    if (out / "costs.json").exists():
+        costs = json.loads((out / "costs.json").read_text())
+    else:  # written by the exact row's run as the first rows of lds.csv
+        first = pd.read_csv(out / "lds.csv").set_index("method")
+        costs = {EXACT: {"seconds": float(first.loc[EXACT, "seconds"]),
+                         "peak_rss_mib": float(first.loc[EXACT, "peak RSS (MiB)"])}}
+    saved = np.load(out / "scores.npz")
+    rows_ = {EXACT: {"scores": [saved[f"{EXACT} stage 0"]], **costs[EXACT]}}
+    for method, name in INFLUENCE.items():
+        path = out / f"influence_{method}.npz"
+        if path.exists():
+            row = np.load(path)
+            rows_[name] = {"scores": [row["scores"]], "seconds": float(row["seconds"]),
+                           "peak_rss_mib": float(row["peak_rss_mib"])}
+    masks, actual = {}, {}
+    for f in FRACTIONS:
+        path = out / f"replayed_{int(f * 100)}.npz"
+        if path.exists():
+            replays = np.load(path)
+            masks[f], actual[f] = torch.from_numpy(replays["keep"]), replays["losses"]
+    table = lds_table(rows_, actual, masks)
+    table.to_csv(out / "lds.csv", index=False)
+    plot(rows_, actual, masks, out / "lds.png")
+    return table
+
+
+def step_cost(cfg: Config, repeats: int) -> pd.DataFrame:
+    """Seconds of the plain Trainer run (both stages), the recorded run, and record + one exact metagradient of the
+    summed test loss, back to back in this process, ``repeats`` rounds (the fastest kept)."""
+    times: dict[str, list[float]] = {"plain Trainer": [], "recorded": [], "recorded + exact metagradient": []}
+    for _ in range(repeats):
+        torch.manual_seed(cfg.seed)
+        pre, finetuner, _, _ = trainers(cfg, callbacks=False)
+        start = time.perf_counter()
+        pre.train()
+        finetuner(pre.model).train()
+        times["plain Trainer"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        run = train(cfg)
+        times["recorded"].append(time.perf_counter() - start)
+        ik.unrolled.metagradients(run.record, run.test)
+        times["recorded + exact metagradient"].append(time.perf_counter() - start)
+    plain = min(times["plain Trainer"])
+    return pd.DataFrame([{"run": k, "seconds (fastest)": min(v), "ratio to plain": min(v) / plain,
+                          "seconds (all)": " ".join(f"{x:.1f}" for x in v)} for k, v in times.items()])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("step", nargs="?", default="all", choices=("all", "influence", "table", "cost"))
+    parser.add_argument("--method", choices=tuple(INFLUENCE), default="defaults")
+    parser.add_argument("--subsets", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    cfg = QUICK if args.quick else SIZES
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     from benchmarks.manifest import record
-    record(out, ["lds.csv", "leave_out.csv", "lds.png", "scores.npz", "summary.json"]
-           + [f"replayed_{int(f * 100)}.npz" for f in FRACTIONS], note="shared machine (2 cores, six helpers)")
+    note = "shared machine (2 cores, six helpers), 1 torch thread"
+    if args.step == "all":
+        step_all(cfg, out, args.subsets, not args.no_progress)
+    elif args.step == "influence":
+        step_influence(cfg, out, args.method)
+        record(out, [f"influence_{args.method}.npz"], note=note)
+    elif args.step == "cost":
+        folder = COST if args.out == RESULTS else args.out
+        table = step_cost(cfg, args.repeats)
+        folder.mkdir(parents=True, exist_ok=True)
+        table.to_csv(folder / "minilm_cost.csv", index=False)
+        print(table.to_string(index=False))
+        record(folder, ["minilm_cost.csv"], note=note + "; MiniLM two-stage Trainer run of studies/minilm_replay.py")
+        return 0
+    if args.step in ("all", "table"):
+        print(step_table(out).to_string(index=False))
+        if (out / "leave_out.csv").exists():
+            print(pd.read_csv(out / "leave_out.csv").to_string(index=False))
+        record(out, ["lds.csv", "lds.png", "leave_out.csv", "scores.npz", "costs.json", "summary.json"]
+               + [f"replayed_{int(f * 100)}.npz" for f in FRACTIONS], note=note)
     return 0
 
 
