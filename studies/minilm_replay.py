@@ -19,12 +19,18 @@ Replay LDS (``studies/fidelity_replay``'s protocol and drop sets): for each frac
 D_j of the corpus snippets are dropped by replaying the record with w_z = 0 for z ∈ D_j (same initialization, batch
 order, masks and dropout; the finetuning stage replayed after it), and each row's per-test scores rank the replayed
 test losses: LDS(t) = Spearman_j(Σ_{z∉D_j} score_z(t), loss_t(replay without D_j)), mean ± sem over the test
-snippets. Row: the exact metagradient across the boundary (``ik.unrolled.metagradients``, per test snippet), with its
-seconds and the process's peak RSS (``ik.unrolled.approximate`` refuses a run with dropout or collated batches:
-``summary.json`` says so). Leave-out groups (10 most harmful, 10 most helpful, 10 random corpus snippets by the summed test loss's
+snippets. Rows, each with its seconds and its process's peak RSS: the exact metagradient across the boundary
+(``ik.unrolled.metagradients``, per test snippet; its peak RSS includes the recorded training); influkit's influence
+functions on the two final models at their defaults (``ik.Chain``, nothing set) and with EK-FAC on both stages; the
+single-stage peers kronfluence and TRAK on the cross-stage model as ``studies/fidelity_minilm`` wires them (K = 1,
+the bench venv). ``ik.unrolled.approximate`` refuses a run with dropout or collated batches (``summary.json``).
+Leave-out groups (10 most harmful, 10 most helpful, 10 random corpus snippets by the summed test loss's
 exact score) are replayed: predicted −Σ_{z∈G} score_z against the replayed change.
 
-    python -m studies.minilm_replay [--subsets 50] [--quick]        # results in studies/results/minilm_replay/
+    python -m studies.minilm_replay [--subsets 50] [--quick]      # studies/results/minilm_replay/
+    python -m studies.minilm_replay influence --method defaults   # (ekfac; kronfluence, trak with .bench-venv's python)
+    python -m studies.minilm_replay table                         # lds.csv, lds.png from every row on disk
+    python -m studies.minilm_replay cost                          # benchmarks/results/bench_record_cost/minilm_cost.csv
 """
 
 from __future__ import annotations
@@ -255,9 +261,10 @@ def plot(rows_: dict, actual: dict, masks: dict, path: Path) -> None:
             predicted = masks[f].numpy().astype(float) @ s
             y = actual[f].sum(1)
             r, rho = stats.pearsonr(predicted, y)[0], stats.spearmanr(predicted, y)[0]
-            ax.scatter(predicted - predicted.mean(), y - y.mean(), s=10, label=f"{name[:28]}… r={r:.2f} ρ={rho:.2f}")
-        ax.set_title(f"drop {f:.0%} of the corpus, M={len(y)}")
-        ax.set_xlabel("predicted Σ_{kept} score (centred)")
+            ax.scatter((predicted - predicted.mean()) / predicted.std(), y - y.mean(), s=10,
+                       label=f"{name[:32]}… r={r:.2f} ρ={rho:.2f}")
+        ax.set_title(f"drop {f:.0%} of the corpus (M={len(y)}), summed test loss", fontsize=9)
+        ax.set_xlabel("predicted Σ_{kept} score (standardized per row)")
         ax.set_ylabel("replayed summed test loss (centred)")
         ax.legend(fontsize=6)
     fig.tight_layout()
