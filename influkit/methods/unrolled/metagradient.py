@@ -66,6 +66,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,8 +237,17 @@ def measure_adjoint(record: Record, test, per_test: bool, measure: Measure | Non
     with torch.no_grad():
         outputs = fn(final).numel()
     q = outputs if per_test else 1
-    vector = lambda params: fn(params).reshape(-1) if per_test else fn(params).sum().reshape(1)  # noqa: E731
-    return {n: j.reshape(q, *final[n].shape) for n, j in jacrev(vector)(final).items()}, q, outputs
+    padding = record.runs[-1].padding
+
+    def vector(params, rows):
+        with padding.feeding(rows) if rows else nullcontext():  # the fed padding rows: inputs of their own
+            value = fn(params)
+        return value.reshape(-1) if per_test else value.sum().reshape(1)
+
+    rows = {} if padding is None else padding.values(final)
+    through, row_terms = jacrev(vector, argnums=(0, 1))(final, rows)
+    adjoint = {n: j.reshape(q, *final[n].shape) for n, j in through.items()}
+    return (padding.add(adjoint, row_terms) if rows else adjoint), q, outputs
 
 
 def given_adjoint(record: Record, adjoint: Adjoint, per_test: bool) -> tuple[dict, int, int]:

@@ -12,7 +12,8 @@ through, is d g̃ / dθ = ∂²_θθ L + ∂²_θu L · ∂u/∂θ; autograd's d
 again and drops the second term. :class:`PaddingRows` gives the rows to the model as separate inputs (a forward hook
 puts u at the positions that feed p: the same values, so replay stays bit-exact), the first-order gradient is taken
 with respect to θ only, and the cotangent the reverse pass finds on u is added to row p of θ's (or the fixed shared
-block's) adjoint.
+block's) adjoint. The test measure is a function of the final values through every position, padding included:
+its gradient ∂f/∂θ_T adds the measure's derivative through the fed rows the same way.
 """
 
 from __future__ import annotations
