@@ -29,6 +29,7 @@ exact score) are replayed: predicted −Σ_{z∈G} score_z against the replayed 
 
     python -m studies.minilm_replay [--subsets 50] [--quick]      # studies/results/minilm_replay/
     python -m studies.minilm_replay influence --method defaults   # (ekfac; kronfluence, trak with .bench-venv's python)
+    python -m studies.minilm_replay replays --fractions 0.05 0.1  # drop sets replayed one by one (resumable)
     python -m studies.minilm_replay table                         # lds.csv, lds.png from every row on disk
     python -m studies.minilm_replay cost                          # benchmarks/results/bench_record_cost/minilm_cost.csv
 """
@@ -305,7 +306,38 @@ def step_influence(cfg: Config, out: Path, method: str) -> None:
              peak_rss_mib=peak_rss_mib())
 
 
-def step_table(out: Path) -> pd.DataFrame:
+def step_replays(cfg: Config, out: Path, fractions, subsets: int) -> None:
+    """The drop sets' replays one by one into ``out/replays/`` (resumable; a partial run leaves its replays)."""
+    run = train(cfg)
+    cache = out / "replays"
+    cache.mkdir(exist_ok=True)
+    for f in fractions:
+        keep = drop_sets(len(run.corpus), f, subsets)
+        for j in range(subsets):
+            path = cache / f"{int(f * 100)}_{j:03d}.npy"
+            if not path.exists():
+                np.save(path, replayed(run, keep[j:j + 1], False)[0])
+
+
+def replays_on_disk(out: Path, f: float, subsets: int) -> tuple[torch.Tensor, np.ndarray] | None:
+    """(kept masks, (M, q) replayed test losses) of fraction f: the whole set, else the first M replays cached."""
+    path = out / f"replayed_{int(f * 100)}.npz"
+    if path.exists():
+        replays = np.load(path)
+        return torch.from_numpy(replays["keep"]), replays["losses"]
+    done = []
+    for j in range(subsets):
+        cached = out / "replays" / f"{int(f * 100)}_{j:03d}.npy"
+        if not cached.exists():
+            break
+        done.append(np.load(cached))
+    if len(done) < 3:
+        return None
+    corpus = np.load(out / "scores.npz")[f"{EXACT} stage 0"].shape[0]
+    return drop_sets(corpus, f, subsets)[:len(done)], np.stack(done)
+
+
+def step_table(out: Path, subsets: int) -> pd.DataFrame:
     """lds.csv and lds.png from every row computed so far and the replays on disk."""
     if (out / "costs.json").exists():
         costs = json.loads((out / "costs.json").read_text())
@@ -323,10 +355,9 @@ def step_table(out: Path) -> pd.DataFrame:
                            "peak_rss_mib": float(row["peak_rss_mib"])}
     masks, actual = {}, {}
     for f in FRACTIONS:
-        path = out / f"replayed_{int(f * 100)}.npz"
-        if path.exists():
-            replays = np.load(path)
-            masks[f], actual[f] = torch.from_numpy(replays["keep"]), replays["losses"]
+        found = replays_on_disk(out, f, subsets)
+        if found is not None:
+            masks[f], actual[f] = found
     table = lds_table(rows_, actual, masks)
     table.to_csv(out / "lds.csv", index=False)
     plot(rows_, actual, masks, out / "lds.png")
@@ -356,7 +387,8 @@ def step_cost(cfg: Config, repeats: int) -> pd.DataFrame:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", nargs="?", default="all", choices=("all", "influence", "table", "cost"))
+    parser.add_argument("step", nargs="?", default="all", choices=("all", "influence", "replays", "table", "cost"))
+    parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS)
     parser.add_argument("--method", choices=tuple(INFLUENCE), default="defaults")
     parser.add_argument("--subsets", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=2)
@@ -375,6 +407,9 @@ def main(argv=None) -> int:
     elif args.step == "influence":
         step_influence(cfg, out, args.method)
         record(out, [f"influence_{args.method}.npz"], note=note)
+    elif args.step == "replays":
+        step_replays(cfg, out, args.fractions, args.subsets)
+        return 0
     elif args.step == "cost":
         folder = COST if args.out == RESULTS else args.out
         table = step_cost(cfg, args.repeats)
@@ -384,11 +419,11 @@ def main(argv=None) -> int:
         record(folder, ["minilm_cost.csv"], note=note + "; MiniLM two-stage Trainer run of studies/minilm_replay.py")
         return 0
     if args.step in ("all", "table"):
-        print(step_table(out).to_string(index=False))
+        print(step_table(out, args.subsets).to_string(index=False))
         if (out / "leave_out.csv").exists():
             print(pd.read_csv(out / "leave_out.csv").to_string(index=False))
-        record(out, ["lds.csv", "lds.png", "leave_out.csv", "scores.npz", "costs.json", "summary.json"]
-               + [f"replayed_{int(f * 100)}.npz" for f in FRACTIONS], note=note)
+        record(out, [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name not in ("MANIFEST.json", "log.txt")]
+               + (["replays/"] if (out / "replays").exists() else []), note=note)
     return 0
 
 
