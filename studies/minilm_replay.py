@@ -27,7 +27,8 @@ the bench venv). ``ik.unrolled.approximate`` refuses a run with dropout or colla
 Leave-out groups (10 most harmful, 10 most helpful, 10 random corpus snippets by the summed test loss's
 exact score) are replayed: predicted −Σ_{z∈G} score_z against the replayed change.
 
-    python -m studies.minilm_replay [--subsets 50] [--quick]      # studies/results/minilm_replay/
+    python -m studies.minilm_replay [--subsets 50] [--quick]      # all below: studies/results/minilm_replay/
+    python -m studies.minilm_replay exact                         # train, record, the exact row, leave-out groups
     python -m studies.minilm_replay influence --method defaults   # (ekfac; kronfluence, trak with .bench-venv's python)
     python -m studies.minilm_replay replays --fractions 0.05 0.1  # drop sets replayed one by one (resumable)
     python -m studies.minilm_replay table                         # lds.csv, lds.png from every row on disk
@@ -273,28 +274,30 @@ def plot(rows_: dict, actual: dict, masks: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def step_all(cfg: Config, out: Path, subsets: int, progress: bool) -> None:
-    """Train and record, the exact row, the replays of every drop set, the leave-out groups."""
+def step_exact(cfg: Config, out: Path, progress: bool) -> Run:
+    """Train and record, the exact row (scores.npz, costs.json, summary.json), then the leave-out groups."""
     run = train(cfg)
     facts = {"corpus": len(run.corpus), "finetuning": len(run.train), "test": int(run.test[0].shape[0]),
              "steps": [r.steps for r in run.record.runs], "recorded final weights == the Trainer's": True,
              "seconds": run.seconds, "approximate unrolling": APPROXIMATE_REFUSED}
     rows_ = scored(run, progress)
-    base = ik.unrolled.outputs(run.record, run.test).numpy()
-    masks = {f: drop_sets(len(run.corpus), f, subsets) for f in FRACTIONS}
-    actual = {}
-    for f in FRACTIONS:
-        actual[f] = replayed(run, masks[f], progress)
-        np.savez(out / f"replayed_{int(f * 100)}.npz", keep=masks[f].numpy(), losses=actual[f])
-        lds_table(rows_, actual, masks).to_csv(out / "lds.csv", index=False)  # a partial run leaves its rows
-    groups = leave_out(run, rows_[EXACT]["scores"][0], base, progress)
-    groups.to_csv(out / "leave_out.csv", index=False)
     np.savez(out / "scores.npz", **{f"{name} stage {k}": s for name, row in rows_.items()
                                     for k, s in enumerate(row["scores"])})
     (out / "costs.json").write_text(json.dumps({n: {k: r[k] for k in ("seconds", "peak_rss_mib")}
                                                 for n, r in rows_.items()}, indent=2))
     (out / "summary.json").write_text(json.dumps(facts | {"machine": "shared 2-core CPU, 1 torch thread"},
                                                  indent=2, default=float))
+    base = ik.unrolled.outputs(run.record, run.test).numpy()
+    leave_out(run, rows_[EXACT]["scores"][0], base, progress).to_csv(out / "leave_out.csv", index=False)
+    return run
+
+
+def step_all(cfg: Config, out: Path, subsets: int, progress: bool) -> None:
+    """The exact row and the groups (:func:`step_exact`), then every drop set replayed."""
+    run = step_exact(cfg, out, progress)
+    for f in FRACTIONS:
+        keep = drop_sets(len(run.corpus), f, subsets)
+        np.savez(out / f"replayed_{int(f * 100)}.npz", keep=keep.numpy(), losses=replayed(run, keep, progress))
 
 
 def step_influence(cfg: Config, out: Path, method: str) -> None:
@@ -387,7 +390,8 @@ def step_cost(cfg: Config, repeats: int) -> pd.DataFrame:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", nargs="?", default="all", choices=("all", "influence", "replays", "table", "cost"))
+    parser.add_argument("step", nargs="?", default="all",
+                        choices=("all", "exact", "influence", "replays", "table", "cost"))
     parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS)
     parser.add_argument("--method", choices=tuple(INFLUENCE), default="defaults")
     parser.add_argument("--subsets", type=int, default=50)
@@ -407,6 +411,8 @@ def main(argv=None) -> int:
     elif args.step == "influence":
         step_influence(cfg, out, args.method)
         record(out, [f"influence_{args.method}.npz"], note=note)
+    elif args.step == "exact":
+        step_exact(cfg, out, not args.no_progress)
     elif args.step == "replays":
         step_replays(cfg, out, args.fractions, args.subsets)
         return 0
@@ -418,7 +424,7 @@ def main(argv=None) -> int:
         print(table.to_string(index=False))
         record(folder, ["minilm_cost.csv"], note=note + "; MiniLM two-stage Trainer run of studies/minilm_replay.py")
         return 0
-    if args.step in ("all", "table"):
+    if args.step in ("all", "exact", "table"):
         print(step_table(out, args.subsets).to_string(index=False))
         if (out / "leave_out.csv").exists():
             print(pd.read_csv(out / "leave_out.csv").to_string(index=False))
