@@ -363,7 +363,8 @@ def step_table(out: Path, subsets: int) -> pd.DataFrame:
             masks[f], actual[f] = found
     table = lds_table(rows_, actual, masks)
     table.to_csv(out / "lds.csv", index=False)
-    plot(rows_, actual, masks, out / "lds.png")
+    if actual:
+        plot(rows_, actual, masks, out / "lds.png")
     return table
 
 
