@@ -369,8 +369,9 @@ def step_table(out: Path, subsets: int) -> pd.DataFrame:
 
 
 def step_cost(cfg: Config, repeats: int) -> pd.DataFrame:
-    """Seconds of the plain Trainer run (both stages), the recorded run, and record + one exact metagradient of the
-    summed test loss, back to back in this process, ``repeats`` rounds (the fastest kept)."""
+    """Seconds of the plain Trainer run (both stages), the recorded run (the two ``train()`` calls), and record + one
+    exact metagradient of the summed test loss (q = 1), back to back in this process, ``repeats`` rounds (the
+    fastest kept)."""
     times: dict[str, list[float]] = {"plain Trainer": [], "recorded": [], "recorded + exact metagradient": []}
     for _ in range(repeats):
         torch.manual_seed(cfg.seed)
@@ -379,10 +380,16 @@ def step_cost(cfg: Config, repeats: int) -> pd.DataFrame:
         pre.train()
         finetuner(pre.model).train()
         times["plain Trainer"].append(time.perf_counter() - start)
+        torch.manual_seed(cfg.seed)
+        pre, finetuner, record, data = trainers(cfg, callbacks=True)
         start = time.perf_counter()
-        run = train(cfg)
+        pre.train()
+        finetuner(pre.model).train()
         times["recorded"].append(time.perf_counter() - start)
-        ik.unrolled.metagradients(run.record, run.test)
+        test = hf.pack(data.tokenizer([s.text for s in data.test[0]], padding=True, truncation=True,
+                                      max_length=cfg.max_len, return_tensors="pt"),
+                       labels=torch.tensor([int(s.rating > 0) for s in data.test[0]]))
+        ik.unrolled.metagradients(record, test)
         times["recorded + exact metagradient"].append(time.perf_counter() - start)
     plain = min(times["plain Trainer"])
     return pd.DataFrame([{"run": k, "seconds (fastest)": min(v), "ratio to plain": min(v) / plain,
