@@ -234,7 +234,7 @@ def lds_table(rows_: dict, actual: dict, masks: dict) -> pd.DataFrame:
         for f in actual:
             per = lds_per_query(row["scores"][0], masks[f].numpy(), actual[f])
             per = per[np.isfinite(per)]
-            entry[f"LDS {f:.0%}"] = f"{per.mean():.3f} ± {per.std(ddof=1) / np.sqrt(len(per)):.3f}"
+            entry[f"LDS {f:.0%} (M={len(actual[f])})"] = f"{per.mean():.3f} ± {per.std(ddof=1) / np.sqrt(len(per)):.3f}"
         table.append(entry)
     return pd.DataFrame(table)
 
