@@ -42,9 +42,9 @@ config = dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, nu
               intermediate_size=64, max_position_embeddings=32, attn_implementation="eager")
 record = ik.unrolled.Record()
 
-# 1. domain adaptation: masked-LM on the review snippets (the collator masks anew every batch; [PAD] never drawn)
+# 1. domain adaptation: masked-LM on the review snippets (the collator masks anew every batch, at its defaults)
 mlm = BertForMaskedLM(BertConfig(**config))
-collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, random_replace_prob=0.0)
+collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
 Trainer(mlm, arguments(2, 2e-3), train_dataset=rows(domain), data_collator=collator,
         callbacks=[hf.RecordCallback(record)]).train()
 

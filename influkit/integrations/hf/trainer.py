@@ -16,6 +16,10 @@ mean cross-entropy over its predicted tokens (z's term: the sum over z's tokens 
 tokens), a classification batch's mean cross-entropy. The first step checks it: its gradient recomputed the
 replay's way must equal the Trainer's bit for bit, else the run is refused before the optimizer moves.
 
+A collator's random replacement may feed the padding token at an attended position; the embedding gives that row no
+gradient there while a tied decoder (or weight decay) moves it, and the reverse pass differentiates through the fed
+row as an input of its own (:mod:`influkit.unrolled.padding`), so the metagradient stays exact.
+
 The stage's own data (``record.runs[k].stage``) holds the training examples as the dataset gives them, padded to one
 length (masked-LM: every token a target), for influkit's other tools; the replay uses the batches as they were fed.
 
@@ -38,7 +42,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import TrainerCallback
 
-from ..errors import InputError, NotReplayable, warn
+from ..errors import InputError, NotReplayable
 from ..links import Link
 from ..stage import Stage
 from ..unrolled.watch import Watch, check_replayable, eval_stage
@@ -134,9 +138,6 @@ class _TrainerWatch(Watch):
         self.fields, self.max_grad_norm = fields, args.max_grad_norm
         self._setup(record, model, optimizer, groups, stage, loader, link=link, checkpoint_every=checkpoint_every)
         self.run.inputs = []
-        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        self._padding_idx = getattr(embedding, "padding_idx", None)
-        self._padding_warned = False
         self.run.clip_order = [n for n, p in model.named_parameters() if n in trained]
         self.__enter__()
 
@@ -168,23 +169,7 @@ class _TrainerWatch(Watch):
             raise NotReplayable(f"the Trainer passed the model {unknown}, which replay does not feed; keep the "
                                 f"batch to {FIELDS} and labels.")
         batch = {f: kwargs[f].detach().clone() for f in self.fields if f in kwargs}
-        self._check_padding_tokens(batch)
         return pack(batch, self.fields, kwargs["labels"].detach().clone())
-
-    def _check_padding_tokens(self, batch: dict) -> None:
-        """Warn once when the padding token is fed at an attended position (a collator's random replacement draws
-        it): the embedding's padding row gets no gradient there, and the exact metagradient's component through
-        that row disagrees with finite differences of the re-run training (tests/test_hf_trainer_record.py)."""
-        if self._padding_warned or self._padding_idx is None:
-            return
-        ids, mask = batch["input_ids"], batch.get("attention_mask")
-        attended = ids if mask is None else ids[mask.bool()]
-        if bool((attended == self._padding_idx).any()):
-            self._padding_warned = True
-            warn(f"a training batch feeds the padding token {self._padding_idx} at an attended position (the "
-                 "collator's random replacement drew it); replay stays exact, but the metagradient through the "
-                 "embedding's padding row is not: exclude special tokens from the random replacement (a collator "
-                 "with random_replace_prob=0.0, or one drawing only non-special tokens).")
 
     def _record_step(self, extras: list) -> None:
         (x, y), = extras

@@ -74,6 +74,7 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,8 +247,17 @@ def measure_adjoint(record: Record, test, per_test: bool, measure: Measure | Non
     with torch.no_grad():
         outputs = fn(final).numel()
     q = outputs if per_test else 1
-    vector = lambda params: fn(params).reshape(-1) if per_test else fn(params).sum().reshape(1)  # noqa: E731
-    return {n: j.reshape(q, *final[n].shape) for n, j in jacrev(vector)(final).items()}, q, outputs
+    padding = record.runs[-1].padding
+
+    def vector(params, rows):
+        with padding.feeding(rows) if rows else nullcontext():  # the fed padding rows: inputs of their own
+            value = fn(params)
+        return value.reshape(-1) if per_test else value.sum().reshape(1)
+
+    rows = {} if padding is None else padding.values(final)
+    through, row_terms = jacrev(vector, argnums=(0, 1))(final, rows)
+    adjoint = {n: j.reshape(q, *final[n].shape) for n, j in through.items()}
+    return (padding.add(adjoint, row_terms) if rows else adjoint), q, outputs
 
 
 def given_adjoint(record: Record, adjoint: Adjoint, per_test: bool) -> tuple[dict, int, int]:
@@ -371,15 +381,19 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
             w = unit_weights(run, ids, None, xs)  # the run's weights
             if pull != VMAPPED:
                 leaf_anchors, w = _leaves(anchors), w.detach().requires_grad_()
-                g = run.gradient(t, theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead, graph=True)
+                rows = _leaves(_padding_rows(run, theta, anchors))  # inputs of their own (.padding)
+                g = run.gradient(t, theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead, graph=True,
+                                 rows=rows)
                 gradient_graph = _Graph({("gradient", n): v for n, v in g.items()},
                                         {("theta", n): v for n, v in theta.items()}
-                                        | {("anchor", n): v for n, v in leaf_anchors.items()} | {"w": w},
+                                        | {("anchor", n): v for n, v in leaf_anchors.items()} | {"w": w}
+                                        | {("row", n): v for n, v in rows.items()},
                                         batched=pull == BATCHED)
             else:
                 def gradient(inputs):
                     th, an = {n: inputs["theta", n] for n in theta}, {n: inputs["anchor", n] for n in anchors}
-                    g = run.gradient(t, th, an, xs, ys, inputs["w"], size=idx.numel(), penalties=lead)
+                    g = run.gradient(t, th, an, xs, ys, inputs["w"], size=idx.numel(), penalties=lead,
+                                     rows=_padding_rows(run, th, an))  # functions of θ, S̄ outside the inner grad
                     return {("gradient", n): v for n, v in g.items()}
 
                 gradient_graph = _Pullback(gradient, {("theta", n): v for n, v in theta.items()}
@@ -392,6 +406,12 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
         new_theta, new_state, pullback = run.update_vjp(t, _detached(theta),
                                                         {slot: _detached(s) for slot, s in state.items()}, g)
     return new_theta, new_state, (ids, _Update(pullback), gradient_graph)
+
+
+def _padding_rows(run: StageRun, theta: dict, anchors: dict) -> dict:
+    """The embeddings' padding rows of θ and the fixed block, fed to the step's gradient as inputs of their own
+    ({} for a model without one)."""
+    return {} if run.padding is None else run.padding.values(anchors | theta)
 
 
 def _summed(tensor: torch.Tensor) -> torch.Tensor:
@@ -460,6 +480,9 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
                 for n in anchor_bar:
                     anchor_bar[n] = anchor_bar[n] + _summed(through["anchor", n] if through else
                                                             torch.zeros_like(anchor_bar[n]))
+            rows = {key[1]: _summed(v) for key, v in through.items() if isinstance(key, tuple) and key[0] == "row"}
+            if rows:  # the padding rows' cotangents to their rows (.padding; the vmapped pull has them already)
+                theta_bar, anchor_bar = run.padding.add(theta_bar, rows), run.padding.add(anchor_bar, rows)
             if through:
                 w_grad = through["w"].T.to(scores.dtype)
                 scores.index_add_(0, ids.to(scores.device), w_grad)

@@ -5,7 +5,7 @@ module modes. :mod:`.record` builds runs (``Record.train``, ``Record.recorder``)
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.func import grad
@@ -14,6 +14,7 @@ from ..errors import InputError
 from ..links import Link, StagePlan
 from ..stage import Stage
 from .optimizers import SGD, Adam, Groups, Optimizer, State, Tensors
+from .padding import PaddingRows
 
 
 def tensor_bytes(tree) -> int:
@@ -86,7 +87,9 @@ class StageRun:
     None), and once the modules' train/eval flags (``modes``); the data term of a micro-batch is divided by
     ``accumulate`` as the loop divided it. A Trainer run (``influkit.hf.RecordCallback``) keeps each step's batch
     as its collator made it (``inputs[t]``) and the divisor of each micro-batch's summed loss (``divisors[t]``:
-    its number of predicted tokens), and clips in the model's parameter order (``clip_order``).
+    its number of predicted tokens), and clips in the model's parameter order (``clip_order``). ``padding``: the
+    model's embeddings with a padding row (:class:`~.padding.PaddingRows`), whose rows the reverse pass feeds as
+    inputs of their own.
     """
 
     def __init__(self, stage: Stage, optimizer: Optimizer, link: Link | None, previous: "StageRun | None",
@@ -125,6 +128,7 @@ class StageRun:
         self.divisors: list[list[int] | None] = []
         self.clip_order: list[str] | None = None
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.padding: PaddingRows | None = None
         self._mode_list: tuple | None = None  # (modes, [(module, training)]) resolved by mode_list()
         self.checkpoints: dict[int, tuple[Tensors, State]] = {}
         self.weights: torch.Tensor | None = None
@@ -168,11 +172,13 @@ class StageRun:
         return idx, x, y
 
     def gradient(self, t: int, theta: Tensors, anchors: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
-                 *, size: int | None = None, penalties: bool = True, graph: bool = False) -> Tensors:
+                 *, size: int | None = None, penalties: bool = True, graph: bool = False,
+                 rows: Tensors | None = None) -> Tensors:
         """∇_θ L_t(θ; w) of step t on (x, y, w): summed over its micro-batches in the recorded order, each from its
         recorded generator state and module modes (:func:`replaying`). graph: False takes ``torch.func.grad`` (a
         pure function, composable with torch.func transforms); True ``torch.autograd.grad(create_graph=True)`` from
-        θ as autograd leaves (a graph to pull back through)."""
+        θ as autograd leaves (a graph to pull back through). rows: the embeddings' padding rows fed as inputs of
+        their own (:class:`~.padding.PaddingRows`; the reverse pass adds their cotangents)."""
         parts = self.parts[t] if t < len(self.parts) and self.parts[t] is not None else [x.shape[0]]
         rngs = self.rngs[t] if t < len(self.rngs) and self.rngs[t] is not None else [None] * len(parts)
         divisors = self.divisors[t] if t < len(self.divisors) and self.divisors[t] is not None else \
@@ -181,7 +187,7 @@ class StageRun:
         for count, rng, divisor in zip(parts, rngs, divisors):
             part = slice(begin, begin + count)
             begin += count
-            with replaying(rng, self.mode_list()):
+            with replaying(rng, self.mode_list()), self._feeding(rows):
                 if graph:
                     loss = self.objective(theta, anchors, x[part], y[part], w[part], size=divisor, penalties=penalties)
                     g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
@@ -190,6 +196,9 @@ class StageRun:
                                              penalties=penalties)
             total = g if total is None else {n: total[n] + g[n] for n in total}
         return total
+
+    def _feeding(self, rows: Tensors | None):
+        return self.padding.feeding(rows) if self.padding is not None else nullcontext()
 
     def mode_list(self) -> list[tuple[torch.nn.Module, bool]] | None:
         """The recorded modes as [(module, training)] (None where none were recorded), resolved once."""

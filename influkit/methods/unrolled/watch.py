@@ -47,6 +47,7 @@ from ..errors import InputError, NotReplayable
 from ..links import Link
 from ..stage import Stage
 from .optimizers import from_torch, torch_state
+from .padding import PaddingRows
 from .run import StageRun, generator_state
 
 _NORMS = (nn.modules.batchnorm._BatchNorm,)
@@ -138,6 +139,7 @@ class Watch:
                loader: DataLoader, *, link: Link | None, checkpoint_every: int) -> None:
         """The stage's :class:`StageRun` (its plan checked against what the optimizer trains) and the watch's state."""
         run = StageRun(stage, groups, link, record.runs[-1] if record.runs else None, checkpoint_every)
+        run.padding = PaddingRows.of(model)
         trained = set(groups.order)
         fixed = sorted(trained & set(run.frozen))
         if fixed:
