@@ -189,19 +189,54 @@ def light_sample(n: int) -> int:
 
 def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, extra: Callable | None = None,
            seed: int = 0, sample: int = SAMPLE, steps: int = STEPS, memory: int | None = None,
-           least: int = DEFAULT_EXAMPLES, light: bool = False,
-           spectrum: Callable[[], tuple[float, float, str]] | None = None, progress: bool = False) -> Position:
+           least: int = DEFAULT_EXAMPLES, light: bool = False, factored: Callable[[], object] | None = None,
+           progress: bool = False) -> Position:
     """Where ``stage`` stands at its current parameters ``names`` (module docstring).
 
     operator: H of the objective over ``names`` (e.g. the chain's :class:`~influkit.curvature.HessianOperator`,
     with its ``hessian_samples``); extra: the term the objective adds besides the stage's (Case 2's proximal term);
     memory: the budget in bytes the gradient passes are chunked by (None: the default, :mod:`influkit.memory`, whose
-    floor of examples per chunk is ``least``). light: the check sized to a factored fit (module docstring: the
-    sample :func:`light_sample`, ∇L from it when it settles the verdict, and the eigenvalues of a non-stationary
-    stage from ``spectrum()`` — (θ_min, θ_max, its source) of the fitted approximation — instead of Lanczos).
+    floor of examples per chunk is ``least``). light: the check sized to a factored fit (module docstring);
+    factored: that fit — a callable returning the fitted :class:`~influkit.factored.FactoredCurvature` its solve
+    uses, fitted with ``gradient=True`` when it is fitted by the call — whose ``gradient`` gives r from every example
+    and whose eigenvalues are those of a non-stationary stage; without its ``gradient`` (kept from an earlier fit,
+    or fitted over a subset of the examples), r comes from the sample :func:`light_sample`.
     """
     start = time.perf_counter()
     names = stage.param_names if names is None else list(names)
+    n = len(stage)
+    curvature, fitting = None, 0.0  # fitting: seconds of the factored fit that are the solve's, not the check's
+    if light and factored is not None:
+        fitting = time.perf_counter()
+        curvature = factored()
+        fitting = time.perf_counter() - fitting
+    measured = None if curvature is None else curvature.gradient
+    if measured is not None and measured.examples == n:  # ∇L and g from every example, in the fit's data pass
+        fitting -= measured.seconds
+        absolute, typical, count, bound, source = measured.norm, measured.typical, n, 0.0, "fit"
+    else:
+        absolute, typical, count, bound, source = _gradient_norms(stage, names, extra, seed, sample, memory, least,
+                                                                  light, progress)
+    relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
+    release_freed_memory()  # the passes' freed buffers back to the system before the products allocate theirs
+    tol = eigenvalue_tol(operator.dtype)
+    if curvature is not None and relative > GRADIENT_TOL:
+        low, high, m, where = curvature.smallest(), curvature.largest(), 0, curvature.kind
+    else:
+        (low, high, m), where = extreme_eigenvalues(operator, steps, seed=seed, progress=progress), "lanczos"
+    return Position(gradient_norm=relative, min_eigenvalue=low, max_eigenvalue=high,
+                    verdict=verdict(relative, low, high, tol), objective_gradient=absolute, typical_gradient=typical,
+                    sample=count, lanczos_steps=m, eigenvalue_tol=tol,
+                    seconds=time.perf_counter() - start - fitting,
+                    gradient_bound=bound / typical if typical > 0 and source == "sample" else 0.0,
+                    gradient_source=source, eigenvalue_source=where)
+
+
+def _gradient_norms(stage: Stage, names, extra, seed: int, sample: int, memory, least: int, light: bool,
+                    progress: bool) -> tuple[float, float, int, float, str]:
+    """(‖∇L‖, g, the sample's size, the half-width of ‖∇L‖ (0 when exact), its source "data" or "sample") from the
+    per-example gradients of a seeded sample and, unless the sample is every example or a light sample settles the
+    verdict, one gradient pass over the data (module docstring)."""
     n = len(stage)
     size = light_sample(n) if light else min(sample, n)
     order = None if size == n else torch.randperm(n, generator=torch.Generator().manual_seed(seed))
@@ -229,23 +264,7 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     else:
         full = gradient(stage, names, extra=extra, batch_size=chunk, progress=progress)
         objective = ParamSpace(full).flatten(full)
-    absolute = float(objective.double().norm())
-    relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
-    release_freed_memory()  # the passes' freed buffers back to the system before the products allocate theirs
-    tol = eigenvalue_tol(operator.dtype)
-    fitting = 0.0  # seconds of the factored fit spectrum() runs: the solve's own fit, not the check's
-    if light and spectrum is not None and relative > GRADIENT_TOL:
-        fitting = time.perf_counter()
-        low, high, where = spectrum()
-        fitting, m = time.perf_counter() - fitting, 0
-    else:
-        (low, high, m), where = extreme_eigenvalues(operator, steps, seed=seed, progress=progress), "lanczos"
-    return Position(gradient_norm=relative, min_eigenvalue=low, max_eigenvalue=high,
-                    verdict=verdict(relative, low, high, tol), objective_gradient=absolute, typical_gradient=typical,
-                    sample=sums.count, lanczos_steps=m, eigenvalue_tol=tol,
-                    seconds=time.perf_counter() - start - fitting,
-                    gradient_bound=bound / typical if typical > 0 and source == "sample" else 0.0,
-                    gradient_source=source, eigenvalue_source=where)
+    return float(objective.double().norm()), typical, sums.count, bound if source == "sample" else 0.0, source
 
 
 class _SampleSums:
