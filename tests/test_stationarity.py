@@ -91,8 +91,8 @@ def test_the_objective_gradient_with_a_regularizer_is_exact(repeat, monkeypatch)
 def test_a_factored_fits_data_pass_measures_the_exact_objective_gradient(fisher, kind):
     """fit_curvature(gradient=True): ‖∇L‖ (mean loss + R + the proximal extra) and g = (mean_i ‖∇ℓ_i‖²)^½ over every
     example, from the pass's own backward (empirical Fisher) or one more of the true labels (sampled, exact), equal
-    the plain gradient pass's and the per-example gradients' — Kronecker layers and a diagonal-block LayerNorm
-    (a 3-D input: no registered layer) alike."""
+    the plain gradient pass's and the per-example gradients' — Kronecker layers (a dense layer's squared norms from
+    its Gram matrices) and a LayerNorm's diagonal block (per-example rows) alike."""
     from influkit.curvature import gradient
     from influkit.factored import fit_curvature
     from influkit.gradients import per_example_grad_rows

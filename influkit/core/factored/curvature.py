@@ -541,8 +541,10 @@ class ObjectiveGradient:
     """What a factored fit's data pass measured of the objective's gradient at the fitted point, with the true labels
     (:func:`fit_curvature` with ``gradient=True``): ``norm`` ‖∇L‖ = ‖(1/n) Σ_i ∇ℓ_i + ∇(R + extra)‖ and ``typical``
     g = ((1/n) Σ_i ‖∇ℓ_i‖²)^½ over the n = ``examples`` examples the fit averages over (every one, no sample), and
-    ``seconds``, what forming them added to the pass: each layer's per-example gradients Σ_t g_t ā_tᵀ from the pass's
-    recorded inputs a and output-gradients g (:meth:`influkit.layers.Layer.example_gradients`), and, when the
+    ``seconds``, what forming them added to the pass: from each hooked layer's recorded inputs a and output-gradients
+    g, the batch's gradient (one product over all its tokens) and the per-example squared norms
+    (:meth:`influkit.layers.Layer.example_norms`: for a dense layer Σ_{t,t'} (ā_t·ā_t')(g_t·g_t'), no per-example
+    rows), the diagonal-block parameters' per-example rows, and, when the
     pseudo-gradients are not the true-label ones (``fisher`` "sampled" or "exact"), one more backward of the true-label
     output-gradients through the pass's graph (no forward)."""
 
@@ -563,9 +565,20 @@ class _GradientSums:
     def add(self, names, rows) -> None:
         """Add one batch: ``rows`` (B, numel) per parameter of ``names``, the examples' gradients of it."""
         for name, part in zip(names, rows):
-            summed = part.sum(0, dtype=torch.float64)
-            self.total[name] = self.total[name] + summed if name in self.total else summed
+            self._sum(name, part.sum(0, dtype=torch.float64))
             self.squares += float(part.pow(2).sum(dtype=torch.float64))
+
+    def add_layer(self, layer: Layer, a: torch.Tensor, g: torch.Tensor) -> None:
+        """Add one batch of a hooked layer from its inputs a and true-label output-gradients g: the batch's gradient
+        Σ_i ∇ℓ_i is the per-example gradient of all its tokens as one example (one product, no per-example rows),
+        Σ_i ‖∇ℓ_i‖² is :meth:`~influkit.layers.Layer.example_norms`'."""
+        merged = layer.example_gradients(a.reshape(1, -1, *a.shape[2:]), g.reshape(1, -1, *g.shape[2:]))
+        for name, part in zip(layer.params, merged):
+            self._sum(name, part[0].to(torch.float64))
+        self.squares += float(layer.example_norms(a, g).sum())
+
+    def _sum(self, name: str, summed: torch.Tensor) -> None:
+        self.total[name] = self.total[name] + summed if name in self.total else summed
 
 
 def fit_curvature(
@@ -773,7 +786,7 @@ class FactorFit:
                 start_sums = time.perf_counter()
                 true_g, true_u, seconds = ({name: g[0] for name, (_, g) in data.items()}, u[0], 0.0) if empirical else true
                 for layer in self.tracked:
-                    sums.add(layer.params, layer.example_gradients(data[layer.name][0], true_g[layer.name]))
+                    sums.add_layer(layer, data[layer.name][0], true_g[layer.name])
                 if self.diag_names:
                     first = _diagonal_rows(self.stage, self.diag_names, self.params, x, true_u.detach())
                     sums.add(self.diag_names, first.split([self.params[nm].numel() for nm in self.diag_names], dim=1))
