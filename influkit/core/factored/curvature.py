@@ -781,15 +781,18 @@ class FactorFit:
                 self._drop(name, why)
             for layer in self.tracked:
                 consume(layer, *data[layer.name])
-            first = None  # the diagonal-block parameters' rows for the true labels, when they are column 0's
+            first = None  # column 0's diagonal-block rows, formed for the squares and the sums (empirical Fisher)
             if sums is not None:
+                if empirical and diagonal and self.diag_names:  # the fit's own work: not counted in the sums' seconds
+                    first = _diagonal_rows(self.stage, self.diag_names, self.params, x, u[0].detach())
                 start_sums = time.perf_counter()
                 true_g, true_u, seconds = ({name: g[0] for name, (_, g) in data.items()}, u[0], 0.0) if empirical else true
                 for layer in self.tracked:
                     sums.add_layer(layer, data[layer.name][0], true_g[layer.name])
                 if self.diag_names:
-                    first = _diagonal_rows(self.stage, self.diag_names, self.params, x, true_u.detach())
-                    sums.add(self.diag_names, first.split([self.params[nm].numel() for nm in self.diag_names], dim=1))
+                    rows = first if first is not None else \
+                        _diagonal_rows(self.stage, self.diag_names, self.params, x, true_u.detach())
+                    sums.add(self.diag_names, rows.split([self.params[nm].numel() for nm in self.diag_names], dim=1))
                 sums.seconds += time.perf_counter() - start_sums + seconds
             if diagonal and self.diag_names:
                 part = _diagonal_squares(self.stage, self.diag_names, self.params, x, u.detach(),
