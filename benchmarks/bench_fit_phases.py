@@ -7,7 +7,7 @@ Two models:
   continues masked-LM pretraining on ``--n`` rated snippets of ``--length`` tokens, training its top 2 layers and
   the LM head, solved by EK-FAC (λ = 1e-3) on the ``--fisher`` Fisher (the recipe's: ``empirical``).
 - ``--model bert``: BERT-base (``transformers.BertConfig()`` sizes: 12 layers, hidden 768, 110 M parameters, random
-  weights: cost, not fidelity) on ``--n`` random masked-LM sequences of ``--length`` tokens, its 72 encoder
+  weights: cost, not fidelity; ``--layers`` fewer of its layers for a shorter run) on ``--n`` random masked-LM sequences of ``--length`` tokens, its 72 encoder
   ``nn.Linear`` modules trained — benchmarks/bench_transformer.py's ``influkit-ekfac`` stage —, solved by
   ``SolveConfig(solver="ekfac")`` at defaults (``fisher="sampled"``); with ``--kronfluence`` kronfluence 1.0.1's
   ``fit_all_factors("ekfac")`` on the same modules, data and sampled labels follows in the same process, back to
@@ -58,7 +58,7 @@ def bert_stage(args):
     import influkit as ik
     from influkit import hf
 
-    config = config_of("bert", 12, 768, args.length)  # BertConfig() sizes: 12 layers, hidden 768, 12 heads, 3072
+    config = config_of("bert", args.layers, 768, args.length)  # BertConfig() sizes: hidden 768, 12 heads, 3072
     wrapped = hf.HFModel(lm_model("bert", config))
     x, y = lm_data("bert", args.n, args.length, 0, config.vocab_size)
     names = [f"{m}.{p}" for m in tracked_linears(wrapped) for p in ("weight", "bias")]
@@ -128,10 +128,12 @@ def run(args) -> dict:
     import influkit
 
     stage = minilm_stage(args) if args.model == "minilm" else bert_stage(args)
-    row = {"label": args.label, "influkit": str(Path(influkit.__file__).parent), "model": args.model, "fisher": args.fisher if args.model == "minilm" else "sampled",
-           "n": args.n, "length": args.length, "trained": stage.num_trained,
+    model = args.model if args.model == "minilm" else f"bert-base ({args.layers} layers)"
+    row = {"label": args.label, "influkit": str(Path(influkit.__file__).parent), "model": model,
+           "fisher": args.fisher if args.model == "minilm" else "sampled", "n": args.n, "length": args.length, "trained": stage.num_trained,
            "parameters": sum(p.numel() for p in stage.model.parameters())}
     row |= influkit_fit(stage, args)
+    print(json.dumps({k: v for k, v in row.items() if k != "position"}, default=str), flush=True)
     if args.kronfluence:
         row |= kronfluence_fit(stage, args)
         row["fit_ratio"] = row["fit_s"] / row["kron_fit_s"]
@@ -182,6 +184,7 @@ def main(argv=None) -> None:
     parser.add_argument("--fisher", default="empirical", help="minilm only (the recipe's); bert: the default")
     parser.add_argument("--n", type=int, default=64)
     parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=12, help="bert: encoder layers (BertConfig(): 12)")
     parser.add_argument("--kronfluence", action="store_true", help="kronfluence's fit next, in this process")
     parser.add_argument("--kron-batch", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/bench_fit_phases")
@@ -194,7 +197,7 @@ def main(argv=None) -> None:
     rows = json.loads(file.read_text()) if file.exists() else []
     rows = [r for r in rows if key(r) != key(row)] + [row]
     file.write_text(json.dumps(rows, indent=1, default=str))
-    print(json.dumps({k: v for k, v in row.items() if k != "position"}, default=str))
+    print(json.dumps({k: v for k, v in row.items() if k != "position"}, default=str), flush=True)
     summarize(out)
     record(out, FILES, note="2 shared CPU cores, six helpers at once (load_1min per row): wall seconds are inflated "
                             "and noisy; a ratio is read within one run (influkit then kronfluence, one process); "

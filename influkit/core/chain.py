@@ -154,7 +154,8 @@ class Chain:
         """Build what does not depend on the test set: each stage's :class:`~influkit.fitted.FittedCurvature`, where
         each stage stands (``positions``, :mod:`influkit.stationarity`: per-example gradients of a sample of 64 — a
         second gradient pass when the stage has more examples — and 20 Hessian-vector products of the exact Hessian;
-        for a stage whose solve fits a factored curvature, the light check sized to that fit) and its prepared
+        for a stage whose solve fits a factored curvature, the light check: ∇L and the per-example gradient norms
+        measured in that fit's data pass) and its prepared
         :class:`~influkit.solvers.Solver`, chosen by :func:`influkit.auto.decide` from that position (``solver="auto"``) or as configured, which fits on
         its curvature what it needs (a dense factorization for ``direct``, the factored curvature or Lanczos
         eigenpairs). Cached; :meth:`query` calls it when needed. Returns self."""
