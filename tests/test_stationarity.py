@@ -88,11 +88,14 @@ def test_the_objective_gradient_with_a_regularizer_is_exact(repeat, monkeypatch)
 
 @pytest.mark.parametrize("fisher", ["empirical", "sampled", "exact"])
 @pytest.mark.parametrize("kind", ["ekfac", "kfac", "diagonal"])
-def test_a_factored_fits_data_pass_measures_the_exact_objective_gradient(fisher, kind):
+def test_a_factored_fits_data_pass_measures_the_exact_objective_gradient(fisher, kind, monkeypatch):
     """fit_curvature(gradient=True): ‖∇L‖ (mean loss + R + the proximal extra) and g = (mean_i ‖∇ℓ_i‖²)^½ over every
     example, from the pass's own backward (empirical Fisher) or one more of the true labels (sampled, exact), equal
     the plain gradient pass's and the per-example gradients' — Kronecker layers (a dense layer's squared norms from
-    its Gram matrices) and a LayerNorm's diagonal block (per-example rows) alike."""
+    its Gram matrices) and a LayerNorm's diagonal block alike — the LayerNorm's from its hooks, with no per-example
+    backward pass beyond those the fit runs for its own diagonal block."""
+    import influkit.factored.curvature as factored
+
     from influkit.curvature import gradient
     from influkit.factored import fit_curvature
     from influkit.gradients import per_example_grad_rows
@@ -107,11 +110,13 @@ def test_a_factored_fits_data_pass_measures_the_exact_objective_gradient(fisher,
     extra = lambda p: 0.3 * sum(((p[nm] - anchor[nm]) ** 2).sum() for nm in names)  # noqa: E731
     exact = gradient(stage, names, extra=extra)
     rows = torch.cat(list(per_example_grad_rows(stage, x, y, names, chunk_size=37)))
+    passes = spy(monkeypatch, factored, "_diagonal_rows", "none")
     measured = fit_curvature(stage, kind=kind, fisher=fisher, extra=extra, gradient=True).gradient
     assert measured.examples == 37 and measured.seconds > 0
     assert measured.norm == pytest.approx(float(ParamSpace(exact).flatten(exact).norm()), rel=1e-12)
     assert measured.typical == pytest.approx(float(rows.pow(2).sum(1).mean().sqrt()), rel=1e-12)
-    assert fit_curvature(stage, kind=kind, fisher=fisher).gradient is None
+    measuring = len(passes)
+    assert fit_curvature(stage, kind=kind, fisher=fisher).gradient is None and len(passes) == 2 * measuring > 0
 
 
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum

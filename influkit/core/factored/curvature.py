@@ -50,7 +50,7 @@ from ..progress import steps as progress_steps
 from .. import distributed
 from ..curvature import penalty_gradient
 from ..errors import FileFormatError, InputError, warn
-from ..layers import Layer, Recorder
+from ..layers import Layer, Recorder, plan
 from ..memory import DEFAULT_WORKING, PROBE_EXAMPLES, fit_count, probe_bytes
 from ..memory import given as memory_given
 from ..memory import resolve as memory_budget
@@ -544,7 +544,8 @@ class ObjectiveGradient:
     ``seconds``, what forming them added to the pass: from each hooked layer's recorded inputs a and output-gradients
     g, the batch's gradient (one product over all its tokens) and the per-example squared norms
     (:meth:`influkit.layers.Layer.example_norms`: for a dense layer Σ_{t,t'} (ā_t·ā_t')(g_t·g_t'), no per-example
-    rows), the diagonal-block parameters' per-example rows, and, when the
+    rows), the diagonal-block parameters' per-example gradients (hooked too where one registered layer owns them
+    alone — a LayerNorm, a bias without its weight —, else by per-example backward passes), and, when the
     pseudo-gradients are not the true-label ones (``fisher`` "sampled" or "exact"), one more backward of the true-label
     output-gradients through the pass's graph (no forward)."""
 
@@ -713,6 +714,7 @@ class FactorFit:
         self.pseudo: PseudoGradients | None = None
         self.sums = _GradientSums() if gradient else None  # the true-label gradients, summed in the first pass
         self.truth: PseudoGradients | None = None  # their output-gradients, when the pseudo-gradients are not them
+        self.measured = self._measured_layers() if gradient and fisher != "empirical" else []
         self.objective: ObjectiveGradient | None = None
         self.passes = 0
         self.seconds: dict[str, float] = {}
@@ -754,6 +756,18 @@ class FactorFit:
             self.pseudo = PseudoGradients(self.stage.loss, self.fisher, outputs, targets, seed=self.seed)
         return self.pseudo
 
+    def _measured_layers(self) -> list[Layer]:
+        """The registered layers that own diagonal-block parameters alone (a LayerNorm, a bias without its weight,
+        each parameter in one layer): hooked in the first pass too, so that their true-label per-example gradients
+        come from their recorded inputs and output-gradients, not from per-example backward passes (the diagonal
+        block's own squares, of the pseudo-gradients, are formed as before)."""
+        layers, _ = plan(self.stage.model, self.diag_names)
+        owners: dict[str, int] = {}
+        for layer in layers:
+            for name in layer.params:
+                owners[name] = owners.get(name, 0) + 1
+        return [layer for layer in layers if all(owners[name] == 1 for name in layer.params)]
+
     def _true_labels(self, outputs, targets):
         """The true-label output-gradients' maker (the empirical Fisher's), made once from the first batch."""
         if self.truth is None:
@@ -774,8 +788,12 @@ class FactorFit:
             index = self.local[start : start + self.batch_size]
             x, y = next(iter(self.stage.batches(index, self.batch_size)))
             labelled = lambda outputs, targets: partial(self._labels(outputs, targets), index=index)  # noqa: E731
-            data, u, dead, true = _forward_pass(self.stage, list(self.tracked), self.leaves, x, y, labelled, truth)
+            hooked = list(self.tracked) + (self.measured if sums is not None else [])
+            data, u, dead, true = _forward_pass(self.stage, hooked, self.leaves, x, y, labelled, truth)
             for name, why in dead.items():  # found on the first batch: these layers fall back to diagonal blocks
+                if any(layer.name == name for layer in self.measured):  # its gradients by per-example passes
+                    self.measured = [layer for layer in self.measured if layer.name != name]
+                    continue
                 if self.diag_total is not None:
                     raise InputError(f"layer {name} stopped being usable after the first batch ({why}).")
                 self._drop(name, why)
@@ -787,19 +805,21 @@ class FactorFit:
                     first = _diagonal_rows(self.stage, self.diag_names, self.params, x, u[0].detach())
                 start_sums = time.perf_counter()
                 true_g, true_u, seconds = ({name: g[0] for name, (_, g) in data.items()}, u[0], 0.0) if empirical else true
-                for layer in self.tracked:
+                for layer in self.tracked + self.measured:
                     sums.add_layer(layer, data[layer.name][0], true_g[layer.name])
-                if self.diag_names:
-                    rows = first if first is not None else \
-                        _diagonal_rows(self.stage, self.diag_names, self.params, x, true_u.detach())
-                    sums.add(self.diag_names, rows.split([self.params[nm].numel() for nm in self.diag_names], dim=1))
+                hooked_names = {name for layer in self.measured for name in layer.params}
+                rest = [nm for nm in self.diag_names if nm not in hooked_names]
+                if rest:
+                    rows = first if first is not None else _diagonal_rows(self.stage, rest, self.params, x, true_u.detach())
+                    sums.add(rest, rows.split([self.params[nm].numel() for nm in rest], dim=1))
                 sums.seconds += time.perf_counter() - start_sums + seconds
             if diagonal and self.diag_names:
                 part = _diagonal_squares(self.stage, self.diag_names, self.params, x, u.detach(),
                                          first if empirical else None)
                 self.diag_total = part if self.diag_total is None else self.diag_total + part
             if keep and self.cache is not None:
-                data = {name: pair for name, pair in data.items() if name not in self.wide}
+                factored = {layer.name for layer in self.tracked} - self.wide
+                data = {name: pair for name, pair in data.items() if name in factored}
                 cached += sum(t.numel() * t.element_size() for pair in data.values() for t in pair)
                 self.cache = self.cache + [data] if cached <= self.cache_bytes else None
 
