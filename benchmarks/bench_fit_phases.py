@@ -151,6 +151,7 @@ def summarize(out: Path) -> None:
                            "n": r["n"], "length": r["length"], "trained": r["trained"], "fit_s": r["fit_s"],
                            "check_s": r["check_s"], "rest_s": r["rest_s"], "check_share": r["check_share"],
                            "kron_fit_s": r.get("kron_fit_s"), "fit_ratio": r.get("fit_ratio"),
+                           "fit_cpu_s": r.get("fit_cpu_s"), "kron_fit_cpu_s": r.get("kron_fit_cpu_s"),
                            "r": r["position"]["gradient_norm"], "verdict": r["position"]["verdict"],
                            "gradient_source": r["position"].get("gradient_source", "data"),
                            "sample": r["position"]["sample"], "lanczos_steps": r["position"]["lanczos_steps"],
