@@ -161,7 +161,7 @@ def summarize(out: Path) -> None:
     models = list(dict.fromkeys(frame.model))
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models) + 1, 3.6), squeeze=False)
     for ax, model in zip(axes[0], models):
-        part = frame[frame.model == model]
+        part = frame[frame.model == model].sort_values(["fisher", "label"], key=lambda c: c.str.replace("after", "~"))
         names = [f"{r.label}\n{r.fisher}, n={r.n}" for r in part.itertuples()]
         ax.bar(names, part.check_s, label="where the stage stands (check)")
         ax.bar(names, part.rest_s, bottom=part.check_s, label="the rest of the fit (EK-FAC)")
@@ -172,9 +172,12 @@ def summarize(out: Path) -> None:
         ax.set_ylabel("seconds")
         ax.set_title(f"{model}: EK-FAC fit seconds by phase", fontsize=10)
         ax.tick_params(axis="x", labelsize=7)
-        ax.legend(fontsize=7)
+    legend = {}
+    for ax in axes[0]:
+        legend |= dict(zip(*reversed(ax.get_legend_handles_labels())))
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=3, fontsize=8)
     fig.suptitle("2 shared CPU cores, 1 torch thread each (other jobs running: see load_1min)", fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(out / "fit_phases.png", dpi=120)
 
 
