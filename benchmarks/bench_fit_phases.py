@@ -11,7 +11,8 @@ Two models:
   ``nn.Linear`` modules trained — benchmarks/bench_transformer.py's ``influkit-ekfac`` stage —, solved by
   ``SolveConfig(solver="ekfac")`` at defaults (``fisher="sampled"``); with ``--kronfluence`` kronfluence 1.0.1's
   ``fit_all_factors("ekfac")`` on the same modules, data and sampled labels follows in the same process, back to
-  back. An EK-FAC fit does not depend on the damping (it enters at the solve), so both fits are those of any λ.
+  back (``--kronfluence-first``: kronfluence's first, so a load that drifts during the run favours neither). An
+  EK-FAC fit does not depend on the damping (it enters at the solve), so both fits are those of any λ.
 
 Each fit is timed whole (``chain.fit()``, which also prepares the solver); the check's own seconds are
 ``positions[0].seconds`` (with the fit's data pass measuring ∇L, what that added to the pass), the EK-FAC phases
@@ -25,6 +26,7 @@ commit first; each run adds a row to ``--out``/fit_phases.json (a row per label,
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import json
 import os
@@ -114,7 +116,7 @@ def kronfluence_fit(stage, args) -> dict:
 
     load = os.getloadavg()
     start, cpu = time.perf_counter(), time.process_time()
-    model = prepare_model(stage.model, LM())
+    model = prepare_model(copy.deepcopy(stage.model), LM())  # kronfluence wraps the modules it tracks in place
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         analyzer = Analyzer("bench_fit_phases", model=model, task=LM(), cpu=True, disable_tqdm=True, output_dir=tmp)
@@ -132,11 +134,15 @@ def run(args) -> dict:
     row = {"label": args.label, "influkit": str(Path(influkit.__file__).parent), "model": model,
            "fisher": args.fisher if args.model == "minilm" else "sampled", "n": args.n, "length": args.length, "trained": stage.num_trained,
            "parameters": sum(p.numel() for p in stage.model.parameters())}
+    if args.kronfluence and args.kronfluence_first:
+        row |= kronfluence_fit(stage, args)
     row |= influkit_fit(stage, args)
     print(json.dumps({k: v for k, v in row.items() if k != "position"}, default=str), flush=True)
-    if args.kronfluence:
+    if args.kronfluence and not args.kronfluence_first:
         row |= kronfluence_fit(stage, args)
+    if args.kronfluence:
         row["fit_ratio"] = row["fit_s"] / row["kron_fit_s"]
+        row["kronfluence_first"] = args.kronfluence_first
     return row
 
 
@@ -190,6 +196,7 @@ def main(argv=None) -> None:
     parser.add_argument("--length", type=int, default=32)
     parser.add_argument("--layers", type=int, default=12, help="bert: encoder layers (BertConfig(): 12)")
     parser.add_argument("--kronfluence", action="store_true", help="kronfluence's fit next, in this process")
+    parser.add_argument("--kronfluence-first", action="store_true", help="kronfluence's fit before influkit's")
     parser.add_argument("--kron-batch", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/bench_fit_phases")
     args = parser.parse_args(argv)
