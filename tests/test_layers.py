@@ -1,4 +1,5 @@
-"""influkit.layers: each registered layer type's contraction equals per-example-gradient scores (float64), the
+"""influkit.layers: each registered layer type's contraction equals per-example-gradient scores (float64), its
+batch gradient and per-example squared norms (a factored fit's measured objective gradient) equal them, the
 registry's lookup (most specific class wins) and its extension point (a new module type is one class), and a
 1-d convolution's factors equal those of the same convolution written in 2-d."""
 
@@ -105,6 +106,35 @@ def test_contraction_equals_per_example_gradient_scores(model):
     assert contractor.verified and not contractor.fallback_all
     assert expected.std(0).min() > 1e-3  # examples differ: the comparison can fail
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("model", list(STAGES))
+def test_a_factored_fit_measures_the_gradient_and_norms_the_per_example_gradients_give(model):
+    """fit_curvature(gradient=True) on every layer type — each layer's batch gradient as the gradient of all its
+    tokens as one example, its per-example squared norms from :meth:`Layer.example_norms` (a dense layer's Gram
+    matrices where the tokens are few, its rows where they are many) — gives ‖mean ∇ℓ_i‖ and (mean ‖∇ℓ_i‖²)^½ of
+    the per-example gradients."""
+    stage = STAGES[model][0]()
+    x, y = stage.data.take(torch.arange(len(stage)))
+    rows = per_example_grads(stage, x, y)
+    measured = fit_curvature(stage, kind="ekfac", gradient=True).gradient
+    assert measured.examples == len(stage)
+    assert measured.norm == pytest.approx(float(rows.mean(0).norm()), rel=1e-10)
+    assert measured.typical == pytest.approx(float(rows.pow(2).sum(1).mean().sqrt()), rel=1e-10)
+
+
+def test_a_dense_layers_gram_and_row_norms_agree():
+    """Linear.example_norms: Σ_{t,t'} (ā_t·ā_t')(g_t·g_t') (few tokens) equals the squared rows (many tokens), with
+    and without the bias, and the weight alone."""
+    gen = torch.Generator().manual_seed(5)
+    module = nn.Linear(40, 30).double()
+    for weight, bias in (("w", "b"), ("w", None), (None, "b")):
+        layer = Linear("lin", module, weight, bias)
+        for tokens in (3, 60):  # 3·(41 + 30) < 41·30: Gram; 60·71 ≥ 1230: rows
+            a = torch.randn(4, tokens, 40, generator=gen, dtype=torch.float64)
+            g = torch.randn(4, tokens, 30, generator=gen, dtype=torch.float64)
+            rows = torch.cat(layer.example_gradients(a, g), dim=1)
+            torch.testing.assert_close(layer.example_norms(a, g), rows.pow(2).sum(1), rtol=1e-12, atol=0)
 
 
 def test_grouped_convolution_is_left_to_per_example_gradients_with_its_reason():

@@ -86,12 +86,77 @@ def test_the_objective_gradient_with_a_regularizer_is_exact(repeat, monkeypatch)
     assert pos.sample == min(len(stage), stationarity.SAMPLE)
 
 
+@pytest.mark.parametrize("fisher", ["empirical", "sampled", "exact"])
+@pytest.mark.parametrize("kind", ["ekfac", "kfac", "diagonal"])
+def test_a_factored_fits_data_pass_measures_the_exact_objective_gradient(fisher, kind, monkeypatch):
+    """fit_curvature(gradient=True): ‖∇L‖ (mean loss + R + the proximal extra) and g = (mean_i ‖∇ℓ_i‖²)^½ over every
+    example, from the pass's own backward (empirical Fisher) or one more of the true labels (sampled, exact), equal
+    the plain gradient pass's and the per-example gradients' — Kronecker layers (a dense layer's squared norms from
+    its Gram matrices) and a LayerNorm's diagonal block alike — the LayerNorm's from its hooks, with no per-example
+    backward pass beyond those the fit runs for its own diagonal block."""
+    import influkit.factored.curvature as factored
+
+    from influkit.curvature import gradient
+    from influkit.factored import fit_curvature
+    from influkit.gradients import per_example_grad_rows
+    from influkit.params import ParamSpace
+
+    torch.manual_seed(0)
+    x, y = torch.randn(37, 2, 6, dtype=torch.float64), torch.randint(0, 3, (37,))
+    model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Tanh(), nn.Flatten(), nn.Linear(10, 3)).double()
+    stage = ik.Stage(model, cross_entropy, (x, y), regularizer=l2(0.05), batch_size=8)
+    names = stage.param_names
+    anchor = {nm: t.detach() + 0.1 for nm, t in stage.state().items() if nm in names}
+    extra = lambda p: 0.3 * sum(((p[nm] - anchor[nm]) ** 2).sum() for nm in names)  # noqa: E731
+    exact = gradient(stage, names, extra=extra)
+    rows = torch.cat(list(per_example_grad_rows(stage, x, y, names, chunk_size=37)))
+    passes = spy(monkeypatch, factored, "_diagonal_rows", "none")
+    measured = fit_curvature(stage, kind=kind, fisher=fisher, extra=extra, gradient=True).gradient
+    assert measured.examples == 37 and measured.seconds > 0
+    assert measured.norm == pytest.approx(float(ParamSpace(exact).flatten(exact).norm()), rel=1e-12)
+    assert measured.typical == pytest.approx(float(rows.pow(2).sum(1).mean().sqrt()), rel=1e-12)
+    measuring = len(passes)
+    assert fit_curvature(stage, kind=kind, fisher=fisher).gradient is None and len(passes) == 2 * measuring > 0
+
+
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum
-def test_a_stage_solved_by_ekfac_gets_the_light_check_whose_bound_holds_the_exact_gradient_norm(monkeypatch):
-    """A stage solved by EK-FAC gets the check sized to that fit: per-example gradients of light_sample(n) examples,
-    ∇L estimated from them when r − bound > GRADIENT_TOL (no gradient pass, no Hessian-vector product), the
-    eigenvalues those of the fitted EK-FAC. Its verdict is the full check's, and the exact r (full check: every
-    example's gradient) lies inside the sampled r ± bound."""
+@pytest.mark.parametrize("fisher", ["sampled", "empirical"])
+def test_a_stage_solved_by_ekfac_stands_where_its_fits_data_pass_says_with_the_full_checks_verdict(fisher, monkeypatch):
+    """A stage solved by EK-FAC gets the check from that fit's data pass: ‖∇L‖ and g from every example (no gradient
+    pass, no per-example gradient pass, no Hessian-vector product), the eigenvalues those of the fitted EK-FAC. Its
+    r is the full check's exact r and its verdict the full check's."""
+    from influkit import curvature, stationarity
+
+    x, y = digits(400)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 50), nn.Tanh(), nn.Linear(50, 10)).double()
+    stage = ik.Stage(model, cross_entropy, (x, y), regularizer=l2(1e-2))
+    for bias in (6.0, 0.0):  # r ≈ 0.6 (every example pulls class 0's logit down) and the untrained r ≈ 0.13
+        with torch.no_grad():
+            model[2].bias[0] = bias
+        full = ik.Chain([stage], solve=ik.SolveConfig(solver="minres", damping=1e-2, max_iter=2)).fit().positions[0]
+        products = spy(monkeypatch, curvature, "hvp", "batch_size")
+        monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a gradient pass over all the data"))
+        monkeypatch.setattr(stationarity, "per_example_grad_rows", lambda *a, **k: pytest.fail("a per-example pass"))
+        chain = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-2),
+                         curvature=ik.CurvatureConfig(fisher=fisher)).fit()
+        light = chain.positions[0]
+        monkeypatch.undo()
+        assert products == [] and light.lanczos_steps == 0 and light.eigenvalue_source == "ekfac"
+        assert (light.gradient_source, light.sample, light.gradient_bound) == ("fit", 400, 0.0)
+        assert light.verdict == full.verdict == "non-stationary"
+        assert light.objective_gradient == pytest.approx(full.objective_gradient, rel=1e-10)
+        ekfac = chain.curvature(0).approximations["ekfac"]
+        assert (light.min_eigenvalue, light.max_eigenvalue) == (ekfac.smallest(), ekfac.largest())
+        assert "EKFAC eigenvalues" in light.describe() and "±" not in light.describe()
+
+
+@pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum
+def test_an_ekfac_fit_over_a_hessian_sample_leaves_the_check_to_a_sample_whose_bound_holds_the_exact_norm(monkeypatch):
+    """EK-FAC fitted over hessian_samples < n measures another objective's gradient: the light check then takes the
+    per-example gradients of light_sample(n) examples, ∇L estimated from them when r − bound > GRADIENT_TOL (no
+    gradient pass, no Hessian-vector product), drawn on to the size that settles it when that is ≤ n/4, else one
+    gradient pass; its verdict is the full check's, and the exact r lies inside the sampled r ± bound."""
     from influkit import curvature, stationarity
 
     x, y = digits(400)
@@ -100,40 +165,45 @@ def test_a_stage_solved_by_ekfac_gets_the_light_check_whose_bound_holds_the_exac
     with torch.no_grad():
         model[2].bias[0] = 6.0  # every example pulls class 0's logit down: far from stationary (r ≈ 0.6)
     stage = ik.Stage(model, cross_entropy, (x, y), regularizer=l2(1e-2))
+    sampled = ik.CurvatureConfig(hessian_samples=300)
+    ekfac = ik.SolveConfig(solver="ekfac", damping=1e-2)
     full = ik.Chain([stage], solve=ik.SolveConfig(solver="minres", damping=1e-2, max_iter=2)).fit().positions[0]
     products = spy(monkeypatch, curvature, "hvp", "batch_size")
     monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a gradient pass over all the data"))
-    chain = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-2)).fit()
+    chain = ik.Chain([stage], solve=ekfac, curvature=sampled).fit()
     light = chain.positions[0]
     assert products == [] and light.lanczos_steps == 0 and light.eigenvalue_source == "ekfac"
     assert (light.gradient_source, full.gradient_source) == ("sample", "data") and full.gradient_bound == 0.0
     assert light.sample == stationarity.light_sample(400) == 25 and full.sample == stationarity.SAMPLE
     assert light.verdict == full.verdict == "non-stationary"
     assert abs(light.gradient_norm - full.gradient_norm) <= light.gradient_bound
-    ekfac = chain.curvature(0).approximations["ekfac"]
-    assert (light.min_eigenvalue, light.max_eigenvalue) == (ekfac.smallest(), ekfac.largest())
+    fitted = chain.curvature(0).approximations["ekfac"]
+    assert (light.min_eigenvalue, light.max_eigenvalue) == (fitted.smallest(), fitted.largest())
     assert "EKFAC eigenvalues" in light.describe() and "±" in light.describe()
     with torch.no_grad():
         model[2].bias[0] = 2.0  # r ≈ 0.4: inside 25 examples' bound, settled by drawing on to the size that settles it
-    grown = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-2)).fit().positions[0]
+    grown = ik.Chain([stage], solve=ekfac, curvature=sampled).fit().positions[0]
     assert grown.gradient_source == "sample" and 25 < grown.sample <= 400 // stationarity.LIGHT_GROW_SHARE
     with torch.no_grad():
         model[2].bias[0] = 0.0  # untrained, r ≈ 0.13: settling would take more than n/4 examples: one gradient pass
     monkeypatch.undo()
     products = spy(monkeypatch, curvature, "hvp", "batch_size")
-    unsettled = ik.Chain([stage], solve=ik.SolveConfig(solver="ekfac", damping=1e-2)).fit().positions[0]
+    unsettled = ik.Chain([stage], solve=ekfac, curvature=sampled).fit().positions[0]
     assert unsettled.gradient_source == "data" and unsettled.gradient_bound == 0.0 and products == []
     assert unsettled.verdict == "non-stationary" and unsettled.eigenvalue_source == "ekfac"
 
 
-def test_the_light_check_of_a_stationary_stage_is_the_full_check(logreg_digits):
-    """At a minimum the sample cannot settle r (r − bound < GRADIENT_TOL): the exact gradient pass and the Lanczos
-    steps on the exact H decide, as in the full check: the same verdict and numbers."""
+def test_the_light_check_of_a_stationary_stage_has_the_full_checks_verdict_and_lanczos_steps(logreg_digits):
+    """At a minimum the fit's data pass gives r (below GRADIENT_TOL) and the Lanczos steps on the exact H decide, as
+    in the full check: the same verdict and eigenvalues, the fitted EK-FAC's eigenvalues unused."""
+    from influkit.factored import fit_curvature
+
     stage, _ = logreg_digits
     full = position(stage)
     light = assess(stage, None, HessianOperator(stage), light=True,
-                   spectrum=lambda: pytest.fail("a stationary stage's eigenvalues come from Lanczos"))
-    assert light.verdict == full.verdict == "minimum" and light.gradient_source == "data"
+                   factored=lambda: fit_curvature(stage, kind="ekfac", gradient=True))
+    assert light.verdict == full.verdict == "minimum" and light.gradient_source == "fit"
+    assert light.gradient_norm < GRADIENT_TOL and light.eigenvalue_source == "lanczos"
     assert light.max_eigenvalue == pytest.approx(full.max_eigenvalue, rel=1e-12)
     assert light.lanczos_steps == full.lanczos_steps
 
@@ -248,11 +318,12 @@ def spy(monkeypatch, module, name: str, keyword: str) -> list:
 
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum
 def test_without_memory_the_check_of_an_ekfac_stage_streams_the_rules_batch_and_finds_the_same_position(monkeypatch):
-    """Without memory=, the check of a stage solved by EK-FAC runs its per-example gradient pass (and any
-    Hessian-vector product) in batches of at most DEFAULT_WORKING (at least one example), not the DEFAULT_EXAMPLES
-    floor: with DEFAULT_WORKING shrunk to one byte the operator plans 8 examples and the check 1, the gradient pass
-    uses batches of 1, and the position equals the one a given budget finds (sums over batches: float64 rounding).
-    A given memory= keeps the chain's operator for the check."""
+    """Without memory=, the check of a stage solved by EK-FAC runs any per-example gradient pass of its own (when the
+    fit covers a Hessian sample, not every example) and any Hessian-vector product in batches of at most
+    DEFAULT_WORKING (at least one example), not the DEFAULT_EXAMPLES floor: with DEFAULT_WORKING shrunk to one byte
+    the operator plans 8 examples and the check 1, the gradient pass uses batches of 1, and the position equals the
+    one a given budget finds (sums over batches: float64 rounding). When the fit covers every example its data pass
+    gives r: no per-example gradient pass at all. A given memory= keeps the chain's operator for the check."""
     from influkit import curvature, memory, stationarity
 
     x, y = digits(100)
@@ -260,19 +331,22 @@ def test_without_memory_the_check_of_an_ekfac_stage_streams_the_rules_batch_and_
     model = nn.Sequential(nn.Linear(64, 50), nn.Tanh(), nn.Linear(50, 10)).double()
     stage = ik.Stage(model, cross_entropy, (x, y), regularizer=l2(1e-2))
     solve = ik.SolveConfig(solver="ekfac", damping=1e-2)
-    given = ik.Chain([stage], solve=solve, memory=2**30).fit()
+    sampled = ik.CurvatureConfig(hessian_samples=90)
+    given = ik.Chain([stage], solve=solve, curvature=sampled, memory=2**30).fit()
     assert [p["phase"] for p in given.memory_plans()].count("stationarity check") == 0
 
     monkeypatch.setattr(memory, "DEFAULT_WORKING", 1)
     batches = spy(monkeypatch, curvature, "hvp", "batch_size")
     chunks = spy(monkeypatch, stationarity, "per_example_grad_rows", "chunk_size")
-    chain = ik.Chain([stage], solve=solve).fit()
+    assert ik.Chain([stage], solve=solve).fit().positions[0].gradient_source == "fit" and chunks == []
+    chain = ik.Chain([stage], solve=solve, curvature=sampled).fit()
     plans = {p["phase"]: p for p in chain.memory_plans()}
     assert plans["Hessian-vector products"]["batch"] == memory.DEFAULT_EXAMPLES
     assert plans["stationarity check"]["batch"] == 1
-    assert batches == []  # non-stationary from its sample: no product (the eigenvalues are EK-FAC's)
+    assert batches == []  # non-stationary: no product (the eigenvalues are EK-FAC's)
     assert chunks and set(chunks) == {1}  # the per-example gradient passes under the same rule (8 without it)
     small, normal = chain.positions[0], given.positions[0]
+    assert small.gradient_source == normal.gradient_source != "fit"
     for field in ("gradient_norm", "min_eigenvalue", "max_eigenvalue", "objective_gradient", "typical_gradient"):
         assert getattr(small, field) == pytest.approx(getattr(normal, field), rel=1e-10, abs=0), field
     assert (small.verdict, small.lanczos_steps) == (normal.verdict, normal.lanczos_steps)

@@ -157,7 +157,8 @@ class Chain:
         """Build what does not depend on the test set: each stage's :class:`~influkit.fitted.FittedCurvature`, where
         each stage stands (``positions``, :mod:`influkit.stationarity`: per-example gradients of a sample of 64 — a
         second gradient pass when the stage has more examples — and 20 Hessian-vector products of the exact Hessian;
-        for a stage whose solve fits a factored curvature, the light check sized to that fit) and its prepared
+        for a stage whose solve fits a factored curvature, the light check: ∇L and the per-example gradient norms
+        measured in that fit's data pass) and its prepared
         :class:`~influkit.solvers.Solver`, chosen by :func:`influkit.auto.decide` from that position (``solver="auto"``) or as configured, which fits on
         its curvature what it needs (a dense factorization for ``direct``, the factored curvature or Lanczos
         eigenpairs). Cached; :meth:`query` calls it when needed. Returns self."""
@@ -258,10 +259,10 @@ class Chain:
         if key not in self._positions:
             plan = self.plans[k]
             hessian = self._check_operator(k, self._curvature_for(k, "hessian").operator)
-            spectrum = None if fitted is None else (lambda: self._factored_spectrum(k, fitted))
+            factored = None if fitted is None else (lambda: self._factored_curvature(k, fitted))
             self._positions[key] = stationarity.assess(
                 plan.stage, plan.trained, hessian, extra=plan.proximal, seed=config.seed, memory=self.memory,
-                least=1 if self._lean_check(k) else DEFAULT_EXAMPLES, light=fitted is not None, spectrum=spectrum,
+                least=1 if self._lean_check(k) else DEFAULT_EXAMPLES, light=fitted is not None, factored=factored,
                 progress=self.progress)
         return self._positions[key]
 
@@ -270,14 +271,13 @@ class Chain:
         stationarity check is sized to (:meth:`influkit.solvers.SolveConfig.factored_fit`), or None."""
         return self.solve_configs[k].factored_fit(self.dims[k])
 
-    def _factored_spectrum(self, k: int, name: str) -> tuple[float, float, str]:
-        """(smallest, largest eigenvalue, name) of stage k's fitted factored curvature ``name`` (fitted now if not
-        yet: the solve fits it anyway), on the matrix its solve uses off a minimum."""
+    def _factored_curvature(self, k: int, name: str):
+        """Stage k's fitted factored curvature ``name`` on the matrix its solve uses off a minimum, fitted now if not
+        yet (the solve fits it anyway), its data pass measuring the objective's gradient for the check."""
         config = self.solve_configs[k]
         matrix = "gauss-newton" if config.solver == "auto" else self.curvature_configs[k].matrix
-        fitted = self._curvature_for(k, matrix).approximation(name, progress=self.progress,
-                                                              fallback=config.solver == "auto")
-        return fitted.smallest(), fitted.largest(), name
+        return self._curvature_for(k, matrix).approximation(name, progress=self.progress,
+                                                            fallback=config.solver == "auto", gradient=True)
 
     def _lean_check(self, k: int) -> bool:
         """The rule: without ``memory=``, the light stationarity check of a stage whose solve fits a factored

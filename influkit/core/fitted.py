@@ -125,11 +125,12 @@ class FittedCurvature:
     def __repr__(self) -> str:
         return f"FittedCurvature({self.config.matrix}, p={self.operator.dim}, fitted {sorted(self.approximations)})"
 
-    def approximation(self, name: str, *, progress: bool = False, fallback: bool = False):
+    def approximation(self, name: str, *, progress: bool = False, fallback: bool = False, gradient: bool = False):
         """The fitted approximation ``name`` (:data:`~influkit.factored.approximations.APPROXIMATIONS`), fitted now
         unless kept. fallback: where the sampled Fisher does not recognise the loss, fit on the empirical Fisher
         (with a note) instead of raising, and without a stage return None (with a note) — ``solver="auto"``'s
-        preconditioner, which may do without."""
+        preconditioner, which may do without. gradient: an approximation fitted now whose ``measures_gradient``
+        also measures the objective's gradient in its data pass (its ``gradient``; a kept one is returned as kept)."""
         kept = self.approximations.get(name)
         if kept is not None and (fallback or kept.info.get("fisher", self.config.fisher) == self.config.fisher):
             return kept
@@ -143,14 +144,15 @@ class FittedCurvature:
                 f"{type(self.operator).__name__}. Use influkit.curvature.HessianOperator or a Chain."
             )
         config = self.config
+        measure = {"gradient": True} if gradient and kind.measures_gradient else {}
         try:
-            fitted = kind.fit(self.operator, config, memory=self.memory, progress=progress)
+            fitted = kind.fit(self.operator, config, memory=self.memory, progress=progress, **measure)
         except FactoredCurvatureError:
             if not fallback or self.config.fisher != "sampled":
                 raise
             self.notes.append(f"{name} on the empirical Fisher: the loss's predictive distribution is not recognised")
             config = replace(self.config, fisher="empirical")
-            fitted = kind.fit(self.operator, config, memory=self.memory, progress=progress)
+            fitted = kind.fit(self.operator, config, memory=self.memory, progress=progress, **measure)
         self.approximations[name], self.reads[name] = fitted, settings(config, kind.depends_on)
         return fitted
 

@@ -15,26 +15,35 @@ minimum (∇L = 0, H ≻ 0). Models trained with Adam for a few epochs are rarel
 
 **A check sized to its stage's fit** (``light=True``: a :class:`~influkit.chain.Chain` asks it for a stage whose
 solve fits a factored curvature — ``kfac``/``ekfac`` as the approximate inverse or the preconditioner —, whose fit
-is two data passes and no Hessian-vector product, where the full check's m products, about three passes each, and
-its gradient pass would cost many times that fit):
+is one or two data passes and no Hessian-vector product, where the full check's m products, about three passes
+each, and its gradient pass would cost many times that fit):
 
-- the sample is s = min(n, max(``LIGHT_SAMPLE_MIN``, min(``SAMPLE``, ⌈n/``LIGHT_SAMPLE_SHARE``⌉))) examples, so its
-  per-example gradients cost about 1/16 of one data pass; when it does not settle the verdict (below), it is drawn
+- the factored fit runs first (``factored()``, fitted with ``gradient=True``: :func:`influkit.factored.fit_curvature`)
+  and its statistics pass measures what the check needs of the data (``gradient_source="fit"``): it runs a forward
+  and a backward per batch anyway and records each hooked layer's inputs a_t and output-gradients g_t; with the true
+  labels' output-gradients (the pass's own on the empirical Fisher; one more backward through the same graph, no
+  forward, on the sampled or exact one) a layer's batch gradient is Σ_{i,t} g_t ā_tᵀ and an example's squared norm
+  ‖Σ_t g_t ā_tᵀ‖²_F = Σ_{t,t'} (ā_t·ā_t')(g_t·g_t') (:meth:`influkit.layers.Layer.example_norms`); the parameters
+  with diagonal blocks take their per-example rows. So ∇L = (1/n) Σ_i ∇ℓ_i + ∇(R + extra) and
+  g = ((1/n) Σ_i ‖∇ℓ_i‖²)^½ are exact over every example (``sample`` = n, ``gradient_bound`` 0), and ``seconds``
+  counts what measuring them added to the pass (and any Lanczos steps), not the factored fit, which is the solve's;
+- when the fit's pass does not give them — it covers a Hessian sample (``hessian_samples`` < n), or the fitted
+  curvature was kept from a fit without them — the sample is s = min(n, max(``LIGHT_SAMPLE_MIN``, min(``SAMPLE``,
+  ⌈n/``LIGHT_SAMPLE_SHARE``⌉))) examples; when it does not settle the verdict (below), it is drawn
   on (the same seeded order) to the size s' that would settle it were ‖∇L‖ its unbiased estimate
-  ρ = (‖ĝ‖² − SE²)^½, s' = 1.2·Z²σ²/((ρ − GRADIENT_TOL·g)² + Z²σ²/n), provided s' ≤ n/``LIGHT_GROW_SHARE`` (a quarter of the data, cheaper than the exact
-  pass); ``sample`` says how many were used;
-- ∇L is estimated by the sample's mean gradient ĝ (+ ∇(R + extra), which needs no data). Drawn without
-  replacement, ĝ − ∇L has mean 0 and E‖ĝ − ∇L‖² = SE² = (1 − s/n)·σ²/s, σ² = Σ_{i∈S}‖∇ℓ_i − ĝ‖²/(s − 1) (estimated
-  on the sample). By the central limit theorem over the s examples, ‖ĝ − ∇L‖ ≤ ``BOUND_Z``·SE with probability
-  about 95 % whatever the gradients' covariance (the rank-one case, |N(0, SE²)|, has the heaviest tail; Chebyshev
-  without the CLT gives ≥ 75 %). ``gradient_bound`` b = ``BOUND_Z``·SE/g is that half-width on r; when
-  r − b > ``GRADIENT_TOL`` the stage is non-stationary from the sample alone (``gradient_source="sample"``);
-  otherwise the exact gradient pass decides (``"data"``, b = 0), as in the full check. ``seconds`` counts the
-  check's own work, not the factored fit ``spectrum`` runs (the solve's, which would run anyway);
+  ρ = (‖ĝ‖² − SE²)^½, s' = 1.2·Z²σ²/((ρ − GRADIENT_TOL·g)² + Z²σ²/n), provided s' ≤ n/``LIGHT_GROW_SHARE`` (a quarter
+  of the data, cheaper than the exact pass); ``sample`` says how many were used. ∇L is estimated by the sample's
+  mean gradient ĝ (+ ∇(R + extra), which needs no data). Drawn without replacement, ĝ − ∇L has mean 0 and
+  E‖ĝ − ∇L‖² = SE² = (1 − s/n)·σ²/s, σ² = Σ_{i∈S}‖∇ℓ_i − ĝ‖²/(s − 1) (estimated on the sample). By the central
+  limit theorem over the s examples, ‖ĝ − ∇L‖ ≤ ``BOUND_Z``·SE with probability about 95 % whatever the gradients'
+  covariance (the rank-one case, |N(0, SE²)|, has the heaviest tail; Chebyshev without the CLT gives ≥ 75 %).
+  ``gradient_bound`` b = ``BOUND_Z``·SE/g is that half-width on r; when r − b > ``GRADIENT_TOL`` the stage is
+  non-stationary from the sample alone (``gradient_source="sample"``); otherwise the exact gradient pass decides
+  (``"data"``, b = 0), as in the full check;
 - a non-stationary stage's verdict does not depend on the eigenvalues, which then come from the fitted factored
-  curvature C ≈ G, the matrix its solve uses (``spectrum``: C's extreme eigenvalues, ``eigenvalue_source="ekfac"``
-  or ``"kfac"``, no Hessian-vector product); a stationary one gets the full m Lanczos steps on the exact H, since
-  its verdict rests on θ_min.
+  curvature C ≈ G, the matrix its solve uses (C's extreme eigenvalues, ``eigenvalue_source="ekfac"`` or ``"kfac"``,
+  no Hessian-vector product); a stationary one gets the full m Lanczos steps on the exact H, since its verdict
+  rests on θ_min (at a minimum the solve may not use the factored fit the check ran).
 
 Verdict, with ε = √(machine epsilon of H's dtype) (1.5e-8 in float64, 3.5e-4 in float32: a float32
 Hessian-vector product carries a relative error well above float32's epsilon) and s = max(|θ_min|, |θ_max|):
@@ -189,19 +198,54 @@ def light_sample(n: int) -> int:
 
 def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, extra: Callable | None = None,
            seed: int = 0, sample: int = SAMPLE, steps: int = STEPS, memory: int | None = None,
-           least: int = DEFAULT_EXAMPLES, light: bool = False,
-           spectrum: Callable[[], tuple[float, float, str]] | None = None, progress: bool = False) -> Position:
+           least: int = DEFAULT_EXAMPLES, light: bool = False, factored: Callable[[], object] | None = None,
+           progress: bool = False) -> Position:
     """Where ``stage`` stands at its current parameters ``names`` (module docstring).
 
     operator: H of the objective over ``names`` (e.g. the chain's :class:`~influkit.curvature.HessianOperator`,
     with its ``hessian_samples``); extra: the term the objective adds besides the stage's (Case 2's proximal term);
     memory: the budget in bytes the gradient passes are chunked by (None: the default, :mod:`influkit.memory`, whose
-    floor of examples per chunk is ``least``). light: the check sized to a factored fit (module docstring: the
-    sample :func:`light_sample`, ∇L from it when it settles the verdict, and the eigenvalues of a non-stationary
-    stage from ``spectrum()`` — (θ_min, θ_max, its source) of the fitted approximation — instead of Lanczos).
+    floor of examples per chunk is ``least``). light: the check sized to a factored fit (module docstring);
+    factored: that fit — a callable returning the fitted :class:`~influkit.factored.FactoredCurvature` its solve
+    uses, fitted with ``gradient=True`` when it is fitted by the call — whose ``gradient`` gives r from every example
+    and whose eigenvalues are those of a non-stationary stage; without its ``gradient`` (kept from an earlier fit,
+    or fitted over a subset of the examples), r comes from the sample :func:`light_sample`.
     """
     start = time.perf_counter()
     names = stage.param_names if names is None else list(names)
+    n = len(stage)
+    curvature, fitting = None, 0.0  # fitting: seconds of the factored fit that are the solve's, not the check's
+    if light and factored is not None:
+        fitting = time.perf_counter()
+        curvature = factored()
+        fitting = time.perf_counter() - fitting
+    measured = None if curvature is None else curvature.gradient
+    if measured is not None and measured.examples == n:  # ∇L and g from every example, in the fit's data pass
+        fitting -= measured.seconds
+        absolute, typical, count, bound, source = measured.norm, measured.typical, n, 0.0, "fit"
+    else:
+        absolute, typical, count, bound, source = _gradient_norms(stage, names, extra, seed, sample, memory, least,
+                                                                  light, progress)
+    relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
+    release_freed_memory()  # the passes' freed buffers back to the system before the products allocate theirs
+    tol = eigenvalue_tol(operator.dtype)
+    if curvature is not None and relative > GRADIENT_TOL:
+        low, high, m, where = curvature.smallest(), curvature.largest(), 0, curvature.kind
+    else:
+        (low, high, m), where = extreme_eigenvalues(operator, steps, seed=seed, progress=progress), "lanczos"
+    return Position(gradient_norm=relative, min_eigenvalue=low, max_eigenvalue=high,
+                    verdict=verdict(relative, low, high, tol), objective_gradient=absolute, typical_gradient=typical,
+                    sample=count, lanczos_steps=m, eigenvalue_tol=tol,
+                    seconds=time.perf_counter() - start - fitting,
+                    gradient_bound=bound / typical if typical > 0 and source == "sample" else 0.0,
+                    gradient_source=source, eigenvalue_source=where)
+
+
+def _gradient_norms(stage: Stage, names, extra, seed: int, sample: int, memory, least: int, light: bool,
+                    progress: bool) -> tuple[float, float, int, float, str]:
+    """(‖∇L‖, g, the sample's size, the half-width of ‖∇L‖ (0 when exact), its source "data" or "sample") from the
+    per-example gradients of a seeded sample and, unless the sample is every example or a light sample settles the
+    verdict, one gradient pass over the data (module docstring)."""
     n = len(stage)
     size = light_sample(n) if light else min(sample, n)
     order = None if size == n else torch.randperm(n, generator=torch.Generator().manual_seed(seed))
@@ -229,23 +273,7 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     else:
         full = gradient(stage, names, extra=extra, batch_size=chunk, progress=progress)
         objective = ParamSpace(full).flatten(full)
-    absolute = float(objective.double().norm())
-    relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
-    release_freed_memory()  # the passes' freed buffers back to the system before the products allocate theirs
-    tol = eigenvalue_tol(operator.dtype)
-    fitting = 0.0  # seconds of the factored fit spectrum() runs: the solve's own fit, not the check's
-    if light and spectrum is not None and relative > GRADIENT_TOL:
-        fitting = time.perf_counter()
-        low, high, where = spectrum()
-        fitting, m = time.perf_counter() - fitting, 0
-    else:
-        (low, high, m), where = extreme_eigenvalues(operator, steps, seed=seed, progress=progress), "lanczos"
-    return Position(gradient_norm=relative, min_eigenvalue=low, max_eigenvalue=high,
-                    verdict=verdict(relative, low, high, tol), objective_gradient=absolute, typical_gradient=typical,
-                    sample=sums.count, lanczos_steps=m, eigenvalue_tol=tol,
-                    seconds=time.perf_counter() - start - fitting,
-                    gradient_bound=bound / typical if typical > 0 and source == "sample" else 0.0,
-                    gradient_source=source, eigenvalue_source=where)
+    return float(objective.double().norm()), typical, sums.count, bound if source == "sample" else 0.0, source
 
 
 class _SampleSums:

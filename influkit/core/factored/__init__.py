@@ -18,7 +18,7 @@ name), :mod:`.tokens` (a summed gradient whose Kronecker blocks are kept as toke
 
 from .approximations import APPROXIMATIONS
 from .arnoldi import ArnoldiInverse, deflated, lanczos
-from .curvature import KINDS, FactoredCurvature, InverseOperator, fit_curvature, regularizer_diagonal
+from .curvature import KINDS, FactoredCurvature, InverseOperator, ObjectiveGradient, fit_curvature, regularizer_diagonal
 from .fisher import FISHER, FactoredCurvatureError
 from .layers import plan_layers
 
@@ -30,6 +30,7 @@ __all__ = [
     "FactoredCurvatureError",
     "InverseOperator",
     "KINDS",
+    "ObjectiveGradient",
     "deflated",
     "fit_curvature",
     "lanczos",

@@ -43,10 +43,12 @@ class Approximation:
     name: ClassVar[str] = ""
     needs_stage: ClassVar[bool] = True  # fitted from the stage's model and data, not from the operator's products
     depends_on: ClassVar[tuple[str, ...]] = ()  # the CurvatureConfig settings its fit reads (besides the operator)
+    measures_gradient: ClassVar[bool] = False  # its fit takes gradient=True: its data pass measures ∇L as well
 
     @classmethod
     def fit(cls, operator, config, *, memory: int | None = None, progress: bool = False):
-        """The fitted approximation of ``operator`` (a stage's Hessian operator) with settings ``config``."""
+        """The fitted approximation of ``operator`` (a stage's Hessian operator) with settings ``config`` (one whose
+        ``measures_gradient``: also ``gradient=True``, the objective's gradient measured in its data pass)."""
         raise NotImplementedError
 
     @classmethod

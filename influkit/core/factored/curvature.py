@@ -48,8 +48,9 @@ from torch.func import grad
 from ..progress import steps as progress_steps
 
 from .. import distributed
+from ..curvature import penalty_gradient
 from ..errors import FileFormatError, InputError, warn
-from ..layers import Layer, Recorder
+from ..layers import Layer, Recorder, plan
 from ..memory import DEFAULT_WORKING, PROBE_EXAMPLES, fit_count, probe_bytes
 from ..memory import given as memory_given
 from ..memory import resolve as memory_budget
@@ -186,11 +187,13 @@ class FactoredCurvature:
     ``dim``/``dtype``/``device`` are the parameters' (vectors are worked on in their own precision, at least float32);
     ``matvec`` applies C, ``solve(rhs, damping)`` applies (C + λI)⁻¹, ``inverse(damping)`` is the latter as an
     Operator, ``dense()`` the explicit matrix (small models). ``info`` holds the diagnostics: kind, fisher, layers,
-    the parameters with a diagonal block and why, examples, passes, seconds.
+    the parameters with a diagonal block and why, examples, passes, seconds; ``gradient`` the objective's gradient
+    its data pass measured (:class:`ObjectiveGradient`, when fitted with ``gradient=True``), else None.
     """
 
-    def __init__(self, space: ParamSpace, kind: str, blocks: list, info: dict):
+    def __init__(self, space: ParamSpace, kind: str, blocks: list, info: dict, gradient: "ObjectiveGradient | None" = None):
         self.space, self.kind, self.blocks, self.info = space, kind, blocks, info
+        self.gradient = gradient  # what the fit's data pass measured of ∇L (fit_curvature(gradient=True)), else None
         self.offsets: dict[str, int] = {}
         offset = 0
         for name, size in zip(space.names, space.sizes):
@@ -467,8 +470,11 @@ def factor_bytes(layer: Layer) -> int:
     return 16 * ((a if layer.one_hot else a * a) + g * g)
 
 
-def _forward_pass(stage, layers, leaves, x, y, pseudo_factory):
-    """One hooked forward and the backward passes of the pseudo output-gradients: ({layer: (a, g)}, U, dead layers)."""
+def _forward_pass(stage, layers, leaves, x, y, pseudo_factory, truth=None):
+    """One hooked forward and the backward passes of the pseudo output-gradients: ({layer: (a, g)}, U, dead layers,
+    the true-label backward). truth: the true-label output-gradients' maker (:class:`.fisher.PseudoGradients` on the
+    empirical Fisher), back-propagated once more through the same graph when the pseudo-gradients are not them:
+    then the last item is ({layer: g (B, T, out)}, its U (B, ...), its seconds), else None."""
     with Recorder(layers, x.shape[0]) as rec, torch.enable_grad():
         outputs = stage.outputs(leaves, x)
     pseudo = pseudo_factory(outputs, y)
@@ -480,37 +486,100 @@ def _forward_pass(stage, layers, leaves, x, y, pseudo_factory):
     if handles:
         for j in range(u.shape[0]):
             grads = torch.autograd.grad(outputs, [h[2] for h in handles], grad_outputs=u[j],
-                                        retain_graph=j < u.shape[0] - 1, allow_unused=True)
+                                        retain_graph=j < u.shape[0] - 1 or truth is not None, allow_unused=True)
             for c, ((layer, _, out), g) in enumerate(zip(handles, grads)):
                 per_call[c].append(layer.grads(torch.zeros_like(out) if g is None else g))
-    data: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    true_grads = None
+    if truth is not None:
+        start = time.perf_counter()
+        true_u = truth(outputs, y)[0]
+        grads = torch.autograd.grad(outputs, [h[2] for h in handles], grad_outputs=true_u,
+                                    allow_unused=True) if handles else ()
+        true_calls = [[layer.grads(torch.zeros_like(out) if g is None else g)] for (layer, _, out), g in zip(handles, grads)]
+        true_grads = (_pool(live, handles, true_calls, 1), true_u, time.perf_counter() - start)
+    return _pool(live, handles, per_call, 0), u, dead, true_grads
+
+
+def _pool(live, handles, per_call, true: int) -> dict:
+    """{layer: (a, g)} (``true`` 0: g (k, B, T, out), every pseudo-gradient column) or {layer: g (B, T, out)} (1: the
+    one true-label column); a layer called several times in one forward has its tokens pooled."""
+    data = {}
     for layer in live:
         a_parts, g_parts = [], []
         for c, (owner, inp, _) in enumerate(handles):
             if owner is layer:
                 a_parts.append(layer.inputs(inp))
-                g_parts.append(torch.stack(per_call[c]))
-        if len(a_parts) == 1:
-            data[layer.name] = (a_parts[0], g_parts[0])
-        else:  # several calls in one forward: their tokens are pooled
-            data[layer.name] = (torch.cat(a_parts, dim=1), torch.cat(g_parts, dim=2))
-    return data, u, dead
+                g_parts.append(per_call[c][0] if true else torch.stack(per_call[c]))
+        a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=1)
+        g = g_parts[0] if len(g_parts) == 1 else torch.cat(g_parts, dim=2 - true)
+        data[layer.name] = g if true else (a, g)
+    return data
 
 
-def _diagonal_squares(stage: Stage, names, params, x, u) -> torch.Tensor:
-    """(p_names,) Σ_{i,j} (∂⟨f(x_i), u_ij⟩/∂θ)² over the parameters ``names`` (per-example gradients by vmap)."""
+def _diagonal_rows(stage: Stage, names, params, x, u) -> torch.Tensor:
+    """(B, p_names) the per-example gradients ∂⟨f(x_i), u_i⟩/∂θ over the parameters ``names`` (vmap), for one
+    pseudo-gradient column u (B, ...)."""
     sub = {n: params[n] for n in names}
-    space = ParamSpace(sub)
 
     def dot(p, xi, ui):
         return (stage.outputs(p, xi.unsqueeze(0)) * ui.unsqueeze(0)).sum()
 
-    total = torch.zeros(space.dim, dtype=torch.float64, device=space.device)
-    per = grad(dot)
+    return ParamSpace(sub).flatten(vmap_or_loop(grad(dot), (None, 0, 0), stage, sub, x, u), batched=True).T
+
+
+def _diagonal_squares(stage: Stage, names, params, x, u, first: torch.Tensor | None = None) -> torch.Tensor:
+    """(p_names,) Σ_{i,j} (∂⟨f(x_i), u_ij⟩/∂θ)² over the parameters ``names``; ``first``: column 0's rows, formed."""
+    total = torch.zeros(sum(params[n].numel() for n in names), dtype=torch.float64, device=params[names[0]].device)
     for j in range(u.shape[0]):
-        rows = space.flatten(vmap_or_loop(per, (None, 0, 0), stage, sub, x, u[j]), batched=True)
-        total += (rows.to(torch.float64) ** 2).sum(1)
+        rows = first if j == 0 and first is not None else _diagonal_rows(stage, names, params, x, u[j])
+        total += (rows.to(torch.float64) ** 2).sum(0)
     return total
+
+
+@dataclass(frozen=True)
+class ObjectiveGradient:
+    """What a factored fit's data pass measured of the objective's gradient at the fitted point, with the true labels
+    (:func:`fit_curvature` with ``gradient=True``): ``norm`` ‖∇L‖ = ‖(1/n) Σ_i ∇ℓ_i + ∇(R + extra)‖ and ``typical``
+    g = ((1/n) Σ_i ‖∇ℓ_i‖²)^½ over the n = ``examples`` examples the fit averages over (every one, no sample), and
+    ``seconds``, what forming them added to the pass: from each hooked layer's recorded inputs a and output-gradients
+    g, the batch's gradient (one product over all its tokens) and the per-example squared norms
+    (:meth:`influkit.layers.Layer.example_norms`: for a dense layer Σ_{t,t'} (ā_t·ā_t')(g_t·g_t'), no per-example
+    rows), the diagonal-block parameters' per-example gradients (hooked too where one registered layer owns them
+    alone — a LayerNorm, a bias without its weight —, else by per-example backward passes), and, when the
+    pseudo-gradients are not the true-label ones (``fisher`` "sampled" or "exact"), one more backward of the true-label
+    output-gradients through the pass's graph (no forward)."""
+
+    norm: float
+    typical: float
+    examples: int
+    seconds: float
+
+
+class _GradientSums:
+    """Running sums of the true-label per-example loss gradients: Σ_i ∇ℓ_i per parameter (float64), Σ_i ‖∇ℓ_i‖²."""
+
+    def __init__(self):
+        self.total: dict[str, torch.Tensor] = {}
+        self.squares = 0.0
+        self.seconds = 0.0
+
+    def add(self, names, rows) -> None:
+        """Add one batch: ``rows`` (B, numel) per parameter of ``names``, the examples' gradients of it."""
+        for name, part in zip(names, rows):
+            self._sum(name, part.sum(0, dtype=torch.float64))
+            self.squares += float(part.pow(2).sum(dtype=torch.float64))
+
+    def add_layer(self, layer: Layer, a: torch.Tensor, g: torch.Tensor) -> None:
+        """Add one batch of a hooked layer from its inputs a and true-label output-gradients g: the batch's gradient
+        Σ_i ∇ℓ_i is the per-example gradient of all its tokens as one example (one product, no per-example rows),
+        Σ_i ‖∇ℓ_i‖² is :meth:`~influkit.layers.Layer.example_norms`'."""
+        merged = layer.example_gradients(a.reshape(1, -1, *a.shape[2:]), g.reshape(1, -1, *g.shape[2:]))
+        for name, part in zip(layer.params, merged):
+            self._sum(name, part[0].to(torch.float64))
+        self.squares += float(layer.example_norms(a, g).sum())
+
+    def _sum(self, name: str, summed: torch.Tensor) -> None:
+        self.total[name] = self.total[name] + summed if name in self.total else summed
 
 
 def fit_curvature(
@@ -528,6 +597,7 @@ def fit_curvature(
     memory: int | None = None,
     max_factor_bytes: int | None = None,
     basis: FactoredCurvature | None = None,
+    gradient: bool = False,
     progress: bool = False,
 ) -> FactoredCurvature:
     """The factored curvature C of ``stage``'s objective over ``names`` (default: its trained parameters).
@@ -554,6 +624,9 @@ def fit_curvature(
     basis: an EK-FAC curvature fitted earlier over the same parameters (kind "ekfac" only): its Kronecker
     eigenbases are kept and only the eigenvalues Λ (and the diagonal blocks) are re-estimated at ``at`` — one
     streamed pass, no covariances and no eigendecompositions (SOURCE's segments sharing one eigenbasis).
+    gradient: the first pass also measures the objective's gradient with the true labels, ``curvature.gradient``
+    (:class:`ObjectiveGradient`: ‖∇L‖ and the RMS per-example gradient norm over the fit's examples) — what
+    :mod:`influkit.stationarity` needs of the data; else ``curvature.gradient`` is None.
     """
     if kind not in KINDS:
         raise InputError(f"unknown factored curvature {kind!r}; choose one of {KINDS}.")
@@ -565,7 +638,7 @@ def fit_curvature(
                          f"'ekfac', got kind={kind!r} and a {basis.kind!r} basis.")
     fit = FactorFit(stage, names, kind=kind, fisher=fisher, indices=indices, extra=extra, at=at, seed=seed,
                     batch_size=batch_size, cache_bytes=cache_bytes, memory=memory, max_factor_bytes=max_factor_bytes,
-                    progress=progress, kronecker=approximation.kronecker, basis=basis)
+                    progress=progress, kronecker=approximation.kronecker, basis=basis, gradient=gradient)
     if basis is not None:
         return fit.assemble(fit.kept_eigenbasis(), fit.eigenvalues_in_kept_basis())
     return approximation.passes(fit)
@@ -581,11 +654,12 @@ class FactorFit:
     order by each registered approximation's ``passes``. Arguments: those of :func:`fit_curvature`, and
     ``kronecker``: whether the approximation has Kronecker factors (else no layer is too wide for them); ``basis``:
     a fitted EK-FAC curvature whose eigenbases are kept (then no covariance is accumulated: its Kronecker layers get
-    Λ from :meth:`eigenvalues_in_kept_basis`, its other layers diagonal blocks).
+    Λ from :meth:`eigenvalues_in_kept_basis`, its other layers diagonal blocks); ``gradient``: the statistics pass
+    also sums the true-label per-example gradients (:class:`ObjectiveGradient`).
     """
 
     def __init__(self, stage: Stage, names, *, kind, fisher, indices, extra, at, seed, batch_size, cache_bytes, memory,
-                 max_factor_bytes, progress, kronecker=True, basis=None):
+                 max_factor_bytes, progress, kronecker=True, basis=None, gradient=False):
         self.start = time.perf_counter()
         self.stage, self.kind, self.fisher, self.extra, self.at, self.seed = stage, kind, fisher, extra, at, seed
         self.names = list(stage.param_names if names is None else names)
@@ -638,6 +712,10 @@ class FactorFit:
         self.cache: list | None = None  # the first pass's (a, g) per batch, for EK-FAC's correction
         self.dead: dict[str, str] = {}
         self.pseudo: PseudoGradients | None = None
+        self.sums = _GradientSums() if gradient else None  # the true-label gradients, summed in the first pass
+        self.truth: PseudoGradients | None = None  # their output-gradients, when the pseudo-gradients are not them
+        self.measured = self._measured_layers() if gradient and fisher != "empirical" else []
+        self.objective: ObjectiveGradient | None = None
         self.passes = 0
         self.seconds: dict[str, float] = {}
 
@@ -651,7 +729,7 @@ class FactorFit:
         pseudo = PseudoGradients(stage.loss, self.fisher, outputs, py, seed=self.seed)
 
         def run(_):
-            data, _, _ = _forward_pass(stage, list(self.tracked), self.leaves, px, py,
+            data, _, _, _ = _forward_pass(stage, list(self.tracked), self.leaves, px, py,
                                        lambda outputs, targets: partial(pseudo, index=probe))
             kept = [t for pair in data.values() for t in pair]
             self.statistics_bytes = sum(t.numel() * t.element_size() for t in kept) // max(len(probe), 1)
@@ -678,29 +756,70 @@ class FactorFit:
             self.pseudo = PseudoGradients(self.stage.loss, self.fisher, outputs, targets, seed=self.seed)
         return self.pseudo
 
-    def stream(self, label: str, consume, *, diagonal: bool, keep: bool = False) -> None:
+    def _measured_layers(self) -> list[Layer]:
+        """The registered layers that own diagonal-block parameters alone (a LayerNorm, a bias without its weight,
+        each parameter in one layer): hooked in the first pass too, so that their true-label per-example gradients
+        come from their recorded inputs and output-gradients, not from per-example backward passes (the diagonal
+        block's own squares, of the pseudo-gradients, are formed as before)."""
+        layers, _ = plan(self.stage.model, self.diag_names)
+        owners: dict[str, int] = {}
+        for layer in layers:
+            for name in layer.params:
+                owners[name] = owners.get(name, 0) + 1
+        return [layer for layer in layers if all(owners[name] == 1 for name in layer.params)]
+
+    def _true_labels(self, outputs, targets):
+        """The true-label output-gradients' maker (the empirical Fisher's), made once from the first batch."""
+        if self.truth is None:
+            self.truth = PseudoGradients(self.stage.loss, "empirical", outputs, targets)
+        return self.truth(outputs, targets)
+
+    def stream(self, label: str, consume, *, diagonal: bool, keep: bool = False, sums: "_GradientSums | None" = None) -> None:
         """One pass over this rank's examples: ``consume(layer, a, g)`` for each tracked layer and batch; with
-        ``diagonal`` the diagonal-block parameters' squared per-example gradients are summed too, and with ``keep``
-        the batches' (a, g) are cached while they fit ``cache_bytes``."""
+        ``diagonal`` the diagonal-block parameters' squared per-example gradients are summed too, with ``keep``
+        the batches' (a, g) are cached while they fit ``cache_bytes``, and with ``sums`` the true-label per-example
+        gradients are added to them (from the pass's own backward on the empirical Fisher, else one more backward)."""
         self.pseudo, self.passes = None, self.passes + 1
+        empirical = self.fisher == "empirical"
+        truth = None if sums is None or empirical else self._true_labels
         cached = 0
         batches = -(-len(self.local) // self.batch_size)
         for start in progress_steps(range(0, len(self.local), self.batch_size), label, self.progress, batches):
             index = self.local[start : start + self.batch_size]
             x, y = next(iter(self.stage.batches(index, self.batch_size)))
             labelled = lambda outputs, targets: partial(self._labels(outputs, targets), index=index)  # noqa: E731
-            data, u, dead = _forward_pass(self.stage, list(self.tracked), self.leaves, x, y, labelled)
+            hooked = list(self.tracked) + (self.measured if sums is not None else [])
+            data, u, dead, true = _forward_pass(self.stage, hooked, self.leaves, x, y, labelled, truth)
             for name, why in dead.items():  # found on the first batch: these layers fall back to diagonal blocks
+                if any(layer.name == name for layer in self.measured):  # its gradients by per-example passes
+                    self.measured = [layer for layer in self.measured if layer.name != name]
+                    continue
                 if self.diag_total is not None:
                     raise InputError(f"layer {name} stopped being usable after the first batch ({why}).")
                 self._drop(name, why)
             for layer in self.tracked:
                 consume(layer, *data[layer.name])
+            first = None  # column 0's diagonal-block rows, formed for the squares and the sums (empirical Fisher)
+            if sums is not None:
+                if empirical and diagonal and self.diag_names:  # the fit's own work: not counted in the sums' seconds
+                    first = _diagonal_rows(self.stage, self.diag_names, self.params, x, u[0].detach())
+                start_sums = time.perf_counter()
+                true_g, true_u, seconds = ({name: g[0] for name, (_, g) in data.items()}, u[0], 0.0) if empirical else true
+                for layer in self.tracked + self.measured:
+                    sums.add_layer(layer, data[layer.name][0], true_g[layer.name])
+                hooked_names = {name for layer in self.measured for name in layer.params}
+                rest = [nm for nm in self.diag_names if nm not in hooked_names]
+                if rest:
+                    rows = first if first is not None else _diagonal_rows(self.stage, rest, self.params, x, true_u.detach())
+                    sums.add(rest, rows.split([self.params[nm].numel() for nm in rest], dim=1))
+                sums.seconds += time.perf_counter() - start_sums + seconds
             if diagonal and self.diag_names:
-                part = _diagonal_squares(self.stage, self.diag_names, self.params, x, u.detach())
+                part = _diagonal_squares(self.stage, self.diag_names, self.params, x, u.detach(),
+                                         first if empirical else None)
                 self.diag_total = part if self.diag_total is None else self.diag_total + part
             if keep and self.cache is not None:
-                data = {name: pair for name, pair in data.items() if name not in self.wide}
+                factored = {layer.name for layer in self.tracked} - self.wide
+                data = {name: pair for name, pair in data.items() if name in factored}
                 cached += sum(t.numel() * t.element_size() for pair in data.values() for t in pair)
                 self.cache = self.cache + [data] if cached <= self.cache_bytes else None
 
@@ -718,11 +837,30 @@ class FactorFit:
             else:
                 acc.covariances(a, g)
 
-        self.stream("diagonal Fisher" if squares else "K-FAC covariances", statistics, diagonal=True, keep=keep)
+        self.stream("diagonal Fisher" if squares else "K-FAC covariances", statistics, diagonal=True, keep=keep,
+                    sums=self.sums)
         self.detail = self.pseudo.describe() if self.pseudo is not None else None
         if distributed.active():
             self._all_reduce(squares)
+        if self.sums is not None:
+            self.objective = self._objective_gradient(self.sums)
+            self.sums = None
         self.seconds["squares" if squares else "covariances"] = time.perf_counter() - start
+
+    def _objective_gradient(self, sums: _GradientSums) -> ObjectiveGradient:
+        """‖∇L‖ and g from the summed true-label gradients (over the ranks), ∇L = (1/n) Σ_i ∇ℓ_i + ∇(R + extra)."""
+        start = time.perf_counter()
+        zero = lambda nm: torch.zeros(self.params[nm].numel(), dtype=torch.float64, device=self.space.device)  # noqa: E731
+        total = torch.cat([sums.total.get(nm, zero(nm)).reshape(-1) for nm in self.space.names])
+        squares = torch.tensor([sums.squares], dtype=torch.float64, device=self.space.device)
+        distributed.all_reduce_(total)
+        distributed.all_reduce_(squares)
+        objective = total.div_(max(self.n, 1))
+        penalty = penalty_gradient(self.stage, self.names, at=self.at, extra=self.extra)
+        if penalty is not None:
+            objective += ParamSpace(penalty).flatten(penalty).to(torch.float64)
+        return ObjectiveGradient(norm=float(objective.norm()), typical=float(squares.div(max(self.n, 1)).sqrt()),
+                                 examples=self.n, seconds=sums.seconds + time.perf_counter() - start)
 
     def _all_reduce(self, squares: bool) -> None:
         """Every rank's sums over its shard, added up; the same layers on every rank first."""
@@ -886,7 +1024,7 @@ class FactorFit:
             "seconds": self.seconds,
             "memory": self.sizing,
         }
-        return FactoredCurvature(space, self.kind, blocks, info)
+        return FactoredCurvature(space, self.kind, blocks, info, gradient=self.objective)
 
 
 def _all_reduce_sums(accumulators: dict, tracked: list, squares: bool, wide=()) -> None:
@@ -922,12 +1060,13 @@ class _Factored(Approximation):
 
     kronecker: ClassVar[bool] = True  # False: no Kronecker factors (no layer is too wide for them)
     depends_on = ("fisher", "seed")
+    measures_gradient = True
 
     @classmethod
-    def fit(cls, operator, config, *, memory=None, progress=False):
+    def fit(cls, operator, config, *, memory=None, progress=False, gradient=False):
         return fit_curvature(operator.stage, operator.names, kind=cls.name, fisher=config.fisher,
                              indices=operator.indices, extra=operator.extra, at=getattr(operator, "at", None),
-                             seed=config.seed, memory=memory, progress=progress)
+                             seed=config.seed, memory=memory, gradient=gradient, progress=progress)
 
     @classmethod
     def from_state(cls, tensors, meta, operator, prefix=""):

@@ -72,6 +72,17 @@ class Dense(Layer):
             rows.append(g.sum(1))
         return rows
 
+    def example_norms(self, a, g):
+        """(B,) float64 ‖Σ_t g_t ā_tᵀ‖²_F = Σ_{t,t'} (ā_t·ā_t')(g_t·g_t') from the two T × T Gram matrices when that is
+        cheaper than forming the rows (T·(in + out) < in·out: short sequences of wide layers), else the rows'."""
+        tokens, width, out = a.shape[1], a.shape[2], g.shape[2]
+        if tokens * (width + out) >= width * out:
+            return super().example_norms(a, g)
+        inputs = a @ a.transpose(1, 2) if self.weight is not None else a.new_zeros(a.shape[0], tokens, tokens)
+        if self.bias is not None:
+            inputs = inputs + 1  # ā = [a; 1]: ā_t·ā_t' = a_t·a_t' + 1
+        return (inputs * (g @ g.transpose(1, 2))).sum((1, 2), dtype=torch.float64)
+
     def contract_cost(self, tokens):
         """Per token: S a_t (r·c flops, r + c elements) for the weight, g_t summed for the bias."""
         out, width = self.features

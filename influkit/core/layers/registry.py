@@ -124,6 +124,11 @@ class Layer:
         flattened as the parameter is stored (so that Σ blocks @ their directions = :meth:`contract` per column)."""
         raise NotImplementedError
 
+    def example_norms(self, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """(B,) float64 ‖∇θ ℓ_i‖² over this layer's trained parameters: the squared :meth:`example_gradients` rows
+        (a subclass may get them without forming the rows)."""
+        return sum(rows.pow(2).sum(1, dtype=torch.float64) for rows in self.example_gradients(a, g))
+
     def contract_cost(self, tokens: int) -> int | None:
         """Per example and direction: flops + elements read/written by :meth:`contract` (None: no cost model, and
         then no :meth:`example_gradients` is used)."""
