@@ -320,11 +320,14 @@ def test_reuse_refuses_changed_parameters_and_chains_sharing_nothing(two):
     fin = ik.Stage(Net(23), ce, data(23), params=HEAD, regularizer=l2)
     first = ik.Chain([pre, fin], [ik.Link("enc", case=1)], progress=False).fit()
     other_pre = ik.Stage(model, ce, two.data[0], regularizer=l2)  # the same model, another Stage object
-    with pytest.raises(ik.InputError, match="share no leading stage"):
+    with pytest.raises(ik.InputError, match="another Stage object"):
         ik.Chain([other_pre, fin], [ik.Link("enc", case=1)], progress=False).reuse(first)
-    with pytest.raises(ik.InputError, match="share no leading stage"):  # other settings: not the same fit
-        ik.Chain([pre, fin], [ik.Link("enc", case=1)], solve=ik.SolveConfig(solver="direct"),
+    with pytest.raises(ik.InputError, match="CurvatureConfig differs"):  # another matrix: not the same fit
+        ik.Chain([pre, fin], [ik.Link("enc", case=1)], curvature=ik.CurvatureConfig(matrix="gauss-newton"),
                  progress=False).reuse(first)
+    other_damping = ik.Chain([pre, fin], [ik.Link("enc", case=1)], solve=ik.SolveConfig(solver="ekfac", damping=0.3),
+                             progress=False).reuse(first)  # another solve on the same fit: shared
+    assert other_damping.reused == 2
     with torch.no_grad():
         model.enc.bias.add_(0.1)  # the pretrained stage moved after the first chain was fitted
     with pytest.raises(ik.InputError, match="changed since"):

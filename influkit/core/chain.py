@@ -174,23 +174,32 @@ class Chain:
         """Take what ``other`` fitted for the leading stages the two chains share, so that :meth:`fit` fits only the
         rest: a new finetune (a head, a LoRA adapter, another task) of a pretraining stage that another chain has
         already fitted. Stage k is shared when stages 0..k are the same :class:`Stage` objects joined by equal
-        links, with equal solve and curvature settings and the same memory budget; the stage's parameters must be
-        those ``other`` was fitted on (refused otherwise, as is a chain sharing no stage). Handed over, per shared
-        stage: its FittedCurvature (operator, factors, eigenpairs), where it stands (:mod:`influkit.stationarity`)
-        and the curvatures ``auto`` derived for it. Stage 0's Hessian and position depend on stage 0 alone, so the
-        scores equal those of the same chain fitted from scratch. Call before :meth:`fit`; returns self."""
+        links, with equal curvature settings and the same memory budget; its parameters must be those ``other``
+        was fitted on (refused otherwise, as is a chain sharing no stage). Handed over, per shared stage: its
+        FittedCurvature (operator, factors, eigenpairs: a solve with other settings, e.g. another λ, reuses them),
+        where it stands (:mod:`influkit.stationarity`) and the curvatures ``auto`` derived for it. Stage 0's
+        Hessian and position depend on stage 0 alone, so the scores equal those of the same chain fitted from
+        scratch. Call before :meth:`fit`; returns self."""
         if self._solvers is not None:
             raise InputError("this chain is already fitted; call chain.reuse(other) before fit() or query().")
         other.fit()
-        shared = 0
-        while (shared < min(len(self), len(other)) and self.stages[shared] is other.stages[shared]
-               and (shared == 0 or self.links[shared - 1] == other.links[shared - 1])
-               and self.solve_configs[shared] == other.solve_configs[shared]
-               and self.curvature_configs[shared] == other.curvature_configs[shared] and self.memory == other.memory):
-            shared += 1
+        shared, why = 0, None
+        while why is None and shared < min(len(self), len(other)):
+            k = shared
+            if self.stages[k] is not other.stages[k]:
+                why = f"stage {k} is another Stage object"
+            elif k and self.links[k - 1] != other.links[k - 1]:
+                why = f"the links into stage {k} differ"
+            elif self.curvature_configs[k] != other.curvature_configs[k]:
+                why = f"stage {k}'s CurvatureConfig differs"
+            elif self.memory != other.memory:
+                why = "the memory budgets differ"
+            else:
+                shared += 1
         if not shared:
-            raise InputError("chain.reuse(other): the chains share no leading stage (the same Stage object with the "
-                             "same solve and curvature settings and memory budget); fit this chain on its own.")
+            raise InputError(f"chain.reuse(other): the chains share no leading stage ({why}); a stage is shared when "
+                             f"it is the same Stage object with the same CurvatureConfig and memory budget. Fit this "
+                             f"chain on its own.")
         changed = [k for k in range(shared) if parameters_digest(self.stages[k]) != other._digests[k]]
         if changed:
             raise InputError(f"chain.reuse(other): the parameters of stage(s) {changed} changed since the other chain "
@@ -199,7 +208,8 @@ class Chain:
         self._derived.update({key: fitted for key, fitted in other._derived.items() if key[0] < shared})
         self._positions.update({key: position for key, position in other._positions.items() if key[0] < shared})
         self._check_memory.update({k: plan for k, plan in other._check_memory.items() if k < shared})
-        self._more_solvers.update({key: solver for key, solver in other._more_solvers.items() if key[0] < shared})
+        self._more_solvers.update({key: solver for key, solver in other._more_solvers.items()
+                                   if key[0] < shared and self.solve_configs[key[0]] == other.solve_configs[key[0]]})
         self.reused = shared
         return self
 
