@@ -92,34 +92,23 @@ def influkit_fit(stage, args) -> dict:
 def kronfluence_fit(stage, args) -> dict:
     """kronfluence's EK-FAC factors (covariances, eigendecomposition, corrected eigenvalues) on the same modules, data
     and influkit's sampled labels (bench_transformer's ``kronfluence`` job, its fit only)."""
-    from benchmarks.bench_transformer import sampled_labels, token_summed_losses, tracked_linears
+    from benchmarks.bench_transformer import kronfluence_lm_task, sampled_labels, tracked_linears
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments
-    from kronfluence.task import Task
     from torch.utils.data import TensorDataset
 
     labels = sampled_labels(stage)  # before the clock: influkit draws its own inside its fit
     x, y = stage.data.take(torch.arange(len(stage)))
     modules = tracked_linears(stage.model)
 
-    class LM(Task):
-        def compute_train_loss(self, batch, model, sample=False):
-            inputs, targets, sampled = batch
-            return token_summed_losses(model(inputs), sampled if sample else targets).sum()
-
-        def compute_measurement(self, batch, model):
-            inputs, targets = batch
-            return token_summed_losses(model(inputs), targets).sum()
-
-        def get_influence_tracked_modules(self):
-            return modules
+    task = kronfluence_lm_task(modules)
 
     load = os.getloadavg()
     start, cpu = time.perf_counter(), time.process_time()
-    model = prepare_model(copy.deepcopy(stage.model), LM())  # kronfluence wraps the modules it tracks in place
+    model = prepare_model(copy.deepcopy(stage.model), task)  # kronfluence wraps the modules it tracks in place
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        analyzer = Analyzer("bench_fit_phases", model=model, task=LM(), cpu=True, disable_tqdm=True, output_dir=tmp)
+        analyzer = Analyzer("bench_fit_phases", model=model, task=task, cpu=True, disable_tqdm=True, output_dir=tmp)
         analyzer.fit_all_factors("ekfac", dataset=TensorDataset(x, y, labels), per_device_batch_size=args.kron_batch,
                                  factor_args=FactorArguments(strategy="ekfac"), overwrite_output_dir=True)
     return {"kron_fit_s": time.perf_counter() - start, "kron_fit_cpu_s": time.process_time() - cpu,

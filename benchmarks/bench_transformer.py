@@ -447,19 +447,10 @@ def job_influkit_minres(args, out: dict, work: Path):
     out["peak_rss"] = peak_rss()
 
 
-def job_kronfluence(args, out: dict, work: Path):
-    import kronfluence
-    from kronfluence.analyzer import Analyzer, prepare_model
-    from kronfluence.arguments import FactorArguments, ScoreArguments
+def kronfluence_lm_task(modules: list[str]):
+    """kronfluence's Task for the token-summed masked-LM loss: batches (inputs, targets, sampled labels) for the
+    factors (the sampled labels when kronfluence asks for sampled Fisher), (inputs, targets) for the measurement."""
     from kronfluence.task import Task
-    from torch.utils.data import TensorDataset
-
-    stage, test = single_stage(args)
-    model = linear_swapped(stage.model)
-    damping = json.loads((work / "influkit-ekfac.json").read_text())["damping"]
-    labels = torch.load(work / "labels.pt")["labels"]
-    x, y = stage.data.take(torch.arange(len(stage)))
-    modules = tracked_linears(model)
 
     class LM(Task):
         def compute_train_loss(self, batch, model, sample=False):
@@ -473,7 +464,23 @@ def job_kronfluence(args, out: dict, work: Path):
         def get_influence_tracked_modules(self):
             return modules
 
-    task = LM()
+    return LM()
+
+
+def job_kronfluence(args, out: dict, work: Path):
+    import kronfluence
+    from kronfluence.analyzer import Analyzer, prepare_model
+    from kronfluence.arguments import FactorArguments, ScoreArguments
+    from torch.utils.data import TensorDataset
+
+    stage, test = single_stage(args)
+    model = linear_swapped(stage.model)
+    damping = json.loads((work / "influkit-ekfac.json").read_text())["damping"]
+    labels = torch.load(work / "labels.pt")["labels"]
+    x, y = stage.data.take(torch.arange(len(stage)))
+    modules = tracked_linears(model)
+
+    task = kronfluence_lm_task(modules)
     out["rss_model"] = rss_now()
     start = time.perf_counter()
     model = prepare_model(model, task)
