@@ -214,18 +214,7 @@ def gpt2_rows(repeats: int, before) -> list[dict]:
     times = {"GPT-2 plain": [], "GPT-2 recorded": [], "GPT-2 recorded + metagradient": [], "GPT-2 metagradient": []}
     earlier = {"GPT-2 recorded + metagradient": [], "GPT-2 metagradient": []}
     for _ in range(repeats):
-        times["GPT-2 plain"].append(seconds(lambda: gpt2_train(None)))
-        times["GPT-2 recorded"].append(seconds(lambda: gpt2_train(ik.unrolled.Record())))
-        record = ik.unrolled.Record()
-        recording = seconds(lambda: gpt2_train(record))
-        reverse, results = timed_call(lambda: ik.unrolled.metagradients(record, test))
-        times["GPT-2 recorded + metagradient"].append(recording + reverse)
-        times["GPT-2 metagradient"].append(reverse)
-        assert results[0].diagnostics["replay"]["max_error"] == 0.0
-        reverse, old = timed_call(lambda: before(record, test))
-        earlier["GPT-2 recorded + metagradient"].append(recording + reverse)
-        earlier["GPT-2 metagradient"].append(reverse)
-        assert agree(old, results)
+        timed_round(times, earlier, gpt2_train, test, before, "GPT-2 ")
     return rows_of(times, earlier, "GPT-2 plain", {"GPT-2 recorded": 1.15, "GPT-2 recorded + metagradient": 3.0})
 
 
@@ -330,6 +319,25 @@ def profile(record, test) -> str:
     return "profile_metagradient.txt"
 
 
+def timed_round(times: dict, earlier: dict, run, test, before, prefix: str = "") -> "ik.unrolled.Record":
+    """One interleaved round, back to back: the plain run (``run(None)``), the recorded run, and record + one exact
+    metagradient by today's reverse pass (``times``) and by the reverse pass before (``earlier``), whose scores must
+    agree. Returns the round's record."""
+    times[f"{prefix}plain"].append(seconds(lambda: run(None)))
+    times[f"{prefix}recorded"].append(seconds(lambda: run(ik.unrolled.Record())))
+    record = ik.unrolled.Record()
+    recording = seconds(lambda: run(record))
+    reverse, results = timed_call(lambda: ik.unrolled.metagradients(record, test))
+    times[f"{prefix}recorded + metagradient"].append(recording + reverse)
+    times[f"{prefix}metagradient"].append(reverse)
+    assert results[0].diagnostics["replay"]["max_error"] == 0.0
+    reverse, old = timed_call(lambda: before(record, test))
+    earlier[f"{prefix}recorded + metagradient"].append(recording + reverse)
+    earlier[f"{prefix}metagradient"].append(reverse)
+    assert agree(old, results)
+    return record
+
+
 def seconds(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -351,18 +359,7 @@ def main(argv=None) -> pd.DataFrame:
     times = {"plain": [], "recorded": [], "recorded + metagradient": [], "metagradient": []}
     earlier = {"recorded + metagradient": [], "metagradient": []}
     for _ in range(repeats):  # interleaved: the machine's load moves within minutes
-        times["plain"].append(seconds(lambda: train(data, None)))
-        times["recorded"].append(seconds(lambda: train(data, ik.unrolled.Record())))
-        record = ik.unrolled.Record()
-        recording = seconds(lambda: train(data, record))
-        reverse, results = timed_call(lambda: ik.unrolled.metagradients(record, test))
-        times["recorded + metagradient"].append(recording + reverse)
-        times["metagradient"].append(reverse)
-        assert results[0].diagnostics["replay"]["max_error"] == 0.0
-        reverse, old = timed_call(lambda: before(record, test))
-        earlier["recorded + metagradient"].append(recording + reverse)
-        earlier["metagradient"].append(reverse)
-        assert agree(old, results)
+        record = timed_round(times, earlier, lambda record: train(data, record), test, before)
     points = (test[0][:q], test[1][:q])
     together, separate = f"{q} measures in one pass (per_test)", f"{q} measures in {q} separate passes"
     times |= {together: [], separate: []}
