@@ -284,7 +284,8 @@ class Groups:
         g, bar = [grads[n] for n in names], [clipped_bar[n] for n in names]
         lead = bar[0].shape[:bar[0].dim() - g[0].dim()]
         if norm_type == 2.0:
-            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(g, 2.0)))
+            ordered = [grads[n] for n in (self.order if order is None else order) if n in grads]  # clip()'s order
+            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ordered, 2.0)))
             ratio = max_norm / (total + 1e-6)
             coefficient = torch.clamp(ratio, max=1.0)
             factor = torch.where((ratio <= 1) & (total > 0), -ratio / ((total + 1e-6) * total), 0.0)
