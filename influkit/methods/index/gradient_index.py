@@ -271,6 +271,7 @@ class GradientIndex:
                     block.p_out, block.p_in = tensors.get(f"block{i}.p_out"), tensors.get(f"block{i}.p_in")
                     block.q_out, block.q_in = tensors.get(f"block{i}.q_out"), tensors.get(f"block{i}.q_in")
                     block.scale = tensors.get(f"block{i}.scale")
+                    block.pairs = tensors.get(f"block{i}.pairs")
                     block.basis = meta["blocks"][i].get("basis") if i < len(meta["blocks"]) else block.basis
                 elif isinstance(block, FlatBlock):
                     block.projection = tensors.get(f"block{i}.projection")
