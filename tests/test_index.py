@@ -268,7 +268,7 @@ def test_int8_scores_are_within_the_stated_bound_of_the_unquantized_rows(case1, 
     error itself is smaller still), and the error not zero."""
     stage, _, query, per_test = case1
     factored = fit_curvature(stage, kind="ekfac")
-    config = IndexConfig(dim=64, damping=0.05, shard_size=16, batch_size=7)
+    config = IndexConfig(dim=64, projection="eigenbasis", damping=0.05, shard_size=16, batch_size=7)
     quantized = GradientIndex.build(stage, tmp_path / "int8", config, factored=factored)
     exact = GradientIndex.build(stage, tmp_path / "float64", dataclasses.replace(config, dtype="float64"),
                                 factored=factored)
@@ -291,15 +291,16 @@ def test_int8_scores_are_within_the_stated_bound_of_the_unquantized_rows(case1, 
 
 
 def test_default_index_is_int8_within_4096_bytes_and_an_old_version_is_refused(case1, tmp_path):
-    """IndexConfig(): whitened eigenbasis selection, D ≤ 4092 numbers, int8 rows with a scale (≤ 4,096 bytes);
+    """IndexConfig(): whitened eigen-pair selection, D ≤ 4000 numbers, int8 rows with a scale (≤ 4,004 bytes);
     projection="identity" keeps the parameters' dtype (exact); a manifest of format version 2 is refused."""
     stage, _, _, _ = case1
     factored = fit_curvature(stage, kind="ekfac")
-    assert (IndexConfig().dim, IndexConfig().dtype, IndexConfig().projection) == (4092, None, "eigenbasis")
+    assert (IndexConfig().dim, IndexConfig().dtype, IndexConfig().projection) == (4000, None, "eigenpairs")
     assert IndexConfig().storage(torch.float32) == torch.int8
     assert IndexConfig(projection="identity").storage(torch.float64) == torch.float64
     index = GradientIndex.build(stage, tmp_path / "default", IndexConfig(damping=0.05), factored=factored)
-    assert index.quantized and index.width == 147 and index.bytes_per_example == 151  # every number kept: D ≤ 4092
+    assert index.quantized and index.width == 147 and index.bytes_per_example == 151  # every number kept: D ≤ 4000
+    assert {b["basis"] for b in index.manifest["blocks"] if b["kind"] == "kronecker"} == {"eigenpairs"}
     manifest = index.directory / "manifest.json"
     old = manifest.read_text().replace('"version": 3', '"version": 2')
     assert old != manifest.read_text()

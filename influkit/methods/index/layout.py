@@ -47,9 +47,10 @@ class Layout:
         if projection not in PROJECTIONS:
             raise InputError(f"unknown projection={projection!r}; choose one of {PROJECTIONS}.")
         if projection == "eigenpairs" and not whiten:
-            raise InputError("projection='eigenpairs' selects eigen-pairs by whitened energy: it needs whiten=True.")
+            raise InputError("projection='eigenpairs' (the default) selects eigen-pairs by whitened energy: it needs "
+                             "whiten=True; unwhitened, choose projection='eigenbasis' or 'random'.")
         if (projection in ("eigenbasis", "eigenpairs") or whiten) and factored is None:
-            raise InputError(f"{'whiten=True' if whiten else 'projection=eigenbasis'} (the default) needs the stage's "
+            raise InputError(f"{'whiten=True' if whiten else f'projection={projection}'} (the default) needs the stage's "
                              "fitted factored curvature: pass factored=chain.curvature(0).approximation('ekfac') (or "
                              "ik.factored.fit_curvature(stage, kind='ekfac')) to GradientIndex.build; or "
                              "IndexConfig(projection='random', whiten=False) for an index without a curvature.")

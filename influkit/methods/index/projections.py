@@ -35,11 +35,18 @@ entrywise by (E + λ)^{-1/2}, then projected, C = P_out (G̃ ⊘ √(E + λ)) P_
 product, so a whitened dense block forms G̃, the cost of a per-example gradient); an embedding's input basis is the
 standard one, so its scaling stays per token. The direction side is P_out ((Q_outᵀ S_M Q_in) ⊙ √(E + λ)) P_inᵀ.
 Parameters with a diagonal block of C (and flat blocks) are whitened by (diag C + λ)^{-1/2}. With whitening,
-``projection="eigenbasis"`` keeps, per side, the k eigen-directions of most whitened energy Σ E/(E + λ).
+``projection="eigenbasis"`` keeps, per side, the k eigen-directions of most whitened energy Σ E/(E + λ), and
+``projection="eigenpairs"`` (the default) keeps single entries (i, j) of the whitened block: the eigen-pairs of
+most whitened energy E_ij/(E_ij + λ) — the second moment of the whitened gradient's entry, what the entry carries
+of the score — chosen over all layers at once, so that a layer's share follows its energy.
 
 The dimension rule (:func:`allot`): ``dim`` numbers per example in all, shared equally among the blocks
 (b = ⌊dim / #blocks⌋, at least 1); a Kronecker block takes k_in = min(d_in, ⌊√b⌋) and k_out = min(d_out, ⌊b / k_in⌋),
-a flat block k = min(n, b). A block never stores more numbers than its own gradient has.
+a flat block k = min(n, b). A block never stores more numbers than its own gradient has. With
+``projection="eigenpairs"`` the flat blocks take their share b as above; each whitened Kronecker block's candidates
+are the k_out × k_in rectangle of its sides of most whitened energy at 4 × ``dim`` (the rule above with
+b' = ⌊4 dim / #blocks⌋), and the remaining dim − Σ_flat k numbers go to the candidate pairs of most whitened energy
+over all Kronecker blocks (at most all of them): D ≤ dim, equal to it unless the candidates run out.
 """
 
 from __future__ import annotations
