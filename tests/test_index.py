@@ -268,7 +268,7 @@ def test_int8_scores_are_within_the_stated_bound_of_the_unquantized_rows(case1, 
     error itself is smaller still), and the error not zero."""
     stage, _, query, per_test = case1
     factored = fit_curvature(stage, kind="ekfac")
-    config = IndexConfig(dim=64, damping=0.05, shard_size=16, batch_size=7)
+    config = IndexConfig(dim=64, projection="eigenbasis", damping=0.05, shard_size=16, batch_size=7)
     quantized = GradientIndex.build(stage, tmp_path / "int8", config, factored=factored)
     exact = GradientIndex.build(stage, tmp_path / "float64", dataclasses.replace(config, dtype="float64"),
                                 factored=factored)
@@ -291,21 +291,63 @@ def test_int8_scores_are_within_the_stated_bound_of_the_unquantized_rows(case1, 
 
 
 def test_default_index_is_int8_within_4096_bytes_and_an_old_version_is_refused(case1, tmp_path):
-    """IndexConfig(): whitened eigenbasis selection, D ≤ 4092 numbers, int8 rows with a scale (≤ 4,096 bytes);
+    """IndexConfig(): whitened eigen-pair selection, D ≤ 4000 numbers, int8 rows with a scale (≤ 4,004 bytes);
     projection="identity" keeps the parameters' dtype (exact); a manifest of format version 2 is refused."""
     stage, _, _, _ = case1
     factored = fit_curvature(stage, kind="ekfac")
-    assert (IndexConfig().dim, IndexConfig().dtype, IndexConfig().projection) == (4092, None, "eigenbasis")
+    assert (IndexConfig().dim, IndexConfig().dtype, IndexConfig().projection) == (4000, None, "eigenpairs")
     assert IndexConfig().storage(torch.float32) == torch.int8
     assert IndexConfig(projection="identity").storage(torch.float64) == torch.float64
     index = GradientIndex.build(stage, tmp_path / "default", IndexConfig(damping=0.05), factored=factored)
-    assert index.quantized and index.width == 147 and index.bytes_per_example == 151  # every number kept: D ≤ 4092
+    assert index.quantized and index.width == 147 and index.bytes_per_example == 151  # every number kept: D ≤ 4000
+    assert {b["basis"] for b in index.manifest["blocks"] if b["kind"] == "kronecker"} == {"eigenpairs"}
     manifest = index.directory / "manifest.json"
     old = manifest.read_text().replace('"version": 3', '"version": 2')
     assert old != manifest.read_text()
     manifest.write_text(old)
     with pytest.raises(ik.FileFormatError, match="version 2.*build the index again"):
         GradientIndex.open(index.directory)
+
+
+def test_eigenpairs_keep_the_entries_of_most_whitened_energy_over_all_layers(case1):
+    """projection="eigenpairs": each whitened Kronecker block stores the kept (out, in) entries of its uncompressed
+    whitened block (Q_outᵀ ∇M Q_in) ⊙ scale (the query side ⊘ scale), the kept pairs those of most whitened energy
+    1 − λ·scale² among every block's candidates (a threshold over all layers), at most dim numbers in all; with
+    room for every pair it is exact."""
+    stage, _, query, _ = case1
+    factored = fit_curvature(stage, kind="ekfac")
+    x, y = corpus(40)
+    plan = dict(factored=factored, whiten=True, damping=0.05, dtype=torch.float64, seed=0)
+    full = Layout.plan(stage, stage.param_names, projection="identity", dim=1, **plan)
+    small = Layout.plan(stage, stage.param_names, projection="eigenpairs", dim=40, **plan)
+    assert small.width <= 40
+    full_rows, small_rows = full.rows(x, y, torch.float64), small.rows(x, y, torch.float64)
+    full_cols, small_cols = full.directions(query.s, torch.float64), small.directions(query.s, torch.float64)
+    offsets = lambda layout: np.cumsum([0] + [b.width for b in layout.blocks])  # noqa: E731
+    kept_energy, dropped_energy = [], []
+    for i, (whole, kept) in enumerate(zip(full.blocks, small.blocks)):
+        if getattr(kept, "basis", None) != "eigenpairs":
+            continue
+        keep_out = (whole.q_out.T @ kept.q_out).abs().argmax(0) if whole.q_out is not None else \
+            kept.q_out.abs().argmax(0)
+        keep_in = kept.p_in.argmax(1) if kept.layer.one_hot else (whole.q_in.T @ kept.q_in).abs().argmax(0)
+        energy = (1 - 0.05 * whole.scale**2).clamp_min(0)[keep_out][:, keep_in].reshape(-1)
+        chosen = torch.zeros_like(energy, dtype=torch.bool)
+        chosen[kept.pairs] = True
+        kept_energy.append(energy[chosen])
+        dropped_energy.append(energy[~chosen])
+        (a, b), (c, d) = offsets(full)[i : i + 2], offsets(small)[i : i + 2]
+        for big, little in ((full_rows[:, a:b], small_rows[:, c:d]), (full_cols.T[:, a:b], small_cols.T[:, c:d])):
+            entries = big.reshape(-1, whole.d_out, whole.d_in)[:, keep_out][:, :, keep_in].reshape(big.shape[0], -1)
+            torch.testing.assert_close(little, entries[:, kept.pairs], rtol=1e-10, atol=1e-12)
+    assert len(kept_energy) == 3  # emb, mix and head
+    assert torch.cat(kept_energy).min() >= torch.cat(dropped_energy).max()
+    assert len({e.numel() for e in kept_energy}) > 1  # the layers' shares follow their energy, not equal
+    whole = Layout.plan(stage, stage.param_names, projection="eigenpairs", dim=10**6, **plan)
+    torch.testing.assert_close(whole.rows(x, y, torch.float64) @ whole.directions(query.s, torch.float64),
+                               full_rows @ full_cols, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ik.InputError, match="whiten=True"):
+        Layout.plan(stage, stage.param_names, projection="eigenpairs", dim=40, **(plan | {"whiten": False}))
 
 
 def test_append_equals_rebuild(tmp_path):

@@ -44,7 +44,7 @@ from .shards import FORMAT, PROJECTIONS, PROJECTIONS_KIND, VERSION, ShardFiles, 
 
 DTYPES = {"int8": torch.int8, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
           "float64": torch.float64}
-DEFAULT_DIM = 4092  # numbers per example at most: int8, with the row's float32 scale ≤ 4,096 bytes a row
+DEFAULT_DIM = 4000  # numbers per example at most: int8 with the row's float32 scale, ≤ 4,004 bytes a row
 CHUNK_BYTES = 1 << 27  # an int8 index is dequantized this many bytes of float rows at a time
 
 
@@ -52,15 +52,16 @@ CHUNK_BYTES = 1 << 27  # an int8 index is dequantized this many bytes of float r
 class IndexConfig:
     """How an index is built.
 
-    The default is the whitened eigenbasis selection (``projection="eigenbasis", whiten=True``) of at most 4092
-    numbers per example stored as int8 with a float32 scale per row (≤ 4,096 bytes per example): it needs the
+    The default is the whitened eigen-pair selection (``projection="eigenpairs", whiten=True``) of at most 4,000
+    numbers per example stored as int8 with a float32 scale per row (≤ 4,004 bytes per example): it needs the
     stage's fitted factored curvature (``factored=`` of :meth:`GradientIndex.build`) and ``damping``;
     ``IndexConfig(projection="random", whiten=False)`` needs neither.
 
     dim: numbers per example in all, at most (the dimension rule of :mod:`.projections` shares them among the layers
-    and gives D ≤ dim); the default 4092 with int8 rows stores D + 4 ≤ 4,096 bytes per example;
-    projection: "eigenbasis" (per side of each layer, the eigenvectors of the fitted K-FAC/EK-FAC curvature with the
-    most gradient energy — whitened energy Σ E/(E + λ) when whitened), "random" (LoGra-style random Kronecker
+    and gives D ≤ dim); the default 4,000 with int8 rows stores D + 4 ≤ 4,004 bytes per example;
+    projection: "eigenpairs" (whitened only: the entries (i, j) of the layers' whitened eigenbasis blocks of most
+    whitened energy E/(E + λ) over all layers), "eigenbasis" (per side of each layer, the eigenvectors of the fitted
+    K-FAC/EK-FAC curvature with the most gradient energy — whitened energy Σ E/(E + λ) when whitened), "random" (LoGra-style random Kronecker
     projections, seeded by ``seed``) or "identity" (exact, uncompressed: D = the number of trained parameters);
     whiten: store P (C + λI)^{-1/2} ∇ℓ(z) and compress a query's adjoint s to P (C + λI)^{1/2} s (:mod:`.projections`),
     C the ``factored`` curvature, λ = ``damping`` (that of the chain's stage-1 solve, so that the query side is
@@ -75,7 +76,7 @@ class IndexConfig:
     """
 
     dim: int = DEFAULT_DIM
-    projection: str = "eigenbasis"
+    projection: str = "eigenpairs"
     seed: int = 0
     whiten: bool = True
     damping: float | None = None
@@ -179,7 +180,7 @@ class GradientIndex:
         A directory that already holds this index (same checkpoint, settings and data) is resumed: only the shards
         not on disk are computed. One that holds another index is refused (:class:`IndexMismatchError`); to add
         examples use :meth:`append`. ``factored``: a fitted :class:`~influkit.factored.FactoredCurvature` of the
-        stage (``projection="eigenbasis"``, ``whiten=True``). Under ``torch.distributed`` every rank calls it; the shards are split."""
+        stage (``projection="eigenpairs"`` or ``"eigenbasis"``, ``whiten=True``). Under ``torch.distributed`` every rank calls it; the shards are split."""
         files_ = ShardFiles(directory)
         if distributed.rank() == 0:
             if files_.exists():
@@ -271,6 +272,7 @@ class GradientIndex:
                     block.p_out, block.p_in = tensors.get(f"block{i}.p_out"), tensors.get(f"block{i}.p_in")
                     block.q_out, block.q_in = tensors.get(f"block{i}.q_out"), tensors.get(f"block{i}.q_in")
                     block.scale = tensors.get(f"block{i}.scale")
+                    block.pairs = tensors.get(f"block{i}.pairs")
                     block.basis = meta["blocks"][i].get("basis") if i < len(meta["blocks"]) else block.basis
                 elif isinstance(block, FlatBlock):
                     block.projection = tensors.get(f"block{i}.projection")

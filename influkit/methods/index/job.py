@@ -63,7 +63,7 @@ def build(path: str | Path, *, progress: bool = True) -> GradientIndex:
     if GradientIndex.exists(directory):
         return GradientIndex.open(directory).append(stages[0], progress=progress)
     factored = None
-    if index_config.whiten or index_config.projection == "eigenbasis":
+    if index_config.whiten or index_config.projection in ("eigenbasis", "eigenpairs"):
         chain = Chain(stages, links, solve=_configs(SolveConfig, config.get("solve")),
                       curvature=_configs(CurvatureConfig, config.get("curvature")))
         factored = chain.curvature(0).approximation("ekfac", progress=progress)

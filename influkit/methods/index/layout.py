@@ -25,6 +25,7 @@ from .projections import (PROJECTIONS, Block, FlatBlock, KroneckerBlock, allot, 
                           kronecker_sides, kronecker_whitening, random_projection, whitened_eigen_sides)
 
 FALLBACK = "per-example gradients"
+CANDIDATES = 4  # projection="eigenpairs": each Kronecker block's candidate rectangle, in shares of the dimension rule
 
 
 class Layout:
@@ -45,8 +46,11 @@ class Layout:
         whitened by (C + λI)^{-1/2} of the fitted curvature ``factored`` with λ = ``damping`` if ``whiten``."""
         if projection not in PROJECTIONS:
             raise InputError(f"unknown projection={projection!r}; choose one of {PROJECTIONS}.")
-        if (projection == "eigenbasis" or whiten) and factored is None:
-            raise InputError(f"{'whiten=True' if whiten else 'projection=eigenbasis'} (the default) needs the stage's "
+        if projection == "eigenpairs" and not whiten:
+            raise InputError("projection='eigenpairs' (the default) selects eigen-pairs by whitened energy: it needs "
+                             "whiten=True; unwhitened, choose projection='eigenbasis' or 'random'.")
+        if (projection in ("eigenbasis", "eigenpairs") or whiten) and factored is None:
+            raise InputError(f"{'whiten=True' if whiten else f'projection={projection}'} (the default) needs the stage's "
                              "fitted factored curvature: pass factored=chain.curvature(0).approximation('ekfac') (or "
                              "ik.factored.fit_curvature(stage, kind='ekfac')) to GradientIndex.build; or "
                              "IndexConfig(projection='random', whiten=False) for an index without a curvature.")
@@ -77,6 +81,10 @@ class Layout:
         if rest:
             shapes.append(("flat", (sum(state[n].numel() for n in rest),)))
         ks = allot(shapes, dim) if projection != "identity" else [None] * len(shapes)
+        if projection == "eigenpairs":  # candidate rectangles of CANDIDATES × the share, the pairs chosen below
+            candidates = allot(shapes, CANDIDATES * dim)
+            budget = dim - sum(k[0] for k, (kind, _) in zip(ks, shapes) if kind == "flat")
+            energies = []
         generator = torch.Generator().manual_seed(seed)
         blocks: list[Block] = []
         for i, layer in enumerate(layers):
@@ -88,9 +96,12 @@ class Layout:
                         plain = KroneckerBlock(layer, None, None)
                         whitening = (None, None, plain.matrix(diagonal_parts(layer.params))[0].contiguous())
                 p_out = p_in = None
-                if projection == "eigenbasis" and whiten:
-                    kept, p_out, p_in = whitened_eigen_sides(whitening, layer, *ks[i], damping, dtype)
-                    blocks.append(KroneckerBlock(layer, p_out, p_in, basis="eigenbasis", whitening=kept))
+                if projection in ("eigenbasis", "eigenpairs") and whiten:
+                    sizes = candidates[i] if projection == "eigenpairs" else ks[i]
+                    kept, p_out, p_in, energy = whitened_eigen_sides(whitening, layer, *sizes, damping, dtype)
+                    blocks.append(KroneckerBlock(layer, p_out, p_in, basis=projection, whitening=kept))
+                    if projection == "eigenpairs":
+                        energies.append((blocks[-1], energy.reshape(-1)))
                     continue
                 if projection == "eigenbasis":
                     sides = eigen_sides(layer, factored, *ks[i], dtype)
@@ -110,6 +121,8 @@ class Layout:
             p = None if ks[-1] is None else random_projection(ks[-1][0], shapes[-1][1][0], generator, dtype)
             scale = _flat_scale(diagonal_parts(rest), rest) if whiten else None
             blocks.append(FlatBlock(FALLBACK, rest, [state[n].numel() for n in rest], None, p, scale))
+        if projection == "eigenpairs":
+            _choose_pairs(energies, budget)
         return cls(stage, names, blocks)
 
     def describe(self) -> list[dict]:
@@ -158,6 +171,20 @@ class Layout:
             raise InputError(f"the direction has {s.shape[0]} entries; the index's parameters have {self.space.dim}.")
         parts = self.space.unflatten(s.to(dtype))
         return torch.cat([b.direction({n: parts[n] for n in b.params}) for b in self.blocks], dim=1).T.contiguous()
+
+
+def _choose_pairs(energies: list, budget: int) -> None:
+    """Give each whitened Kronecker block the pairs of its candidate rectangle that are among the ``budget`` of most
+    whitened energy E/(E + λ) over all blocks' candidates (ties: the earlier block, the earlier pair)."""
+    if not energies:
+        return
+    every = torch.cat([e for _, e in energies])
+    chosen = torch.zeros(every.shape[0], dtype=torch.bool)
+    chosen[torch.sort(every, descending=True, stable=True).indices[: max(budget, 0)]] = True
+    start = 0
+    for block, energy in energies:
+        block.pairs = torch.nonzero(chosen[start : start + energy.shape[0]]).reshape(-1)
+        start += energy.shape[0]
 
 
 def _flat_scale(parts: dict, params: Sequence[str]) -> torch.Tensor:

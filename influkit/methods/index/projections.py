@@ -35,11 +35,18 @@ entrywise by (E + λ)^{-1/2}, then projected, C = P_out (G̃ ⊘ √(E + λ)) P_
 product, so a whitened dense block forms G̃, the cost of a per-example gradient); an embedding's input basis is the
 standard one, so its scaling stays per token. The direction side is P_out ((Q_outᵀ S_M Q_in) ⊙ √(E + λ)) P_inᵀ.
 Parameters with a diagonal block of C (and flat blocks) are whitened by (diag C + λ)^{-1/2}. With whitening,
-``projection="eigenbasis"`` keeps, per side, the k eigen-directions of most whitened energy Σ E/(E + λ).
+``projection="eigenbasis"`` keeps, per side, the k eigen-directions of most whitened energy Σ E/(E + λ), and
+``projection="eigenpairs"`` (the default) keeps single entries (i, j) of the whitened block: the eigen-pairs of
+most whitened energy E_ij/(E_ij + λ) — the second moment of the whitened gradient's entry, what the entry carries
+of the score — chosen over all layers at once, so that a layer's share follows its energy.
 
 The dimension rule (:func:`allot`): ``dim`` numbers per example in all, shared equally among the blocks
 (b = ⌊dim / #blocks⌋, at least 1); a Kronecker block takes k_in = min(d_in, ⌊√b⌋) and k_out = min(d_out, ⌊b / k_in⌋),
-a flat block k = min(n, b). A block never stores more numbers than its own gradient has.
+a flat block k = min(n, b). A block never stores more numbers than its own gradient has. With
+``projection="eigenpairs"`` the flat blocks take their share b as above; each whitened Kronecker block's candidates
+are the k_out × k_in rectangle of its sides of most whitened energy at 4 × ``dim`` (the rule above with
+b' = ⌊4 dim / #blocks⌋), and the remaining dim − Σ_flat k numbers go to the candidate pairs of most whitened energy
+over all Kronecker blocks (at most all of them): D ≤ dim, equal to it unless the candidates run out.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ import torch
 from ..errors import InputError
 from ..layers import Layer
 
-PROJECTIONS = ("random", "identity", "eigenbasis")
+PROJECTIONS = ("random", "identity", "eigenbasis", "eigenpairs")
 
 
 class Block:
@@ -88,6 +95,7 @@ class KroneckerBlock(Block):
                  whitening: tuple | None = None):
         self.layer, self.p_out, self.p_in, self.basis = layer, p_out, p_in, basis
         self.q_out, self.q_in, self.scale = whitening or (None, None, None)
+        self.pairs: torch.Tensor | None = None  # kept entries of the k_out × k_in block (flat indices; None: all)
         self.params = layer.params
         self.d_out, self.d_in = kronecker_sides(layer)
 
@@ -109,7 +117,11 @@ class KroneckerBlock(Block):
 
     @property
     def width(self) -> int:
-        return self.k_out * self.k_in
+        return self.k_out * self.k_in if self.pairs is None else int(self.pairs.shape[0])
+
+    def _keep(self, flat: torch.Tensor) -> torch.Tensor:
+        """(k, width) the kept entries of (k, k_out · k_in) blocks."""
+        return flat if self.pairs is None else flat[:, self.pairs.to(flat.device)]
 
     def compress(self, inp: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """(B, width) of one recorded call (its raw input and output-gradient); unwhitened (or an embedding) never
@@ -125,7 +137,7 @@ class KroneckerBlock(Block):
             a = torch.nn.functional.one_hot(a, self.d_in).to(g.dtype) if self.p_in is None else self.p_in.T.to(g.dtype)[a]
             if self.p_out is not None:
                 g = g @ self.p_out.T.to(g.dtype)
-            return torch.einsum("bto,bti->boi", g, a).reshape(g.shape[0], -1)
+            return self._keep(torch.einsum("bto,bti->boi", g, a).reshape(g.shape[0], -1))
         a = a.to(g.dtype)
         if self.whitened:
             if layer.bias is not None:
@@ -133,7 +145,7 @@ class KroneckerBlock(Block):
             if self.q_in is not None:
                 a = a @ self.q_in.to(g.dtype)
             m = torch.einsum("bto,bti->boi", g, a) * self.scale.to(g.dtype)
-            return self._project(m).reshape(g.shape[0], -1)
+            return self._keep(self._project(m).reshape(g.shape[0], -1))
         if self.p_in is not None:
             p = self.p_in.to(g.dtype)
             a = a @ p[:, :-1].T + p[:, -1] if layer.bias is not None else a @ p.T
@@ -170,11 +182,11 @@ class KroneckerBlock(Block):
             if self.q_in is not None:
                 m = m @ self.q_in.to(m.dtype)
             m = m / self.scale.to(m.dtype)
-        return self._project(m).reshape(m.shape[0], -1)
+        return self._keep(self._project(m).reshape(m.shape[0], -1))
 
     def tensors(self):
         return {k: v for k, v in (("p_out", self.p_out), ("p_in", self.p_in), ("q_out", self.q_out),
-                                  ("q_in", self.q_in), ("scale", self.scale)) if v is not None}
+                                  ("q_in", self.q_in), ("scale", self.scale), ("pairs", self.pairs)) if v is not None}
 
     def describe(self):
         return {"kind": self.kind, "layer": self.layer.name, "module": self.layer.kind, "params": self.params,
@@ -335,18 +347,21 @@ def diagonal_whitening(factored, damping: float) -> torch.Tensor:
 
 
 def whitened_eigen_sides(whitening: tuple, layer: Layer, k_out: int, k_in: int, damping: float, dtype: torch.dtype):
-    """((Q_out, Q_in, scale), P_out, P_in) keeping, per side of a whitened block, the k eigen-directions of most
+    """((Q_out, Q_in, scale), P_out, P_in, energy) keeping, per side of a whitened block, the k eigen-directions of most
     whitened energy Σ (E + shift)/(E + shift + λ) = Σ (1 − λ·scale²) (summed over the other side): the kept columns
     of each Q (the standard basis's where Q is None) and the kept entries of the scale, so that the rotation and the
     selection are one (d × k) product per token. An embedding keeps its vocabulary side whole in the scale (one
-    column per token) and selects it with P_in."""
+    column per token) and selects it with P_in. ``energy``: (k_out, k_in) float64 the kept entries' whitened
+    energy 1 − λ·scale²."""
     q_out, q_in, scale = whitening
     energy = (1 - damping * scale.to(torch.float64) ** 2).clamp_min(0)
     d_out, d_in = scale.shape
     keep_out = energy.sum(1).argsort(descending=True)[:k_out]
     keep_in = energy.sum(0).argsort(descending=True)[:k_in]
+    kept_energy = energy[keep_out][:, keep_in]
     q_out = (torch.eye(d_out, dtype=dtype) if q_out is None else q_out)[:, keep_out].contiguous()
     if layer.one_hot:
-        return (q_out, None, scale[keep_out].contiguous()), None, torch.eye(d_in, dtype=dtype)[keep_in].contiguous()
+        return ((q_out, None, scale[keep_out].contiguous()), None, torch.eye(d_in, dtype=dtype)[keep_in].contiguous(),
+                kept_energy)
     q_in = (torch.eye(d_in, dtype=dtype) if q_in is None else q_in)[:, keep_in].contiguous()
-    return (q_out, q_in, scale[keep_out][:, keep_in].contiguous()), None, None
+    return (q_out, q_in, scale[keep_out][:, keep_in].contiguous()), None, None, kept_energy
