@@ -237,7 +237,7 @@ def main(argv=None) -> None:
     table.to_csv(RESULTS / f"{name}.csv", index=False)
     plot(table, n, top, RESULTS / f"{name}.png")
     record(RESULTS, [f"{name}.md", f"{name}.csv", f"{name}.png"],
-           note="shared 2-core machine (six helpers)")
+           note="shared 2-core machine (four helpers)")
     print(header)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
 

@@ -261,7 +261,7 @@ def test_whitened_eigenbasis_selection_keeps_entries_of_the_whitened_gradient(ca
     assert checked == 2 and small.width < full.width  # mix and head
 
 
-def test_int8_scores_are_within_the_stated_bound_of_the_unquantized_rows(case1, tmp_path):
+def test_int8_scores_are_within_the_stated_bound_of_the_unquantized_rows(case1, tmp_path, monkeypatch):
     """The default storage of a compressed index (int8, a float32 scale σ per row, D + 4 bytes): each stored entry
     within σ/2 of the float64 row of the same layout, each score within (σ/2)‖s̃‖₁ of the float64 index's score
     (summed and per test point), the bound a small part of the scores' spread over the rows (a worst case: the
@@ -288,6 +288,10 @@ def test_int8_scores_are_within_the_stated_bound_of_the_unquantized_rows(case1, 
         assert (bound.amax(0) < 0.05 * spread).all() and (error.amax(0) < 0.01 * spread).all()
     with pytest.raises(ik.InputError, match="not int8"):
         exact.scales()
+    whole = quantized.scores(per_test).values
+    monkeypatch.setattr("influkit.index.gradient_index.CHUNK_BYTES", 5 * quantized.width * 8)  # 5 rows a chunk
+    assert [start for start, _ in quantized.shards()][:5] == [0, 5, 10, 15, 16]
+    torch.testing.assert_close(quantized.scores(per_test).values, whole, rtol=0, atol=0)
 
 
 def test_default_index_is_int8_within_4096_bytes_and_an_old_version_is_refused(case1, tmp_path):

@@ -9,6 +9,7 @@ finetuned encoder (Case 2), LoRA adapter and test set; only the chain's adjoint 
   ``top(query, k)`` (candidates from the index, re-scored exactly by contraction; ``ann=True`` for faiss);
 - :mod:`.projections`: the per-layer Kronecker-factored projections and the dimension rule;
 - :mod:`.layout`: a batch's compressed rows and a direction's compressed columns;
+- :mod:`.quantization`: int8 rows with a scale per row (the default storage) and the bound on their scores' error;
 - :mod:`.shards`: the files (manifest, projections, shards) and the fingerprints of checkpoint and data;
 - :mod:`.ann`: approximate inner-product search (faiss, the ``index`` extra);
 - :mod:`.job`: ``influkit index build|query CONFIG``.
