@@ -22,7 +22,8 @@ weights are from the plain loop's.
 (ii) Bergson's gradient index vs influkit's ``GradientIndex`` on a BertForMaskedLM with random weights (``--bert-layers``
 × ``--bert-hidden``, vocabulary 30,522; bench_transformer's masked-LM data: ``--sequences`` random-token sequences of
 32 tokens, 15 % masked, token-summed loss) and ``--queries`` test sequences: both index the per-example gradients of
-the encoder's linear weights (no biases: what Bergson tracks). Per row: build seconds, bytes per example on disk,
+the encoder's linear weights (no biases: what Bergson tracks), influkit's with ``IndexConfig(projection="random",
+whiten=False)`` (raw gradients under random Kronecker projections, as Bergson's; int8 rows). Per row: build seconds, bytes per example on disk,
 build peak RSS, query seconds (influkit: the test gradients, ``Chain.query``, plus ``GradientIndex.scores``, after
 the test-independent ``Chain.fit``, timed apart;
 Bergson: ``Attributor.trace`` — test gradients and dot products — and again through FAISS ``Flat`` inner product,
@@ -260,7 +261,8 @@ def bench_index(args) -> tuple[pd.DataFrame, dict]:
     try:
         for dim in args.influkit_dims:
             with Peak() as build:
-                index = GradientIndex.build(stage, work / f"ik{dim}", IndexConfig(dim=dim))
+                index = GradientIndex.build(stage, work / f"ik{dim}",
+                                            IndexConfig(dim=dim, projection="random", whiten=False))
             size = sum(p.stat().st_size for p in (work / f"ik{dim}").glob("shard-*.npy"))
             with Peak() as query_time:
                 again = chain.query((tx, tlabels), per_test=True)
