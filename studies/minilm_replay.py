@@ -145,10 +145,11 @@ def trainers(cfg: Config, callbacks: bool):
     return pre, finetuner, record, data
 
 
-def train(cfg: Config) -> Run:
-    """Both Trainer runs, recorded; the replayed final weights asserted equal to the Trainer's own."""
+def train(cfg: Config, build=None) -> Run:
+    """Both Trainer runs, recorded; the replayed final weights asserted equal to the Trainer's own. build: the
+    Trainers' builder (default :func:`trainers`; :func:`lora_trainers` for the LoRA variant)."""
     torch.manual_seed(cfg.seed)
-    pre, finetuner, record, data = trainers(cfg, callbacks=True)
+    pre, finetuner, record, data = (build or trainers)(cfg, callbacks=True)
     start = time.perf_counter()
     pre.train()
     fin = finetuner(pre.model)
@@ -396,6 +397,92 @@ def step_cost(cfg: Config, repeats: int) -> pd.DataFrame:
                           "seconds (all)": " ".join(f"{x:.1f}" for x in v)} for k, v in times.items()])
 
 
+LORA_RESULTS = Path(__file__).parent / "results" / "minilm_replay_lora"
+LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "key", "value"], "layers_to_transform": [5],
+        "lora_dropout": 0.1, "task_type": "SEQ_CLS"}  # the top layer's attention; peft's SEQ_CLS trains the head
+
+
+def lora_trainers(cfg: Config, callbacks: bool):
+    """As :func:`trainers`, with the finetuning Trainer training a peft LoRA adapter (``LORA``: rank 8 on the
+    masked-LM-adapted top layer's query, key and value, dropout 0.1) and a new classification head, everything else
+    frozen; the callback's link is ``hf.lora_link`` over the top layer (Case 1: its base weights are the masked LM's
+    final ones, fixed)."""
+    import peft
+
+    pre, _, record, data = trainers(cfg, callbacks)
+    path = hf.checkpoint_dir(PACKAGE)
+    tok = data.tokenizer
+
+    def finetuner(trained_mlm):
+        clf = hf.pretrained(BertForSequenceClassification, path, num_labels=2, seed=cfg.seed + 1, **DROPOUT)
+        values = dict(trained_mlm.named_parameters())
+        with torch.no_grad():
+            for n, p in clf.named_parameters():
+                if n.startswith(TOP_LAYER):
+                    p.copy_(values[n])
+        model = peft.get_peft_model(clf, peft.LoraConfig(**LORA))
+        train = data.train[0]
+        link = hf.lora_link(trained_mlm, model, shared=TOP_LAYER)
+        return Trainer(model, arguments(4, 1e-3, cfg.seed + 1),
+                       train_dataset=rows(tok, [s.text for s in train], cfg.max_len, [s.rating > 0 for s in train]),
+                       data_collator=DataCollatorWithPadding(tok),
+                       callbacks=[hf.RecordCallback(record, link=link)] if callbacks else [])
+
+    return pre, finetuner, record, data
+
+
+def lora_exact(cfg: Config, out: Path, progress: bool) -> Run:
+    """The LoRA variant trained and recorded (recorded finals == the Trainers', :func:`train`), its exact row
+    (scores.npz for both stages, costs.json, summary.json) and the corpus leave-out groups (leave_out.csv)."""
+    run = train(cfg, lora_trainers)
+    lora = run.record.runs[1]
+    facts = {"corpus": len(run.corpus), "finetuning": len(run.train), "test": int(run.test[0].shape[0]),
+             "steps": [r.steps for r in run.record.runs], "recorded final weights == the Trainer's": True,
+             "LoRA": LORA, "finetuning trains": lora.trained, "inherited (fixed, Case 1)": len(lora.frozen),
+             "seconds": run.seconds}
+    rows_ = scored(run, progress)
+    np.savez(out / "scores.npz", **{f"{name} stage {k}": s for name, row in rows_.items()
+                                    for k, s in enumerate(row["scores"])})
+    (out / "costs.json").write_text(json.dumps({n: {k: r[k] for k in ("seconds", "peak_rss_mib")}
+                                                for n, r in rows_.items()}, indent=2))
+    (out / "summary.json").write_text(json.dumps(facts | {"machine": "shared 2-core CPU, 1 torch thread"},
+                                                 indent=2, default=float))
+    base = ik.unrolled.outputs(run.record, run.test).numpy()
+    leave_out(run, rows_[EXACT]["scores"][0], base, progress).to_csv(out / "leave_out.csv", index=False)
+    return run
+
+
+def lora_replays(run: Run, out: Path, fractions, subsets: int, progress: bool) -> None:
+    """The drop sets' replays into ``out/replays/`` one by one, the fractions interleaved (a run stopped early
+    leaves the first j of every fraction; resumable); seconds per replay appended to ``replay_seconds.txt``."""
+    cache = out / "replays"
+    cache.mkdir(exist_ok=True)
+    keeps = {f: drop_sets(len(run.corpus), f, subsets) for f in fractions}
+    for j in tqdm(range(subsets), desc="drop sets", disable=not progress):
+        for f in fractions:
+            path = cache / f"{int(f * 100)}_{j:03d}.npy"
+            if not path.exists():
+                start = time.perf_counter()
+                np.save(path, replayed(run, keeps[f][j:j + 1], False)[0])
+                with open(out / "replay_seconds.txt", "a") as log:
+                    log.write(f"{f} {j} {time.perf_counter() - start:.1f} {peak_rss_mib():.0f}\n")
+
+
+def lora_main(args, cfg: Config, out: Path, note: str) -> int:
+    """``--lora``: step ``all`` (or ``exact``) trains, scores and replays into ``out``; ``table`` writes lds.csv,
+    lds.png and MANIFEST.json from what is on disk."""
+    from benchmarks.manifest import record
+    if args.step in ("all", "exact", "replays"):
+        run = train(cfg, lora_trainers) if args.step == "replays" else lora_exact(cfg, out, not args.no_progress)
+        if args.step != "exact":
+            lora_replays(run, out, args.fractions, args.subsets, not args.no_progress)
+    print(step_table(out, args.subsets).to_string(index=False))
+    print(pd.read_csv(out / "leave_out.csv").to_string(index=False))
+    record(out, [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name not in ("MANIFEST.json", "log.txt")]
+           + (["replays/"] if (out / "replays").exists() else []), note=note + "; LoRA finetuning variant")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("step", nargs="?", default="all",
@@ -407,13 +494,16 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--lora", action="store_true", help="the LoRA finetuning variant (steps all, table)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cfg = QUICK if args.quick else SIZES
-    out = args.out
+    out = LORA_RESULTS if args.lora and args.out == RESULTS else args.out
     out.mkdir(parents=True, exist_ok=True)
     from benchmarks.manifest import record
     note = "shared machine (2 cores, six helpers), 1 torch thread"
+    if args.lora:
+        return lora_main(args, cfg, out, note)
     if args.step == "all":
         step_all(cfg, out, args.subsets, not args.no_progress)
     elif args.step == "influence":
