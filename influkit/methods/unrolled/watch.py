@@ -95,10 +95,10 @@ def check_replayable(model: nn.Module, optimizer: torch.optim.Optimizer):
     variants = lora_variants(model)
     if variants:
         name, kinds = next(iter(variants.items()))
-        raise NotReplayable(f"{name} runs the peft LoRA variant {kinds} (e.g. DoRA, use_dora=True), whose forward "
-                            "detaches part of the weight (DoRA's column norm): replay repeats the steps, but autograd's "
-                            "second derivative misses the detached part, so the metagradient would differ from "
-                            "re-run training; use plain LoRA (LoraConfig(use_dora=False) and no other variant).")
+        raise NotReplayable(f"{name} runs the peft LoRA variant {kinds} (e.g. DoRA, use_dora=True), whose "
+                            "forward detaches part of the weight (DoRA's column norm): replay repeats the steps, but "
+                            "autograd's second derivative misses the detached part, so the metagradient would differ "
+                            "from re-run training; use plain LoRA (LoraConfig(use_dora=False) and no other variant).")
     if any(p.device.type == "cuda" for p in model.parameters()) and not torch.are_deterministic_algorithms_enabled():
         raise NotReplayable("CUDA kernels may be non-deterministic, so a replay would not repeat the run; call "
                             "torch.use_deterministic_algorithms(True) (and set CUBLAS_WORKSPACE_CONFIG=:4096:8) "
