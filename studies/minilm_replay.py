@@ -433,7 +433,8 @@ def lora_trainers(cfg: Config, callbacks: bool):
 
 def lora_exact(cfg: Config, out: Path, progress: bool) -> Run:
     """The LoRA variant trained and recorded (recorded finals == the Trainers', :func:`train`), its exact row
-    (scores.npz for both stages, costs.json, summary.json) and the corpus leave-out groups (leave_out.csv)."""
+    (scores.npz for both stages, costs.json, summary.json) and the leave-out groups of the corpus (leave_out.csv)
+    and of the finetuning examples (leave_out_finetuning.csv)."""
     run = train(cfg, lora_trainers)
     lora = run.record.runs[1]
     facts = {"corpus": len(run.corpus), "finetuning": len(run.train), "test": int(run.test[0].shape[0]),
@@ -449,7 +450,27 @@ def lora_exact(cfg: Config, out: Path, progress: bool) -> Run:
                                                  indent=2, default=float))
     base = ik.unrolled.outputs(run.record, run.test).numpy()
     leave_out(run, rows_[EXACT]["scores"][0], base, progress).to_csv(out / "leave_out.csv", index=False)
+    finetuning_leave_out(run, rows_[EXACT]["scores"][1], base, progress).to_csv(out / "leave_out_finetuning.csv",
+                                                                               index=False)
     return run
+
+
+def finetuning_leave_out(run: Run, scores: np.ndarray, base: np.ndarray, progress: bool) -> pd.DataFrame:
+    """As :func:`leave_out` for the finetuning examples (``scores``: their (n_train, q) exact scores): each group
+    weighted 0 in the finetuning stage's replay (the corpus kept), predicted −Σ_{z∈G} score_z vs the replayed
+    change of the summed test loss."""
+    total = scores.sum(1)
+    order = np.argsort(total)
+    groups = {"most harmful": order[::-1][:GROUP], "most helpful": order[:GROUP],
+              "random": np.random.default_rng(0).choice(len(total), GROUP, replace=False)}
+    dtype = next(iter(run.record.runs[1].final.values())).dtype
+    out = []
+    for name, members in tqdm(groups.items(), desc="finetuning groups", disable=not progress, leave=False):
+        keep = torch.ones(len(total), dtype=dtype)
+        keep[torch.as_tensor(members.copy())] = 0
+        actual = float(ik.unrolled.outputs(run.record, run.test, [None, keep]).numpy().sum() - base.sum())
+        out.append({"group": name, "predicted change": float(-total[members].sum()), "replayed change": actual})
+    return pd.DataFrame(out)
 
 
 def lora_replays(run: Run, out: Path, fractions, subsets: int, progress: bool) -> None:
@@ -477,7 +498,8 @@ def lora_main(args, cfg: Config, out: Path, note: str) -> int:
         if args.step != "exact":
             lora_replays(run, out, args.fractions, args.subsets, not args.no_progress)
     print(step_table(out, args.subsets).to_string(index=False))
-    print(pd.read_csv(out / "leave_out.csv").to_string(index=False))
+    for name in ("leave_out.csv", "leave_out_finetuning.csv"):
+        print(pd.read_csv(out / name).to_string(index=False))
     record(out, [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name not in ("MANIFEST.json", "log.txt")]
            + (["replays/"] if (out / "replays").exists() else []), note=note + "; LoRA finetuning variant")
     return 0

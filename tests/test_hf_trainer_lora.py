@@ -80,9 +80,9 @@ def pretrain_encoder_only(tokenizer, record):
 
 
 @pytest.mark.parametrize("lora, link, error, fix", [
-    ({"use_dora": True}, {}, ik.NotReplayable, "use_dora=False"),  # DoRA detaches its weight norm in the forward
+    ({"use_dora": True}, {"shared": "bert.encoder"}, ik.NotReplayable, "use_dora=False"),  # DoRA detaches its norm
     ({}, {}, ik.ParameterError, "shared=prefix"),  # the frozen embeddings carry no influence from stage 1
-    ({}, {"case": 2}, ik.NotReplayable, "Case 1"),  # the Trainer adds no proximal term
+    ({}, {"case": 2, "shared": "bert.encoder"}, ik.NotReplayable, "Case 1"),  # the Trainer adds no proximal term
 ])
 def test_what_cannot_be_attributed_exactly_is_refused_before_the_first_step(tokenizer, lora, link, error, fix):
     record = ik.unrolled.Record()
