@@ -498,8 +498,11 @@ def lora_main(args, cfg: Config, out: Path, note: str) -> int:
         if args.step != "exact":
             lora_replays(run, out, args.fractions, args.subsets, not args.no_progress)
     print(step_table(out, args.subsets).to_string(index=False))
-    for name in ("leave_out.csv", "leave_out_finetuning.csv"):
-        print(pd.read_csv(out / name).to_string(index=False))
+    for name in ("leave_out.csv", "leave_out_finetuning.csv"):  # each group: did it move the measure as predicted?
+        groups = pd.read_csv(out / name)
+        groups["same direction"] = np.sign(groups["predicted change"]) == np.sign(groups["replayed change"])
+        groups.to_csv(out / name, index=False)
+        print(groups.to_string(index=False))
     record(out, [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name not in ("MANIFEST.json", "log.txt")]
            + (["replays/"] if (out / "replays").exists() else []), note=note + "; LoRA finetuning variant")
     return 0
