@@ -33,6 +33,15 @@ exact score) are replayed: predicted −Σ_{z∈G} score_z against the replayed 
     python -m studies.minilm_replay replays --fractions 0.05 0.1  # drop sets replayed one by one (resumable)
     python -m studies.minilm_replay table                         # lds.csv, lds.png from every row on disk
     python -m studies.minilm_replay cost                          # benchmarks/results/bench_record_cost/minilm_cost.csv
+
+The LoRA variant (``--lora``, :func:`lora_trainers`): stage 2 trains a peft LoRA adapter (rank 8, dropout 0.1) on the
+adapted top layer's query, key and value and a new classification head, the rest frozen, recorded by the callback
+through ``hf.lora_link`` (Case 1: the top layer's base weights are the masked LM's final ones). The exact row, the
+leave-out groups of the corpus and of the finetuning examples, and the replay LDS, into
+studies/results/minilm_replay_lora/:
+
+    python -m studies.minilm_replay exact --lora                  # train, record, exact row, leave-out groups
+    python -m studies.minilm_replay replays --lora --fractions 0.01 0.05 0.1   # drop sets (resumable), then table
 """
 
 from __future__ import annotations
