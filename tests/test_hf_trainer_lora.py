@@ -61,9 +61,10 @@ def test_a_lora_finetune_by_the_trainer_replays_bit_for_bit_and_is_attributed_ac
             assert torch.equal(value, own[n]), n
     test = run.stage.data.take(torch.tensor([0, 1]))
     results = ik.unrolled.metagradients(record, test)
-    for k, z in ((0, 6), (0, 9), (1, 2), (1, 5)):
+    largest = [(k, int(z)) for k in (0, 1) for z in results[k].values.abs().topk(2).indices]  # visible to FD
+    for k, z in largest + [(0, 6), (1, 5)]:
         fd, rounding = central_difference(record, test, k, z)
-        assert abs(fd) > 100 * rounding, (k, z)  # a difference the check can see
+        assert abs(fd) > 100 * rounding or (k, z) not in largest, (k, z)  # a difference the check can see
         assert float(results[k].values[z]) == pytest.approx(fd, rel=1e-6, abs=rounding), (k, z)
 
 
