@@ -505,9 +505,12 @@ def lora_replays(run: Run, out: Path, fractions, subsets: int, progress: bool) -
 
 
 def lora_main(args, cfg: Config, out: Path, note: str) -> int:
-    """``--lora``: step ``all`` (or ``exact``) trains, scores and replays into ``out``; ``table`` writes lds.csv,
-    lds.png and MANIFEST.json from what is on disk."""
+    """``--lora``: ``exact`` trains, records and scores (:func:`lora_exact`), ``replays`` trains and replays the drop
+    sets not on disk (:func:`lora_replays`), ``all`` both; then (and for ``table`` alone) lds.csv, lds.png, the
+    leave-out tables' directions and MANIFEST.json from what is on disk."""
     from benchmarks.manifest import record
+    if args.step not in ("all", "exact", "replays", "table"):
+        raise SystemExit(f"--lora takes the steps all, exact, replays and table, not {args.step!r}.")
     if args.step in ("all", "exact", "replays"):
         run = train(cfg, lora_trainers) if args.step == "replays" else lora_exact(cfg, out, not args.no_progress)
         if args.step != "exact":
@@ -534,7 +537,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--lora", action="store_true", help="the LoRA finetuning variant (steps all, table)")
+    parser.add_argument("--lora", action="store_true", help="the LoRA finetuning variant (steps all, exact, replays, table)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cfg = QUICK if args.quick else SIZES
