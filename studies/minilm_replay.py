@@ -33,6 +33,15 @@ exact score) are replayed: predicted −Σ_{z∈G} score_z against the replayed 
     python -m studies.minilm_replay replays --fractions 0.05 0.1  # drop sets replayed one by one (resumable)
     python -m studies.minilm_replay table                         # lds.csv, lds.png from every row on disk
     python -m studies.minilm_replay cost                          # benchmarks/results/bench_record_cost/minilm_cost.csv
+
+The LoRA variant (``--lora``, :func:`lora_trainers`): stage 2 trains a peft LoRA adapter (rank 8, dropout 0.1) on the
+adapted top layer's query, key and value and a new classification head, the rest frozen, recorded by the callback
+through ``hf.lora_link`` (Case 1: the top layer's base weights are the masked LM's final ones). The exact row, the
+leave-out groups of the corpus and of the finetuning examples, and the replay LDS, into
+studies/results/minilm_replay_lora/:
+
+    python -m studies.minilm_replay exact --lora                  # train, record, exact row, leave-out groups
+    python -m studies.minilm_replay replays --lora --fractions 0.01 0.05 0.1   # drop sets (resumable), then table
 """
 
 from __future__ import annotations
@@ -145,10 +154,11 @@ def trainers(cfg: Config, callbacks: bool):
     return pre, finetuner, record, data
 
 
-def train(cfg: Config) -> Run:
-    """Both Trainer runs, recorded; the replayed final weights asserted equal to the Trainer's own."""
+def train(cfg: Config, build=None) -> Run:
+    """Both Trainer runs, recorded; the replayed final weights asserted equal to the Trainer's own. build: the
+    Trainers' builder (default :func:`trainers`; :func:`lora_trainers` for the LoRA variant)."""
     torch.manual_seed(cfg.seed)
-    pre, finetuner, record, data = trainers(cfg, callbacks=True)
+    pre, finetuner, record, data = (build or trainers)(cfg, callbacks=True)
     start = time.perf_counter()
     pre.train()
     fin = finetuner(pre.model)
@@ -396,6 +406,126 @@ def step_cost(cfg: Config, repeats: int) -> pd.DataFrame:
                           "seconds (all)": " ".join(f"{x:.1f}" for x in v)} for k, v in times.items()])
 
 
+LORA_RESULTS = Path(__file__).parent / "results" / "minilm_replay_lora"
+LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "key", "value"], "layers_to_transform": [5],
+        "lora_dropout": 0.1, "task_type": "SEQ_CLS"}  # the top layer's attention; peft's SEQ_CLS trains the head
+
+
+def lora_trainers(cfg: Config, callbacks: bool):
+    """As :func:`trainers`, with the finetuning Trainer training a peft LoRA adapter (``LORA``: rank 8 on the
+    masked-LM-adapted top layer's query, key and value, dropout 0.1) and a new classification head, everything else
+    frozen; the callback's link is ``hf.lora_link`` over the top layer (Case 1: its base weights are the masked LM's
+    final ones, fixed)."""
+    import peft
+
+    pre, _, record, data = trainers(cfg, callbacks)
+    path = hf.checkpoint_dir(PACKAGE)
+    tok = data.tokenizer
+
+    def finetuner(trained_mlm):
+        clf = hf.pretrained(BertForSequenceClassification, path, num_labels=2, seed=cfg.seed + 1, **DROPOUT)
+        values = dict(trained_mlm.named_parameters())
+        with torch.no_grad():
+            for n, p in clf.named_parameters():
+                if n.startswith(TOP_LAYER):
+                    p.copy_(values[n])
+        model = peft.get_peft_model(clf, peft.LoraConfig(**LORA))
+        train = data.train[0]
+        link = hf.lora_link(trained_mlm, model, shared=TOP_LAYER)
+        return Trainer(model, arguments(4, 1e-3, cfg.seed + 1),
+                       train_dataset=rows(tok, [s.text for s in train], cfg.max_len, [s.rating > 0 for s in train]),
+                       data_collator=DataCollatorWithPadding(tok),
+                       callbacks=[hf.RecordCallback(record, link=link)] if callbacks else [])
+
+    return pre, finetuner, record, data
+
+
+def lora_exact(cfg: Config, out: Path, progress: bool) -> Run:
+    """The LoRA variant trained and recorded (recorded finals == the Trainers', :func:`train`), its exact row
+    (scores.npz for both stages, costs.json, summary.json) and the leave-out groups of the corpus (leave_out.csv)
+    and of the finetuning examples (leave_out_finetuning.csv)."""
+    run = train(cfg, lora_trainers)
+    lora = run.record.runs[1]
+    facts = {"corpus": len(run.corpus), "finetuning": len(run.train), "test": int(run.test[0].shape[0]),
+             "steps": [r.steps for r in run.record.runs], "recorded final weights == the Trainer's": True,
+             "LoRA": LORA, "finetuning trains": lora.trained, "inherited (fixed, Case 1)": len(lora.frozen),
+             "seconds": run.seconds}
+    rows_ = scored(run, progress)
+    np.savez(out / "scores.npz", **{f"{name} stage {k}": s for name, row in rows_.items()
+                                    for k, s in enumerate(row["scores"])})
+    (out / "costs.json").write_text(json.dumps({n: {k: r[k] for k in ("seconds", "peak_rss_mib")}
+                                                for n, r in rows_.items()}, indent=2))
+    (out / "summary.json").write_text(json.dumps(facts | {"machine": "shared 2-core CPU, 1 torch thread"},
+                                                 indent=2, default=float))
+    base = ik.unrolled.outputs(run.record, run.test).numpy()
+    leave_out(run, rows_[EXACT]["scores"][0], base, progress).to_csv(out / "leave_out.csv", index=False)
+    finetuning_leave_out(run, rows_[EXACT]["scores"][1], base, progress).to_csv(out / "leave_out_finetuning.csv",
+                                                                               index=False)
+    return run
+
+
+def finetuning_leave_out(run: Run, scores: np.ndarray, base: np.ndarray, progress: bool) -> pd.DataFrame:
+    """As :func:`leave_out` for the finetuning examples (``scores``: their (n_train, q) exact scores): each group
+    weighted 0 in the finetuning stage's replay (the corpus kept), predicted −Σ_{z∈G} score_z vs the replayed
+    change of the summed test loss; and the group down-weighted to w = 0.9, its replayed change × 10 (what the
+    derivative predicts when the response is linear over a tenth of the removal)."""
+    total = scores.sum(1)
+    order = np.argsort(total)
+    groups = {"most harmful": order[::-1][:GROUP], "most helpful": order[:GROUP],
+              "random": np.random.default_rng(0).choice(len(total), GROUP, replace=False)}
+    dtype = next(iter(run.record.runs[1].final.values())).dtype
+
+    def change(members, weight: float) -> float:
+        keep = torch.ones(len(total), dtype=dtype)
+        keep[torch.as_tensor(members.copy())] = weight
+        return float(ik.unrolled.outputs(run.record, run.test, [None, keep]).numpy().sum() - base.sum())
+
+    out = []
+    for name, members in tqdm(groups.items(), desc="finetuning groups", disable=not progress, leave=False):
+        out.append({"group": name, "predicted change": float(-total[members].sum()),
+                    "replayed change": change(members, 0.0),
+                    "replayed change at w = 0.9, x 10": 10 * change(members, 0.9)})
+    return pd.DataFrame(out)
+
+
+def lora_replays(run: Run, out: Path, fractions, subsets: int, progress: bool) -> None:
+    """The drop sets' replays into ``out/replays/`` one by one, the fractions interleaved (a run stopped early
+    leaves the first j of every fraction; resumable); seconds per replay appended to ``replay_seconds.txt``."""
+    cache = out / "replays"
+    cache.mkdir(exist_ok=True)
+    keeps = {f: drop_sets(len(run.corpus), f, subsets) for f in fractions}
+    for j in tqdm(range(subsets), desc="drop sets", disable=not progress):
+        for f in fractions:
+            path = cache / f"{int(f * 100)}_{j:03d}.npy"
+            if not path.exists():
+                start = time.perf_counter()
+                np.save(path, replayed(run, keeps[f][j:j + 1], False)[0])
+                with open(out / "replay_seconds.txt", "a") as log:
+                    log.write(f"{f} {j} {time.perf_counter() - start:.1f} {peak_rss_mib():.0f}\n")
+
+
+def lora_main(args, cfg: Config, out: Path, note: str) -> int:
+    """``--lora``: ``exact`` trains, records and scores (:func:`lora_exact`), ``replays`` trains and replays the drop
+    sets not on disk (:func:`lora_replays`), ``all`` both; then (and for ``table`` alone) lds.csv, lds.png, the
+    leave-out tables' directions and MANIFEST.json from what is on disk."""
+    from benchmarks.manifest import record
+    if args.step not in ("all", "exact", "replays", "table"):
+        raise SystemExit(f"--lora takes the steps all, exact, replays and table, not {args.step!r}.")
+    if args.step in ("all", "exact", "replays"):
+        run = train(cfg, lora_trainers) if args.step == "replays" else lora_exact(cfg, out, not args.no_progress)
+        if args.step != "exact":
+            lora_replays(run, out, args.fractions, args.subsets, not args.no_progress)
+    print(step_table(out, args.subsets).to_string(index=False))
+    for name in ("leave_out.csv", "leave_out_finetuning.csv"):  # each group: did it move the measure as predicted?
+        groups = pd.read_csv(out / name)
+        groups["same direction"] = np.sign(groups["predicted change"]) == np.sign(groups["replayed change"])
+        groups.to_csv(out / name, index=False)
+        print(groups.to_string(index=False))
+    record(out, [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name not in ("MANIFEST.json", "log.txt")]
+           + (["replays/"] if (out / "replays").exists() else []), note=note + "; LoRA finetuning variant")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("step", nargs="?", default="all",
@@ -407,13 +537,16 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--lora", action="store_true", help="the LoRA finetuning variant (steps all, exact, replays, table)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cfg = QUICK if args.quick else SIZES
-    out = args.out
+    out = LORA_RESULTS if args.lora and args.out == RESULTS else args.out
     out.mkdir(parents=True, exist_ok=True)
     from benchmarks.manifest import record
     note = "shared machine (2 cores, six helpers), 1 torch thread"
+    if args.lora:
+        return lora_main(args, cfg, out, note)
     if args.step == "all":
         step_all(cfg, out, args.subsets, not args.no_progress)
     elif args.step == "influence":

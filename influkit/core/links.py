@@ -72,8 +72,10 @@ class StagePlan:
             dead = [p for p in self.inherited.values() if p not in live]
             if dead:
                 raise ParameterError(
-                    f"shared parameters {dead} are neither trained in the previous stage nor inherited by it, so "
-                    "they cannot carry influence; include them in that stage's params."
+                    f"shared parameters {dead[:3]}{f' (and {len(dead) - 3} more)' if len(dead) > 3 else ''} are "
+                    "neither trained in the previous stage nor inherited by it, so they cannot carry influence; "
+                    "include them in that stage's params, or narrow the link's shared block to what that stage "
+                    "trains (hf.lora_link(..., shared=prefix) for a LoRA stage)."
                 )
             if inherit:
                 self.receive(stage.model, previous.stage.state())

@@ -29,7 +29,8 @@ attention implementation other than ``"eager"`` (sdpa's CPU kernel has no second
 than one process, a fused or foreach-on-GPU optimizer (``optim="adamw_torch"`` is torch.optim's AdamW, replayed
 exactly; transformers' default ``adamw_torch_fused`` is not), and what :func:`~influkit.unrolled.watch.check_replayable`
 refuses. A Case 2 link is refused (the Trainer adds no proximal term); Case 1 — the shared block frozen
-(``requires_grad_(False)``) — and LoRA (peft adapters on a frozen base) are recorded.
+(``requires_grad_(False)``) — and LoRA (peft adapters on a frozen base, ``link=hf.lora_link(pretrained, peft_model,
+shared=...)``; plain LoRA, a variant such as DoRA refused) are recorded.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ Refused before the first step (:class:`~influkit.errors.NotReplayable`, each mes
 optimizer than SGD / Adam / AdamW, amsgrad, fused, capturable or differentiable kernels, foreach kernels off the CPU,
 an optimizer with state, a loader without a batch sampler, with its own collate_fn or over an iterable dataset,
 batch-norm in train mode (its running statistics change outside the parameters), autocast (fp16 / bf16), CUDA
-without deterministic algorithms, and a shared block that the optimizer trains under a Case 1 link. During the run:
+without deterministic algorithms, a peft LoRA variant (DoRA detaches its weight norm in the forward, so the step's
+derivative is not autograd's), and a shared block that the optimizer trains under a Case 1 link. During the run:
 a forward pass on data that did not come from the loader, a parameter left without a gradient (torch.optim skips
 it), a scheduler that changes momentum or betas, and a module switching between train and eval.
 """
@@ -91,11 +92,32 @@ def check_replayable(model: nn.Module, optimizer: torch.optim.Optimizer):
     if autocast_on():
         raise NotReplayable("autocast (fp16 / bf16) is on: mixed precision is not replayed; train in the "
                             "model's own dtype.")
+    variants = lora_variants(model)
+    if variants:
+        name, kinds = next(iter(variants.items()))
+        raise NotReplayable(f"{name} runs the peft LoRA variant {kinds} (e.g. DoRA, use_dora=True), whose "
+                            "forward detaches part of the weight (DoRA's column norm): replay repeats the steps, but "
+                            "autograd's second derivative misses the detached part, so the metagradient would differ "
+                            "from re-run training; use plain LoRA (LoraConfig(use_dora=False) and no other variant).")
     if any(p.device.type == "cuda" for p in model.parameters()) and not torch.are_deterministic_algorithms_enabled():
         raise NotReplayable("CUDA kernels may be non-deterministic, so a replay would not repeat the run; call "
                             "torch.use_deterministic_algorithms(True) (and set CUBLAS_WORKSPACE_CONFIG=:4096:8) "
                             "before training.")
     return from_torch(optimizer, {id(p): n for n, p in model.named_parameters()})
+
+
+def lora_variants(model: nn.Module) -> dict[str, list[str]]:
+    """{module name: [variant class names]} of the peft LoRA layers that run an active adapter as a variant (DoRA,
+    aLoRA, ...) rather than plain LoRA: peft keeps such adapters in the layer's ``lora_variant`` dict."""
+    out = {}
+    for name, module in model.named_modules():
+        variant = getattr(module, "lora_variant", None)
+        if isinstance(variant, dict) and variant:
+            active = getattr(module, "active_adapters", list(variant))
+            kinds = [type(variant[a]).__name__ for a in active if a in variant]
+            if kinds:
+                out[name] = kinds
+    return out
 
 
 def eval_stage(model: nn.Module, build) -> Stage:
