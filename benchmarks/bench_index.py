@@ -313,7 +313,10 @@ def main(argv=None) -> None:
             f"load and queries ran on all {total:,} rows (the distinct rows copied to the repeats). new_finetune_s: "
             "what a new finetune's query costs with the peer's stored state (kronfluence: its factors; TRAK: the "
             "finalized features; Bergson: the loaded index); full_pass_s: from nothing (fit or build + finalize/load + "
-            "query)." + "".join(f"\n{k} did not run: {v['error']}" for k, v in peers.items() if "error" in v),
+            "query). What each computes: kronfluence the EK-FAC-preconditioned single-stage influence of the corpus on the "
+            "test loss; TRAK the inner products with its features Φ(ΦᵀΦ)⁻¹; Bergson the plain inner products of "
+            "projected gradients (no curvature, no check of checkpoint or data); influkit's index query the two-stage "
+            "adjoint (the solves), the checkpoint and data check over every sequence, then the product." + "".join(f"\n{k} did not run: {v['error']}" for k, v in peers.items() if "error" in v),
             "", peer_table.to_string(index=False, float_format=lambda v: f"{v:.4g}") if len(peer_table) else "(none)",
             "", "NEW FINETUNE QUERY, same run: seconds (influkit index: solves + check + product over every row; "
             "contraction: solves + a pass, scaled; peers: new_finetune_s) and how many times the index query each is "
@@ -331,22 +334,26 @@ def main(argv=None) -> None:
 def plot(versus: pd.DataFrame, out: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    columns = [c for c in ("index_s", "contraction_s", "kronfluence_s", "trak_s", "bergson_s") if c in versus]
-    names = {"index_s": "influkit index (solves + check + product)", "contraction_s": "influkit contraction (scaled)",
-             "kronfluence_s": "kronfluence pairwise (scaled)", "trak_s": "TRAK score (stored features)",
-             "bergson_s": "Bergson query (loaded index)"}
-    fig, ax = plt.subplots(figsize=(7.5, 0.8 + 0.3 * len(versus) * len(columns)))
-    y = np.arange(len(versus))
-    height = 0.8 / len(columns)
-    for j, column in enumerate(columns):
-        ax.barh(y - 0.4 + (j + 0.5) * height, versus[column], height, label=names[column])
-    ax.set_yticks(y, [f"{r.variant}: {r.query}" for r in versus.itertuples()], fontsize=7)
+    queries = list(dict.fromkeys(versus["query"]))
+    first = versus[versus["variant"] == versus["variant"].iloc[0]].set_index("query")
+    bars = [(f"influkit index, {v} (solves + check + product)", versus[versus["variant"] == v].set_index("query")["index_s"])
+            for v in dict.fromkeys(versus["variant"])]
+    bars.append(("influkit contraction (solves + a pass, scaled)", first["contraction_s"]))
+    names = {"kronfluence": "kronfluence pairwise (scaled)", "trak": "TRAK score (stored features)",
+             "bergson": "Bergson query (loaded index)"}
+    bars += [(names[peer], first[f"{peer}_s"]) for peer in PEERS if f"{peer}_s" in first]
+    fig, ax = plt.subplots(figsize=(7.5, 2.2 + 0.22 * len(queries) * len(bars)))
+    y = np.arange(len(queries))
+    height = 0.8 / len(bars)
+    for j, (label, seconds) in enumerate(bars):
+        ax.barh(y - 0.4 + (j + 0.5) * height, seconds.reindex(queries).to_numpy(), height, label=label)
+    ax.set_yticks(y, queries, fontsize=8)
     ax.invert_yaxis()
     ax.set_xscale("log")
     ax.set_xlabel("seconds for a new finetune's query (log)")
     ax.set_title(f"{out['model']}: {out['sequences']:,} sequences × {out['length']}, {out['test']} test; "
                  "one process, shared 2-core CPU", fontsize=8)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -401,7 +408,8 @@ def peer_frame(peers: dict, tile: int) -> pd.DataFrame:
                         "finalize_or_load_s": ready, "query_s_distinct": np.nan, "query_s": q["query_s"],
                         "bytes_per_example": float(r["bytes_per_example"])}
                 row["full_pass_s"] = row["build_s"] + ready + q["query_s"]
-            row |= {"new_finetune_s": row["query_s"], "query_peak_rss": q["peak_rss"], "finite": q["finite"]}
+            row |= {"new_finetune_s": row["query_s"], "build_or_fit_peak_rss": r.get("build_peak_rss", r.get("fit_peak_rss")),
+                    "query_peak_rss": q["peak_rss"], "finite": q["finite"]}
             rows.append(row)
     return pd.DataFrame(rows)
 
