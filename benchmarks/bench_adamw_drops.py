@@ -182,7 +182,7 @@ def measure(setting: Setting, case: int, sets, drops) -> tuple[dict, tuple]:
     return row, (predicted, replayed[:, 0])
 
 
-def diagnosis(setting: Setting, case: int, sets, lines: list[str]) -> pd.DataFrame:
+def diagnosis(setting: Setting, case: int, sets, lines: list[str], margin: float = ik.unrolled.stability.MARGIN) -> pd.DataFrame:
     """ik.unrolled.diagnose of one run (its sharpness with every step < 12, and 1 % drop sets' linearity), appended
     to ``lines`` as Markdown."""
     record = train(setting, case, sets)
@@ -194,28 +194,33 @@ def diagnosis(setting: Setting, case: int, sets, lines: list[str]) -> pd.DataFra
                   f"stage {k}: " + ", ".join(f"{v:.2f}" for v in (g["lr_times_eigenvalue"] / g["edge"]))
                   for k, g in early.groupby("stage")), ""]
     found = ik.unrolled.diagnose(table, ik.unrolled.linearity(record, sets[2], scores, fraction=0.01, sets=4,
-                                                                steps=(1.0, 1e-4)))
+                                                                steps=(1.0, 1e-4)), margin=margin)
     lines += [markdown(found, ".3g") if len(found) else "no finding", ""]
     return found
 
 
 def remedies(args) -> int:
-    """--remedies: each case's baseline diagnosed, then single drops under its remedies (remedies.md, .csv)."""
+    """--remedies: each case's baseline diagnosed at each margin (diagnose's ``margin``: every step kept below that
+    share of the edge), then single drops under the remedies each names (remedies.md, .csv)."""
     setup(1)
     sets = data()
     drops = torch.randperm(len(sets[0][0]), generator=torch.Generator().manual_seed(1))[:args.singles]
     start, rows, lines = time.perf_counter(), [], []
     baseline = settings(True)[0]
     for case in (1, 2):
-        warmup, divisor = [0, 0], [1.0, 1.0]
-        for row in diagnosis(baseline, case, sets, lines).itertuples():
-            if row.finding == "past the edge of stability":
-                warmup[row.stage] = 0 if pd.isna(row.warmup) else int(row.warmup)
-                divisor[row.stage] = 1.0 if pd.isna(row.lr_divisor) else round(float(row.lr_divisor), 1)
-        candidates = [baseline, Setting(f"AdamW + the diagnosed warmup {tuple(warmup)}", warmup=tuple(warmup))]
-        if divisor != [1.0, 1.0]:
-            candidates.append(Setting(f"AdamW + the diagnosed warmup {tuple(warmup)}, lr / {tuple(divisor)}",
-                                      warmup=tuple(warmup), lr_divisor=tuple(divisor)))
+        candidates = [baseline]
+        for margin in args.margins:
+            warmup, divisor = [0, 0], [1.0, 1.0]
+            lines += [f"# margin {margin:g}", ""]
+            for row in diagnosis(baseline, case, sets, lines, margin).itertuples():
+                if row.finding == "past the edge of stability":
+                    warmup[row.stage] = 0 if pd.isna(row.warmup) else int(row.warmup)
+                    divisor[row.stage] = 1.0 if pd.isna(row.lr_divisor) else round(float(row.lr_divisor), 1)
+            named = f"AdamW + the warmup diagnosed at margin {margin:g} {tuple(warmup)}"
+            candidates.append(Setting(named, warmup=tuple(warmup)))
+            if divisor != [1.0, 1.0]:
+                candidates.append(Setting(f"{named}, lr / {tuple(divisor)}", warmup=tuple(warmup),
+                                          lr_divisor=tuple(divisor)))
         for setting in candidates:
             row, _ = measure(setting, case, sets, drops)
             rows.append(row)
@@ -226,7 +231,9 @@ def remedies(args) -> int:
     table.to_csv(args.out / "remedies.csv", index=False)
     (args.out / "remedies.md").write_text(
         f"# The diagnosed remedies, applied\n\n{machine_info()} (shared machine)\n\nEach case's baseline diagnosed "
-        "(ik.unrolled.diagnose of sharpness(first=12) and linearity), then its remedies recorded and "
+        f"(ik.unrolled.diagnose of sharpness(first=12) and linearity) at margins {args.margins} (every step kept "
+        "below that share of the edge; the library's default is ik.unrolled.stability.MARGIN), then its remedies "
+        "recorded and "
         f"{args.singles} single pretraining drops replayed (columns as in factors.md).\n\n"
         + markdown(table, ".3f") + "\n\n" + "\n".join(lines) + "\n")
     seconds = time.perf_counter() - start
@@ -241,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remedies", action="store_true",
                         help="only diagnose the baseline and measure its remedies: the named warmups, and the warmups "
                              "with the learning rates divided as the diagnosis names where a warmup alone is capped")
+    parser.add_argument("--margins", type=float, nargs="+", default=[1.0, ik.unrolled.stability.MARGIN],
+                        help="with --remedies: the diagnoses' margins (every step kept below margin × the edge)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.remedies:

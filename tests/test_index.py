@@ -30,7 +30,8 @@ from conftest import assert_a_failing_rank_fails_the_others, run_a_rank_that_may
 TESTS = Path(__file__).parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 EXACT = IndexConfig(projection="identity", whiten=False, shard_size=16, batch_size=7)
-SMALL = IndexConfig(dim=64, projection="random", whiten=False, shard_size=16, batch_size=7)
+SMALL = IndexConfig(dim=64, projection="random", whiten=False, dtype="float64", shard_size=16, batch_size=7)
+INT8 = dataclasses.replace(SMALL, dtype=None)  # the default storage of a compressed index: int8 rows with scales
 SHARED = {n: n for n in ("emb", "norm", "mix", "scale")}
 
 
@@ -166,8 +167,8 @@ def test_random_projections_are_unbiased(case1):
 def test_eigenbasis_projection_of_full_size_is_exact(case1, tmp_path):
     stage, _, query, _ = case1
     factored = fit_curvature(stage, kind="ekfac")
-    full = GradientIndex.build(stage, tmp_path / "full", IndexConfig(projection="eigenbasis", dim=10**6, whiten=False),
-                               factored=factored)
+    full = GradientIndex.build(stage, tmp_path / "full", IndexConfig(projection="eigenbasis", dim=10**6, whiten=False,
+                                                                     dtype="float64"), factored=factored)
     torch.testing.assert_close(full.scores(query).values, query.scores().values, rtol=0, atol=1e-10)
     assert {b["basis"] for b in full.manifest["blocks"] if b["kind"] == "kronecker"} == {"eigenbasis"}
     small = GradientIndex.build(stage, tmp_path / "small", IndexConfig(projection="eigenbasis", dim=64, whiten=False),
@@ -220,7 +221,7 @@ def test_whitened_compression_is_unbiased_and_its_eigenbasis_of_full_size_exact(
     single = (estimates - truth).norm(dim=1).median()
     assert (estimates.mean(0) - truth).norm() < 0.1 * single
     full = GradientIndex.build(stage, tmp_path / "full", IndexConfig(projection="eigenbasis", dim=10**6, whiten=True,
-                                                                     damping=0.05), factored=factored)
+                                                                     damping=0.05, dtype="float64"), factored=factored)
     torch.testing.assert_close(full.scores(query).values, truth, rtol=0, atol=1e-10)
     with pytest.raises(ik.InputError, match="factored"):
         GradientIndex.build(stage, tmp_path / "none", IndexConfig(whiten=True, damping=0.1))
@@ -260,11 +261,58 @@ def test_whitened_eigenbasis_selection_keeps_entries_of_the_whitened_gradient(ca
     assert checked == 2 and small.width < full.width  # mix and head
 
 
+def test_int8_scores_are_within_the_stated_bound_of_the_unquantized_rows(case1, tmp_path):
+    """The default storage of a compressed index (int8, a float32 scale σ per row, D + 4 bytes): each stored entry
+    within σ/2 of the float64 row of the same layout, each score within (σ/2)‖s̃‖₁ of the float64 index's score
+    (summed and per test point), the bound a small part of the scores' spread over the rows (a worst case: the
+    error itself is smaller still), and the error not zero."""
+    stage, _, query, per_test = case1
+    factored = fit_curvature(stage, kind="ekfac")
+    config = IndexConfig(dim=64, damping=0.05, shard_size=16, batch_size=7)
+    quantized = GradientIndex.build(stage, tmp_path / "int8", config, factored=factored)
+    exact = GradientIndex.build(stage, tmp_path / "float64", dataclasses.replace(config, dtype="float64"),
+                                factored=factored)
+    assert quantized.dtype == torch.int8 and exact.compute_dtype == quantized.compute_dtype == torch.float64
+    assert quantized.width == exact.width < 147 and quantized.bytes_per_example == quantized.width + 4
+    stored = np.load(quantized.directory / "shard-000000.npy", mmap_mode="r")
+    assert stored.dtype == np.int8 and stored.shape == (16, quantized.width + 4)
+    sigma = quantized.scales().double()
+    torch.testing.assert_close(sigma, exact.matrix().abs().amax(1) / 127, rtol=1e-7, atol=0)  # float32 scales
+    assert ((quantized.matrix() - exact.matrix()).abs() <= sigma[:, None] / 2 * (1 + 1e-12)).all()
+    for q in (query, per_test):
+        got, truth, bound = quantized.scores(q).values, exact.scores(q).values, quantized.error_bound(q)
+        assert bound.shape == truth.shape
+        error = (got - truth).abs()
+        assert (error <= bound * (1 + 1e-9)).all() and error.max() > 0
+        spread = truth.amax(0) - truth.amin(0)
+        assert (bound.amax(0) < 0.05 * spread).all() and (error.amax(0) < 0.01 * spread).all()
+    with pytest.raises(ik.InputError, match="not int8"):
+        exact.scales()
+
+
+def test_default_index_is_int8_within_4096_bytes_and_an_old_version_is_refused(case1, tmp_path):
+    """IndexConfig(): whitened eigenbasis selection, D ≤ 4092 numbers, int8 rows with a scale (≤ 4,096 bytes);
+    projection="identity" keeps the parameters' dtype (exact); a manifest of format version 2 is refused."""
+    stage, _, _, _ = case1
+    factored = fit_curvature(stage, kind="ekfac")
+    assert (IndexConfig().dim, IndexConfig().dtype, IndexConfig().projection) == (4092, None, "eigenbasis")
+    assert IndexConfig().storage(torch.float32) == torch.int8
+    assert IndexConfig(projection="identity").storage(torch.float64) == torch.float64
+    index = GradientIndex.build(stage, tmp_path / "default", IndexConfig(damping=0.05), factored=factored)
+    assert index.quantized and index.width == 147 and index.bytes_per_example == 151  # every number kept: D ≤ 4092
+    manifest = index.directory / "manifest.json"
+    old = manifest.read_text().replace('"version": 3', '"version": 2')
+    assert old != manifest.read_text()
+    manifest.write_text(old)
+    with pytest.raises(ik.FileFormatError, match="version 2.*build the index again"):
+        GradientIndex.open(index.directory)
+
+
 def test_append_equals_rebuild(tmp_path):
     first, _ = problem(1, n=25)
     whole, chain = problem(1, n=40)
-    for config in (EXACT, SMALL):
-        name = config.projection
+    for config in (EXACT, SMALL, INT8):
+        name = f"{config.projection}-{config.dtype}"
         index = GradientIndex.build(first, tmp_path / f"grown-{name}", config)
         assert index.n_rows == 25
         index.append(whole)
@@ -274,13 +322,14 @@ def test_append_equals_rebuild(tmp_path):
         torch.testing.assert_close(index.matrix(), rebuilt.matrix(), rtol=1e-13, atol=1e-15)
     with pytest.warns(ik.StationarityWarning):
         query = chain.query(torch.arange(8))
-    torch.testing.assert_close(GradientIndex.open(tmp_path / "grown-identity").scores(query).values,
+    torch.testing.assert_close(GradientIndex.open(tmp_path / "grown-identity-None").scores(query).values,
                                query.scores().values, rtol=0, atol=1e-10)
 
 
-def test_resumed_build_equals_uninterrupted(tmp_path, monkeypatch):
+@pytest.mark.parametrize("config", [SMALL, INT8], ids=["float64", "int8"])
+def test_resumed_build_equals_uninterrupted(config, tmp_path, monkeypatch):
     stage, _ = problem(1)
-    whole = GradientIndex.build(stage, tmp_path / "whole", SMALL)
+    whole = GradientIndex.build(stage, tmp_path / "whole", config)
     written = []
     put = ShardFiles.put
 
@@ -293,13 +342,13 @@ def test_resumed_build_equals_uninterrupted(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ShardFiles, "put", crash_after_two)
     with pytest.raises(KeyboardInterrupt):
-        GradientIndex.build(stage, tmp_path / "resumed", SMALL)
+        GradientIndex.build(stage, tmp_path / "resumed", config)
     assert not GradientIndex.open(tmp_path / "resumed").complete
     with pytest.raises(ik.IndexMismatchError, match="missing"):
         GradientIndex.open(tmp_path / "resumed").check(stage)
     written.clear()
     monkeypatch.setattr(ShardFiles, "put", lambda self, c, rows: (written.append(c), put(self, c, rows)))
-    resumed = GradientIndex.build(stage, tmp_path / "resumed", SMALL)
+    resumed = GradientIndex.build(stage, tmp_path / "resumed", config)
     assert written == [2]  # only the shard not on disk
     torch.testing.assert_close(resumed.matrix(), whole.matrix(), rtol=0, atol=0)
 

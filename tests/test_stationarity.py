@@ -119,6 +119,27 @@ def test_a_factored_fits_data_pass_measures_the_exact_objective_gradient(fisher,
     assert fit_curvature(stage, kind=kind, fisher=fisher).gradient is None and len(passes) == 2 * measuring > 0
 
 
+@pytest.mark.parametrize("fisher", ["sampled", "empirical"])
+def test_the_fits_batch_size_counts_the_true_label_backward_it_adds(fisher):
+    """With a measured gradient and sampled labels the data pass keeps one more set of output-gradients (the true
+    labels', B × T × out per layer) through a second backward: the probe's bytes per example grow by at least
+    those (the default batch then shrinks); on the empirical Fisher the pass's own backward is the true-label one
+    and nothing is added."""
+    from influkit.factored import fit_curvature
+
+    torch.manual_seed(0)
+    x, y = torch.randn(24, 3, 6, dtype=torch.float64), torch.randint(0, 3, (24,))
+    model = nn.Sequential(nn.Linear(6, 40), nn.LayerNorm(40), nn.Tanh(), nn.Flatten(), nn.Linear(120, 3)).double()
+    stage = ik.Stage(model, cross_entropy, (x, y), batch_size=8)
+    plain = fit_curvature(stage, kind="ekfac", fisher=fisher).info["memory"]["bytes_per_example"]
+    measuring = fit_curvature(stage, kind="ekfac", fisher=fisher, gradient=True).info["memory"]["bytes_per_example"]
+    true_outputs = (3 * 40 + 40 * 3 + 3) * 8  # the two Linear layers' and the LayerNorm's output-gradients
+    if fisher == "empirical":  # the probe's allocator-level count wanders by a few bytes between calls
+        assert abs(measuring - plain) < true_outputs / 10
+    else:
+        assert measuring >= plain + true_outputs
+
+
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum
 @pytest.mark.parametrize("fisher", ["sampled", "empirical"])
 def test_a_stage_solved_by_ekfac_stands_where_its_fits_data_pass_says_with_the_full_checks_verdict(fisher, monkeypatch):

@@ -158,7 +158,7 @@ def test_diagnose_names_a_warmup_that_makes_single_drops_agree_with_replay():
 
 def test_diagnose_of_a_run_below_the_edge_finds_nothing_and_sgd_past_it_is_told_its_learning_rate():
     """A sharpness table below the edge gives no finding; an SGD stage past it (η·λ = 2.5× the edge 2) is told to
-    divide lr by that factor, which puts every row at the edge."""
+    divide lr by that factor over the margin, which puts every row at the margin's share of the edge (default half)."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(10, 4, generator=gen, dtype=torch.float64)
     y = torch.randn(10, generator=gen, dtype=torch.float64)
@@ -166,9 +166,13 @@ def test_diagnose_of_a_run_below_the_edge_finds_nothing_and_sgd_past_it_is_told_
     for lr, past in ((1.0 / lam, False), (5.0 / lam, True)):
         record = Record()
         record.train(ik.Stage(Linear(4).double().eval(), squared, (x, y)), SGD(lr=lr), steps=3, batch_size=10)
-        found = ik.unrolled.diagnose(ik.unrolled.sharpness(record, steps=4))
+        table = ik.unrolled.sharpness(record, steps=4)
+        found = ik.unrolled.diagnose(table)
         if not past:
             assert found.empty
         else:
             assert list(found["finding"]) == ["past the edge of stability"] and found["warmup"].isna().all()
-            assert float(found["lr_divisor"].iloc[0]) == pytest.approx(2.5, rel=1e-9)
+            assert ik.unrolled.stability.MARGIN == 0.5
+            assert float(found["lr_divisor"].iloc[0]) == pytest.approx(2.5 / 0.5, rel=1e-9)
+            at_edge = ik.unrolled.diagnose(table, margin=1.0)
+            assert float(at_edge["lr_divisor"].iloc[0]) == pytest.approx(2.5, rel=1e-9)

@@ -695,6 +695,9 @@ class FactorFit:
         fixed = sum(t.numel() * t.element_size() for acc in self.accumulators.values() for t in (acc.inputs, acc.grads, acc.squares))
         self.sizing = {"phase": "factor fitting", "budget": budget, "fixed_bytes": fixed, "diagonal_layers": sorted(self.wide)}
         self.statistics_bytes = 0  # per example, the layer statistics one batch keeps (set by the probe)
+        self.sums = _GradientSums() if gradient else None  # the true-label gradients, summed in the first pass
+        self.truth: PseudoGradients | None = None  # their output-gradients, when the pseudo-gradients are not them
+        self.measured = self._measured_layers() if gradient and fisher != "empirical" else []
         if batch_size is None:
             per = self._probe_bytes()
             share = (budget - fixed) // 2 if cache_bytes is None else budget - fixed
@@ -712,28 +715,29 @@ class FactorFit:
         self.cache: list | None = None  # the first pass's (a, g) per batch, for EK-FAC's correction
         self.dead: dict[str, str] = {}
         self.pseudo: PseudoGradients | None = None
-        self.sums = _GradientSums() if gradient else None  # the true-label gradients, summed in the first pass
-        self.truth: PseudoGradients | None = None  # their output-gradients, when the pseudo-gradients are not them
-        self.measured = self._measured_layers() if gradient and fisher != "empirical" else []
         self.objective: ObjectiveGradient | None = None
         self.passes = 0
         self.seconds: dict[str, float] = {}
 
     def _probe_bytes(self) -> int:
-        """Measured bytes per example of one streamed batch (activations and layer statistics) + diagonal rows."""
+        """Measured bytes per example of one streamed batch (activations and layer statistics, and with a measured
+        objective gradient under non-empirical labels the true-label backward's output-gradients) + diagonal rows."""
         stage, params = self.stage, self.params
         local = self.local
         probe = torch.as_tensor(local[:PROBE_EXAMPLES]) if len(local) else torch.arange(min(PROBE_EXAMPLES, len(stage)))
         px, py = next(iter(stage.batches(probe, len(probe))))
         outputs = stage.outputs(params, px).detach()
         pseudo = PseudoGradients(stage.loss, self.fisher, outputs, py, seed=self.seed)
+        truth = self._true_labels if self.sums is not None and self.fisher != "empirical" else None
 
         def run(_):
-            data, _, _, _ = _forward_pass(stage, list(self.tracked), self.leaves, px, py,
-                                       lambda outputs, targets: partial(pseudo, index=probe))
-            kept = [t for pair in data.values() for t in pair]
+            data, _, _, true = _forward_pass(stage, list(self.tracked) + self.measured, self.leaves, px, py,
+                                             lambda outputs, targets: partial(pseudo, index=probe), truth)
+            tracked = {layer.name for layer in self.tracked}
+            kept = [t for name, pair in data.items() if name in tracked for t in pair]  # what the cache keeps
             self.statistics_bytes = sum(t.numel() * t.element_size() for t in kept) // max(len(probe), 1)
-            return kept
+            measured = [t for name, pair in data.items() if name not in tracked for t in pair]
+            return kept + measured + ([] if true is None else list(true[0].values()))
 
         rows = 2 * sum(params[nm].numel() * params[nm].element_size() for nm in self.diag_names)
         output_bytes = OUTPUT_COPIES * outputs.numel() * outputs.element_size() // max(len(probe), 1)

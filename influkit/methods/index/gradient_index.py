@@ -1,7 +1,9 @@
 """``GradientIndex``: a stage's per-example gradients, compressed and written to disk once, scored against any query.
 
 Built once from a stage (a pretraining stage: its model at the checkpoint and its data), the index holds for
-every example z one row c(z) of D numbers, the compressed gradient ∇ℓ(z) (:mod:`.projections`). A
+every example z one row c(z) of D numbers, the compressed gradient ∇ℓ(z) (:mod:`.projections`), stored by default
+as int8 with one float32 scale per row (:mod:`.quantization`: each score within a stated bound of the unquantized
+row's). A
 :class:`~influkit.chain.Query` of any chain whose stage 1 is that stage — a new finetuned head (Case 1), a
 finetuned encoder (Case 2), a LoRA adapter, a new test set, summed or per test point — gives the adjoint s on
 stage 1's trained parameters; the index compresses it the same way to s̃ (D × k) and
@@ -37,28 +39,37 @@ from ..scoring import rank_chunks, release_freed_memory
 from ..stage import Stage
 from .layout import Layout
 from .projections import FlatBlock, KroneckerBlock
+from .quantization import dequantize, quantize, score_error_bound, split, stored_width
 from .shards import FORMAT, PROJECTIONS, PROJECTIONS_KIND, VERSION, ShardFiles, checkpoint_fingerprint, data_digest
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-DEFAULT_DIM = 1000  # numbers per example: 4,000 bytes a row in float32
+DTYPES = {"int8": torch.int8, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "float64": torch.float64}
+DEFAULT_DIM = 4092  # numbers per example at most: int8, with the row's float32 scale ≤ 4,096 bytes a row
+CHUNK_BYTES = 1 << 27  # an int8 index is dequantized this many bytes of float rows at a time
 
 
 @dataclass(frozen=True)
 class IndexConfig:
     """How an index is built.
 
-    The default is the whitened eigenbasis selection (``projection="eigenbasis", whiten=True``): it needs the
+    The default is the whitened eigenbasis selection (``projection="eigenbasis", whiten=True``) of at most 4092
+    numbers per example stored as int8 with a float32 scale per row (≤ 4,096 bytes per example): it needs the
     stage's fitted factored curvature (``factored=`` of :meth:`GradientIndex.build`) and ``damping``;
     ``IndexConfig(projection="random", whiten=False)`` needs neither.
 
-    dim: numbers per example in all (the dimension rule of :mod:`.projections` shares them among the layers);
+    dim: numbers per example in all, at most (the dimension rule of :mod:`.projections` shares them among the layers
+    and gives D ≤ dim); the default 4092 with int8 rows stores D + 4 ≤ 4,096 bytes per example;
     projection: "eigenbasis" (per side of each layer, the eigenvectors of the fitted K-FAC/EK-FAC curvature with the
     most gradient energy — whitened energy Σ E/(E + λ) when whitened), "random" (LoGra-style random Kronecker
     projections, seeded by ``seed``) or "identity" (exact, uncompressed: D = the number of trained parameters);
     whiten: store P (C + λI)^{-1/2} ∇ℓ(z) and compress a query's adjoint s to P (C + λI)^{1/2} s (:mod:`.projections`),
     C the ``factored`` curvature, λ = ``damping`` (that of the chain's stage-1 solve, so that the query side is
     (C + λI)^{-1/2} u for its s = (C + λI)⁻¹ u); exact uncompressed whatever λ;
-    dtype: the rows' dtype ("float32", "float64", ...; None: the trained parameters'); shard_size: rows per shard
+    dtype: the rows' dtype on disk: "int8" (symmetric round-to-nearest, one float32 scale per row, D + 4 bytes; the
+    scores' error bound in :mod:`.quantization`), "float16", "bfloat16", "float32" or "float64"; None (the default):
+    "int8" for a compressed index, the trained parameters' dtype for ``projection="identity"`` (exact). The rows are
+    computed, and an int8 index's queries compressed and its rows dequantized, in the trained parameters' dtype
+    (a float dtype: in that dtype); shard_size: rows per shard
     file; batch_size: examples per forward/backward (8: on a CPU a batch that stays near the caches; the forward and
     backward dominate, as in contraction scoring, :data:`influkit.scoring.CPU_CHUNK_BYTES`).
     """
@@ -82,6 +93,12 @@ class IndexConfig:
 
     def summary(self) -> dict:
         return asdict(self)
+
+    def storage(self, parameters: torch.dtype) -> torch.dtype:
+        """The rows' dtype on disk for trained parameters of dtype ``parameters`` (``dtype``, None resolved)."""
+        if self.dtype is not None:
+            return DTYPES[self.dtype]
+        return parameters if self.projection == "identity" else torch.int8
 
 
 class GradientIndex:
@@ -124,16 +141,34 @@ class GradientIndex:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The rows' dtype on disk."""
         return DTYPES[self.manifest["dtype"]]
 
     @property
+    def quantized(self) -> bool:
+        """Whether the rows are stored as int8 with a scale per row (:mod:`.quantization`)."""
+        return self.dtype == torch.int8
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the rows are computed in, and queries compressed and int8 rows dequantized in."""
+        return DTYPES[self.manifest["compute_dtype"]]
+
+    @property
+    def stored_width(self) -> int:
+        """Columns of a stored row: D, or D + 4 for int8 (the row's float32 scale's bytes)."""
+        return stored_width(self.width) if self.quantized else self.width
+
+    @property
     def bytes_per_example(self) -> int:
-        return self.width * torch.empty(0, dtype=self.dtype).element_size()
+        """Bytes of one row on disk (an int8 row's scale included)."""
+        return self.stored_width * torch.empty(0, dtype=self.dtype).element_size()
 
     @property
     def complete(self) -> bool:
         """Whether every planned shard is on disk."""
-        return all(self.files.has(c, s["stop"] - s["start"], self.width) for c, s in enumerate(self.manifest["shards"]))
+        return all(self.files.has(c, s["stop"] - s["start"], self.stored_width)
+                   for c, s in enumerate(self.manifest["shards"]))
 
     # ---- building
     @classmethod
@@ -156,17 +191,19 @@ class GradientIndex:
                         f"stage has {len(stage)}: add new examples with GradientIndex.open(dir).append(stage), or "
                         "build into a new directory.")
             else:
-                dtype = DTYPES[config.dtype] if config.dtype else next(
-                    iter(stage.state()[n] for n in stage.param_names)).dtype
+                parameters = next(iter(stage.state()[n] for n in stage.param_names)).dtype
+                dtype = config.storage(parameters)
+                compute = dtype if dtype.is_floating_point else parameters
                 layout = Layout.plan(stage, stage.param_names, projection=config.projection, dim=config.dim,
-                                     seed=config.seed, dtype=dtype, factored=factored, whiten=config.whiten,
+                                     seed=config.seed, dtype=compute, factored=factored, whiten=config.whiten,
                                      damping=config.damping)
                 files_.directory.mkdir(parents=True, exist_ok=True)
                 files.write(files_.directory / PROJECTIONS, PROJECTIONS_KIND, layout.tensors(), {"blocks": layout.describe()})
                 files_.write_manifest({
                     "format": FORMAT, "version": VERSION, "checkpoint": checkpoint_fingerprint(stage, stage.param_names),
                     "names": list(stage.param_names), "config": config.summary(), "width": layout.width,
-                    "dtype": str(dtype).removeprefix("torch."), "blocks": layout.describe(),
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "compute_dtype": str(compute).removeprefix("torch."), "blocks": layout.describe(),
                     "shards": _plan_shards(stage, 0, len(stage), config.shard_size)})
         distributed.barrier()
         index = cls(directory)
@@ -197,17 +234,17 @@ class GradientIndex:
         shards = self.manifest["shards"]
         batch = self.manifest["config"]["batch_size"]
         mine, _ = rank_chunks(len(shards), 1)
-        todo = [c for c in mine if not self.files.has(c, shards[c]["stop"] - shards[c]["start"], self.width)]
+        todo = [c for c in mine if not self.files.has(c, shards[c]["stop"] - shards[c]["start"], self.stored_width)]
         bar = tqdm(total=sum(shards[c]["stop"] - shards[c]["start"] for c in todo), desc="indexing",
                    disable=not progress or distributed.rank() != 0, leave=False)
         for c in todo:
             start, stop = shards[c]["start"], shards[c]["stop"]
-            rows = torch.empty(stop - start, self.width, dtype=self.dtype)
+            rows = torch.empty(stop - start, self.width, dtype=self.compute_dtype)
             for s in range(start, stop, batch):
                 x, y = stage.data.take(torch.arange(s, min(stop, s + batch)))
-                rows[s - start : s - start + x.shape[0]] = layout.rows(x, y, self.dtype).detach().cpu()
+                rows[s - start : s - start + x.shape[0]] = layout.rows(x, y, self.compute_dtype).detach().cpu()
                 bar.update(x.shape[0])
-            self.files.put(c, rows)
+            self.files.put(c, quantize(rows) if self.quantized else rows.to(self.dtype))
             del rows
             release_freed_memory()
         bar.close()
@@ -228,7 +265,7 @@ class GradientIndex:
         if id(stage) not in self._layouts:
             tensors, meta = files.read(self.directory / PROJECTIONS, PROJECTIONS_KIND)
             layout = Layout.plan(stage, self.manifest["names"], projection="identity", dim=1, seed=0,
-                                 dtype=self.dtype)
+                                 dtype=self.compute_dtype)
             for i, block in enumerate(layout.blocks):
                 if isinstance(block, KroneckerBlock):
                     block.p_out, block.p_in = tensors.get(f"block{i}.p_out"), tensors.get(f"block{i}.p_in")
@@ -248,25 +285,45 @@ class GradientIndex:
         return self._layouts[id(stage)]
 
     def shards(self):
-        """(start, rows) of every shard in order, rows memory-mapped."""
+        """(start, rows) of every shard in order, rows memory-mapped; an int8 index's dequantized (σ q, in
+        :attr:`compute_dtype`) from the memory map a chunk of rows at a time (start: the chunk's first row)."""
         for c, shard in enumerate(self.manifest["shards"]):
-            yield shard["start"], self.files.get(c)
+            stored = self.files.get(c)
+            if not self.quantized:
+                yield shard["start"], stored
+                continue
+            step = max(1, CHUNK_BYTES // (self.width * torch.empty(0, dtype=self.compute_dtype).element_size()))
+            for lo in range(0, stored.shape[0], step):
+                yield shard["start"] + lo, dequantize(stored[lo : lo + step], self.compute_dtype)
 
     def matrix(self) -> torch.Tensor:
-        """All rows (n_rows, D) in memory (for small indexes and tests)."""
+        """All rows (n_rows, D) in memory (for small indexes and tests), dequantized for int8."""
         return torch.cat([rows for _, rows in self.shards()]) if self.manifest["shards"] else \
-            torch.empty(0, self.width, dtype=self.dtype)
+            torch.empty(0, self.width, dtype=self.compute_dtype)
+
+    def scales(self) -> torch.Tensor:
+        """(n_rows,) float32 the int8 rows' scales σ (:mod:`.quantization`)."""
+        if not self.quantized:
+            raise InputError(f"{self.directory} stores {self.manifest['dtype']} rows, not int8 rows with scales.")
+        return torch.cat([split(self.files.get(c))[1] for c in range(len(self.manifest["shards"]))])
+
+    def error_bound(self, query) -> torch.Tensor:
+        """The bound on |int8 index score − the score of the unquantized rows| of every row for ``query``, shaped
+        like :meth:`scores`' values: (σ_i / 2) ‖s̃‖₁ per row i and query column (:mod:`.quantization`)."""
+        bound = score_error_bound(self.scales(), self.directions(query).cpu())
+        return bound.to(query.s.dtype) if query.per_test else bound.reshape(-1).to(query.s.dtype)
 
     # ---- queries
     def directions(self, query) -> torch.Tensor:
         """(D, k) the query's adjoint s on stage 1, compressed like the rows (k = 1, or the test points)."""
         plan = query.chain.plans[0]
-        return self.layout(plan.stage).directions(query.s, self.dtype)
+        return self.layout(plan.stage).directions(query.s, self.compute_dtype)
 
     def scores(self, query, *, check_data: bool = True, progress: bool = False) -> InfluenceResult:
         """I(z, T) ≈ −c(z)ᵀ s̃ of every indexed example for a :class:`~influkit.chain.Query` whose chain's stage 1 is
         the indexed stage (checked; ``check_data=False`` skips hashing its examples again): (m,) summed, or (m, n_test)
-        per test point. ``removal`` = −values/m as for any result."""
+        per test point; an int8 index's −σ q(z)ᵀ s̃, within :meth:`error_bound` of the unquantized rows' scores.
+        ``removal`` = −values/m as for any result."""
         plan = query.chain.plans[0]
         start = time.perf_counter()
         self.check(plan.stage, plan.trained, data=False)
@@ -331,7 +388,7 @@ class GradientIndex:
 
     def _rows_at(self, ids: torch.Tensor) -> torch.Tensor:
         """(len(ids), D) the rows of examples ``ids``."""
-        out = torch.empty(ids.shape[0], self.width, dtype=self.dtype)
+        out = torch.empty(ids.shape[0], self.width, dtype=self.compute_dtype)
         for start, rows in self.shards():
             hit = (ids >= start) & (ids < start + rows.shape[0])
             if hit.any():
@@ -341,7 +398,8 @@ class GradientIndex:
     def describe(self) -> dict:
         """The index's settings, size and layout summary (JSON-friendly)."""
         return {"directory": str(self.directory), "rows": self.n_rows, "width": self.width,
-                "dtype": self.manifest["dtype"], "bytes_per_example": self.bytes_per_example,
+                "dtype": self.manifest["dtype"], "compute_dtype": self.manifest["compute_dtype"],
+                "bytes_per_example": self.bytes_per_example,
                 "config": self.manifest["config"], "checkpoint": self.manifest["checkpoint"],
                 "blocks": len(self.manifest["blocks"])}
 

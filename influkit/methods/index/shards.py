@@ -7,7 +7,8 @@ Layout of an index ``DIR``:
   each a range of example rows with the digest of those examples (their inputs' and targets' bytes). Written
   atomically (rename) before any shard of a build or an append is computed; an append adds shards to it.
 - ``DIR/projections.safetensors``: every block's projection matrices (an influkit file, never pickle).
-- ``DIR/shard-NNNNNN.npy``: the (rows, D) compressed gradients of shard N, written to a ``.partial`` file and
+- ``DIR/shard-NNNNNN.npy``: the (rows, D) compressed gradients of shard N (an int8 index: (rows, D + 4), each
+  row's int8 values and its float32 scale, :mod:`.quantization`), written to a ``.partial`` file and
   renamed, so a shard file on disk is whole: the done shards are the shard files present. A killed build loses
   at most the shards in flight, and the same call resumes it.
 
@@ -28,7 +29,7 @@ from ..errors import FileFormatError
 from ..stage import Stage
 
 FORMAT = "influkit-gradient-index"
-VERSION = 2  # 2: whitening (the config's whiten and damping, the blocks' whitened flag)
+VERSION = 3  # 2: whitening (the config's whiten and damping, the blocks' whitened flag); 3: int8 rows and scales
 MANIFEST = "manifest.json"
 PROJECTIONS = "projections.safetensors"
 PROJECTIONS_KIND = "index-projections"
@@ -72,8 +73,12 @@ class ShardFiles:
             manifest = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise FileFormatError(f"{path} is not a gradient index manifest ({exc}); build the index again.") from exc
-        if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-            raise FileFormatError(f"{path} is not a gradient index manifest of version {VERSION}; build the index again.")
+        if manifest.get("format") != FORMAT:
+            raise FileFormatError(f"{path} is not a gradient index manifest; build the index again.")
+        if manifest.get("version") != VERSION:
+            raise FileFormatError(f"{path} is a gradient index of format version {manifest.get('version')}; this "
+                                  f"influkit reads version {VERSION}: build the index again (GradientIndex.build into "
+                                  "a new directory, or remove this one first).")
         return manifest
 
     def write_manifest(self, manifest: dict) -> None:
@@ -86,7 +91,8 @@ class ShardFiles:
         return self.directory / f"shard-{c:06d}.npy"
 
     def has(self, c: int, rows: int, width: int) -> bool:
-        """True when shard c is on disk with its (rows, width) shape (a rename made it whole)."""
+        """True when shard c is on disk with its (rows, width) shape (a rename made it whole; ``width``: the stored
+        columns)."""
         path = self.shard(c)
         if not path.is_file():
             return False
@@ -104,5 +110,5 @@ class ShardFiles:
         os.replace(partial, self.shard(c))
 
     def get(self, c: int) -> torch.Tensor:
-        """Shard c memory-mapped (copy-on-write: never written back)."""
+        """Shard c memory-mapped (copy-on-write: never written back), as stored."""
         return torch.from_numpy(np.load(self.shard(c), mmap_mode="c"))

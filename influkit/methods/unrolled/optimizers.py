@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.autograd import forward_ad
 
 from ..errors import InputError, NotReplayable
 
@@ -34,9 +33,6 @@ def _safe_sqrt(x: torch.Tensor) -> torch.Tensor:
     Adam's second moment v is exactly 0 only for a coordinate whose gradient was exactly 0 at every step so far;
     there √v is not differentiable and 0 is its symmetric subgradient (∞·0 would turn the adjoint into NaN).
     """
-    if not (torch.is_grad_enabled() or torch._C._functorch.is_functorch_wrapped_tensor(x)
-            or forward_ad.unpack_dual(x).tangent is not None):
-        return torch.sqrt(x)  # no derivative can be taken here: the same values in one kernel
     positive = x > 0
     return torch.sqrt(torch.where(positive, x, torch.ones_like(x))) * positive
 

@@ -45,6 +45,9 @@ from .run import StageRun
 from .replay import outputs, unit_weights
 from .terms import holding
 
+# the remedy keeps every step below this share of the edge: a run held just under the edge still carries a whole drop
+# beyond its linear response (benchmarks/results/bench_adamw_drops/remedies.md: margins 1 and 0.5 side by side)
+MARGIN = 0.5
 COLUMNS = ("stage", "step", "lr", "max_eigenvalue", "lr_times_eigenvalue", "edge", "past_edge", "preconditioned",
            "lanczos_steps")
 
@@ -184,14 +187,15 @@ def linearity(record: Record, measure, scores: InfluenceResult, *, stage: int = 
     return pd.DataFrame(rows, columns=["set", "t", "cosine", "ratio"])
 
 
-def diagnose(sharpness: pd.DataFrame, linearity: pd.DataFrame | None = None, *, margin: float = 1.0) -> pd.DataFrame:
+def diagnose(sharpness: pd.DataFrame, linearity: pd.DataFrame | None = None, *, margin: float = MARGIN) -> pd.DataFrame:
     """One row per finding about a recorded run: ``stage`` (None: the whole run), ``finding``, ``evidence``,
     ``remedy`` (what to change in the training, with ``torch.optim`` settings or an influkit option) and its numbers
     ``warmup`` (steps of a linear warmup, or None) and ``lr_divisor`` (or None), read from a
     :func:`sharpness` table and optionally a :func:`linearity` table. Empty: nothing found.
 
     Past the edge: a stage whose η_t·λ_t (λ_t: max_eigenvalue, P_t⁻¹H_t for Adam) exceeds the edge at some step.
-    The remedy keeps every measured step below ``margin``·edge if λ_t stayed as measured: for Adam, a linear warmup
+    The remedy keeps every measured step below ``margin``·edge (default :data:`MARGIN`, half the edge) if λ_t stayed
+    as measured: for Adam, a linear warmup
     lr_t = lr·min(1, (t+1)/W) with W = ⌈max_t (t+1)·lr·λ_t / (margin·edge)⌉ over the rows (lr the stage's largest),
     at most the stage's steps (beyond them, lr divided by W / steps too); for SGD the learning rate divided by
     max_t lr·λ_t / (margin·edge). Adam is sharpest
