@@ -26,11 +26,13 @@ distinct sequences) and the peers' passes over the corpus (below). A repeated se
 so the full index (every sequence) is assembled from the built rows — a shard per repetition, each with its data's
 digest, the index a query sees is the real one on disk — and every query is run against the full corpus and its
 full index: the checkpoint and data check over every sequence, s compressed to s̃, one matrix product over every
-memory-mapped row. Each phase's peak resident memory (a sampler thread), bytes per example on disk. The ratio
+memory-mapped row. Each phase's peak resident memory (a sampler thread; ``*_peak_rss`` the process's, phases in
+order: chain fits, contraction passes, index builds and queries, peers) and its working memory (``*_working_rss``:
+that peak over the resident memory at the phase's start), bytes per example on disk. The ratio
 "query speed-up" compares a new finetune's query through the index (solves + check + product) with the same
 solves + the contraction pass over the full corpus (scaled).
 
-Peers (``--peers``, in the same process after the contraction passes, on the same models and data;
+Peers (``--peers``, in the same process after the index queries, on the same models and data;
 :mod:`benchmarks.index_peers`): kronfluence's pairwise scores (EK-FAC factors fitted on ``--fit-samples`` of the
 sequences; every query a pass over the corpus, scaled), TRAK's featurize (scaled) + finalize over every row + score,
 Bergson's index build (scaled) + load of every row + query. Each is timed for a new finetune's query with its stored
@@ -90,6 +92,11 @@ class Peak:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, rss_now())
+
+    @property
+    def working(self) -> int:
+        """The peak over the resident memory at entry (bytes): what the phase added."""
+        return self.peak - self.start
 
 
 def models(args):
@@ -213,7 +220,7 @@ def main(argv=None) -> None:
         damping = 0.1 * chains[name].curvature(0).approximation("ekfac").mean_eigenvalue()
         chains[name] = chains[name].with_solve([ik.SolveConfig(solver="ekfac", damping=damping),
                                                 chains[name].solve_configs[1]])
-        fits[name] = {"fit_s": fit.seconds, "fit_peak_rss": fit.peak, "damping": damping,
+        fits[name] = {"fit_s": fit.seconds, "fit_peak_rss": fit.peak, "fit_working_rss": fit.working, "damping": damping,
                       "stage1_reused": reused}
         say(f"{name} chain fit ({'stage 1 reused from the head chain' if reused else 'stage-1 EK-FAC on ' + str(curvature[0].hessian_samples) + ' sequences'}): "
             f"{fit.seconds:.1f} s")
@@ -235,7 +242,6 @@ def main(argv=None) -> None:
                 exact = queries[label].scores(torch.arange(n))
             timed[label] = {"exact": exact.values.reshape(-1).numpy(), "solve_s": solve.seconds, "pass": contraction}
             say(f"{label}: solve {solve.seconds:.2f} s; contraction pass over {n:,} sequences {contraction.seconds:.1f} s")
-        peers = run_peers(args, (mlm, head, lora), (x, y), test, out, say)
         for variant in args.variants:
             config = dataclasses.replace(settings[variant], shard_size=n)
             with Peak() as build:
@@ -245,7 +251,7 @@ def main(argv=None) -> None:
             size = sum(p.stat().st_size for p in (work / variant).glob("shard-*"))
             out.setdefault("index_configs", {})[variant] = config.summary()
             builds.append({"variant": variant, "build_s_distinct": build.seconds, "build_s": build.seconds * args.tile,
-                           "build_peak_rss": build.peak, "width": index.width,
+                           "build_peak_rss": build.peak, "build_working_rss": build.working, "width": index.width,
                            "bytes_per_example_disk": size / total, "rows": index.n_rows,
                            "projection_bytes": (work / variant / "projections.safetensors").stat().st_size})
             say(f"{variant} index: build over {n:,} distinct sequences {build.seconds:.1f} s, D = {index.width}, "
@@ -260,7 +266,8 @@ def main(argv=None) -> None:
                        "index_product_s": approx.diagnostics["seconds"]["index_product"], "index_s": via_index.seconds,
                        "contraction_s_distinct": t["pass"].seconds,
                        "contraction_s": t["pass"].seconds * args.tile, "index_peak_rss": via_index.peak,
-                       "contraction_peak_rss": t["pass"].peak, "spearman": float(spearmanr(first, t["exact"]).statistic)}
+                       "index_working_rss": via_index.working, "contraction_peak_rss": t["pass"].peak,
+                       "contraction_working_rss": t["pass"].working, "spearman": float(spearmanr(first, t["exact"]).statistic)}
                 row["speedup_scoring"] = row["contraction_s"] / row["index_s"]
                 row["speedup_query"] = (row["solve_s"] + row["contraction_s"]) / (row["solve_s"] + row["index_s"])
                 rows.append(row)
@@ -269,6 +276,7 @@ def main(argv=None) -> None:
                     f"{row['solve_s']:.1f} s; speed-up {row['speedup_query']:.0f}×; Spearman {row['spearman']:.3f}")
             shutil.rmtree(work / variant)
             shutil.rmtree(work / f"{variant}-built")
+        peers = run_peers(args, (mlm, head, lora), (x, y), test, out, say)  # last: influkit's phases measured first
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -408,8 +416,9 @@ def peer_frame(peers: dict, tile: int) -> pd.DataFrame:
                         "finalize_or_load_s": ready, "query_s_distinct": np.nan, "query_s": q["query_s"],
                         "bytes_per_example": float(r["bytes_per_example"])}
                 row["full_pass_s"] = row["build_s"] + ready + q["query_s"]
-            row |= {"new_finetune_s": row["query_s"], "build_or_fit_peak_rss": r.get("build_peak_rss", r.get("fit_peak_rss")),
-                    "query_peak_rss": q["peak_rss"], "finite": q["finite"]}
+            row |= {"new_finetune_s": row["query_s"],
+                    "build_or_fit_working_rss": r.get("build_working_rss", r.get("fit_working_rss")),
+                    "query_peak_rss": q["peak_rss"], "query_working_rss": q["working_rss"], "finite": q["finite"]}
             rows.append(row)
     return pd.DataFrame(rows)
 

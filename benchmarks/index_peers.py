@@ -152,7 +152,7 @@ def _test_loss(model: CrossStage, mode: str, test) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- kronfluence
 def kronfluence_peer(model: CrossStage, corpus, fit: torch.Tensor, queries: dict, *, batch: int = 16) -> dict:
     """kronfluence's EK-FAC on the encoder's linear layers: {"fit_s", "fit_peak_rss", "version", queries: {label:
-    {"query_s", "peak_rss"}}}, each query ``compute_pairwise_scores`` of its test set (summed over the test examples
+    {"query_s", "peak_rss", "working_rss"}}}, each query ``compute_pairwise_scores`` of its test set (summed over the test examples
     unless per test) against every corpus sequence given. queries: {label: (mode, (tx, ty), per_test)}; fit: the
     corpus indices the factors are fitted on. Damping: kronfluence's own (0.1 × the mean eigenvalue)."""
     import kronfluence
@@ -193,7 +193,7 @@ def kronfluence_peer(model: CrossStage, corpus, fit: torch.Tensor, queries: dict
         with Peak() as fitting:
             analyzer.fit_all_factors("ekfac", dataset=TensorDataset(x[fit], y[fit]), per_device_batch_size=batch,
                                      factor_args=FactorArguments(strategy="ekfac"), overwrite_output_dir=True)
-        out |= {"fit_s": fitting.seconds, "fit_peak_rss": fitting.peak}
+        out |= {"fit_s": fitting.seconds, "fit_peak_rss": fitting.peak, "fit_working_rss": fitting.working}
         for label, (mode, test, per_test) in queries.items():
             task.query_mode = mode
             with Peak() as query:
@@ -204,6 +204,7 @@ def kronfluence_peer(model: CrossStage, corpus, fit: torch.Tensor, queries: dict
                     score_args=ScoreArguments(aggregate_query_gradients=not per_test), overwrite_output_dir=True)
             scores = analyzer.load_pairwise_scores(label.replace(" ", "_"))["all_modules"]
             out["queries"][label] = {"query_s": query.seconds, "peak_rss": query.peak,
+                                     "working_rss": query.working,
                                      "finite": bool(torch.isfinite(scores).all()), "shape": list(scores.shape)}
     return out
 
@@ -246,7 +247,7 @@ def trak_peer(model: CrossStage, corpus, tile: int, queries: dict, *, proj_dim: 
               workdir: Path | None = None) -> dict:
     """TRAK on the encoder's linear layers: {"build_s" (featurize of the given corpus), "build_peak_rss",
     "finalize_s" (every row of the corpus repeated ``tile`` times), "bytes_per_example" (the features),
-    queries: {label: {"query_s", "peak_rss"}}} (module docstring)."""
+    queries: {label: {"query_s", "peak_rss", "working_rss"}}} (module docstring)."""
     import trak
     from trak import TRAKer
 
@@ -278,7 +279,8 @@ def trak_peer(model: CrossStage, corpus, tile: int, queries: dict, *, proj_dim: 
             traker.saver.serialize_current_model_id_metadata()
             with Peak() as finalize:
                 traker.finalize_features()
-            out |= {"build_s": build.seconds, "build_peak_rss": build.peak, "finalize_s": finalize.seconds,
+            out |= {"build_s": build.seconds, "build_peak_rss": build.peak, "build_working_rss": build.working,
+                    "finalize_s": finalize.seconds,
                     "finalize_peak_rss": finalize.peak,
                     "bytes_per_example": store["features"].dtype.itemsize * store["features"].shape[1]}
             for label, (mode, (tx, ty), per_test) in queries.items():
@@ -292,6 +294,7 @@ def trak_peer(model: CrossStage, corpus, tile: int, queries: dict, *, proj_dim: 
                     if not per_test:
                         scores = scores.sum(1)
                 out["queries"][label] = {"query_s": query.seconds, "peak_rss": query.peak,
+                                     "working_rss": query.working,
                                          "finite": bool(torch.isfinite(scores).all()), "shape": list(scores.shape)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -303,7 +306,7 @@ def bergson_peer(model: CrossStage, corpus, tile: int, queries: dict, *, project
                  workdir: Path | None = None) -> dict:
     """Bergson's gradient index of the corpus (its causal-label convention, :func:`benchmarks.bergson_peer.causal_labels`)
     queried by each finetune's test loss: {"build_s" (the given corpus), "build_peak_rss", "bytes_per_example",
-    "load_s" (``Attributor`` over the corpus repeated ``tile`` times), queries: {label: {"query_s", "peak_rss"}}}."""
+    "load_s" (``Attributor`` over the corpus repeated ``tile`` times), queries: {label: {"query_s", "peak_rss", "working_rss"}}}."""
     import bergson
     from bergson.query.attributor import Attributor
 
@@ -328,7 +331,7 @@ def bergson_peer(model: CrossStage, corpus, tile: int, queries: dict, *, project
                 rows.tofile(f)
         info["num_items"] = info["num_grads"] = n * tile
         (full / "info.json").write_text(json.dumps(info, indent=2))
-        out |= {"build_s": build.seconds, "build_peak_rss": build.peak,
+        out |= {"build_s": build.seconds, "build_peak_rss": build.peak, "build_working_rss": build.working,
                 "bytes_per_example": (built / "gradients.bin").stat().st_size / n}
         with Peak() as load:
             attributor = Attributor(str(full), device="cpu", unit_norm=False)
@@ -340,6 +343,7 @@ def bergson_peer(model: CrossStage, corpus, tile: int, queries: dict, *, project
                 model.zero_grad()
                 scores = result.scores if per_test else result.scores.sum(0)
             out["queries"][label] = {"query_s": query.seconds, "peak_rss": query.peak,
+                                     "working_rss": query.working,
                                      "finite": bool(torch.isfinite(scores).all()), "shape": list(scores.shape)}
     finally:
         model.modes["mode"] = "pre"
