@@ -20,18 +20,28 @@ The corpus: ``--sequences`` distinct sequences, repeated ``--tile`` times (``--s
 indexed corpus). On a 2-core machine one pass of forward + backward over 200,000 sequences takes hours, so the
 per-sequence passes are run on the distinct sequences only and scaled by ``--tile`` (labelled "scaled" in the
 results): the index build (each ``--variants`` setting: ``random`` is ``IndexConfig(projection="random",
-whiten=False)``, ``whitened`` the same whitened with the chain's EK-FAC and λ, ``whitened-eigenbasis`` the default
-``IndexConfig(damping=λ)``, the whitened eigenbasis selection) and the
-contraction pass (``Query.scores`` on the distinct sequences). A repeated sequence's row is the distinct one's, so
-the full index (every sequence) is assembled from the built rows — a shard per repetition, each with its data's
+whiten=False)``, ``whitened`` the same whitened with the chain's EK-FAC and λ, ``default`` ``IndexConfig(damping=λ)``,
+whatever the default is; the results write each one's settings), the contraction pass (``Query.scores`` on the
+distinct sequences) and the peers' passes over the corpus (below). A repeated sequence's row is the distinct one's,
+so the full index (every sequence) is assembled from the built rows — a shard per repetition, each with its data's
 digest, the index a query sees is the real one on disk — and every query is run against the full corpus and its
 full index: the checkpoint and data check over every sequence, s compressed to s̃, one matrix product over every
-memory-mapped row. Each phase's peak resident memory (a sampler thread), bytes per example on disk. The ratio
+memory-mapped row. Each phase's peak resident memory (a sampler thread; ``*_peak_rss`` the process's, phases in
+order: chain fits, contraction passes, index builds and queries, peers) and its working memory (``*_working_rss``:
+that peak over the resident memory at the phase's start), bytes per example on disk. The ratio
 "query speed-up" compares a new finetune's query through the index (solves + check + product) with the same
 solves + the contraction pass over the full corpus (scaled).
 
+Peers (``--peers``, in the same process after the index queries, on the same models and data;
+:mod:`benchmarks.index_peers`): kronfluence's pairwise scores (EK-FAC factors fitted on ``--fit-samples`` of the
+sequences; every query a pass over the corpus, scaled), TRAK's featurize (scaled) + finalize over every row + score,
+Bergson's index build (scaled) + load of every row + query. Each is timed for a new finetune's query with its stored
+state and from nothing, and the index query's speed-up over each is in the last table (``x_*``). They need the bench
+venv (``bash scripts/bench-env.sh``); one that does not run is reported with its error.
+
     python -m benchmarks.bench_index --hidden 128 --sequences 1000 --tile 200 --fit-samples 64 --tag bert-200k
     python -m benchmarks.bench_index --quick                                                       # 100 × 10
+    python -m benchmarks.bench_index --quick --peers                                               # no peers
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ import torch
 from scipy.stats import spearmanr
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_index"
+PEERS = ("kronfluence", "trak", "bergson")
 
 
 def rss_now() -> int:
@@ -81,6 +92,11 @@ class Peak:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, rss_now())
+
+    @property
+    def working(self) -> int:
+        """The peak over the resident memory at entry (bytes): what the phase added."""
+        return self.peak - self.start
 
 
 def models(args):
@@ -120,15 +136,18 @@ def lora_classifier(config, mlm):
 
 def assemble(built: Path, full: Path, tile: int) -> None:
     """The index of the corpus repeated ``tile`` times from the index of one copy (one shard): the same projections,
-    the manifest's shards one per repetition (their data's digest is the copy's), each shard file the copy's rows."""
+    the manifest's shards one per repetition (their data's digest is the copy's), each shard's files the copy's."""
     manifest = json.loads((built / "manifest.json").read_text())
     (shard,) = manifest["shards"]
     n = shard["stop"] - shard["start"]
-    manifest["shards"] = [{"start": j * n, "stop": (j + 1) * n, "data": shard["data"]} for j in range(tile)]
+    manifest["shards"] = [dict(shard, start=j * n, stop=(j + 1) * n) for j in range(tile)]
     full.mkdir(parents=True)
-    shutil.copy(built / "projections.safetensors", full / "projections.safetensors")
-    for j in range(tile):
-        shutil.copy(built / "shard-000000.npy", full / f"shard-{j:06d}.npy")
+    for path in built.iterdir():
+        if path.name.startswith("shard-000000"):
+            for j in range(tile):
+                shutil.copy(path, full / path.name.replace("shard-000000", f"shard-{j:06d}"))
+        elif path.name != "manifest.json" and path.is_file():
+            shutil.copy(path, full / path.name)
     (full / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
 
 
@@ -142,14 +161,20 @@ def main(argv=None) -> None:
     parser.add_argument("--length", type=int, default=32)
     parser.add_argument("--test", type=int, default=100)
     parser.add_argument("--fit-samples", type=int, default=256)
-    parser.add_argument("--variants", nargs="+", default=["random", "whitened", "whitened-eigenbasis"],
-                        choices=("random", "whitened", "whitened-eigenbasis"))
+    parser.add_argument("--variants", nargs="+", default=["random", "whitened", "default"],
+                        choices=("random", "whitened", "default"))
+    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS,
+                        help="the peers timed beside (none: --peers with no name)")
+    parser.add_argument("--kron-batch", type=int, default=16, help="kronfluence's per-device batch")
+    parser.add_argument("--trak-dim", type=int, default=1024, help="TRAK's proj_dim")
+    parser.add_argument("--trak-batch", type=int, default=50, help="sequences per TRAK featurize call")
+    parser.add_argument("--bergson-dim", type=int, default=8, help="Bergson's projection_dim p (p × p per module)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--quick", action="store_true", help="100 sequences × 10, 20 test")
+    parser.add_argument("--quick", action="store_true", help="hidden 128, 100 sequences × 10, 20 test")
     parser.add_argument("--tag", default=None)
     args = parser.parse_args(argv)
     if args.quick:
-        args.sequences, args.tile, args.test, args.fit_samples = 100, 10, 20, 64
+        args.hidden, args.sequences, args.tile, args.test, args.fit_samples = 128, 100, 10, 20, 64
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
 
@@ -191,18 +216,19 @@ def main(argv=None) -> None:
             if name != "head":
                 chains[name].reuse(chains["head"])
             chains[name].fit()
+        reused = bool(chains[name].reused)
         damping = 0.1 * chains[name].curvature(0).approximation("ekfac").mean_eigenvalue()
         chains[name] = chains[name].with_solve([ik.SolveConfig(solver="ekfac", damping=damping),
                                                 chains[name].solve_configs[1]])
-        fits[name] = {"fit_s": fit.seconds, "fit_peak_rss": fit.peak, "damping": damping,
-                      "stage1_reused": bool(chains[name].reused)}
-        say(f"{name} chain fit ({'stage 1 reused from the head chain' if chains[name].reused else 'stage-1 EK-FAC on ' + str(curvature[0].hessian_samples) + ' sequences'}): "
+        fits[name] = {"fit_s": fit.seconds, "fit_peak_rss": fit.peak, "fit_working_rss": fit.working, "damping": damping,
+                      "stage1_reused": reused}
+        say(f"{name} chain fit ({'stage 1 reused from the head chain' if reused else 'stage-1 EK-FAC on ' + str(curvature[0].hessian_samples) + ' sequences'}): "
             f"{fit.seconds:.1f} s")
     out["fits"] = fits
     factored, damping = chains["head"].curvature(0).approximation("ekfac"), fits["head"]["damping"]
     settings = {"random": IndexConfig(projection="random", whiten=False),
                 "whitened": IndexConfig(projection="random", whiten=True, damping=damping),
-                "whitened-eigenbasis": IndexConfig(damping=damping)}  # the default
+                "default": IndexConfig(damping=damping)}
 
     work = Path(tempfile.mkdtemp(prefix="bench-index-"))
     rows, builds = [], []
@@ -222,9 +248,10 @@ def main(argv=None) -> None:
                 GradientIndex.build(distinct, work / f"{variant}-built", config, factored=factored)
             assemble(work / f"{variant}-built", work / variant, args.tile)
             index = GradientIndex.open(work / variant)
-            size = sum(p.stat().st_size for p in (work / variant).glob("shard-*.npy"))
+            size = sum(p.stat().st_size for p in (work / variant).glob("shard-*"))
+            out.setdefault("index_configs", {})[variant] = config.summary()
             builds.append({"variant": variant, "build_s_distinct": build.seconds, "build_s": build.seconds * args.tile,
-                           "build_peak_rss": build.peak, "width": index.width,
+                           "build_peak_rss": build.peak, "build_working_rss": build.working, "width": index.width,
                            "bytes_per_example_disk": size / total, "rows": index.n_rows,
                            "projection_bytes": (work / variant / "projections.safetensors").stat().st_size})
             say(f"{variant} index: build over {n:,} distinct sequences {build.seconds:.1f} s, D = {index.width}, "
@@ -239,7 +266,8 @@ def main(argv=None) -> None:
                        "index_product_s": approx.diagnostics["seconds"]["index_product"], "index_s": via_index.seconds,
                        "contraction_s_distinct": t["pass"].seconds,
                        "contraction_s": t["pass"].seconds * args.tile, "index_peak_rss": via_index.peak,
-                       "contraction_peak_rss": t["pass"].peak, "spearman": float(spearmanr(first, t["exact"]).statistic)}
+                       "index_working_rss": via_index.working, "contraction_peak_rss": t["pass"].peak,
+                       "contraction_working_rss": t["pass"].working, "spearman": float(spearmanr(first, t["exact"]).statistic)}
                 row["speedup_scoring"] = row["contraction_s"] / row["index_s"]
                 row["speedup_query"] = (row["solve_s"] + row["contraction_s"]) / (row["solve_s"] + row["index_s"])
                 rows.append(row)
@@ -248,13 +276,17 @@ def main(argv=None) -> None:
                     f"{row['solve_s']:.1f} s; speed-up {row['speedup_query']:.0f}×; Spearman {row['spearman']:.3f}")
             shutil.rmtree(work / variant)
             shutil.rmtree(work / f"{variant}-built")
+        peers = run_peers(args, (mlm, head, lora), (x, y), test, out, say)  # last: influkit's phases measured first
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     table, built = pd.DataFrame(rows), pd.DataFrame(builds)
     contraction_s = rows[0]["contraction_s"]
     built["build_over_contraction"] = built["build_s"] / contraction_s
-    out |= {"queries": rows, "builds": builds, "load_end": os.getloadavg()}
+    peer_table = peer_frame(peers, args.tile)
+    versus = versus_frame(table, peer_table)
+    out |= {"queries": rows, "builds": builds, "peers": peers, "peer_table": peer_table.to_dict("records"),
+            "versus": versus.to_dict("records"), "load_end": os.getloadavg()}
     targets = {}
     for b in builds:
         q = {r["query"]: r for r in rows if r["variant"] == b["variant"]}
@@ -278,34 +310,132 @@ def main(argv=None) -> None:
             f"chain fits (stage-1 EK-FAC on {min(args.fit_samples, n)} sequences; test-independent, apart from the "
             "queries): " + ", ".join(f"{k} {v['fit_s']:.1f} s" + (" (stage 1 reused: the new finetune's own fit)"
                                                                if v["stage1_reused"] else "") for k, v in fits.items()),
+            "index settings: " + json.dumps(out.get("index_configs", {})),
             "", built.to_string(index=False, float_format=lambda v: f"{v:.4g}"), "",
             table.to_string(index=False, float_format=lambda v: f"{v:.4g}"), "",
+            "PEERS (same process, same model and data; kronfluence, TRAK and Bergson take the corpus gradients in the "
+            "masked-LM model and each finetune's test gradients through its head or LoRA adapters, with respect to the "
+            "encoder's linear layers: benchmarks/index_peers.py). SCALED, as influkit's passes: kronfluence's "
+            f"query_s (a pass over the corpus per query) and TRAK's and Bergson's build_s are measured on the {n:,} "
+            f"distinct sequences (*_distinct) and multiplied by {args.tile}; TRAK's finalize and queries and Bergson's "
+            f"load and queries ran on all {total:,} rows (the distinct rows copied to the repeats). new_finetune_s: "
+            "what a new finetune's query costs with the peer's stored state (kronfluence: its factors; TRAK: the "
+            "finalized features; Bergson: the loaded index); full_pass_s: from nothing (fit or build + finalize/load + "
+            "query). What each computes: kronfluence the EK-FAC-preconditioned single-stage influence of the corpus on the "
+            "test loss; TRAK the inner products with its features Φ(ΦᵀΦ)⁻¹; Bergson the plain inner products of "
+            "projected gradients (no curvature, no check of checkpoint or data); influkit's index query the two-stage "
+            "adjoint (the solves), the checkpoint and data check over every sequence, then the product." + "".join(f"\n{k} did not run: {v['error']}" for k, v in peers.items() if "error" in v),
+            "", peer_table.to_string(index=False, float_format=lambda v: f"{v:.4g}") if len(peer_table) else "(none)",
+            "", "NEW FINETUNE QUERY, same run: seconds (influkit index: solves + check + product over every row; "
+            "contraction: solves + a pass, scaled; peers: new_finetune_s) and how many times the index query each is "
+            "(x_*)", "", versus.to_string(index=False, float_format=lambda v: f"{v:.4g}"), "",
             "targets: " + json.dumps(targets)]
     (RESULTS / f"bench_index_{tag}.txt").write_text("\n".join(text) + "\n")
     (RESULTS / f"bench_index_{tag}.json").write_text(json.dumps(out, indent=1, default=float))
-    plot(table, out, RESULTS / f"bench_index_{tag}.png")
+    plot(versus, out, RESULTS / f"bench_index_{tag}.png")
     record(RESULTS, [f"bench_index_{tag}.txt", f"bench_index_{tag}.json", f"bench_index_{tag}.png"],
-           note="shared 2-core machine (six helpers); timings in one process, one after the other; build and "
-                "contraction pass scaled from the distinct sequences")
+           note="shared 2-core machine (four helpers); timings in one process, one after the other; builds, "
+                "contraction passes and kronfluence's pairwise passes scaled from the distinct sequences")
     print("\n".join(text))
 
 
-def plot(table: pd.DataFrame, out: dict, path: Path) -> None:
+def plot(versus: pd.DataFrame, out: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.45 * len(table)))
-    labels = [f"{r.variant}: {r.query}" for r in table.itertuples()]
-    y = np.arange(len(labels))
-    ax.barh(y - 0.2, table["solve_s"] + table["contraction_s"], 0.4, label="solves + contraction pass (scaled)")
-    ax.barh(y + 0.2, table["solve_s"] + table["index_s"], 0.4, label="solves + index (check + product)")
-    ax.set_yticks(y, labels, fontsize=7)
+    queries = list(dict.fromkeys(versus["query"]))
+    first = versus[versus["variant"] == versus["variant"].iloc[0]].set_index("query")
+    bars = [(f"influkit index, {v} (solves + check + product)", versus[versus["variant"] == v].set_index("query")["index_s"])
+            for v in dict.fromkeys(versus["variant"])]
+    bars.append(("influkit contraction (solves + a pass, scaled)", first["contraction_s"]))
+    names = {"kronfluence": "kronfluence pairwise (scaled)", "trak": "TRAK score (stored features)",
+             "bergson": "Bergson query (loaded index)"}
+    bars += [(names[peer], first[f"{peer}_s"]) for peer in PEERS if f"{peer}_s" in first]
+    fig, ax = plt.subplots(figsize=(7.5, 2.2 + 0.22 * len(queries) * len(bars)))
+    y = np.arange(len(queries))
+    height = 0.8 / len(bars)
+    for j, (label, seconds) in enumerate(bars):
+        ax.barh(y - 0.4 + (j + 0.5) * height, seconds.reindex(queries).to_numpy(), height, label=label)
+    ax.set_yticks(y, queries, fontsize=8)
+    ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel("seconds (log)")
-    ax.set_title(f"{out['model']}: {out['sequences']:,} sequences × {out['length']}", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.set_xlabel("seconds for a new finetune's query (log)")
+    ax.set_title(f"{out['model']}: {out['sequences']:,} sequences × {out['length']}, {out['test']} test; "
+                 "one process, shared 2-core CPU", fontsize=8)
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def run_peers(args, finetunes, corpus, test, out: dict, say) -> dict:
+    """Each of ``args.peers`` (:mod:`benchmarks.index_peers`) on :class:`CrossStage` of the masked-LM model, the
+    head and the LoRA finetune, over the distinct sequences ``corpus``: {peer: its result, or {"error": why}}."""
+    if not args.peers:
+        return {}
+    from benchmarks import index_peers
+
+    mlm, head, lora = finetunes
+    x, y = corpus
+    cross = index_peers.CrossStage(mlm, head, lora)
+    out["cross_stage_max_abs_diff"] = index_peers.check_cross_stage(cross, mlm, head, lora, test[0][:8])
+    queries = {"head": ("head", test, False), "lora": ("lora", test, False), "head per-test": ("head", test, True)}
+    fit = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))[:min(args.fit_samples, len(x))]
+    runs = {
+        "kronfluence": lambda: index_peers.kronfluence_peer(cross, corpus, fit, queries, batch=args.kron_batch),
+        "trak": lambda: index_peers.trak_peer(cross, corpus, args.tile, queries, proj_dim=args.trak_dim,
+                                              batch=args.trak_batch),
+        "bergson": lambda: index_peers.bergson_peer(cross, corpus, args.tile, queries,
+                                                    projection_dim=args.bergson_dim),
+    }
+    peers = {}
+    for name in args.peers:
+        peers[name] = index_peers.run_peer(name, runs[name], say)
+        if "error" not in peers[name]:
+            say(f"{name}: " + ", ".join(f"{k} {v:.2f} s" for k, v in peers[name].items() if k.endswith("_s")) + "; "
+                + ", ".join(f"{label} {q['query_s']:.2f} s" for label, q in peers[name]["queries"].items())
+                + " (on the distinct sequences where scaled)")
+    return peers
+
+
+def peer_frame(peers: dict, tile: int) -> pd.DataFrame:
+    """One row per peer and query: its stored state's cost (SCALED where it passes over the corpus), its query, and
+    what a new finetune costs it with that state (new_finetune_s) and from nothing (full_pass_s)."""
+    rows = []
+    for name, r in peers.items():
+        if "error" in r:
+            continue
+        for label, q in r["queries"].items():
+            row = {"peer": name, "query": label}
+            if name == "kronfluence":  # no stored gradients: each query passes over the corpus
+                row |= {"fit_s": r["fit_s"], "build_s_distinct": np.nan, "build_s": np.nan, "finalize_or_load_s": np.nan,
+                        "query_s_distinct": q["query_s"], "query_s": q["query_s"] * tile, "bytes_per_example": 0.0}
+                row["full_pass_s"] = r["fit_s"] + row["query_s"]
+            else:
+                ready = r["finalize_s"] if name == "trak" else r["load_s"]
+                row |= {"fit_s": np.nan, "build_s_distinct": r["build_s"], "build_s": r["build_s"] * tile,
+                        "finalize_or_load_s": ready, "query_s_distinct": np.nan, "query_s": q["query_s"],
+                        "bytes_per_example": float(r["bytes_per_example"])}
+                row["full_pass_s"] = row["build_s"] + ready + q["query_s"]
+            row |= {"new_finetune_s": row["query_s"],
+                    "build_or_fit_working_rss": r.get("build_working_rss", r.get("fit_working_rss")),
+                    "query_peak_rss": q["peak_rss"], "query_working_rss": q["working_rss"], "finite": q["finite"]}
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def versus_frame(table: pd.DataFrame, peer_table: pd.DataFrame) -> pd.DataFrame:
+    """Per index variant and query: the seconds of a new finetune's query through the index, through the
+    contraction pass and through each peer, and each over the index's (x_*: how many times slower)."""
+    frame = pd.DataFrame({"variant": table["variant"], "query": table["query"],
+                          "index_s": table["solve_s"] + table["index_s"], "of_which_solves_s": table["solve_s"],
+                          "contraction_s": table["solve_s"] + table["contraction_s"]})
+    frame["x_contraction"] = frame["contraction_s"] / frame["index_s"]
+    for peer in PEERS:
+        if len(peer_table) and peer in set(peer_table["peer"]):
+            seconds = peer_table[peer_table["peer"] == peer].set_index("query")["new_finetune_s"]
+            frame[f"{peer}_s"] = frame["query"].map(seconds)
+            frame[f"x_{peer}"] = frame[f"{peer}_s"] / frame["index_s"]
+    return frame
 
 
 if __name__ == "__main__":

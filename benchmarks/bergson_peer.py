@@ -200,33 +200,17 @@ def index_build_and_query(model: torch.nn.Module, corpus, queries, *, projection
     modules (a causal LM, or a masked LM with :func:`causal_labels`). corpus and queries: (n, T) input ids, or
     (input_ids, labels) in Bergson's causal convention. projection_dim: p, each module's gradient stored as p × p
     (0: unprojected). The build writes the index under a temporary directory (``workdir``), removed at the end."""
-    from datasets import Dataset
-
-    from bergson.collection import collect_gradients
-    from bergson.config.config import IndexConfig, PreprocessConfig
-    from bergson.data import allocate_batches
     from bergson.query.attributor import Attributor
     from bergson.query.faiss_index import FaissConfig
-    from bergson.utils.worker_utils import create_processor
 
-    ids, labels = _as_corpus(corpus)
     q_ids, q_labels = _as_corpus(queries)
-    n = len(ids)
+    n = len(_as_corpus(corpus)[0])
     work = Path(tempfile.mkdtemp(prefix="bergson-index-", dir=workdir))
     try:
-        model = model.to(device).eval()
-        columns = {"input_ids": ids.tolist(), "length": [ids.shape[1]] * n}
-        if labels is not None:
-            columns["labels"] = labels.tolist()
-        data = Dataset.from_dict(columns)
-        cfg = IndexConfig(run_path=str(work / "index"), projection_dim=projection_dim, loss_reduction="sum",
-                          token_batch_size=token_batch_size)
         seconds = {}
         with Peak() as build:
-            processor = create_processor(model, cfg)
-            batches = allocate_batches(data["length"][:], cfg.token_batch_size)
-            collect_gradients(model, data, processor, cfg, batches=batches, preprocess_cfg=PreprocessConfig())
-            shutil.move(cfg.partial_run_path, cfg.run_path)
+            cfg = build_index(model, corpus, work / "index", projection_dim=projection_dim,
+                              token_batch_size=token_batch_size, device=device)
         seconds["build"] = build.seconds
         size = (work / "index" / "gradients.bin").stat().st_size
 
@@ -251,6 +235,32 @@ def index_build_and_query(model: torch.nn.Module, corpus, queries, *, projection
         return IndexResult(scores, faiss_scores, seconds, size / n, build.peak, width)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def build_index(model: torch.nn.Module, corpus, run_path: str | Path, *, projection_dim: int = 16,
+                token_batch_size: int = 2048, device: str = "cpu"):
+    """Bergson's gradient index of ``corpus`` written to ``run_path`` (``gradients.bin``, ``info.json`` and its
+    projection's settings): returns its IndexConfig. model and corpus as for :func:`index_build_and_query`."""
+    from datasets import Dataset
+
+    from bergson.collection import collect_gradients
+    from bergson.config.config import IndexConfig, PreprocessConfig
+    from bergson.data import allocate_batches
+    from bergson.utils.worker_utils import create_processor
+
+    ids, labels = _as_corpus(corpus)
+    model = model.to(device).eval()
+    columns = {"input_ids": ids.tolist(), "length": [ids.shape[1]] * len(ids)}
+    if labels is not None:
+        columns["labels"] = labels.tolist()
+    data = Dataset.from_dict(columns)
+    cfg = IndexConfig(run_path=str(run_path), projection_dim=projection_dim, loss_reduction="sum",
+                      token_batch_size=token_batch_size)
+    processor = create_processor(model, cfg)
+    batches = allocate_batches(data["length"][:], cfg.token_batch_size)
+    collect_gradients(model, data, processor, cfg, batches=batches, preprocess_cfg=PreprocessConfig())
+    shutil.move(cfg.partial_run_path, cfg.run_path)
+    return cfg
 
 
 def processor_shapes(index_path: str | Path) -> list[tuple[int, ...]]:

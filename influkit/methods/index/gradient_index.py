@@ -336,7 +336,7 @@ class GradientIndex:
         s = self.directions(query).cpu()
         compressed = time.perf_counter()
         blocks = []
-        for _, rows in tqdm(list(self.shards()), desc="index scores", disable=not progress, leave=False):
+        for _, rows in tqdm(self.shards(), desc="index scores", disable=not progress, leave=False):  # a chunk at a time
             blocks.append(rows @ s)
         values = -torch.cat(blocks).to(query.s.dtype)
         seconds = dict(query.seconds) | {"index_checkpoint": fingerprinted - start, "index_data": checked - fingerprinted,
