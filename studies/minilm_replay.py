@@ -82,6 +82,8 @@ INFLUENCE = {"defaults": "influkit influence functions, defaults (ik.Chain, noth
 APPROXIMATE_REFUSED = ("ik.unrolled.approximate refuses records of dropout runs and of a Trainer's collated batches "
                        "(it linearizes each piece's deterministic objective on the stage's data, which these runs did "
                        "not train on)")
+SEGMENTS = 3
+APPROXIMATE = f"unrolled approximate (EK-FAC, {SEGMENTS} segments, shared basis)"
 
 
 @dataclass
@@ -309,6 +311,27 @@ def step_influence(cfg: Config, out: Path, method: str) -> None:
              peak_rss_mib=peak_rss_mib())
 
 
+def step_approximate(cfg: Config, out: Path, segments: int, progress: bool) -> None:
+    """The approximate-unrolling row in its own process (its peak RSS its own, the recorded training included, as
+    the exact row's): ``ik.unrolled.approximate`` on the recorded run, EK-FAC with one eigenbasis per stage and
+    ``segments`` pieces, per test snippet; scores and cost to approximate.npz, what it linearized (its diagnostics)
+    to approximate.json and summary.json."""
+    run = train(cfg)
+    start = time.perf_counter()
+    results = ik.unrolled.approximate(run.record, run.test, segments=segments, per_test=True, curvature="ekfac",
+                                      basis="shared", progress=progress)
+    seconds = time.perf_counter() - start
+    np.savez(out / "approximate.npz", scores=results[0].values.detach().double().numpy(), seconds=seconds,
+             peak_rss_mib=peak_rss_mib())
+    keep = ("settings", "linearized", "stability", "top", "seconds")
+    (out / "approximate.json").write_text(json.dumps([{k: r.diagnostics[k] for k in keep} for r in results],
+                                                     indent=2, default=str))
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    summary["approximate unrolling"] = (f"row {APPROXIMATE!r}: each stage linearized per segment (Adam's second "
+                                        "moment frozen, eval-mode objective, the recorded masks), approximate.json")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+
+
 def step_replays(cfg: Config, out: Path, fractions, subsets: int) -> None:
     """The drop sets' replays one by one into ``out/replays/`` (resumable; a partial run leaves its replays)."""
     run = train(cfg)
@@ -350,6 +373,10 @@ def step_table(out: Path, subsets: int) -> pd.DataFrame:
                          "peak_rss_mib": float(first.loc[EXACT, "peak RSS (MiB)"])}}
     saved = np.load(out / "scores.npz")
     rows_ = {EXACT: {"scores": [saved[f"{EXACT} stage 0"]], **costs[EXACT]}}
+    if (out / "approximate.npz").exists():
+        row = np.load(out / "approximate.npz")
+        rows_[APPROXIMATE] = {"scores": [row["scores"]], "seconds": float(row["seconds"]),
+                              "peak_rss_mib": float(row["peak_rss_mib"])}
     for method, name in INFLUENCE.items():
         path = out / f"influence_{method}.npz"
         if path.exists():
@@ -399,10 +426,11 @@ def step_cost(cfg: Config, repeats: int) -> pd.DataFrame:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("step", nargs="?", default="all",
-                        choices=("all", "exact", "influence", "replays", "table", "cost"))
+                        choices=("all", "exact", "influence", "approximate", "replays", "table", "cost"))
     parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS)
     parser.add_argument("--method", choices=tuple(INFLUENCE), default="defaults")
     parser.add_argument("--subsets", type=int, default=50)
+    parser.add_argument("--segments", type=int, default=SEGMENTS)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -419,6 +447,9 @@ def main(argv=None) -> int:
     elif args.step == "influence":
         step_influence(cfg, out, args.method)
         record(out, [f"influence_{args.method}.npz"], note=note)
+    elif args.step == "approximate":
+        step_approximate(cfg, out, args.segments, not args.no_progress)
+        record(out, ["approximate.npz", "approximate.json", "summary.json"], note=note)
     elif args.step == "exact":
         step_exact(cfg, out, not args.no_progress)
     elif args.step == "replays":

@@ -331,12 +331,13 @@ def _checkpoint_at(run: StageRun, b: int) -> tuple[dict, dict]:
     return {n: v.detach() for n, v in theta.items()}, state
 
 
-def _clip_gains(run: StageRun, a: int, b: int) -> list[float]:
-    """[c_t for t in [a, b)]: the factor step t's recorded clipping scaled its gradient by (1.0 without clipping),
-    from the steps replayed from the last checkpoint at or before a (one gradient per step)."""
+def _piece_end(run: StageRun, a: int, b: int, clipped: bool) -> tuple[dict, dict, list[float]]:
+    """(θ_b, state_b, [c_t for t in [a, b)]): the piece's end (:func:`_checkpoint_at`) and, with ``clipped``, the
+    factor step t's recorded clipping scaled its gradient by (1.0 where it did not clip), from the steps replayed
+    from the last checkpoint at or before a (one gradient per step, θ_b from the same replay); else all 1.0."""
     clips = [run.clips[t] if t < len(run.clips) else None for t in range(a, b)]
-    if not any(clips):
-        return [1.0] * (b - a)
+    if not clipped or not any(clips):
+        return *_checkpoint_at(run, b), [1.0] * (b - a)
     first = max(t for t in run.checkpoints if t <= a)
     theta, state = run.checkpoints[first] if first else (start(run, run.anchors), run.checkpoints[0][1])
     gains = []
@@ -347,9 +348,10 @@ def _clip_gains(run: StageRun, a: int, b: int) -> list[float]:
             clip = clips[t - a]
             gains.append(1.0 if clip is None else
                          float(run.optimizer.clip_coefficient(grads, *clip, order=run.clip_order)))
-        if t + 1 < b:
-            theta, state = run.update(t, theta, state, grads)
-    return gains
+        theta, state = run.update(t, theta, state, grads)
+    if b in run.checkpoints:
+        return *run.checkpoints[b], gains  # the record's own tensors (held already)
+    return {n: v.detach() for n, v in theta.items()}, state, gains
 
 
 class AdamPiece:
@@ -359,7 +361,7 @@ class AdamPiece:
     decay ρ_t = 1 − η_t κ; ``coupled``: Adam's coupled weight decay per coordinate (added to the curvature) or None;
     ``notes``: what was approximated beyond the frozen P (a non-uniform decoupled decay taken at its mean)."""
 
-    def __init__(self, run: StageRun, a: int, b: int, state: dict, names: list[str]):
+    def __init__(self, run: StageRun, a: int, b: int, state: dict, names: list[str], gains: list[float]):
         rules, groups = _rules(run)
         beta1, beta2 = rules[0].betas
         lrs = [run.lrs[t] if isinstance(run.optimizer, Groups) else (run.lrs[t],) for t in range(a, b)]
@@ -388,14 +390,14 @@ class AdamPiece:
         self.notes = []
         mean = float(kappa.mean())
         if not bool((kappa == kappa[0]).all()):
-            spread = float((kappa - mean).abs().max()) * sum(reference)
-            self.notes.append(f"decoupled weight decay differs across parameter groups: the pieces take its mean over "
-                              f"the trained coordinates (largest ignored relative change of δθ over a segment: "
-                              f"{spread:.2g})")
+            self.notes.append("decoupled weight decay differs across parameter groups: the pieces take its mean over "
+                              "the trained coordinates (diagnostics['stability']['decay_ignored']: the largest "
+                              "relative change of δθ over a segment this leaves out)")
+        self.decay_ignored = float((kappa - mean).abs().max()) * sum(reference)
         self.momentum = beta1
         self.lrs = [top * (1 - beta1) / (1 - beta1 ** (t + 1)) for t, top in zip(range(a, b), reference)]
         self.rho = [1 - top * mean for top in reference]
-        self.gains = _clip_gains(run, a, b)
+        self.gains = gains
 
 
 def _piece(lam: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, lrs: list[float], momentum: float,
@@ -508,14 +510,17 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
             stability["top"] |= {"products": products, "seconds": time.perf_counter() - began}
     held.hold(directions)
     for a, b in tqdm(list(reversed(_boundaries(run, pieces))), desc="segments", disable=not progress, leave=False):
-        theta_end, state_end = _checkpoint_at(run, b)
+        theta_end, state_end, gains = _piece_end(run, a, b, clipped=adam)
         held.hold(theta_end)  # counted only when replayed (a checkpoint is the record's)
         release_freed_memory()  # each phase's freed buffers back to the system before the next allocates its own
-        linear = AdamPiece(run, a, b, state_end, names) if adam else None
+        linear = AdamPiece(run, a, b, state_end, names, gains) if adam else None
         if linear is not None:
             for note in linear.notes:
-                warnings.warn(f"approximate unrolling, steps [{a}, {b}): {note}.", stacklevel=4)
-            stability.setdefault("notes", []).extend(f"steps [{a}, {b}): {note}" for note in linear.notes)
+                if note not in stability.setdefault("notes", []):
+                    warnings.warn(f"approximate unrolling: {note}; ik.unrolled.metagradients is exact.", stacklevel=4)
+                    stability["notes"].append(note)
+            if linear.decay_ignored:
+                stability["decay_ignored"] = max(stability.get("decay_ignored", 0.0), linear.decay_ignored)
             if curvature != "hessian" and not linear.coupled_uniform:
                 raise InputError("Adam's coupled weight decay differs across parameter groups, and a factored "
                                  "curvature's eigenbasis cannot take a per-coordinate decay; use AdamW (decoupled) "
@@ -569,7 +574,7 @@ def _dense_piece(run: StageRun, theta_end: dict, v: torch.Tensor, w: torch.Tenso
     def objective(theta_flat):
         theta = dict(zip(names, (t.reshape(shapes[m]) for m, t in zip(names, theta_flat.split(
             [theta_end[m].numel() for m in names])))))
-        return run.objective(theta, run.anchors, x_all, y_all, weights)
+        return run.objective(theta, run.anchors, x_all, y_all, weights) * run.accumulate  # not a micro-batch's share
 
     h = hessian(objective)(torch.cat([theta_end[m].reshape(-1) for m in names]))
     if adam is None:
@@ -603,7 +608,7 @@ def _anchor_adjoint(run: StageRun, theta_end: dict, u: torch.Tensor, anchor_bar:
         x, y = run.stage.data.take(idx)
         with torch.enable_grad():
             weights = unit_weights(run, idx, None, u)
-            value = run.objective(theta, anchors, x, y, weights, size=n, penalties=first)
+            value = run.objective(theta, anchors, x, y, weights, size=n, penalties=first) * run.accumulate
             gradient = torch.autograd.grad(value, list(theta.values()), create_graph=True)
             if probe:
                 return
