@@ -19,10 +19,52 @@ linearizes did not diverge, so there the piece takes SOURCE's exponential (gradi
 rate η_t/(1 − μ)), which keeps a direction's share at its minimum's 1/λ; each result's
 ``diagnostics["stability"]`` gives the stage's largest η_t λ and how many eigen-coordinates were so treated. The
 adjoints on the stage's start and on its inherited block are handed to the previous stage as in
-:mod:`.metagradient` (same sign: score = d measure / d w_z, removal predicts −score). Adam has no such linear recursion and is refused; so is Nesterov momentum.
+:mod:`.metagradient` (same sign: score = d measure / d w_z, removal predicts −score). Nesterov momentum, SGD in
+parameter groups (a watched ``torch.optim.SGD``) and Adam groups with different β's are refused (use the exact
+:func:`~.metagradient.metagradients`).
 
 When the objective is quadratic and the per-example losses are linear in θ, every step is exactly this map and
 the result equals the exact metagradient (``tests/test_unrolled.py``).
+
+Adam and AdamW. Step t (counted from the stage's start, t = 0, 1, …) of torch's Adam is m ← β₁m + (1 − β₁)d,
+v ← β₂v + (1 − β₂)d², θ ← ρ_t θ − η_t/(1 − β₁^{t+1}) · m/(√v̂ + ε) with d = c_t g (+ λθ, Adam's coupled decay),
+c_t the recorded clipping's factor (1 without clipping; coupled decay and clipping together are refused, so
+c_t(g + λθ) is d either way), v̂ = v/(1 − β₂^{t+1}) and ρ_t = 1 − η_t κ (AdamW's decoupled decay κ; 1 for Adam). Inside piece ℓ = [a, b) the second moment is frozen at the piece's end: P =
+diag(1/(√v̂_b + ε)) from the record (or its replay) at step b, and c_t is kept as a constant gain (its dependence on
+the gradient dropped). The step is then linear in (δθ, δm): δm' = β₁δm + (1 − β₁)c_t((H_ℓ + λ)δθ + f),
+δθ' = ρ_t δθ − η_t/(1 − β₁^{t+1}) P δm'. With b = δm/(1 − β₁) and φ = P^{−1/2}δθ, b̃ = P^{1/2}b this is the
+heavy-ball recursion above in φ, with momentum μ = β₁, curvature K_ℓ = P^{1/2}(H_ℓ + λ)P^{1/2}, forcing P^{1/2}f and
+learning rate η'_t = η_t(1 − β₁)/(1 − β₁^{t+1}), and each step's gain and decay entering the 2×2 recursion exactly:
+
+    b̃_{t+1} = β₁ b̃_t + c_t(κ_i φ_t + f̃),     φ_{t+1} = ρ_t φ_t − η'_t b̃_{t+1}     (κ_i an eigenvalue of K_ℓ),
+
+whose transpose (with γ = β − η'_t α: u += c_t γ, α ← ρ_t α + c_t κ_i γ, β ← β₁γ) runs per eigen-coordinate as for
+SGD. The adjoints move into the scaled coordinates at the piece's end and back at its start: (α, β) =
+(P^{1/2}v, P^{−1/2}w), u = P^{1/2}ũ, (v, w) = (P^{−1/2}α, P^{1/2}β) — (v, w) stay the adjoints of (δθ, b) in θ's own
+coordinates between pieces, whose P differ. Parameter groups: each group's learning rate η_{g,t} = r_g η_t (η_t
+the largest group's) is folded into P (r_g must be constant within a piece, else refused); κ_i = r_g κ_g, and where
+κ differs across groups (ρ_t then is not a scalar in K's eigenbasis) the pieces take its mean over the trained
+coordinates, with a warning and the largest relative change of δθ so left out (``diagnostics["stability"]``).
+``curvature="hessian"``: K_ℓ is formed densely and eigendecomposed — exact for the frozen-P linearization (a test
+checks it against autograd through that recursion). Factored curvatures: P is projected onto the fitted
+curvature's own eigenbasis Q (Kronecker per layer, and the top directions' span), P_Q = Q diag(d) Qᵀ with
+d_i = q_iᵀ P q_i (:meth:`FactoredCurvature.functions` with ``diagonal=``, per block (L∘L)ᵀ P_M (R∘R)): P_Q commutes
+with C, so each eigen-coordinate is the recursion above with κ_i = d_i λ_i and scaling √d_i — no refit per piece
+(the shared eigenbasis stays shared), cost O(rows·cols·(rows + cols)) per layer, and the steady state of every
+coordinate stays the minimum's response −f/λ_i whatever d_i (Adam's fixed point does not depend on P). It is
+exact where P is a scalar on a block or C is diagonal (a diagonal block), and otherwise replaces P by the closest
+(Frobenius) matrix diagonal in C's eigenbasis; a rank-1 (Adafactor-style) P ≈ D_out ⊗ D_in would keep a Kronecker
+form too, but needs a new fit per piece (new eigenbases), which SOURCE's shared basis was to avoid. Adam's coupled
+decay λ enters the factored pieces as a shift (one λ for all groups, else refused).
+
+Runs with dropout and Trainer runs. Each piece linearizes a deterministic objective. A run recorded with dropout on
+is linearized with the model in eval mode: the expected (dropout-off) objective, dropout ignored — its replayed
+steps (piece ends, clipping factors) still use the recorded masks. A Trainer run (``influkit.hf.RecordCallback``)
+trained on its collator's batches (a masked-LM collator masks each batch anew): its pieces take a copy of the stage
+whose examples are as the collator last fed them in the stage (their recorded masks; the stage's rows for an example
+never fed), and the data term scaled by the recorded batches' mean examples per predicted token (the Trainer divides
+a masked-LM batch's summed loss by its predicted tokens; 1 for classification). The example terms use the same rows.
+Each result's ``diagnostics["linearized"]`` lists what its stage's pieces so approximated.
 
 At other data weights (``at=``, or a record from :func:`~.replay.reweighted`) the pieces linearize the re-run
 record: θ_ℓ are its parameters, H_ℓ the Hessian of the weighted objective (1/n) Σ w_z ℓ(z; θ) + R, and the forcing's
@@ -165,7 +207,10 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
         _rules(run)
     record = reweighted_at(record, measure, at, progress)
     linearized = [_linearized(run) for run in record.runs]
-    if given is not None and any(g is not None and scale != 1.0 for g, (_, scale, _) in zip(given, linearized)):
+    if out is not None and any(rows is not None for *_, rows in linearized):
+        raise InputError("out= streams each row's terms, and a Trainer stage's rows are its fed batches, summed into "
+                         "examples in memory; leave out= unset for a record with Trainer stages.")
+    if given is not None and any(g is not None and rows is not None for g, (*_, rows) in zip(given, linearized)):
         raise InputError("a fitted curvature given as basis= was fitted on the stage's own data, and a Trainer stage "
                          "is linearized on its collated batches; pass None for that stage (its curvature is then "
                          "fitted on them).")
@@ -190,7 +235,7 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
     held = Held(before=existing)  # the record's checkpoints and the given curvatures are not this call's
     held.hold(adjoint)
     for k in range(len(record) - 1, -1, -1):
-        run, scale, _ = linearized[k]
+        run, scale, _, _ = linearized[k]
         with holding(run.stage.model, _moved_frozen(run)), evaluating(run.stage.model):
             theta_bar, anchor_bar, pieces[k], plans[k], stability[k] = _stage(
                 run, adjoint, q, int(segments), curvature, basis, config, memory, held, progress,
@@ -208,7 +253,7 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
          "each segment's end")
     method = METHOD if curvature == "hessian" else f"unrolled approximate (segments, {curvature})"
     results = []
-    for k, (run, _, notes) in enumerate(linearized):
+    for k, (run, _, notes, owner) in enumerate(linearized):
         t0 = time.perf_counter()
         stage_out = None if out is None else Path(out) / f"stage-{k}"
         terms = Terms(run.stage, run.trained, pieces[k], chunk_size=chunk_size, gradients=gradients,
@@ -225,7 +270,13 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
                        "top": stability[k].pop("top", {"directions": 0, "why": "the dense Hessian is exact in "
                                                                                   "every direction"}),
                        "stability": stability[k], "linearized": notes}
-        results.append(InfluenceResult(values=values if per_test else values[:, 0], n_train=len(run.stage), index=index,
+        n = len(run.stage)
+        if owner is not None:  # a Trainer stage's rows summed into their examples
+            n = len(record.runs[k].stage)
+            values = torch.zeros(n, *values.shape[1:], dtype=values.dtype, device=values.device).index_add_(
+                0, (owner if index is None else owner[torch.as_tensor(index)]).to(values.device), values)
+            index = None
+        results.append(InfluenceResult(values=values if per_test else values[:, 0], n_train=n, index=index,
                                        method=f"{method}, stage {k}", diagnostics=diagnostics, removal_eps=-1.0))
         held.drop(pieces[k])  # this stage's θ_ℓ and u_ℓ: not needed by the next stage's terms
         pieces[k] = terms = None
@@ -261,14 +312,16 @@ def evaluating(model: torch.nn.Module):
             m.training = training
 
 
-def _linearized(run: StageRun) -> tuple[StageRun, float, list[str]]:
-    """(the run whose stage the pieces linearize, the factor of its data term, notes for ``diagnostics["linearized"]``).
+def _linearized(run: StageRun) -> tuple[StageRun, float, list[str], torch.Tensor | None]:
+    """(the run whose stage the pieces linearize, the factor of its data term, notes for ``diagnostics["linearized"]``,
+    the example each of its stage's rows belongs to — None where the rows are the examples).
 
     A run with dropout on keeps its stage: its objective in eval mode (the expected objective, dropout off). A
-    Trainer run (its batches as the collator made them, ``run.inputs``) gets a copy whose stage holds each example as
-    it was last fed in the stage (the collator's masks, rows padded to the stage's length); its data term is scaled
-    by c, the mean over the steps of the batch's examples per predicted token (the Trainer divides a masked-LM
-    batch's summed loss by its number of predicted tokens; 1 for classification)."""
+    Trainer run (its batches as the collator made them, ``run.inputs``) gets a copy whose stage has one row per fed
+    example per step, as the collator fed it (the recorded masks; padded to the stage's length with the stage's own
+    padding), so the stage's mean over rows is the mean of the recorded steps' objectives; its data term is scaled by
+    c, the steps' mean examples per predicted token (the Trainer divides a masked-LM batch's summed loss by its
+    number of predicted tokens; 1 for classification), and an example's score sums its rows'."""
     notes = []
     if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and training for m, training in run.mode_list() or ()):
         notes.append("eval-mode objective; dropout ignored (the pieces linearize the expected objective, dropout off)")
@@ -277,27 +330,35 @@ def _linearized(run: StageRun) -> tuple[StageRun, float, list[str]]:
                      "momentum β₁")
     if any(clip is not None for clip in run.clips):
         notes.append("gradient clipping: each step's recorded clipping factor kept as a constant gain")
+    rules = _rules(run)[0]
+    if any(clip is not None for clip in run.clips) and any(
+            isinstance(r, Adam) and not r.decoupled and r.weight_decay for r in rules):
+        raise InputError("a stage trained by Adam with coupled weight decay and gradient clipping: its decay term is "
+                         "not clipped, so no single gain per step linearizes it; use AdamW (decoupled decay) or "
+                         "ik.unrolled.metagradients (exact).")
     if run.inputs is None:
-        return run, 1.0, notes
-    n = len(run.stage)
-    x, y = (t.clone() for t in run.stage.data.take(torch.arange(n)))
-    fed = torch.zeros(n, dtype=torch.bool)
+        return run, 1.0, notes, None
+    if run.weights is not None or distributed.world_size() > 1:
+        raise InputError("the approximate unrolling of a Trainer stage (its collated batches) runs at the recorded "
+                         "weights in one process; use ik.unrolled.metagradients (exact) for at= or several ranks.")
+    x, y = run.stage.data.take(torch.cat([run.batches[t] for t in range(run.steps)]))
+    begin = 0
     for t in range(run.steps):
-        idx = run.batches[t]
         xb, yb = (v.to(x.device) for v in run.inputs[t])
-        x[idx, ..., :xb.shape[-1]] = xb  # positions past the batch's length are padding in both
+        rows = slice(begin, begin + xb.shape[0])
+        begin += xb.shape[0]
+        x[rows, ..., :xb.shape[-1]] = xb  # positions past the batch's length are padding in both
         if y.dim() == 2:
-            y[idx, :yb.shape[-1]] = yb
+            y[rows, :yb.shape[-1]] = yb
         else:
-            y[idx] = yb
-        fed[idx] = True
+            y[rows] = yb
     scale = sum(len(run.batches[t]) / run.divisors[t][0] for t in range(run.steps)) / run.steps
     collated = copy.copy(run)
     collated.stage = eval_stage(run.stage.model, lambda: run.stage.with_(data=(x, y)))
-    notes.append(f"Trainer batches: each example as the collator last fed it in the stage (its recorded masks; "
-                 f"{int((~fed).sum())} examples never fed keep the stage's rows), the data term scaled by {scale:.4g} "
-                 "(the recorded batches' mean examples per predicted token)")
-    return collated, float(scale), notes
+    notes.append(f"Trainer batches: the stage's rows are the {begin} examples as the collator fed them step by step "
+                 f"(their recorded masks; an example's score sums its rows'), the data term scaled by {scale:.4g} (the "
+                 "recorded batches' mean examples per predicted token)")
+    return collated, float(scale), notes, torch.cat([run.batches[t] for t in range(run.steps)])
 
 
 def _moved_frozen(run: StageRun) -> dict:
