@@ -60,11 +60,14 @@ decay λ enters the factored pieces as a shift (one λ for all groups, else refu
 Runs with dropout and Trainer runs. Each piece linearizes a deterministic objective. A run recorded with dropout on
 is linearized with the model in eval mode: the expected (dropout-off) objective, dropout ignored — its replayed
 steps (piece ends, clipping factors) still use the recorded masks. A Trainer run (``influkit.hf.RecordCallback``)
-trained on its collator's batches (a masked-LM collator masks each batch anew): its pieces take a copy of the stage
-whose examples are as the collator last fed them in the stage (their recorded masks; the stage's rows for an example
-never fed), and the data term scaled by the recorded batches' mean examples per predicted token (the Trainer divides
-a masked-LM batch's summed loss by its predicted tokens; 1 for classification). The example terms use the same rows.
-Each result's ``diagnostics["linearized"]`` lists what its stage's pieces so approximated.
+trained on its collator's batches (a masked-LM collator masks each batch anew, so an example trained for several
+epochs was seen with several masks): its pieces take a copy of the stage with one row per fed example per step, as
+the collator fed it (the recorded masks), so the objective they linearize — the mean over those rows — is the mean
+of the recorded steps' objectives, the expectation over the recorded masks; its data term is scaled by the recorded
+batches' mean examples per predicted token (the Trainer divides a masked-LM batch's summed loss by its predicted
+tokens; 1 for classification), and an example's score is the sum of its rows' terms. (The stage's own data, every
+token a target, is not what the Trainer trained on.) Each result's ``diagnostics["linearized"]`` lists what its
+stage's pieces so approximated.
 
 At other data weights (``at=``, or a record from :func:`~.replay.reweighted`) the pieces linearize the re-run
 record: θ_ℓ are its parameters, H_ℓ the Hessian of the weighted objective (1/n) Σ w_z ℓ(z; θ) + R, and the forcing's
@@ -165,7 +168,9 @@ def approximate(record: Record, measure, *, segments: int = 1, per_test: bool = 
 
     Same arguments and sign as :func:`influkit.unrolled.metagradients` (score = d measure / d w_z at w = 1, or at
     the weights ``at``: the record re-run there and each piece linearized on that run with the weighted objective's
-    curvature; removing z predicts −score: ``removal``); ``segments`` pieces per stage; curvature: ``"hessian"`` (dense,
+    curvature; removing z predicts −score: ``removal``); SGD (heavy-ball) and Adam / AdamW stages, with dropout
+    (eval-mode objective) and Trainer stages (their recorded batches) — module docstring, what each stage's pieces
+    approximated in ``diagnostics["linearized"]``; ``segments`` pieces per stage; curvature: ``"hessian"`` (dense,
     exact) or ``"ekfac"``/``"kfac"`` (factored, fitted with ``config``, default ``CurvatureConfig()``: the sampled
     Fisher on every example); basis: ``"each"`` (a fit per piece) or ``"shared"`` (EK-FAC: one eigenbasis per stage,
     eigenvalues re-estimated per piece) — module docstring — or one fitted EK-FAC curvature (or None) per stage, fitted
