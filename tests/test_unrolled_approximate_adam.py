@@ -222,3 +222,38 @@ def test_a_trainer_masked_lm_run_is_linearized_on_its_recorded_batches(tokenizer
     assert "dropout ignored" in notes
     exact = ik.unrolled.metagradients(record, test, per_test=True)[0].values
     assert pearson(approx.values, exact) > 0.65
+
+
+def test_the_factored_functions_project_a_diagonal_onto_each_blocks_eigenbasis():
+    """FactoredCurvature.functions(..., diagonal=D) hands fn d = diag(Qᵀ diag(D) Q) per block (Kronecker blocks with a
+    bias column, an embedding's diagonal input factor, diagonal blocks): fn(e, d) = d applies Q diag(d) Qᵀ, equal to
+    Q diag(d) Qᵀ with Q built column by column from the blocks' rotations."""
+    from influkit.factored.curvature import DiagonalBlock, fit_curvature
+    from test_factored import SeqNet
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 7, (25, 5), generator=gen)
+    stage = ik.Stage(SeqNet().double().eval(), cross_entropy, (ids, torch.randint(0, 3, (25,), generator=gen)))
+    curvature = fit_curvature(stage, kind="ekfac", fisher="exact")
+    assert any(isinstance(b, DiagonalBlock) for b in curvature.blocks)
+    diagonal = torch.rand(curvature.dim, generator=gen, dtype=torch.float64) + 0.5
+    columns = []  # C's eigenbasis, one column per eigen-coordinate, from each block's rotation
+    for block in curvature.blocks:
+        if isinstance(block, DiagonalBlock):
+            columns += [torch.zeros(curvature.dim, dtype=torch.float64).index_fill_(0, i.reshape(1), 1.0)
+                        for i in block.index]
+            continue
+        for i in range(block.rows * block.cols):
+            unit = torch.zeros(1, block.rows * block.cols, dtype=torch.float64)
+            unit[0, i] = 1.0
+            column = torch.zeros(curvature.dim, 1, dtype=torch.float64)
+            block.scatter(block.rotate_out(unit.reshape(1, block.rows, block.cols)), column, curvature.offsets)
+            columns.append(column[:, 0])
+    q = torch.stack(columns, 1)
+    torch.testing.assert_close(q.T @ q, torch.eye(curvature.dim, dtype=torch.float64))
+    d = ((q ** 2) * diagonal[:, None]).sum(0)
+    x = torch.randn(curvature.dim, 2, generator=gen, dtype=torch.float64)
+    out = torch.empty_like(x)
+    curvature.functions([x], lambda e, dd: [[dd]], out=[out], diagonal=diagonal)
+    torch.testing.assert_close(out, q @ (d[:, None] * (q.T @ x)), rtol=1e-9, atol=1e-12)
