@@ -44,7 +44,8 @@ SGD. The adjoints move into the scaled coordinates at the piece's end and back a
 coordinates between pieces, whose P differ. Parameter groups: each group's learning rate η_{g,t} = r_g η_t (η_t
 the largest group's) is folded into P (r_g must be constant within a piece, else refused); κ_i = r_g κ_g, and where
 κ differs across groups (ρ_t then is not a scalar in K's eigenbasis) the pieces take its mean over the trained
-coordinates, with a warning and the largest relative change of δθ so left out (``diagnostics["stability"]``).
+coordinates, noting the largest relative change of δθ so left out (``diagnostics["stability"]``; a warning above
+:data:`DECAY_WARNING`).
 ``curvature="hessian"``: K_ℓ is formed densely and eigendecomposed — exact for the frozen-P linearization (a test
 checks it against autograd through that recursion). Factored curvatures: P is projected onto the fitted
 curvature's own eigenbasis Q (Kronecker per layer, and the top directions' span), P_Q = Q diag(d) Qᵀ with
@@ -583,9 +584,14 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
         if linear is not None:
             for note in linear.notes:
                 if note not in stability.setdefault("notes", []):
-                    warnings.warn(f"approximate unrolling: {note}; ik.unrolled.metagradients is exact.", stacklevel=4)
                     stability["notes"].append(note)
             if linear.decay_ignored:
+                if linear.decay_ignored > DECAY_WARNING >= stability.get("decay_ignored", 0.0):
+                    warnings.warn(f"approximate unrolling, steps [{a}, {b}): the parameter groups' decoupled weight "
+                                  f"decays differ, and the pieces take their mean, which leaves out a relative change "
+                                  f"of δθ up to {linear.decay_ignored:.2g} over the segment; more segments shrink it (to one step's "
+                                  "η_t·|κ − mean κ| at one step per segment), ik.unrolled.metagradients is exact.",
+                                  stacklevel=4)
                 stability["decay_ignored"] = max(stability.get("decay_ignored", 0.0), linear.decay_ignored)
             if curvature != "hessian" and not linear.coupled_uniform:
                 raise InputError("Adam's coupled weight decay differs across parameter groups, and a factored "
@@ -714,6 +720,9 @@ def _fit(run: StageRun, kind: str, config: CurvatureConfig, theta_end: dict, bas
     return fitted
 
 
+DECAY_WARNING = 0.01
+"""The relative change of δθ over a segment (``decay_ignored``) above which taking the groups' mean decoupled decay
+warns; below it the note is in ``diagnostics["stability"]`` only (transformers' decay / no-decay groups leave ~10⁻⁵)."""
 TOP_CURVATURES = ("hessian", "gauss-newton")
 TOP_AUTO = 20
 """The most eigenpairs per stage ``top="auto"`` puts into the factored pieces."""
