@@ -398,27 +398,22 @@ def _checkpoint_at(run: StageRun, b: int) -> tuple[dict, dict]:
     return {n: v.detach() for n, v in theta.items()}, state
 
 
-def _piece_end(run: StageRun, a: int, b: int, clipped: bool) -> tuple[dict, dict, list[float]]:
-    """(θ_b, state_b, [c_t for t in [a, b)]): the piece's end (:func:`_checkpoint_at`) and, with ``clipped``, the
-    factor step t's recorded clipping scaled its gradient by (1.0 where it did not clip), from the steps replayed
-    from the last checkpoint at or before a (one gradient per step, θ_b from the same replay); else all 1.0."""
-    clips = [run.clips[t] if t < len(run.clips) else None for t in range(a, b)]
-    if not clipped or not any(clips):
-        return *_checkpoint_at(run, b), [1.0] * (b - a)
-    first = max(t for t in run.checkpoints if t <= a)
-    theta, state = run.checkpoints[first] if first else (start(run, run.anchors), run.checkpoints[0][1])
-    gains = []
-    for t in range(first, b):
+def _clipped_trajectory(run: StageRun, ends: list[int]) -> tuple[dict, list[float]]:
+    """({b: (θ_b, state_b)} at the pieces' ends, [c_t for every step]): one replay of the stage from its start, each
+    step's gradient giving the factor c_t its recorded clipping scaled it by (1.0 where it did not clip) — one
+    gradient per step in all; an end with a checkpoint keeps the record's own tensors."""
+    theta, state = start(run, run.anchors), run.checkpoints[0][1]
+    kept, gains = {}, []
+    for t in range(max(ends)):
         idx, x, y = run.batch(t)
         grads = run.gradient(t, theta, run.anchors, x, y, unit_weights(run, idx, None, x))
-        if t >= a:
-            clip = clips[t - a]
-            gains.append(1.0 if clip is None else
-                         float(run.optimizer.clip_coefficient(grads, *clip, order=run.clip_order)))
+        clip = run.clips[t] if t < len(run.clips) else None
+        gains.append(1.0 if clip is None else float(run.optimizer.clip_coefficient(grads, *clip, order=run.clip_order)))
         theta, state = run.update(t, theta, state, grads)
-    if b in run.checkpoints:
-        return *run.checkpoints[b], gains  # the record's own tensors (held already)
-    return {n: v.detach() for n, v in theta.items()}, state, gains
+        if t + 1 in ends:
+            kept[t + 1] = run.checkpoints[t + 1] if t + 1 in run.checkpoints else \
+                ({n: v.detach() for n, v in theta.items()}, state)
+    return kept, gains
 
 
 class AdamPiece:
@@ -576,11 +571,17 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
                                                    scale)
             stability["top"] |= {"products": products, "seconds": time.perf_counter() - began}
     held.hold(directions)
-    for a, b in tqdm(list(reversed(_boundaries(run, pieces))), desc="segments", disable=not progress, leave=False):
-        theta_end, state_end, gains = _piece_end(run, a, b, clipped=adam)
+    cuts = _boundaries(run, pieces)
+    clipped = adam and any(clip is not None for clip in run.clips)
+    trajectory, gains = _clipped_trajectory(run, [b for _, b in cuts]) if clipped else ({}, [1.0] * run.steps)
+    held.hold(trajectory)  # the replayed ends' θ and optimizer state, each dropped once its piece is done
+    for a, b in tqdm(list(reversed(cuts)), desc="segments", disable=not progress, leave=False):
+        theta_end, state_end = trajectory.pop(b) if clipped else _checkpoint_at(run, b)
         held.hold(theta_end)  # counted only when replayed (a checkpoint is the record's)
         release_freed_memory()  # each phase's freed buffers back to the system before the next allocates its own
-        linear = AdamPiece(run, a, b, state_end, names, gains) if adam else None
+        linear = AdamPiece(run, a, b, state_end, names, gains[a:b]) if adam else None
+        held.drop(state_end)
+        del state_end
         if linear is not None:
             for note in linear.notes:
                 if note not in stability.setdefault("notes", []):
