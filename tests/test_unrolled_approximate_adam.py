@@ -125,7 +125,8 @@ def test_factored_adam_pieces_take_the_preconditioner_projected_onto_the_eigenba
     stage = ik.Stage(Regression().double().eval(), squared_error,
                      (torch.randn(14, 4, generator=gen, dtype=torch.float64),
                       torch.randn(14, 1, generator=gen, dtype=torch.float64)), regularizer=l2(0.1))
-    test = (torch.randn(3, 4, generator=gen, dtype=torch.float64), torch.randn(3, 1, generator=gen, dtype=torch.float64))
+    test = (torch.randn(3, 4, generator=gen, dtype=torch.float64),
+            torch.randn(3, 1, generator=gen, dtype=torch.float64))
     record = Record()
     record.train(stage, AdamW(lr=0.05, weight_decay=0.1), steps=10, batch_size=5, schedule=warmup_then_decay,
                  checkpoint_every=1)

@@ -29,9 +29,11 @@ the result equals the exact metagradient (``tests/test_unrolled.py``).
 Adam and AdamW. Step t (counted from the stage's start, t = 0, 1, …) of torch's Adam is m ← β₁m + (1 − β₁)d,
 v ← β₂v + (1 − β₂)d², θ ← ρ_t θ − η_t/(1 − β₁^{t+1}) · m/(√v̂ + ε) with d = c_t g (+ λθ, Adam's coupled decay),
 c_t the recorded clipping's factor (1 without clipping; coupled decay and clipping together are refused, so
-c_t(g + λθ) is d either way), v̂ = v/(1 − β₂^{t+1}) and ρ_t = 1 − η_t κ (AdamW's decoupled decay κ; 1 for Adam). Inside piece ℓ = [a, b) the second moment is frozen at the piece's end: P =
-diag(1/(√v̂_b + ε)) from the record (or its replay) at step b, and c_t is kept as a constant gain (its dependence on
-the gradient dropped). The step is then linear in (δθ, δm): δm' = β₁δm + (1 − β₁)c_t((H_ℓ + λ)δθ + f),
+c_t(g + λθ) is d either way), v̂ = v/(1 − β₂^{t+1}) and ρ_t = 1 − η_t κ (AdamW's decoupled decay κ; 1 for Adam).
+Inside piece ℓ = [a, b) the second moment is frozen at the piece's end: P = diag(1/(√v̂_b + ε)) from the record (or
+its replay) at step b, and c_t is kept as a constant gain (its dependence on the gradient dropped; a clipped
+stage's gains and piece ends come from one replay of it). The step is then linear in (δθ, δm):
+δm' = β₁δm + (1 − β₁)c_t((H_ℓ + λ)δθ + f),
 δθ' = ρ_t δθ − η_t/(1 − β₁^{t+1}) P δm'. With b = δm/(1 − β₁) and φ = P^{−1/2}δθ, b̃ = P^{1/2}b this is the
 heavy-ball recursion above in φ, with momentum μ = β₁, curvature K_ℓ = P^{1/2}(H_ℓ + λ)P^{1/2}, forcing P^{1/2}f and
 learning rate η'_t = η_t(1 − β₁)/(1 − β₁^{t+1}), and each step's gain and decay entering the 2×2 recursion exactly:
@@ -67,8 +69,9 @@ the collator fed it (the recorded masks), so the objective they linearize — th
 of the recorded steps' objectives, the expectation over the recorded masks; its data term is scaled by the recorded
 batches' mean examples per predicted token (the Trainer divides a masked-LM batch's summed loss by its predicted
 tokens; 1 for classification), and an example's score is the sum of its rows' terms. (The stage's own data, every
-token a target, is not what the Trainer trained on.) Each result's ``diagnostics["linearized"]`` lists what its
-stage's pieces so approximated.
+token a target, is not what the Trainer trained on.) Such a stage is linearized at the recorded weights, in one
+process, without ``out=`` (its rows are summed into examples in memory); else refused. Each result's
+``diagnostics["linearized"]`` lists what its stage's pieces so approximated.
 
 At other data weights (``at=``, or a record from :func:`~.replay.reweighted`) the pieces linearize the re-run
 record: θ_ℓ are its parameters, H_ℓ the Hessian of the weighted objective (1/n) Σ w_z ℓ(z; θ) + R, and the forcing's
@@ -536,8 +539,8 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
     fitted_end: an EK-FAC curvature already fitted at the stage's final parameters (its last piece's), reused.
     top: how many eigenpairs of ``top_curvature`` at the stage's end to put into the factored pieces
     (``_top_directions``), or "auto" (:func:`top_count`); the stability summary records them under "top".
-    scale: the factor of the objective's data term (a Trainer stage's examples per predicted token, :func:`_linearized`);
-    the stored u_ℓ carry it (the example terms and the shared block's adjoint read the data term only).
+    scale: the factor of the objective's data term (a Trainer stage's examples per predicted token,
+    :func:`_linearized`); the stored u_ℓ carry it (the example terms and the shared block's adjoint read the data term only).
     ``held`` counts what the pass keeps (module docstring, Memory)."""
     names, anchor_names = list(run.trained), list(run.anchors)
     shapes = {n: v.shape for n, v in run.checkpoints[0][0].items()} | {n: v.shape for n, v in run.anchors.items()}
@@ -590,8 +593,9 @@ def _stage(run: StageRun, adjoint: dict, q: int, pieces: int, curvature: str, ba
                 if linear.decay_ignored > DECAY_WARNING >= stability.get("decay_ignored", 0.0):
                     warnings.warn(f"approximate unrolling, steps [{a}, {b}): the parameter groups' decoupled weight "
                                   f"decays differ, and the pieces take their mean, which leaves out a relative change "
-                                  f"of δθ up to {linear.decay_ignored:.2g} over the segment; more segments shrink it (to one step's "
-                                  "η_t·|κ − mean κ| at one step per segment), ik.unrolled.metagradients is exact.",
+                                  f"of δθ up to {linear.decay_ignored:.2g} over the segment; more segments shrink it "
+                                  "(to one step's η_t·|κ − mean κ| at one step per segment), "
+                                  "ik.unrolled.metagradients is exact.",
                                   stacklevel=4)
                 stability["decay_ignored"] = max(stability.get("decay_ignored", 0.0), linear.decay_ignored)
             if curvature != "hessian" and not linear.coupled_uniform:
