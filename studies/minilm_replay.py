@@ -23,13 +23,16 @@ snippets. Rows, each with its seconds and its process's peak RSS: the exact meta
 (``ik.unrolled.metagradients``, per test snippet; its peak RSS includes the recorded training); influkit's influence
 functions on the two final models at their defaults (``ik.Chain``, nothing set) and with EK-FAC on both stages; the
 single-stage peers kronfluence and TRAK on the cross-stage model as ``studies/fidelity_minilm`` wires them (K = 1,
-the bench venv). ``ik.unrolled.approximate`` refuses a run with dropout or collated batches (``summary.json``).
+the bench venv); the approximate unrolling (``ik.unrolled.approximate``, EK-FAC, ``SEGMENTS`` segments, one
+eigenbasis per stage: Adam's second moment frozen per segment, the eval-mode objective, the recorded batches),
+what it linearized in ``approximate.json``.
 Leave-out groups (10 most harmful, 10 most helpful, 10 random corpus snippets by the summed test loss's
 exact score) are replayed: predicted −Σ_{z∈G} score_z against the replayed change.
 
     python -m studies.minilm_replay [--subsets 50] [--quick]      # all below: studies/results/minilm_replay/
     python -m studies.minilm_replay exact                         # train, record, the exact row, leave-out groups
     python -m studies.minilm_replay influence --method defaults   # (ekfac; kronfluence, trak with .bench-venv's python)
+    python -m studies.minilm_replay approximate [--segments 3]     # the approximate row (its own process)
     python -m studies.minilm_replay replays --fractions 0.05 0.1  # drop sets replayed one by one (resumable)
     python -m studies.minilm_replay table                         # lds.csv, lds.png from every row on disk
     python -m studies.minilm_replay cost                          # benchmarks/results/bench_record_cost/minilm_cost.csv
@@ -88,9 +91,8 @@ INFLUENCE = {"defaults": "influkit influence functions, defaults (ik.Chain, noth
              "ekfac": "influkit influence functions, EK-FAC (both stages, heuristic damping)",
              "kronfluence": "kronfluence 1.0.1 EK-FAC (single stage, cross-stage model)",
              "trak": "TRAK (traker, proj_dim 128, single stage, cross-stage model)"}
-APPROXIMATE_REFUSED = ("ik.unrolled.approximate refuses records of dropout runs and of a Trainer's collated batches "
-                       "(it linearizes each piece's deterministic objective on the stage's data, which these runs did "
-                       "not train on)")
+SEGMENTS = 3
+APPROXIMATE = f"unrolled approximate (EK-FAC, {SEGMENTS} segments, shared basis)"
 
 
 @dataclass
@@ -289,7 +291,7 @@ def step_exact(cfg: Config, out: Path, progress: bool) -> Run:
     run = train(cfg)
     facts = {"corpus": len(run.corpus), "finetuning": len(run.train), "test": int(run.test[0].shape[0]),
              "steps": [r.steps for r in run.record.runs], "recorded final weights == the Trainer's": True,
-             "seconds": run.seconds, "approximate unrolling": APPROXIMATE_REFUSED}
+             "seconds": run.seconds}
     rows_ = scored(run, progress)
     np.savez(out / "scores.npz", **{f"{name} stage {k}": s for name, row in rows_.items()
                                     for k, s in enumerate(row["scores"])})
@@ -317,6 +319,27 @@ def step_influence(cfg: Config, out: Path, method: str) -> None:
     scores = influence_scores(run, cfg, method)
     np.savez(out / f"influence_{method}.npz", scores=scores, seconds=time.perf_counter() - start,
              peak_rss_mib=peak_rss_mib())
+
+
+def step_approximate(cfg: Config, out: Path, segments: int, progress: bool) -> None:
+    """The approximate-unrolling row in its own process (its peak RSS its own, the recorded training included, as
+    the exact row's): ``ik.unrolled.approximate`` on the recorded run, EK-FAC with one eigenbasis per stage and
+    ``segments`` pieces, per test snippet; scores and cost to approximate.npz, what it linearized (its diagnostics)
+    to approximate.json and summary.json."""
+    run = train(cfg)
+    start = time.perf_counter()
+    results = ik.unrolled.approximate(run.record, run.test, segments=segments, per_test=True, curvature="ekfac",
+                                      basis="shared", progress=progress)
+    seconds = time.perf_counter() - start
+    np.savez(out / "approximate.npz", scores=results[0].values.detach().double().numpy(), seconds=seconds,
+             peak_rss_mib=peak_rss_mib())
+    keep = ("settings", "linearized", "stability", "top", "seconds")
+    (out / "approximate.json").write_text(json.dumps([{k: r.diagnostics[k] for k in keep} for r in results],
+                                                     indent=2, default=str))
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    summary["approximate unrolling"] = (f"row {APPROXIMATE!r}: each stage linearized per segment (Adam's second "
+                                        "moment frozen, eval-mode objective, the recorded masks), approximate.json")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
 
 
 def step_replays(cfg: Config, out: Path, fractions, subsets: int) -> None:
@@ -360,6 +383,10 @@ def step_table(out: Path, subsets: int) -> pd.DataFrame:
                          "peak_rss_mib": float(first.loc[EXACT, "peak RSS (MiB)"])}}
     saved = np.load(out / "scores.npz")
     rows_ = {EXACT: {"scores": [saved[f"{EXACT} stage 0"]], **costs[EXACT]}}
+    if (out / "approximate.npz").exists():
+        row = np.load(out / "approximate.npz")
+        rows_[APPROXIMATE] = {"scores": [row["scores"]], "seconds": float(row["seconds"]),
+                              "peak_rss_mib": float(row["peak_rss_mib"])}
     for method, name in INFLUENCE.items():
         path = out / f"influence_{method}.npz"
         if path.exists():
@@ -529,10 +556,11 @@ def lora_main(args, cfg: Config, out: Path, note: str) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("step", nargs="?", default="all",
-                        choices=("all", "exact", "influence", "replays", "table", "cost"))
+                        choices=("all", "exact", "influence", "approximate", "replays", "table", "cost"))
     parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS)
     parser.add_argument("--method", choices=tuple(INFLUENCE), default="defaults")
     parser.add_argument("--subsets", type=int, default=50)
+    parser.add_argument("--segments", type=int, default=SEGMENTS)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -552,6 +580,9 @@ def main(argv=None) -> int:
     elif args.step == "influence":
         step_influence(cfg, out, args.method)
         record(out, [f"influence_{args.method}.npz"], note=note)
+    elif args.step == "approximate":
+        step_approximate(cfg, out, args.segments, not args.no_progress)
+        record(out, ["approximate.npz", "approximate.json", "summary.json"], note=note)
     elif args.step == "exact":
         step_exact(cfg, out, not args.no_progress)
     elif args.step == "replays":

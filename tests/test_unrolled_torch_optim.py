@@ -360,7 +360,7 @@ def test_out_of_range_step_indices_are_refused_when_stepped():
     assert rec.run.steps == 1
 
 
-def test_the_approximate_unrolling_refuses_a_run_recorded_with_dropout_on():
+def test_the_approximate_unrolling_refuses_a_watched_nesterov_run():
     record = Record()
     pretrain(record, "sgd", epochs=1)
     with pytest.raises(ik.InputError, match="metagradients"):

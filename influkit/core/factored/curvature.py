@@ -139,6 +139,11 @@ class KroneckerBlock:
         V (T × cols) (:mod:`.tokens`), in ``dtype``."""
         return ((u.to(dtype) @ self.left.to(dtype)).T @ (v.to(dtype) @ self.right.to(dtype))).unsqueeze(0)
 
+    def project(self, m: torch.Tensor) -> torch.Tensor:
+        """(L∘L)ᵀ M (R∘R) for (k, rows, cols) M: the diagonal of Qᵀ diag(vec M) Q in the eigenbasis Q = L ⊗ R."""
+        projected = m @ (self.right.to(m.dtype) ** 2)
+        return projected if self.left is None else (self.left.to(m.dtype) ** 2).T @ projected
+
     def rotate_out(self, rotated: torch.Tensor) -> torch.Tensor:
         """L X Rᵀ for (k, rows, cols) X in the eigenbasis, in X's dtype."""
         if self.left is not None:
@@ -257,13 +262,17 @@ class FactoredCurvature:
         block's eigenbasis; vec (p,) or (p, k). fn = identity gives matvec."""
         return self._apply(vec, fn)
 
-    def functions(self, inputs: Sequence[torch.Tensor], fn, out: Sequence[torch.Tensor]) -> None:
+    def functions(self, inputs: Sequence[torch.Tensor], fn, out: Sequence[torch.Tensor],
+                  diagonal: torch.Tensor | None = None) -> None:
         """out_i ← Σ_j f_ij(C)·inputs_j for elementwise functions f_ij of C's eigenvalues: ``fn(e)`` returns the
         matrix [[f_ij(e)]] (nested lists of tensors shaped like e), evaluated once per block. Several linear maps of
         several vectors in one pass: each block's inputs are rotated into its eigenbasis, combined there and rotated
         back once. inputs, out: (p,) or (p, k) tensors; ``out`` may be the inputs themselves (a block's inputs are
         read before its outputs are written), so a map can overwrite its inputs with no p-sized temporary; diagonal
-        blocks are taken :data:`DIAGONAL_SLICE` entries at a time, so the functions' temporaries stay small."""
+        blocks are taken :data:`DIAGONAL_SLICE` entries at a time, so the functions' temporaries stay small.
+        diagonal: a (p,) vector D; then ``fn(e, d)`` also takes d = diag(Qᵀ diag(D) Q) in each block's eigenbasis Q
+        (Kronecker: (L∘L)ᵀ D_M (R∘R) of the block matrix D_M; a diagonal block: D itself), the projection of the
+        diagonal matrix onto the matrices diagonal in Q."""
         ins = [x if x.dim() == 2 else x.unsqueeze(1) for x in inputs]
         outs = [o if o.dim() == 2 else o.unsqueeze(1) for o in out]
         if any(t.shape[0] != self.dim for t in ins + outs):
@@ -272,7 +281,9 @@ class FactoredCurvature:
         for block in self.blocks:
             if isinstance(block, KroneckerBlock):
                 rotated = [block.rotate_in(block.gather(x, self.offsets).to(work)) for x in ins]
-                coefficients = fn(block.eigenvalues.to(work) + block.shift)
+                values = block.eigenvalues.to(work) + block.shift
+                coefficients = fn(values) if diagonal is None else fn(values, block.project(
+                    block.gather(diagonal.reshape(-1, 1), self.offsets).to(work))[0])
                 for target, row in zip(outs, coefficients):
                     r = sum(f * m for f, m in zip(row, rotated))
                     block.scatter(block.rotate_out(r).to(target.dtype), target, self.offsets)
@@ -280,7 +291,8 @@ class FactoredCurvature:
             for s in range(0, block.index.numel(), DIAGONAL_SLICE):
                 index = block.index[s : s + DIAGONAL_SLICE]
                 parts = [x[index] for x in ins]
-                coefficients = fn(block.values[s : s + DIAGONAL_SLICE] + block.shift[s : s + DIAGONAL_SLICE])
+                values = block.values[s : s + DIAGONAL_SLICE] + block.shift[s : s + DIAGONAL_SLICE]
+                coefficients = fn(values) if diagonal is None else fn(values, diagonal[index].to(values.dtype))
                 for target, row in zip(outs, coefficients):
                     target[index] = sum(f[:, None] * x for f, x in zip(row, parts)).to(target.dtype)
 
