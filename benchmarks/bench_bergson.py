@@ -57,7 +57,7 @@ from scipy.stats import pearsonr, spearmanr
 from torch import nn
 
 from benchmarks import bergson_peer
-from benchmarks.bench_index import Peak
+from benchmarks.resident import Peak
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_bergson"
 LENGTH = 32

@@ -84,6 +84,7 @@ import torch
 from torch import nn
 
 from benchmarks.manifest import record
+from benchmarks.resident import rss_now
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_transformer"
 JOBS = ("influkit-ekfac", "influkit-minres", "kronfluence", "case1", "case1-recorded", "case1-unrolled", "case1-both")
@@ -180,11 +181,6 @@ def tracked_linears(model: nn.Module) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ measurement
-def rss_now() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

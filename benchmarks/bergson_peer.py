@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.bench_index import Peak
+from benchmarks.resident import Peak
 
 IGNORE = -100
 

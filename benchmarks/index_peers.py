@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.bench_index import Peak
+from benchmarks.resident import Peak
 from benchmarks.bench_transformer import IGNORE, classification_losses, token_summed_losses
 
 
