@@ -289,9 +289,16 @@ def plot(rows_: dict, actual: dict, masks: dict, path: Path) -> None:
 def step_exact(cfg: Config, out: Path, progress: bool) -> Run:
     """Train and record, the exact row (scores.npz, costs.json, summary.json), then the leave-out groups."""
     run = train(cfg)
+    write_exact(run, out, {}, progress)
+    return run
+
+
+def write_exact(run: Run, out: Path, facts: dict, progress: bool) -> tuple[dict, np.ndarray]:
+    """The recorded run's exact row (scores.npz, costs.json) and summary.json (its sizes, steps and ``facts``), the
+    corpus leave-out groups (leave_out.csv); returns the rows and the run's test measure per test point."""
     facts = {"corpus": len(run.corpus), "finetuning": len(run.train), "test": int(run.test[0].shape[0]),
-             "steps": [r.steps for r in run.record.runs], "recorded final weights == the Trainer's": True,
-             "seconds": run.seconds}
+             "steps": [r.steps for r in run.record.runs], "recorded final weights == the Trainer's": True} \
+        | facts | {"seconds": run.seconds}
     rows_ = scored(run, progress)
     np.savez(out / "scores.npz", **{f"{name} stage {k}": s for name, row in rows_.items()
                                     for k, s in enumerate(row["scores"])})
@@ -301,7 +308,7 @@ def step_exact(cfg: Config, out: Path, progress: bool) -> Run:
                                                  indent=2, default=float))
     base = ik.unrolled.outputs(run.record, run.test).numpy()
     leave_out(run, rows_[EXACT]["scores"][0], base, progress).to_csv(out / "leave_out.csv", index=False)
-    return run
+    return rows_, base
 
 
 def step_all(cfg: Config, out: Path, subsets: int, progress: bool) -> None:
@@ -473,19 +480,8 @@ def lora_exact(cfg: Config, out: Path, progress: bool) -> Run:
     and of the finetuning examples (leave_out_finetuning.csv)."""
     run = train(cfg, lora_trainers)
     lora = run.record.runs[1]
-    facts = {"corpus": len(run.corpus), "finetuning": len(run.train), "test": int(run.test[0].shape[0]),
-             "steps": [r.steps for r in run.record.runs], "recorded final weights == the Trainer's": True,
-             "LoRA": LORA, "finetuning trains": lora.trained, "inherited (fixed, Case 1)": len(lora.frozen),
-             "seconds": run.seconds}
-    rows_ = scored(run, progress)
-    np.savez(out / "scores.npz", **{f"{name} stage {k}": s for name, row in rows_.items()
-                                    for k, s in enumerate(row["scores"])})
-    (out / "costs.json").write_text(json.dumps({n: {k: r[k] for k in ("seconds", "peak_rss_mib")}
-                                                for n, r in rows_.items()}, indent=2))
-    (out / "summary.json").write_text(json.dumps(facts | {"machine": "shared 2-core CPU, 1 torch thread"},
-                                                 indent=2, default=float))
-    base = ik.unrolled.outputs(run.record, run.test).numpy()
-    leave_out(run, rows_[EXACT]["scores"][0], base, progress).to_csv(out / "leave_out.csv", index=False)
+    rows_, base = write_exact(run, out, {"LoRA": LORA, "finetuning trains": lora.trained,
+                                         "inherited (fixed, Case 1)": len(lora.frozen)}, progress)
     finetuning_leave_out(run, rows_[EXACT]["scores"][1], base, progress).to_csv(out / "leave_out_finetuning.csv",
                                                                                index=False)
     return run
