@@ -74,17 +74,23 @@ class MagicResult:
     final_params: dict = field(default_factory=dict)
 
 
-def _stream(rows: list[list[int]], ids: list[int], batch_size: int, n_weights: int, device):
+def _stream(rows: list[list[int]], ids: list[int], batch_size: int, n_weights: int, device,
+            labels: list[list[int]] | None = None):
     from datasets import Dataset
 
     from bergson.magic.data_stream import DataStream
 
-    data = Dataset.from_dict({"input_ids": rows, "doc_ids": ids})
+    columns = {"input_ids": rows, "doc_ids": ids}
+    if labels is not None:
+        columns["labels"] = labels
+    data = Dataset.from_dict(columns)
     return DataStream(data, batch_size, device=device, weight_shape=(n_weights,))
 
 
 def magic_scores(model: torch.nn.Module, train_batches: Sequence[torch.Tensor], test_batch: torch.Tensor, *,
-                 example_ids: Sequence[torch.Tensor] | None = None, lr: float = 1e-3,
+                 example_ids: Sequence[torch.Tensor] | None = None,
+                 train_labels: Sequence[torch.Tensor] | None = None, test_labels: torch.Tensor | None = None,
+                 lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, eps_root: float = 1e-17,
                  weight_decay: float = 0.01, weights: torch.Tensor | None = None, save_mode: str = "sqrt",
                  workdir: str | Path | None = None, device: str = "cpu") -> MagicResult:
@@ -93,8 +99,10 @@ def magic_scores(model: torch.nn.Module, train_batches: Sequence[torch.Tensor], 
     model: a Hugging Face causal LM (a copy is trained, with eager attention as Bergson's ``prepare_trainer`` loads
     it, its ``loss_function`` Bergson's ``weighted_causal_lm_ce``, mean over the batch's tokens); every parameter
     with ``requires_grad`` is trained.
-    train_batches: one (B, T) input-id tensor per AdamW step (equal B; no padding, so every example has T − 1
-    predicted tokens). example_ids: the (B,) example index of each row (default 0, 1, …, in order); an example seen
+    train_batches: one (B, T_t) input-id tensor per AdamW step (equal B; no padding, so every example has T_t − 1
+    predicted tokens).
+    train_labels, test_labels: the labels in Bergson's causal convention (:func:`causal_labels` for a masked LM),
+    one (B, T_t) per batch and (q, T); default the input ids (the causal LM's next tokens). example_ids: the (B,) example index of each row (default 0, 1, …, in order); an example seen
     at several steps gets one weight. test_batch: (q, T) input ids; L_test is their mean next-token loss.
     weights: the data weights w (n,) the run is trained at and the derivative taken at (default 1; held in the
     model's dtype, where Bergson's DataStream holds float32).
@@ -117,19 +125,20 @@ def magic_scores(model: torch.nn.Module, train_batches: Sequence[torch.Tensor], 
         example_ids = list(torch.arange(len(train_batches) * batch_size).split(batch_size))
     ids = torch.cat([torch.as_tensor(i).reshape(-1) for i in example_ids])
     n = int(ids.max()) + 1
-    rows = torch.cat(list(train_batches)).tolist()
+    rows = [row for b in train_batches for row in b.tolist()]
+    labels = None if train_labels is None else [row for b in train_labels for row in b.tolist()]
     work = Path(tempfile.mkdtemp(prefix="bergson-magic-", dir=workdir))
     try:
         with Peak() as total:
             model = copy.deepcopy(model).to(device)
             model.set_attn_implementation("eager")  # as Bergson's prepare_trainer: SDPA has no double backward
             model.loss_function = functools.partial(weighted_causal_lm_ce, reduction="mean")
-            stream = _stream(rows, ids.tolist(), batch_size, n, device)
+            stream = _stream(rows, ids.tolist(), batch_size, n, device, labels)
             dtype = next(model.parameters()).dtype
             stream.weights = torch.nn.Parameter(
                 torch.ones(n, dtype=dtype, device=device) if weights is None else weights.to(device, dtype).clone())
             queries = _stream(test_batch.tolist(), list(range(len(test_batch))), len(test_batch), len(test_batch),
-                              device)
+                              device, None if test_labels is None else test_labels.tolist())
             opt = torchopt.adamw(lr, betas=betas, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
             trainer, state = Trainer.initialize(model, opt)
             t0 = time.perf_counter()

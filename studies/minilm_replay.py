@@ -25,7 +25,8 @@ functions on the two final models at their defaults (``ik.Chain``, nothing set) 
 single-stage peers kronfluence and TRAK on the cross-stage model as ``studies/fidelity_minilm`` wires them (K = 1,
 the bench venv); the approximate unrolling (``ik.unrolled.approximate``, EK-FAC, ``SEGMENTS`` segments, one
 eigenbasis per stage: Adam's second moment frozen per segment, the eval-mode objective, the recorded batches),
-what it linearized in ``approximate.json``.
+what it linearized in ``approximate.json``; Bergson's MAGIC (:func:`magic_row`: its own trainer on the masked-LM
+stage alone, measuring the test snippets' masked-LM loss, scored against the same two-stage replays).
 Leave-out groups (10 most harmful, 10 most helpful, 10 random corpus snippets by the summed test loss's
 exact score) are replayed: predicted −Σ_{z∈G} score_z against the replayed change.
 
@@ -33,6 +34,7 @@ exact score) are replayed: predicted −Σ_{z∈G} score_z against the replayed 
     python -m studies.minilm_replay exact                         # train, record, the exact row, leave-out groups
     python -m studies.minilm_replay influence --method defaults   # (ekfac; kronfluence, trak with .bench-venv's python)
     python -m studies.minilm_replay approximate [--segments 3]     # the approximate row (its own process)
+    python -m studies.minilm_replay magic                         # Bergson's MAGIC row (.bench-venv's python)
     python -m studies.minilm_replay replays --fractions 0.05 0.1  # drop sets replayed one by one (resumable)
     python -m studies.minilm_replay table                         # lds.csv, lds.png from every row on disk
     python -m studies.minilm_replay cost                          # benchmarks/results/bench_record_cost/minilm_cost.csv
@@ -93,6 +95,8 @@ INFLUENCE = {"defaults": "influkit influence functions, defaults (ik.Chain, noth
              "trak": "TRAK (traker, proj_dim 128, single stage, cross-stage model)"}
 SEGMENTS = 3
 APPROXIMATE = f"unrolled approximate (EK-FAC, {SEGMENTS} segments, shared basis)"
+MAGIC = ("Bergson 2.5.1 MAGIC (own trainer, masked-LM stage only; measures the test snippets' masked-LM loss, "
+         "not their sentiment loss)")
 
 
 @dataclass
@@ -132,7 +136,7 @@ def trainers(cfg: Config, callbacks: bool):
     tok = data.tokenizer
     record = ik.unrolled.Record() if callbacks else None
     mlm = hf.pretrained(BertForMaskedLM, path, seed=cfg.seed, **DROPOUT)
-    train_only(mlm, (TOP_LAYER, "cls.predictions.transform", "cls.predictions.bias"))
+    train_only(mlm, MLM_TRAINED)
     pre = Trainer(mlm, arguments(cfg.pre_epochs, 2e-4, cfg.seed),
                   train_dataset=rows(tok, [s.text for s in data.corpus], cfg.max_len),
                   data_collator=DataCollatorForLanguageModeling(tok, mlm_probability=0.15),
@@ -349,6 +353,106 @@ def step_approximate(cfg: Config, out: Path, segments: int, progress: bool) -> N
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
 
 
+MLM_TRAINED = (TOP_LAYER, "cls.predictions.transform", "cls.predictions.bias")  # what the masked-LM Trainer trains
+
+
+class CausalLossMaskedLM(torch.nn.Module):
+    """The masked LM with the loss Bergson's MAGIC sets: forward(input_ids, labels, **weights) returns the model's
+    logits and ``self.loss_function(logits, labels, **weights)``. ``BertForMaskedLM`` computes its own unweighted,
+    unshifted cross-entropy and never calls ``loss_function``, so without this MAGIC's data weights do not reach
+    the loss (labels in Bergson's causal convention, ``causal_labels``)."""
+
+    def __init__(self, mlm: BertForMaskedLM):
+        super().__init__()
+        self.mlm, self.config, self.loss_function = mlm, mlm.config, None
+
+    def set_attn_implementation(self, implementation: str) -> None:
+        self.mlm.set_attn_implementation(implementation)
+
+    def forward(self, input_ids, labels=None, **weights):
+        from transformers.modeling_outputs import MaskedLMOutput
+
+        logits = self.mlm(input_ids=input_ids).logits
+        loss = None if labels is None else self.loss_function(logits, labels, **weights)
+        return MaskedLMOutput(loss=loss, logits=logits)
+
+
+def magic_row(run: Run, cfg: Config, trained: tuple[str, ...] = MLM_TRAINED,
+              wrapped: bool = True) -> tuple[np.ndarray, dict]:
+    """(n_corpus, q) scores by Bergson's MAGIC (``benchmarks.bergson_peer.magic_scores``) and what its run was:
+    score_z = d L_mlm(θ_T(w)) / d w_z at w = 1 (the exact row's sign), the same column for every test snippet.
+
+    The one stage MAGIC can differentiate: the masked-LM stage from the same initial weights (``hf.pretrained``,
+    the parameter names ``trained``), on the recorded Trainer batches (the same order, size, steps and the collator's masks,
+    labels moved to Bergson's causal convention by ``causal_labels``), trained by Bergson's own functional Trainer:
+    torchopt AdamW at the stage's peak learning rate, constant (no warmup or linear decay, no clipping), the same
+    betas, eps and weight decay, the model in eval mode (Bergson's ``train_mode`` default: no dropout), no attention
+    mask (Bergson's DataStream feeds input ids only: the batch's [PAD] positions are attended). L_mlm: the mean
+    masked-LM loss over the test snippets' masked tokens (one fixed mask, ``hf.masked_lm_batch`` at the study's
+    seed) under the trained masked LM — MAGIC cannot reach the sentiment finetuning stage. wrapped: the model
+    behind :class:`CausalLossMaskedLM` (else the ``BertForMaskedLM`` as is)."""
+    from benchmarks.bergson_peer import causal_labels, magic_scores
+
+    stage = run.record.runs[0]
+    model = hf.pretrained(BertForMaskedLM, hf.checkpoint_dir(PACKAGE), seed=cfg.seed, **DROPOUT).float().eval()
+    train_only(model, trained)
+    if wrapped:
+        model = CausalLossMaskedLM(model)
+    ids = [x[:, 0].long() for x, _ in stage.inputs]  # the collator's masked input ids, padded per batch
+    labels = [causal_labels(y.long()) for _, y in stage.inputs]
+    tok = run.data.tokenizer
+    test = hf.masked_lm_batch(tok([s.text for s in run.data.test[0]], padding=True, truncation=True,
+                                  max_length=cfg.max_len, return_tensors="pt"), tokenizer=tok, seed=cfg.seed)
+    args = arguments(cfg.pre_epochs, 2e-4, cfg.seed)
+    result = magic_scores(model, ids, test["input_ids"], example_ids=[b.long() for b in stage.batches],
+                          train_labels=labels, test_labels=causal_labels(test["labels"]), lr=args.learning_rate,
+                          betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                          weight_decay=args.weight_decay)
+    scores = result.scores.double().numpy()
+    q = int(run.test[0].shape[0])
+    facts = {"row": MAGIC, "trained": list(trained), "model": "CausalLossMaskedLM" if wrapped else "BertForMaskedLM",
+             "steps": len(ids), "batch size": int(ids[0].shape[0]), "lr (constant)": args.learning_rate,
+             "measure": "mean masked-LM loss over the test snippets' masked tokens under the trained masked LM",
+             "test masked-LM loss": result.test_loss, "seconds": result.seconds,
+             "peak RSS of MAGIC itself (MiB)": result.peak_rss / 2**20,
+             "differs from the recorded stage": ["no warmup/linear decay (constant peak lr)", "no gradient clipping",
+                                                 "eval mode (no dropout), Bergson's default",
+                                                 "no attention mask: in-batch [PAD] positions attended",
+                                                 "float32 torchopt AdamW, eps_root 1e-17"],
+             "scored against": "the replayed two-stage test losses (sentiment), the same score column per test "
+                               "snippet"}
+    return np.repeat(scores[:, None], q, axis=1), facts
+
+
+def step_magic(cfg: Config, out: Path) -> None:
+    """The MAGIC row in its own process (the bench venv's python; its peak RSS includes the recorded training, as
+    the exact row's): scores and cost to magic.npz and what it ran in summary.json. MAGIC is tried on what the
+    masked-LM Trainer trains (``MLM_TRAINED``) and with the output bias (tied to the decoder's bias) left at its
+    published value, first on the ``BertForMaskedLM`` as is, then behind :class:`CausalLossMaskedLM`; each failure's
+    error goes to summary.json, the first that runs is the row (the summary saying which)."""
+    import traceback
+
+    run = train(cfg)
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    summary["MAGIC"] = {}
+    for wrapped, trained in [(w, t) for w in (False, True) for t in (MLM_TRAINED, MLM_TRAINED[:2])]:
+        start = time.perf_counter()
+        try:
+            scores, facts = magic_row(run, cfg, trained, wrapped)
+        except Exception as exc:  # a peer failing on this model is a result: recorded
+            model = "CausalLossMaskedLM" if wrapped else "BertForMaskedLM"
+            summary["MAGIC"][f"failed on {model}, training {list(trained)}"] = {
+                "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc().splitlines()[-8:]}
+            continue
+        seconds = time.perf_counter() - start
+        if trained != MLM_TRAINED:
+            facts["differs from the recorded stage"].insert(0, "cls.predictions.bias not trained (published value)")
+        np.savez(out / "magic.npz", scores=scores, seconds=seconds, peak_rss_mib=peak_rss_mib())
+        summary["MAGIC"]["row"] = facts
+        break
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+
+
 def step_replays(cfg: Config, out: Path, fractions, subsets: int) -> None:
     """The drop sets' replays one by one into ``out/replays/`` (resumable; a partial run leaves its replays)."""
     run = train(cfg)
@@ -394,8 +498,9 @@ def step_table(out: Path, subsets: int) -> pd.DataFrame:
         row = np.load(out / "approximate.npz")
         rows_[APPROXIMATE] = {"scores": [row["scores"]], "seconds": float(row["seconds"]),
                               "peak_rss_mib": float(row["peak_rss_mib"])}
-    for method, name in INFLUENCE.items():
-        path = out / f"influence_{method}.npz"
+    named = {f"influence_{method}.npz": name for method, name in INFLUENCE.items()} | {"magic.npz": MAGIC}
+    for file, name in named.items():
+        path = out / file
         if path.exists():
             row = np.load(path)
             rows_[name] = {"scores": [row["scores"]], "seconds": float(row["seconds"]),
@@ -552,7 +657,8 @@ def lora_main(args, cfg: Config, out: Path, note: str) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("step", nargs="?", default="all",
-                        choices=("all", "exact", "influence", "approximate", "replays", "table", "cost"))
+                        choices=("all", "exact", "influence", "approximate", "magic", "replays", "table",
+                                 "cost"))
     parser.add_argument("--fractions", type=float, nargs="+", default=FRACTIONS)
     parser.add_argument("--method", choices=tuple(INFLUENCE), default="defaults")
     parser.add_argument("--subsets", type=int, default=50)
@@ -576,6 +682,9 @@ def main(argv=None) -> int:
     elif args.step == "influence":
         step_influence(cfg, out, args.method)
         record(out, [f"influence_{args.method}.npz"], note=note)
+    elif args.step == "magic":
+        step_magic(cfg, out)
+        record(out, ["magic.npz", "summary.json"], note=note + "; bench venv (bergson 2.5.1)")
     elif args.step == "approximate":
         step_approximate(cfg, out, args.segments, not args.no_progress)
         record(out, ["approximate.npz", "approximate.json", "summary.json"], note=note)

@@ -80,3 +80,33 @@ def test_causal_labels_move_masked_lm_labels_right_and_refuse_the_last_position(
     assert causal_labels(labels).tolist() == [[-100, -100, 7, -100, 9]]
     with pytest.raises(ValueError, match="last position"):
         causal_labels(torch.tensor([[-100, 7, 3]]))
+
+
+def test_masked_lm_behind_the_causal_loss_is_its_own_weighted_loss():
+    """studies.minilm_replay.CausalLossMaskedLM with causal_labels and Bergson's weighted_causal_lm_ce: at unit
+    weights its loss is BertForMaskedLM's own masked-LM loss; a row weighted 0 drops out of it (the bare model
+    ignores the weights, which is why MAGIC fails on it)."""
+    import functools
+
+    import transformers
+    from bergson.utils.math import weighted_causal_lm_ce
+
+    from benchmarks.bergson_peer import causal_labels
+    from studies.minilm_replay import CausalLossMaskedLM
+
+    config = transformers.BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=LENGTH,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    bert = transformers.BertForMaskedLM(config).eval()
+    ids = tokens(2, 2)
+    labels = torch.full_like(ids, -100)
+    labels[0, [1, 4]], labels[1, [2, 3, 5]] = ids[0, [1, 4]], ids[1, [2, 3, 5]]
+    model = CausalLossMaskedLM(bert)
+    model.loss_function = functools.partial(weighted_causal_lm_ce, reduction="mean")
+    shifted = causal_labels(labels)
+    own = bert(input_ids=ids, labels=labels).loss
+    assert torch.allclose(model(ids, shifted, example_weight=torch.ones(2)).loss, own, atol=1e-6)
+    first = bert(input_ids=ids[:1], labels=labels[:1]).loss
+    weighted = model(ids, shifted, example_weight=torch.tensor([1.0, 0.0])).loss
+    assert torch.allclose(weighted * 5 / 2, first, atol=1e-6)  # mean over the batch's 5 labelled tokens
