@@ -129,6 +129,17 @@ def train_only(model, prefixes: tuple[str, ...]) -> None:
         p.requires_grad_(n.startswith(prefixes))
 
 
+def classifier_from(trained_mlm, path, cfg: "Config"):
+    """The sentiment classifier (MiniLM from ``path``, a new head) whose top layer starts at the masked-LM stage's."""
+    clf = hf.pretrained(BertForSequenceClassification, path, num_labels=2, seed=cfg.seed + 1, **DROPOUT)
+    values = dict(trained_mlm.named_parameters())
+    with torch.no_grad():
+        for n, p in clf.named_parameters():
+            if n.startswith(TOP_LAYER):
+                p.copy_(values[n])
+    return clf
+
+
 def trainers(cfg: Config, callbacks: bool):
     """(the masked-LM Trainer, a function mlm → the finetuning Trainer, the record or None, data)."""
     path = hf.checkpoint_dir(PACKAGE)
@@ -143,12 +154,7 @@ def trainers(cfg: Config, callbacks: bool):
                   callbacks=[hf.RecordCallback(record)] if callbacks else [])
 
     def finetuner(trained_mlm):
-        clf = hf.pretrained(BertForSequenceClassification, path, num_labels=2, seed=cfg.seed + 1, **DROPOUT)
-        values = dict(trained_mlm.named_parameters())
-        with torch.no_grad():
-            for n, p in clf.named_parameters():
-                if n.startswith(TOP_LAYER):
-                    p.copy_(values[n])
+        clf = classifier_from(trained_mlm, path, cfg)
         train_only(clf, ("bert.pooler", "classifier"))
         shared = {n: n for n, _ in clf.named_parameters() if n.startswith(TOP_LAYER)}
         train = data.train[0]
@@ -562,12 +568,7 @@ def lora_trainers(cfg: Config, callbacks: bool):
     tok = data.tokenizer
 
     def finetuner(trained_mlm):
-        clf = hf.pretrained(BertForSequenceClassification, path, num_labels=2, seed=cfg.seed + 1, **DROPOUT)
-        values = dict(trained_mlm.named_parameters())
-        with torch.no_grad():
-            for n, p in clf.named_parameters():
-                if n.startswith(TOP_LAYER):
-                    p.copy_(values[n])
+        clf = classifier_from(trained_mlm, path, cfg)
         model = peft.get_peft_model(clf, peft.LoraConfig(**LORA))
         train = data.train[0]
         link = hf.lora_link(trained_mlm, model, shared=TOP_LAYER)
