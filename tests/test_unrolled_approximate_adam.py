@@ -262,21 +262,17 @@ def test_the_factored_functions_project_a_diagonal_onto_each_blocks_eigenbasis()
     torch.testing.assert_close(out, q @ (d[:, None] * (q.T @ x)), rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("groups, schedule, fix", [
-    ([{"betas": (0.9, 0.999)}, {"betas": (0.8, 0.999)}], None, "one β₁, β₂ for every parameter group"),
-    ([{}, {}], [lambda t: 1.0, lambda t: 1.0 / (t + 1)], "schedule every group by the same factor"),
-])
-def test_adam_groups_the_pieces_cannot_linearize_are_refused_with_the_fix(groups, schedule, fix):
-    """Parameter groups with different β's (no common heavy-ball form), or learning rates whose ratio changes within
-    a segment (P cannot absorb it), are refused naming the fix."""
+def grouped_adamw_run(groups, *, lr, n, schedule=None) -> Record:
+    """A watched torch.optim.AdamW loop (batches of 2, float64) over a two-layer tanh net whose layers are two
+    parameter groups with the settings ``groups``, optionally scheduled by LambdaLR(``schedule``)."""
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
     optimizer = torch.optim.AdamW([{"params": model[0].parameters(), **groups[0]},
-                                   {"params": model[2].parameters(), **groups[1]}], lr=0.05)
+                                   {"params": model[2].parameters(), **groups[1]}], lr=lr)
     scheduler = None if schedule is None else torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    x, y = data(8, 3, seed=2)
+    x, y = data(n, 3, seed=2)
     loader = DataLoader(TensorDataset(x.double(), y), batch_size=2)
     record = Record()
     with record.watch(model, optimizer, loader, cross_entropy):
@@ -286,6 +282,17 @@ def test_adam_groups_the_pieces_cannot_linearize_are_refused_with_the_fix(groups
             if scheduler is not None:
                 scheduler.step()
             optimizer.zero_grad()
+    return record
+
+
+@pytest.mark.parametrize("groups, schedule, fix", [
+    ([{"betas": (0.9, 0.999)}, {"betas": (0.8, 0.999)}], None, "one β₁, β₂ for every parameter group"),
+    ([{}, {}], [lambda t: 1.0, lambda t: 1.0 / (t + 1)], "schedule every group by the same factor"),
+])
+def test_adam_groups_the_pieces_cannot_linearize_are_refused_with_the_fix(groups, schedule, fix):
+    """Parameter groups with different β's (no common heavy-ball form), or learning rates whose ratio changes within
+    a segment (P cannot absorb it), are refused naming the fix."""
+    record = grouped_adamw_run(groups, lr=0.05, n=8, schedule=schedule)
     with pytest.raises(ik.InputError, match=fix):
         ik.unrolled.approximate(record, (TEST[0].double(), TEST[1]), segments=1)
 
@@ -295,20 +302,7 @@ def test_a_large_difference_of_the_groups_decoupled_decays_warns_and_more_segmen
     warns naming the remedy; with one segment per step it falls below it and no warning comes."""
     import warnings
 
-    from torch.utils.data import DataLoader, TensorDataset
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
-    optimizer = torch.optim.AdamW([{"params": model[0].parameters(), "weight_decay": 0.0},
-                                   {"params": model[2].parameters(), "weight_decay": 0.5}], lr=0.02)
-    x, y = data(16, 3, seed=2)
-    loader = DataLoader(TensorDataset(x.double(), y), batch_size=2)
-    record = Record()
-    with record.watch(model, optimizer, loader, cross_entropy):
-        for xb, yb in loader:
-            cross_entropy(model(xb), yb).mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    record = grouped_adamw_run([{"weight_decay": 0.0}, {"weight_decay": 0.5}], lr=0.02, n=16)
     test = (TEST[0].double(), TEST[1])
     with pytest.warns(UserWarning, match="more segments shrink it"):
         coarse = ik.unrolled.approximate(record, test, segments=1)[0]
