@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -86,21 +88,38 @@ def logreg_digits():
     return stage, (test_x, test_y)
 
 
-def run_a_rank_that_may_fail(rank: int, world: int, init_file: str, out: str, work) -> None:
-    """One rank of a failing-rank test: float64, 1 thread, gloo with a 15 s timeout; rank 1 raises InputError,
-    the others run ``work()``; each rank writes what it saw (``finished`` or the exception) to out/rank<r>."""
+def run_gloo_rank(rank: int, world: int, init_file: str, work, *, timeout_s: float = 60) -> None:
+    """One spawned rank: float64, 1 thread, a gloo group from ``init_file`` around ``work()``, then destroyed. A rank
+    whose work returned leaves by ``os._exit(0)``: the interpreter's teardown, where gloo's threads can abort the
+    process ("terminate called without an active exception", SIGABRT) after the results were written, is skipped.
+    A rank whose work raised exits through the exception, as ``torch.multiprocessing`` reports it."""
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=15))
+                            timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        if rank == 1:
-            raise ik.InputError("rank 1 was given bad data")
         work()
-        Path(out, f"rank{rank}").write_text("finished")
-    except Exception as exc:  # record what each rank saw
-        Path(out, f"rank{rank}").write_text(f"{type(exc).__name__}: {exc}")
-        raise
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_a_rank_that_may_fail(rank: int, world: int, init_file: str, out: str, work) -> None:
+    """One rank of a failing-rank test (:func:`run_gloo_rank`, a 15 s timeout): rank 1 raises InputError, the others
+    run ``work()``; each rank writes what it saw (``finished`` or the exception) to out/rank<r>."""
+    def record_what_this_rank_saw():
+        try:
+            if rank == 1:
+                raise ik.InputError("rank 1 was given bad data")
+            work()
+            Path(out, f"rank{rank}").write_text("finished")
+        except Exception as exc:
+            Path(out, f"rank{rank}").write_text(f"{type(exc).__name__}: {exc}")
+            raise
+
+    run_gloo_rank(rank, world, init_file, record_what_this_rank_saw, timeout_s=15)
 
 
 def assert_a_failing_rank_fails_the_others(worker, tmp_path) -> None:

@@ -7,7 +7,6 @@ others fail with a DistributedError instead of hanging.
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import subprocess
@@ -18,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -27,7 +25,7 @@ import influkit as ik
 from influkit import distributed
 from influkit.scoring import rank_chunks
 
-from conftest import assert_a_failing_rank_fails_the_others, run_a_rank_that_may_fail
+from conftest import assert_a_failing_rank_fails_the_others, run_a_rank_that_may_fail, run_gloo_rank
 from test_chain import ThreeStages, ce, l2
 
 TESTS = Path(__file__).parent
@@ -52,15 +50,11 @@ def scenarios(solutions: dict):
 
 
 def _worker(rank: int, world: int, init_file: str, out: str, solutions: dict) -> None:
-    torch.set_default_dtype(torch.float64)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    def save_every_scenario():
         for name, result in scenarios(solutions).items():
             result.save(Path(out) / f"{name}.rank{rank}")
-    finally:
-        dist.destroy_process_group()
+
+    run_gloo_rank(rank, world, init_file, save_every_scenario)
 
 
 @pytest.fixture(scope="module")
@@ -256,14 +250,11 @@ def factored_scenarios(solutions: dict) -> dict[str, torch.Tensor]:
 
 
 def _factored_worker(rank: int, world: int, init_file: str, out: str, solutions: dict) -> None:
-    torch.set_default_dtype(torch.float64)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        save_file({k: v.contiguous() for k, v in factored_scenarios(solutions).items()}, str(Path(out) / f"factored.rank{rank}"))
-    finally:
-        dist.destroy_process_group()
+    def save_the_factored_scenarios():
+        save_file({k: v.contiguous() for k, v in factored_scenarios(solutions).items()},
+                  str(Path(out) / f"factored.rank{rank}"))
+
+    run_gloo_rank(rank, world, init_file, save_the_factored_scenarios)
 
 
 def test_factored_curvature_is_the_same_on_every_rank_and_equals_one_process(solutions, tmp_path):
