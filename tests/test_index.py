@@ -292,6 +292,8 @@ def test_int8_scores_are_within_the_stated_bound_of_the_unquantized_rows(case1, 
     monkeypatch.setattr("influkit.index.gradient_index.CHUNK_BYTES", 5 * quantized.width * 8)  # 5 rows a chunk
     assert [start for start, _ in quantized.shards()][:5] == [0, 5, 10, 15, 16]
     torch.testing.assert_close(quantized.scores(per_test).values, whole, rtol=0, atol=0)
+    ids = torch.tensor([quantized.n_rows - 1, 0, 7, 3])  # the ANN path's rows: only those dequantized, any order
+    torch.testing.assert_close(quantized._rows_at(ids), quantized.matrix()[ids], rtol=0, atol=0)
 
 
 def test_default_index_is_int8_within_4096_bytes_and_an_old_version_is_refused(case1, tmp_path):

@@ -298,6 +298,28 @@ class GradientIndex:
             for lo in range(0, stored.shape[0], step):
                 yield shard["start"] + lo, dequantize(stored[lo : lo + step], self.compute_dtype)
 
+    def products(self, s: torch.Tensor, *, progress: bool = False) -> torch.Tensor:
+        """(n_rows, k) every row's product with the columns ``s`` (D, k): cᵀ s for stored rows c, σ (qᵀ s) for int8
+        rows — q converted to :attr:`compute_dtype` a chunk at a time in one reused buffer, so a query's memory does
+        not grow with the number of chunks."""
+        out, bar = [], tqdm(total=self.n_rows, desc="index scores", disable=not progress, leave=False)
+        buffer = None
+        for c, shard in enumerate(self.manifest["shards"]):
+            stored = self.files.get(c)
+            if not self.quantized:
+                out.append(stored @ s)
+            else:
+                values, scale = split(stored)
+                step = max(1, CHUNK_BYTES // (self.width * s.element_size()))
+                if buffer is None:
+                    buffer = torch.empty(min(step, self.n_rows), self.width, dtype=s.dtype)
+                for lo in range(0, values.shape[0], step):
+                    chunk = buffer[: min(step, values.shape[0] - lo)].copy_(values[lo : lo + step])
+                    out.append((chunk @ s) * scale[lo : lo + step, None].to(s.dtype))
+            bar.update(shard["stop"] - shard["start"])
+        bar.close()
+        return torch.cat(out) if out else torch.empty(0, s.shape[1], dtype=s.dtype)
+
     def matrix(self) -> torch.Tensor:
         """All rows (n_rows, D) in memory (for small indexes and tests), dequantized for int8."""
         return torch.cat([rows for _, rows in self.shards()]) if self.manifest["shards"] else \
@@ -335,10 +357,7 @@ class GradientIndex:
         checked = time.perf_counter()
         s = self.directions(query).cpu()
         compressed = time.perf_counter()
-        blocks = []
-        for _, rows in tqdm(self.shards(), desc="index scores", disable=not progress, leave=False):  # a chunk at a time
-            blocks.append(rows @ s)
-        values = -torch.cat(blocks).to(query.s.dtype)
+        values = -self.products(s, progress=progress).to(query.s.dtype)
         seconds = dict(query.seconds) | {"index_checkpoint": fingerprinted - start, "index_data": checked - fingerprinted,
                                          "index_check": checked - start, "index_directions": compressed - checked,
                                          "index_product": time.perf_counter() - compressed}
@@ -389,12 +408,13 @@ class GradientIndex:
                                diagnostics=diagnostics)
 
     def _rows_at(self, ids: torch.Tensor) -> torch.Tensor:
-        """(len(ids), D) the rows of examples ``ids``."""
+        """(len(ids), D) the rows of examples ``ids`` (int8 rows: only those dequantized)."""
         out = torch.empty(ids.shape[0], self.width, dtype=self.compute_dtype)
-        for start, rows in self.shards():
-            hit = (ids >= start) & (ids < start + rows.shape[0])
+        for c, shard in enumerate(self.manifest["shards"]):
+            hit = (ids >= shard["start"]) & (ids < shard["stop"])
             if hit.any():
-                out[hit] = rows[ids[hit] - start]
+                stored = self.files.get(c)[ids[hit] - shard["start"]]
+                out[hit] = dequantize(stored, self.compute_dtype) if self.quantized else stored.to(self.compute_dtype)
         return out
 
     def describe(self) -> dict:
