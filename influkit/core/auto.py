@@ -8,7 +8,7 @@ Gauss-Newton G), the solver, the damping λ, the preconditioner, and the reason,
 
 | where the stage stands                | matrix | solver                                          | damping λ          |
 |---------------------------------------|--------|-------------------------------------------------|--------------------|
-| ``minimum`` (∇L ≈ 0, no negative curvature seen) | H | ``direct`` for several right-hand sides and p ≤ ``DIRECT_MAX`` (one factorization serves them all), else ``cg_spd`` | as given (0) |
+| ``minimum`` (∇L ≈ 0, no negative curvature seen) | H | ``direct`` for several right-hand sides and p ≤ ``DIRECT_MAX`` (one factorization serves them all), else ``cg_spd`` (EK-FAC-preconditioned for p > ``PRECONDITION_MIN``) | as given (0) |
 | ``singular`` (∇L ≈ 0, H ⪰ 0 with near-null directions) | H | ``direct`` (pseudo-inverse: the minimum-norm response) for p ≤ ``DIRECT_MAX``, else ``minres`` | as given, else the spectral rule |
 | ``saddle`` / ``non-stationary``       | G      | ``minres`` (EK-FAC-preconditioned for p > ``PRECONDITION_MIN``); the ``ekfac`` approximate inverse when also p·n_rhs > ``APPROXIMATE_WORK`` | as given, else 1/(ηT) with :class:`Training`, else the spectral rule |
 | unknown (no stage)                    | H      | ``direct`` for p ≤ ``DIRECT_MAX`` when H can be formed, else ``minres`` | as given |
@@ -21,6 +21,13 @@ right-hand side, tens of steps each even preconditioned, while EK-FAC (C ≈ G f
 one fitting pass and then nothing per right-hand side. Its x is EK-FAC's, not the exact solve's (the reason says
 so; ``SolveConfig(residual=True)`` measures the gap, at one exact product per right-hand side). ``studies/fidelity_minilm.py`` measures both on MiniLM
 (``studies/results/fidelity/minilm-dapt.md``).
+
+Why EK-FAC-preconditioned CG at a minimum above ``PRECONDITION_MIN``: a Chain measures where such a stage stands
+with the light stationarity check (:mod:`influkit.stationarity`), which fits the stage's EK-FAC (C ≈ G) before the
+verdict is known, since a solve off the minimum needs it. At a minimum that fitted object is CG's preconditioner
+M = C + λI (λ = 0: ``1e-3``·C's mean eigenvalue keeps M ≻ 0), handed to the Hessian's solve, not fitted again: x is still the exact
+(H + λI)⁻¹b (CG stops on its true residual), M changes only how many products it takes. H and G differ at a
+minimum by Σ_i Σ_c ∂ℓ_i/∂f_c ∇²f_c, which vanishes for a linear head and is small where the fit is good.
 
 Damping rules (off a minimum, when the user gave none):
 
@@ -55,7 +62,8 @@ DAMPING_RATIO = 1e-2
 # the relative gradient norm r from which the full DAMPING_RATIO applies (below: λ ∝ r): the stages of
 # studies/fidelity_lm.py where DAMPING_RATIO was measured stood at r = 0.017 and 0.037
 R_REF = 0.03
-# above this many parameters the Gauss-Newton solve off a minimum is preconditioned by EK-FAC
+# above this many parameters the iterative solve is preconditioned by EK-FAC (CG at a minimum, MINRES off it), the
+# one a Chain's light stationarity check fits: benchmarks/bench_auto_minimum.py
 PRECONDITION_MIN = 10**6
 # off a minimum, above PRECONDITION_MIN parameters and p·n_rhs > this, the EK-FAC approximate inverse replaces MINRES
 APPROXIMATE_WORK = 2 * 10**6
@@ -130,9 +138,12 @@ def decide(position: Position | None, p: int, *, n_rhs: int = 1, memory: int | N
             return Choice(matrix, "direct", damping, None,
                           f"{prefix}at a minimum; {n_rhs} right-hand sides on p = {p} ≤ {DIRECT_MAX}: one dense "
                           "factorization serves them all")
-        return Choice(matrix, "cg_spd", damping, preconditioner,
+        pre = preconditioner if preconditioner is not None else ("ekfac" if p > PRECONDITION_MIN else None)
+        how = (f", preconditioned by EK-FAC (p = {p} > {PRECONDITION_MIN:.0e}: the one a Chain's stationarity check "
+               "fitted)" if pre == "ekfac" and preconditioner is None else "")
+        return Choice(matrix, "cg_spd", damping, pre,
                       f"{prefix}at a minimum (no negative curvature in {position.lanczos_steps} Lanczos steps): CG on "
-                      f"the positive definite H + λI, one HVP per step")
+                      f"the positive definite H + λI, one HVP per step{how}")
     if where == "singular":
         if p <= DIRECT_MAX and fits and damping == 0 and preconditioner is None:
             return Choice(matrix, "direct", 0.0, None,
