@@ -147,3 +147,31 @@ def test_a_singular_stationary_point_is_solved_by_minres_with_the_checks_ekfac(f
     assert lam == pytest.approx(auto.DAMPING_RATIO * chain.positions[0].max_eigenvalue)
     expected = torch.linalg.solve(explicit_hessian(stage) + lam * torch.eye(21), total_grad(stage, x[60:], y[60:]))
     assert (query.s - expected).norm() / expected.norm() <= 1e-8
+
+
+class RawLogits(nn.Module):
+    """Logits x·W + c from bare parameters: no layer K-FAC knows, so the "EK-FAC" is all diagonal blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(0.1 * torch.randn(6, 3))
+        self.offset = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return x @ self.weight + self.offset
+
+
+def test_without_a_factored_layer_the_checks_diagonal_blocks_precondition_the_exact_solve(fits):
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randn(70, 6, generator=gen), torch.randint(0, 3, (70,), generator=gen)
+    torch.manual_seed(0)
+    stage = ik.Stage(RawLogits().double().eval(), cross_entropy, (x[:60], y[:60]), regularizer=l2(1e-2))
+    assert train_to_stationarity(stage) < 1e-10
+    chain = ik.Chain([stage], progress=False).fit()
+    query = chain.query((x[60:], y[60:]))
+    (solve,) = query.solves
+    ekfac = chain.curvature(0).approximations["ekfac"]
+    assert chain.positions[0].verdict == "minimum" and ekfac.info["diagonal"]  # no Kronecker block
+    assert solve["preconditioner"].startswith("ekfac") and [kind for kind, _ in fits] == ["ekfac"] and ekfac is fits[0][1]
+    expected = torch.linalg.solve(explicit_hessian(stage), total_grad(stage, x[60:], y[60:]))
+    assert (query.s - expected).norm() / expected.norm() <= 1e-8
