@@ -67,8 +67,8 @@ DAMPING_RATIO = 1e-2
 # the relative gradient norm r from which the full DAMPING_RATIO applies (below: λ ∝ r): the stages of
 # studies/fidelity_lm.py where DAMPING_RATIO was measured stood at r = 0.017 and 0.037
 R_REF = 0.03
-# above this many parameters the iterative solve is preconditioned by EK-FAC (CG at a minimum, MINRES off it), the
-# one a Chain's light stationarity check fits: benchmarks/bench_auto_minimum.py
+# above this many parameters the iterative solve is preconditioned by EK-FAC (CG at a minimum, MINRES at a singular
+# point or off a minimum), the one a Chain's light stationarity check fits: benchmarks/bench_auto_minimum.py
 PRECONDITION_MIN = 10**6
 # off a minimum, above PRECONDITION_MIN parameters and p·n_rhs > this, the EK-FAC approximate inverse replaces MINRES
 APPROXIMATE_WORK = 2 * 10**6

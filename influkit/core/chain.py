@@ -323,16 +323,15 @@ class Chain:
                                             n_rhs=n_rhs, memory=memory_budget(self.memory), itemsize=itemsize)
 
     def _prepare(self, k: int, choice: Choice) -> Solver:
-        """Stage k's solver for ``choice``, on the curvature of its matrix; a preconditioner that is the factored fit
-        of the stationarity check (auto's EK-FAC at a minimum, the check's on the other matrix) is shared, not
-        fitted again (:meth:`FittedCurvature.share`)."""
+        """Stage k's solver for ``choice``, on the curvature of its matrix. A preconditioner that is the stationarity
+        check's factored fit, held by another matrix's curvature (``auto`` at a stationary point: fitted on G by the
+        check, the solve on H), is shared from there, not fitted again (:meth:`FittedCurvature.share`)."""
         curvature = self._curvature_for(k, choice.matrix)
         factored = self._factored_fit(k)
         if factored is not None and choice.preconditioner == factored:
-            matrix = self._factored_matrix(k)
-            checked = curvature if matrix == choice.matrix else self._curvatures[k] \
-                if matrix == self._curvatures[k].config.matrix else self._derived.get((k, matrix))
-            if checked is not None:
+            matrix, configured = self._factored_matrix(k), self._curvatures[k]
+            checked = configured if matrix == configured.config.matrix else self._derived.get((k, matrix))
+            if checked is not None and checked is not curvature:
                 curvature.share(factored, checked)
         return self.solve_configs[k].prepare(curvature, choice=choice, progress=self.progress)
 
