@@ -8,8 +8,8 @@ Gauss-Newton G), the solver, the damping λ, the preconditioner, and the reason,
 
 | where the stage stands                | matrix | solver                                          | damping λ          |
 |---------------------------------------|--------|-------------------------------------------------|--------------------|
-| ``minimum`` (∇L ≈ 0, no negative curvature seen) | H | ``direct`` for several right-hand sides and p ≤ ``DIRECT_MAX`` (one factorization serves them all), else ``cg_spd`` | as given (0) |
-| ``singular`` (∇L ≈ 0, H ⪰ 0 with near-null directions) | H | ``direct`` (pseudo-inverse: the minimum-norm response) for p ≤ ``DIRECT_MAX``, else ``minres`` | as given, else the spectral rule |
+| ``minimum`` (∇L ≈ 0, no negative curvature seen) | H | ``direct`` for several right-hand sides and p ≤ ``DIRECT_MAX`` (one factorization serves them all), else ``cg_spd`` (EK-FAC-preconditioned for p > ``PRECONDITION_MIN``) | as given (0) |
+| ``singular`` (∇L ≈ 0, H ⪰ 0 with near-null directions) | H | ``direct`` (pseudo-inverse: the minimum-norm response) for p ≤ ``DIRECT_MAX``, else ``minres`` (EK-FAC-preconditioned for p > ``PRECONDITION_MIN``) | as given, else the spectral rule |
 | ``saddle`` / ``non-stationary``       | G      | ``minres`` (EK-FAC-preconditioned for p > ``PRECONDITION_MIN``); the ``ekfac`` approximate inverse when also p·n_rhs > ``APPROXIMATE_WORK`` | as given, else 1/(ηT) with :class:`Training`, else the spectral rule |
 | unknown (no stage)                    | H      | ``direct`` for p ≤ ``DIRECT_MAX`` when H can be formed, else ``minres`` | as given |
 
@@ -21,6 +21,18 @@ right-hand side, tens of steps each even preconditioned, while EK-FAC (C ≈ G f
 one fitting pass and then nothing per right-hand side. Its x is EK-FAC's, not the exact solve's (the reason says
 so; ``SolveConfig(residual=True)`` measures the gap, at one exact product per right-hand side). ``studies/fidelity_minilm.py`` measures both on MiniLM
 (``studies/results/fidelity/minilm-dapt.md``).
+
+Why the EK-FAC preconditioner at a stationary point above ``PRECONDITION_MIN`` (CG at a minimum, MINRES at a
+singular one): a Chain measures where such a stage stands with the light stationarity check
+(:mod:`influkit.stationarity`), which fits the stage's EK-FAC (C ≈ G) before the verdict is known, since a solve off
+the minimum needs it. At a stationary point that fitted object becomes the preconditioner M = C + λI (with λ = 0,
+1e-3 times C's mean eigenvalue keeps M ≻ 0), shared with the Hessian's solve, not fitted again
+(:meth:`influkit.fitted.FittedCurvature.share`): x is still the exact (H + λI)⁻¹b (the iteration stops on its true
+residual), M changes only how many products it takes. H and G differ at a minimum by Σ_i Σ_c ∂ℓ_i/∂f_c ∇²f_c, which
+vanishes for a linear head and is small where the fit is good. Each iteration then also applies M⁻¹, whose cost
+grows with the layers' widths, not with n: on a wide layer fitted on few examples it can cost more than the
+products it saves (``benchmarks/bench_auto_minimum.py``); a named ``solver="cg_spd"`` or ``"minres"`` solves
+without it.
 
 Damping rules (off a minimum, when the user gave none):
 
@@ -55,7 +67,8 @@ DAMPING_RATIO = 1e-2
 # the relative gradient norm r from which the full DAMPING_RATIO applies (below: λ ∝ r): the stages of
 # studies/fidelity_lm.py where DAMPING_RATIO was measured stood at r = 0.017 and 0.037
 R_REF = 0.03
-# above this many parameters the Gauss-Newton solve off a minimum is preconditioned by EK-FAC
+# above this many parameters the iterative solve is preconditioned by EK-FAC (CG at a minimum, MINRES at a singular
+# point or off a minimum), the one a Chain's light stationarity check fits: benchmarks/bench_auto_minimum.py
 PRECONDITION_MIN = 10**6
 # off a minimum, above PRECONDITION_MIN parameters and p·n_rhs > this, the EK-FAC approximate inverse replaces MINRES
 APPROXIMATE_WORK = 2 * 10**6
@@ -130,18 +143,20 @@ def decide(position: Position | None, p: int, *, n_rhs: int = 1, memory: int | N
             return Choice(matrix, "direct", damping, None,
                           f"{prefix}at a minimum; {n_rhs} right-hand sides on p = {p} ≤ {DIRECT_MAX}: one dense "
                           "factorization serves them all")
-        return Choice(matrix, "cg_spd", damping, preconditioner,
+        pre, how = _checks_ekfac(p, preconditioner)
+        return Choice(matrix, "cg_spd", damping, pre,
                       f"{prefix}at a minimum (no negative curvature in {position.lanczos_steps} Lanczos steps): CG on "
-                      f"the positive definite H + λI, one HVP per step")
+                      f"the positive definite H + λI, one HVP per step{how}")
     if where == "singular":
         if p <= DIRECT_MAX and fits and damping == 0 and preconditioner is None:
             return Choice(matrix, "direct", 0.0, None,
                           f"{prefix}stationary but singular (θ_min = {position.min_eigenvalue:.2g}): the dense "
                           "pseudo-inverse, the minimum-norm response on H's range")
         lam, rule = _damping(position, damping, None)
-        return Choice(matrix, "minres", lam, preconditioner,
+        pre, how = _checks_ekfac(p, preconditioner)
+        return Choice(matrix, "minres", lam, pre,
                       f"{prefix}stationary but singular (θ_min = {position.min_eigenvalue:.2g}): MINRES on H + λI, "
-                      f"λ = {lam:.3g} ({rule})")
+                      f"λ = {lam:.3g} ({rule}){how}")
     lam, rule = _damping(position, damping, training)
     off = f"{prefix}{where} ({position.describe().split(': ', 1)[1]}): the exact Hessian is not a minimum's; "
     if preconditioner is None and p > PRECONDITION_MIN and p * n_rhs > APPROXIMATE_WORK:
@@ -153,6 +168,14 @@ def decide(position: Position | None, p: int, *, n_rhs: int = 1, memory: int | N
     how = f", preconditioned by EK-FAC (p = {p} > {PRECONDITION_MIN:.0e})" if pre == "ekfac" and preconditioner is None else ""
     return Choice("gauss-newton", "minres", lam, pre,
                   f"{off}MINRES on the Gauss-Newton matrix G + λI (positive definite), λ = {lam:.3g} ({rule}){how}")
+
+
+def _checks_ekfac(p: int, given: str | None) -> tuple[str | None, str]:
+    """(the preconditioner of an exact solve at a stationary point, what the reason adds): the given one, else above
+    PRECONDITION_MIN the EK-FAC a Chain's light stationarity check fitted (module docstring), else none."""
+    if given is not None or p <= PRECONDITION_MIN:
+        return given, ""
+    return "ekfac", f", preconditioned by EK-FAC (p = {p} > {PRECONDITION_MIN:.0e}), the stationarity check's fit"
 
 
 def _damping(position: Position, given: float, training: Training | None) -> tuple[float, str]:

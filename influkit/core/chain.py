@@ -284,10 +284,13 @@ class Chain:
     def _factored_curvature(self, k: int, name: str):
         """Stage k's fitted factored curvature ``name`` on the matrix its solve uses off a minimum, fitted now if not
         yet (the solve fits it anyway), its data pass measuring the objective's gradient for the check."""
-        config = self.solve_configs[k]
-        matrix = "gauss-newton" if config.solver == "auto" else self.curvature_configs[k].matrix
-        return self._curvature_for(k, matrix).approximation(name, progress=self.progress,
-                                                            fallback=config.solver == "auto", gradient=True)
+        auto = self.solve_configs[k].solver == "auto"
+        return self._curvature_for(k, self._factored_matrix(k)).approximation(name, progress=self.progress,
+                                                                              fallback=auto, gradient=True)
+
+    def _factored_matrix(self, k: int) -> str:
+        """The matrix whose FittedCurvature holds stage k's factored fit (:meth:`_factored_curvature`)."""
+        return "gauss-newton" if self.solve_configs[k].solver == "auto" else self.curvature_configs[k].matrix
 
     def _lean_check(self, k: int) -> bool:
         """The rule: without ``memory=``, the light stationarity check of a stage whose solve fits a factored
@@ -320,8 +323,17 @@ class Chain:
                                             n_rhs=n_rhs, memory=memory_budget(self.memory), itemsize=itemsize)
 
     def _prepare(self, k: int, choice: Choice) -> Solver:
-        return self.solve_configs[k].prepare(self._curvature_for(k, choice.matrix), choice=choice,
-                                             progress=self.progress)
+        """Stage k's solver for ``choice``, on the curvature of its matrix. A preconditioner that is the stationarity
+        check's factored fit, held by another matrix's curvature (``auto`` at a stationary point: fitted on G by the
+        check, the solve on H), is shared from there, not fitted again (:meth:`FittedCurvature.share`)."""
+        curvature = self._curvature_for(k, choice.matrix)
+        factored = self._factored_fit(k)
+        if factored is not None and choice.preconditioner == factored:
+            matrix, configured = self._factored_matrix(k), self._curvatures[k]
+            checked = configured if matrix == configured.config.matrix else self._derived.get((k, matrix))
+            if checked is not None and checked is not curvature:
+                curvature.share(factored, checked)
+        return self.solve_configs[k].prepare(curvature, choice=choice, progress=self.progress)
 
     def _query_solver(self, k: int, n_rhs: int) -> Solver:
         """The fitted solver of stage k, or the one auto chooses for ``n_rhs`` > 1 right-hand sides (kept)."""

@@ -156,6 +156,23 @@ class FittedCurvature:
         self.approximations[name], self.reads[name] = fitted, settings(config, kind.depends_on)
         return fitted
 
+    def share(self, name: str, other: "FittedCurvature") -> bool:
+        """Take ``other``'s fitted approximation ``name`` as this curvature's, without fitting it again, where it is
+        the same fit: one fitted from the stage's layers (``needs_stage``: K-FAC, EK-FAC and the diagonal estimate
+        the Gauss-Newton matrix whichever matrix the operator multiplies by) of the same stage, parameters, examples
+        and settings, the two configs differing at most in ``matrix``. Returns whether it was taken (else nothing
+        changes: not fitted there, already fitted here, or another fit)."""
+        fitted, mine, theirs = other.approximations.get(name), self.operator, other.operator
+        same = (fitted is not None and name not in self.approximations and APPROXIMATIONS[name].needs_stage
+                and isinstance(mine, HessianOperator) and isinstance(theirs, HessianOperator)
+                and mine.stage is theirs.stage and mine.names == theirs.names and mine.extra is theirs.extra
+                and mine.at is theirs.at and _same_examples(mine.indices, theirs.indices)
+                and replace(other.config, matrix=self.config.matrix) == self.config)
+        if same:
+            self.approximations[name], self.reads[name] = fitted, other.reads[name]
+            self.notes += [note for note in other.notes if note.split(" ", 1)[0] == name and note not in self.notes]
+        return same
+
     def memory_plans(self) -> list[dict]:
         """The batch sizes the operator and each fit chose from the memory budget."""
         plans = [dict(self.operator.memory)] if isinstance(self.operator, HessianOperator) else [{}]
@@ -184,3 +201,8 @@ class FittedCurvature:
             for name, saved in meta.get("approximations", {}).items()
         }
         return self
+
+
+def _same_examples(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two operators' example samples (None: every example) are the same."""
+    return a is None and b is None or a is not None and b is not None and torch.equal(a, b)

@@ -43,7 +43,7 @@ each, and its gradient pass would cost many times that fit):
 - a non-stationary stage's verdict does not depend on the eigenvalues, which then come from the fitted factored
   curvature C ≈ G, the matrix its solve uses (C's extreme eigenvalues, ``eigenvalue_source="ekfac"`` or ``"kfac"``,
   no Hessian-vector product); a stationary one gets the full m Lanczos steps on the exact H, since its verdict
-  rests on θ_min (at a minimum the solve may not use the factored fit the check ran).
+  rests on θ_min (at a minimum ``auto`` solves H, preconditioned by the factored fit the check ran).
 
 Verdict, with ε = √(machine epsilon of H's dtype) (1.5e-8 in float64, 3.5e-4 in float32: a float32
 Hessian-vector product carries a relative error well above float32's epsilon) and s = max(|θ_min|, |θ_max|):
