@@ -795,32 +795,91 @@ def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], 
                     adam: AdamPiece | None = None):
     """u of one piece with the factored curvature C fitted at θ_ℓ, and (v, w) moved to the piece's start **in
     place**: each output is Σ_j f_j(C)·input_j with f_j the piece's coefficient functions of one eigenvalue (``_maps``
-    on unit inputs), all applied in one pass over C's blocks (:meth:`FactoredCurvature.functions`), so the piece
-    adds u and block-sized temporaries only. Under Adam (``adam``) each eigen-coordinate's learning rate is scaled
-    by d = q_iᵀ P q_i, P projected onto C's eigenbasis (module docstring, Adam), and the steps are Adam's
-    (heavy-ball learning rates, clipping gains, decoupled decay)."""
+    on unit inputs), all applied in one pass over C's blocks (:meth:`FactoredCurvature.functions`). Under Adam
+    (``adam``) the map is split by its order in the curvature (module docstring, Adam): F(0) and F'(0) with the
+    diagonal P itself (F(0) elementwise, F'(0) through products with C), the rest, F − F(0) − F'(0), in C's
+    eigenbasis with P projected onto it (d = q_iᵀ P q_i); the steps are Adam's (heavy-ball learning rates, clipping
+    gains, decoupled decay). Adds u, and under Adam three more (q, p) outputs and two products with C."""
     steps = (lrs, momentum, stability) if adam is None else (adam.lrs, adam.momentum, stability, adam.rho, adam.gains)
+    quiet = steps[:2] + (None,) + steps[3:]  # the same steps, their stability not counted again
     preconditioner = None if adam is None else adam.P.to(v.dtype)
+    carried = steps[1] > 0  # with momentum the buffer's adjoint w is carried (else it stays 0)
+    top = directions is not None
+    low = None
+    if preconditioner is not None:
+        low = _low_orders(fitted, v, w if carried else None, preconditioner, decay, directions, quiet)
+        slopes = low.pop()
+
+    def remainder(maps, lam, d):  # f(λ, d) − f(0, d) − λ f_λ(0, d), f_ij = d^{a_ij} φ_ij(dλ) (a = ORDERS)
+        zero = _maps(torch.zeros_like(lam), d, *quiet)
+        return [[f - f0 - lam * d ** (a + 1) * s for f, f0, s, a in zip(row, row0, slope, orders)]
+                for row, row0, slope, orders in zip(maps, zero, slopes, ORDERS)]
 
     def coefficients(lam, d=None):  # [[f_ij]]: outputs i = (u, v', w'), inputs j = (v, w)
-        return _maps(lam + decay, d, *steps)
+        maps = _maps(lam + decay, d, *steps)
+        return maps if d is None else remainder(maps, lam + decay, d)
 
-    if directions is not None:  # the top span's coordinates kept apart, the factored map runs on the complement
+    if top:  # the top span's coordinates kept apart, the factored map runs on the complement
         g, basis = directions
         v_top, w_top = v @ basis, w @ basis
         v -= v_top @ basis.T
         w -= w_top @ basis.T
     u = torch.zeros_like(v)
-    carried = steps[1] > 0  # with momentum the buffer's adjoint w is carried (else it stays 0)
     fitted.functions([v.T, w.T] if carried else [v.T], coefficients if carried else
                      (lambda lam, d=None: coefficients(lam, d)[:2]), out=[u.T, v.T, w.T] if carried else [u.T, v.T],
                      diagonal=preconditioner)
-    if directions is not None:  # the complement's outputs projected back onto it, the span's own map added
+    if top:  # the complement's outputs projected back onto it, the span's own map added
         for x in (u, v, w):
             x -= (x @ basis) @ basis.T
         d_top = None if preconditioner is None else (basis ** 2).T @ preconditioner
         maps = _maps(g + decay, d_top, *steps)
+        if d_top is not None:
+            maps = remainder(maps, g + decay, d_top)
         top_in = (v_top, w_top) if carried else (v_top,)
         for x, row in zip((u, v, w), maps):
             x += sum(f * t for f, t in zip(row, top_in)) @ basis.T
+    for x, part in zip((u, v, w), low or ()):
+        x += part
     return u
+
+
+ORDERS = ((1, 0), (0, -1), (1, 0))
+"""a_ij of f_ij(λ, d) = d^{a_ij} φ_ij(dλ), the piece's maps (``_maps``) from the inputs j = (α, β) to the outputs
+i = (u, α_start, β_start): in θ's coordinates the map is P^{a_i0/2 + …}: u and β carry P^{1/2} on the left, the
+input α P^{1/2} on the right (module docstring, Adam)."""
+
+
+def _low_orders(fitted, v: torch.Tensor, w: torch.Tensor | None, P: torch.Tensor, decay: float, directions,
+                quiet) -> list:
+    """[u, α, β parts, slopes]: the zeroth and first order in the curvature of one Adam piece's map, applied to
+    (v, w) with the diagonal P itself — F(0) elementwise (f_ij(0, P)), and the first order λ d^{a_ij + 1} φ'_ij(0)
+    as P^{[i ∈ (u, β)]} K P^{[j = α]} (K the piece's curvature: C plus the coupled decay, the top directions' exact
+    eigenvalues in their span) — and the slopes φ'_ij(0) (one number each) for :func:`_factored_piece`'s remainder."""
+    lam = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    with torch.enable_grad():
+        unit = _maps(lam, None, *quiet)
+        slopes = [[float(torch.autograd.grad(f.sum(), lam, retain_graph=True, allow_unused=True)[0] or 0.0)
+                   if f.requires_grad else 0.0 for f in row] for row in unit]
+    inputs = (v, w) if w is not None else (v,)
+    zero = _maps(torch.zeros_like(P), P, *quiet)
+    parts = [sum(f * x for f, x in zip(row, inputs)) for row in zero]
+
+    def curvature(x: torch.Tensor) -> torch.Tensor:  # K x for x (q, p)
+        out = torch.empty_like(x)
+        if directions is None:
+            fitted.functions([x.T], lambda e: [[e]], out=[out.T])
+        else:
+            g, basis = directions
+            inside = x @ basis
+            rest = x - inside @ basis.T
+            fitted.functions([rest.T], lambda e: [[e]], out=[out.T])
+            out -= (out @ basis) @ basis.T
+            out += (inside * g) @ basis.T
+        return out + decay * x
+
+    products = [curvature(P * v)] + ([curvature(w)] if w is not None else [])
+    for i, (part, row) in enumerate(zip(parts, slopes)):
+        for j, (slope, product) in enumerate(zip(row, products)):
+            if slope:
+                part += slope * (P * product if ORDERS[i][0] == 1 else product)
+    return parts + [slopes]
