@@ -49,15 +49,19 @@ the largest group's) is folded into P (r_g must be constant within a piece, else
 coordinates, noting the largest relative change of δθ so left out (``diagnostics["stability"]``; a warning above
 :data:`DECAY_WARNING`).
 ``curvature="hessian"``: K_ℓ is formed densely and eigendecomposed — exact for the frozen-P linearization (a test
-checks it against autograd through that recursion). Factored curvatures: P is projected onto the fitted
-curvature's own eigenbasis Q (Kronecker per layer, and the top directions' span), P_Q = Q diag(d) Qᵀ with
-d_i = q_iᵀ P q_i (:meth:`FactoredCurvature.functions` with ``diagonal=``, per block (L∘L)ᵀ P_M (R∘R)): P_Q commutes
-with C, so each eigen-coordinate is the recursion above with κ_i = d_i λ_i and scaling √d_i — no refit per piece
-(the shared eigenbasis stays shared), cost O(rows·cols·(rows + cols)) per layer, and the steady state of every
-coordinate stays the minimum's response −f/λ_i whatever d_i (Adam's fixed point does not depend on P). It is
-exact where P is a scalar on a block or C is diagonal (a diagonal block), and otherwise replaces P by the closest
-(Frobenius) matrix diagonal in C's eigenbasis; a rank-1 (Adafactor-style) P ≈ D_out ⊗ D_in would keep a Kronecker
-form too, but needs a new fit per piece (new eigenbases), which SOURCE's shared basis was to avoid. Adam's coupled
+checks it against autograd through that recursion). Factored curvatures: a piece's map is a function F(K) of
+K = P^{1/2}(C + λ)P^{1/2} with C's eigenbasis Q not diagonalizing P, so it is split by its order in the curvature,
+F = F(0) + F'(0)·K + R. The first two use the diagonal P itself: F(0) acts per coordinate (f_ij(0, P_k), no
+curvature), and F'(0)·K is P^{[i]}(C + λ)P^{[j]} times one number φ'_ij(0) per output/input pair (P on the left of
+the outputs u and the buffer's adjoint, on the right of the input v: two products with C per piece). Only the
+remainder R = O(K²) uses P projected onto Q, P_Q = Q diag(d) Qᵀ with d_i = q_iᵀ P q_i
+(:meth:`FactoredCurvature.functions` with ``diagonal=``, per block (L∘L)ᵀ P_M (R∘R)), which commutes with C: per
+eigen-coordinate f_ij(λ_i, d_i) − f_ij(0, d_i) − λ_i d_i^{a_ij+1} φ'_ij(0), with f_ij(λ, d) = d^{a_ij} φ_ij(dλ)
+(:data:`ORDERS`) — no refit per piece (the shared eigenbasis stays shared), cost O(rows·cols·(rows + cols)) per
+layer. So where the piece barely curves (η P λ small, as in a short run at a small learning rate) the map is
+Adam's own per-coordinate step, to second order (a test checks it against autograd through the frozen-P
+recursion); the whole map with P_Q in its place changes Adam's step already at zeroth order, wherever P varies
+within a layer. It is exact where P is a scalar on a block or C is diagonal (a diagonal block). Adam's coupled
 decay λ enters the factored pieces as a shift (one λ for all groups, else refused).
 
 Runs with dropout and Trainer runs. Each piece linearizes a deterministic objective. A run recorded with dropout on
@@ -98,7 +102,9 @@ the matrix each piece linearizes with; ``"gauss-newton"``: its positive semi-def
 each piece splits (v, w) into their coordinates in span V and the complement, runs the factored map f(C) on the
 complement (its output projected back onto it) and the scalar map f(g_i) on each coordinate — the curvature
 V diag(g) Vᵀ + (I − VVᵀ) C (I − VVᵀ), with f of the second taken as (I − VVᵀ) f(C) (I − VVᵀ). Where H = C the split
-changes nothing, and with every eigenpair one piece per stage is the dense Hessian's map (tests). The default
+changes nothing, and with every eigenpair one piece per stage is the dense Hessian's map (tests; under Adam this
+curvature enters the split above: its products in F'(0)·K, its eigenvalues in the remainder, with P projected onto
+the span V there). The default
 ``top="auto"`` takes k = :data:`TOP_AUTO` pairs per stage of at most :data:`TOP_AUTO_PARAMETERS` trained parameters
 (above, their products cost several times the pieces), fewer where ARPACK's workspace (ncv = max(2k + 1, 20)
 float64 vectors of p) and the k kept vectors would take more than half of the budget left (:func:`top_count`; 0
@@ -113,7 +119,8 @@ score_z = Σ_ℓ (1/n) ∇ℓ(z; θ_ℓ)·u_ℓ are computed chunk by chunk like
 Memory. What the pass holds across its phases: per piece u_ℓ (q × p, the model's dtype) and θ_ℓ — the record's own
 checkpoint when the piece ends on one (no copy), else replayed from the last checkpoint before it and kept — the
 adjoints (v, w) of the piece being unrolled (q × p each, moved to the piece's start in place, with block-sized
-temporaries: :meth:`FactoredCurvature.functions`), S̄'s adjoint, and under ``basis="shared"`` one eigenbasis per
+temporaries: :meth:`FactoredCurvature.functions`; under Adam five more q × p: F(0)'s three outputs and the two
+products with C), S̄'s adjoint, and under ``basis="shared"`` one eigenbasis per
 stage. Each phase that batches data sizes its batches from the budget (:mod:`influkit.memory`): a piece's
 curvature fit (:func:`fit_curvature`), the shared block's adjoint (∂(∇_θL·u)/∂S̄ over batches sized by the bytes
 one example's double-backward graph keeps, measured on a probe) and the example terms (:class:`Terms`). With
