@@ -814,11 +814,13 @@ def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], 
     top = directions is not None
     low = None
     if preconditioner is not None:
-        low = _low_orders(fitted, v, w if carried else None, preconditioner, decay, directions, quiet)
+        tau = sum(lr * c for lr, c in zip(adam.lrs, adam.gains)) / (1 - adam.momentum)
+        low = _low_orders(fitted, v, w if carried else None, preconditioner, decay, directions, quiet, tau)
         slopes = low.pop()
 
-    def remainder(maps, lam, d):  # f(λ, d) − f(0, d) − λ f_λ(0, d), f_ij = d^{a_ij} φ_ij(dλ) (a = ORDERS)
+    def remainder(maps, lam, d):  # f(λ, d) − f(0, d) − λ' f_λ(0, d), f_ij = d^{a_ij} φ_ij(dλ) (a = ORDERS)
         zero = _maps(torch.zeros_like(lam), d, *quiet)
+        lam = _first_order(lam, d, tau)
         return [[f - f0 - lam * d ** (a + 1) * s for f, f0, s, a in zip(row, row0, slope, orders)]
                 for row, row0, slope, orders in zip(maps, zero, slopes, ORDERS)]
 
@@ -850,6 +852,14 @@ def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], 
     return u
 
 
+def _first_order(lam: torch.Tensor, d: torch.Tensor, tau: float) -> torch.Tensor:
+    """λ where the piece barely curves the eigen-coordinate (τ·d·λ ≤ 1, τ = Σ_t η'_t c_t / (1 − β₁) the piece's
+    effective learning-rate sum), else 0: the eigenvalues whose first order an Adam piece takes with the diagonal P
+    (:func:`_factored_piece`). Past it the first order outgrows the map it approximates and its remainder, in the
+    projected P, would cancel it only where P_Q = P, so there the first order stays in the remainder."""
+    return torch.where(tau * d * lam <= 1, lam, torch.zeros_like(lam))
+
+
 ORDERS = ((1, 0), (0, -1), (1, 0))
 """a_ij of f_ij(λ, d) = d^{a_ij} φ_ij(dλ), the piece's maps (``_maps``) from the inputs j = (α, β) to the outputs
 i = (u, α_start, β_start): in θ's coordinates the map is P^{a_i0/2 + …}: u and β carry P^{1/2} on the left, the
@@ -857,7 +867,7 @@ input α P^{1/2} on the right (module docstring, Adam)."""
 
 
 def _low_orders(fitted, v: torch.Tensor, w: torch.Tensor | None, P: torch.Tensor, decay: float, directions,
-                quiet) -> list:
+                quiet, tau: float) -> list:
     """[u, α, β parts, slopes]: the zeroth and first order in the curvature of one Adam piece's map, applied to
     (v, w) with the diagonal P itself — F(0) elementwise (f_ij(0, P)), and the first order λ d^{a_ij + 1} φ'_ij(0)
     as P^{[i ∈ (u, β)]} K P^{[j = α]} (K the piece's curvature: C plus the coupled decay, the top directions' exact
@@ -871,18 +881,18 @@ def _low_orders(fitted, v: torch.Tensor, w: torch.Tensor | None, P: torch.Tensor
     zero = _maps(torch.zeros_like(P), P, *quiet)
     parts = [sum(f * x for f, x in zip(row, inputs)) for row in zero]
 
-    def curvature(x: torch.Tensor) -> torch.Tensor:  # K x for x (q, p)
+    def curvature(x: torch.Tensor) -> torch.Tensor:  # K' x for x (q, p): K's eigenvalues past _first_order's bound 0
         out = torch.empty_like(x)
+        kept = lambda e, d: [[_first_order(e + decay, d, tau)]]  # noqa: E731
         if directions is None:
-            fitted.functions([x.T], lambda e: [[e]], out=[out.T])
+            fitted.functions([x.T], kept, out=[out.T], diagonal=P)
         else:
             g, basis = directions
             inside = x @ basis
-            rest = x - inside @ basis.T
-            fitted.functions([rest.T], lambda e: [[e]], out=[out.T])
+            fitted.functions([(x - inside @ basis.T).T], kept, out=[out.T], diagonal=P)
             out -= (out @ basis) @ basis.T
-            out += (inside * g) @ basis.T
-        return out + decay * x
+            out += (inside * _first_order(g + decay, (basis ** 2).T @ P, tau)) @ basis.T
+        return out
 
     products = [curvature(P * v)] + ([curvature(w)] if w is not None else [])
     for i, (part, row) in enumerate(zip(parts, slopes)):
