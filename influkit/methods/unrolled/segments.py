@@ -53,12 +53,14 @@ checks it against autograd through that recursion). Factored curvatures: a piece
 K = P^{1/2}(C + λ)P^{1/2} with C's eigenbasis Q not diagonalizing P, so it is split by its order in the curvature,
 F = F(0) + F'(0)·K + R. The first two use the diagonal P itself: F(0) acts per coordinate (f_ij(0, P_k), no
 curvature), and F'(0)·K is P^{[i]}(C + λ)P^{[j]} times one number φ'_ij(0) per output/input pair (P on the left of
-the outputs u and the buffer's adjoint, on the right of the input v: two products with C per piece). Only the
-remainder R = O(K²) uses P projected onto Q, P_Q = Q diag(d) Qᵀ with d_i = q_iᵀ P q_i
+the outputs u and the buffer's adjoint, on the right of the input v: two products with C per piece), C's
+eigenvalues there kept only where the piece barely curves the eigen-coordinate (τ·d_i·λ_i ≤ 1, τ the piece's
+effective learning-rate sum, :func:`_first_order`; past it the first order outgrows the map, and its remainder in
+the projected P would cancel it only where P_Q = P). Only the remainder R uses P projected onto Q, P_Q = Q diag(d) Qᵀ with d_i = q_iᵀ P q_i
 (:meth:`FactoredCurvature.functions` with ``diagonal=``, per block (L∘L)ᵀ P_M (R∘R)), which commutes with C: per
 eigen-coordinate f_ij(λ_i, d_i) − f_ij(0, d_i) − λ_i d_i^{a_ij+1} φ'_ij(0), with f_ij(λ, d) = d^{a_ij} φ_ij(dλ)
 (:data:`ORDERS`) — no refit per piece (the shared eigenbasis stays shared), cost O(rows·cols·(rows + cols)) per
-layer. So where the piece barely curves (η P λ small, as in a short run at a small learning rate) the map is
+layer. So where the piece barely curves (τ P λ small, as in a short run at a small learning rate) the map is
 Adam's own per-coordinate step, to second order (a test checks it against autograd through the frozen-P
 recursion); the whole map with P_Q in its place changes Adam's step already at zeroth order, wherever P varies
 within a layer. It is exact where P is a scalar on a block or C is diagonal (a diagonal block). Adam's coupled
@@ -804,8 +806,8 @@ def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], 
     place**: each output is Σ_j f_j(C)·input_j with f_j the piece's coefficient functions of one eigenvalue (``_maps``
     on unit inputs), all applied in one pass over C's blocks (:meth:`FactoredCurvature.functions`). Under Adam
     (``adam``) the map is split by its order in the curvature (module docstring, Adam): F(0) and F'(0) with the
-    diagonal P itself (F(0) elementwise, F'(0) through products with C), the rest, F − F(0) − F'(0), in C's
-    eigenbasis with P projected onto it (d = q_iᵀ P q_i); the steps are Adam's (heavy-ball learning rates, clipping
+    diagonal P itself (F(0) elementwise, F'(0) through products with C, on the eigenvalues :func:`_first_order`
+    keeps), the rest in C's eigenbasis with P projected onto it (d = q_iᵀ P q_i); the steps are Adam's (heavy-ball learning rates, clipping
     gains, decoupled decay). Adds u, and under Adam three more (q, p) outputs and two products with C."""
     steps = (lrs, momentum, stability) if adam is None else (adam.lrs, adam.momentum, stability, adam.rho, adam.gains)
     quiet = steps[:2] + (None,) + steps[3:]  # the same steps, their stability not counted again
