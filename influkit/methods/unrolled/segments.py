@@ -54,13 +54,13 @@ K = P^{1/2}(C + λ)P^{1/2} with C's eigenbasis Q not diagonalizing P, so it is s
 F = F(0) + F'(0)·K + R. The first two use the diagonal P itself: F(0) acts per coordinate (f_ij(0, P_k), no
 curvature), and F'(0)·K is P^{[i]}(C + λ)P^{[j]} times one number φ'_ij(0) per output/input pair (P on the left of
 the outputs u and the buffer's adjoint, on the right of the input v: two products with C per piece), C's
-eigenvalues there kept only where the piece barely curves the eigen-coordinate (τ·d_i·λ_i ≤ 1, τ the piece's
-effective learning-rate sum, :func:`_first_order`; past it the first order outgrows the map, and its remainder in
-the projected P would cancel it only where P_Q = P). Only the remainder R uses P projected onto Q, P_Q = Q diag(d) Qᵀ with d_i = q_iᵀ P q_i
+eigenvalues there kept only where the piece's map of the eigen-coordinate is still close to linear in it (its part
+past the first order at most half the first order, :func:`_first_order`; past it the first order outgrows the map,
+and its remainder in the projected P would cancel it only where P_Q = P). Only the remainder R uses P projected onto Q, P_Q = Q diag(d) Qᵀ with d_i = q_iᵀ P q_i
 (:meth:`FactoredCurvature.functions` with ``diagonal=``, per block (L∘L)ᵀ P_M (R∘R)), which commutes with C: per
 eigen-coordinate f_ij(λ_i, d_i) − f_ij(0, d_i) − λ_i d_i^{a_ij+1} φ'_ij(0), with f_ij(λ, d) = d^{a_ij} φ_ij(dλ)
 (:data:`ORDERS`) — no refit per piece (the shared eigenbasis stays shared), cost O(rows·cols·(rows + cols)) per
-layer. So where the piece barely curves (τ P λ small, as in a short run at a small learning rate) the map is
+layer. So where the piece barely curves (η P λ small, as in a short run at a small learning rate) the map is
 Adam's own per-coordinate step, to second order (a test checks it against autograd through the frozen-P
 recursion); the whole map with P_Q in its place changes Adam's step already at zeroth order, wherever P varies
 within a layer. It is exact where P is a scalar on a block or C is diagonal (a diagonal block). Adam's coupled
@@ -816,13 +816,12 @@ def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], 
     top = directions is not None
     low = None
     if preconditioner is not None:
-        tau = sum(lr * c for lr, c in zip(adam.lrs, adam.gains)) / (1 - adam.momentum)
-        low = _low_orders(fitted, v, w if carried else None, preconditioner, decay, directions, quiet, tau)
+        low = _low_orders(fitted, v, w if carried else None, preconditioner, decay, directions, quiet)
         slopes = low.pop()
 
     def remainder(maps, lam, d):  # f(λ, d) − f(0, d) − λ' f_λ(0, d), f_ij = d^{a_ij} φ_ij(dλ) (a = ORDERS)
         zero = _maps(torch.zeros_like(lam), d, *quiet)
-        lam = _first_order(lam, d, tau)
+        lam = _first_order(lam, d, quiet, slopes[0][0])
         return [[f - f0 - lam * d ** (a + 1) * s for f, f0, s, a in zip(row, row0, slope, orders)]
                 for row, row0, slope, orders in zip(maps, zero, slopes, ORDERS)]
 
@@ -854,12 +853,15 @@ def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], 
     return u
 
 
-def _first_order(lam: torch.Tensor, d: torch.Tensor, tau: float) -> torch.Tensor:
-    """λ where the piece barely curves the eigen-coordinate (τ·d·λ ≤ 1, τ = Σ_t η'_t c_t / (1 − β₁) the piece's
-    effective learning-rate sum), else 0: the eigenvalues whose first order an Adam piece takes with the diagonal P
-    (:func:`_factored_piece`). Past it the first order outgrows the map it approximates and its remainder, in the
-    projected P, would cancel it only where P_Q = P, so there the first order stays in the remainder."""
-    return torch.where(tau * d * lam <= 1, lam, torch.zeros_like(lam))
+def _first_order(lam: torch.Tensor, d: torch.Tensor, quiet, slope: float) -> torch.Tensor:
+    """λ where an Adam piece's map of the eigen-coordinate is still close to linear in its curvature, else 0: the
+    eigenvalues whose first order the piece takes with the diagonal P (:func:`_factored_piece`). Close: the map
+    u ← v past its first order, |f(λ, d) − f(0, d) − λ d² φ'(0)|, is at most half that first order |λ d² φ'(0)|
+    (``slope`` φ'(0)). Past it the first order outgrows the map (a long piece saturates at the minimum's response)
+    and its remainder, in the projected P, would cancel it only where P_Q = P, so there it stays in the remainder."""
+    first = lam * d * d * slope
+    rest = _maps(lam, d, *quiet)[0][0] - _maps(torch.zeros_like(lam), d, *quiet)[0][0] - first
+    return torch.where(rest.abs() <= 0.5 * first.abs(), lam, torch.zeros_like(lam))
 
 
 ORDERS = ((1, 0), (0, -1), (1, 0))
@@ -869,7 +871,7 @@ input α P^{1/2} on the right (module docstring, Adam)."""
 
 
 def _low_orders(fitted, v: torch.Tensor, w: torch.Tensor | None, P: torch.Tensor, decay: float, directions,
-                quiet, tau: float) -> list:
+                quiet) -> list:
     """[u, α, β parts, slopes]: the zeroth and first order in the curvature of one Adam piece's map, applied to
     (v, w) with the diagonal P itself — F(0) elementwise (f_ij(0, P)), and the first order λ d^{a_ij + 1} φ'_ij(0)
     as P^{[i ∈ (u, β)]} K P^{[j = α]} (K the piece's curvature: C plus the coupled decay, the top directions' exact
@@ -885,7 +887,7 @@ def _low_orders(fitted, v: torch.Tensor, w: torch.Tensor | None, P: torch.Tensor
 
     def curvature(x: torch.Tensor) -> torch.Tensor:  # K' x for x (q, p): K's eigenvalues past _first_order's bound 0
         out = torch.empty_like(x)
-        kept = lambda e, d: [[_first_order(e + decay, d, tau)]]  # noqa: E731
+        kept = lambda e, d: [[_first_order(e + decay, d, quiet, slopes[0][0])]]  # noqa: E731
         if directions is None:
             fitted.functions([x.T], kept, out=[out.T], diagonal=P)
         else:
@@ -893,7 +895,7 @@ def _low_orders(fitted, v: torch.Tensor, w: torch.Tensor | None, P: torch.Tensor
             inside = x @ basis
             fitted.functions([(x - inside @ basis.T).T], kept, out=[out.T], diagonal=P)
             out -= (out @ basis) @ basis.T
-            out += (inside * _first_order(g + decay, (basis ** 2).T @ P, tau)) @ basis.T
+            out += (inside * _first_order(g + decay, (basis ** 2).T @ P, quiet, slopes[0][0])) @ basis.T
         return out
 
     products = [curvature(P * v)] + ([curvature(w)] if w is not None else [])
