@@ -807,8 +807,9 @@ def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], 
     on unit inputs), all applied in one pass over C's blocks (:meth:`FactoredCurvature.functions`). Under Adam
     (``adam``) the map is split by its order in the curvature (module docstring, Adam): F(0) and F'(0) with the
     diagonal P itself (F(0) elementwise, F'(0) through products with C, on the eigenvalues :func:`_first_order`
-    keeps), the rest in C's eigenbasis with P projected onto it (d = q_iᵀ P q_i); the steps are Adam's (heavy-ball learning rates, clipping
-    gains, decoupled decay). Adds u, and under Adam three more (q, p) outputs and two products with C."""
+    keeps), the rest in C's eigenbasis with P projected onto it (d = q_iᵀ P q_i); the steps are Adam's (heavy-ball
+    learning rates, clipping gains, decoupled decay). Adds u, and under Adam three more (q, p) outputs and two
+    products with C."""
     steps = (lrs, momentum, stability) if adam is None else (adam.lrs, adam.momentum, stability, adam.rho, adam.gains)
     quiet = steps[:2] + (None,) + steps[3:]  # the same steps, their stability not counted again
     preconditioner = None if adam is None else adam.P.to(v.dtype)
@@ -866,8 +867,8 @@ def _first_order(lam: torch.Tensor, d: torch.Tensor, quiet, slope: float) -> tor
 
 ORDERS = ((1, 0), (0, -1), (1, 0))
 """a_ij of f_ij(λ, d) = d^{a_ij} φ_ij(dλ), the piece's maps (``_maps``) from the inputs j = (α, β) to the outputs
-i = (u, α_start, β_start): in θ's coordinates the map is P^{a_i0/2 + …}: u and β carry P^{1/2} on the left, the
-input α P^{1/2} on the right (module docstring, Adam)."""
+i = (u, α_start, β_start): u and β_start carry P^{1/2} on the left, α P^{1/2} on the right, so the first order
+λ d^{a_ij + 1} φ'_ij(0) is P^{[i ≠ α]} C P^{[j = α]} φ'_ij(0) in θ's coordinates (module docstring, Adam)."""
 
 
 def _low_orders(fitted, v: torch.Tensor, w: torch.Tensor | None, P: torch.Tensor, decay: float, directions,
