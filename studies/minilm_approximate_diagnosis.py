@@ -158,7 +158,7 @@ def measured(name: str, scores: np.ndarray, exact: np.ndarray, seconds: float, r
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--segments", type=int, default=study.SEGMENTS)
+    parser.add_argument("--segments", type=int, default=3)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
