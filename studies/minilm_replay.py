@@ -706,7 +706,8 @@ def main(argv=None) -> int:
         print(step_table(out, args.subsets).to_string(index=False))
         if (out / "leave_out.csv").exists():
             print(pd.read_csv(out / "leave_out.csv").to_string(index=False))
-        record(out, [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name not in ("MANIFEST.json", "log.txt")]
+        record(out, [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name not in ("MANIFEST.json", "log.txt")
+                     and not p.name.startswith("approximate_diagnosis")]  # its own script's entry
                + (["replays/"] if (out / "replays").exists() else []), note=note)
     return 0
 
