@@ -33,7 +33,7 @@ exact score) are replayed: predicted −Σ_{z∈G} score_z against the replayed 
     python -m studies.minilm_replay [--subsets 50] [--quick]      # all below: studies/results/minilm_replay/
     python -m studies.minilm_replay exact                         # train, record, the exact row, leave-out groups
     python -m studies.minilm_replay influence --method defaults   # (ekfac; kronfluence, trak with .bench-venv's python)
-    python -m studies.minilm_replay approximate [--segments 3]     # the approximate row (its own process)
+    python -m studies.minilm_replay approximate [--segments 10]    # the approximate row (its own process)
     python -m studies.minilm_replay magic                         # Bergson's MAGIC row (.bench-venv's python)
     python -m studies.minilm_replay replays --fractions 0.05 0.1  # drop sets replayed one by one (resumable)
     python -m studies.minilm_replay table                         # lds.csv, lds.png from every row on disk
@@ -93,7 +93,7 @@ INFLUENCE = {"defaults": "influkit influence functions, defaults (ik.Chain, noth
              "ekfac": "influkit influence functions, EK-FAC (both stages, heuristic damping)",
              "kronfluence": "kronfluence 1.0.1 EK-FAC (single stage, cross-stage model)",
              "trak": "TRAK (traker, proj_dim 128, single stage, cross-stage model)"}
-SEGMENTS = 3
+SEGMENTS = 10
 APPROXIMATE = f"unrolled approximate (EK-FAC, {SEGMENTS} segments, shared basis)"
 MAGIC = ("Bergson 2.5.1 MAGIC (own trainer, masked-LM stage only; measures the test snippets' masked-LM loss, "
          "not their sentiment loss)")
@@ -706,7 +706,8 @@ def main(argv=None) -> int:
         print(step_table(out, args.subsets).to_string(index=False))
         if (out / "leave_out.csv").exists():
             print(pd.read_csv(out / "leave_out.csv").to_string(index=False))
-        record(out, [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name not in ("MANIFEST.json", "log.txt")]
+        record(out, [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name not in ("MANIFEST.json", "log.txt")
+                     and not p.name.startswith("approximate_diagnosis")]  # its own script's entry
                + (["replays/"] if (out / "replays").exists() else []), note=note)
     return 0
 

@@ -115,11 +115,9 @@ def squared_error(outputs, targets):
     return ((outputs - targets) ** 2).sum(-1)
 
 
-@pytest.mark.parametrize("kind", ["ekfac", "kfac"])
-def test_factored_adam_pieces_take_the_preconditioner_projected_onto_the_eigenbasis(kind):
-    """One linear layer (one output) under squared error with the exact Fisher, where (E)K-FAC is the Hessian: the
-    factored pieces equal autograd through the recursion whose preconditioner is P projected onto H's eigenbasis,
-    Q diag(diag(Qᵀ P Q)) Qᵀ (the per-coordinate learning-rate scale d = q_iᵀ P q_i of the module docstring)."""
+def regression_run(lr: float):
+    """(record, stage, test): one linear layer (one output) under squared error, where (E)K-FAC with the exact Fisher
+    is the Hessian, trained by AdamW at peak learning rate ``lr`` (warmup then decay, checkpoint every step)."""
     gen = torch.Generator().manual_seed(3)
     torch.manual_seed(3)
     stage = ik.Stage(Regression().double().eval(), squared_error,
@@ -128,14 +126,29 @@ def test_factored_adam_pieces_take_the_preconditioner_projected_onto_the_eigenba
     test = (torch.randn(3, 4, generator=gen, dtype=torch.float64),
             torch.randn(3, 1, generator=gen, dtype=torch.float64))
     record = Record()
-    record.train(stage, AdamW(lr=0.05, weight_decay=0.1), steps=10, batch_size=5, schedule=warmup_then_decay,
-                 checkpoint_every=1)
-    truth = frozen_preconditioner_truth(record, stage, test, 3, projected=True)
-    factored = ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature=kind, top=0,
-                                       config=ik.CurvatureConfig(fisher="exact"))[0]
-    torch.testing.assert_close(factored.values, truth, rtol=1e-8, atol=1e-10)
-    dense = ik.unrolled.approximate(record, test, segments=3, per_test=True)[0].values  # P itself: close, not equal
-    assert torch.corrcoef(torch.stack([dense.reshape(-1), factored.values.reshape(-1)]))[0, 1] > 0.6  # 0.82 here
+    record.train(stage, AdamW(lr=lr, weight_decay=0.1), steps=10, batch_size=5,
+                 schedule=lambda t: lr / 0.05 * warmup_then_decay(t), checkpoint_every=1)
+    return record, stage, test
+
+
+@pytest.mark.parametrize("kind", ["ekfac", "kfac"])
+def test_factored_adam_pieces_keep_the_diagonal_preconditioner_to_first_order_in_the_curvature(kind):
+    """One linear layer under squared error with the exact Fisher, where (E)K-FAC is the Hessian but Adam's diagonal
+    P is not diagonal in its eigenbasis: at learning rates where the pieces barely curve, the factored pieces differ
+    from autograd through the frozen-P recursion (diag P itself) by second order in the curvature — relative error
+    < 1e-3, shrinking by more than 30 per factor 10 of the learning rate — where the whole map with P projected onto
+    the eigenbasis was off by more than half (0.70 here: its zeroth order, Adam's own step η·P·g, already wrong)."""
+    errors = {}
+    for lr in (0.005, 0.0005):
+        record, stage, test = regression_run(lr)
+        truth = frozen_preconditioner_truth(record, stage, test, 3)
+        projected = frozen_preconditioner_truth(record, stage, test, 3, projected=True)
+        factored = ik.unrolled.approximate(record, test, segments=3, per_test=True, curvature=kind, top=0,
+                                           config=ik.CurvatureConfig(fisher="exact"))[0].values
+        errors[lr] = float((factored - truth).norm() / truth.norm())
+        assert float((projected - truth).norm() / truth.norm()) > 0.3  # the projection alone is far from it
+    assert errors[0.0005] < 1e-3
+    assert errors[0.005] > 30 * errors[0.0005]
 
 
 def pearson(a: torch.Tensor, b: torch.Tensor) -> float:

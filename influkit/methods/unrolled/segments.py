@@ -49,15 +49,21 @@ the largest group's) is folded into P (r_g must be constant within a piece, else
 coordinates, noting the largest relative change of δθ so left out (``diagnostics["stability"]``; a warning above
 :data:`DECAY_WARNING`).
 ``curvature="hessian"``: K_ℓ is formed densely and eigendecomposed — exact for the frozen-P linearization (a test
-checks it against autograd through that recursion). Factored curvatures: P is projected onto the fitted
-curvature's own eigenbasis Q (Kronecker per layer, and the top directions' span), P_Q = Q diag(d) Qᵀ with
-d_i = q_iᵀ P q_i (:meth:`FactoredCurvature.functions` with ``diagonal=``, per block (L∘L)ᵀ P_M (R∘R)): P_Q commutes
-with C, so each eigen-coordinate is the recursion above with κ_i = d_i λ_i and scaling √d_i — no refit per piece
-(the shared eigenbasis stays shared), cost O(rows·cols·(rows + cols)) per layer, and the steady state of every
-coordinate stays the minimum's response −f/λ_i whatever d_i (Adam's fixed point does not depend on P). It is
-exact where P is a scalar on a block or C is diagonal (a diagonal block), and otherwise replaces P by the closest
-(Frobenius) matrix diagonal in C's eigenbasis; a rank-1 (Adafactor-style) P ≈ D_out ⊗ D_in would keep a Kronecker
-form too, but needs a new fit per piece (new eigenbases), which SOURCE's shared basis was to avoid. Adam's coupled
+checks it against autograd through that recursion). Factored curvatures: a piece's map is a function F(K) of
+K = P^{1/2}(C + λ)P^{1/2} with C's eigenbasis Q not diagonalizing P, so it is split by its order in the curvature,
+F = F(0) + F'(0)·K + R. The first two use the diagonal P itself: F(0) acts per coordinate (f_ij(0, P_k), no
+curvature), and F'(0)·K is P^{[i]}(C + λ)P^{[j]} times one number φ'_ij(0) per output/input pair (P on the left of
+the outputs u and the buffer's adjoint, on the right of the input v: two products with C per piece), C's
+eigenvalues there kept only where the piece's map of the eigen-coordinate is still close to linear in it (its part
+past the first order at most half the first order, :func:`_first_order`; past it the first order outgrows the map,
+and its remainder in the projected P would cancel it only where P_Q = P). Only the remainder R uses P projected onto Q, P_Q = Q diag(d) Qᵀ with d_i = q_iᵀ P q_i
+(:meth:`FactoredCurvature.functions` with ``diagonal=``, per block (L∘L)ᵀ P_M (R∘R)), which commutes with C: per
+eigen-coordinate f_ij(λ_i, d_i) − f_ij(0, d_i) − λ_i d_i^{a_ij+1} φ'_ij(0), with f_ij(λ, d) = d^{a_ij} φ_ij(dλ)
+(:data:`ORDERS`) — no refit per piece (the shared eigenbasis stays shared), cost O(rows·cols·(rows + cols)) per
+layer. So where the piece barely curves (η P λ small, as in a short run at a small learning rate) the map is
+Adam's own per-coordinate step, to second order (a test checks it against autograd through the frozen-P
+recursion); the whole map with P_Q in its place changes Adam's step already at zeroth order, wherever P varies
+within a layer. It is exact where P is a scalar on a block or C is diagonal (a diagonal block). Adam's coupled
 decay λ enters the factored pieces as a shift (one λ for all groups, else refused).
 
 Runs with dropout and Trainer runs. Each piece linearizes a deterministic objective. A run recorded with dropout on
@@ -98,7 +104,9 @@ the matrix each piece linearizes with; ``"gauss-newton"``: its positive semi-def
 each piece splits (v, w) into their coordinates in span V and the complement, runs the factored map f(C) on the
 complement (its output projected back onto it) and the scalar map f(g_i) on each coordinate — the curvature
 V diag(g) Vᵀ + (I − VVᵀ) C (I − VVᵀ), with f of the second taken as (I − VVᵀ) f(C) (I − VVᵀ). Where H = C the split
-changes nothing, and with every eigenpair one piece per stage is the dense Hessian's map (tests). The default
+changes nothing, and with every eigenpair one piece per stage is the dense Hessian's map (tests; under Adam this
+curvature enters the split above: its products in F'(0)·K, its eigenvalues in the remainder, with P projected onto
+the span V there). The default
 ``top="auto"`` takes k = :data:`TOP_AUTO` pairs per stage of at most :data:`TOP_AUTO_PARAMETERS` trained parameters
 (above, their products cost several times the pieces), fewer where ARPACK's workspace (ncv = max(2k + 1, 20)
 float64 vectors of p) and the k kept vectors would take more than half of the budget left (:func:`top_count`; 0
@@ -113,7 +121,8 @@ score_z = Σ_ℓ (1/n) ∇ℓ(z; θ_ℓ)·u_ℓ are computed chunk by chunk like
 Memory. What the pass holds across its phases: per piece u_ℓ (q × p, the model's dtype) and θ_ℓ — the record's own
 checkpoint when the piece ends on one (no copy), else replayed from the last checkpoint before it and kept — the
 adjoints (v, w) of the piece being unrolled (q × p each, moved to the piece's start in place, with block-sized
-temporaries: :meth:`FactoredCurvature.functions`), S̄'s adjoint, and under ``basis="shared"`` one eigenbasis per
+temporaries: :meth:`FactoredCurvature.functions`; under Adam five more q × p: F(0)'s three outputs and the two
+products with C), S̄'s adjoint, and under ``basis="shared"`` one eigenbasis per
 stage. Each phase that batches data sizes its batches from the budget (:mod:`influkit.memory`): a piece's
 curvature fit (:func:`fit_curvature`), the shared block's adjoint (∂(∇_θL·u)/∂S̄ over batches sized by the bytes
 one example's double-backward graph keeps, measured on a probe) and the example terms (:class:`Terms`). With
@@ -795,32 +804,104 @@ def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], 
                     adam: AdamPiece | None = None):
     """u of one piece with the factored curvature C fitted at θ_ℓ, and (v, w) moved to the piece's start **in
     place**: each output is Σ_j f_j(C)·input_j with f_j the piece's coefficient functions of one eigenvalue (``_maps``
-    on unit inputs), all applied in one pass over C's blocks (:meth:`FactoredCurvature.functions`), so the piece
-    adds u and block-sized temporaries only. Under Adam (``adam``) each eigen-coordinate's learning rate is scaled
-    by d = q_iᵀ P q_i, P projected onto C's eigenbasis (module docstring, Adam), and the steps are Adam's
-    (heavy-ball learning rates, clipping gains, decoupled decay)."""
+    on unit inputs), all applied in one pass over C's blocks (:meth:`FactoredCurvature.functions`). Under Adam
+    (``adam``) the map is split by its order in the curvature (module docstring, Adam): F(0) and F'(0) with the
+    diagonal P itself (F(0) elementwise, F'(0) through products with C, on the eigenvalues :func:`_first_order`
+    keeps), the rest in C's eigenbasis with P projected onto it (d = q_iᵀ P q_i); the steps are Adam's (heavy-ball
+    learning rates, clipping gains, decoupled decay). Adds u, and under Adam three more (q, p) outputs and two
+    products with C."""
     steps = (lrs, momentum, stability) if adam is None else (adam.lrs, adam.momentum, stability, adam.rho, adam.gains)
+    quiet = steps[:2] + (None,) + steps[3:]  # the same steps, their stability not counted again
     preconditioner = None if adam is None else adam.P.to(v.dtype)
+    carried = steps[1] > 0  # with momentum the buffer's adjoint w is carried (else it stays 0)
+    top = directions is not None
+    low = None
+    if preconditioner is not None:
+        low = _low_orders(fitted, v, w if carried else None, preconditioner, decay, directions, quiet)
+        slopes = low.pop()
+
+    def remainder(maps, lam, d):  # f(λ, d) − f(0, d) − λ' f_λ(0, d), f_ij = d^{a_ij} φ_ij(dλ) (a = ORDERS)
+        zero = _maps(torch.zeros_like(lam), d, *quiet)
+        lam = _first_order(lam, d, quiet, slopes[0][0])
+        return [[f - f0 - lam * d ** (a + 1) * s for f, f0, s, a in zip(row, row0, slope, orders)]
+                for row, row0, slope, orders in zip(maps, zero, slopes, ORDERS)]
 
     def coefficients(lam, d=None):  # [[f_ij]]: outputs i = (u, v', w'), inputs j = (v, w)
-        return _maps(lam + decay, d, *steps)
+        maps = _maps(lam + decay, d, *steps)
+        return maps if d is None else remainder(maps, lam + decay, d)
 
-    if directions is not None:  # the top span's coordinates kept apart, the factored map runs on the complement
+    if top:  # the top span's coordinates kept apart, the factored map runs on the complement
         g, basis = directions
         v_top, w_top = v @ basis, w @ basis
         v -= v_top @ basis.T
         w -= w_top @ basis.T
     u = torch.zeros_like(v)
-    carried = steps[1] > 0  # with momentum the buffer's adjoint w is carried (else it stays 0)
     fitted.functions([v.T, w.T] if carried else [v.T], coefficients if carried else
                      (lambda lam, d=None: coefficients(lam, d)[:2]), out=[u.T, v.T, w.T] if carried else [u.T, v.T],
                      diagonal=preconditioner)
-    if directions is not None:  # the complement's outputs projected back onto it, the span's own map added
+    if top:  # the complement's outputs projected back onto it, the span's own map added
         for x in (u, v, w):
             x -= (x @ basis) @ basis.T
         d_top = None if preconditioner is None else (basis ** 2).T @ preconditioner
         maps = _maps(g + decay, d_top, *steps)
+        if d_top is not None:
+            maps = remainder(maps, g + decay, d_top)
         top_in = (v_top, w_top) if carried else (v_top,)
         for x, row in zip((u, v, w), maps):
             x += sum(f * t for f, t in zip(row, top_in)) @ basis.T
+    for x, part in zip((u, v, w), low or ()):
+        x += part
     return u
+
+
+def _first_order(lam: torch.Tensor, d: torch.Tensor, quiet, slope: float) -> torch.Tensor:
+    """λ where an Adam piece's map of the eigen-coordinate is still close to linear in its curvature, else 0: the
+    eigenvalues whose first order the piece takes with the diagonal P (:func:`_factored_piece`). Close: the map
+    u ← v past its first order, |f(λ, d) − f(0, d) − λ d² φ'(0)|, is at most half that first order |λ d² φ'(0)|
+    (``slope`` φ'(0)). Past it the first order outgrows the map (a long piece saturates at the minimum's response)
+    and its remainder, in the projected P, would cancel it only where P_Q = P, so there it stays in the remainder."""
+    first = lam * d * d * slope
+    rest = _maps(lam, d, *quiet)[0][0] - _maps(torch.zeros_like(lam), d, *quiet)[0][0] - first
+    return torch.where(rest.abs() <= 0.5 * first.abs(), lam, torch.zeros_like(lam))
+
+
+ORDERS = ((1, 0), (0, -1), (1, 0))
+"""a_ij of f_ij(λ, d) = d^{a_ij} φ_ij(dλ), the piece's maps (``_maps``) from the inputs j = (α, β) to the outputs
+i = (u, α_start, β_start): u and β_start carry P^{1/2} on the left, α P^{1/2} on the right, so the first order
+λ d^{a_ij + 1} φ'_ij(0) is P^{[i ≠ α]} C P^{[j = α]} φ'_ij(0) in θ's coordinates (module docstring, Adam)."""
+
+
+def _low_orders(fitted, v: torch.Tensor, w: torch.Tensor | None, P: torch.Tensor, decay: float, directions,
+                quiet) -> list:
+    """[u, α, β parts, slopes]: the zeroth and first order in the curvature of one Adam piece's map, applied to
+    (v, w) with the diagonal P itself — F(0) elementwise (f_ij(0, P)), and the first order λ d^{a_ij + 1} φ'_ij(0)
+    as P^{[i ∈ (u, β)]} K P^{[j = α]} (K the piece's curvature: C plus the coupled decay, the top directions' exact
+    eigenvalues in their span) — and the slopes φ'_ij(0) (one number each) for :func:`_factored_piece`'s remainder."""
+    lam = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    with torch.enable_grad():
+        unit = _maps(lam, None, *quiet)
+        slopes = [[float(torch.autograd.grad(f.sum(), lam, retain_graph=True, allow_unused=True)[0] or 0.0)
+                   if f.requires_grad else 0.0 for f in row] for row in unit]
+    inputs = (v, w) if w is not None else (v,)
+    zero = _maps(torch.zeros_like(P), P, *quiet)
+    parts = [sum(f * x for f, x in zip(row, inputs)) for row in zero]
+
+    def curvature(x: torch.Tensor) -> torch.Tensor:  # K' x for x (q, p): K's eigenvalues past _first_order's bound 0
+        out = torch.empty_like(x)
+        kept = lambda e, d: [[_first_order(e + decay, d, quiet, slopes[0][0])]]  # noqa: E731
+        if directions is None:
+            fitted.functions([x.T], kept, out=[out.T], diagonal=P)
+        else:
+            g, basis = directions
+            inside = x @ basis
+            fitted.functions([(x - inside @ basis.T).T], kept, out=[out.T], diagonal=P)
+            out -= (out @ basis) @ basis.T
+            out += (inside * _first_order(g + decay, (basis ** 2).T @ P, quiet, slopes[0][0])) @ basis.T
+        return out
+
+    products = [curvature(P * v)] + ([curvature(w)] if w is not None else [])
+    for i, (part, row) in enumerate(zip(parts, slopes)):
+        for j, (slope, product) in enumerate(zip(row, products)):
+            if slope:
+                part += slope * (P * product if ORDERS[i][0] == 1 else product)
+    return parts + [slopes]
