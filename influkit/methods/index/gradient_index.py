@@ -294,9 +294,13 @@ class GradientIndex:
             if not self.quantized:
                 yield shard["start"], stored
                 continue
-            step = max(1, CHUNK_BYTES // (self.width * torch.empty(0, dtype=self.compute_dtype).element_size()))
+            step = self._chunk_rows(self.compute_dtype)
             for lo in range(0, stored.shape[0], step):
                 yield shard["start"] + lo, dequantize(stored[lo : lo + step], self.compute_dtype)
+
+    def _chunk_rows(self, dtype: torch.dtype) -> int:
+        """Rows of an int8 index converted to ``dtype`` at a time: CHUNK_BYTES of converted rows."""
+        return max(1, CHUNK_BYTES // (self.width * torch.empty(0, dtype=dtype).element_size()))
 
     def products(self, s: torch.Tensor, *, progress: bool = False) -> torch.Tensor:
         """(n_rows, k) every row's product with the columns ``s`` (D, k): cᵀ s for stored rows c, σ (qᵀ s) for int8
@@ -310,7 +314,7 @@ class GradientIndex:
                 out.append(stored @ s)
             else:
                 values, scale = split(stored)
-                step = max(1, CHUNK_BYTES // (self.width * s.element_size()))
+                step = self._chunk_rows(s.dtype)
                 if buffer is None:
                     buffer = torch.empty(min(step, self.n_rows), self.width, dtype=s.dtype)
                 for lo in range(0, values.shape[0], step):

@@ -815,10 +815,8 @@ def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], 
     preconditioner = None if adam is None else adam.P.to(v.dtype)
     carried = steps[1] > 0  # with momentum the buffer's adjoint w is carried (else it stays 0)
     top = directions is not None
-    low = None
-    if preconditioner is not None:
-        low = _low_orders(fitted, v, w if carried else None, preconditioner, decay, directions, quiet)
-        slopes = low.pop()
+    low, slopes = ((), None) if preconditioner is None else \
+        _low_orders(fitted, v, w if carried else None, preconditioner, decay, directions, quiet)
 
     def remainder(maps, lam, d):  # f(λ, d) − f(0, d) − λ' f_λ(0, d), f_ij = d^{a_ij} φ_ij(dλ) (a = ORDERS)
         zero = _maps(torch.zeros_like(lam), d, *quiet)
@@ -849,7 +847,7 @@ def _factored_piece(fitted, v: torch.Tensor, w: torch.Tensor, lrs: list[float], 
         top_in = (v_top, w_top) if carried else (v_top,)
         for x, row in zip((u, v, w), maps):
             x += sum(f * t for f, t in zip(row, top_in)) @ basis.T
-    for x, part in zip((u, v, w), low or ()):
+    for x, part in zip((u, v, w), low):
         x += part
     return u
 
@@ -872,8 +870,8 @@ i = (u, α_start, β_start): u and β_start carry P^{1/2} on the left, α P^{1/2
 
 
 def _low_orders(fitted, v: torch.Tensor, w: torch.Tensor | None, P: torch.Tensor, decay: float, directions,
-                quiet) -> list:
-    """[u, α, β parts, slopes]: the zeroth and first order in the curvature of one Adam piece's map, applied to
+                quiet) -> tuple[list, list]:
+    """([u, α, β parts], slopes): the zeroth and first order in the curvature of one Adam piece's map, applied to
     (v, w) with the diagonal P itself — F(0) elementwise (f_ij(0, P)), and the first order λ d^{a_ij + 1} φ'_ij(0)
     as P^{[i ∈ (u, β)]} K P^{[j = α]} (K the piece's curvature: C plus the coupled decay, the top directions' exact
     eigenvalues in their span) — and the slopes φ'_ij(0) (one number each) for :func:`_factored_piece`'s remainder."""
@@ -886,9 +884,11 @@ def _low_orders(fitted, v: torch.Tensor, w: torch.Tensor | None, P: torch.Tensor
     zero = _maps(torch.zeros_like(P), P, *quiet)
     parts = [sum(f * x for f, x in zip(row, inputs)) for row in zero]
 
+    def kept(e, d):  # K's eigenvalues where the first order is kept, else 0
+        return [[_first_order(e + decay, d, quiet, slopes[0][0])]]
+
     def curvature(x: torch.Tensor) -> torch.Tensor:  # K' x for x (q, p): K's eigenvalues past _first_order's bound 0
         out = torch.empty_like(x)
-        kept = lambda e, d: [[_first_order(e + decay, d, quiet, slopes[0][0])]]  # noqa: E731
         if directions is None:
             fitted.functions([x.T], kept, out=[out.T], diagonal=P)
         else:
@@ -901,7 +901,7 @@ def _low_orders(fitted, v: torch.Tensor, w: torch.Tensor | None, P: torch.Tensor
 
     products = [curvature(P * v)] + ([curvature(w)] if w is not None else [])
     for i, (part, row) in enumerate(zip(parts, slopes)):
-        for j, (slope, product) in enumerate(zip(row, products)):
+        for slope, product in zip(row, products):
             if slope:
                 part += slope * (P * product if ORDERS[i][0] == 1 else product)
-    return parts + [slopes]
+    return parts, slopes
