@@ -1,7 +1,6 @@
 """Sphinx configuration of influkit's documentation (built by scripts/docs.sh, strict: every warning is an error).
 
-Sphinx with the furo theme, autodoc (importing documenter: influkit's modules live in folders on the package's
-``__path__``, so only an importing documenter finds them), myst-parser for the Markdown pages and myst-nb for the
+Sphinx with the furo theme, autodoc, myst-parser for the Markdown pages and myst-nb for the
 notebooks, executed at build time at their reduced size. The Results page is generated here from the committed
 MANIFEST.json files (docs/results_page.py)."""
 

@@ -1,13 +1,5 @@
 """influkit: trace a (finetuned) model's predictions back to the training and pretraining data that shaped them."""
 
-from pathlib import Path as _Path
-
-# The package is three folders: core/ (stage, chain, curvature, solvers, scoring, results), methods/ (ssl, turnover,
-# unrolled, elmo) and integrations/ (hf, validation, apps, report, cli, jobs). Each is a directory of this package's
-# search path, not a package of its own, so every module keeps its name: influkit/core/chain.py is
-# ``influkit.chain`` and influkit/methods/ssl/ is ``influkit.ssl`` (docs/architecture.md).
-__path__ = [str(_Path(__file__).parent / part) for part in ("core", "methods", "integrations")]
-
 from .chain import Chain, Link, Query, load_query
 from .ensemble import Ensemble
 from .errors import (

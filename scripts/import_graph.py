@@ -15,16 +15,18 @@ nothing outside itself, and no set of modules may import each other in a circle.
 from __future__ import annotations
 
 import argparse
-import functools
 import ast
 import sys
 from pathlib import Path
 
 PACKAGE = "influkit"
 PACKAGES = (PACKAGE, "benchmarks", "studies")  # the graphs checked
-# influkit's modules live in three folders of its search path (influkit/__init__.py): a file's folder is its part,
-# and its dotted name skips the folder (influkit/core/chain.py is influkit.chain)
-PARTS = ("core", "methods", "integrations")
+# The import contract: the core, the gradient path every method shares, named module by module (a subpackage named
+# here is core with all its modules). Every other module of influkit is a method or an integration built on it.
+CORE = ("adjoint", "auto", "chain", "contraction", "curvature", "data", "distributed", "ensemble", "errors", "extras",
+        "factored", "files", "fitted", "gradients", "influence", "krylov", "layers", "links", "memory", "multistage",
+        "operators", "params", "philox", "progress", "proximal", "results", "scoring", "solvers", "stage",
+        "stationarity", "store", "training", "vectorize")
 
 
 def modules(root: Path, package: str = PACKAGE) -> dict[str, Path]:
@@ -32,23 +34,19 @@ def modules(root: Path, package: str = PACKAGE) -> dict[str, Path]:
     out = {}
     for path in sorted((root / package).rglob("*.py")):
         parts = list(path.relative_to(root).with_suffix("").parts)
-        if package == PACKAGE and len(parts) > 2 and parts[1] in PARTS:
-            del parts[1]
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path
     return out
 
 
-@functools.cache
-def _parts(root: Path) -> dict[str, str]:
-    return {name: path.relative_to(root).parts[1] for name, path in modules(root).items()
-            if path.relative_to(root).parts[1] in PARTS}
-
-
-def part(module: str, root: Path = Path(__file__).resolve().parents[1]) -> str | None:
-    """The folder of influkit that holds ``module`` ("core", "methods", "integrations"), or None (the package)."""
-    return _parts(root).get(module)
+def part(module: str) -> str | None:
+    """Which side of the contract ``module`` is on: "core", "method" (methods and integrations), or None (the
+    package itself, which re-exports both)."""
+    names = module.split(".")
+    if names[0] != PACKAGE or len(names) == 1:
+        return None
+    return "core" if names[1] in CORE else "method"
 
 
 def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
@@ -124,7 +122,7 @@ def is_core(module: str) -> bool:
 
 def is_method(module: str) -> bool:
     """A module of the methods or the integrations: built on the core, loaded on first use."""
-    return part(module) in ("methods", "integrations")
+    return part(module) == "method"
 
 
 def circles(graph: list[tuple[str, str, bool]], *, include_lazy: bool = True) -> list[list[str]]:
@@ -169,7 +167,7 @@ def circles(graph: list[tuple[str, str, bool]], *, include_lazy: bool = True) ->
 
 
 def core_arrows(graph: list[tuple[str, str, bool]]) -> list[tuple[str, str, bool]]:
-    """Imports from a core module (influkit/core/) to a method or an integration. Data flows one way."""
+    """Imports from a core module (``CORE``) to a method or an integration. Data flows one way."""
     return [(a, b, lazy) for a, b, lazy in graph if is_core(a) and not is_core(b) and b != PACKAGE]
 
 

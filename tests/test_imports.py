@@ -102,3 +102,32 @@ def test_check_script_exits_zero_on_this_tree():
                          text=True)
     assert out.returncode == 0, out.stdout
     assert "import circles: 0" in out.stdout
+
+
+def test_every_file_path_is_its_module_name_and_each_module_loads_once():
+    """``influkit/chain.py`` is ``influkit.chain``: importing a module by its path gives the object the package
+    exports (no second copy), and every .py file under influkit/ maps to the dotted name of its path."""
+    loaded = _run(
+        "import json, influkit, influkit.chain, influkit.unrolled.watch, influkit.factored.curvature as fc; "
+        "import influkit.index.gradient_index as gi; "
+        "print(json.dumps({'same': influkit.chain.Chain is influkit.Chain, "
+        "'files': [m.__file__ for m in (influkit.chain, influkit.unrolled.watch, fc, gi)], "
+        "'path': list(influkit.__path__)}))"
+    )
+    assert loaded["same"]
+    assert loaded["path"] == [str(ROOT / "influkit")]
+    assert [Path(f).relative_to(ROOT).as_posix() for f in loaded["files"]] == [
+        "influkit/chain.py", "influkit/unrolled/watch.py", "influkit/factored/curvature.py",
+        "influkit/index/gradient_index.py"]
+    for name, path in import_graph.modules(ROOT).items():
+        expected = path.relative_to(ROOT).with_suffix("").as_posix().removesuffix("/__init__").replace("/", ".")
+        assert name == expected
+
+
+def test_the_import_contract_names_only_modules_that_exist():
+    """Every module the contract declares core is a file or package of influkit (a renamed module cannot drop out
+    of the contract silently), and every method package is outside it."""
+    for name in import_graph.CORE:
+        assert (ROOT / "influkit" / f"{name}.py").exists() or (ROOT / "influkit" / name / "__init__.py").exists(), name
+    for name in ("ssl", "turnover", "unrolled", "elmo", "index", "hf", "validation", "apps", "report", "cli", "jobs"):
+        assert import_graph.part(f"influkit.{name}") == "method"
