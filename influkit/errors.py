@@ -10,8 +10,8 @@ import warnings
 import torch
 
 # frames in these directories are library code: a warning is attributed to the first frame outside them (influkit's
-# folder, which holds core/, methods/ and integrations/, and torch's)
-_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+# folder and torch's)
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
                  os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
 _LIBRARY_FILES = (os.path.abspath(contextlib.__file__), os.path.abspath(functools.__file__))
 
