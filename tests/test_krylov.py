@@ -56,10 +56,11 @@ def test_cg_matches_dense_solve_per_column():
     assert rel_err(x, torch.linalg.solve(a, c)) <= 1e-9
     assert 0 < iterations <= 500 and bar.n == iterations
     assert ((c - a @ x).norm(dim=0) / c.norm(dim=0)).max() <= 1e-12
-    # batching changes nothing: each column alone gives the same iterate
+    # batching changes nothing: each column alone gives the same solution (a batch iterates until its last column
+    # converges, so a column may take one step more than alone: the same vector to the solve's tolerance, not bits)
     for j in range(c.shape[1]):
         alone, _ = krylov.cg(lambda v: a @ v, c[:, j:j + 1], 1e-12, 500, Counter(), require_positive=True)
-        assert torch.allclose(alone[:, 0], x[:, j], rtol=1e-10, atol=0)
+        assert rel_err(alone[:, 0], x[:, j]) <= 1e-12
 
 
 def test_cg_preconditioner_same_solution_fewer_iterations():
