@@ -49,6 +49,20 @@ def test_method_packages_load_on_first_use():
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         ik.nonexistent  # noqa: B018
     assert {"ssl", "turnover", "elmo", "hf", "validation", "apps"} <= set(dir(ik))
+    assert set(ik._LAZY) <= set(ik.__all__)  # every lazy package is public
+
+
+def test_lazy_packages_are_imported_for_type_checkers():
+    """``if TYPE_CHECKING:`` imports every lazy package, so a type checker sees ``ik.unrolled`` as the module."""
+    import ast
+
+    import influkit as ik
+
+    tree = ast.parse((ROOT / "influkit" / "__init__.py").read_text())
+    guarded = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
+    names = {alias.name for node in guarded for stmt in node.body if isinstance(stmt, ast.ImportFrom)
+             for alias in stmt.names}
+    assert names == set(ik._LAZY)
 
 
 def test_import_graph_has_no_circle():
