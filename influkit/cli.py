@@ -24,6 +24,7 @@ from .apps.digits import DEMO_REMOVALS, DEMO_SETTINGS, DigitsSetup, validate_dig
 from .errors import InfluenceError
 from .solvers import REGISTRY
 
+LDS_SUBSETS = 50  # validate --lds with no M: random halves of the pretraining set
 LDS_N_PRETRAIN, LDS_N_FINETUNE = 200, 200  # validate --lds: digits_lds's split when --n-pretrain is not given
 
 
@@ -151,9 +152,9 @@ def parser() -> argparse.ArgumentParser:
     _add_common(validate, removals=60, removals_help="leave-out retrainings (half top-|score|, half random; "
                 "default 60)", n_pretrain_default=f"all 720; with --lds {LDS_N_PRETRAIN}")
     validate.add_argument("--log", type=Path, default=None, help="CSV to append LOO rows to (resumable)")
-    validate.add_argument("--lds", type=_number(int, 3), nargs="?", const=50, default=None, metavar="M",
+    validate.add_argument("--lds", type=_number(int, 3), nargs="?", const=LDS_SUBSETS, default=None, metavar="M",
                           help="linear datamodeling score instead of LOO: M ≥ 3 random halves of the pretraining "
-                               f"set (default 50; --n-pretrain default {LDS_N_PRETRAIN}), both stages re-trained "
+                               f"set (default {LDS_SUBSETS}; --n-pretrain default {LDS_N_PRETRAIN}), both stages re-trained "
                                "from scratch with 2 seeds; --log is then the resumable run directory")
     clean = _command(sub, "clean", "remove the most harmful pretraining digits, retrain, compare with removing "
                                    "as many at random")

@@ -68,6 +68,7 @@ METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "neumann", "identity")
 APPROXIMATE_INVERSES = ("kfac", "ekfac", "arnoldi")  # x = C⁻¹b for a fitted approximation C (factored.approximations)
 SOLVERS = METHODS + APPROXIMATE_INVERSES  # the built-in solvers; :func:`register` adds more
 PRECONDITIONERS = ("kfac", "ekfac", "diagonal")
+STEP_MARGIN = 1.05  # lissa/neumann's default step 1/(STEP_MARGIN·|λ_max|): below the 2/|λ_max| where they diverge
 FACTORED_PRECONDITIONERS = ("kfac", "ekfac")  # fitted from the model's layers, two data passes
 
 
@@ -475,12 +476,12 @@ class CGSquared(CG):
 
 @register("lissa")
 class LiSSA(_Krylov):
-    """Richardson iteration x ← x + α(b − (H + λI) x) (LiSSA, deterministic): α = ``step`` or 1/(1.05·|λ_max|)."""
+    """Richardson iteration x ← x + α(b − (H + λI) x) (LiSSA, deterministic): α = ``step`` or 1/(``STEP_MARGIN``·|λ_max|)."""
 
     def _run(self, rhs, tol, max_iter, bar):
         apply, target = self._system(rhs)
         step = self.config.step
-        scale = 1.0 / step if step is not None else 1.05 * krylov.largest_eigenvalue(apply, rhs)
+        scale = 1.0 / step if step is not None else STEP_MARGIN * krylov.largest_eigenvalue(apply, rhs)
         x, iterations = krylov.richardson(apply, target, scale, tol, max_iter, bar)
         return x, iterations, krylov_residual(apply, x, target), math.nan
 

@@ -64,8 +64,9 @@ class IndexConfig:
     K-FAC/EK-FAC curvature with the most gradient energy — whitened energy Σ E/(E + λ) when whitened), "random" (LoGra-style random Kronecker
     projections, seeded by ``seed``) or "identity" (exact, uncompressed: D = the number of trained parameters);
     whiten: store P (C + λI)^{-1/2} ∇ℓ(z) and compress a query's adjoint s to P (C + λI)^{1/2} s (:mod:`.projections`),
-    C the ``factored`` curvature, λ = ``damping`` (that of the chain's stage-1 solve, so that the query side is
-    (C + λI)^{-1/2} u for its s = (C + λI)⁻¹ u); exact uncompressed whatever λ;
+    C the ``factored`` curvature, λ = ``damping`` (chosen from C alone, e.g. 0.1 · C's mean eigenvalue, and given to
+    every later chain's stage-1 solve, so that the query side is (C + λI)^{-1/2} u for its s = (C + λI)⁻¹ u); exact
+    uncompressed whatever λ;
     dtype: the rows' dtype on disk: "int8" (symmetric round-to-nearest, one float32 scale per row, D + 4 bytes; the
     scores' error bound in :mod:`.quantization`), "float16", "bfloat16", "float32" or "float64"; None (the default):
     "int8" for a compressed index, the trained parameters' dtype for ``projection="identity"`` (exact). The rows are
@@ -90,7 +91,7 @@ class IndexConfig:
         if self.shard_size < 1 or self.batch_size < 1:
             raise InputError("shard_size and batch_size must be ≥ 1.")
         if self.damping is not None and not self.damping >= 0:
-            raise InputError(f"damping must be ≥ 0 (the λ of the chain's stage-1 solve), got {self.damping!r}.")
+            raise InputError(f"damping must be ≥ 0 (the λ stage 1 is solved with), got {self.damping!r}.")
 
     def summary(self) -> dict:
         return asdict(self)
