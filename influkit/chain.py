@@ -85,7 +85,8 @@ class Chain:
 
     def __init__(self, stages: Sequence[Stage], links: Sequence[Link] = (),
                  solve: SolveConfig | Sequence[SolveConfig] = SolveConfig(), *,
-                 curvature: CurvatureConfig | Sequence[CurvatureConfig] = CurvatureConfig(), memory: int | None = None,
+                 curvature: CurvatureConfig | str | Sequence[CurvatureConfig | str] = CurvatureConfig(),
+                 memory: int | None = None,
                  progress: bool = True):
         stages, links = list(stages), list(links)
         if not stages:
@@ -100,7 +101,7 @@ class Chain:
             raise InputError(f"Chain links must be influkit.Link objects, got {bad}.")
         self.stages, self.links = stages, links
         self.solve_configs = _per_stage(solve, SolveConfig, "solve", len(stages))
-        self.curvature_configs = _per_stage(curvature, CurvatureConfig, "curvature", len(stages))
+        self.curvature_configs = _per_stage(curvature, CurvatureConfig, "curvature", len(stages), by_name=True)
         self.progress = bool(progress)
         self.plans: list[StagePlan] = []
         for k, stage in enumerate(stages):
@@ -214,7 +215,7 @@ class Chain:
         return self
 
     def with_solve(self, solve: SolveConfig | Sequence[SolveConfig] | None = None, *,
-                   curvature: CurvatureConfig | Sequence[CurvatureConfig] | None = None) -> "Chain":
+                   curvature: CurvatureConfig | str | Sequence[CurvatureConfig | str] | None = None) -> "Chain":
         """This chain with other settings (None: keep this chain's), fitted from what this one fitted: a stage whose
         CurvatureConfig is unchanged is handed the same FittedCurvature, so its operator, dense Hessian, factors and
         eigenpairs are reused (e.g. a damping sweep of EK-FAC or Arnoldi without refitting; ``direct`` factors the
@@ -474,9 +475,14 @@ class Chain:
                               memory=self.memory)
 
 
-def _per_stage(given, kind: type, what: str, stages: int) -> list:
-    """One ``kind`` config per stage from one config or a sequence of them."""
-    configs = [given] * stages if isinstance(given, kind) else list(given) if isinstance(given, Sequence) else [given]
+def _per_stage(given, kind: type, what: str, stages: int, *, by_name: bool = False) -> list:
+    """One ``kind`` config per stage from one config or a sequence of them; with ``by_name`` a string is
+    ``kind(string)`` (``curvature="gauss-newton"`` is ``CurvatureConfig("gauss-newton")``)."""
+    def one(config):
+        return kind(config) if by_name and isinstance(config, str) else config
+
+    single = isinstance(given, kind) or isinstance(given, str)
+    configs = [one(given)] * stages if single else [one(c) for c in given] if isinstance(given, Sequence) else [given]
     if len(configs) != stages or not all(isinstance(c, kind) for c in configs):
         raise InputError(f"{what} must be one {kind.__name__} or one per stage ({stages}).")
     return configs

@@ -175,7 +175,7 @@ class GradientIndex:
     # ---- building
     @classmethod
     def build(cls, stage: Stage, directory: str | Path, config: IndexConfig = IndexConfig(), *, factored=None,
-              progress: bool = False) -> "GradientIndex":
+              progress: bool = True) -> "GradientIndex":
         """Index every example of ``stage`` (its trained parameters, at its model's current values) in ``directory``.
 
         A directory that already holds this index (same checkpoint, settings and data) is resumed: only the shards
@@ -212,7 +212,7 @@ class GradientIndex:
         index._fill(stage, progress)
         return index
 
-    def append(self, stage: Stage, *, progress: bool = False) -> "GradientIndex":
+    def append(self, stage: Stage, *, progress: bool = True) -> "GradientIndex":
         """Index the examples of ``stage`` past those already indexed (its data: the indexed examples, unchanged and
         in order, then the new ones), without recomputing any row. Refused for another checkpoint or changed data.
         Resumable like :meth:`build`. Returns self."""
@@ -303,7 +303,7 @@ class GradientIndex:
         """Rows of an int8 index converted to ``dtype`` at a time: CHUNK_BYTES of converted rows."""
         return max(1, CHUNK_BYTES // (self.width * torch.empty(0, dtype=dtype).element_size()))
 
-    def products(self, s: torch.Tensor, *, progress: bool = False) -> torch.Tensor:
+    def products(self, s: torch.Tensor, *, progress: bool = True) -> torch.Tensor:
         """(n_rows, k) every row's product with the columns ``s`` (D, k): cᵀ s for stored rows c, σ (qᵀ s) for int8
         rows — q converted to :attr:`compute_dtype` a chunk at a time in one reused buffer, so a query's memory does
         not grow with the number of chunks."""
@@ -348,7 +348,7 @@ class GradientIndex:
         plan = query.chain.plans[0]
         return self.layout(plan.stage).directions(query.s, self.compute_dtype)
 
-    def scores(self, query, *, check_data: bool = True, progress: bool = False) -> InfluenceResult:
+    def scores(self, query, *, check_data: bool = True, progress: bool = True) -> InfluenceResult:
         """I(z, T) ≈ −c(z)ᵀ s̃ of every indexed example for a :class:`~influkit.chain.Query` whose chain's stage 1 is
         the indexed stage (checked; ``check_data=False`` skips hashing its examples again): (m,) summed, or (m, n_test)
         per test point; an int8 index's −σ q(z)ᵀ s̃, within :meth:`error_bound` of the unquantized rows' scores.
@@ -373,12 +373,13 @@ class GradientIndex:
                          "settings": query.settings() | {"index": self.describe()}})
 
     def top(self, query, k: int = 10, *, candidates: int | None = None, harmful: bool = True, column: int | None = None,
-            ann: bool = False, chunk_size: int | None = None) -> InfluenceResult:
+            ann: bool = False, chunk_size: int | None = None, progress: bool = True) -> InfluenceResult:
         """The k most harmful (``harmful=False``: helpful) examples, ranked by exact scores: the index proposes
         ``candidates`` rows (default max(4k, 100)) by its scores — summed over the test points, or of test point
         ``column`` — and :meth:`Query.scores` re-scores exactly those rows by contraction. ``ann``: the candidates
         from an approximate inner-product search (faiss HNSW, :mod:`.ann`) instead of scoring every row. The result's
-        rows are the k examples (``index``: their ids), ``diagnostics["index"]`` the candidates' index scores."""
+        rows are the k examples (``index``: their ids), ``diagnostics["index"]`` the candidates' index scores.
+        progress: bars over the index's product and the re-scoring (``False``: nothing printed)."""
         if k < 1:
             raise InputError(f"k must be ≥ 1, got {k}.")
         m = self.n_rows
@@ -394,13 +395,13 @@ class GradientIndex:
             ids = search(self, direction if not harmful else -direction, candidates)
             approx = -(self._rows_at(ids) @ direction)
         else:
-            approx_all = self.scores(query)
+            approx_all = self.scores(query, progress=progress)
             key = approx_all.values if not approx_all.per_test else \
                 approx_all.values[:, column] if column is not None else approx_all.values.sum(1)
             ids = key.argsort(descending=harmful)[:candidates]
             approx = key[ids]
         proposed = time.perf_counter()
-        exact = query.scores(ids, chunk_size=chunk_size)
+        exact = query.scores(ids, chunk_size=chunk_size, progress=progress)
         key = exact.values if not exact.per_test else \
             exact.values[:, column] if column is not None else exact.values.sum(1)
         order = key.argsort(descending=harmful)[:k]
