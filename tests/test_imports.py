@@ -65,6 +65,13 @@ def test_lazy_packages_are_imported_for_type_checkers():
     assert names == set(ik._LAZY)
 
 
+def test_the_cli_loads_the_digits_experiment_on_demand():
+    """``influkit score`` or ``index`` never loads the digits app: the CLI reads only its constants at load."""
+    loaded = _run("import json, sys, influkit.cli; "
+                  "print(json.dumps(sorted(m for m in sys.modules if m.startswith('influkit.apps'))))")
+    assert loaded == ["influkit.apps", "influkit.apps.demo_defaults"]
+
+
 def test_import_graph_has_no_circle():
     assert import_graph.circles(import_graph.edges(ROOT)) == []
 
