@@ -14,11 +14,11 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 import influkit as ik
-from benchmarks.common import adam, bert_mlm_classifier_chain
 from influkit import auto
 from influkit.auto import DAMPING_RATIO, DIRECT_MAX, R_REF, Training, decide, spectral_damping
 from influkit.solvers import default_tol
 from influkit.stationarity import Position
+from influkit.training import train_adam
 
 from conftest import cross_entropy, l2
 
@@ -206,16 +206,32 @@ def test_one_solve_config_means_what_a_list_of_equal_ones_means(solver):
 
 # ---- models trained with Adam for a few steps, every setting at its default ----
 
+def adam(stage: ik.Stage) -> None:
+    """30 full-batch Adam steps: a model trained the way people train one, short of a minimum."""
+    train_adam(stage, steps=30, lr=1e-2, batch_size=len(stage))
+
+
 def tiny_bert_chain():
+    """Masked LM → classifier (Case 1, ``shared="bert"``), both stages Adam-trained."""
     pytest.importorskip("transformers")
+    from transformers import BertForMaskedLM, BertForSequenceClassification
+
     from influkit import hf
 
     from test_hf import MASK_ID, SPECIALS, labelled, tiny_config, tokens
 
-    chain = bert_mlm_classifier_chain(tiny_config(initializer_range=0.02), tokens(24, 0), labelled(24, 11), steps=30,
-                                      lr=1e-2, regularizer=l2(1e-3), mask_token_id=MASK_ID, special_token_ids=SPECIALS,
-                                      seed=7)
-    return chain, hf.pack(labelled(4, 99))
+    config = tiny_config(initializer_range=0.02)
+    torch.manual_seed(0)
+    pre_model = BertForMaskedLM(config).float().eval()
+    pre = hf.masked_lm_stage(pre_model, tokens(24, 0), mask_token_id=MASK_ID, special_token_ids=SPECIALS, seed=7,
+                             regularizer=l2(1e-3))
+    adam(pre)
+    fin_model = BertForSequenceClassification(config).float().eval()
+    fin_model.bert.load_state_dict(pre_model.bert.state_dict(), strict=False)  # the pretrained encoder
+    fin = hf.classification_stage(fin_model, labelled(24, 11), params=["bert.pooler", "classifier"],
+                                  regularizer=l2(1e-3))
+    adam(fin)
+    return ik.Chain([pre, fin], [ik.Link("bert", case=1)]), hf.pack(labelled(4, 99))
 
 
 def tiny_gpt2_lora_chain():
@@ -227,12 +243,12 @@ def tiny_gpt2_lora_chain():
 
     torch.manual_seed(0)
     pre = hf.causal_lm_stage(gpt2(initializer_range=0.02).float().eval(), documents(24, 0), regularizer=l2(1e-3))
-    adam(pre, 30, lr=1e-2)
+    adam(pre)
     base = copy.deepcopy(pre.model.hf_model)
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0,
                              init_lora_weights=False)
     fin = hf.causal_lm_stage(peft.get_peft_model(base, config).float().eval(), completions(24, 11), regularizer=l2(1e-3))
-    adam(fin, 30, lr=1e-2)
+    adam(fin)
     return ik.Chain([pre, fin], [hf.lora_link(pre, fin, case=1)]), hf.pack(completions(4, 99))
 
 
@@ -246,11 +262,11 @@ def small_cnn_chain():
     torch.manual_seed(0)
     pre_model = digits_classifier(10, (2, 4)).float().eval()
     pre = ik.Stage(pre_model, cross_entropy, (x[:120], y[:120]), regularizer=l2(1e-3))
-    adam(pre, 30, lr=1e-2)
+    adam(pre)
     fin_model = digits_classifier(2, (2, 4)).float().eval()
     fin_model.embedding.load_state_dict(pre_model.embedding.state_dict())
     fin = ik.Stage(fin_model, cross_entropy, (x[120:180], y[120:180] % 2), params="head", regularizer=l2(1e-3))
-    adam(fin, 30, lr=1e-2)
+    adam(fin)
     return ik.Chain([pre, fin], [ik.Link("embedding", case=1)]), (x[180:], y[180:] % 2)
 
 

@@ -152,3 +152,16 @@ def test_the_import_contract_names_only_modules_that_exist():
         assert (ROOT / "influkit" / f"{name}.py").exists() or (ROOT / "influkit" / name / "__init__.py").exists(), name
     for name in ("ssl", "turnover", "unrolled", "elmo", "index", "hf", "validation", "apps", "report", "cli", "jobs"):
         assert import_graph.part(f"influkit.{name}") == "method"
+
+
+def test_the_tests_import_neither_benchmarks_nor_studies():
+    """The lab's own tests live beside it (benchmarks/tests, studies/tests); tests/ checks the package alone."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in ("benchmarks", "studies")]
+    assert found == []
