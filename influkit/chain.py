@@ -271,10 +271,11 @@ class Chain:
             plan = self.plans[k]
             hessian = self._check_operator(k, self._curvature_for(k, "hessian").operator)
             factored = None if fitted is None else (lambda: self._factored_curvature(k, fitted))
-            self._positions[key] = stationarity.assess(
-                plan.stage, plan.trained, hessian, extra=plan.proximal, seed=config.seed, memory=self.memory,
-                least=1 if self._lean_check(k) else DEFAULT_EXAMPLES, light=fitted is not None, factored=factored,
-                progress=self.progress)
+            check = stationarity.CheckConfig(seed=config.seed, memory=self.memory,
+                                             least=1 if self._lean_check(k) else DEFAULT_EXAMPLES,
+                                             light=fitted is not None, progress=self.progress)
+            self._positions[key] = stationarity.assess(plan.stage, plan.trained, hessian, extra=plan.proximal,
+                                                       factored=factored, check=check)
         return self._positions[key]
 
     def _factored_fit(self, k: int) -> str | None:

@@ -56,7 +56,7 @@ import torch
 
 from . import krylov
 from . import auto
-from .auto import Choice, Training, decide
+from .auto import Asked, Choice, Training, decide
 from .errors import ConvergenceWarning, InputError, NumericalError, warn
 from .factored import deflated
 from .fitted import CurvatureConfig, FittedCurvature
@@ -176,8 +176,9 @@ class SolveConfig:
         """:func:`influkit.auto.decide` for these settings on a stage whose curvature settings name ``matrix``
         (``context``: n_rhs, memory, dense, itemsize)."""
         pre = self.preconditioner if isinstance(self.preconditioner, str) or self.preconditioner is None else "given"
-        choice = decide(position, dim, training=self.training, solver=self.solver, damping=self.damping,
-                        matrix=matrix, preconditioner=pre, **context)
+        asked = Asked(solver=self.solver, damping=self.damping, matrix=matrix, preconditioner=pre,
+                      training=self.training)
+        choice = decide(position, dim, asked=asked, **context)
         return replace(choice, preconditioner=self.preconditioner) if pre == "given" else choice
 
     def factored_fit(self, dim: int) -> str | None:

@@ -15,7 +15,7 @@ from torch.func import functional_call, jacrev
 
 import influkit as ik
 from influkit import auto
-from influkit.auto import DAMPING_RATIO, DIRECT_MAX, R_REF, Training, decide, spectral_damping
+from influkit.auto import DAMPING_RATIO, DIRECT_MAX, R_REF, Asked, Training, decide, spectral_damping
 from influkit.solvers import default_tol
 from influkit.stationarity import Position
 from influkit.training import train_adam
@@ -38,7 +38,7 @@ def test_at_a_minimum_the_fastest_exact_method_for_the_work_asked():
     assert (many.matrix, many.solver) == ("hessian", "direct") and "100 right-hand sides" in many.reason
     assert decide(at("minimum"), DIRECT_MAX + 1, n_rhs=100).solver == "cg_spd"  # too large to factor
     assert decide(at("minimum"), 650, n_rhs=100, memory=650 * 650 * 8).solver == "cg_spd"  # H does not fit
-    assert decide(at("minimum"), 650, damping=0.1).damping == 0.1
+    assert decide(at("minimum"), 650, asked=Asked(damping=0.1)).damping == 0.1
 
 
 @pytest.mark.parametrize("where", ["non-stationary", "saddle"])
@@ -46,9 +46,9 @@ def test_off_a_minimum_the_damped_gauss_newton_matrix(where):
     choice = decide(at(where, low=-0.5, high=4.0, r=0.2), 650)
     assert (choice.matrix, choice.solver, choice.preconditioner) == ("gauss-newton", "minres", None)
     assert choice.damping == pytest.approx(DAMPING_RATIO * 4.0) and where in choice.reason
-    trained = decide(at(where, r=0.2), 650, training=Training(lr=0.05, steps=40))
+    trained = decide(at(where, r=0.2), 650, asked=Asked(training=Training(lr=0.05, steps=40)))
     assert trained.damping == pytest.approx(1 / (0.05 * 40)) and "1/(ηT)" in trained.reason
-    assert decide(at(where, r=0.2), 650, damping=0.3, training=Training(lr=0.05, steps=40)).damping == 0.3
+    assert decide(at(where, r=0.2), 650, asked=Asked(damping=0.3, training=Training(lr=0.05, steps=40))).damping == 0.3
     large = decide(at(where, r=0.2), auto.PRECONDITION_MIN + 1)
     assert large.preconditioner == "ekfac" and "EK-FAC" in large.reason
 
@@ -59,12 +59,12 @@ def test_off_a_minimum_many_right_hand_sides_on_a_large_stage_take_the_ekfac_inv
     many = decide(at("non-stationary", r=0.2), p, n_rhs=rhs)
     assert (many.matrix, many.solver, many.preconditioner) == ("gauss-newton", "ekfac", None)
     assert many.damping == pytest.approx(DAMPING_RATIO * 4.0) and "approximate inverse" in many.reason
-    trained = decide(at("saddle", low=-0.5, r=0.0), p, n_rhs=rhs, training=Training(lr=0.05, steps=40))
+    trained = decide(at("saddle", low=-0.5, r=0.0), p, n_rhs=rhs, asked=Asked(training=Training(lr=0.05, steps=40)))
     assert (trained.solver, trained.damping) == ("ekfac", pytest.approx(1 / (0.05 * 40)))
-    assert decide(at("non-stationary", r=0.2), p, n_rhs=rhs, damping=0.3).damping == 0.3
+    assert decide(at("non-stationary", r=0.2), p, n_rhs=rhs, asked=Asked(damping=0.3)).damping == 0.3
     assert decide(at("non-stationary", r=0.2), p, n_rhs=rhs - 1).solver == "minres"  # p·n_rhs within the work
     assert decide(at("non-stationary", r=0.2), auto.PRECONDITION_MIN, n_rhs=10**4).solver == "minres"  # small p
-    given = decide(at("non-stationary", r=0.2), p, n_rhs=rhs, preconditioner="kfac")
+    given = decide(at("non-stationary", r=0.2), p, n_rhs=rhs, asked=Asked(preconditioner="kfac"))
     assert (given.solver, given.preconditioner) == ("minres", "kfac")  # an explicit preconditioner wins
     assert decide(at("minimum"), p, n_rhs=rhs).solver == "cg_spd"  # at a minimum: exact, as before
 
@@ -77,11 +77,11 @@ def test_a_singular_stationary_point():
 
 
 def test_every_explicit_setting_wins():
-    named = decide(at("non-stationary", r=0.5), 650, solver="direct")
+    named = decide(at("non-stationary", r=0.5), 650, asked=Asked(solver="direct"))
     assert (named.matrix, named.solver, named.damping, named.reason) == ("hessian", "direct", 0.0, "")
-    assert decide(at("minimum"), 650, matrix="gauss-newton").matrix == "gauss-newton"
-    assert decide(at("non-stationary", r=0.5), 650, preconditioner="diagonal").preconditioner == "diagonal"
-    assert decide(at("non-stationary", r=0.5), 10**7, preconditioner="kfac").preconditioner == "kfac"
+    assert decide(at("minimum"), 650, asked=Asked(matrix="gauss-newton")).matrix == "gauss-newton"
+    assert decide(at("non-stationary", r=0.5), 650, asked=Asked(preconditioner="diagonal")).preconditioner == "diagonal"
+    assert decide(at("non-stationary", r=0.5), 10**7, asked=Asked(preconditioner="kfac")).preconditioner == "kfac"
 
 
 def test_without_a_position_the_size_decides():
