@@ -20,6 +20,7 @@ Written: ``path.md`` (the stays in order, with floors and functions, then the co
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -32,8 +33,9 @@ PACKAGE_DIR = ROOT / "influkit"
 
 def floors() -> dict[str, int]:
     """{module: floor} of influkit's import graph (module-level arrows; a package's own __init__ left out)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import import_graph
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+    import_graph = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(import_graph)
 
     arrows: dict[str, set[str]] = {}
     for a, b, lazy in import_graph.edges(ROOT):
