@@ -78,7 +78,7 @@ def decided_as_before():
 
     def before(position, p, **context):
         choice = decide(position, p, **context)
-        if position is not None and position.verdict == "minimum" and context.get("preconditioner") is None:
+        if position is not None and position.verdict == "minimum" and context["asked"].preconditioner is None:
             choice = replace(choice, preconditioner=None, reason=choice.reason.split(", preconditioned")[0])
         return choice
 

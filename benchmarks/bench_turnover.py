@@ -44,7 +44,8 @@ def bench_influence(sizes: list[int]) -> pd.DataFrame:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), TurnOverDropout(0.5), nn.Linear(256, 10))
         train_turnover(model, ce, data, epochs=10, progress=False)
-        t_turn, _ = timed(lambda: influence(model, ce, torch.arange(n), test, n_train=n, batch_size=2048, progress=False), repeat=3)
+        t_turn, _ = timed(lambda: influence(model, torch.arange(n), test, measure=ce, n_train=n, batch_size=2048,
+                                            progress=False), repeat=3)
         stage = ik.Stage(model, ce, data)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)

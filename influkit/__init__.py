@@ -1,5 +1,7 @@
 """influkit: trace a (finetuned) model's predictions back to the training and pretraining data that shaped them."""
 
+from typing import TYPE_CHECKING
+
 from .chain import Chain, Link, Query, load_query
 from .ensemble import Ensemble
 from .errors import (
@@ -32,6 +34,9 @@ from .stage import Stage
 # stays the core: no h5py (elmo), transformers (hf), pandas (validation, ssl) or matplotlib (apps); the optional
 # dependencies are extras (influkit/extras.py).
 _LAZY = ("apps", "elmo", "hf", "index", "ssl", "turnover", "unrolled", "validation")
+
+if TYPE_CHECKING:  # type checkers and IDEs see the lazy packages as the modules they are, not as Any
+    from . import apps, elmo, hf, index, ssl, turnover, unrolled, validation
 
 
 def __getattr__(name: str):
@@ -74,7 +79,9 @@ __all__ = [
     "VectorizationWarning",
     "SolveConfig",
     "Stage",
+    "apps",
     "elmo",
+    "hf",
     "index",
     "influence",
     "load",

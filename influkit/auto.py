@@ -114,16 +114,30 @@ def spectral_damping(position: Position) -> float:
     return DAMPING_RATIO * max(position.max_eigenvalue, 0.0) * scale
 
 
-def decide(position: Position | None, p: int, *, n_rhs: int = 1, memory: int | None = None,
-           training: Training | None = None, solver: str = "auto", damping: float = 0.0, matrix: str = "hessian",
-           preconditioner: str | None = None, dense: bool = True, itemsize: int = 8) -> Choice:
+@dataclass(frozen=True)
+class Asked:
+    """What the user set for a stage's solve: solver (anything but ``"auto"`` ends the decision), damping,
+    matrix, preconditioner and the :class:`Training` facts (the solve and curvature settings, as :func:`decide`
+    reads them)."""
+
+    solver: str = "auto"
+    damping: float = 0.0
+    matrix: str = "hessian"
+    preconditioner: str | None = None
+    training: Training | None = None
+
+
+def decide(position: Position | None, p: int, *, n_rhs: int = 1, memory: int | None = None, asked: Asked = Asked(),
+           dense: bool = True, itemsize: int = 8) -> Choice:
     """The :class:`Choice` for a stage at ``position`` with p trained parameters (module table).
 
     n_rhs: right-hand sides solved at once (1 for a summed test loss, the test-set size with ``per_test``).
     memory: the budget in bytes (None: unbounded); a dense H needs 3·p²·``itemsize`` of it.
-    solver, damping, matrix, preconditioner: what the user set (``solver != "auto"`` ends the decision).
+    asked: what the user set (:class:`Asked`; each explicit setting wins).
     dense: the operator can form H (False for a bare operator without ``dense()``).
     """
+    solver, damping, matrix = asked.solver, asked.damping, asked.matrix
+    preconditioner, training = asked.preconditioner, asked.training
     if solver != "auto":
         return Choice(matrix, solver, damping, preconditioner, "")
     prefix = "auto: "

@@ -85,7 +85,8 @@ class Chain:
 
     def __init__(self, stages: Sequence[Stage], links: Sequence[Link] = (),
                  solve: SolveConfig | Sequence[SolveConfig] = SolveConfig(), *,
-                 curvature: CurvatureConfig | Sequence[CurvatureConfig] = CurvatureConfig(), memory: int | None = None,
+                 curvature: CurvatureConfig | str | Sequence[CurvatureConfig | str] = CurvatureConfig(),
+                 memory: int | None = None,
                  progress: bool = True):
         stages, links = list(stages), list(links)
         if not stages:
@@ -100,7 +101,7 @@ class Chain:
             raise InputError(f"Chain links must be influkit.Link objects, got {bad}.")
         self.stages, self.links = stages, links
         self.solve_configs = _per_stage(solve, SolveConfig, "solve", len(stages))
-        self.curvature_configs = _per_stage(curvature, CurvatureConfig, "curvature", len(stages))
+        self.curvature_configs = _per_stage(curvature, CurvatureConfig, "curvature", len(stages), by_name=True)
         self.progress = bool(progress)
         self.plans: list[StagePlan] = []
         for k, stage in enumerate(stages):
@@ -214,7 +215,7 @@ class Chain:
         return self
 
     def with_solve(self, solve: SolveConfig | Sequence[SolveConfig] | None = None, *,
-                   curvature: CurvatureConfig | Sequence[CurvatureConfig] | None = None) -> "Chain":
+                   curvature: CurvatureConfig | str | Sequence[CurvatureConfig | str] | None = None) -> "Chain":
         """This chain with other settings (None: keep this chain's), fitted from what this one fitted: a stage whose
         CurvatureConfig is unchanged is handed the same FittedCurvature, so its operator, dense Hessian, factors and
         eigenpairs are reused (e.g. a damping sweep of EK-FAC or Arnoldi without refitting; ``direct`` factors the
@@ -270,10 +271,11 @@ class Chain:
             plan = self.plans[k]
             hessian = self._check_operator(k, self._curvature_for(k, "hessian").operator)
             factored = None if fitted is None else (lambda: self._factored_curvature(k, fitted))
-            self._positions[key] = stationarity.assess(
-                plan.stage, plan.trained, hessian, extra=plan.proximal, seed=config.seed, memory=self.memory,
-                least=1 if self._lean_check(k) else DEFAULT_EXAMPLES, light=fitted is not None, factored=factored,
-                progress=self.progress)
+            check = stationarity.CheckConfig(seed=config.seed, memory=self.memory,
+                                             least=1 if self._lean_check(k) else DEFAULT_EXAMPLES,
+                                             light=fitted is not None, progress=self.progress)
+            self._positions[key] = stationarity.assess(plan.stage, plan.trained, hessian, extra=plan.proximal,
+                                                       factored=factored, check=check)
         return self._positions[key]
 
     def _factored_fit(self, k: int) -> str | None:
@@ -474,9 +476,14 @@ class Chain:
                               memory=self.memory)
 
 
-def _per_stage(given, kind: type, what: str, stages: int) -> list:
-    """One ``kind`` config per stage from one config or a sequence of them."""
-    configs = [given] * stages if isinstance(given, kind) else list(given) if isinstance(given, Sequence) else [given]
+def _per_stage(given, kind: type, what: str, stages: int, *, by_name: bool = False) -> list:
+    """One ``kind`` config per stage from one config or a sequence of them; with ``by_name`` a string is
+    ``kind(string)`` (``curvature="gauss-newton"`` is ``CurvatureConfig("gauss-newton")``)."""
+    def one(config):
+        return kind(config) if by_name and isinstance(config, str) else config
+
+    single = isinstance(given, kind) or isinstance(given, str)
+    configs = [one(given)] * stages if single else [one(c) for c in given] if isinstance(given, Sequence) else [given]
     if len(configs) != stages or not all(isinstance(c, kind) for c in configs):
         raise InputError(f"{what} must be one {kind.__name__} or one per stage ({stages}).")
     return configs

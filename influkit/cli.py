@@ -17,13 +17,18 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from .apps.digits import DEMO_REMOVALS, DEMO_SETTINGS, DigitsSetup, validate_digits, write_validation
+from .apps.demo_defaults import DEMO_REMOVALS, DEMO_SETTINGS, FULL_REMOVALS
 from .errors import InfluenceError
 from .solvers import REGISTRY
 
+if TYPE_CHECKING:  # the digits experiment loads on demand, in the commands that run it
+    from .apps.digits import DigitsSetup
+
+LDS_SUBSETS = 50  # validate --lds with no M: random halves of the pretraining set
 LDS_N_PRETRAIN, LDS_N_FINETUNE = 200, 200  # validate --lds: digits_lds's split when --n-pretrain is not given
 
 
@@ -61,6 +66,8 @@ def _device(text: str) -> str:
 
 
 def _setup(args) -> DigitsSetup:
+    from .apps.digits import DigitsSetup
+
     common = dict(case=args.case, alpha=args.alpha, n_test=args.n_test, n_pretrain=args.n_pretrain,
                   seed=args.seed, device=args.device)
     if args.command == "demo":
@@ -140,10 +147,10 @@ def parser() -> argparse.ArgumentParser:
                                  "stages, score every pretraining digit, validate by leave-out retraining, write "
                                  "plots and a page (--full: the paper-size run)")
     _add_common(demo, removals=None, removals_help=f"leave-out retrainings (half top-|score|, half random); default "
-                f"{DEMO_REMOVALS}, with --full 40",
+                f"{DEMO_REMOVALS}, with --full {FULL_REMOVALS}",
                 n_pretrain_default=f"{DEMO_SETTINGS['n_pretrain']}, with --full all 720")
     demo.add_argument("--full", action="store_true",
-                      help="the paper-size run: all 720 pretraining digits, 40 removals, ‖∇‖ ≤ 1e-10 "
+                      help=f"the paper-size run: all 720 pretraining digits, {FULL_REMOVALS} removals, ‖∇‖ ≤ 1e-10 "
                            "(studies/results/digits/case1_*)")
     demo.set_defaults(threads=1)
     validate = _command(sub, "validate", "the leave-out (or, with --lds, the linear datamodeling) harness on the "
@@ -151,9 +158,9 @@ def parser() -> argparse.ArgumentParser:
     _add_common(validate, removals=60, removals_help="leave-out retrainings (half top-|score|, half random; "
                 "default 60)", n_pretrain_default=f"all 720; with --lds {LDS_N_PRETRAIN}")
     validate.add_argument("--log", type=Path, default=None, help="CSV to append LOO rows to (resumable)")
-    validate.add_argument("--lds", type=_number(int, 3), nargs="?", const=50, default=None, metavar="M",
+    validate.add_argument("--lds", type=_number(int, 3), nargs="?", const=LDS_SUBSETS, default=None, metavar="M",
                           help="linear datamodeling score instead of LOO: M ≥ 3 random halves of the pretraining "
-                               f"set (default 50; --n-pretrain default {LDS_N_PRETRAIN}), both stages re-trained "
+                               f"set (default {LDS_SUBSETS}; --n-pretrain default {LDS_N_PRETRAIN}), both stages re-trained "
                                "from scratch with 2 seeds; --log is then the resumable run directory")
     clean = _command(sub, "clean", "remove the most harmful pretraining digits, retrain, compare with removing "
                                    "as many at random")
@@ -185,6 +192,7 @@ def parser() -> argparse.ArgumentParser:
 def _check_sizes(args) -> None:
     """Refuse sizes the digits cannot supply (a subsample larger than its pool would silently shrink)."""
     from .apps.datasets import load_digits_tensors
+    from .apps.digits import DigitsSetup
 
     error = args.command_parser.error
     if args.alpha is not None and args.case != 2:
@@ -210,7 +218,7 @@ def _check_sizes(args) -> None:
                   f"finetuning ones), got {args.n_test}")
     removals = args.removals
     if args.command == "demo" and removals is None:
-        removals = 40 if args.full else DEMO_REMOVALS
+        removals = FULL_REMOVALS if args.full else DEMO_REMOVALS
     if args.command in ("demo", "validate") and not lds and not 2 <= removals <= n_pretrain:
         error(f"argument --removals: between 2 and the {n_pretrain} pretraining digits, got {removals}")
     if args.command == "clean" and args.removals is not None and args.removals >= n_pretrain:
@@ -250,7 +258,7 @@ def _run(args) -> int:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     if args.command == "validate" and args.lds:
-        from .apps.digits import digits_lds
+        from .apps.digits import DigitsSetup, digits_lds
 
         result = digits_lds(args.case, directory=args.log or args.out / f"lds_case{args.case}_runs",
                             alpha=args.alpha or DigitsSetup.alpha,
@@ -261,11 +269,13 @@ def _run(args) -> int:
         print(result.table.to_string(float_format=lambda v: f"{v:.3f}"))
         print(f"wrote {', '.join(str(p) for p in result.write(args.out, f'lds_case{args.case}'))}")
     elif args.command in ("demo", "validate"):
+        from .apps.digits import validate_digits, write_validation
+
         setup = _setup(args)
         report = None
         if args.command == "demo":
             if args.removals is None:
-                args.removals = 40 if args.full else DEMO_REMOVALS
+                args.removals = FULL_REMOVALS if args.full else DEMO_REMOVALS
             _announce_demo(args, setup)
             report = _phase
         run = validate_digits(setup, n_removals=args.removals, solver=args.solver,

@@ -26,7 +26,7 @@ from torch.func import grad, jvp, vjp
 from . import distributed
 from .errors import InputError, NumericalError
 from .gradients import backward_bytes
-from .memory import PROBE_EXAMPLES, probe_bytes
+from .memory import PROBE_EXAMPLES, Probe
 from .memory import plan as memory_plan
 from .memory import given as memory_given
 from .memory import resolve as memory_budget
@@ -188,20 +188,16 @@ HVP_TRANSIENT = 2.0
 def hvp_bytes_per_example(stage: Stage, names: Sequence[str], at: Params | None = None, extra=None) -> int:
     """Bytes one example adds to a Hessian-vector product: what autograd keeps of the forward and of the
     create_graph backward (the cached gradient graph), measured on a probe of two examples
-    (:func:`influkit.memory.probe_bytes`), × :data:`HVP_TRANSIENT` for the buffers a product's backward through that
+    (:class:`influkit.memory.Probe`), × :data:`HVP_TRANSIENT` for the buffers a product's backward through that
     graph allocates (not saved tensors; the factor was measured as resident growth over saved bytes on a BERT-base-width model)."""
     count = min(PROBE_EXAMPLES, len(stage))
     x, y = stage.data.take(torch.arange(count))
     leaves = {n: t.detach().clone().requires_grad_(True) for n, t in point(stage.state(), names, at).items()}
     term = _batch_objective(stage, extra)
 
-    def run(_):
-        with torch.enable_grad():
-            value = term(leaves, x, y, 1.0, False)
-            torch.autograd.grad(value, list(leaves.values()), create_graph=True, allow_unused=True)
-        return None  # the parameter-sized gradient is not per example
-
-    return int(HVP_TRANSIENT * probe_bytes(run, stage.model, count))
+    with Probe(stage.model, count) as probe, torch.enable_grad():  # the parameter-sized gradient is not per example
+        torch.autograd.grad(term(leaves, x, y, 1.0, False), list(leaves.values()), create_graph=True, allow_unused=True)
+    return int(HVP_TRANSIENT * probe.per_example)
 
 
 class _GaussNewtonBatch:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .chain import Chain
+from .chain import Chain, Measure
 from .errors import InputError
 from .results import InfluenceResult
 
@@ -57,17 +57,24 @@ class Ensemble:
             chain.fit()
         return self
 
-    def scores(self, x_test, z=None, *, per_test: bool = False, chunk_size: int | None = None,
-               progress: bool = False) -> InfluenceResult:
-        """Ī(z, T) = (1/K) Σ_k I_k(z, T): each member's ``query(x_test).scores(z)``, averaged.
+    def scores(self, z=None, x_test=None, *, measure: Measure | None = None, per_test: bool = False,
+               chunk_size: int | None = None, progress: bool = True) -> InfluenceResult:
+        """Ī(z, T) = (1/K) Σ_k I_k(z, T): each member's ``query(x_test, measure=measure).scores(z)``, averaged.
 
+        z: stage-1 examples, indices or (inputs, targets) (default None: every one); x_test (required): the test
+        set, as :meth:`influkit.Chain.query` takes it; measure: what is attributed (None: the last stage's loss).
         per_test: (len(z), len(x_test)) values instead of the sum over the test set. The diagnostics hold each
         member's diagnostics (``members``) and the total seconds. chunk_size: as :meth:`influkit.Chain.query` and
         its ``scores`` (None: sized from the memory budget), so an ensemble of one is its chain exactly.
+        progress: a bar over the members, and each member's own bars (``False``: nothing printed).
         """
+        if x_test is None:
+            raise InputError("x_test is required: the test examples, (inputs, targets) or indices into the last "
+                             "stage's data.")
         start = time.perf_counter()
         results = [
-            chain.query(x_test, per_test=per_test, chunk_size=chunk_size).scores(z, chunk_size=chunk_size)
+            chain.query(x_test, measure=measure, per_test=per_test, chunk_size=chunk_size, progress=progress)
+            .scores(z, chunk_size=chunk_size, progress=progress)
             for chain in tqdm(self.chains, desc="ensemble members", disable=not progress)
         ]
         return average(results, seconds=time.perf_counter() - start)

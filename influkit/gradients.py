@@ -18,7 +18,7 @@ from torch.func import grad
 from .progress import steps as progress_steps
 
 from . import memory
-from .memory import PROBE_EXAMPLES, probe_bytes
+from .memory import PROBE_EXAMPLES, Probe
 from .params import Params, ParamSpace, point
 from .stage import Stage, check_finite
 from .vectorize import vmap_or_loop
@@ -39,20 +39,15 @@ def _chunks(inputs: torch.Tensor, targets: torch.Tensor, chunk_size: int, progre
 
 def probed_gradient(stage: Stage, inputs, targets, names=None, at=None) -> tuple[int, list[torch.Tensor]]:
     """(measured bytes per example, the gradients over ``names`` of the summed loss) of one forward and backward on
-    the first two examples (:func:`influkit.memory.probe_bytes`): the activations a chunk of vmapped per-example
+    the first two examples (:class:`influkit.memory.Probe`): the activations a chunk of vmapped per-example
     gradients keeps too, and a gradient a caller summing over all examples keeps instead of computing it again.
     Probed with plain autograd, since ``torch.func`` transforms refuse to run under the probe's saved-tensor hooks."""
     names = stage.param_names if names is None else list(names)
     x, y = inputs[:PROBE_EXAMPLES], targets[:PROBE_EXAMPLES]
     leaves = {n: t.detach().requires_grad_(True) for n, t in point(stage.state(), names, at).items()}
-    grads: list[torch.Tensor] = []
-
-    def run(_):
-        with torch.enable_grad():
-            found = torch.autograd.grad(stage.losses(leaves, x, y).sum(), list(leaves.values()), allow_unused=True)
-        grads.extend(torch.zeros_like(t) if g is None else g for g, t in zip(found, leaves.values()))
-
-    return probe_bytes(run, stage.model, x.shape[0]), grads
+    with Probe(stage.model, x.shape[0]) as probe, torch.enable_grad():
+        found = torch.autograd.grad(stage.losses(leaves, x, y).sum(), list(leaves.values()), allow_unused=True)
+    return probe.per_example, [torch.zeros_like(t) if g is None else g for g, t in zip(found, leaves.values())]
 
 
 def backward_bytes(stage: Stage, inputs, targets, names=None, at=None) -> int:

@@ -33,7 +33,7 @@ def influence(
     x_test=None,
     *,
     solve: SolveConfig | None = None,
-    curvature: CurvatureConfig | None = None,
+    curvature: CurvatureConfig | str | None = None,
     params: str | Iterable[str] | None = None,
     measure: Measure | None = None,
     per_test: bool = False,
@@ -47,7 +47,8 @@ def influence(
     solve: a :class:`~influkit.solvers.SolveConfig` (default ``SolveConfig()``: ``solver="auto"``, no damping; the
     choice and its reason are in ``diagnostics["solves"][0]["choice"]``).
     curvature: a :class:`~influkit.fitted.CurvatureConfig` (which matrix, ``hessian_samples``, how approximations are
-    fitted; default ``CurvatureConfig()``: the exact Hessian on all the data).
+    fitted; default ``CurvatureConfig()``: the exact Hessian on all the data), or its matrix's name as a string
+    (``"gauss-newton"`` is ``CurvatureConfig("gauss-newton")``).
     params: names/prefixes of the parameters the Hessian is taken over (default: the stage's trained ones).
     measure: the test function per example, ``measure(outputs, targets) -> (B,)`` (default: the stage's loss);
     see :meth:`influkit.Chain.query`.
@@ -70,7 +71,7 @@ def self_influence(
     z=None,
     *,
     solve: SolveConfig | None = None,
-    curvature: CurvatureConfig | None = None,
+    curvature: CurvatureConfig | str | None = None,
     params: str | Iterable[str] | None = None,
     rhs_chunk: int = 256,
     chunk_size: int | None = None,

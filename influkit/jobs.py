@@ -66,7 +66,9 @@ def read_config(path: str | Path) -> dict:
     return config
 
 
-def _factory(spec: str, folder: Path):
+def factory(spec: str, folder: Path):
+    """The job's factory, the function ``module:function`` named by ``spec``, its module looked up beside the config
+    file (``folder``) too."""
     module_name, _, function = spec.partition(":")
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
@@ -79,7 +81,7 @@ def _factory(spec: str, folder: Path):
     return getattr(module, function)
 
 
-def _configs(kind: type, table):
+def configs(kind: type, table):
     """One ``kind`` config from a TOML table, one per stage from an array of tables, the default from None."""
     if table is None:
         return kind()
@@ -94,15 +96,15 @@ def run(path: str | Path, *, progress: bool = True) -> InfluenceResult:
     config = read_config(path)
     distributed.initialize(timeout_seconds=float(config.get("timeout_seconds", 600)))
     device = distributed.local_device() if config.get("device", "auto") == "auto" else torch.device(config["device"])
-    built = _factory(config["factory"], path.parent)(device)
+    built = factory(config["factory"], path.parent)(device)
     if not isinstance(built, dict) or "stages" not in built or "test" not in built:
         raise InputError("the factory must return a dict with 'stages', 'test' and optionally 'links' and 'z'.")
     stages, links = list(built["stages"]), list(built.get("links", ()))
     if not all(isinstance(s, Stage) for s in stages) or not all(isinstance(link, Link) for link in links):
         raise InputError("the factory's 'stages' must be influkit.Stage objects and 'links' influkit.Link objects.")
     out = path.parent / config.get("out", "scores")
-    chain = Chain(stages, links, solve=_configs(SolveConfig, config.get("solve")),
-                  curvature=_configs(CurvatureConfig, config.get("curvature")))
+    chain = Chain(stages, links, solve=configs(SolveConfig, config.get("solve")),
+                  curvature=configs(CurvatureConfig, config.get("curvature")))
     start = time.perf_counter()
     query = chain.query(built["test"], per_test=bool(config.get("per_test", False)), progress=progress)
     result = query.scores(built.get("z"), chunk_size=int(config.get("chunk_size", 256)), out=out, progress=progress)

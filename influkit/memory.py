@@ -16,8 +16,8 @@ max(:data:`DEFAULT_EXAMPLES`, ⌊:data:`DEFAULT_WORKING` / (SAFETY · bytes per 
 (digits, small MLPs) still go in one batch (256 MiB of them). ``memory=`` lifts the cap: then
 the batches fill the given budget.
 
-A phase's cost per example is **measured**, not guessed: :func:`probe_bytes` runs the phase's computation once on
-a probe batch of :data:`PROBE_EXAMPLES` examples under ``torch.autograd.graph.saved_tensors_hooks`` and adds up
+A phase's cost per example is **measured**, not guessed: the caller runs the phase's computation once inside a
+:class:`Probe`, on a probe batch of :data:`PROBE_EXAMPLES` examples under ``torch.autograd.graph.saved_tensors_hooks`` and adds up
 the distinct storages autograd keeps for the backward pass (the activations: what grows with the batch), plus
 the outputs; the model's parameters and buffers, which exist anyway, are not counted. Transient buffers of the
 backward pass itself (gradients flowing through one layer at a time, temporaries of the kernels) are not saved
@@ -133,18 +133,40 @@ class SavedBytes:
         self._hooks.__exit__(*exc)
 
 
+class Probe:
+    """Context manager around a phase the caller runs on a probe batch of ``examples`` examples: ``per_example``
+    (after the block) is the bytes per example autograd saved for backward inside it, plus the tensors handed to
+    :meth:`keep` (outputs the phase keeps). The model's parameters and buffers, which exist anyway, are not counted,
+    nor ``exclude`` (parameter values the phase passes in place of the model's own). The caller sizes its batches
+    from it; nothing here runs the phase.
+    """
+
+    def __init__(self, model: torch.nn.Module, examples: int = PROBE_EXAMPLES, exclude: Iterable[torch.Tensor] = ()):
+        self.examples = examples
+        self._saved = SavedBytes(list(model.parameters()) + list(model.buffers()) + list(exclude))
+        self.per_example = 0
+
+    def keep(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count ``tensors`` too: what the phase keeps after it ends."""
+        self._saved.add(tensors)
+
+    def __enter__(self) -> "Probe":
+        self._saved.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._saved.__exit__(*exc)
+        self.per_example = -(-self._saved.total // max(self.examples, 1))
+
+
 def probe_bytes(run: Callable[[int], Iterable[torch.Tensor] | None], model: torch.nn.Module,
                 examples: int = PROBE_EXAMPLES, exclude: Iterable[torch.Tensor] = ()) -> int:
-    """Measured bytes per example of ``run(examples)`` (a phase on a probe batch): saved activations + outputs.
-
-    run: runs the phase on the first ``examples`` examples and returns the tensors it keeps (or None).
-    exclude: parameter values the phase passes in place of the model's own (which exist anyway), not counted either.
-    """
-    fixed = list(model.parameters()) + list(model.buffers()) + list(exclude)
-    with SavedBytes(fixed) as saved:
-        kept = run(examples)
-        saved.add(kept or ())
-    return -(-saved.total // max(examples, 1))
+    """Measured bytes per example of ``run(examples)``, a phase handed over as a callable (:class:`Probe` around it):
+    saved activations + the tensors ``run`` returns (or None). Where the caller can run the phase itself, it uses
+    :class:`Probe` directly."""
+    with Probe(model, examples, exclude) as probe:
+        probe.keep(run(examples) or ())
+    return probe.per_example
 
 
 def fit_count(budget: int, per_example: int, phase: str, *, most: int | None = None, fixed: int = 0,

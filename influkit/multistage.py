@@ -37,7 +37,7 @@ def score(
     case: int = 1,
     alpha: float = 0.01,
     solve: SolveConfig | Sequence[SolveConfig] | None = None,
-    curvature: CurvatureConfig | Sequence[CurvatureConfig] | None = None,
+    curvature: CurvatureConfig | str | Sequence[CurvatureConfig | str] | None = None,
     measure: Measure | None = None,
     per_test: bool = False,
     chunk_size: int | None = None,

@@ -103,7 +103,7 @@ class InfluenceResult:
                 frame[f"score_t{j}"] = per[:, j]
         return frame
 
-    def top(self, k: int = 10, harmful: bool = True, texts=None) -> "pd.DataFrame":
+    def top(self, k: int = 10, *, harmful: bool = True, texts=None) -> "pd.DataFrame":
         """The k most harmful (largest score) or, with ``harmful=False``, most helpful examples.
 
         texts: optional text (or label) of every training example, indexed by example id (a list over the
@@ -112,7 +112,7 @@ class InfluenceResult:
         frame = self.to_frame()[["example", "score", "removal"]]
         return _with_texts(frame.sort_values("score", ascending=not harmful).head(k).reset_index(drop=True), texts)
 
-    def top_indices(self, k: int = 10, harmful: bool = True) -> torch.Tensor:
+    def top_indices(self, k: int = 10, *, harmful: bool = True) -> torch.Tensor:
         """The example ids of :meth:`top` (the k largest scores, or the k smallest with ``harmful=False``), in that
         order, as a LongTensor that indexes the training data directly (``x[res.top_indices(10)]``)."""
         order = torch.argsort(self.total.cpu().double(), descending=harmful, stable=True)[:k]

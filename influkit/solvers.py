@@ -56,7 +56,7 @@ import torch
 
 from . import krylov
 from . import auto
-from .auto import Choice, Training, decide
+from .auto import Asked, Choice, Training, decide
 from .errors import ConvergenceWarning, InputError, NumericalError, warn
 from .factored import deflated
 from .fitted import CurvatureConfig, FittedCurvature
@@ -68,6 +68,7 @@ METHODS = ("direct", "cg", "cg_spd", "minres", "lissa", "neumann", "identity")
 APPROXIMATE_INVERSES = ("kfac", "ekfac", "arnoldi")  # x = C⁻¹b for a fitted approximation C (factored.approximations)
 SOLVERS = METHODS + APPROXIMATE_INVERSES  # the built-in solvers; :func:`register` adds more
 PRECONDITIONERS = ("kfac", "ekfac", "diagonal")
+STEP_MARGIN = 1.05  # lissa/neumann's default step 1/(STEP_MARGIN·|λ_max|): below the 2/|λ_max| where they diverge
 FACTORED_PRECONDITIONERS = ("kfac", "ekfac")  # fitted from the model's layers, two data passes
 
 
@@ -175,8 +176,9 @@ class SolveConfig:
         """:func:`influkit.auto.decide` for these settings on a stage whose curvature settings name ``matrix``
         (``context``: n_rhs, memory, dense, itemsize)."""
         pre = self.preconditioner if isinstance(self.preconditioner, str) or self.preconditioner is None else "given"
-        choice = decide(position, dim, training=self.training, solver=self.solver, damping=self.damping,
-                        matrix=matrix, preconditioner=pre, **context)
+        asked = Asked(solver=self.solver, damping=self.damping, matrix=matrix, preconditioner=pre,
+                      training=self.training)
+        choice = decide(position, dim, asked=asked, **context)
         return replace(choice, preconditioner=self.preconditioner) if pre == "given" else choice
 
     def factored_fit(self, dim: int) -> str | None:
@@ -475,12 +477,12 @@ class CGSquared(CG):
 
 @register("lissa")
 class LiSSA(_Krylov):
-    """Richardson iteration x ← x + α(b − (H + λI) x) (LiSSA, deterministic): α = ``step`` or 1/(1.05·|λ_max|)."""
+    """Richardson iteration x ← x + α(b − (H + λI) x) (LiSSA, deterministic): α = ``step`` or 1/(``STEP_MARGIN``·|λ_max|)."""
 
     def _run(self, rhs, tol, max_iter, bar):
         apply, target = self._system(rhs)
         step = self.config.step
-        scale = 1.0 / step if step is not None else 1.05 * krylov.largest_eigenvalue(apply, rhs)
+        scale = 1.0 / step if step is not None else STEP_MARGIN * krylov.largest_eigenvalue(apply, rhs)
         x, iterations = krylov.richardson(apply, target, scale, tol, max_iter, bar)
         return x, iterations, krylov_residual(apply, x, target), math.nan
 

@@ -93,6 +93,25 @@ VERDICTS = ("minimum", "saddle", "non-stationary", "singular")
 
 
 @dataclass(frozen=True)
+class CheckConfig:
+    """How :func:`assess` runs the check.
+
+    seed: of the sample and of the Lanczos start vector; sample: examples whose per-example gradients give the
+    typical norm g; steps: Lanczos steps for θ_min, θ_max; memory: the budget in bytes the gradient passes are
+    chunked by (None: the default, :mod:`influkit.memory`, whose floor of examples per chunk is ``least``);
+    light: the check sized to a factored fit (module docstring); progress: bars on the passes and the steps.
+    """
+
+    seed: int = 0
+    sample: int = SAMPLE
+    steps: int = STEPS
+    memory: int | None = None
+    least: int = DEFAULT_EXAMPLES
+    light: bool = False
+    progress: bool = False
+
+
+@dataclass(frozen=True)
 class Position:
     """Where one stage stands (module docstring): r, θ_min, θ_max, the verdict, and what it cost."""
 
@@ -197,17 +216,14 @@ def light_sample(n: int) -> int:
 
 
 def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, extra: Callable | None = None,
-           seed: int = 0, sample: int = SAMPLE, steps: int = STEPS, memory: int | None = None,
-           least: int = DEFAULT_EXAMPLES, light: bool = False, factored: Callable[[], object] | None = None,
-           progress: bool = False) -> Position:
+           factored: Callable[[], object] | None = None, check: CheckConfig = CheckConfig()) -> Position:
     """Where ``stage`` stands at its current parameters ``names`` (module docstring).
 
     operator: H of the objective over ``names`` (e.g. the chain's :class:`~influkit.curvature.HessianOperator`,
     with its ``hessian_samples``); extra: the term the objective adds besides the stage's (Case 2's proximal term);
-    memory: the budget in bytes the gradient passes are chunked by (None: the default, :mod:`influkit.memory`, whose
-    floor of examples per chunk is ``least``). light: the check sized to a factored fit (module docstring);
-    factored: that fit — a callable returning the fitted :class:`~influkit.factored.FactoredCurvature` its solve
-    uses, fitted with ``gradient=True`` when it is fitted by the call — whose ``gradient`` gives r from every example
+    check: how the check runs (:class:`CheckConfig`); factored: with ``check.light``, the factored fit — a callable
+    returning the fitted :class:`~influkit.factored.FactoredCurvature` its solve uses, fitted with ``gradient=True``
+    when it is fitted by the call — whose ``gradient`` gives r from every example
     and whose eigenvalues are those of a non-stationary stage; without its ``gradient`` (kept from an earlier fit,
     or fitted over a subset of the examples), r comes from the sample :func:`light_sample`.
     """
@@ -215,7 +231,7 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     names = stage.param_names if names is None else list(names)
     n = len(stage)
     curvature, fitting = None, 0.0  # fitting: seconds of the factored fit that are the solve's, not the check's
-    if light and factored is not None:
+    if check.light and factored is not None:
         fitting = time.perf_counter()
         curvature = factored()
         fitting = time.perf_counter() - fitting
@@ -224,15 +240,15 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
         fitting -= measured.seconds
         absolute, typical, count, bound, source = measured.norm, measured.typical, n, 0.0, "fit"
     else:
-        absolute, typical, count, bound, source = _gradient_norms(stage, names, extra, seed, sample, memory, least,
-                                                                  light, progress)
+        absolute, typical, count, bound, source = _gradient_norms(stage, names, extra, check)
     relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
     release_freed_memory()  # the passes' freed buffers back to the system before the products allocate theirs
     tol = eigenvalue_tol(operator.dtype)
     if curvature is not None and relative > GRADIENT_TOL:
         low, high, m, where = curvature.smallest(), curvature.largest(), 0, curvature.kind
     else:
-        (low, high, m), where = extreme_eigenvalues(operator, steps, seed=seed, progress=progress), "lanczos"
+        (low, high, m), where = extreme_eigenvalues(operator, check.steps, seed=check.seed, progress=check.progress), \
+            "lanczos"
     return Position(gradient_norm=relative, min_eigenvalue=low, max_eigenvalue=high,
                     verdict=verdict(relative, low, high, tol), objective_gradient=absolute, typical_gradient=typical,
                     sample=count, lanczos_steps=m, eigenvalue_tol=tol,
@@ -241,18 +257,18 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
                     gradient_source=source, eigenvalue_source=where)
 
 
-def _gradient_norms(stage: Stage, names, extra, seed: int, sample: int, memory, least: int, light: bool,
-                    progress: bool) -> tuple[float, float, int, float, str]:
+def _gradient_norms(stage: Stage, names, extra, check: CheckConfig) -> tuple[float, float, int, float, str]:
     """(‖∇L‖, g, the sample's size, the half-width of ‖∇L‖ (0 when exact), its source "data" or "sample") from the
     per-example gradients of a seeded sample and, unless the sample is every example or a light sample settles the
     verdict, one gradient pass over the data (module docstring)."""
     n = len(stage)
-    size = light_sample(n) if light else min(sample, n)
-    order = None if size == n else torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    light, progress = check.light, check.progress
+    size = light_sample(n) if light else min(check.sample, n)
+    order = None if size == n else torch.randperm(n, generator=torch.Generator().manual_seed(check.seed))
     values = point(stage.state(), names)
     row = 2 * sum(t.numel() * t.element_size() for t in values.values())  # a gradient row and vmap's copy of it
     x, y = stage.data.take(torch.arange(n) if order is None else order[:size].sort().values)
-    chunk = chunk_for(stage, x, y, names, None, row, "where the stage stands", memory, least)  # both passes' batch
+    chunk = chunk_for(stage, x, y, names, None, row, "where the stage stands", check.memory, check.least)  # both passes' batch
     penalty = penalty_gradient(stage, names, extra=extra)
     penalty = 0.0 if penalty is None else ParamSpace(penalty).flatten(penalty).double()
     sums = _SampleSums()

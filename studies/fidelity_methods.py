@@ -128,7 +128,7 @@ def _margin(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def influkit_scores(task: Task, name: str, members: list[int]) -> np.ndarray:
     """(n, q) influkit scores of ``name`` (a key of INFLUKIT), averaged over ``members`` (influkit.Ensemble)."""
     chains = [task.chain(k, *INFLUKIT[name]) for k in members]
-    result = Ensemble(chains).scores(task.split.test, per_test=True)
+    result = Ensemble(chains).scores(x_test=task.split.test, per_test=True, progress=False)
     order = torch.argsort(result.index)
     return result.values[order].double().numpy()
 

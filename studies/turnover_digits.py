@@ -86,16 +86,16 @@ def experiment_loo(train, test, cfg: dict, out: Path) -> dict:
     print(f"\n(a) model accuracy {acc:.3f}; test point {target} (label {int(test[1][target])}, loss {float(test_losses[target]):.3f})")
     n = train[0].shape[0]
     point = (test[0][target : target + 1], test[1][target : target + 1])
-    to_point = influence(model, ce, torch.arange(n), point, n_train=n, progress=False)
-    to_set = influence(model, ce, torch.arange(n), test, n_train=n, progress=False)
+    to_point = influence(model, torch.arange(n), point, measure=ce, n_train=n, progress=False)
+    to_set = influence(model, torch.arange(n), test, measure=ce, n_train=n, progress=False)
     # null check: ids n..2n−1 (of a set of 2n whose second half was never trained on) are pure sub-network noise
     unseen = torch.arange(n, 2 * n)
     noise = pd.DataFrame(
         [
             (name, float(seen.values.std()), float(null.values.std()), float(seen.values.std() / null.values.std()))
             for name, seen, null in [
-                ("test point", to_point, influence(model, ce, unseen, point, n_train=2 * n, progress=False)),
-                ("summed test loss", to_set, influence(model, ce, unseen, test, n_train=2 * n, progress=False)),
+                ("test point", to_point, influence(model, unseen, point, measure=ce, n_train=2 * n, progress=False)),
+                ("summed test loss", to_set, influence(model, unseen, test, measure=ce, n_train=2 * n, progress=False)),
             ]
         ],
         columns=["target", "std_trained_ids", "std_unseen_ids", "ratio"],
@@ -205,7 +205,7 @@ def experiment_cleansing(train, val, test, cfg: dict, out: Path) -> None:
     for seed in range(cfg["seeds"]):
         model = fit(train, seed, cfg)
         rows.append({"seed": seed, "removed": 0.0, "strategy": "none", "accuracy": evaluate(model, test)[1]})
-        harmful = torch.argsort(influence(model, ce, torch.arange(n), val, n_train=n, progress=False).values, descending=True)
+        harmful = torch.argsort(influence(model, torch.arange(n), val, measure=ce, n_train=n, progress=False).values, descending=True)
         rng = np.random.default_rng(100 + seed)
         for frac in cfg["fractions"]:
             k = int(round(frac * n))

@@ -14,11 +14,11 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 import influkit as ik
-from benchmarks.common import adam, bert_mlm_classifier_chain
 from influkit import auto
-from influkit.auto import DAMPING_RATIO, DIRECT_MAX, R_REF, Training, decide, spectral_damping
+from influkit.auto import DAMPING_RATIO, DIRECT_MAX, R_REF, Asked, Training, decide, spectral_damping
 from influkit.solvers import default_tol
 from influkit.stationarity import Position
+from influkit.training import train_adam
 
 from conftest import cross_entropy, l2
 
@@ -38,7 +38,7 @@ def test_at_a_minimum_the_fastest_exact_method_for_the_work_asked():
     assert (many.matrix, many.solver) == ("hessian", "direct") and "100 right-hand sides" in many.reason
     assert decide(at("minimum"), DIRECT_MAX + 1, n_rhs=100).solver == "cg_spd"  # too large to factor
     assert decide(at("minimum"), 650, n_rhs=100, memory=650 * 650 * 8).solver == "cg_spd"  # H does not fit
-    assert decide(at("minimum"), 650, damping=0.1).damping == 0.1
+    assert decide(at("minimum"), 650, asked=Asked(damping=0.1)).damping == 0.1
 
 
 @pytest.mark.parametrize("where", ["non-stationary", "saddle"])
@@ -46,9 +46,9 @@ def test_off_a_minimum_the_damped_gauss_newton_matrix(where):
     choice = decide(at(where, low=-0.5, high=4.0, r=0.2), 650)
     assert (choice.matrix, choice.solver, choice.preconditioner) == ("gauss-newton", "minres", None)
     assert choice.damping == pytest.approx(DAMPING_RATIO * 4.0) and where in choice.reason
-    trained = decide(at(where, r=0.2), 650, training=Training(lr=0.05, steps=40))
+    trained = decide(at(where, r=0.2), 650, asked=Asked(training=Training(lr=0.05, steps=40)))
     assert trained.damping == pytest.approx(1 / (0.05 * 40)) and "1/(ηT)" in trained.reason
-    assert decide(at(where, r=0.2), 650, damping=0.3, training=Training(lr=0.05, steps=40)).damping == 0.3
+    assert decide(at(where, r=0.2), 650, asked=Asked(damping=0.3, training=Training(lr=0.05, steps=40))).damping == 0.3
     large = decide(at(where, r=0.2), auto.PRECONDITION_MIN + 1)
     assert large.preconditioner == "ekfac" and "EK-FAC" in large.reason
 
@@ -59,12 +59,12 @@ def test_off_a_minimum_many_right_hand_sides_on_a_large_stage_take_the_ekfac_inv
     many = decide(at("non-stationary", r=0.2), p, n_rhs=rhs)
     assert (many.matrix, many.solver, many.preconditioner) == ("gauss-newton", "ekfac", None)
     assert many.damping == pytest.approx(DAMPING_RATIO * 4.0) and "approximate inverse" in many.reason
-    trained = decide(at("saddle", low=-0.5, r=0.0), p, n_rhs=rhs, training=Training(lr=0.05, steps=40))
+    trained = decide(at("saddle", low=-0.5, r=0.0), p, n_rhs=rhs, asked=Asked(training=Training(lr=0.05, steps=40)))
     assert (trained.solver, trained.damping) == ("ekfac", pytest.approx(1 / (0.05 * 40)))
-    assert decide(at("non-stationary", r=0.2), p, n_rhs=rhs, damping=0.3).damping == 0.3
+    assert decide(at("non-stationary", r=0.2), p, n_rhs=rhs, asked=Asked(damping=0.3)).damping == 0.3
     assert decide(at("non-stationary", r=0.2), p, n_rhs=rhs - 1).solver == "minres"  # p·n_rhs within the work
     assert decide(at("non-stationary", r=0.2), auto.PRECONDITION_MIN, n_rhs=10**4).solver == "minres"  # small p
-    given = decide(at("non-stationary", r=0.2), p, n_rhs=rhs, preconditioner="kfac")
+    given = decide(at("non-stationary", r=0.2), p, n_rhs=rhs, asked=Asked(preconditioner="kfac"))
     assert (given.solver, given.preconditioner) == ("minres", "kfac")  # an explicit preconditioner wins
     assert decide(at("minimum"), p, n_rhs=rhs).solver == "cg_spd"  # at a minimum: exact, as before
 
@@ -77,11 +77,11 @@ def test_a_singular_stationary_point():
 
 
 def test_every_explicit_setting_wins():
-    named = decide(at("non-stationary", r=0.5), 650, solver="direct")
+    named = decide(at("non-stationary", r=0.5), 650, asked=Asked(solver="direct"))
     assert (named.matrix, named.solver, named.damping, named.reason) == ("hessian", "direct", 0.0, "")
-    assert decide(at("minimum"), 650, matrix="gauss-newton").matrix == "gauss-newton"
-    assert decide(at("non-stationary", r=0.5), 650, preconditioner="diagonal").preconditioner == "diagonal"
-    assert decide(at("non-stationary", r=0.5), 10**7, preconditioner="kfac").preconditioner == "kfac"
+    assert decide(at("minimum"), 650, asked=Asked(matrix="gauss-newton")).matrix == "gauss-newton"
+    assert decide(at("non-stationary", r=0.5), 650, asked=Asked(preconditioner="diagonal")).preconditioner == "diagonal"
+    assert decide(at("non-stationary", r=0.5), 10**7, asked=Asked(preconditioner="kfac")).preconditioner == "kfac"
 
 
 def test_without_a_position_the_size_decides():
@@ -206,16 +206,32 @@ def test_one_solve_config_means_what_a_list_of_equal_ones_means(solver):
 
 # ---- models trained with Adam for a few steps, every setting at its default ----
 
+def adam(stage: ik.Stage) -> None:
+    """30 full-batch Adam steps: a model trained the way people train one, short of a minimum."""
+    train_adam(stage, steps=30, lr=1e-2, batch_size=len(stage))
+
+
 def tiny_bert_chain():
+    """Masked LM → classifier (Case 1, ``shared="bert"``), both stages Adam-trained."""
     pytest.importorskip("transformers")
+    from transformers import BertForMaskedLM, BertForSequenceClassification
+
     from influkit import hf
 
     from test_hf import MASK_ID, SPECIALS, labelled, tiny_config, tokens
 
-    chain = bert_mlm_classifier_chain(tiny_config(initializer_range=0.02), tokens(24, 0), labelled(24, 11), steps=30,
-                                      lr=1e-2, regularizer=l2(1e-3), mask_token_id=MASK_ID, special_token_ids=SPECIALS,
-                                      seed=7)
-    return chain, hf.pack(labelled(4, 99))
+    config = tiny_config(initializer_range=0.02)
+    torch.manual_seed(0)
+    pre_model = BertForMaskedLM(config).float().eval()
+    pre = hf.masked_lm_stage(pre_model, tokens(24, 0), mask_token_id=MASK_ID, special_token_ids=SPECIALS, seed=7,
+                             regularizer=l2(1e-3))
+    adam(pre)
+    fin_model = BertForSequenceClassification(config).float().eval()
+    fin_model.bert.load_state_dict(pre_model.bert.state_dict(), strict=False)  # the pretrained encoder
+    fin = hf.classification_stage(fin_model, labelled(24, 11), params=["bert.pooler", "classifier"],
+                                  regularizer=l2(1e-3))
+    adam(fin)
+    return ik.Chain([pre, fin], [ik.Link("bert", case=1)]), hf.pack(labelled(4, 99))
 
 
 def tiny_gpt2_lora_chain():
@@ -227,12 +243,12 @@ def tiny_gpt2_lora_chain():
 
     torch.manual_seed(0)
     pre = hf.causal_lm_stage(gpt2(initializer_range=0.02).float().eval(), documents(24, 0), regularizer=l2(1e-3))
-    adam(pre, 30, lr=1e-2)
+    adam(pre)
     base = copy.deepcopy(pre.model.hf_model)
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0,
                              init_lora_weights=False)
     fin = hf.causal_lm_stage(peft.get_peft_model(base, config).float().eval(), completions(24, 11), regularizer=l2(1e-3))
-    adam(fin, 30, lr=1e-2)
+    adam(fin)
     return ik.Chain([pre, fin], [hf.lora_link(pre, fin, case=1)]), hf.pack(completions(4, 99))
 
 
@@ -246,11 +262,11 @@ def small_cnn_chain():
     torch.manual_seed(0)
     pre_model = digits_classifier(10, (2, 4)).float().eval()
     pre = ik.Stage(pre_model, cross_entropy, (x[:120], y[:120]), regularizer=l2(1e-3))
-    adam(pre, 30, lr=1e-2)
+    adam(pre)
     fin_model = digits_classifier(2, (2, 4)).float().eval()
     fin_model.embedding.load_state_dict(pre_model.embedding.state_dict())
     fin = ik.Stage(fin_model, cross_entropy, (x[120:180], y[120:180] % 2), params="head", regularizer=l2(1e-3))
-    adam(fin, 30, lr=1e-2)
+    adam(fin)
     return ik.Chain([pre, fin], [ik.Link("embedding", case=1)]), (x[180:], y[180:] % 2)
 
 

@@ -1,4 +1,4 @@
-"""Every ```python block of the README, of docs/getting-started.md and of docs/guides/*.md runs as written.
+"""Every ```python block of the README, of docs/index.md, docs/getting-started.md and docs/guides/*.md runs as written.
 
 The blocks of one page run in order in one fresh interpreter (a later block may use an earlier one's names), in an
 empty working directory, with this checkout first on the import path. A block that must not run is preceded by
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "docs" / "index.md", ROOT / "docs" / "getting-started.md", *sorted((ROOT / "docs" / "guides").glob("*.md"))]
 FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```", re.S | re.M)
 NO_RUN = re.compile(r"<!--\s*no-run:\s*(\S.*?)\s*-->\s*$")
 REQUIRES = re.compile(r"<!--\s*requires:\s*([\w.]+)\s*-->")

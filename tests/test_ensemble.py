@@ -54,7 +54,7 @@ TEST = _data(5, 2, 2)
 def test_ensemble_is_the_mean_of_its_members(chains, per_test):
     members = [c.query(TEST, per_test=per_test).scores().values for c in chains]
     assert not torch.allclose(members[0], members[1])  # different optima: the average is not trivial
-    result = Ensemble(chains).scores(TEST, per_test=per_test)
+    result = Ensemble(chains).scores(x_test=TEST, per_test=per_test, progress=False)
     torch.testing.assert_close(result.values, torch.stack(members).mean(0), rtol=1e-12, atol=1e-14)
     assert result.values.shape == members[0].shape
     torch.testing.assert_close(result.removal, -result.values / 20)
@@ -63,7 +63,7 @@ def test_ensemble_is_the_mean_of_its_members(chains, per_test):
 
 def test_ensemble_of_one_equals_the_chain(chains):
     alone = chains[0].query(TEST, per_test=True).scores(torch.arange(7))
-    one = Ensemble(chains[:1]).scores(TEST, torch.arange(7), per_test=True)
+    one = Ensemble(chains[:1]).scores(torch.arange(7), TEST, per_test=True, progress=False)
     torch.testing.assert_close(one.values, alone.values, rtol=0, atol=0)
     assert torch.equal(one.index, alone.index)
 
@@ -83,3 +83,18 @@ def test_average_refuses_results_over_other_examples(chains):
         average([query.scores(torch.arange(5)), query.scores(torch.arange(6))])
     with pytest.raises(ik.InfluenceError, match="other examples"):
         average([query.scores(torch.arange(5)), query.scores(torch.arange(1, 6))])
+
+
+def test_ensemble_attributes_the_measure_given(chains):
+    """measure= reaches every member: the ensemble of one with a margin measure is that chain's margin scores."""
+    def margin(logits, y):
+        true = logits.gather(1, y[:, None])[:, 0]
+        return true - logits.masked_fill(torch.nn.functional.one_hot(y, logits.shape[1]).bool(), -torch.inf).amax(1)
+
+    alone = chains[0].query(TEST, measure=margin).scores(torch.arange(4))
+    one = Ensemble(chains[:1]).scores(torch.arange(4), TEST, measure=margin, progress=False)
+    torch.testing.assert_close(one.values, alone.values, rtol=0, atol=0)
+    loss = Ensemble(chains[:1]).scores(torch.arange(4), TEST, progress=False)
+    assert not torch.allclose(one.values, loss.values)
+    with pytest.raises(ik.InfluenceError, match="x_test is required"):
+        Ensemble(chains).scores(torch.arange(4))

@@ -11,11 +11,8 @@ eager attention because forward-mode AD has no rule for CPU scaled-dot-product a
 
 from __future__ import annotations
 
-import json
 import warnings
 
-import numpy as np
-import pandas as pd
 import pytest
 import torch
 from torch.func import grad
@@ -24,7 +21,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import influkit as ik  # noqa: E402
-from benchmarks.common import study  # noqa: E402
 from influkit import hf  # noqa: E402
 from influkit.curvature import HessianOperator  # noqa: E402
 from influkit.errors import VectorizationWarning  # noqa: E402
@@ -441,55 +437,3 @@ def _expanded(stage: ik.Stage, names: list[str]) -> list[str]:
     """The parameter name of every entry of the flattened vector over ``names``."""
     state = stage.state()
     return [n for n in names for _ in range(state[n].numel())]
-
-
-# --- the experiment, CI-sized ---------------------------------------------------------------------------
-
-
-def _run_example(*args: str) -> object:
-    module = study("bert_pretrain_finetune")
-    threads = torch.get_num_threads()
-    try:
-        assert module.main(["--quick", "--no-progress", *args]) == 0
-    finally:
-        torch.set_num_threads(threads)
-    return module
-
-
-@pytest.fixture(scope="module")
-def example_run(tmp_path_factory):
-    """``studies/bert_pretrain_finetune.py --quick`` once: pretraining, both cases, Table 1, leave-out."""
-    from influkit.elmo import corpora
-
-    try:
-        corpora.vader_archive()
-    except corpora.DataUnavailable as exc:
-        pytest.skip(f"vaderSentiment sdist unavailable: {exc}")
-    out = tmp_path_factory.mktemp("bert")
-    return _run_example("--out", str(out)), out
-
-
-@pytest.mark.slow
-def test_bert_example_quick_runs_end_to_end(example_run):
-    module, out = example_run
-    summary = json.loads((out / "summary.json").read_text())
-    scores = pd.read_csv(out / "scores.csv")
-    assert len(scores) == module.QUICK.n_pretrain and np.isfinite(scores.filter(like="I_").to_numpy()).all()
-    assert scores["I_set_case1"].abs().max() > 0 and scores["I_set_case2"].abs().max() > 0
-    # removal = −I/m, the convention the leave-out check compares with
-    np.testing.assert_allclose(scores["removal_set_case1"], -scores["I_set_case1"] / len(scores), rtol=1e-5, atol=1e-9)
-    for case in (1, 2):
-        assert summary[f"case{case}"]["seconds_per_sentence_set"] > 0
-        assert [s["stage"] for s in summary[f"case{case}"]["solves_set"]] == [0, 1]
-    leave = pd.read_csv(out / "leaveout.csv")
-    assert len(leave) == 4 + module.QUICK.n_random_groups + 2
-    assert (out / "pretrained" / "tokenizer.json").exists()
-
-
-@pytest.mark.slow
-def test_bert_example_lds_resumes_from_the_saved_model(example_run):
-    pytest.importorskip("influkit.apps.lds")
-    _, out = example_run
-    _run_example("--out", str(out), "--reuse", "--lds", "3")
-    lds = json.loads((out / "lds_summary.json").read_text())
-    assert lds["M_finished"] == 3 and len(list((out / "lds" / "outputs").iterdir())) == 3

@@ -49,6 +49,27 @@ def test_method_packages_load_on_first_use():
     with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
         ik.nonexistent  # noqa: B018
     assert {"ssl", "turnover", "elmo", "hf", "validation", "apps"} <= set(dir(ik))
+    assert set(ik._LAZY) <= set(ik.__all__)  # every lazy package is public
+
+
+def test_lazy_packages_are_imported_for_type_checkers():
+    """``if TYPE_CHECKING:`` imports every lazy package, so a type checker sees ``ik.unrolled`` as the module."""
+    import ast
+
+    import influkit as ik
+
+    tree = ast.parse((ROOT / "influkit" / "__init__.py").read_text())
+    guarded = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
+    names = {alias.name for node in guarded for stmt in node.body if isinstance(stmt, ast.ImportFrom)
+             for alias in stmt.names}
+    assert names == set(ik._LAZY)
+
+
+def test_the_cli_loads_the_digits_experiment_on_demand():
+    """``influkit score`` or ``index`` never loads the digits app: the CLI reads only its constants at load."""
+    loaded = _run("import json, sys, influkit.cli; "
+                  "print(json.dumps(sorted(m for m in sys.modules if m.startswith('influkit.apps'))))")
+    assert loaded == ["influkit.apps", "influkit.apps.demo_defaults"]
 
 
 def test_import_graph_has_no_circle():
@@ -131,3 +152,16 @@ def test_the_import_contract_names_only_modules_that_exist():
         assert (ROOT / "influkit" / f"{name}.py").exists() or (ROOT / "influkit" / name / "__init__.py").exists(), name
     for name in ("ssl", "turnover", "unrolled", "elmo", "index", "hf", "validation", "apps", "report", "cli", "jobs"):
         assert import_graph.part(f"influkit.{name}") == "method"
+
+
+def test_the_tests_import_neither_benchmarks_nor_studies():
+    """The lab's own tests live beside it (benchmarks/tests, studies/tests); tests/ checks the package alone."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in ("benchmarks", "studies")]
+    assert found == []

@@ -15,7 +15,7 @@ import influkit as ik
 from influkit.curvature import HessianOperator
 from influkit.operators import DenseOperator
 from influkit.report import write_report
-from influkit.stationarity import GRADIENT_TOL, assess, eigenvalue_tol, extreme_eigenvalues, verdict
+from influkit.stationarity import GRADIENT_TOL, CheckConfig, assess, eigenvalue_tol, extreme_eigenvalues, verdict
 
 from conftest import cross_entropy, digits, l2
 
@@ -221,7 +221,7 @@ def test_the_light_check_of_a_stationary_stage_has_the_full_checks_verdict_and_l
 
     stage, _ = logreg_digits
     full = position(stage)
-    light = assess(stage, None, HessianOperator(stage), light=True,
+    light = assess(stage, None, HessianOperator(stage), check=CheckConfig(light=True),
                    factored=lambda: fit_curvature(stage, kind="ekfac", gradient=True))
     assert light.verdict == full.verdict == "minimum" and light.gradient_source == "fit"
     assert light.gradient_norm < GRADIENT_TOL and light.eigenvalue_source == "lanczos"

@@ -211,14 +211,14 @@ def test_influence_equals_loss_difference_by_hand(masks):
     train_turnover(model, ce, (x_train, y_train), epochs=3, batch_size=8, progress=False)
     x_test, y_test = toy_data(n=6, seed=2)
     ids = torch.tensor([0, 5, 29, 11])
-    res = influence(model, ce, ids, (x_test, y_test), n_train=30, per_test=True, batch_size=5, progress=False)
+    res = influence(model, ids, (x_test, y_test), measure=ce, n_train=30, per_test=True, batch_size=5, progress=False)
     assert res.values.shape == (4, 6) and res.n_train == 30
     with torch.no_grad():
         for row, i in enumerate(ids):
             keep = model[2].keep_mask(i.reshape(1), 16).expand(6, 16)
             want = hand_losses(model, x_test, y_test, keep, 0.4, False) - hand_losses(model, x_test, y_test, keep, 0.4, True)
             assert torch.allclose(res.values[row], want, atol=1e-12)
-    summed = influence(model, ce, ids, (x_test, y_test), n_train=30, batch_size=1000, progress=False)
+    summed = influence(model, ids, (x_test, y_test), measure=ce, n_train=30, batch_size=1000, progress=False)
     assert torch.allclose(summed.values, res.values.sum(dim=1), atol=1e-12)  # batched == looped
     assert torch.allclose(summed.removal, -summed.values)
     assert torch.equal(summed.index, ids)
@@ -248,8 +248,8 @@ def test_removal_rule_diagnostics_and_round_trip_bit_identical(tmp_path):
     x_test = toy_data(n=5, seed=2)
     ids = torch.tensor([4, 0, 17])
     results = [
-        influence(model, ce, ids, x_test, n_train=30, per_test=True, batch_size=7, progress=False),
-        influence(model, ce, ids, x_test, n_train=30, batch_size=7, progress=False),
+        influence(model, ids, x_test, measure=ce, n_train=30, per_test=True, batch_size=7, progress=False),
+        influence(model, ids, x_test, measure=ce, n_train=30, batch_size=7, progress=False),
         self_influence(model, ce, data, ids, batch_size=2, progress=False),
     ]
     with torch.no_grad():
@@ -285,28 +285,28 @@ class IndexedDatasetPairs(torch.utils.data.Dataset):
 def test_influence_restores_model_mode_and_rejects_bad_input():
     model = mlp().train()
     x_test = toy_data(n=3, seed=5)
-    influence(model, ce, [0, 1], x_test, n_train=40, progress=False)
+    influence(model, [0, 1], x_test, measure=ce, n_train=40, progress=False)
     assert model.training and model[2].training and model[2].ids is None
     with pytest.raises(InputError):
-        influence(model, ce, [], x_test, n_train=40, progress=False)
+        influence(model, [], x_test, measure=ce, n_train=40, progress=False)
     with pytest.raises(InputError):
-        influence(model, ce, [0], (x_test[0], x_test[1][:2]), n_train=40, progress=False)
+        influence(model, [0], (x_test[0], x_test[1][:2]), measure=ce, n_train=40, progress=False)
     bad = x_test[0].clone()
     bad[0, 0] = float("nan")
     with pytest.raises(InputError):
-        influence(model, ce, [0], (bad, x_test[1]), n_train=40, progress=False)
+        influence(model, [0], (bad, x_test[1]), measure=ce, n_train=40, progress=False)
     with pytest.raises(InputError, match="index the training set"):
         self_influence(model, ce, x_test, [0, 3], progress=False)  # id out of range
     with pytest.raises(InputError, match="index the training set"):
-        influence(model, ce, [0, 40], x_test, n_train=40, progress=False)
+        influence(model, [0, 40], x_test, measure=ce, n_train=40, progress=False)
     with pytest.raises(InputError, match="n_train"):
-        influence(model, ce, [0], x_test, n_train=0, progress=False)
+        influence(model, [0], x_test, measure=ce, n_train=0, progress=False)
     with pytest.raises(TypeError):
-        influence(model, ce, [0], x_test, progress=False)  # n_train is required
+        influence(model, [0], x_test, measure=ce, progress=False)  # n_train is required
     with pytest.raises(LossError):
-        influence(model, lambda o, t: ce(o, t).sum(), [0], x_test, n_train=40, progress=False)
+        influence(model, [0], x_test, measure=lambda o, t: ce(o, t).sum(), n_train=40, progress=False)
     with pytest.raises(ModelModeError):
-        influence(nn.Linear(5, 3).double(), ce, [0], x_test, n_train=40, progress=False)
+        influence(nn.Linear(5, 3).double(), [0], x_test, measure=ce, n_train=40, progress=False)
 
 
 # ---------------------------------------------------------------- training plumbing

@@ -40,7 +40,8 @@ def main() -> None:
         accuracy = float((model.eval()(test[0]).argmax(1) == test[1]).float().mean())
     print(f"test accuracy {accuracy:.3f} (trained with 10% wrong labels)")
 
-    res = influence(model, cross_entropy, torch.arange(1000), (test[0][:1], test[1][:1]), n_train=1000, progress=False)
+    res = influence(model, torch.arange(1000), (test[0][:1], test[1][:1]), measure=cross_entropy, n_train=1000,
+                    progress=False)
     print(f"test digit 0 (label {int(test[1][0])}): most harmful training digits {res.top(5).example.tolist()}, "
           f"most helpful {res.top(5, harmful=False).example.tolist()}")
 

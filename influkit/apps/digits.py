@@ -29,6 +29,7 @@ from ..training import HessianFactor, fit_lbfgs, gradient_norm, newton_fit, trai
 from ..links import StagePlan
 from ..validation import Retrainer, leave_out_retrain, loo_corr
 from .datasets import TwoTaskSplit, load_digits_tensors, two_task_split
+from .demo_defaults import DEMO_SETTINGS
 from .lds import GRADIENT_DOT, ChainOutputs, LDSRun, run_lds, score_methods
 from .models import digits_classifier
 from .objectives import cross_entropy, l2
@@ -94,10 +95,7 @@ class DigitsSetup:
                          factors=dict(self.factors))  # a preconditioner only: every run still goes to ‖∇‖ ≤ tol
 
 
-DEMO_SETTINGS = dict(n_pretrain=240, tol=1e-8, warmup=100)
-"""What the quick ``influkit demo`` changes from the full-size :class:`DigitsSetup` (``DigitsSetup.demo()``)."""
-DEMO_REMOVALS = 20
-"""Leave-out retrainings of the quick demo (10 top-|score|, 10 random); the full run uses 40."""
+
 
 
 def train_stages(setup: DigitsSetup, split: TwoTaskSplit) -> tuple[Stage, Stage]:

@@ -29,7 +29,7 @@ import torch
 
 from .. import memory as budgets
 from ..layers import Dense, Layer, Recorder
-from ..memory import PROBE_EXAMPLES, probe_bytes
+from ..memory import PROBE_EXAMPLES, Probe
 from ..params import ParamSpace, point
 from ..stage import Stage, check_finite
 from .curvature import FactoredCurvature, KroneckerBlock
@@ -142,10 +142,10 @@ def token_gradient(stage: Stage, inputs: torch.Tensor, targets: torch.Tensor, na
         return True
 
     head = min(PROBE_EXAMPLES, inputs.shape[0])
-    agreed = []
-    per = probe_bytes(lambda _: agreed.append(run(inputs[:head], targets[:head], check=True)), stage.model, head)
-    per += -(-held[0] // head)
-    if not agreed[0]:
+    with Probe(stage.model, head) as probe:
+        agreed = run(inputs[:head], targets[:head], check=True)
+    per = probe.per_example - (-held[0] // head)
+    if not agreed:
         return None
     if chunk_size is None:
         chunk_size = min(512, budgets.fit_count(budgets.resolve(memory, inputs.device), per, "the test gradient",

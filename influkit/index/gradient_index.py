@@ -64,8 +64,9 @@ class IndexConfig:
     K-FAC/EK-FAC curvature with the most gradient energy — whitened energy Σ E/(E + λ) when whitened), "random" (LoGra-style random Kronecker
     projections, seeded by ``seed``) or "identity" (exact, uncompressed: D = the number of trained parameters);
     whiten: store P (C + λI)^{-1/2} ∇ℓ(z) and compress a query's adjoint s to P (C + λI)^{1/2} s (:mod:`.projections`),
-    C the ``factored`` curvature, λ = ``damping`` (that of the chain's stage-1 solve, so that the query side is
-    (C + λI)^{-1/2} u for its s = (C + λI)⁻¹ u); exact uncompressed whatever λ;
+    C the ``factored`` curvature, λ = ``damping`` (chosen from C alone, e.g. 0.1 · C's mean eigenvalue, and given to
+    every later chain's stage-1 solve, so that the query side is (C + λI)^{-1/2} u for its s = (C + λI)⁻¹ u); exact
+    uncompressed whatever λ;
     dtype: the rows' dtype on disk: "int8" (symmetric round-to-nearest, one float32 scale per row, D + 4 bytes; the
     scores' error bound in :mod:`.quantization`), "float16", "bfloat16", "float32" or "float64"; None (the default):
     "int8" for a compressed index, the trained parameters' dtype for ``projection="identity"`` (exact). The rows are
@@ -90,7 +91,7 @@ class IndexConfig:
         if self.shard_size < 1 or self.batch_size < 1:
             raise InputError("shard_size and batch_size must be ≥ 1.")
         if self.damping is not None and not self.damping >= 0:
-            raise InputError(f"damping must be ≥ 0 (the λ of the chain's stage-1 solve), got {self.damping!r}.")
+            raise InputError(f"damping must be ≥ 0 (the λ stage 1 is solved with), got {self.damping!r}.")
 
     def summary(self) -> dict:
         return asdict(self)
@@ -174,7 +175,7 @@ class GradientIndex:
     # ---- building
     @classmethod
     def build(cls, stage: Stage, directory: str | Path, config: IndexConfig = IndexConfig(), *, factored=None,
-              progress: bool = False) -> "GradientIndex":
+              progress: bool = True) -> "GradientIndex":
         """Index every example of ``stage`` (its trained parameters, at its model's current values) in ``directory``.
 
         A directory that already holds this index (same checkpoint, settings and data) is resumed: only the shards
@@ -211,7 +212,7 @@ class GradientIndex:
         index._fill(stage, progress)
         return index
 
-    def append(self, stage: Stage, *, progress: bool = False) -> "GradientIndex":
+    def append(self, stage: Stage, *, progress: bool = True) -> "GradientIndex":
         """Index the examples of ``stage`` past those already indexed (its data: the indexed examples, unchanged and
         in order, then the new ones), without recomputing any row. Refused for another checkpoint or changed data.
         Resumable like :meth:`build`. Returns self."""
@@ -302,7 +303,7 @@ class GradientIndex:
         """Rows of an int8 index converted to ``dtype`` at a time: CHUNK_BYTES of converted rows."""
         return max(1, CHUNK_BYTES // (self.width * torch.empty(0, dtype=dtype).element_size()))
 
-    def products(self, s: torch.Tensor, *, progress: bool = False) -> torch.Tensor:
+    def products(self, s: torch.Tensor, *, progress: bool = True) -> torch.Tensor:
         """(n_rows, k) every row's product with the columns ``s`` (D, k): cᵀ s for stored rows c, σ (qᵀ s) for int8
         rows — q converted to :attr:`compute_dtype` a chunk at a time in one reused buffer, so a query's memory does
         not grow with the number of chunks."""
@@ -347,7 +348,7 @@ class GradientIndex:
         plan = query.chain.plans[0]
         return self.layout(plan.stage).directions(query.s, self.compute_dtype)
 
-    def scores(self, query, *, check_data: bool = True, progress: bool = False) -> InfluenceResult:
+    def scores(self, query, *, check_data: bool = True, progress: bool = True) -> InfluenceResult:
         """I(z, T) ≈ −c(z)ᵀ s̃ of every indexed example for a :class:`~influkit.chain.Query` whose chain's stage 1 is
         the indexed stage (checked; ``check_data=False`` skips hashing its examples again): (m,) summed, or (m, n_test)
         per test point; an int8 index's −σ q(z)ᵀ s̃, within :meth:`error_bound` of the unquantized rows' scores.
@@ -372,12 +373,13 @@ class GradientIndex:
                          "settings": query.settings() | {"index": self.describe()}})
 
     def top(self, query, k: int = 10, *, candidates: int | None = None, harmful: bool = True, column: int | None = None,
-            ann: bool = False, chunk_size: int | None = None) -> InfluenceResult:
+            ann: bool = False, chunk_size: int | None = None, progress: bool = True) -> InfluenceResult:
         """The k most harmful (``harmful=False``: helpful) examples, ranked by exact scores: the index proposes
         ``candidates`` rows (default max(4k, 100)) by its scores — summed over the test points, or of test point
         ``column`` — and :meth:`Query.scores` re-scores exactly those rows by contraction. ``ann``: the candidates
         from an approximate inner-product search (faiss HNSW, :mod:`.ann`) instead of scoring every row. The result's
-        rows are the k examples (``index``: their ids), ``diagnostics["index"]`` the candidates' index scores."""
+        rows are the k examples (``index``: their ids), ``diagnostics["index"]`` the candidates' index scores.
+        progress: bars over the index's product and the re-scoring (``False``: nothing printed)."""
         if k < 1:
             raise InputError(f"k must be ≥ 1, got {k}.")
         m = self.n_rows
@@ -393,13 +395,13 @@ class GradientIndex:
             ids = search(self, direction if not harmful else -direction, candidates)
             approx = -(self._rows_at(ids) @ direction)
         else:
-            approx_all = self.scores(query)
+            approx_all = self.scores(query, progress=progress)
             key = approx_all.values if not approx_all.per_test else \
                 approx_all.values[:, column] if column is not None else approx_all.values.sum(1)
             ids = key.argsort(descending=harmful)[:candidates]
             approx = key[ids]
         proposed = time.perf_counter()
-        exact = query.scores(ids, chunk_size=chunk_size)
+        exact = query.scores(ids, chunk_size=chunk_size, progress=progress)
         key = exact.values if not exact.per_test else \
             exact.values[:, column] if column is not None else exact.values.sum(1)
         order = key.argsort(descending=harmful)[:k]

@@ -30,7 +30,7 @@ from .. import distributed
 from ..chain import Chain, Link
 from ..errors import InputError
 from ..fitted import CurvatureConfig
-from ..jobs import _configs, _factory, read_config
+from ..jobs import configs, factory, read_config
 from ..solvers import SolveConfig
 from ..stage import Stage
 from .gradient_index import GradientIndex, IndexConfig
@@ -46,7 +46,7 @@ def _setup(path: Path):
         raise InputError(f"{path}: unknown [index] settings {unknown}; known: {sorted(JOB_KEYS | set(IndexConfig.__dataclass_fields__))}.")
     distributed.initialize(timeout_seconds=float(config.get("timeout_seconds", 600)))
     device = distributed.local_device() if config.get("device", "auto") == "auto" else torch.device(config["device"])
-    built = _factory(config["factory"], path.parent)(device)
+    built = factory(config["factory"], path.parent)(device)
     if not isinstance(built, dict) or "stages" not in built:
         raise InputError("the factory must return a dict with 'stages' (and 'links', 'test' for a query).")
     stages, links = list(built["stages"]), list(built.get("links", ()))
@@ -64,8 +64,8 @@ def build(path: str | Path, *, progress: bool = True) -> GradientIndex:
         return GradientIndex.open(directory).append(stages[0], progress=progress)
     factored = None
     if index_config.whiten or index_config.projection in ("eigenbasis", "eigenpairs"):
-        chain = Chain(stages, links, solve=_configs(SolveConfig, config.get("solve")),
-                      curvature=_configs(CurvatureConfig, config.get("curvature")))
+        chain = Chain(stages, links, solve=configs(SolveConfig, config.get("solve")),
+                      curvature=configs(CurvatureConfig, config.get("curvature")))
         factored = chain.curvature(0).approximation("ekfac", progress=progress)
     return GradientIndex.build(stages[0], directory, index_config, factored=factored, progress=progress)
 
@@ -77,8 +77,8 @@ def query(path: str | Path, *, progress: bool = True):
     if "test" not in built:
         raise InputError("the factory must return 'test' (inputs and targets, or indices) to query the index.")
     index = GradientIndex.open(directory)
-    chain = Chain(stages, links, solve=_configs(SolveConfig, config.get("solve")),
-                  curvature=_configs(CurvatureConfig, config.get("curvature")))
+    chain = Chain(stages, links, solve=configs(SolveConfig, config.get("solve")),
+                  curvature=configs(CurvatureConfig, config.get("curvature")))
     start = time.perf_counter()
     q = chain.query(built["test"], per_test=bool(config.get("per_test", False)), progress=progress)
     result = index.scores(q, progress=progress)

@@ -9,7 +9,7 @@ Typical use::
 
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), TurnOverDropout(0.5), nn.Linear(256, 10))
     train_turnover(model, loss, (X, y), epochs=30)
-    res = influence(model, loss, torch.arange(len(X)), (x_test, y_test), n_train=len(X))
+    res = influence(model, torch.arange(len(X)), (x_test, y_test), measure=loss, n_train=len(X))
 """
 
 from .influence import influence, self_influence

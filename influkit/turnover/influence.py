@@ -38,13 +38,13 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def _as_ids(ids: Sequence[int] | torch.Tensor, n: int) -> torch.Tensor:
     ids = torch.as_tensor(ids)
     if ids.dim() != 1 or ids.numel() == 0:
-        raise InputError(f"train_ids must be a non-empty 1-D sequence of example ids, got shape {tuple(ids.shape)}.")
+        raise InputError(f"z must be a non-empty 1-D sequence of training example ids, got shape {tuple(ids.shape)}.")
     if ids.is_floating_point() or ids.dtype == torch.bool:
-        raise InputError(f"train_ids must be integers, got dtype {ids.dtype}.")
+        raise InputError(f"z must be integer example ids, got dtype {ids.dtype}.")
     ids = ids.to(torch.int64)
     if int(ids.min()) < 0 or int(ids.max()) >= n:
         raise InputError(
-            f"train_ids must index the training set of {n} examples, [0, {n}), got {int(ids.min())}..{int(ids.max())}; "
+            f"z must index the training set of {n} examples, [0, {n}), got {int(ids.min())}..{int(ids.max())}; "
             "pass ids into the training set (and its size as n_train)."
         )
     return ids
@@ -111,25 +111,26 @@ class _EvalMode:
 
 def influence(
     model: nn.Module,
-    loss: LossFn,
-    train_ids: Sequence[int] | torch.Tensor,
+    z: Sequence[int] | torch.Tensor,
     x_test: tuple[torch.Tensor, torch.Tensor] | Dataset,
     *,
+    measure: LossFn,
     n_train: int,
     per_test: bool = False,
     batch_size: int = 1024,
     device: torch.device | str | None = None,
     progress: bool = True,
 ) -> InfluenceResult:
-    """Returns the turn-over influence of each training example in ``train_ids`` on the test points ``x_test``.
+    """Returns the turn-over influence of each training example in ``z`` on the test points ``x_test``.
 
-    values[i, t] = L(x_t; m_i) − L(x_t; 1 − m_i) (positive = training on i raised the loss on x_t), summed
-    over t unless ``per_test``; ``removal = −values`` (``removal_eps = −1``) is the estimated change of the
-    test loss when i is removed. Uses 2·len(train_ids)·len(x_test) example-forward passes under
-    ``torch.no_grad()``, grouped into batches of about ``batch_size`` (train id, test point) pairs; the model is
-    evaluated in eval mode and its modes are restored afterwards. loss(outputs, targets) returns per-example
-    losses (B,).
-    train_ids: the training examples' ids (as routed during :func:`train_turnover`), in [0, n_train);
+    values[i, t] = L(x_t; m_i) − L(x_t; 1 − m_i), L = ``measure`` (positive = training on i raised the measure on
+    x_t: harmful for a loss), summed over t unless ``per_test``; ``removal = −values`` (``removal_eps = −1``) is
+    the estimated change of the test measure when i is removed. Uses 2·len(z)·len(x_test) example-forward passes
+    under ``torch.no_grad()``, grouped into batches of about ``batch_size`` (train id, test point) pairs; the model
+    is evaluated in eval mode and its modes are restored afterwards.
+    z: the training examples' ids (as routed during :func:`train_turnover`), in [0, n_train);
+    measure: what is attributed, ``measure(outputs, targets) -> (B,)`` one value per test example (the model
+    carries no loss of its own, so it is required: the training loss gives the test loss);
     n_train: the size of the training set they index; x_test: (inputs, targets) or a Dataset of pairs;
     device: where to compute (default: the model's; the model is moved there).
     Scores are noisy: even an id never trained on gets L(x; m) − L(x; 1 − m) ≠ 0 from the two random
@@ -138,7 +139,7 @@ def influence(
     """
     turnover_layers(model)
     n_train = _as_size(n_train)
-    ids = _as_ids(train_ids, n_train)
+    ids = _as_ids(z, n_train)
     inputs, targets = _as_pair(x_test, "x_test")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     inputs, targets = inputs.to(device), targets.to(device)
@@ -155,7 +156,7 @@ def influence(
                 pair_ids = chunk.repeat_interleave(x.shape[0])
                 xs = x.repeat(chunk.shape[0], *([1] * (x.dim() - 1)))
                 ys = y.repeat(chunk.shape[0], *([1] * (y.dim() - 1)))
-                diff = _losses(model, loss, pair_ids, xs, ys, False) - _losses(model, loss, pair_ids, xs, ys, True)
+                diff = _losses(model, measure, pair_ids, xs, ys, False) - _losses(model, measure, pair_ids, xs, ys, True)
                 values[first : first + chunk.shape[0], t0 : t0 + x.shape[0]] = diff.reshape(chunk.shape[0], -1).double().cpu()
     return InfluenceResult(
         values=values if per_test else values.sum(dim=1),

@@ -13,7 +13,8 @@ import influkit.cli
 
 
 def test_demo_setup_quick_and_full():
-    from influkit.apps.digits import DEMO_SETTINGS, DigitsSetup
+    from influkit.apps.demo_defaults import DEMO_SETTINGS
+    from influkit.apps.digits import DigitsSetup
 
     full = DigitsSetup.demo(full=True, case=2, n_pretrain=None)
     assert full == DigitsSetup(case=2)  # --full is the paper-size run; None overrides are ignored
@@ -32,7 +33,9 @@ def test_cli_demo_announces_and_chooses_size(monkeypatch, capsys, extra, removal
         report("train", 1.25)
         raise KeyboardInterrupt  # stop before any work
 
-    monkeypatch.setattr(influkit.cli, "validate_digits", fake_validate)
+    import influkit.apps.digits
+
+    monkeypatch.setattr(influkit.apps.digits, "validate_digits", fake_validate)  # the CLI imports it when run
     with pytest.raises(KeyboardInterrupt):
         influkit.cli.main(["demo", "--quiet", *extra])
     out = capsys.readouterr().out.splitlines()
