@@ -23,6 +23,7 @@ from .auto import Training
 from .fitted import CurvatureConfig, FittedCurvature
 from .influence import influence, self_influence
 from .multistage import score
+from .per_token import TokenScores
 from .results import InfluenceResult, load
 from .operators import DenseOperator, Operator
 from .solvers import Solution, SolveConfig, solve
@@ -56,6 +57,7 @@ __all__ = [
     "FittedCurvature",
     "InfluenceError",
     "InfluenceResult",
+    "TokenScores",
     "InputError",
     "NotReplayable",
     "Link",
