@@ -23,6 +23,7 @@ from .auto import Training
 from .fitted import CurvatureConfig, FittedCurvature
 from .influence import influence, self_influence
 from .multistage import score
+from .pairwise import Pairwise, pairwise
 from .per_token import TokenScores
 from .results import InfluenceResult, load
 from .operators import DenseOperator, Operator
@@ -57,6 +58,7 @@ __all__ = [
     "FittedCurvature",
     "InfluenceError",
     "InfluenceResult",
+    "Pairwise",
     "TokenScores",
     "InputError",
     "NotReplayable",
@@ -81,6 +83,7 @@ __all__ = [
     "influence",
     "load",
     "load_query",
+    "pairwise",
     "score",
     "self_influence",
     "solve",
