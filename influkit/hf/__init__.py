@@ -54,6 +54,7 @@ from .model import HFModel, check_eval_mode, dropout_probabilities
 from .pretrained import CheckpointUnavailable, checkpoint_dir, new_parameters, pretrained
 from .snippets import SOURCES, Snippet, rated_snippets
 from .stages import causal_lm_stage, classification_stage, masked_lm_batch, masked_lm_stage
+from .texts import TextAttribution, explain, read_corpus
 from .tokens import TokenQueries, token_queries
 from .tokenizer import BPE_SPECIAL_TOKENS, SPECIAL_TOKENS, train_bpe, train_wordpiece
 from .trainer import RecordCallback
@@ -67,6 +68,7 @@ __all__ = [
     "SOURCES",
     "SPECIAL_TOKENS",
     "Snippet",
+    "TextAttribution",
     "TokenQueries",
     "TransposedLinear",
     "causal_lm_batch",
@@ -81,6 +83,7 @@ __all__ = [
     "context_length",
     "dropout_probabilities",
     "example_seed",
+    "explain",
     "is_adapter",
     "lora_link",
     "lora_shared",
@@ -94,6 +97,7 @@ __all__ = [
     "pretrained",
     "pretrained_name",
     "rated_snippets",
+    "read_corpus",
     "token_queries",
     "train_bpe",
     "train_wordpiece",
