@@ -36,6 +36,8 @@ from .causal import causal_lm_batch, completion_batch, context_length
 from .losses import causal_lm_losses
 from .stages import causal_lm_stage
 
+LEGEND = ("Score of a text: the change of the completion's mean log-probability per unit up-weighting of the text "
+          "in training (influence function).")
 POSITIVE, NEGATIVE = (36, 113, 163), (192, 57, 43)  # shades: raises (blue) / lowers (red) the completion's probability
 
 
@@ -54,13 +56,13 @@ class TextAttribution:
     queries: list[tuple[str, str]]
     diagnostics: dict = field(default_factory=dict)
 
-    def html(self, title: str = "Which training texts made these completions likely") -> str:
+    def html(self, title: str = "Which training texts made these completions likely", legend: str = LEGEND) -> str:
         """A self-contained page: per query its top texts, each token shaded by its score (blue raises the
-        completion's probability, red lowers it; the shade's strength relative to the text's largest |score|)."""
+        completion's probability, red lowers it; the shade's strength relative to the text's largest |score|).
+        legend: what a text's score is."""
         parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
                  f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>",
-                 "<p class='legend'>Score of a text: the change of the completion's mean log-probability per unit "
-                 "up-weighting of the text in training (influence function). Tokens: "
+                 f"<p class='legend'>{html.escape(legend)} Tokens: "
                  f"<span class='tok' style='background:rgba{POSITIVE + (0.6,)}'>raises</span> "
                  f"<span class='tok' style='background:rgba{NEGATIVE + (0.6,)}'>lowers</span> "
                  "the completion's probability; they sum to the text's score.</p>"]
