@@ -31,12 +31,13 @@ from .data import as_examples
 from .errors import FileFormatError, InputError
 from .memory import resolve as budget_of
 from .progress import steps as progress_steps
-from .scoring import Rows
-from .store import ScoreStore
+from .scoring import Rows, Scorer
+from .store import ScoreStore, resumed_chunk_size
 
 MANIFEST = "pairwise.json"
 TOP_KIND = "pairwise-top"
 ADJOINT_SHARE = 0.25  # of the memory budget, at most, for one query block's adjoints s (p, b)
+VALUES_SHARE = 1 / 16  # of the memory budget, at most, for one row chunk's (rows, b) scores
 
 
 @dataclass
@@ -91,8 +92,10 @@ def pairwise(chain: Chain, z, x_test, *, out: str | Path | None = None, measure:
         a, b = bounds[j]
         where = None if directory is None else directory / f"block-{j:06d}"
         query = _query(chain, (tx[a:b], ty[a:b]), measure, where, progress)
-        result = query.scores(z, chunk_size=chunk_size, out=None if where is None else where / "scores",
-                              progress=progress)
+        scores_dir = None if where is None else where / "scores"
+        resumed = None if scores_dir is None else distributed.broadcast_object(resumed_chunk_size(scores_dir))
+        rows_at_once = chunk_size or resumed or _default_chunk(chain, query, rows)
+        result = query.scores(z, chunk_size=rows_at_once, out=scores_dir, progress=progress)
         block_values = result.values.reshape(n_train, b - a)
         chunk = result.diagnostics["chunks"]["chunk_size"]
         if where is None:
@@ -118,16 +121,29 @@ def _row_chunks(values: torch.Tensor, index: torch.Tensor, chunk: int):
 
 
 def top_rows(chunks, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """((k, b) the k highest values of each column, (k, b) their row ids), highest first (ties: the earlier row),
-    merged over ``chunks`` of (values (rows, b), ids (rows,)) one at a time."""
+    """((k, b) the k highest values of each column, (k, b) their row ids), highest first, merged over ``chunks`` of
+    (values (rows, b), ids (rows,)) one at a time: each chunk's top k, then the top k of those and the best so far
+    (memory O(k · b) beside the chunk)."""
     best_v = best_i = None
     for v, ids in chunks:
-        ids = ids.reshape(-1, 1).expand_as(v)
+        top_v, order = torch.topk(v, min(k, v.shape[0]), dim=0)
+        top_i = ids.reshape(-1)[order]
         if best_v is not None:
-            v, ids = torch.cat([best_v, v]), torch.cat([best_i, ids])
-        order = torch.sort(v, dim=0, descending=True, stable=True).indices[:k]
-        best_v, best_i = v.gather(0, order), ids.gather(0, order)
+            top_v, top_i = torch.cat([best_v, top_v]), torch.cat([best_i, top_i])
+            top_v, order = torch.topk(top_v, min(k, top_v.shape[0]), dim=0)
+            top_i = top_i.gather(0, order)
+        best_v, best_i = top_v, top_i
     return best_v, best_i
+
+
+def _default_chunk(chain: Chain, query: Query, rows: Rows) -> int:
+    """Rows per chunk: the scorer's own choice from the memory budget (:class:`~influkit.scoring.Scorer`), at most as
+    many as keep one chunk's (rows, b) values within :data:`VALUES_SHARE` of the budget (a chunk's values are held
+    about three times while it is written and merged)."""
+    plan = chain.plans[0]
+    scorer = Scorer(plan.stage, plan.trained, query.s, rows, memory=chain.memory)
+    width = query.s.reshape(query.s.shape[0], -1).shape[1] * query.s.element_size()
+    return max(1, min(scorer.chunk_size, int(VALUES_SHARE * budget_of(chain.memory)) // width))
 
 
 def _default_block(chain: Chain, n_test: int) -> int:

@@ -37,9 +37,9 @@ def problem(damping: float = 0.1):
     return chain, (x[N_TRAIN:], y[N_TRAIN:])
 
 
-def run(out=None):
+def run(out=None, chunk_size=CHUNK):
     chain, test = problem()
-    return ik.pairwise(chain, None, test, out=out, k=K, query_block=BLOCK, chunk_size=CHUNK, progress=False)
+    return ik.pairwise(chain, None, test, out=out, k=K, query_block=BLOCK, chunk_size=chunk_size, progress=False)
 
 
 def outputs(directory: Path) -> dict[str, object]:
@@ -68,6 +68,9 @@ def test_streamed_blocks_equal_the_in_memory_matrix_bit_for_bit(tmp_path):
     order = streamed.matrix().argsort(dim=0, descending=True, stable=True)[:K]
     assert torch.equal(streamed.top_index, order)
     assert torch.equal(streamed.top_values, streamed.matrix().gather(0, order))
+    sized = run(tmp_path / "sized", chunk_size=None)  # the chunk size the memory budget gives, both ways the same
+    assert torch.equal(sized.matrix(), run(chunk_size=None).matrix())
+    assert float((sized.matrix() - whole).abs().max()) <= 1e-10 * float(whole.abs().max())
     again = run(tmp_path / "pairs")  # a finished run is reused: the same files, the same answers
     assert torch.equal(again.matrix(), streamed.matrix())
     other = problem(damping=0.2)[0]
