@@ -100,9 +100,8 @@ class TokenScores:
 
 
 def stage_token_scores(stage: Stage, names: Sequence[str], s: torch.Tensor, rows, *, per_test: bool,
-                       chunk_size: int | None, memory: int | None, progress: bool, method: str,
-                       sign: float = -1.0) -> TokenScores:
-    """:class:`TokenScores` sign · ⟨∇ℓ_t(z), s⟩ of ``rows`` (:class:`~influkit.scoring.Rows`) in chunks of
+                       chunk_size: int | None, memory: int | None, progress: bool, method: str) -> TokenScores:
+    """:class:`TokenScores` −⟨∇ℓ_t(z), s⟩ of ``rows`` (:class:`~influkit.scoring.Rows`) in chunks of
     ``chunk_size`` (None: sized from ``memory`` by one measured forward and backward, an upper bound of a forward
     with tangents, plus the output rows)."""
     token_losses_of(stage.loss)
@@ -117,7 +116,7 @@ def stage_token_scores(stage: Stage, names: Sequence[str], s: torch.Tensor, rows
     blocks = []
     for c in progress_steps(range(-(-len(rows) // chunk_size)), "token scores", progress):
         x, y = rows.take(c * chunk_size, (c + 1) * chunk_size)
-        blocks.append(sign * token_products(stage, names, s, x, y))
+        blocks.append(-token_products(stage, names, s, x, y))
     values = torch.cat(blocks)
     return TokenScores(values if per_test else values[..., 0], rows.ids, method,
                        {"seconds": time.perf_counter() - start, "chunk_size": int(chunk_size),
