@@ -30,6 +30,7 @@ import torch
 from ..chain import Chain
 from ..errors import InputError
 from ..fitted import CurvatureConfig
+from ..pairwise import top_rows
 from ..solvers import SolveConfig
 from .batches import pack
 from .causal import causal_lm_batch, completion_batch, context_length
@@ -202,8 +203,9 @@ def explain(model, corpus, queries, *, tokenizer=None, k: int = 5, max_length: i
     query = chain.query(test, measure=completion_log_probability, per_test=True, progress=progress)
     scores = query.scores(out=out, progress=progress)
     k = min(k, len(texts))
-    values = torch.as_tensor(scores.values)
-    top = values.argsort(dim=0, descending=True, stable=True)[:k]  # (k, n_queries) rows into the corpus
+    values, chunk = scores.values, scores.diagnostics["chunks"]["chunk_size"]
+    top = top_rows(((values[a : a + chunk], torch.arange(a, min(a + chunk, len(texts))))
+                    for a in range(0, len(texts), chunk)), k)[1]  # (k, n_queries) rows, read a chunk at a time
     rows = torch.unique(top.reshape(-1))
     tokens = query.token_scores(rows, progress=progress).values  # (u, L, n_queries)
     where = {int(r): i for i, r in enumerate(rows)}
