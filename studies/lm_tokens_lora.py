@@ -5,7 +5,9 @@ A worked example of per-token exact unrolled scores on real text, recorded end t
 - Pretraining corpus: real movie-review snippets of the vaderSentiment 3.3.2 sdist (``hf.rated_snippets``), a seeded
   sample of those of at most ``max_len`` tokens. A byte-level BPE vocabulary is trained on them locally.
 - Pretraining: a GPT-2-architecture decoder (``GPT2Config``: ``layers`` layers, width ``width``, 2 heads) built here
-  and trained by next-token prediction (``hf.causal_lm_stage``) with influkit's Adam, recorded (``record.train``).
+  and trained by next-token prediction (``hf.causal_lm_stage``) with influkit's SGD with momentum, recorded
+  (``record.train``). (A first run with Adam in both stages gave a replay LDS of −0.02 at 10 % drops: Adam's
+  response to whole-snippet drops was far from linear there.)
 - Finetuning, instruction style: other rated snippets as prompts ``"Review: <text>\\nSentiment:"`` and the rated
   sentiment word as the completion (`` positive`` for a mean rating ≥ 1, `` negative`` for ≤ −1); LoRA adapters
   (``peft``, rank 4 on ``c_attn``) on the frozen pretrained model (a Case 1 link, ``hf.lora_link``), recorded too.
@@ -60,10 +62,10 @@ class Config:
     pre_steps: int = 100
     fin_steps: int = 40
     batch: int = 16
-    pre_lr: float = 3e-3
-    fin_lr: float = 1e-2
+    pre_lr: float = 0.5  # SGD with momentum 0.9 in both stages
+    fin_lr: float = 0.5
     subsets: int = 20
-    drop: float = 0.1
+    drop: float = 0.05
     top: int = 5
     seed: int = 0
 
@@ -98,12 +100,12 @@ def build(config: Config):
     base = GPT2LMHeadModel(gpt).double().eval()
     pre = hf.causal_lm_stage(base, hf.causal_lm_batch(tok, pretrain, config.max_len))
     record = ik.unrolled.Record()
-    record.train(pre, ik.unrolled.Adam(lr=config.pre_lr), steps=config.pre_steps, batch_size=config.batch,
+    record.train(pre, ik.unrolled.SGD(lr=config.pre_lr, momentum=0.9), steps=config.pre_steps, batch_size=config.batch,
                  seed=config.seed)
     lora = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"],
                                                          fan_in_fan_out=True, lora_dropout=0.0)).double().eval()
     fin = hf.causal_lm_stage(lora, hf.completion_batch(tok, *zip(*finetune), config.context))
-    record.train(fin, ik.unrolled.Adam(lr=config.fin_lr), steps=config.fin_steps, batch_size=config.batch,
+    record.train(fin, ik.unrolled.SGD(lr=config.fin_lr, momentum=0.9), steps=config.fin_steps, batch_size=config.batch,
                  seed=config.seed + 1, link=hf.lora_link(pre, fin, case=1))
     queries = hf.pack(hf.completion_batch(tok, *zip(*test), config.context))
     return record, pre, fin, queries, pretrain, test, tok
