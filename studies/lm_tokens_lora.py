@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     summary = {"config": asdict(config), "seconds": seconds, "token_sum_relative_gap": gap,
                "replay_lds_mean": lds_mean, "replay_lds_per_query": lds_queries.tolist(),
                "finetune_accuracy_test": _accuracy(record, queries, tok),
-               "trained_values": [len(run.trained) for run in record.runs], "screenshot": shot,
+               "trained_tensors": [len(run.trained) for run in record.runs], "screenshot": shot,
                "replay_max_error": results[0].diagnostics["replay"]["max_error"]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if not args.quick:

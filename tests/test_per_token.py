@@ -5,6 +5,8 @@ training with that token's loss weight perturbed."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -55,14 +57,17 @@ def chain_of(stage: ik.Stage) -> ik.Chain:
 def case(request):
     make_stage, make_test, causal = CASES[request.param]
     stage = make_stage()
-    return request.param, stage, make_test(stage), causal
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ik.StationarityWarning)
+        chain = chain_of(stage).fit()  # fitted once per model: every test's queries reuse its solver
+    return request.param, stage, make_test(stage), causal, chain
 
 
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")
 @pytest.mark.parametrize("per_test", [False, True])
 def test_chain_tokens_sum_to_the_sequence_scores(case, per_test):
-    name, stage, test, causal = case
-    query = chain_of(stage).query(test, per_test=per_test)
+    name, stage, test, causal, chain = case
+    query = chain.query(test, per_test=per_test)
     tokens = query.token_scores(chunk_size=4)
     sequence = query.scores().values
     assert tokens.values.shape == (len(stage), test[1].shape[1], *((3,) if per_test else ()))
@@ -76,8 +81,7 @@ def test_chain_tokens_sum_to_the_sequence_scores(case, per_test):
 
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")
 def test_query_tokens_sum_to_the_query_scores_in_the_chain(case):
-    name, stage, test, causal = case
-    chain = chain_of(stage)
+    name, stage, test, causal, chain = case
     split = hf.token_queries(test, causal=causal)
     per_query = chain.query(test, per_test=True).scores().values
     per_token = split.split(chain.query(split.test, per_test=True).scores().values)
@@ -91,10 +95,9 @@ def test_query_tokens_sum_to_the_query_scores_in_the_chain(case):
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")
 @pytest.mark.parametrize("projection", ["identity", "random"])
 def test_index_tokens_sum_to_the_index_scores(case, projection, tmp_path):
-    name, stage, test, causal = case
+    name, stage, test, causal, chain = case
     index = GradientIndex.build(stage, tmp_path / "index", IndexConfig(projection=projection, whiten=False, dim=40,
                                                                         dtype="float64"))
-    chain = chain_of(stage)
     for per_test in (False, True):
         query = chain.query(test, per_test=per_test)
         tokens = index.token_scores(query, chunk_size=4)
@@ -116,8 +119,8 @@ def recorded(stage: ik.Stage):
 
 @pytest.fixture(scope="module")
 def record_case(case):
-    name, stage, test, causal = case
-    return name, recorded(stage), test, causal
+    name, _, test, causal, _ = case
+    return name, recorded(CASES[name][0]()), test, causal  # a fresh model: recording trains it in place
 
 
 def test_unrolled_tokens_sum_to_the_example_scores(record_case):
