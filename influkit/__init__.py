@@ -25,6 +25,8 @@ from .auto import Training
 from .fitted import CurvatureConfig, FittedCurvature
 from .influence import influence, self_influence
 from .multistage import score
+from .pairwise import Pairwise, pairwise
+from .per_token import TokenScores
 from .results import InfluenceResult, load
 from .operators import DenseOperator, Operator
 from .solvers import Solution, SolveConfig, solve
@@ -61,6 +63,8 @@ __all__ = [
     "FittedCurvature",
     "InfluenceError",
     "InfluenceResult",
+    "Pairwise",
+    "TokenScores",
     "InputError",
     "NotReplayable",
     "Link",
@@ -86,6 +90,7 @@ __all__ = [
     "influence",
     "load",
     "load_query",
+    "pairwise",
     "score",
     "self_influence",
     "solve",

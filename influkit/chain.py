@@ -47,6 +47,7 @@ from .gradients import per_example_grads, total_grad
 from .operators import Operator
 from .links import Link, StagePlan
 from .params import ParamSpace
+from .per_token import TokenScores, stage_token_scores
 from .results import InfluenceResult
 from .fitted import CurvatureConfig, FittedCurvature
 from .memory import DEFAULT_EXAMPLES
@@ -570,6 +571,18 @@ class Query:
                          "chunks": counts | {"chunk_size": chunk_size, "ranks": distributed.world_size()},
                          "scoring": scorer.describe(), "memory": self.chain.memory_plans() + [scorer.memory]},
         )
+
+    def token_scores(self, z=None, *, chunk_size: int | None = None, progress: bool | None = None) -> TokenScores:
+        """Per-token influence I_t(z, T) = −⟨∇ℓ_t(z), s⟩ of stage-1 sequences ``z`` (indices or (inputs, targets);
+        default all), ℓ_t the token terms the stage's loss declares (:mod:`influkit.per_token`; the language-model
+        stages of :mod:`influkit.hf` do): values (n, L), or (n, L, n_test) per test point, aligned with the tokens;
+        values.sum(1) equals :meth:`scores`' values. ``chunk_size`` sequences at a time (default: from the chain's
+        memory budget); one forward pass with tangents per chunk and test column, no gradient formed."""
+        progress = self.chain.progress if progress is None else progress
+        plan = self.chain.plans[0]
+        return stage_token_scores(plan.stage, plan.trained, self.s, Rows.of(plan.stage, z), per_test=self.per_test,
+                                  chunk_size=chunk_size, memory=self.chain.memory, progress=progress,
+                                  method=f"{self.chain.method} (per token)")
 
     def settings(self) -> dict:
         """The chain's links and solve settings, JSON-friendly."""

@@ -177,6 +177,10 @@ def parser() -> argparse.ArgumentParser:
                        "stage 1; query it with the chain's test set")
     index.add_argument("config", type=Path, help="the job's config file with an [index] table")
     index.add_argument("--quiet", action="store_true", help="no progress bars")
+    explain = _command(sub, "explain", "the top training texts of prompt + completion queries, tokens shaded by "
+                                       "their per-token scores, from a TOML job file (influkit.hf.texts)")
+    explain.add_argument("config", type=Path, help="the job's TOML file (model, corpus, queries, k, out, ...)")
+    explain.add_argument("--quiet", action="store_true", help="no progress bars")
     page = _command(sub, "report", "a self-contained HTML page of a saved result (influkit.report)")
     page.add_argument("result", type=Path, help="a result file written by InfluenceResult.save")
     page.add_argument("-o", "--output", type=Path, default=None, help="the HTML file (default: RESULT.html)")
@@ -250,6 +254,10 @@ def _run(args) -> int:
         from .jobs import main as score_main
 
         return score_main(args.config, quiet=args.quiet)
+    if args.command == "explain":
+        from .hf.texts import main as explain_main
+
+        return explain_main(args.config, quiet=args.quiet)
     if args.command == "index":
         from .index.job import main as index_main
 

@@ -25,7 +25,7 @@ PACKAGES = (PACKAGE, "benchmarks", "studies")  # the graphs checked
 # here is core with all its modules). Every other module of influkit is a method or an integration built on it.
 CORE = ("adjoint", "auto", "chain", "contraction", "curvature", "data", "distributed", "ensemble", "errors", "extras",
         "factored", "files", "fitted", "gradients", "influence", "krylov", "layers", "links", "memory", "multistage",
-        "operators", "params", "philox", "progress", "proximal", "results", "scoring", "solvers", "stage",
+        "operators", "pairwise", "params", "per_token", "philox", "progress", "proximal", "results", "scoring", "solvers", "stage",
         "stationarity", "store", "training", "vectorize")
 
 

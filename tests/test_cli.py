@@ -21,7 +21,7 @@ from influkit.solvers import REGISTRY
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "guides" / "cli.md"
 BASH = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
-POSITIONALS = {"score": ["job.toml"], "index": ["build", "job.toml"], "report": ["result.safetensors"]}
+POSITIONALS = {"score": ["job.toml"], "explain": ["job.toml"], "index": ["build", "job.toml"], "report": ["result.safetensors"]}
 
 
 def commands() -> dict[str, argparse.ArgumentParser]:

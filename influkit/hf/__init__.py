@@ -48,12 +48,14 @@ from .batches import FIELDS, pack, unpack
 from .causal import causal_lm_batch, completion_batch, context_length
 from .layers import TransposedLinear
 from .lora import is_adapter, lora_link, lora_shared, pretrained_name
-from .losses import causal_lm_losses, classification_losses, masked_lm_losses
+from .losses import causal_lm_losses, causal_lm_token_losses, classification_losses, masked_lm_losses, masked_lm_token_losses
 from .masking import example_seed, mask_tokens
 from .model import HFModel, check_eval_mode, dropout_probabilities
 from .pretrained import CheckpointUnavailable, checkpoint_dir, new_parameters, pretrained
 from .snippets import SOURCES, Snippet, rated_snippets
 from .stages import causal_lm_stage, classification_stage, masked_lm_batch, masked_lm_stage
+from .texts import TextAttribution, explain, read_corpus
+from .tokens import TokenQueries, token_queries
 from .tokenizer import BPE_SPECIAL_TOKENS, SPECIAL_TOKENS, train_bpe, train_wordpiece
 from .trainer import RecordCallback
 
@@ -66,9 +68,12 @@ __all__ = [
     "SOURCES",
     "SPECIAL_TOKENS",
     "Snippet",
+    "TextAttribution",
+    "TokenQueries",
     "TransposedLinear",
     "causal_lm_batch",
     "causal_lm_losses",
+    "causal_lm_token_losses",
     "causal_lm_stage",
     "check_eval_mode",
     "checkpoint_dir",
@@ -78,18 +83,22 @@ __all__ = [
     "context_length",
     "dropout_probabilities",
     "example_seed",
+    "explain",
     "is_adapter",
     "lora_link",
     "lora_shared",
     "mask_tokens",
     "masked_lm_batch",
     "masked_lm_losses",
+    "masked_lm_token_losses",
     "masked_lm_stage",
     "new_parameters",
     "pack",
     "pretrained",
     "pretrained_name",
     "rated_snippets",
+    "read_corpus",
+    "token_queries",
     "train_bpe",
     "train_wordpiece",
     "unpack",

@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 from ..errors import LossError
 from ..factored.fisher import declare_categorical
+from ..per_token import declare_token_losses
 from .masking import IGNORE
 
 
@@ -41,8 +42,22 @@ def _next_tokens(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
 
 
+def masked_lm_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B, L): each predicted position's share −log softmax(logits[t])[labels[t]] / |M_z| of
+    :func:`masked_lm_losses` (0 where labels are −100); the rows sum to it."""
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise LossError(
+            f"masked-LM logits must be (B, L, V) and labels (B, L), got {tuple(logits.shape)} and {tuple(labels.shape)}."
+        )
+    keep = labels != IGNORE
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    count = keep.sum(dim=1, keepdim=True).clamp(min=1).to(logits.dtype)
+    return -(picked * keep.to(logits.dtype)) / count
+
+
 # what fisher="sampled" needs (influkit.factored.fisher): mean cross-entropies over the labelled positions
 declare_categorical(masked_lm_losses, weights=_inverse_counts)
+declare_token_losses(masked_lm_losses, masked_lm_token_losses)
 
 
 def causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -60,7 +75,20 @@ def causal_lm_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return masked_lm_losses(logits[:, :-1], labels[:, 1:])
 
 
+def causal_lm_token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B, L) aligned with ``input_ids``: at position t ≥ 1 the share −log p(labels[t] | tokens < t) / |M_z| of
+    :func:`causal_lm_losses` (the prediction *of* token t), 0 at position 0 and where labels are −100; the rows sum
+    to it."""
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise LossError(
+            f"causal-LM logits must be (B, L, V) and labels (B, L), got {tuple(logits.shape)} and {tuple(labels.shape)}."
+        )
+    shares = masked_lm_token_losses(logits[:, :-1], labels[:, 1:])
+    return torch.cat([shares.new_zeros(shares.shape[0], 1), shares], dim=1)
+
+
 declare_categorical(causal_lm_losses, targets=_next_tokens, weights=lambda labels: _inverse_counts(labels[:, 1:]))
+declare_token_losses(causal_lm_losses, causal_lm_token_losses)
 
 
 def classification_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

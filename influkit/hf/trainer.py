@@ -112,7 +112,11 @@ class _TrainerWatch(Watch):
                                 "model's loss signature; record with gradient_accumulation_steps=1 (a larger "
                                 "per_device_train_batch_size instead).")
         if args.world_size > 1:
-            raise NotReplayable("the Trainer runs on several processes; record a single-process run.")
+            raise NotReplayable(
+                f"the Trainer runs on {args.world_size} processes (torchrun / DDP): each step's gradient is averaged "
+                "over every rank's batch, and replay repeats one process's steps. Record the training in one process "
+                "(python train.py, or torchrun --nproc_per_node=1); the metagradient itself then runs sharded under "
+                "torchrun (ik.unrolled.metagradients splits each recorded batch over the ranks).")
         if link is not None and link.case == 2:
             raise NotReplayable("a Case 2 link needs the proximal term α‖S − S̄‖² in the loss, which the Trainer does "
                                 "not add; use Case 1 (freeze the shared block) or record.watch with run.penalty().")

@@ -25,6 +25,7 @@ state), the trained parameter names and the data (the digest of each shard's exa
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,8 +35,9 @@ from tqdm.auto import tqdm
 
 from .. import distributed, files
 from ..errors import IndexMismatchError, InputError
+from ..per_token import TokenScores, token_losses_of
 from ..results import InfluenceResult
-from ..scoring import rank_chunks, release_freed_memory
+from ..scoring import Rows, rank_chunks, release_freed_memory
 from ..stage import Stage
 from .layout import Layout
 from .projections import FlatBlock, KroneckerBlock
@@ -412,6 +414,38 @@ class GradientIndex:
         return InfluenceResult(values=exact.values[order], n_train=len(plan.stage), index=exact.index[order],
                                method=f"{query.chain.method} (gradient index top-{k}, re-scored)",
                                diagnostics=diagnostics)
+
+    def token_scores(self, query, z=None, *, chunk_size: int | None = None, progress: bool = False) -> TokenScores:
+        """Per-token index scores −c_t(z)ᵀ s̃ of stage-1 sequences ``z`` (indices, default all; e.g. the ids of
+        :meth:`top`): c_t(z) the compressed gradient of token term ℓ_t (:mod:`influkit.per_token`), computed with the
+        index's projections, so Σ_t c_t(z) = c(z) and the tokens sum to the score of the unquantized row (an int8
+        index's :meth:`scores` are within :meth:`error_bound` of that). Values (n, L), or (n, L, n_test) per test
+        point. Not stored: each chunk of ``chunk_size`` sequences (default :attr:`IndexConfig.batch_size`) takes one
+        forward and backward per token position."""
+        plan = query.chain.plans[0]
+        stage = plan.stage
+        self.check(stage, plan.trained, data=False)
+        split = token_losses_of(stage.loss)
+        rows = Rows.of(stage, z)
+        layout = self.layout(stage)
+        s = self.directions(query).to(stage.device)
+        chunk_size = int(chunk_size or self.manifest["config"].get("batch_size") or 8)
+        start = time.perf_counter()
+        blocks = []
+        for c in tqdm(range(-(-len(rows) // chunk_size)), desc="index token scores", disable=not progress, leave=False):
+            x, y = rows.take(c * chunk_size, (c + 1) * chunk_size)
+            with torch.no_grad():
+                width = split(stage.outputs(stage.trained(), x), y).shape[1]
+            columns = []
+            for t in range(width):  # the layout's rows on the stage whose loss is token term t
+                at_t = copy.copy(layout)
+                at_t.stage = stage.with_(loss=lambda outputs, targets, t=t: split(outputs, targets)[:, t])
+                columns.append(-(at_t.rows(x, y, self.compute_dtype) @ s))
+            blocks.append(torch.stack(columns, dim=1))
+        values = torch.cat(blocks).to(query.s.dtype)
+        return TokenScores(values if query.per_test else values[..., 0], rows.ids,
+                           f"{query.chain.method} (gradient index, per token)",
+                           {"seconds": time.perf_counter() - start, "chunk_size": chunk_size, "index": self.describe()})
 
     def _rows_at(self, ids: torch.Tensor) -> torch.Tensor:
         """(len(ids), D) the rows of examples ``ids`` (int8 rows: only those dequantized)."""

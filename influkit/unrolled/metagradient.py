@@ -85,9 +85,10 @@ from tqdm.auto import tqdm
 from .. import distributed
 from ..chain import Measure
 from ..errors import InputError
+from ..per_token import TokenScores
 from ..results import InfluenceResult
 from .journal import Journal, fingerprint
-from .record import Record, stage_weights
+from .record import Record, stage_weights, token_weights
 from .run import StageRun, tensor_bytes
 from .replay import as_measure, deviation, reweighted, start, unit_weights
 
@@ -96,7 +97,8 @@ LOOPED, BATCHED, VMAPPED = "looped", "batched", "vmapped"  # how a step is pulle
 
 
 def metagradients(record: Record, test, *, measure: Measure | None = None, per_test: bool = False,
-                  out: str | Path | None = None, at=None, progress: bool = False) -> list[InfluenceResult]:
+                  out: str | Path | None = None, at=None, per_token: bool = False,
+                  progress: bool = False) -> list[InfluenceResult | TokenScores]:
     """One :class:`InfluenceResult` per recorded stage: values[z] = d measure(final model) / d w_z at w = ``at``.
 
     test: an (inputs, targets) test set (its per-test values ``measure(outputs, targets)`` under the last stage in
@@ -113,6 +115,11 @@ def metagradients(record: Record, test, *, measure: Measure | None = None, per_t
     reverse pass differentiates that run. A set D removed predicts Δ measure ≈ −Σ_{z∈D} values[z]; for
     dropping a fraction f of the pretraining examples, at = [1 − f, None] ranks random drop sets best and
     at = [1 − f/2, None] predicts each one's change (module docstring).
+    per_token: split every language-model stage's scores over its tokens (:mod:`influkit.per_token`): each token
+    term ℓ_t(z) gets its own weight w_{z,t} in the step's loss, and that stage's result is a
+    :class:`~influkit.per_token.TokenScores` of d measure / d w_{z,t}, values (n, L) or (n, L, q), whose sums over
+    the tokens are the per-example scores (stages whose loss declares no split keep their InfluenceResult). Not
+    with ``out`` nor for a Trainer's recorded batches.
     ``results[0]`` scores the pretraining examples, ``results[-1]`` the finetuning examples (the same pass).
     removal = −values (removal_eps = −1): a score is d measure / d w_z, so removing z predicts a change of −score.
     Under ``torch.distributed`` each step's batch is split over the ranks (module docstring) and every rank
@@ -126,6 +133,15 @@ def metagradients(record: Record, test, *, measure: Measure | None = None, per_t
         raise InputError("a watched run replays each micro-batch from its own generator state, which splitting its "
                          "batches over ranks would change; compute its metagradient in one process.")
     record = reweighted_at(record, test, at, progress)
+    if per_token:
+        if out is not None:
+            raise InputError("per_token=True keeps its (n, L, q) terms in memory; drop out= (the journal holds "
+                             "per-example terms).")
+        record = token_weights(record)
+        if all(run.weights is None or run.weights.dim() == 1 for run in record.runs):
+            raise InputError("per_token=True needs a stage whose loss declares token terms on the stage's own data "
+                             "(influkit.hf.causal_lm_stage / masked_lm_stage); a Trainer run's collated batches "
+                             "have no fixed token positions: score per example instead.")
     adjoint, q, outputs = measure_adjoint(record, test, per_test, measure)
     journal = Journal(out, "" if out is None else fingerprint(record, adjoint), q)
     settings = {"measure_outputs": int(outputs), "per_test": per_test, "at": describe_at(at, record)}
@@ -213,7 +229,11 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
     }
     results = []
     for k, run in enumerate(record.runs):
-        values = scores[k] if per_test else scores[k][:, 0]
+        values = scores[k] if per_test else scores[k][..., 0]
+        if values.dim() == (3 if per_test else 2):  # per-token weights: (n, L[, q])
+            results.append(TokenScores(values, torch.arange(len(run.stage)), f"{METHOD}, stage {k} (per token)",
+                                       diagnostics | {"stage": k}))
+            continue
         results.append(InfluenceResult(values=values, n_train=len(run.stage), method=f"{METHOD}, stage {k}",
                                        diagnostics=diagnostics | {"stage": k}, removal_eps=-1.0))
     return results
@@ -425,7 +445,8 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
     """Reverse mode through one stage: (θ̄_0, S̄̄ accumulated, (n, q) scores of this rank's batch shares)."""
     anchors = run.anchors
     first = next(iter(theta_bar.values()))
-    scores = torch.zeros(len(run.stage), q, dtype=first.dtype, device=first.device)
+    tokens = () if run.weights is None else tuple(run.weights.shape[1:])  # (L,) for per-token weights
+    scores = torch.zeros(len(run.stage), *tokens, q, dtype=first.dtype, device=first.device)
     state_bar, pull = None, (LOOPED if q == 1 else _PULLS.get(_pull_key(run, q)))
     if pull is not None:
         stats["pulls"][k] = {"pull": pull, "trial": None}
@@ -484,7 +505,7 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
             if rows:  # the padding rows' cotangents to their rows (.padding; the vmapped pull has them already)
                 theta_bar, anchor_bar = run.padding.add(theta_bar, rows), run.padding.add(anchor_bar, rows)
             if through:
-                w_grad = through["w"].T.to(scores.dtype)
+                w_grad = through["w"].movedim(0, -1).to(scores.dtype)  # (B, q), or (B, L, q) per token
                 scores.index_add_(0, ids.to(scores.device), w_grad)
                 terms_ids.append(ids)
                 terms.append(w_grad)

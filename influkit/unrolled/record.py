@@ -21,6 +21,7 @@ final parameters. What a stage trains and inherits is its :class:`influkit.links
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from tqdm.auto import tqdm
 
 from ..errors import InputError
 from ..links import Link
+from ..per_token import token_losses
 from ..stage import Stage
 from .optimizers import Optimizer, State, Tensors
 from .run import StageRun
@@ -176,7 +178,34 @@ def stage_weights(record: Record, weights, name: str = "weights") -> list[torch.
         raise InputError(f"{name} has {len(weights)} entries for a record of {len(record)} stages; give at most one "
                          "entry per stage (None keeps a stage's weights).")
     for k, (w, run) in enumerate(zip(weights, record.runs)):
-        if w is not None and (not torch.is_tensor(w) or w.shape != (len(run.stage),)):
+        if w is not None and (not torch.is_tensor(w) or w.shape not in ((len(run.stage),), token_shape(run))):
             raise InputError(f"{name}[{k}] must be a tensor of shape ({len(run.stage)},), one weight per example of "
-                             f"stage {k}, or None.")
+                             f"stage {k} (or, for a language-model stage, {token_shape(run)}: one per token), or None.")
     return weights
+
+
+def token_shape(run) -> tuple[int, ...] | None:
+    """(n, L): the shape of per-token weights of ``run``'s stage (one per token term its loss declares,
+    :mod:`influkit.per_token`), or None when its loss declares no split or its batches are kept as fed (a
+    Trainer's collator pads each batch to its own length)."""
+    stage = run.stage
+    if getattr(stage.loss, "token_losses", None) is None or run.inputs is not None:
+        return None
+    x, y = stage.data.take(torch.arange(1))
+    with torch.no_grad():
+        return (len(stage), token_losses(stage, stage.trained(), x, y).shape[1])
+
+
+def token_weights(record: Record) -> Record:
+    """The record with every language-model stage's data weights spread over its tokens: w_{z,t} = w_z (n, L),
+    so the reverse pass differentiates each token term (:mod:`influkit.per_token`); the same run (Σ_t ℓ_t = ℓ), its
+    checkpoints shared. Stages whose loss declares no split keep per-example weights."""
+    out = Record()
+    for run in record.runs:
+        moved = copy.copy(run)
+        shape = token_shape(run)
+        if shape is not None:
+            w = torch.ones(len(run.stage), dtype=torch.float64) if run.weights is None else run.weights
+            moved.weights = w.reshape(-1, 1).expand(shape).contiguous().to(run.stage.device) if w.dim() == 1 else w
+        out.runs.append(moved)
+    return out

@@ -81,7 +81,9 @@ def replay(record: Record, weights=None, *, progress: bool = False) -> list[Tens
     """Each stage's final values (trained θ_T and fixed shared block) after re-running the record with ``weights``.
 
     weights: None (the recorded run), one tensor of per-example weights for stage 0, or one entry (tensor of
-    shape (n_k,) or None) per stage; None keeps a stage at the weights its run carries (w = 1 when recorded).
+    shape (n_k,) or None) per stage; None keeps a stage at the weights its run carries (w = 1 when recorded). A
+    language-model stage also takes per-token weights (n_k, L), one per token term of its loss
+    (:mod:`influkit.per_token`).
     """
     if not len(record):
         raise InputError("the record has no stage; train one with record.train(...) or record.recorder(...).")

@@ -12,6 +12,7 @@ from torch.func import grad
 
 from ..errors import InputError
 from ..links import Link, StagePlan
+from ..per_token import token_losses
 from ..stage import Stage
 from .optimizers import SGD, Adam, Groups, Optimizer, State, Tensors
 from .padding import PaddingRows
@@ -140,10 +141,13 @@ class StageRun:
         """L_t(θ; w) on one batch (module docstring): the data-weighted mean loss + R(θ) + the proximal term, divided
         by ``accumulate`` (a micro-batch of an accumulated step).
 
+        w: (B,) per-example weights, or (B, L) per-token weights of the loss's declared token terms
+        (:mod:`influkit.per_token`; the run's ``weights`` of :func:`~.record.token_weights`);
         size: the divisor of the data term (default the batch's length; a part of a batch passes the whole one's);
         penalties: False leaves out R and the proximal term (the data term of one part of a sum over parts)."""
         params = {n: anchors[n] for n in self.frozen} | theta
-        losses = self.stage.losses(params, x, y)
+        # per-token weights (B, L) weight the loss's declared token terms (influkit.per_token), whose rows sum to it
+        losses = token_losses(self.stage, params, x, y) if w.dim() == 2 else self.stage.losses(params, x, y)
         value = (w * losses).sum() / (losses.shape[0] if size is None else size)
         if penalties:
             reg = self.stage.regularization(theta)
