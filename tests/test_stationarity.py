@@ -221,7 +221,7 @@ def test_the_light_check_of_a_stationary_stage_has_the_full_checks_verdict_and_l
 
     stage, _ = logreg_digits
     full = position(stage)
-    light = assess(stage, None, HessianOperator(stage), light=True,
+    light = assess(stage, None, HessianOperator(stage),
                    factored=lambda: fit_curvature(stage, kind="ekfac", gradient=True))
     assert light.verdict == full.verdict == "minimum" and light.gradient_source == "fit"
     assert light.gradient_norm < GRADIENT_TOL and light.eigenvalue_source == "lanczos"
@@ -371,3 +371,98 @@ def test_without_memory_the_check_of_an_ekfac_stage_streams_the_rules_batch_and_
     for field in ("gradient_norm", "min_eigenvalue", "max_eigenvalue", "objective_gradient", "typical_gradient"):
         assert getattr(small, field) == pytest.approx(getattr(normal, field), rel=1e-10, abs=0), field
     assert (small.verdict, small.lanczos_steps) == (normal.verdict, normal.lanczos_steps)
+
+
+def counted_products(monkeypatch) -> list:
+    """Every Hessian (or Gauss-Newton) vector product any HessianOperator applies from now on, one entry per column."""
+    calls = []
+    original = HessianOperator.matvec
+
+    def matvec(self, vec):
+        calls.extend([self.curvature] * (vec.shape[1] if vec.dim() == 2 else 1))
+        return original(self, vec)
+
+    monkeypatch.setattr(HessianOperator, "matvec", matvec)
+    monkeypatch.setattr(HessianOperator, "__call__", matvec)
+    return calls
+
+
+EXPLICIT = ["direct", "cg", "cg_spd", "minres", "lissa", "neumann", "arnoldi", "identity", "ekfac", "kfac"]
+
+
+@pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum
+@pytest.mark.filterwarnings("ignore::influkit.errors.ConvergenceWarning")
+@pytest.mark.parametrize("solver", EXPLICIT)
+def test_a_non_stationary_stage_with_a_named_solve_and_damping_runs_no_product_for_its_check(solver, monkeypatch):
+    """The gradient settles the verdict and the user named the solve: the fit's Hessian-vector products are exactly
+    those its solver prepares (p for direct's dense H, arnoldi's Lanczos steps, none for the rest), the check's
+    own are 0. The query's solve then fills in the eigenvalues where its own iterations give them: MINRES's and CG's
+    Lanczos tridiagonal, bounding the exact Hessian's spectrum from inside."""
+    stage = untrained_stage()
+    products = counted_products(monkeypatch)
+    chain = ik.Chain([stage], solve=ik.SolveConfig(solver=solver, damping=0.05, max_iter=6), progress=False).fit()
+    where = chain.positions[0]
+    prepared = {"direct": chain.dims[0], "arnoldi": 0}
+    if solver == "arnoldi":
+        prepared["arnoldi"] = chain.curvature(0).approximations["arnoldi"].info["products"]
+    assert where.verdict == "non-stationary" and where.products == 0
+    assert len(products) == prepared.get(solver, 0)
+    if solver in ("ekfac", "kfac"):  # the light check: its fitted curvature's eigenvalues, no product
+        assert where.eigenvalue_source == solver and where.gradient_source == "fit"
+    else:
+        assert where.eigenvalue_source == "none" and where.min_eigenvalue is None and where.max_eigenvalue is None
+        assert "not measured" in where.describe()
+    query = chain.query(stage.data.take(torch.arange(3)))
+    solved = query.stages[0]
+    if solver in ("minres", "cg_spd"):
+        exact = torch.linalg.eigvalsh(HessianOperator(stage).dense())
+        # CG stops at the negative curvature of this indefinite H + λI, before that step's coefficients
+        assert solved["eigenvalue_source"] == solver and 0 < solved["lanczos_steps"] <= query.solves[0]["iterations"]
+        assert exact[0] <= solved["min_eigenvalue"] + 1e-12 and solved["max_eigenvalue"] <= exact[-1] + 1e-12
+    elif solver == "cg":
+        assert solved["eigenvalue_source"] == "none"
+
+
+@pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")
+def test_auto_reads_theta_max_only_where_its_damping_needs_it(monkeypatch):
+    """solver='auto' off a minimum without a damping: θ_max from LARGEST_STEPS Lanczos steps on the Hessian of a
+    seeded sample of min(n, SAMPLE) examples — within that sample Hessian's spectrum —, the damping read from it;
+    with a damping given, or Training, no product at all."""
+    from influkit import stationarity
+    from influkit.auto import Training, spectral_damping
+
+    x, y = digits(100)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 6), nn.Tanh(), nn.Linear(6, 10)).double()
+    stage = ik.Stage(model, cross_entropy, (x, y), regularizer=l2(1e-2))
+    products = counted_products(monkeypatch)
+    where = ik.Chain([stage], progress=False).fit().positions[0]
+    assert where.verdict == "non-stationary" and where.eigenvalue_source == "lanczos-sample"
+    assert where.products == where.lanczos_steps == stationarity.LARGEST_STEPS == len(products)
+    assert where.eigenvalue_sample == stationarity.SAMPLE
+    sampled = torch.linalg.eigvalsh(HessianOperator(stage, samples=stationarity.SAMPLE).dense())
+    assert sampled[0] <= where.min_eigenvalue <= where.max_eigenvalue <= sampled[-1] + 1e-12
+    assert where.max_eigenvalue == pytest.approx(float(sampled[-1]), rel=0.05)  # the extreme converges first
+    assert spectral_damping(where) > 0
+    for named in (ik.SolveConfig(damping=0.05), ik.SolveConfig(training=Training(lr=0.1, steps=100))):
+        products.clear()
+        chain = ik.Chain([stage], solve=named, progress=False).fit()
+        assert chain.positions[0].products == 0 and chain.positions[0].eigenvalue_source == "none"
+        assert products == []  # MINRES on G + λI fits nothing
+
+
+@pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")
+@pytest.mark.parametrize("solve", [ik.SolveConfig(solver="minres", damping=0.05), ik.SolveConfig(solver="identity")])
+def test_a_stationary_stage_with_a_named_solve_still_gets_its_lanczos_verdict(solve, logreg_digits):
+    """Where the gradient leaves the verdict open (r ≤ GRADIENT_TOL), θ_min decides it whatever the solve: the STEPS
+    Lanczos steps on the exact H, counted, at a minimum and at a saddle."""
+    from influkit import stationarity
+
+    stage, _ = logreg_digits
+    at_minimum = ik.Chain([stage], solve=solve, progress=False).fit().positions[0]
+    assert at_minimum.verdict == "minimum" and at_minimum.eigenvalue_source == "lanczos"
+    assert at_minimum.products == at_minimum.lanczos_steps == stationarity.STEPS
+    assert at_minimum.min_eigenvalue > 0
+    saddle = quadratic_stage([2.0, -0.5, 1.0], [0.0, 0.0, 0.0], PULLS)
+    where = ik.Chain([saddle], solve=solve, progress=False).fit().positions[0]
+    assert where.verdict == "saddle" and where.min_eigenvalue == pytest.approx(-0.5, rel=1e-12)
