@@ -4,9 +4,14 @@ Influence functions differentiate the optimality condition ∇L(θ̂) = 0 and in
 minimum (∇L = 0, H ≻ 0). Models trained with Adam for a few epochs are rarely there. :func:`assess` measures it:
 
 - ``gradient_norm`` r = ‖∇L(θ̂)‖ / g, where ∇L is the gradient of the whole objective (mean loss + regularizer
-  + proximal term) and g = (mean_{i∈S} ‖∇ℓ_i(θ̂)‖²)^½ is the RMS of the per-example *loss* gradient norms over a
-  seeded sample S of min(n, ``SAMPLE``) examples — "typical": the size of one example's pull, which the influence
-  of one example is measured against.
+  + proximal term) and g = (mean_{i∈S} ‖∇ℓ_i(θ̂)‖²)^½ is the RMS of the per-example *loss* gradient norms —
+  "typical": the size of one example's pull, which the influence of one example is measured against. Both over
+  every example (S all n, ``gradient_source="pass"``), in one streamed pass with the registered layers hooked
+  (:func:`influkit.factored.fit.objective_gradient`: a layer's batch gradient is one product of its recorded inputs
+  and true-label output-gradients, an example's squared norm a sum of Gram products, no per-example gradient row;
+  the other parameters' rows per example); where the loss gives no per-example output-gradients to hook, g over a
+  seeded sample S of min(n, ``SAMPLE``) examples' per-example gradients and ∇L from them when S is every example,
+  else from one more gradient pass (``"data"``).
 - ``min_eigenvalue`` θ_min, ``max_eigenvalue`` θ_max: extreme Ritz values of H. They bound the spectrum from
   inside, λ_min ≤ θ_min ≤ θ_max ≤ λ_max: a negative θ_min *certifies* negative curvature, a small |θ_min|
   certifies a near-null direction, a positive θ_min does not certify H ≻ 0 (curvature the Krylov space did not
@@ -74,11 +79,10 @@ Hessian-vector product carries a relative error well above float32's epsilon) an
 | ``singular``       | r ≤ ``GRADIENT_TOL`` and |θ_min| ≤ ε·s (or H = 0)        |
 | ``minimum``        | r ≤ ``GRADIENT_TOL`` and θ_min > ε·s                     |
 
-Cost of the check: per-example gradients of the sample and the Hessian-vector products above (none off a stationary
-point unless ``auto``'s damping needs θ_max and no factored fit gives it); when the sample is the whole data set (n ≤ ``SAMPLE``) its per-example gradients also give ∇L (their mean plus the data-free part
-∇(R + extra)), else one more gradient pass over the data. Both passes run in the chunks the per-example gradients
-fit in the memory budget (:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the
-per-example one); a :class:`~influkit.chain.Chain` without ``memory=`` runs a light check's passes and products in
+Cost of the check: one hooked pass over the data (or a light check's share of the factored fit's) and the
+Hessian-vector products above (none off a stationary point unless ``auto``'s damping needs θ_max and no factored fit
+gives it). A sample's per-example gradients, where they are taken, run in the chunks they fit in the memory budget
+(:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the per-example one); a :class:`~influkit.chain.Chain` without ``memory=`` runs a light check's passes and products in
 batches of at most ``memory.DEFAULT_WORKING`` (``least=1``).
 """
 
@@ -93,6 +97,8 @@ import torch
 
 from .curvature import HessianOperator, gradient, penalty_gradient
 from .errors import InputError, StationarityWarning, warn
+from .factored.fisher import FactoredCurvatureError
+from .factored.fit import objective_gradient
 from .gradients import chunk_for, per_example_grad_rows
 from .memory import DEFAULT_EXAMPLES
 from .operators import Operator
@@ -279,6 +285,8 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     if measured is not None and measured.examples == n:  # ∇L and g from every example, in the fit's data pass
         fitting -= measured.seconds
         absolute, typical, count, bound, source = measured.norm, measured.typical, n, 0.0, "fit"
+    elif factored is None and (passed := _gradient_pass(stage, names, extra, memory, progress)) is not None:
+        absolute, typical, count, bound, source = passed.norm, passed.typical, n, 0.0, "pass"
     else:
         absolute, typical, count, bound, source = _gradient_norms(stage, names, extra, seed, memory, least,
                                                                   factored is not None, progress)
@@ -303,6 +311,15 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
                     gradient_bound=bound / typical if typical > 0 and source == "sample" else 0.0,
                     gradient_source=source, eigenvalue_source=where, eigenvalue_sample=examples,
                     products=m if where.startswith("lanczos") else 0)
+
+
+def _gradient_pass(stage: Stage, names, extra, memory, progress: bool):
+    """‖∇L‖ and g over every example in one hooked pass (:func:`influkit.factored.fit.objective_gradient`), or None
+    where the loss has no per-example output-gradients to hook (then a sample's per-example gradients give g)."""
+    try:
+        return objective_gradient(stage, names, extra=extra, memory=memory, progress=progress)
+    except FactoredCurvatureError:
+        return None
 
 
 def _gradient_norms(stage: Stage, names, extra, seed: int, memory, least: int, light: bool,

@@ -70,20 +70,19 @@ def test_off_the_minimum_the_relative_gradient_norm_is_exact():
 
 @pytest.mark.parametrize("repeat", [1, 17])
 def test_the_objective_gradient_with_a_regularizer_is_exact(repeat, monkeypatch):
-    """∇L = Dθ + mean a_i + wθ (R = (w/2)‖θ‖²). With 4 examples (≤ SAMPLE) the sample's per-example gradients give
-    it — no second gradient pass; with 68 (> SAMPLE) a separate pass over all of them does."""
+    """∇L = Dθ + mean a_i + wθ (R = (w/2)‖θ‖²), with 4 and with 68 (> SAMPLE) examples: one hooked pass over every
+    example gives it and g — no separate gradient pass."""
     from influkit import stationarity
 
     theta, d, w = [0.1, -0.2, 0.3], [4.0, 1.0, 0.25], 0.5
     plain = quadratic_stage(d, theta, PULLS * repeat)
     stage = ik.Stage(plain.model, plain.loss, plain.data.take(torch.arange(len(plain))), regularizer=l2(w))
-    if repeat == 1:
-        monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a second gradient pass"))
+    monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a second gradient pass"))
     pos = position(stage)
     expected = float(((torch.tensor(d) + w) * torch.tensor(theta, dtype=torch.float64)).norm())
     assert pos.objective_gradient == pytest.approx(expected, rel=1e-12)
     assert pos.gradient_norm == pytest.approx(expected / pos.typical_gradient, rel=1e-12)
-    assert pos.sample == min(len(stage), stationarity.SAMPLE)
+    assert pos.sample == len(stage) and pos.gradient_source == "pass"
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "sampled", "exact"])
@@ -94,7 +93,7 @@ def test_a_factored_fits_data_pass_measures_the_exact_objective_gradient(fisher,
     the plain gradient pass's and the per-example gradients' — Kronecker layers (a dense layer's squared norms from
     its Gram matrices) and a LayerNorm's diagonal block alike — the LayerNorm's from its hooks, with no per-example
     backward pass beyond those the fit runs for its own diagonal block."""
-    import influkit.factored.curvature as factored
+    import influkit.factored.fit as factored
 
     from influkit.curvature import gradient
     from influkit.factored import fit_curvature
@@ -194,8 +193,8 @@ def test_an_ekfac_fit_over_a_hessian_sample_leaves_the_check_to_a_sample_whose_b
     chain = ik.Chain([stage], solve=ekfac, curvature=sampled).fit()
     light = chain.positions[0]
     assert products == [] and light.lanczos_steps == 0 and light.eigenvalue_source == "ekfac"
-    assert (light.gradient_source, full.gradient_source) == ("sample", "data") and full.gradient_bound == 0.0
-    assert light.sample == stationarity.light_sample(400) == 25 and full.sample == stationarity.SAMPLE
+    assert (light.gradient_source, full.gradient_source) == ("sample", "pass") and full.gradient_bound == 0.0
+    assert light.sample == stationarity.light_sample(400) == 25 and full.sample == 400
     assert light.verdict == full.verdict == "non-stationary"
     assert abs(light.gradient_norm - full.gradient_norm) <= light.gradient_bound
     fitted = chain.curvature(0).approximations["ekfac"]
@@ -466,3 +465,36 @@ def test_a_stationary_stage_with_a_named_solve_still_gets_its_lanczos_verdict(so
     saddle = quadratic_stage([2.0, -0.5, 1.0], [0.0, 0.0, 0.0], PULLS)
     where = ik.Chain([saddle], solve=solve, progress=False).fit().positions[0]
     assert where.verdict == "saddle" and where.min_eigenvalue == pytest.approx(-0.5, rel=1e-12)
+
+
+def test_the_checks_gradient_pass_measures_the_exact_objective_gradient_over_every_example(monkeypatch):
+    """objective_gradient: one hooked pass over every example — the Linear layers' per-example norms from their
+    Gram matrices, the LayerNorm's from its hooks — gives ‖∇L‖ (mean loss + R + the extra term) and
+    g = (mean_i ‖∇ℓ_i‖²)^½ equal to the plain gradient pass's and the per-example gradients'; the check takes them
+    (gradient_source "pass", sample n) with no per-example gradient pass and no gradient pass of its own."""
+    from influkit import stationarity
+    from influkit.curvature import gradient
+    from influkit.factored.fit import objective_gradient
+    from influkit.gradients import per_example_grad_rows
+    from influkit.params import ParamSpace
+
+    torch.manual_seed(0)
+    x, y = torch.randn(37, 2, 6, dtype=torch.float64), torch.randint(0, 3, (37,))
+    model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Tanh(), nn.Flatten(), nn.Linear(10, 3)).double()
+    stage = ik.Stage(model, cross_entropy, (x, y), regularizer=l2(0.05), batch_size=8)
+    names = stage.param_names
+    anchor = {nm: t.detach() + 0.1 for nm, t in stage.state().items() if nm in names}
+    extra = lambda p: 0.3 * sum(((p[nm] - anchor[nm]) ** 2).sum() for nm in names)  # noqa: E731
+    exact = gradient(stage, names, extra=extra)
+    norm = float(ParamSpace(exact).flatten(exact).norm())
+    rows = torch.cat(list(per_example_grad_rows(stage, x, y, names, chunk_size=37)))
+    typical = float(rows.pow(2).sum(1).mean().sqrt())
+    measured = objective_gradient(stage, extra=extra)
+    assert measured.examples == 37
+    assert measured.norm == pytest.approx(norm, rel=1e-12) and measured.typical == pytest.approx(typical, rel=1e-12)
+    monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a second gradient pass"))
+    monkeypatch.setattr(stationarity, "per_example_grad_rows", lambda *a, **k: pytest.fail("a per-example pass"))
+    where = assess(stage, None, HessianOperator(stage, extra=extra), extra=extra, spectrum="verdict")
+    assert (where.gradient_source, where.sample, where.gradient_bound) == ("pass", 37, 0.0)
+    assert where.objective_gradient == pytest.approx(norm, rel=1e-12)
+    assert where.gradient_norm == pytest.approx(norm / typical, rel=1e-12) and where.verdict == "non-stationary"
