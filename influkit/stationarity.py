@@ -9,9 +9,11 @@ minimum (∇L = 0, H ≻ 0). Models trained with Adam for a few epochs are rarel
   every example (S all n, ``gradient_source="pass"``), in one streamed pass with the registered layers hooked
   (:func:`influkit.factored.fit.objective_gradient`: a layer's batch gradient is one product of its recorded inputs
   and true-label output-gradients, an example's squared norm a sum of Gram products, no per-example gradient row;
-  the other parameters' rows per example); where the loss gives no per-example output-gradients to hook, g over a
-  seeded sample S of min(n, ``SAMPLE``) examples' per-example gradients and ∇L from them when S is every example,
-  else from one more gradient pass (``"data"``).
+  the registered layers owning the other parameters hooked too). Where some trained parameter is in no such layer (or
+  shared by two: a decoder tied to the word embeddings), whose rows over every example would cost more than the rest
+  of the pass, or the loss gives no per-example output-gradients to hook: the seeded sample of the light check
+  below (:func:`light_sample`), ∇L estimated from it with its bound where that settles the verdict
+  (``"sample"``), else drawn on, or one gradient pass (``"data"``).
 - ``min_eigenvalue`` θ_min, ``max_eigenvalue`` θ_max: extreme Ritz values of H. They bound the spectrum from
   inside, λ_min ≤ θ_min ≤ θ_max ≤ λ_max: a negative θ_min *certifies* negative curvature, a small |θ_min|
   certifies a near-null direction, a positive θ_min does not certify H ≻ 0 (curvature the Krylov space did not
@@ -98,7 +100,7 @@ import torch
 from .curvature import HessianOperator, gradient, penalty_gradient
 from .errors import InputError, StationarityWarning, warn
 from .factored.fisher import FactoredCurvatureError
-from .factored.fit import objective_gradient
+from .factored.fit import objective_gradient, unhooked_parameters
 from .gradients import chunk_for, per_example_grad_rows
 from .memory import DEFAULT_EXAMPLES
 from .operators import Operator
@@ -288,8 +290,7 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     elif factored is None and (passed := _gradient_pass(stage, names, extra, memory, progress)) is not None:
         absolute, typical, count, bound, source = passed.norm, passed.typical, n, 0.0, "pass"
     else:
-        absolute, typical, count, bound, source = _gradient_norms(stage, names, extra, seed, memory, least,
-                                                                  factored is not None, progress)
+        absolute, typical, count, bound, source = _gradient_norms(stage, names, extra, seed, memory, least, progress)
     relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
     release_freed_memory()  # the passes' freed buffers back to the system before the products allocate theirs
     tol = eigenvalue_tol(operator.dtype)
@@ -315,20 +316,23 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
 
 def _gradient_pass(stage: Stage, names, extra, memory, progress: bool):
     """‖∇L‖ and g over every example in one hooked pass (:func:`influkit.factored.fit.objective_gradient`), or None
-    where the loss has no per-example output-gradients to hook (then a sample's per-example gradients give g)."""
+    where some parameter's per-example gradients no layer hook gives (their rows over every example would cost
+    more than the sample's), or the loss has no per-example output-gradients to hook."""
+    if unhooked_parameters(stage.model, names):
+        return None
     try:
         return objective_gradient(stage, names, extra=extra, memory=memory, progress=progress)
     except FactoredCurvatureError:
         return None
 
 
-def _gradient_norms(stage: Stage, names, extra, seed: int, memory, least: int, light: bool,
+def _gradient_norms(stage: Stage, names, extra, seed: int, memory, least: int,
                     progress: bool) -> tuple[float, float, int, float, str]:
     """(‖∇L‖, g, the sample's size, the half-width of ‖∇L‖ (0 when exact), its source "data" or "sample") from the
     per-example gradients of a seeded sample and, unless the sample is every example or a light sample settles the
     verdict, one gradient pass over the data (module docstring)."""
     n = len(stage)
-    size = light_sample(n) if light else min(SAMPLE, n)
+    size = light_sample(n)
     order = None if size == n else torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     values = point(stage.state(), names)
     row = 2 * sum(t.numel() * t.element_size() for t in values.values())  # a gradient row and vmap's copy of it
@@ -341,12 +345,12 @@ def _gradient_norms(stage: Stage, names, extra, seed: int, memory, least: int, l
     estimate, bound, source = sums.mean() + penalty, 0.0, "data"
     if order is not None:
         bound = sums.bound(n)
-        grown = light and _settling_size(sums, float(estimate.norm()), n)
+        grown = _settling_size(sums, float(estimate.norm()), n)
         if grown and grown <= n // LIGHT_GROW_SHARE and grown > size:  # a second draw settles it, at a fraction of a pass
             sums.add(stage, *stage.data.take(order[size:grown].sort().values), names, chunk, progress)
             estimate, bound = sums.mean() + penalty, sums.bound(n)
         typical = sums.typical()
-        if light and typical > 0 and (float(estimate.norm()) - bound) / typical > GRADIENT_TOL:
+        if typical > 0 and (float(estimate.norm()) - bound) / typical > GRADIENT_TOL:
             source = "sample"
     typical = sums.typical()
     if source == "sample" or order is None:  # the sample settles it, or is every example (∇L exact, no second pass)

@@ -70,19 +70,23 @@ def test_off_the_minimum_the_relative_gradient_norm_is_exact():
 
 @pytest.mark.parametrize("repeat", [1, 17])
 def test_the_objective_gradient_with_a_regularizer_is_exact(repeat, monkeypatch):
-    """∇L = Dθ + mean a_i + wθ (R = (w/2)‖θ‖²), with 4 and with 68 (> SAMPLE) examples: one hooked pass over every
-    example gives it and g — no separate gradient pass."""
+    """∇L = Dθ + mean a_i + wθ (R = (w/2)‖θ‖²). The model's parameter is in no registered layer, so the light
+    sample gives g: with 4 examples it is all of them and their per-example gradients give ∇L exactly (no gradient
+    pass); with 68 its estimate of ∇L (mean pull ≠ 0 on a sample) does not settle the verdict, and one gradient pass
+    gives ∇L exactly."""
     from influkit import stationarity
 
     theta, d, w = [0.1, -0.2, 0.3], [4.0, 1.0, 0.25], 0.5
     plain = quadratic_stage(d, theta, PULLS * repeat)
     stage = ik.Stage(plain.model, plain.loss, plain.data.take(torch.arange(len(plain))), regularizer=l2(w))
-    monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a second gradient pass"))
+    if repeat == 1:
+        monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a second gradient pass"))
     pos = position(stage)
     expected = float(((torch.tensor(d) + w) * torch.tensor(theta, dtype=torch.float64)).norm())
     assert pos.objective_gradient == pytest.approx(expected, rel=1e-12)
     assert pos.gradient_norm == pytest.approx(expected / pos.typical_gradient, rel=1e-12)
-    assert pos.sample == len(stage) and pos.gradient_source == "pass"
+    assert (pos.gradient_source, pos.gradient_bound) == ("data", 0.0)
+    assert pos.sample == 4 if repeat == 1 else stationarity.light_sample(68) <= pos.sample <= 68 // 4
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "sampled", "exact"])

@@ -28,11 +28,11 @@ covariances) are all-reduced, so every rank holds the same factors, equal to one
 order; sampled labels depend on (seed, example index) only (:mod:`.fisher`).
 
 The fit is a :class:`FactorFit` run through its passes — the statistics pass, the eigendecomposition, EK-FAC's
-eigenvalue-correction pass — in the order the kind's registered class (:class:`Diagonal`, :class:`KFAC`,
-:class:`EKFAC`, :mod:`.approximations`) gives; :func:`fit_curvature` is the one-call form.
-
-``matvec`` applies C, ``solve(rhs, damping)`` applies (C + λI)⁻¹ blockwise in the eigenbases (exactly, no
-iteration); ``inverse(λ)`` is that inverse as an Operator, the approximate inverse of ``solver="ekfac"``.
+eigenvalue-correction pass — in the order the kind's registered class (``Diagonal``, ``KFAC``, ``EKFAC`` in
+:mod:`.kinds`) gives; :func:`fit_curvature` is the one-call form, returning the
+:class:`~influkit.factored.operator.FactoredCurvature` (:mod:`.operator`) of the blocks (:mod:`.blocks`).
+:func:`objective_gradient` runs the statistics pass without its statistics: the objective's gradient alone, for the
+stationarity check.
 """
 
 from __future__ import annotations
@@ -388,16 +388,11 @@ class FactorFit:
         return self.pseudo
 
     def _measured_layers(self) -> list[Layer]:
-        """The registered layers that own diagonal-block parameters alone (a LayerNorm, a bias without its weight,
-        each parameter in one layer): hooked in the first pass too, so that their true-label per-example gradients
-        come from their recorded inputs and output-gradients, not from per-example backward passes (the diagonal
-        block's own squares, of the pseudo-gradients, are formed as before)."""
-        layers, _ = plan(self.stage.model, self.diag_names)
-        owners: dict[str, int] = {}
-        for layer in layers:
-            for name in layer.params:
-                owners[name] = owners.get(name, 0) + 1
-        return [layer for layer in layers if all(owners[name] == 1 for name in layer.params)]
+        """The registered layers that own diagonal-block parameters alone, hooked in the first pass too, so that
+        their true-label per-example gradients come from their recorded inputs and output-gradients, not from
+        per-example backward passes (the diagonal block's own squares, of the pseudo-gradients, are formed as
+        before): :func:`measured_layers`."""
+        return measured_layers(self.stage.model, self.diag_names)
 
     def _true_labels(self, outputs, targets):
         """The true-label output-gradients' maker (the empirical Fisher's), made once from the first batch."""
@@ -662,6 +657,27 @@ class FactorFit:
             "memory": self.sizing,
         }
         return FactoredCurvature(space, self.kind, blocks, info, gradient=self.objective)
+
+
+def measured_layers(model, names: Sequence[str]) -> list[Layer]:
+    """The registered layers of ``model`` that own parameters of ``names`` alone (a LayerNorm, a bias without its
+    weight: each parameter in one layer), whose per-example gradients their hooks give."""
+    layers, _ = plan(model, names)
+    owners: dict[str, int] = {}
+    for layer in layers:
+        for name in layer.params:
+            owners[name] = owners.get(name, 0) + 1
+    return [layer for layer in layers if all(owners[name] == 1 for name in layer.params)]
+
+
+def unhooked_parameters(model, names: Sequence[str]) -> list[str]:
+    """The parameters of ``names`` whose per-example gradients no layer hook gives (:func:`objective_gradient` forms
+    their rows by per-example backward passes): in no registered layer, or shared by two (a decoder tied to the
+    word embeddings)."""
+    _, reasons = plan_layers(model, names)
+    diagonal = [name for name in names if name in reasons]
+    hooked = {name for layer in measured_layers(model, diagonal) for name in layer.params}
+    return [name for name in diagonal if name not in hooked]
 
 
 def _all_reduce_sums(accumulators: dict, tracked: list, squares: bool, wide=()) -> None:
