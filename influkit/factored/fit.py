@@ -246,7 +246,10 @@ def fit_curvature(
     streamed pass, no covariances and no eigendecompositions (SOURCE's segments sharing one eigenbasis).
     gradient: the first pass also measures the objective's gradient with the true labels, ``curvature.gradient``
     (:class:`ObjectiveGradient`: ‖∇L‖ and the RMS per-example gradient norm over the fit's examples) — what
-    :mod:`influkit.stationarity` needs of the data; else ``curvature.gradient`` is None.
+    :mod:`influkit.stationarity` needs of the data —, where that adds no per-example backward pass of its own: with
+    ``fisher="empirical"`` (the pass's own rows are the true labels'), or where every parameter's per-example
+    gradient comes from a layer hook (:func:`unhooked_parameters` none); else ``curvature.gradient`` is None (the
+    check then takes a sample's per-example gradients, a few examples' rows instead of every example's).
     """
     if kind not in KINDS:
         raise InputError(f"unknown factored curvature {kind!r}; choose one of {KINDS}.")
@@ -321,6 +324,8 @@ class FactorFit:
         fixed = sum(t.numel() * t.element_size() for acc in self.accumulators.values() for t in (acc.inputs, acc.grads, acc.squares))
         self.sizing = {"phase": "factor fitting", "budget": budget, "fixed_bytes": fixed, "diagonal_layers": sorted(self.wide)}
         self.statistics_bytes = 0  # per example, the layer statistics one batch keeps (set by the probe)
+        gradient = gradient and (fisher == "empirical" or not settings.statistics
+                                 or not unhooked_parameters(stage.model, self.names))
         self.sums = GradientSums() if gradient else None  # the true-label gradients, summed in the first pass
         self.truth: PseudoGradients | None = None  # their output-gradients, when the pseudo-gradients are not them
         # a LayerNorm's per-example gradients from its hooks where the pass forms no rows of its own for the squares
