@@ -14,6 +14,22 @@ Two models:
   back (``--kronfluence-first``: kronfluence's first, so a load that drifts during the run favours neither). An
   EK-FAC fit does not depend on the damping (it enters at the solve), so both fits are those of any λ.
 
+Two-stage chains (``--chain``), the check's share of fit + query for every solver, at defaults and with explicit
+settings (issue 49; rows in ``chains.json``, the table ``chains.md``):
+
+- ``--model bert``: a random-weight BERT masked-LM stage over all its parameters (``--layers`` 2, ``--hidden`` 256:
+  9.5 M; ``--n`` 128 sequences of ``--length`` 32 tokens) → a classifier head on the fixed encoder (Case 1,
+  ``--head-n`` 32 random sequences, the query the summed loss of the first ``--test`` 8);
+- ``--model minilm``: all-MiniLM-L6-v2's top two layers continued by masked-LM on 160 vaderSentiment snippets
+  (40 per source) → a sentiment head on 200 movie snippets (Case 1), the query 40 held-out movie snippets —
+  ``studies/minilm_domain_adaptation.py``'s recipe and training.
+
+``--setting defaults`` is ``ik.Chain([pre, fin], [link])`` with nothing set; ``--setting NAME`` names the solver of
+both stages with ``SolveConfig(solver=NAME, damping=1e-2, max_iter=3)`` (``lissa``/``neumann`` also ``step=1``,
+``arnoldi`` ``CurvatureConfig(rank=4)``). The check's seconds are the positions' own (``Position.seconds``), fit
+and query timed whole. Run once per code version (``--label``; before: ``PYTHONPATH`` at an export of the commit
+before first).
+
 Each fit is timed whole (``chain.fit()``, which also prepares the solver); the check's own seconds are
 ``positions[0].seconds`` (with the fit's data pass measuring ∇L, what that added to the pass), the EK-FAC phases
 ``info["seconds"]``. Run it once per code version, e.g. the version before with ``PYTHONPATH`` at an export of that
@@ -115,6 +131,89 @@ def kronfluence_fit(stage, args) -> dict:
             "kron_batch": args.kron_batch, "kron_load_at_start": load}
 
 
+def bert_chain(args):
+    """(stage 1, stage 2, link, test) of the BERT Case 1 chain (module docstring)."""
+    from benchmarks.bench_transformer import (classification_losses, classifier_model, config_of, lm_data, lm_model,
+                                              token_summed_losses)
+    import influkit as ik
+    from influkit import hf
+
+    config = config_of("bert", args.layers, args.hidden, args.length)
+    model = lm_model("bert", config)
+    x, y = lm_data("bert", args.n, args.length, 0, config.vocab_size)
+    pre = ik.Stage(hf.HFModel(model), token_summed_losses, (x, y))
+    tx, _ = lm_data("bert", args.head_n, args.length, 2, config.vocab_size)
+    fin = ik.Stage(hf.HFModel(classifier_model("bert", config, model)), classification_losses,
+                   (tx, torch.arange(args.head_n) % 2), params="classifier")
+    return pre, fin, ik.Link("bert", case=1), torch.arange(args.test)
+
+
+def minilm_chain(args):
+    """(stage 1, stage 2, link, test) of the MiniLM Case 1 chain, trained as the study trains it."""
+    from studies import minilm_domain_adaptation as study
+    from influkit import hf
+
+    cfg = study.Config(per_source=40, n_finetune=200)
+    data = study.load_data(cfg, hf.checkpoint_dir(study.PACKAGE))
+    trained = study.train_all(cfg, data, hf.checkpoint_dir(study.PACKAGE), variants=("case1",))
+    return trained.pre, trained.fin["case1"], study.link(trained, "case1", cfg), hf.pack(data.test[1])
+
+
+def chain_settings(setting: str):
+    """(SolveConfig, CurvatureConfig) of ``--setting`` (module docstring)."""
+    import influkit as ik
+
+    if setting == "defaults":
+        return ik.SolveConfig(), ik.CurvatureConfig()
+    extra = {"step": 1.0} if setting in ("lissa", "neumann") else {}
+    curvature = ik.CurvatureConfig(rank=4) if setting == "arnoldi" else ik.CurvatureConfig()
+    return ik.SolveConfig(solver=setting, damping=1e-2, max_iter=3, **extra), curvature
+
+
+def chain_run(args) -> dict:
+    """One chain's fit and query at ``--setting``: seconds, the check's seconds and products, what each stage ran."""
+    import influkit
+    import influkit as ik
+
+    pre, fin, link, test = bert_chain(args) if args.model == "bert" else minilm_chain(args)
+    solve, curvature = chain_settings(args.setting)
+    chain = ik.Chain([pre, fin], [link], solve=solve, curvature=curvature, progress=False)
+    load = os.getloadavg()
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        chain.fit()
+        fit = time.perf_counter() - start
+        start = time.perf_counter()
+        query = chain.query(test)
+        queried = time.perf_counter() - start
+    stages = query.stages
+    check = sum(stage["seconds"] for stage in stages)
+    checked = [position.summary() for position in chain.positions]  # the fit's, before a solve filled any in
+    products = [where.get("products", where["lanczos_steps"] if where.get("eigenvalue_source") == "lanczos" else 0)
+                for where in checked]
+    return {"label": args.label, "influkit": str(Path(influkit.__file__).parent), "model": args.model,
+            "setting": args.setting, "trained": chain.dims, "fit_s": fit, "query_s": queried, "check_s": check,
+            "check_share": check / (fit + queried), "check_products": products,
+            "solvers": [s["solver"] for s in query.solves], "iterations": [s["iterations"] for s in query.solves],
+            "stages": stages, "load_at_start": load, "load_at_end": os.getloadavg()}
+
+
+def chain_summary(out: Path) -> None:
+    """chains.md: the check's share of fit + query per model and setting, one column per label."""
+    import pandas as pd
+
+    rows = json.loads((out / "chains.json").read_text())
+    frame = pd.DataFrame([{"model": r["model"], "setting": r["setting"], "label": r["label"],
+                           "fit_s": r["fit_s"], "query_s": r["query_s"], "check_s": r["check_s"],
+                           "check_share": r["check_share"], "check_products": sum(r["check_products"]),
+                           "verdicts": "/".join(s["verdict"] for s in r["stages"]),
+                           "eigenvalues": "/".join(s.get("eigenvalue_source", "lanczos") for s in r["stages"]),
+                           "solvers": "/".join(r["solvers"]), "load_1min": r["load_at_start"][0]} for r in rows])
+    frame = frame.sort_values(["model", "setting", "label"])
+    (out / "chains.md").write_text(frame.to_string(index=False, float_format=lambda v: f"{v:.3g}") + "\n")
+
+
 def run(args) -> dict:
     import influkit
 
@@ -188,10 +287,28 @@ def main(argv=None) -> None:
     parser.add_argument("--kronfluence-first", action="store_true", help="kronfluence's fit before influkit's")
     parser.add_argument("--kron-batch", type=int, default=8)
     parser.add_argument("--out", default="benchmarks/results/bench_fit_phases")
+    parser.add_argument("--chain", action="store_true", help="the two-stage chain of --model at --setting")
+    parser.add_argument("--setting", default="defaults", help="--chain: 'defaults' or a solver's name")
+    parser.add_argument("--hidden", type=int, default=256, help="--chain --model bert: hidden size")
+    parser.add_argument("--head-n", type=int, default=32, help="--chain --model bert: the head's sequences")
+    parser.add_argument("--test", type=int, default=8, help="--chain --model bert: test sequences")
     args = parser.parse_args(argv)
-    row = run(args)
+    torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.chain:
+        row = chain_run(args)
+        file = out / "chains.json"
+        key = lambda r: (r["label"], r["model"], r["setting"])  # noqa: E731
+        rows = json.loads(file.read_text()) if file.exists() else []
+        file.write_text(json.dumps([r for r in rows if key(r) != key(row)] + [row], indent=1, default=str))
+        print(json.dumps({k: v for k, v in row.items() if k != "stages"}, default=str), flush=True)
+        chain_summary(out)
+        record(out, ["chains.json", "chains.md"], note="2 shared CPU cores, six helpers at once, 1 torch thread "
+                                                       "(load_1min per row); before rows: an export of the commit "
+                                                       "before first on PYTHONPATH")
+        return
+    row = run(args)
     file = out / "fit_phases.json"
     key = lambda r: (r["label"], r.get("model", "minilm"), r.get("fisher", "empirical"), r["n"], r["length"])  # noqa: E731
     rows = json.loads(file.read_text()) if file.exists() else []

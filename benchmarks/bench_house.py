@@ -43,7 +43,7 @@ ENTRY_POINTS = {  # label: "module:qualified name"
     "ik.solve": "influkit:solve",
     "ssl.hypergradient": "influkit.ssl:hypergradient",
     "ssl.train_ssl": "influkit.ssl:train_ssl",
-    "fit_curvature": "influkit.factored.curvature:fit_curvature",
+    "fit_curvature": "influkit.factored.fit:fit_curvature",
     "ik.Chain": "influkit:Chain",
     "Chain.query": "influkit:Chain.query",
     "Query.scores": "influkit:Query.scores",

@@ -56,7 +56,8 @@ def run_influkit(stage, test, solver: str, tol: float | None = None):
         res = ik.influence(stage, torch.arange(n), test, solve=ik.SolveConfig(solver=solver, tol=tol))
     d = res.diagnostics["solves"][0]
     where = res.diagnostics["stages"][0]
-    return res.removal, f"{d['method']}, {d['iterations']} it, {d['products']} HVPs; {where['verdict']}"
+    check = f"check {where['seconds']:.2f}s, {where.get('products', where['lanczos_steps'])} HVPs"
+    return res.removal, f"{d['solver']}, {d['iterations']} it, {d['products']} HVPs; {where['verdict']} ({check})"
 
 
 # --------------------------------------------------------------------------------------------- pyDVL

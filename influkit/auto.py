@@ -40,7 +40,8 @@ Damping rules (off a minimum, when the user gave none):
   of size η on a quadratic move θ by −[I − (I − ηH)^T] H⁻¹∇: H⁻¹ along curvatures ≫ 1/(ηT), ηT·I below — the
   response of a short continued training is H⁻¹ damped by about 1/(ηT).
 - **spectral, scaled by how far off the minimum**: λ = ``DAMPING_RATIO`` · θ_max · min(1, r/``R_REF``), θ_max the
-  largest eigenvalue the stationarity check found (H's Ritz value, or the fitted EK-FAC's), r = ‖∇L‖/g the stage's
+  largest eigenvalue the stationarity check found (H's Ritz value — off a stationary point, of the Hessian of a sample
+  of the stage's examples — or the fitted EK-FAC's), r = ‖∇L‖/g the stage's
   gradient norm relative to the typical per-example gradient norm. At r ≥ ``R_REF`` it bounds the condition number
   of G + λI by about 1 + 1/``DAMPING_RATIO`` (G's largest eigenvalue is at most about H's: both share the
   Gauss-Newton part); nearer the minimum the damping shrinks in proportion to r, so a stage a hair off its minimum
@@ -110,6 +111,9 @@ class Choice:
 def spectral_damping(position: Position) -> float:
     """λ = DAMPING_RATIO · max(θ_max, 0) · min(1, r/R_REF) off a minimum (module docstring); at a singular
     stationary point, where the damping stands for H's null space rather than the distance, DAMPING_RATIO · θ_max."""
+    if position.max_eigenvalue is None:
+        raise InputError("the spectral damping needs θ_max, which this stage's stationarity check did not measure "
+                         "(measured with spectrum='largest' or 'all'); give SolveConfig(damping=...) instead.")
     scale = 1.0 if position.verdict == "singular" else min(1.0, position.gradient_norm / R_REF)
     return DAMPING_RATIO * max(position.max_eigenvalue, 0.0) * scale
 

@@ -158,9 +158,10 @@ class Chain:
     def fit(self) -> "Chain":
         """Build what does not depend on the test set: each stage's :class:`~influkit.fitted.FittedCurvature`, where
         each stage stands (``positions``, :mod:`influkit.stationarity`: per-example gradients of a sample of 64 — a
-        second gradient pass when the stage has more examples — and 20 Hessian-vector products of the exact Hessian;
-        for a stage whose solve fits a factored curvature, the light check: ∇L and the per-example gradient norms
-        measured in that fit's data pass) and its prepared
+        second gradient pass when the stage has more examples —, Lanczos steps on the exact Hessian only where the
+        gradient leaves the verdict open, and on a sample's Hessian where ``auto``'s damping needs θ_max; for a stage
+        whose solve fits a factored curvature, the light check: ∇L and the per-example gradient norms measured in that
+        fit's data pass; eigenvalues not measured come with a query from its solve's own iterations) and its prepared
         :class:`~influkit.solvers.Solver`, chosen by :func:`influkit.auto.decide` from that position (``solver="auto"``) or as configured, which fits on
         its curvature what it needs (a dense factorization for ``direct``, the factored curvature or Lanczos
         eigenpairs). Cached; :meth:`query` calls it when needed. Returns self."""
@@ -263,21 +264,23 @@ class Chain:
         return self._derived[k, matrix]
 
     def _position(self, k: int) -> Position:
-        """Where stage k stands, measured on its exact Hessian (the configured sample), kept per sample, seed and
-        whether the check is the light one (:meth:`_factored_fit`)."""
-        config = self.curvature_configs[k]
-        fitted = self._factored_fit(k)
-        key = (k, config.hessian_samples, config.seed, fitted)
+        """Where stage k stands, measured on its exact Hessian (the configured sample), kept per sample, seed,
+        whether the check is the light one (:meth:`_factored_fit`) and what its solve needs of the eigenvalues
+        (:attr:`influkit.solvers.SolveConfig.spectrum`: none when the user named the solver or the damping)."""
+        key = self._position_key(k)
         if key not in self._positions:
-            plan = self.plans[k]
+            plan, fitted = self.plans[k], key[3]
             hessian = self._check_operator(k, self._curvature_for(k, "hessian").operator)
             factored = None if fitted is None else (lambda: self._factored_curvature(k, fitted))
-            check = stationarity.CheckConfig(seed=config.seed, memory=self.memory,
-                                             least=1 if self._lean_check(k) else DEFAULT_EXAMPLES,
-                                             light=fitted is not None, progress=self.progress)
-            self._positions[key] = stationarity.assess(plan.stage, plan.trained, hessian, extra=plan.proximal,
-                                                       factored=factored, check=check)
+            self._positions[key] = stationarity.assess(
+                plan.stage, plan.trained, hessian, extra=plan.proximal, seed=key[2], memory=self.memory,
+                least=1 if self._lean_check(k) else DEFAULT_EXAMPLES, factored=factored, spectrum=key[4],
+                progress=self.progress)
         return self._positions[key]
+
+    def _position_key(self, k: int) -> tuple:
+        config = self.curvature_configs[k]
+        return k, config.hessian_samples, config.seed, self._factored_fit(k), self.solve_configs[k].spectrum
 
     def _factored_fit(self, k: int) -> str | None:
         """The factored curvature (``"kfac"``/``"ekfac"``) stage k's solve fits off a minimum, whose cost the
@@ -401,8 +404,8 @@ class Chain:
         self._digests = [parameters_digest(plan.stage) for plan in self.plans]
         self._curvatures = [self._new_curvature(plan, config) for plan, config in zip(self.plans, self.curvature_configs)]
         self.positions = [Position.from_summary(p) for p in meta["positions"]]
-        for k, (config, position) in enumerate(zip(self.curvature_configs, self.positions)):
-            self._positions[k, config.hessian_samples, config.seed, self._factored_fit(k)] = position
+        for k, position in enumerate(self.positions):
+            self._positions[self._position_key(k)] = position
         for k in range(len(self)):
             self._curvature_for(k, self._choice(k).matrix).load(tensors, meta.get("fitted", {}).get(str(k), {}),
                                                                  f"stage{k}.")
@@ -461,8 +464,10 @@ class Chain:
         test_digest = Rows(last.stage, torch.arange(tx.shape[0]), (tx, ty)).digest()
         if measure is not None:
             test_digest += f"|measure={_qualname(measure)}"
+        solved = [position.solved(solver.name, solver.curvature.config.matrix, solution.eigenvalues)
+                  for position, solver, solution in zip(self.positions, solvers, solutions)]
         stages = [position.summary() | ({"proximal": drift.summary()} if drift else {})
-                  for position, drift in zip(self.positions, self.drifts)]
+                  for position, drift in zip(solved, self.drifts)]
         query = Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds, test_digest, stages)
         query.solves[-1]["token_factors"] = sorted(tokens.factors) if tokens is not None else []
         return query

@@ -8,6 +8,7 @@ an iteration cap and a progress bar, and knows nothing of Hessians, damping or d
 
 from __future__ import annotations
 
+import math
 
 import torch
 
@@ -18,7 +19,10 @@ def cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner
     """Batched (preconditioned) conjugate gradients on A x = c, A symmetric positive definite, a column each.
 
     With ``require_positive`` it stops at a direction of non-positive curvature pᵀAp ≤ 0 (A is then not positive
-    definite) and sets ``stats["negative_curvature"]``."""
+    definite) and sets ``stats["negative_curvature"]``. stats also receives ``lanczos``, each column's Lanczos
+    tridiagonal T_k of A (of M⁻¹A when preconditioned) from CG's own coefficients α_j = rᵀz/pᵀAp, β_j = r'ᵀz'/rᵀz:
+    T_jj = 1/α_j + β_(j−1)/α_(j−1), T_(j,j+1) = √β_j/α_j (Saad, *Iterative Methods*, §6.7.3), in the layout of
+    :func:`minres`'s."""
     precondition = preconditioner or (lambda r: r)
     x = torch.zeros_like(target)
     r = target.clone()
@@ -26,6 +30,9 @@ def cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner
     p = z.clone()
     rz = (r * z).sum(0)
     bnorm = target.norm(dim=0).clamp_min(torch.finfo(target.dtype).tiny)
+    zeros = torch.zeros_like(rz)
+    diagonal, offdiagonal, steps = [], [], torch.zeros_like(rz, dtype=torch.long)
+    last_alpha, last_beta = torch.ones_like(rz), zeros.clone()  # α_(j−1), β_(j−1) (β_0 = 0)
     iterations = 0
     for iterations in range(1, max_iter + 1):
         active = r.norm(dim=0) / bnorm > tol
@@ -44,9 +51,18 @@ def cg(apply, target, tol, max_iter, bar, require_positive: bool, preconditioner
         z = precondition(r)
         rz_new = (r * z).sum(0)
         beta = torch.where(active, rz_new / rz.clamp_min(torch.finfo(rz.dtype).tiny), torch.zeros_like(rz))
+        if stats is not None:
+            safe = torch.where(active, alpha, torch.ones_like(alpha))
+            diagonal.append(torch.where(active, 1 / safe + last_beta / last_alpha, zeros))
+            offdiagonal.append(torch.where(active, beta.clamp_min(0).sqrt() / safe, zeros))
+            steps += active.long()
+            last_alpha, last_beta = torch.where(active, safe, last_alpha), torch.where(active, beta, last_beta)
         p = z + beta * p
         rz = torch.where(active, rz_new, rz)
         bar.update(1)
+    if stats is not None:
+        stats["lanczos"] = (torch.stack(diagonal, 1) if diagonal else zeros[:, None],
+                            torch.stack(offdiagonal, 1) if offdiagonal else zeros[:, None], steps)
     return x, iterations
 
 
@@ -168,6 +184,25 @@ def negative_ritz_values(lanczos) -> int:
             negative += pivot < 0
         most = max(most, negative)
     return most
+
+
+def extreme_ritz_values(lanczos) -> tuple[float, float, int] | None:
+    """(θ_min, θ_max, k): the extreme Ritz values of A over the columns' Lanczos tridiagonals T (``stats["lanczos"]``
+    of :func:`minres` or :func:`cg`, unpreconditioned) — each column's eigenvalues of its T_k lie within A's spectrum,
+    so the smallest and largest over the columns do too — and k, the most steps a column took; None when no column
+    took a step."""
+    diagonal, offdiagonal, steps = lanczos
+    low, high, most = math.inf, -math.inf, 0
+    for alfa, beta, k in zip(diagonal.double(), offdiagonal.double(), steps.tolist()):
+        if k == 0:
+            continue
+        tri = torch.diag(alfa[:k].cpu())
+        if k > 1:
+            off = beta[: k - 1].cpu()
+            tri += torch.diag(off, 1) + torch.diag(off, -1)
+        theta = torch.linalg.eigvalsh(tri)
+        low, high, most = min(low, float(theta[0])), max(high, float(theta[-1])), max(most, k)
+    return (low, high, most) if most else None
 
 
 def largest_eigenvalue(apply, like: torch.Tensor, steps: int = 30) -> float:

@@ -88,11 +88,13 @@ class SymmetricFactor:
         self.cholesky, info = torch.linalg.cholesky_ex(self.shifted)
         self.eigen: tuple[torch.Tensor, torch.Tensor] | None = None
         self.indefinite = False  # H has eigenvalues below −cutoff (known when Cholesky failed)
+        self.extremes: tuple[float, float] | None = None  # A's smallest and largest eigenvalue (when eigh ran)
         if int(info) != 0:
             self.cholesky = None
             evals, evecs = torch.linalg.eigh(matrix)
             if not torch.isfinite(evals).all():
                 raise NumericalError("the Hessian's eigendecomposition failed (NaN); use float64 or add damping.")
+            self.extremes = (float(evals[0]), float(evals[-1]))
             shifted = evals + damping
             cutoff = shifted.abs().max() * matrix.shape[0] * torch.finfo(matrix.dtype).eps
             keep = shifted.abs() > cutoff

@@ -429,9 +429,13 @@ def _banner(result: InfluenceResult) -> str:
     for k, stage in enumerate(result.diagnostics.get("stages") or []):
         verdict = stage.get("verdict")
         if verdict is not None and verdict != "minimum":
+            spectrum = ("eigenvalues not measured: the gradient settles the verdict"
+                        if stage.get("min_eigenvalue") is None and stage.get("max_eigenvalue") is None else
+                        f"{'Gauss-Newton' if stage.get('eigenvalue_matrix') == 'gauss-newton' else 'Hessian'} "
+                        f"eigenvalues within [{_text(stage.get('min_eigenvalue'))}, "
+                        f"{_text(stage.get('max_eigenvalue'))}] ({html.escape(str(stage.get('eigenvalue_source', 'lanczos')))})")
             lines.append(f"<b>stage {k} is not at a minimum</b> ({html.escape(str(verdict))}: ‖∇L‖ = "
-                         f"{_text(stage.get('gradient_norm'))} × the typical per-example gradient, Hessian eigenvalues "
-                         f"within [{_text(stage.get('min_eigenvalue'))}, {_text(stage.get('max_eigenvalue'))}]). "
+                         f"{_text(stage.get('gradient_norm'))} × the typical per-example gradient, {spectrum}). "
                          "Influence functions assume a minimum: read the scores as a local linearization and check "
                          "them against retraining (influkit.validation.check_retraining).")
         drift = stage.get("proximal") or {}
@@ -444,7 +448,7 @@ def _banner(result: InfluenceResult) -> str:
 
 def _stages(stages: list[dict]) -> str:
     """The verdict of each stage with the numbers it rests on (:mod:`influkit.stationarity`)."""
-    keys = ("verdict", "gradient_norm", "min_eigenvalue", "max_eigenvalue", "lanczos_steps")
+    keys = ("verdict", "gradient_norm", "min_eigenvalue", "max_eigenvalue", "eigenvalue_source", "lanczos_steps")
     rows = [{"stage": k} | {key: stage.get(key) for key in keys} for k, stage in enumerate(stages)]
     for row, stage in zip(rows, stages):
         drift = stage.get("proximal")
@@ -452,8 +456,10 @@ def _stages(stages: list[dict]) -> str:
             row |= {"alpha": drift["alpha"], "alpha_fit": drift["alpha_fit"], "drift_residual": drift["residual"]}
     tol = stages[0].get("gradient_tol")
     note = ('<p class="note">gradient_norm: ‖∇L‖ over the RMS per-example gradient norm (stationary at or below '
-            f"{tol:g}); min/max_eigenvalue: Lanczos estimates of the Hessian's extreme eigenvalues (a negative minimum "
-            "is certain, a positive one is not proof of a minimum). Influence functions assume a minimum; "
+            f"{tol:g}); min/max_eigenvalue: Ritz values, estimates of the extreme eigenvalues from inside (a negative "
+            "minimum is certain, a positive one is not proof of a minimum), from eigenvalue_source: a Lanczos run on "
+            "the Hessian (lanczos; lanczos-sample: of a sample's), the fitted K-FAC/EK-FAC, or the solve's own "
+            "iterations; none where the gradient alone settles the verdict and nothing needs them. Influence functions assume a minimum; "
             "<i>solver=auto</i> uses the damped Gauss-Newton matrix elsewhere (the solves' <i>choice</i>). A Case 2 stage "
             "adds alpha (its link's α), alpha_fit (α̂, the α that explains the shared block's drift) and "
             "drift_residual (how far ∇_W F = −2α(W − W̄) is from holding at α, 0 to 1).</p>")

@@ -85,6 +85,11 @@ class Solution:
     preconditioner: what preconditioned an iterative solve, or which fitted approximation gave x ("" if none).
     floor: the relative residual the operator's precision can certify for this x, ε·(‖A‖‖x‖/‖b‖ + 1)
     (NaN where not estimated); a residual near it cannot be improved by iterating.
+    eigenvalues: (θ_min, θ_max, steps), extreme eigenvalues of the solved matrix (H, or G on the Gauss-Newton
+    curvature; λ taken off) that the solve gave for free — the extreme Ritz values of an unpreconditioned
+    ``minres``/``cg_spd`` solve's own Lanczos tridiagonal after its steps (:func:`influkit.krylov.extreme_ritz_values`;
+    they lie within the spectrum), ``direct``'s exact ones when it fell back to an eigendecomposition (steps 0),
+    ``arnoldi``'s fitted Ritz values (its Lanczos steps); None where the method gives none.
     """
 
     x: torch.Tensor
@@ -99,6 +104,7 @@ class Solution:
     choice: str = ""
     preconditioner: str = ""
     floor: float = math.nan
+    eigenvalues: tuple[float, float, int] | None = None
 
     def summary(self) -> dict:
         """The diagnostics without the solution vector."""
@@ -180,6 +186,15 @@ class SolveConfig:
                       training=self.training)
         choice = decide(position, dim, asked=asked, **context)
         return replace(choice, preconditioner=self.preconditioner) if pre == "given" else choice
+
+    @property
+    def spectrum(self) -> str:
+        """What a stage's stationarity check measures of the eigenvalues off a stationary point for these settings
+        (:func:`influkit.stationarity.assess`): ``"largest"`` — θ_max, which ``auto``'s damping reads when neither a
+        damping nor :class:`~influkit.auto.Training` is given — else ``"verdict"``, nothing (a named solver and a
+        given damping use no eigenvalue)."""
+        needs = self.solver == "auto" and self.damping == 0 and self.training is None
+        return "largest" if needs else "verdict"
 
     def factored_fit(self, dim: int) -> str | None:
         """The factored curvature (``"kfac"``/``"ekfac"``) a stage of p = ``dim`` fits for this solve off a minimum —
@@ -330,11 +345,16 @@ class Solver:
             tol=float(tol), converged=converged, seconds=time.perf_counter() - start,
             products=products_of(operator) - start_products, damping=float(damping),
             choice="; ".join([why] + notes) if notes else why, preconditioner=self.preconditioner_name,
-            floor=float(floor),
+            floor=float(floor), eigenvalues=None if factors else self._eigenvalues(),
         )
 
     def _run(self, rhs: torch.Tensor, tol: float, max_iter: int, bar) -> tuple[torch.Tensor, int, float, float]:
         raise NotImplementedError
+
+    def _eigenvalues(self) -> tuple[float, float, int] | None:
+        """(θ_min, θ_max, steps) of the solved matrix that the last ``_run`` gave for free (:attr:`Solution.eigenvalues`),
+        or None."""
+        return None
 
     def _warn_unconverged(self, iterations: int, residual: float, tol: float, floor: float, dtype) -> None:
         _warn_unconverged(self.name, iterations, residual, tol, floor, dtype, self.config.damping,
@@ -389,6 +409,10 @@ class Direct(Solver):
         residual = krylov_residual(lambda v: factor.shifted @ v, x, rhs)
         return x, 1, residual, math.nan
 
+    def _eigenvalues(self):
+        extremes = self._factor().extremes
+        return None if extremes is None else (*extremes, 0)
+
     def _warn_unconverged(self, iterations, residual, tol, floor, dtype) -> None:
         if self._factor().eigen is None:
             return super()._warn_unconverged(iterations, residual, tol, floor, dtype)
@@ -428,6 +452,15 @@ class _Krylov(Solver):
             base = deflated(base, pairs.eigenvalues, pairs.eigenvectors, config.damping)
             name = f"{name or 'identity'} deflated by {pairs.eigenvalues.numel()} Lanczos eigenpairs"
         self.apply_preconditioner, self.preconditioner_name = base, name
+
+    def _eigenvalues(self):
+        """The extreme Ritz values of the solve's Lanczos tridiagonal less λ, unpreconditioned (a preconditioned
+        solve's are those of M⁻¹(H + λI), not H's)."""
+        stats = getattr(self, "stats", {})
+        if self.apply_preconditioner is not None or "lanczos" not in stats:
+            return None
+        ritz = krylov.extreme_ritz_values(stats["lanczos"])
+        return None if ritz is None else (ritz[0] - self.config.damping, ritz[1] - self.config.damping, ritz[2])
 
 
 @register("minres")
@@ -473,6 +506,9 @@ class CGSquared(CG):
 
     squared = True
     accepts_preconditioner = False
+
+    def _eigenvalues(self):
+        return None  # its Ritz values are H²'s, which lose the sign of H's
 
 
 @register("lissa")
@@ -548,6 +584,10 @@ class Arnoldi(_Approximation):
         if self.approximation is None:
             self.approximation = self._approximation("arnoldi", progress)
         self.preconditioner_name = f"arnoldi (rank {self.approximation.eigenvalues.numel()})"
+
+    def _eigenvalues(self):
+        theta = self.approximation.eigenvalues
+        return float(theta.min()), float(theta.max()), int(self.approximation.info.get("iterations", 0))
 
 
 def _warn_unconverged(method: str, iterations: int, residual: float, tol: float, floor: float, dtype, damping: float,

@@ -4,14 +4,40 @@ Influence functions differentiate the optimality condition ∇L(θ̂) = 0 and in
 minimum (∇L = 0, H ≻ 0). Models trained with Adam for a few epochs are rarely there. :func:`assess` measures it:
 
 - ``gradient_norm`` r = ‖∇L(θ̂)‖ / g, where ∇L is the gradient of the whole objective (mean loss + regularizer
-  + proximal term) and g = (mean_{i∈S} ‖∇ℓ_i(θ̂)‖²)^½ is the RMS of the per-example *loss* gradient norms over a
-  seeded sample S of min(n, ``SAMPLE``) examples — "typical": the size of one example's pull, which the influence
-  of one example is measured against.
-- ``min_eigenvalue`` θ_min, ``max_eigenvalue`` θ_max: the extreme Ritz values of H after m = min(p, ``STEPS``)
-  Lanczos steps (three-term recurrence from a seeded start, O(p) memory, m Hessian-vector products). They bound
-  the spectrum from inside, λ_min ≤ θ_min ≤ θ_max ≤ λ_max: a negative θ_min *certifies* negative curvature, a
-  small |θ_min| certifies a near-null direction, a positive θ_min does not certify H ≻ 0 (curvature Lanczos did
-  not reach in m steps is not seen).
+  + proximal term) and g = (mean_{i∈S} ‖∇ℓ_i(θ̂)‖²)^½ is the RMS of the per-example *loss* gradient norms —
+  "typical": the size of one example's pull, which the influence of one example is measured against. Both over
+  every example (S all n, ``gradient_source="pass"``), in one streamed pass with the registered layers hooked
+  (:func:`influkit.factored.fit.objective_gradient`: a layer's batch gradient is one product of its recorded inputs
+  and true-label output-gradients, an example's squared norm a sum of Gram products, no per-example gradient row;
+  the registered layers owning the other parameters hooked too). Where some trained parameter is in no such layer (or
+  shared by two: a decoder tied to the word embeddings), whose rows over every example would cost more than the rest
+  of the pass, or the loss gives no per-example output-gradients to hook: the seeded sample of the light check
+  below (:func:`light_sample`), ∇L estimated from it with its bound where that settles the verdict
+  (``"sample"``), else drawn on, or one gradient pass (``"data"``).
+- ``min_eigenvalue`` θ_min, ``max_eigenvalue`` θ_max: extreme Ritz values of H. They bound the spectrum from
+  inside, λ_min ≤ θ_min ≤ θ_max ≤ λ_max: a negative θ_min *certifies* negative curvature, a small |θ_min|
+  certifies a near-null direction, a positive θ_min does not certify H ≻ 0 (curvature the Krylov space did not
+  reach is not seen).
+
+**Eigenvalues only where they decide something.** The verdict needs θ_min only when r ≤ ``GRADIENT_TOL``; off a
+stationary point the gradient alone settles it. So a separate Lanczos run (three-term recurrence from a seeded
+start, O(p) memory, one Hessian-vector product per step) runs only
+
+- for a stage whose gradient says it may be stationary: m = min(p, ``STEPS``) steps on the exact H
+  (``eigenvalue_source="lanczos"``), θ_min deciding minimum / saddle / singular;
+- for ``auto``'s damping off a stationary point (``spectrum="largest"``: ``solver="auto"`` with neither a damping
+  nor :class:`~influkit.auto.Training`), when no fitted factored curvature gives θ_max for free:
+  ``LARGEST_STEPS`` steps on the Hessian of a seeded sample of min(n, ``SAMPLE``) examples
+  (``eigenvalue_source="lanczos-sample"``, ``eigenvalue_sample`` examples: an estimate of H's θ_max, whose extreme
+  eigenvalues converge first, at ``LARGEST_STEPS``·min(n, SAMPLE)/n of a full product each);
+- always with ``spectrum="all"`` (the full check, whatever r).
+
+Otherwise the eigenvalues are not measured (``None``, ``eigenvalue_source="none"``, no product), and a
+:class:`~influkit.chain.Chain`'s query fills them in from its solve's own Krylov iterations (:meth:`Position.solved`):
+MINRES and CG build a Lanczos tridiagonal of the system they solve, whose extreme Ritz values, less the damping λ,
+are those of the solved matrix (H, or the Gauss-Newton G: ``eigenvalue_matrix``) after as many steps as the solve
+took (:func:`influkit.krylov.extreme_ritz_values`); ``direct`` gives the exact ones when it fell back to an
+eigendecomposition, ``arnoldi`` its fitted Ritz pairs. ``products`` counts the check's own Hessian-vector products.
 
 **A check sized to its stage's fit** (``light=True``: a :class:`~influkit.chain.Chain` asks it for a stage whose
 solve fits a factored curvature — ``kfac``/``ekfac`` as the approximate inverse or the preconditioner —, whose fit
@@ -42,7 +68,7 @@ each, and its gradient pass would cost many times that fit):
   (``"data"``, b = 0), as in the full check;
 - a non-stationary stage's verdict does not depend on the eigenvalues, which then come from the fitted factored
   curvature C ≈ G, the matrix its solve uses (C's extreme eigenvalues, ``eigenvalue_source="ekfac"`` or ``"kfac"``,
-  no Hessian-vector product); a stationary one gets the full m Lanczos steps on the exact H, since its verdict
+  no Hessian-vector product); a stationary one gets the m Lanczos steps on the exact H, since its verdict
   rests on θ_min (at a minimum ``auto`` solves H, preconditioned by the factored fit the check ran).
 
 Verdict, with ε = √(machine epsilon of H's dtype) (1.5e-8 in float64, 3.5e-4 in float32: a float32
@@ -55,11 +81,10 @@ Hessian-vector product carries a relative error well above float32's epsilon) an
 | ``singular``       | r ≤ ``GRADIENT_TOL`` and |θ_min| ≤ ε·s (or H = 0)        |
 | ``minimum``        | r ≤ ``GRADIENT_TOL`` and θ_min > ε·s                     |
 
-Cost of the full check: per-example gradients of the sample and m Hessian-vector products; when the sample is the
-whole data set (n ≤ ``SAMPLE``) its per-example gradients also give ∇L (their mean plus the data-free part
-∇(R + extra)), else one more gradient pass over the data. Both passes run in the chunks the per-example gradients
-fit in the memory budget (:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the
-per-example one); a :class:`~influkit.chain.Chain` without ``memory=`` runs a light check's passes and products in
+Cost of the check: one hooked pass over the data (or a light check's share of the factored fit's) and the
+Hessian-vector products above (none off a stationary point unless ``auto``'s damping needs θ_max and no factored fit
+gives it). A sample's per-example gradients, where they are taken, run in the chunks they fit in the memory budget
+(:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the per-example one); a :class:`~influkit.chain.Chain` without ``memory=`` runs a light check's passes and products in
 batches of at most ``memory.DEFAULT_WORKING`` (``least=1``).
 """
 
@@ -68,12 +93,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
-from .curvature import gradient, penalty_gradient
-from .errors import StationarityWarning, warn
+from .curvature import HessianOperator, gradient, penalty_gradient
+from .errors import InputError, StationarityWarning, warn
+from .factored.fisher import FactoredCurvatureError
+from .factored.fit import objective_gradient, unhooked_parameters
 from .gradients import chunk_for, per_example_grad_rows
 from .memory import DEFAULT_EXAMPLES
 from .operators import Operator
@@ -84,7 +111,9 @@ from .stage import Stage
 
 GRADIENT_TOL = 1e-3  # r above it: not a stationary point
 SAMPLE = 64  # examples whose per-example gradient norms give the typical norm g
-STEPS = 20  # Lanczos steps (Hessian-vector products) for θ_min, θ_max
+STEPS = 20  # Lanczos steps (Hessian-vector products) for θ_min, θ_max where the verdict needs θ_min
+LARGEST_STEPS = 8  # Lanczos steps on a sample's Hessian for θ_max alone (auto's damping off a stationary point)
+SPECTRA = ("all", "verdict", "largest")  # what assess measures of the eigenvalues (module docstring)
 LIGHT_SAMPLE_SHARE = 16  # a light check's sample: about n/16 examples ...
 LIGHT_SAMPLE_MIN = 8  # ... at least 8 (and at most SAMPLE)
 BOUND_Z = 2.0  # ‖ĝ − ∇L‖ ≤ BOUND_Z·SE with probability ≈ 95 % (module docstring)
@@ -93,41 +122,27 @@ VERDICTS = ("minimum", "saddle", "non-stationary", "singular")
 
 
 @dataclass(frozen=True)
-class CheckConfig:
-    """How :func:`assess` runs the check.
-
-    seed: of the sample and of the Lanczos start vector; sample: examples whose per-example gradients give the
-    typical norm g; steps: Lanczos steps for θ_min, θ_max; memory: the budget in bytes the gradient passes are
-    chunked by (None: the default, :mod:`influkit.memory`, whose floor of examples per chunk is ``least``);
-    light: the check sized to a factored fit (module docstring); progress: bars on the passes and the steps.
-    """
-
-    seed: int = 0
-    sample: int = SAMPLE
-    steps: int = STEPS
-    memory: int | None = None
-    least: int = DEFAULT_EXAMPLES
-    light: bool = False
-    progress: bool = False
-
-
-@dataclass(frozen=True)
 class Position:
     """Where one stage stands (module docstring): r, θ_min, θ_max, the verdict, and what it cost."""
 
     gradient_norm: float  # r = ‖∇L‖ / g
-    min_eigenvalue: float  # θ_min ≥ λ_min
-    max_eigenvalue: float  # θ_max ≤ λ_max
+    min_eigenvalue: float | None  # θ_min ≥ λ_min (None: not measured, the gradient settled the verdict)
+    max_eigenvalue: float | None  # θ_max ≤ λ_max (None: not measured)
     verdict: str
     objective_gradient: float  # ‖∇L‖
     typical_gradient: float  # g, RMS per-example loss-gradient norm over the sample
     sample: int  # |S|
-    lanczos_steps: int
+    lanczos_steps: int  # the Krylov steps the eigenvalues rest on (0: a fitted curvature's, or none)
     eigenvalue_tol: float  # ε
-    seconds: float
+    seconds: float  # the check's own seconds
     gradient_bound: float = 0.0  # b: r's half-width at ≈95 % (0: ∇L from the whole data, exact)
     gradient_source: str = "data"  # "data": ∇L from every example; "sample": estimated on the sample (light check)
-    eigenvalue_source: str = "lanczos"  # "lanczos" on the exact H, or the fitted factored curvature ("ekfac", "kfac")
+    # "lanczos" on the exact H; "lanczos-sample" on the Hessian of ``eigenvalue_sample`` examples; the fitted factored
+    # curvature ("ekfac", "kfac"); "none" (not measured); or the solver whose own iterations gave them (``solved``)
+    eigenvalue_source: str = "lanczos"
+    eigenvalue_matrix: str = "hessian"  # the matrix they are eigenvalues of: "hessian", or "gauss-newton" (a solve on G)
+    eigenvalue_sample: int = 0  # examples of the sampled Hessian ("lanczos-sample"); 0: the stage's own
+    products: int = 0  # Hessian-vector products the check ran (on ``eigenvalue_sample`` examples where sampled)
 
     @property
     def at_minimum(self) -> bool:
@@ -143,15 +158,40 @@ class Position:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in summary.items() if k in known})
 
+    def solved(self, solver: str, matrix: str, eigenvalues: Sequence | None) -> "Position":
+        """This position with the eigenvalues it did not measure taken from a solve's own iterations: ``eigenvalues``
+        = (θ_min, θ_max, steps) of the solved ``matrix`` (:attr:`influkit.solvers.Solution.eigenvalues`); unchanged
+        where the check measured them or the solve gave none."""
+        if self.eigenvalue_source != "none" or not eigenvalues:
+            return self
+        low, high, steps = eigenvalues
+        return replace(self, min_eigenvalue=low, max_eigenvalue=high, lanczos_steps=int(steps),
+                       eigenvalue_source=solver, eigenvalue_matrix=matrix)
+
     def describe(self) -> str:
         """One line: the verdict with the numbers it rests on."""
         bound = f" ± {self.gradient_bound:.2g} (from {self.sample} examples)" if self.gradient_source == "sample" else ""
-        spectrum = (f"Hessian eigenvalues within [{self.min_eigenvalue:.3g}, {self.max_eigenvalue:.3g}] "
-                    f"({self.lanczos_steps} Lanczos steps)" if self.eigenvalue_source == "lanczos" else
-                    f"{self.eigenvalue_source.upper()} eigenvalues within [{self.min_eigenvalue:.3g}, "
-                    f"{self.max_eigenvalue:.3g}] (its fit)")
         return (f"{self.verdict}: ‖∇L‖ = {self.gradient_norm:.2g}{bound} × the typical per-example gradient norm "
-                f"(stationary below {GRADIENT_TOL:g}), {spectrum}")
+                f"(stationary below {GRADIENT_TOL:g}), {self.spectrum()}")
+
+    def spectrum(self) -> str:
+        """What the eigenvalues are and where they came from, in words."""
+        source, low, high = self.eigenvalue_source, _number(self.min_eigenvalue), _number(self.max_eigenvalue)
+        if source == "none":
+            return "eigenvalues not measured (the gradient settles the verdict)"
+        of = "Gauss-Newton" if self.eigenvalue_matrix == "gauss-newton" else "Hessian"
+        if source == "lanczos":
+            return f"Hessian eigenvalues within [{low}, {high}] ({self.lanczos_steps} Lanczos steps)"
+        if source == "lanczos-sample":
+            return (f"the Hessian of {self.eigenvalue_sample} examples has eigenvalues within [{low}, {high}] "
+                    f"({self.lanczos_steps} Lanczos steps)")
+        if source in ("ekfac", "kfac"):
+            return f"{source.upper()} eigenvalues within [{low}, {high}] (its fit)"
+        return f"{of} eigenvalues within [{low}, {high}] (Ritz values of the {source} solve, {self.lanczos_steps} steps)"
+
+
+def _number(value: float | None) -> str:
+    return "?" if value is None else f"{value:.3g}"
 
 
 def eigenvalue_tol(dtype: torch.dtype) -> float:
@@ -171,24 +211,26 @@ def verdict(gradient_norm: float, min_eigenvalue: float, max_eigenvalue: float, 
     return "minimum"
 
 
-def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0,
+def extreme_eigenvalues(operator: Operator, steps: int = STEPS, *, seed: int = 0, start: torch.Tensor | None = None,
                         progress: bool = False) -> tuple[float, float, int]:
     """(θ_min, θ_max, m): the extreme Ritz values of the symmetric ``operator`` after m ≤ ``steps`` Lanczos steps.
 
     Plain three-term recurrence (no stored basis: three vectors, updated in place) in the operator's precision, at
     least float32 (a float32 Hessian-vector product carries float32's error anyway; float64 would triple the
     memory); loss of orthogonality only adds copies of converged Ritz values, not spurious
-    extremes. Stops early on an invariant subspace (then the values are exact)."""
+    extremes. Starts from ``start`` (normalized), else a seeded random vector. Stops early on an invariant subspace
+    (then the values are exact)."""
     p = operator.dim
     steps = max(1, min(steps, p))
     dtype = torch.promote_types(operator.dtype, torch.float32)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(p, generator=gen, dtype=torch.float64).to(device=operator.device, dtype=dtype)
+    if start is None:
+        start = torch.randn(p, generator=torch.Generator(device="cpu").manual_seed(seed), dtype=torch.float64)
+    q = start.reshape(-1).to(device=operator.device, dtype=dtype).clone()
     q /= q.norm()
     previous = torch.zeros_like(q)
     alphas, betas = [], []
     beta = 0.0
-    steps_bar = bar(steps, "Lanczos (where the stage stands)", progress)
+    steps_bar = bar(steps, "where the stage stands: Lanczos, Hessian-vector products", progress)
     for _ in range(steps):
         steps_bar.update()
         w = torch.sub(operator.matvec(q.to(operator.dtype)).to(dtype), previous, alpha=beta)  # a new vector
@@ -216,22 +258,28 @@ def light_sample(n: int) -> int:
 
 
 def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, extra: Callable | None = None,
-           factored: Callable[[], object] | None = None, check: CheckConfig = CheckConfig()) -> Position:
+           seed: int = 0, memory: int | None = None, least: int = DEFAULT_EXAMPLES,
+           factored: Callable[[], object] | None = None, spectrum: str = "all", progress: bool = False) -> Position:
     """Where ``stage`` stands at its current parameters ``names`` (module docstring).
 
     operator: H of the objective over ``names`` (e.g. the chain's :class:`~influkit.curvature.HessianOperator`,
     with its ``hessian_samples``); extra: the term the objective adds besides the stage's (Case 2's proximal term);
-    check: how the check runs (:class:`CheckConfig`); factored: with ``check.light``, the factored fit — a callable
-    returning the fitted :class:`~influkit.factored.FactoredCurvature` its solve uses, fitted with ``gradient=True``
-    when it is fitted by the call — whose ``gradient`` gives r from every example
+    memory: the budget in bytes the gradient passes are chunked by (None: the default, :mod:`influkit.memory`, whose
+    floor of examples per chunk is ``least``). factored: the light check, sized to a factored fit (module
+    docstring) — a callable returning the fitted :class:`~influkit.factored.FactoredCurvature` its solve uses,
+    fitted with ``gradient=True`` when it is fitted by the call — whose ``gradient`` gives r from every example
     and whose eigenvalues are those of a non-stationary stage; without its ``gradient`` (kept from an earlier fit,
     or fitted over a subset of the examples), r comes from the sample :func:`light_sample`.
+    spectrum: what is measured of the eigenvalues off a stationary point (``SPECTRA``, module docstring): ``"all"``
+    θ_min and θ_max whatever r; ``"verdict"`` nothing the verdict does not need; ``"largest"`` θ_max for auto's damping.
     """
+    if spectrum not in SPECTRA:
+        raise InputError(f"unknown spectrum {spectrum!r}; choose one of {SPECTRA}.")
     start = time.perf_counter()
     names = stage.param_names if names is None else list(names)
     n = len(stage)
     curvature, fitting = None, 0.0  # fitting: seconds of the factored fit that are the solve's, not the check's
-    if check.light and factored is not None:
+    if factored is not None:
         fitting = time.perf_counter()
         curvature = factored()
         fitting = time.perf_counter() - fitting
@@ -239,36 +287,57 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     if measured is not None and measured.examples == n:  # ∇L and g from every example, in the fit's data pass
         fitting -= measured.seconds
         absolute, typical, count, bound, source = measured.norm, measured.typical, n, 0.0, "fit"
+    elif factored is None and (passed := _gradient_pass(stage, names, extra, memory, progress)) is not None:
+        absolute, typical, count, bound, source = passed.norm, passed.typical, n, 0.0, "pass"
     else:
-        absolute, typical, count, bound, source = _gradient_norms(stage, names, extra, check)
+        absolute, typical, count, bound, source = _gradient_norms(stage, names, extra, seed, memory, least, progress)
     relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
     release_freed_memory()  # the passes' freed buffers back to the system before the products allocate theirs
     tol = eigenvalue_tol(operator.dtype)
+    examples = 0
     if curvature is not None and relative > GRADIENT_TOL:
         low, high, m, where = curvature.smallest(), curvature.largest(), 0, curvature.kind
+    elif relative <= GRADIENT_TOL or spectrum == "all":
+        (low, high, m), where = extreme_eigenvalues(operator, STEPS, seed=seed, progress=progress), "lanczos"
+    elif spectrum == "largest":
+        examples = min(n, SAMPLE)
+        sampled = HessianOperator(stage, names, samples=examples, seed=seed, extra=extra, memory=memory)
+        (low, high, m), where = extreme_eigenvalues(sampled, LARGEST_STEPS, seed=seed, progress=progress), "lanczos-sample"
     else:
-        (low, high, m), where = extreme_eigenvalues(operator, check.steps, seed=check.seed, progress=check.progress), \
-            "lanczos"
+        low, high, m, where = None, None, 0, "none"
     return Position(gradient_norm=relative, min_eigenvalue=low, max_eigenvalue=high,
                     verdict=verdict(relative, low, high, tol), objective_gradient=absolute, typical_gradient=typical,
                     sample=count, lanczos_steps=m, eigenvalue_tol=tol,
                     seconds=time.perf_counter() - start - fitting,
                     gradient_bound=bound / typical if typical > 0 and source == "sample" else 0.0,
-                    gradient_source=source, eigenvalue_source=where)
+                    gradient_source=source, eigenvalue_source=where, eigenvalue_sample=examples,
+                    products=m if where.startswith("lanczos") else 0)
 
 
-def _gradient_norms(stage: Stage, names, extra, check: CheckConfig) -> tuple[float, float, int, float, str]:
+def _gradient_pass(stage: Stage, names, extra, memory, progress: bool):
+    """‖∇L‖ and g over every example in one hooked pass (:func:`influkit.factored.fit.objective_gradient`), or None
+    where some parameter's per-example gradients no layer hook gives (their rows over every example would cost
+    more than the sample's), or the loss has no per-example output-gradients to hook."""
+    if unhooked_parameters(stage.model, names):
+        return None
+    try:
+        return objective_gradient(stage, names, extra=extra, memory=memory, progress=progress)
+    except FactoredCurvatureError:
+        return None
+
+
+def _gradient_norms(stage: Stage, names, extra, seed: int, memory, least: int,
+                    progress: bool) -> tuple[float, float, int, float, str]:
     """(‖∇L‖, g, the sample's size, the half-width of ‖∇L‖ (0 when exact), its source "data" or "sample") from the
     per-example gradients of a seeded sample and, unless the sample is every example or a light sample settles the
     verdict, one gradient pass over the data (module docstring)."""
     n = len(stage)
-    light, progress = check.light, check.progress
-    size = light_sample(n) if light else min(check.sample, n)
-    order = None if size == n else torch.randperm(n, generator=torch.Generator().manual_seed(check.seed))
+    size = light_sample(n)
+    order = None if size == n else torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     values = point(stage.state(), names)
     row = 2 * sum(t.numel() * t.element_size() for t in values.values())  # a gradient row and vmap's copy of it
     x, y = stage.data.take(torch.arange(n) if order is None else order[:size].sort().values)
-    chunk = chunk_for(stage, x, y, names, None, row, "where the stage stands", check.memory, check.least)  # both passes' batch
+    chunk = chunk_for(stage, x, y, names, None, row, "where the stage stands", memory, least)  # both passes' batch
     penalty = penalty_gradient(stage, names, extra=extra)
     penalty = 0.0 if penalty is None else ParamSpace(penalty).flatten(penalty).double()
     sums = _SampleSums()
@@ -276,12 +345,12 @@ def _gradient_norms(stage: Stage, names, extra, check: CheckConfig) -> tuple[flo
     estimate, bound, source = sums.mean() + penalty, 0.0, "data"
     if order is not None:
         bound = sums.bound(n)
-        grown = light and _settling_size(sums, float(estimate.norm()), n)
+        grown = _settling_size(sums, float(estimate.norm()), n)
         if grown and grown <= n // LIGHT_GROW_SHARE and grown > size:  # a second draw settles it, at a fraction of a pass
             sums.add(stage, *stage.data.take(order[size:grown].sort().values), names, chunk, progress)
             estimate, bound = sums.mean() + penalty, sums.bound(n)
         typical = sums.typical()
-        if light and typical > 0 and (float(estimate.norm()) - bound) / typical > GRADIENT_TOL:
+        if typical > 0 and (float(estimate.norm()) - bound) / typical > GRADIENT_TOL:
             source = "sample"
     typical = sums.typical()
     if source == "sample" or order is None:  # the sample settles it, or is every example (∇L exact, no second pass)

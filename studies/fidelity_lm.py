@@ -1266,7 +1266,7 @@ def curvature_check(progress: bool, continue_lr: float = RECORDED_CONTINUE_LR,
     (3 segments per stage, EK-FAC, sampled Fisher) Pearson correlation and norm ratio with the exact metagradient of
     the summed test NLL on the recorded run (``recorded_task``). Writes results/fidelity/lm-case1_curvature_check.md."""
     from influkit.curvature import HessianOperator
-    from influkit.factored.curvature import fit_curvature
+    from influkit.factored import fit_curvature
 
     task, results_name = recorded_task(progress, continue_lr, finetune)
     stage, names = task.pre, list(task.pre.param_names)

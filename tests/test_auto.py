@@ -141,8 +141,12 @@ def test_off_a_minimum_the_chain_solves_the_damped_gauss_newton_system_exactly()
     rhs = total_grad(stage, *test).double()
     expected = torch.linalg.solve(explicit_gauss_newton(stage, 1e-3) + lam * torch.eye(rhs.numel()), rhs)
     assert (query.s - expected).norm() / expected.norm() <= 1e-8  # residual ≤ 1e-10, κ(G + λI) ≤ 1 + 1/DAMPING_RATIO
-    timeless = lambda stages: [{k: v for k, v in s.items() if k != "seconds"} for s in stages]  # noqa: E731
-    assert timeless(b["stages"]) == timeless(query.stages)  # the same position whatever the solver
+    gradient = lambda stages: [{k: v for k, v in s.items() if "gradient" in k or k in ("verdict", "sample")}  # noqa: E731
+                               for s in stages]
+    assert gradient(b["stages"]) == gradient(query.stages)  # the same position whatever the solver
+    # auto's damping read θ_max (a sample's Lanczos); the named identity solve reads no eigenvalue and measured none
+    assert query.stages[0]["eigenvalue_source"] == "lanczos-sample" and query.stages[0]["products"] > 0
+    assert (b["stages"][0]["eigenvalue_source"], b["stages"][0]["products"]) == ("none", 0)
 
 
 def test_the_chain_takes_the_ekfac_inverse_for_many_right_hand_sides_and_minres_for_one(monkeypatch):

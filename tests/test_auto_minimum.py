@@ -14,7 +14,7 @@ from torch import nn
 import influkit as ik
 from influkit import auto
 from influkit.auto import decide
-from influkit.factored import curvature as factored
+from influkit.factored import kinds as factored
 from influkit.gradients import total_grad
 from influkit.stationarity import Position
 from influkit.training import train_to_stationarity

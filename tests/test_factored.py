@@ -523,11 +523,11 @@ def test_several_functions_of_the_curvature_in_one_pass_overwriting_their_inputs
     """FactoredCurvature.functions: out_i = Σ_j f_ij(C)·x_j equals the same functions of the explicit matrix
     (f(C) = Q f(Λ) Qᵀ from the eigendecomposition of C.dense()), with the outputs written over the inputs and the
     diagonal block (``scale``) taken in slices."""
-    import influkit.factored.curvature as factored_curvature
+    from influkit.factored import blocks, operator
 
-    monkeypatch.setattr(factored_curvature, "DIAGONAL_SLICE", 2)
+    monkeypatch.setattr(operator, "DIAGONAL_SLICE", 2)
     curvature = fit_curvature(seq_stage, kind="ekfac", fisher="exact")
-    assert any(isinstance(b, factored_curvature.DiagonalBlock) for b in curvature.blocks)  # `scale`: two slices
+    assert any(isinstance(b, blocks.DiagonalBlock) for b in curvature.blocks)  # `scale`: two slices
     gen = torch.Generator().manual_seed(4)
     x, y = (torch.randn(curvature.dim, 2, generator=gen, dtype=torch.float64) for _ in range(2))
     table = [[lambda e: e, lambda e: torch.exp(-e)], [lambda e: 1 / (1 + e), lambda e: e ** 2]]

@@ -129,7 +129,7 @@ def test_every_file_path_is_its_module_name_and_each_module_loads_once():
     """``influkit/chain.py`` is ``influkit.chain``: importing a module by its path gives the object the package
     exports (no second copy), and every .py file under influkit/ maps to the dotted name of its path."""
     loaded = _run(
-        "import json, influkit, influkit.chain, influkit.unrolled.watch, influkit.factored.curvature as fc; "
+        "import json, influkit, influkit.chain, influkit.unrolled.watch, influkit.factored.fit as fc; "
         "import influkit.index.gradient_index as gi; "
         "print(json.dumps({'same': influkit.chain.Chain is influkit.Chain, "
         "'files': [m.__file__ for m in (influkit.chain, influkit.unrolled.watch, fc, gi)], "
@@ -138,7 +138,7 @@ def test_every_file_path_is_its_module_name_and_each_module_loads_once():
     assert loaded["same"]
     assert loaded["path"] == [str(ROOT / "influkit")]
     assert [Path(f).relative_to(ROOT).as_posix() for f in loaded["files"]] == [
-        "influkit/chain.py", "influkit/unrolled/watch.py", "influkit/factored/curvature.py",
+        "influkit/chain.py", "influkit/unrolled/watch.py", "influkit/factored/fit.py",
         "influkit/index/gradient_index.py"]
     for name, path in import_graph.modules(ROOT).items():
         expected = path.relative_to(ROOT).with_suffix("").as_posix().removesuffix("/__init__").replace("/", ".")

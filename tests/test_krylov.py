@@ -80,11 +80,11 @@ def test_cg_stops_at_negative_curvature_and_says_so():
     a, c = indefinite(), targets()
     stats = {}
     _, iterations = krylov.cg(lambda v: a @ v, c, 1e-12, 500, Counter(), require_positive=True, stats=stats)
-    assert stats == {"negative_curvature": True} and iterations < 500
+    assert stats.get("negative_curvature") is True and iterations < 500
     # without the check it runs on (CG's recurrences do not need positive curvature to be defined)
     stats = {}
     krylov.cg(lambda v: a @ v, c, 1e-12, 20, Counter(), require_positive=False, stats=stats)
-    assert stats == {}
+    assert "negative_curvature" not in stats
 
 
 def test_cg_zero_column_stays_zero():

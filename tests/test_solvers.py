@@ -130,7 +130,7 @@ def test_diagnostics_are_reported():
     sol = solve(h, torch.ones(30), "cg", tol=1e-10)
     info = sol.summary()
     assert set(info) == {"solver", "iterations", "residual", "tol", "converged", "seconds", "products", "damping", "choice",
-                         "preconditioner", "floor"}
+                         "preconditioner", "floor", "eigenvalues"}
     assert info["products"] == 2 * info["iterations"] + 2 + 1  # 2 per step, H·b, final residual check
 
 
@@ -339,3 +339,50 @@ def test_converged_is_residual_within_tol_for_every_solver(mlp_stage, name):
     system, target = (h @ h + damping * eye, h @ b) if name == "cg" else (h + damping * eye, b)
     true = float(((system @ sol.x - target).norm(dim=0) / target.norm(dim=0)).max())
     assert sol.residual == pytest.approx(true, rel=1e-6, abs=1e-13)
+
+
+def spectrum_matrix(evals: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Q diag(evals) Qᵀ in float64 for a seeded orthogonal Q: a symmetric matrix with the spectrum ``evals``."""
+    gen = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(evals.numel(), evals.numel(), generator=gen, dtype=torch.float64))
+    return q @ torch.diag(evals.double()) @ q.T
+
+
+@pytest.mark.parametrize("method, evals", [
+    ("minres", torch.linspace(-2.0, 7.0, 50)),  # indefinite
+    ("cg_spd", torch.logspace(-1, 2, 50)),  # positive definite
+])
+@pytest.mark.parametrize("damping", [0.0, 0.3])
+@pytest.mark.parametrize("columns", [1, 3])
+def test_a_krylov_solves_ritz_values_bound_the_spectrum_and_are_a_lanczos_run_from_its_start(method, evals, damping,
+                                                                                               columns):
+    """MINRES and CG build a Lanczos tridiagonal of H + λI from b: their extreme Ritz values, less λ, lie within H's
+    spectrum and equal those of a separate Lanczos run on H of as many steps from b (the Krylov space of H + λI is
+    H's); over several right-hand sides the widest pair of the columns' runs."""
+    from influkit.operators import DenseOperator
+    from influkit.stationarity import extreme_eigenvalues
+
+    h = spectrum_matrix(evals)
+    b = torch.randn(50, columns, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    solution = ik.SolveConfig(solver=method, damping=damping, max_iter=8).solve(h, b, warn=False)
+    low, high, steps = solution.eigenvalues
+    assert steps == solution.iterations == 8
+    assert evals.min() <= low < high <= evals.max()
+    runs = [extreme_eigenvalues(DenseOperator(h), steps, start=b[:, j]) for j in range(columns)]
+    assert all(m == steps for _, _, m in runs)
+    assert low == pytest.approx(min(r[0] for r in runs), rel=1e-9, abs=1e-12)
+    assert high == pytest.approx(max(r[1] for r in runs), rel=1e-9)
+
+
+def test_the_eigenvalues_other_solvers_give_for_free():
+    """direct: the exact extremes when it fell back to an eigendecomposition (indefinite H + λI), none after a
+    Cholesky; cg (on H²) and a preconditioned solve: none (their Ritz values are H²'s, M⁻¹(H + λI)'s)."""
+    evals = torch.linspace(-2.0, 7.0, 40)
+    h = spectrum_matrix(evals)
+    b = torch.ones(40, dtype=torch.float64)
+    low, high, steps = ik.SolveConfig(solver="direct", damping=0.5).solve(h, b, warn=False).eigenvalues
+    assert (low, high, steps) == (pytest.approx(-2.0, abs=1e-10), pytest.approx(7.0, abs=1e-10), 0)
+    assert ik.SolveConfig(solver="direct", damping=3.0).solve(h, b).eigenvalues is None
+    assert ik.SolveConfig(solver="cg", max_iter=5).solve(h, b, warn=False).eigenvalues is None
+    pre = ik.SolveConfig(solver="minres", max_iter=5, preconditioner=lambda r: 0.5 * r)
+    assert pre.solve(h, b, warn=False).eigenvalues is None

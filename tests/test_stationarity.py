@@ -15,7 +15,7 @@ import influkit as ik
 from influkit.curvature import HessianOperator
 from influkit.operators import DenseOperator
 from influkit.report import write_report
-from influkit.stationarity import GRADIENT_TOL, CheckConfig, assess, eigenvalue_tol, extreme_eigenvalues, verdict
+from influkit.stationarity import GRADIENT_TOL, assess, eigenvalue_tol, extreme_eigenvalues, verdict
 
 from conftest import cross_entropy, digits, l2
 
@@ -70,8 +70,10 @@ def test_off_the_minimum_the_relative_gradient_norm_is_exact():
 
 @pytest.mark.parametrize("repeat", [1, 17])
 def test_the_objective_gradient_with_a_regularizer_is_exact(repeat, monkeypatch):
-    """∇L = Dθ + mean a_i + wθ (R = (w/2)‖θ‖²). With 4 examples (≤ SAMPLE) the sample's per-example gradients give
-    it — no second gradient pass; with 68 (> SAMPLE) a separate pass over all of them does."""
+    """∇L = Dθ + mean a_i + wθ (R = (w/2)‖θ‖²). The model's parameter is in no registered layer, so the light
+    sample gives g: with 4 examples it is all of them and their per-example gradients give ∇L exactly (no gradient
+    pass); with 68 its estimate of ∇L (mean pull ≠ 0 on a sample) does not settle the verdict, and one gradient pass
+    gives ∇L exactly."""
     from influkit import stationarity
 
     theta, d, w = [0.1, -0.2, 0.3], [4.0, 1.0, 0.25], 0.5
@@ -83,7 +85,8 @@ def test_the_objective_gradient_with_a_regularizer_is_exact(repeat, monkeypatch)
     expected = float(((torch.tensor(d) + w) * torch.tensor(theta, dtype=torch.float64)).norm())
     assert pos.objective_gradient == pytest.approx(expected, rel=1e-12)
     assert pos.gradient_norm == pytest.approx(expected / pos.typical_gradient, rel=1e-12)
-    assert pos.sample == min(len(stage), stationarity.SAMPLE)
+    assert (pos.gradient_source, pos.gradient_bound) == ("data", 0.0)
+    assert pos.sample == 4 if repeat == 1 else stationarity.light_sample(68) <= pos.sample <= 68 // 4
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "sampled", "exact"])
@@ -94,7 +97,7 @@ def test_a_factored_fits_data_pass_measures_the_exact_objective_gradient(fisher,
     the plain gradient pass's and the per-example gradients' — Kronecker layers (a dense layer's squared norms from
     its Gram matrices) and a LayerNorm's diagonal block alike — the LayerNorm's from its hooks, with no per-example
     backward pass beyond those the fit runs for its own diagonal block."""
-    import influkit.factored.curvature as factored
+    import influkit.factored.fit as factored
 
     from influkit.curvature import gradient
     from influkit.factored import fit_curvature
@@ -194,8 +197,8 @@ def test_an_ekfac_fit_over_a_hessian_sample_leaves_the_check_to_a_sample_whose_b
     chain = ik.Chain([stage], solve=ekfac, curvature=sampled).fit()
     light = chain.positions[0]
     assert products == [] and light.lanczos_steps == 0 and light.eigenvalue_source == "ekfac"
-    assert (light.gradient_source, full.gradient_source) == ("sample", "data") and full.gradient_bound == 0.0
-    assert light.sample == stationarity.light_sample(400) == 25 and full.sample == stationarity.SAMPLE
+    assert (light.gradient_source, full.gradient_source) == ("sample", "pass") and full.gradient_bound == 0.0
+    assert light.sample == stationarity.light_sample(400) == 25 and full.sample == 400
     assert light.verdict == full.verdict == "non-stationary"
     assert abs(light.gradient_norm - full.gradient_norm) <= light.gradient_bound
     fitted = chain.curvature(0).approximations["ekfac"]
@@ -221,7 +224,7 @@ def test_the_light_check_of_a_stationary_stage_has_the_full_checks_verdict_and_l
 
     stage, _ = logreg_digits
     full = position(stage)
-    light = assess(stage, None, HessianOperator(stage), check=CheckConfig(light=True),
+    light = assess(stage, None, HessianOperator(stage),
                    factored=lambda: fit_curvature(stage, kind="ekfac", gradient=True))
     assert light.verdict == full.verdict == "minimum" and light.gradient_source == "fit"
     assert light.gradient_norm < GRADIENT_TOL and light.eigenvalue_source == "lanczos"
@@ -371,3 +374,131 @@ def test_without_memory_the_check_of_an_ekfac_stage_streams_the_rules_batch_and_
     for field in ("gradient_norm", "min_eigenvalue", "max_eigenvalue", "objective_gradient", "typical_gradient"):
         assert getattr(small, field) == pytest.approx(getattr(normal, field), rel=1e-10, abs=0), field
     assert (small.verdict, small.lanczos_steps) == (normal.verdict, normal.lanczos_steps)
+
+
+def counted_products(monkeypatch) -> list:
+    """Every Hessian (or Gauss-Newton) vector product any HessianOperator applies from now on, one entry per column."""
+    calls = []
+    original = HessianOperator.matvec
+
+    def matvec(self, vec):
+        calls.extend([self.curvature] * (vec.shape[1] if vec.dim() == 2 else 1))
+        return original(self, vec)
+
+    monkeypatch.setattr(HessianOperator, "matvec", matvec)
+    monkeypatch.setattr(HessianOperator, "__call__", matvec)
+    return calls
+
+
+EXPLICIT = ["direct", "cg", "cg_spd", "minres", "lissa", "neumann", "arnoldi", "identity", "ekfac", "kfac"]
+
+
+@pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum
+@pytest.mark.filterwarnings("ignore::influkit.errors.ConvergenceWarning")
+@pytest.mark.parametrize("solver", EXPLICIT)
+def test_a_non_stationary_stage_with_a_named_solve_and_damping_runs_no_product_for_its_check(solver, monkeypatch):
+    """The gradient settles the verdict and the user named the solve: the fit's Hessian-vector products are exactly
+    those its solver prepares (p for direct's dense H, arnoldi's Lanczos steps, none for the rest), the check's
+    own are 0. The query's solve then fills in the eigenvalues where its own iterations give them: MINRES's and CG's
+    Lanczos tridiagonal, bounding the exact Hessian's spectrum from inside."""
+    stage = untrained_stage()
+    products = counted_products(monkeypatch)
+    chain = ik.Chain([stage], solve=ik.SolveConfig(solver=solver, damping=0.05, max_iter=6), progress=False).fit()
+    where = chain.positions[0]
+    prepared = {"direct": chain.dims[0], "arnoldi": 0}
+    if solver == "arnoldi":
+        prepared["arnoldi"] = chain.curvature(0).approximations["arnoldi"].info["products"]
+    assert where.verdict == "non-stationary" and where.products == 0
+    assert len(products) == prepared.get(solver, 0)
+    if solver in ("ekfac", "kfac"):  # the light check: its fitted curvature's eigenvalues, no product
+        assert where.eigenvalue_source == solver and where.gradient_source == "fit"
+    else:
+        assert where.eigenvalue_source == "none" and where.min_eigenvalue is None and where.max_eigenvalue is None
+        assert "not measured" in where.describe()
+    query = chain.query(stage.data.take(torch.arange(3)))
+    solved = query.stages[0]
+    if solver in ("minres", "cg_spd"):
+        exact = torch.linalg.eigvalsh(HessianOperator(stage).dense())
+        # CG stops at the negative curvature of this indefinite H + λI, before that step's coefficients
+        assert solved["eigenvalue_source"] == solver and 0 < solved["lanczos_steps"] <= query.solves[0]["iterations"]
+        assert exact[0] <= solved["min_eigenvalue"] + 1e-12 and solved["max_eigenvalue"] <= exact[-1] + 1e-12
+    elif solver == "cg":
+        assert solved["eigenvalue_source"] == "none"
+
+
+@pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")
+def test_auto_reads_theta_max_only_where_its_damping_needs_it(monkeypatch):
+    """solver='auto' off a minimum without a damping: θ_max from LARGEST_STEPS Lanczos steps on the Hessian of a
+    seeded sample of min(n, SAMPLE) examples — within that sample Hessian's spectrum —, the damping read from it;
+    with a damping given, or Training, no product at all."""
+    from influkit import stationarity
+    from influkit.auto import Training, spectral_damping
+
+    x, y = digits(100)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 6), nn.Tanh(), nn.Linear(6, 10)).double()
+    stage = ik.Stage(model, cross_entropy, (x, y), regularizer=l2(1e-2))
+    products = counted_products(monkeypatch)
+    where = ik.Chain([stage], progress=False).fit().positions[0]
+    assert where.verdict == "non-stationary" and where.eigenvalue_source == "lanczos-sample"
+    assert where.products == where.lanczos_steps == stationarity.LARGEST_STEPS == len(products)
+    assert where.eigenvalue_sample == stationarity.SAMPLE
+    sampled = torch.linalg.eigvalsh(HessianOperator(stage, samples=stationarity.SAMPLE).dense())
+    assert sampled[0] <= where.min_eigenvalue <= where.max_eigenvalue <= sampled[-1] + 1e-12
+    assert where.max_eigenvalue == pytest.approx(float(sampled[-1]), rel=0.05)  # the extreme converges first
+    assert spectral_damping(where) > 0
+    for named in (ik.SolveConfig(damping=0.05), ik.SolveConfig(training=Training(lr=0.1, steps=100))):
+        products.clear()
+        chain = ik.Chain([stage], solve=named, progress=False).fit()
+        assert chain.positions[0].products == 0 and chain.positions[0].eigenvalue_source == "none"
+        assert products == []  # MINRES on G + λI fits nothing
+
+
+@pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")
+@pytest.mark.parametrize("solve", [ik.SolveConfig(solver="minres", damping=0.05), ik.SolveConfig(solver="identity")])
+def test_a_stationary_stage_with_a_named_solve_still_gets_its_lanczos_verdict(solve, logreg_digits):
+    """Where the gradient leaves the verdict open (r ≤ GRADIENT_TOL), θ_min decides it whatever the solve: the STEPS
+    Lanczos steps on the exact H, counted, at a minimum and at a saddle."""
+    from influkit import stationarity
+
+    stage, _ = logreg_digits
+    at_minimum = ik.Chain([stage], solve=solve, progress=False).fit().positions[0]
+    assert at_minimum.verdict == "minimum" and at_minimum.eigenvalue_source == "lanczos"
+    assert at_minimum.products == at_minimum.lanczos_steps == stationarity.STEPS
+    assert at_minimum.min_eigenvalue > 0
+    saddle = quadratic_stage([2.0, -0.5, 1.0], [0.0, 0.0, 0.0], PULLS)
+    where = ik.Chain([saddle], solve=solve, progress=False).fit().positions[0]
+    assert where.verdict == "saddle" and where.min_eigenvalue == pytest.approx(-0.5, rel=1e-12)
+
+
+def test_the_checks_gradient_pass_measures_the_exact_objective_gradient_over_every_example(monkeypatch):
+    """objective_gradient: one hooked pass over every example — the Linear layers' per-example norms from their
+    Gram matrices, the LayerNorm's from its hooks — gives ‖∇L‖ (mean loss + R + the extra term) and
+    g = (mean_i ‖∇ℓ_i‖²)^½ equal to the plain gradient pass's and the per-example gradients'; the check takes them
+    (gradient_source "pass", sample n) with no per-example gradient pass and no gradient pass of its own."""
+    from influkit import stationarity
+    from influkit.curvature import gradient
+    from influkit.factored.fit import objective_gradient
+    from influkit.gradients import per_example_grad_rows
+    from influkit.params import ParamSpace
+
+    torch.manual_seed(0)
+    x, y = torch.randn(37, 2, 6, dtype=torch.float64), torch.randint(0, 3, (37,))
+    model = nn.Sequential(nn.Linear(6, 5), nn.LayerNorm(5), nn.Tanh(), nn.Flatten(), nn.Linear(10, 3)).double()
+    stage = ik.Stage(model, cross_entropy, (x, y), regularizer=l2(0.05), batch_size=8)
+    names = stage.param_names
+    anchor = {nm: t.detach() + 0.1 for nm, t in stage.state().items() if nm in names}
+    extra = lambda p: 0.3 * sum(((p[nm] - anchor[nm]) ** 2).sum() for nm in names)  # noqa: E731
+    exact = gradient(stage, names, extra=extra)
+    norm = float(ParamSpace(exact).flatten(exact).norm())
+    rows = torch.cat(list(per_example_grad_rows(stage, x, y, names, chunk_size=37)))
+    typical = float(rows.pow(2).sum(1).mean().sqrt())
+    measured = objective_gradient(stage, extra=extra)
+    assert measured.examples == 37
+    assert measured.norm == pytest.approx(norm, rel=1e-12) and measured.typical == pytest.approx(typical, rel=1e-12)
+    monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a second gradient pass"))
+    monkeypatch.setattr(stationarity, "per_example_grad_rows", lambda *a, **k: pytest.fail("a per-example pass"))
+    where = assess(stage, None, HessianOperator(stage, extra=extra), extra=extra, spectrum="verdict")
+    assert (where.gradient_source, where.sample, where.gradient_bound) == ("pass", 37, 0.0)
+    assert where.objective_gradient == pytest.approx(norm, rel=1e-12)
+    assert where.gradient_norm == pytest.approx(norm / typical, rel=1e-12) and where.verdict == "non-stationary"

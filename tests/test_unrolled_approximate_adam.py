@@ -244,7 +244,8 @@ def test_the_factored_functions_project_a_diagonal_onto_each_blocks_eigenbasis()
     """FactoredCurvature.functions(..., diagonal=D) hands fn d = diag(Qᵀ diag(D) Q) per block (Kronecker blocks with a
     bias column, an embedding's diagonal input factor, diagonal blocks): fn(e, d) = d applies Q diag(d) Qᵀ, equal to
     Q diag(d) Qᵀ with Q built column by column from the blocks' rotations."""
-    from influkit.factored.curvature import DiagonalBlock, fit_curvature
+    from influkit.factored import fit_curvature
+    from influkit.factored.blocks import DiagonalBlock
     from test_factored import SeqNet
 
     torch.manual_seed(0)

@@ -10,25 +10,35 @@ with an exact inverse application, used two ways by :mod:`influkit.solvers`:
   factors only decide how fast it is reached.
 
 Modules: :mod:`.fisher` (pseudo output-gradients: sampled labels, empirical, exact), :mod:`.layers` (which
-parameters get Kronecker factors; the layer types are :mod:`influkit.layers`), :mod:`.curvature` (fitting in
-passes, the operators, persistence), :mod:`.arnoldi` (Lanczos eigenpairs, the low-rank inverse, deflation),
+parameters get Kronecker factors; the layer types are :mod:`influkit.layers`), :mod:`.blocks` (a layer's
+Kronecker block, the diagonal block), :mod:`.operator` (the fitted curvature as an operator, its inverse, its files),
+:mod:`.fit` (fitting in passes: statistics, all-reduce, memory probing), :mod:`.gradient` (what the fit's data pass
+measures of the objective's gradient for the stationarity check), :mod:`.regularizer` (R's diagonal),
+:mod:`.kinds` (the registered ``diagonal``, ``kfac``, ``ekfac``), :mod:`.arnoldi` (Lanczos eigenpairs, the low-rank inverse, deflation),
 :mod:`.approximations` (the registry: one class per approximation, which :class:`influkit.FittedCurvature` fits by
 name), :mod:`.tokens` (a summed gradient whose Kronecker blocks are kept as token factors, solved from them).
 """
 
 from .approximations import APPROXIMATIONS
 from .arnoldi import ArnoldiInverse, deflated, lanczos
-from .curvature import KINDS, FactoredCurvature, InverseOperator, ObjectiveGradient, fit_curvature, regularizer_diagonal
 from .fisher import FISHER, FactoredCurvatureError
+from .fit import KINDS, fit_curvature
+from .gradient import ObjectiveGradient
+from .kinds import EKFAC, KFAC, Diagonal
 from .layers import plan_layers
+from .operator import FactoredCurvature, InverseOperator
+from .regularizer import regularizer_diagonal
 
 __all__ = [
     "APPROXIMATIONS",
     "ArnoldiInverse",
+    "Diagonal",
+    "EKFAC",
     "FISHER",
     "FactoredCurvature",
     "FactoredCurvatureError",
     "InverseOperator",
+    "KFAC",
     "KINDS",
     "ObjectiveGradient",
     "deflated",

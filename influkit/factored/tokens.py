@@ -32,7 +32,8 @@ from ..layers import Dense, Layer, Recorder
 from ..memory import PROBE_EXAMPLES, Probe
 from ..params import ParamSpace, point
 from ..stage import Stage, check_finite
-from .curvature import FactoredCurvature, KroneckerBlock
+from .blocks import KroneckerBlock
+from .operator import FactoredCurvature
 from .layers import plan_layers
 
 # relative gap the rank-one check allows, as the contraction's check: float64, float32, and half types otherwise

@@ -331,7 +331,7 @@ def kronecker_whitening(layer: Layer, factored, damping: float, dtype: torch.dty
 def diagonal_whitening(factored, damping: float) -> torch.Tensor:
     """(p,) float64 (diag C + λ)^{-1/2} over the curvature's parameters: a diagonal block's values + shift, a
     Kronecker block's diagonal Σ_ij L_ri² E_ij R_cj² + shift (floored as in :func:`kronecker_whitening`)."""
-    from ..factored.curvature import KroneckerBlock as CurvatureKronecker
+    from ..factored.blocks import KroneckerBlock as CurvatureKronecker
 
     diag = torch.zeros(factored.dim, 1, dtype=torch.float64)
     for block in factored.blocks:

@@ -86,7 +86,7 @@ data part scaled by the stage's weight (:meth:`FactoredCurvature.scale_data`), s
 
 Curvature per piece (``curvature=``): ``"hessian"`` — the dense Hessian of L at θ_ℓ and its eigendecomposition
 (exact; models of up to a few thousand trained parameters); ``"ekfac"`` or ``"kfac"`` — SOURCE's choice at scale: the
-factored Gauss-Newton approximation C_ℓ (:func:`influkit.factored.curvature.fit_curvature`, settings from
+factored Gauss-Newton approximation C_ℓ (:func:`influkit.factored.fit_curvature`, settings from
 ``config``: fisher, hessian_samples, seed) fitted at θ_ℓ. C_ℓ is block diagonal with a Kronecker eigenbasis per
 layer, and the piece's map (v, w) → (v', w', u) is linear with coefficients that are functions of one eigenvalue,
 so it is applied as f(C_ℓ)·v, elementwise in each layer's eigenbasis (:meth:`FactoredCurvature.function`): memory
@@ -151,7 +151,7 @@ from .. import distributed
 from ..curvature import HVP_TRANSIENT, HessianOperator
 from ..errors import InputError
 from ..extras import require
-from ..factored.curvature import FactoredCurvature, fit_curvature
+from ..factored import FactoredCurvature, fit_curvature
 from ..fitted import CurvatureConfig
 from ..memory import PROBE_EXAMPLES, Held, probe_bytes
 from ..memory import given as budget_given
