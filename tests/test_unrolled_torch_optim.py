@@ -368,15 +368,12 @@ def test_the_approximate_unrolling_refuses_a_watched_nesterov_run():
 
 
 @pytest.mark.parametrize("pull", ["looped", "batched", "vmapped"])
-def test_several_measures_of_a_dropout_run_are_each_measures_own_metagradient(pull, monkeypatch):
+def test_several_measures_of_a_dropout_run_are_each_measures_own_metagradient(pull):
     """q = 4 per-test losses pulled either way through steps with dropout: column j equals the one-measure
     metagradient of test point j alone (checked against finite differences above)."""
-    from influkit.unrolled import metagradient
-
     record, _ = recorded("case 1: AdamW -> SGD + momentum")
     x, y = TEST
-    monkeypatch.setattr(metagradient, "_PULLS", {metagradient._pull_key(run, len(x)): pull for run in record.runs})
-    per_test = ik.unrolled.metagradients(record, TEST, per_test=True)
+    per_test = ik.unrolled.metagradients(record, TEST, per_test=True, pull=pull)
     assert per_test[0].diagnostics["replay"]["max_error"] == 0.0
     for j in range(len(x)):
         alone = ik.unrolled.metagradients(record, (x[j:j + 1], y[j:j + 1]))

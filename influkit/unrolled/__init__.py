@@ -27,7 +27,8 @@ A two-stage record trained by influkit's own optimizers::
     pre_scores, fin_scores = ik.unrolled.metagradients(record, (x_test, y_test), per_test=True)
 """
 
-from .metagradient import Adjoint, metagradients
+from .boundary import Adjoint
+from .metagradient import metagradients
 from .optimizers import SGD, Adam, AdamW
 from .record import Record, StageRecorder
 from .run import StageRun
