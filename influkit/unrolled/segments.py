@@ -50,7 +50,7 @@ from .replay import unit_weights
 from .run import StageRun
 from .terms import Terms, fingerprint, holding
 from .top import top_count, top_directions
-from .trajectory import boundaries, checkpoint_at, clipped_trajectory
+from .trajectory import boundaries, checkpoint_at, clipped_trajectory, moved_frozen
 from .watch import eval_stage
 
 METHOD = "unrolled approximate (segments, dense Hessian)"
@@ -172,7 +172,7 @@ def approximate(record: Record, test, *, measure: Measure | None = None, segment
     held.hold(adjoint)
     for k in range(len(record) - 1, -1, -1):
         run, scale, _, _ = linear[k]
-        with holding(run.stage.model, _moved_frozen(run)), evaluating(run.stage.model):
+        with holding(run.stage.model, moved_frozen(run)), evaluating(run.stage.model):
             passes[k] = done = _stage(run, adjoint, q, settings, held, given[k] if given else None, scale)
         del adjoint
         if k:
@@ -194,7 +194,7 @@ def approximate(record: Record, test, *, measure: Measure | None = None, segment
         terms = Terms(run.stage, run.trained, passes[k].pieces, chunk_size=chunk_size, gradients=gradients,
                       memory=held.left(memory, "the example terms"), out=stage_out)
         terms.scorer.memory["held_bytes"] = held.bytes  # with memory=: its budget is memory − this
-        with holding(run.stage.model, _moved_frozen(run)), evaluating(run.stage.model):
+        with holding(run.stage.model, moved_frozen(run)), evaluating(run.stage.model):
             values, index, counts = terms.compute(fingerprint=fingerprint(f"{method}|{basis}", k, passes[k].pieces),
                                                   out=stage_out, progress=progress)
         diagnostics = {"seconds": {"approximate (pieces)": directions_s, "example terms": time.perf_counter() - t0},
@@ -384,13 +384,6 @@ def linearized(run: StageRun) -> tuple[StageRun, float, list[str], torch.Tensor 
                  f"(their recorded masks; an example's score sums its rows'), the data term scaled by {scale:.4g} (the "
                  "recorded batches' mean examples per predicted token)")
     return collated, float(scale), notes, torch.cat([run.batches[t] for t in range(run.steps)])
-
-
-def _moved_frozen(run: StageRun) -> dict:
-    """The frozen inherited block's values where they differ from the model's own (a record re-run at other weights
-    ends its previous stage elsewhere): the curvature fits and the example terms read the block from the model."""
-    named = dict(run.stage.model.named_parameters())
-    return {n: run.anchors[n] for n in run.frozen if not torch.equal(named[n].detach(), run.anchors[n])}
 
 
 def _anchor_adjoint(run: StageRun, theta_end: dict, u: torch.Tensor, anchor_bar: dict, memory: int | None) -> dict:

@@ -3,6 +3,8 @@ or replayed from the last one before), with each step's recorded clipping factor
 
 from __future__ import annotations
 
+import torch
+
 from .replay import start, unit_weights
 from .run import StageRun
 
@@ -41,3 +43,10 @@ def clipped_trajectory(run: StageRun, ends: list[int]) -> tuple[dict, list[float
             kept[t + 1] = run.checkpoints[t + 1] if t + 1 in run.checkpoints else \
                 ({n: v.detach() for n, v in theta.items()}, state)
     return kept, gains
+
+
+def moved_frozen(run: StageRun) -> dict:
+    """The frozen inherited block's values where they differ from the model's own (a record re-run at other weights
+    ends its previous stage elsewhere): the curvature fits and the example terms read the block from the model."""
+    named = dict(run.stage.model.named_parameters())
+    return {n: run.anchors[n] for n in run.frozen if not torch.equal(named[n].detach(), run.anchors[n])}
