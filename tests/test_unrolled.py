@@ -1,6 +1,6 @@
 """Unrolled attribution (influkit.unrolled): the record replays exactly, and the exact metagradient equals central
 finite differences of the *re-run* training with w_z = 1 ± ε, for SGD + momentum and AdamW, one stage and
-pretrain → finetune (Case 1 fixed block, Case 2 proximal, LoRA adapters); full-batch descent run to convergence
+pretrain → finetune (Case 1 fixed block, Case 2 proximal, plain finetuning from the pretrained block, LoRA adapters); full-batch descent run to convergence
 gives the influence function's I(z, T)/m."""
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def finetune(record: Record, case: str, optimizer) -> ik.Stage:
             ik.Link({"embedding.0.base": "embedding.0"}, case=1)
     else:
         model, params = Net(2).eval(), ("head" if case == "case1" else None)
-        link = ik.Link("embedding", case=1 if case == "case1" else 2, alpha=0.05)
+        link = ik.Link.finetune("embedding") if case == "finetune" else \
+            ik.Link("embedding", case=1 if case == "case1" else 2, alpha=0.05)
     stage = ik.Stage(model, cross_entropy, data(10, 2, seed=2), params=params, regularizer=l2(1e-2))
     schedule = lambda t: 0.1 * (1 - t / 20)  # noqa: E731 (a decaying learning rate, recorded step by step)
     record.train(stage, optimizer, steps=9, batch_size=3, link=link, schedule=schedule, checkpoint_every=4)
@@ -91,6 +92,7 @@ SCENARIOS = {
     "one stage, AdamW": (AdamW(lr=0.05, weight_decay=0.1), None, None),
     "case 1: AdamW -> SGD + momentum": (AdamW(lr=0.05), "case1", SGD(lr=0.1, momentum=0.9)),
     "case 2: SGD + momentum -> AdamW": (SGD(lr=0.2, momentum=0.8, nesterov=True), "case2", AdamW(lr=0.1)),
+    "plain finetuning: SGD + momentum -> AdamW": (SGD(lr=0.2, momentum=0.8), "finetune", AdamW(lr=0.1)),
     "LoRA: AdamW -> Adam": (AdamW(lr=0.05), "lora", Adam(lr=0.1, weight_decay=1e-3)),
 }
 

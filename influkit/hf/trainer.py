@@ -113,9 +113,11 @@ class _TrainerWatch(Watch):
                                 "per_device_train_batch_size instead).")
         if args.world_size > 1:
             raise NotReplayable("the Trainer runs on several processes; record a single-process run.")
-        if link is not None and link.case == 2:
-            raise NotReplayable("a Case 2 link needs the proximal term α‖S − S̄‖² in the loss, which the Trainer does "
-                                "not add; use Case 1 (freeze the shared block) or record.watch with run.penalty().")
+        if link is not None and link.case == 2 and not link.plain:
+            raise NotReplayable("a Case 2 link with alpha > 0 needs the proximal term α‖S − S̄‖² in the loss, which the "
+                                "Trainer does not add; record plain finetuning (link=ik.Link.finetune(shared): the "
+                                "block trained from the pretrained values, no proximal term), Case 1 (freeze the "
+                                "shared block) or a torch.optim loop with record.watch and run.penalty().")
         attention = getattr(getattr(model, "config", None), "_attn_implementation", "eager")
         if attention != "eager":
             raise NotReplayable(f"the model computes attention with {attention!r}, whose CPU kernel's backward is not "
