@@ -1,6 +1,6 @@
 """First-order trajectory attribution (``ik.unrolled.first_order``): with per-example losses linear in the trained
 parameters (zero loss curvature) it equals the exact metagradient for SGD + momentum, Adam, AdamW with clipping and
-across Case 1 and Case 2 links; where the loss curves, its correction's error against the exact metagradient falls
+across Case 1, Case 2 and plain-finetuning links; where the loss curves, its correction's error against the exact metagradient falls
 as the segments shorten (and vanishes at one full-batch step per segment); and the record's diagnostic says when
 first order is enough."""
 
@@ -54,8 +54,9 @@ def linear_record(pre, link: str | None = None, fin=None) -> Record:
     record.train(linear_stage(0, "embedding", regularizer=l2(1e-2)), pre, steps=9, batch_size=4,
                  checkpoint_every=4)
     if link is not None:
-        params, kind = ("head", ik.Link("embedding", case=1)) if link == "case1" else \
-            ("embedding", ik.Link("embedding", case=2, alpha=0.05))
+        params, kind = {"case1": ("head", ik.Link("embedding", case=1)),
+                        "case2": ("embedding", ik.Link("embedding", case=2, alpha=0.05)),
+                        "finetune": ("embedding", ik.Link.finetune("embedding"))}[link]
         record.train(linear_stage(1, params, n=8), fin, steps=7, batch_size=3, link=kind,
                      schedule=lambda t: 0.05 * (1 - t / 10), checkpoint_every=3)
     return record
@@ -89,6 +90,8 @@ ZERO_CURVATURE = {
     "case 1: Adam -> SGD + momentum": lambda: linear_record(Adam(lr=0.05), "case1", SGD(lr=0.1, momentum=0.9)),
     "case 2: SGD + momentum -> AdamW": lambda: linear_record(SGD(lr=0.1, momentum=0.8), "case2",
                                                              AdamW(lr=0.05, weight_decay=0.1)),
+    "plain finetuning: AdamW -> AdamW": lambda: linear_record(AdamW(lr=0.05), "finetune",
+                                                              AdamW(lr=0.05, weight_decay=0.01)),
 }
 
 
