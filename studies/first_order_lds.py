@@ -14,7 +14,7 @@ LDS(t) = Spearman_j(Σ_{z kept} s_z(t), loss_t(replay without D_j)), mean ± sem
 
 Methods: the exact metagradient (``metagradients``), first order (``first_order``), first order with the
 correction (``CORRECTION``: 20 Hessian eigenpairs at the start of each of 10 segments on digits, 10 and 5
-on the transformer), the approximate unrolling (``approximate``,
+on the transformer; the same segments with EK-FAC's whole-spectrum curvature instead), the approximate unrolling (``approximate``,
 EK-FAC, 10 segments), EK-FAC influence functions (``ik.influence``). Each method runs in its own process, which
 first times one plain ``torch.optim.AdamW`` training run of the same model on the same batches (the ratio's
 denominator), then records the run and computes the method: its seconds and the process's peak resident memory
@@ -52,8 +52,8 @@ from influkit.validation.lds import lds_per_query
 HERE = Path(__file__).resolve().parent
 FRACTIONS = (0.01, 0.05, 0.1)
 SUBSETS = 30
-METHODS = ("exact", "first-order", "first-order + correction", "approximate (EK-FAC, 10 segments)",
-           "EK-FAC influence")
+METHODS = ("exact", "first-order", "first-order + correction", "first-order + EK-FAC correction",
+           "approximate (EK-FAC, 10 segments)", "EK-FAC influence")
 CORRECTION = {"digits": {"correction": 20, "segments": 10}, "gpt2": {"correction": 10, "segments": 5}}
 """The correction's eigenpairs and segments per task (the transformer's Lanczos products cost more)."""
 
@@ -171,6 +171,9 @@ def scores_of(task: str, method: str, run: Run) -> np.ndarray:
         result = ik.unrolled.metagradients(record, test, per_test=True, progress=False)[0]
     elif method == "first-order":
         result = ik.unrolled.first_order(record, test, per_test=True, progress=False)[0]
+    elif method == "first-order + EK-FAC correction":
+        result = ik.unrolled.first_order(record, test, per_test=True, progress=False, correction="ekfac",
+                                         segments=CORRECTION[task]["segments"])[0]
     elif method == "first-order + correction":
         result = ik.unrolled.first_order(record, test, per_test=True, progress=False, **CORRECTION[task])[0]
     elif method.startswith("approximate"):
@@ -282,11 +285,19 @@ def step_table(task: str) -> None:
     diagnostic = target / "diagnostic.csv"
     if diagnostic.exists():
         lines += ["", "## What the record says first (`first_order_check`)", "",
-                  pd.read_csv(diagnostic).to_markdown(index=False)]
+                  markdown(pd.read_csv(diagnostic))]
     (target / "results.md").write_text("\n".join(lines) + "\n")
     files = ["lds.csv", "results.md"] + [p.name for p in (diagnostic, target / "sharpness.csv") if p.exists()]
     manifest(target, files, command=f"python -m studies.first_order_lds run --task {task}")
     print("\n".join(lines))
+
+
+def markdown(frame: pd.DataFrame) -> str:
+    """A markdown table of ``frame``."""
+    head = "| " + " | ".join(map(str, frame.columns)) + " |\n" + "|---" * len(frame.columns) + "|"
+    body = ["| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row) + " |"
+            for row in frame.itertuples(index=False)]
+    return "\n".join([head, *body])
 
 
 def main(argv=None) -> int:

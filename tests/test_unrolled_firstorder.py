@@ -183,7 +183,7 @@ def test_first_order_check_reads_the_run_and_names_what_to_do():
 
 def test_bad_settings_are_refused_with_the_fix():
     record = curved_record(SGD(lr=0.1))
-    with pytest.raises(ik.InputError, match="correction must be"):
+    with pytest.raises(ik.InputError, match="correction must be"):  # neither a count nor a curvature
         ik.unrolled.first_order(record, (torch.randn(2, 5, dtype=torch.float64), torch.tensor([0, 1])),
                                 correction=-1)
     with pytest.raises(ik.InputError, match="segments must be"):
@@ -191,3 +191,19 @@ def test_bad_settings_are_refused_with_the_fix():
                                 correction=2, segments=0)
     with pytest.raises(ik.InputError, match="sharpness table has no row"):
         ik.unrolled.first_order_check(record, ik.unrolled.sharpness(record).iloc[0:0])
+
+
+def test_the_ekfac_correction_puts_back_the_bulk_of_the_curvature():
+    """On the full-batch SGD run, where first order's error is large, EK-FAC's whole-spectrum Gauss-Newton
+    approximation fitted at each segment's start recovers a good part of the dropped curvature (measured: the
+    relative error 0.79 → 0.42); it is fitted once per segment and reported in the diagnostics."""
+    record = curved_record(SGD(lr=0.5, momentum=0.5))
+    test = (torch.randn(4, 5, generator=torch.Generator().manual_seed(8), dtype=torch.float64),
+            torch.tensor([0, 1, 2, 0]))
+    exact = ik.unrolled.metagradients(record, test, progress=False)[0].values
+    plain = ik.unrolled.first_order(record, test, progress=False)[0]
+    corrected = ik.unrolled.first_order(record, test, correction="ekfac", segments=4, progress=False)[0]
+    error = {name: float((r.values - exact).norm() / exact.norm()) for name, r in (("plain", plain),
+                                                                                   ("ekfac", corrected))}
+    assert error["ekfac"] < 0.7 * error["plain"]
+    assert [n["piece_start"] for n in corrected.diagnostics["correction"]] == [6, 4, 2, 0]

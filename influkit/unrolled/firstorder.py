@@ -19,8 +19,9 @@ a proximal one (Case 2), plain finetuning (the later stage starts from the earli
 Same sign: score = d measure / d w_z; removing z predicts −score.
 
 Where the loss curves over the run, ``correction=k`` adds V diag(g) Vᵀ ḡ_t with (g, V) the k largest eigenpairs of
-the stage objective's Hessian at the start of each of ``segments`` pieces of the stage (``"dense"``: every
-eigenpair), so the dropped term is put back in the directions that contract fastest. :func:`first_order_check`
+the stage's data Hessian at the start of each of ``segments`` pieces of the stage (``"dense"``: every eigenpair),
+so the dropped term is put back in the directions that contract fastest; ``"ekfac"`` adds C ḡ_t with C the EK-FAC
+approximation of the Gauss-Newton matrix fitted there (every direction, approximately). :func:`first_order_check`
 reads the record (run length, sharpness against the edge of stability) and says whether first order is enough.
 
 Cost: one forward replay of each checkpoint segment (a training step each: the gradient g_t and the update, no
@@ -42,6 +43,7 @@ from tqdm.auto import tqdm
 
 from ..chain import Measure
 from ..errors import InputError
+from ..factored.curvature import fit_curvature
 from ..results import InfluenceResult
 from .boundary import describe_at, hand_over, measure_adjoint, reweighted_at
 from .optimizers import SGD, Adam, Groups
@@ -57,23 +59,25 @@ METHOD = "unrolled first-order (optimizer Jacobians, loss curvature dropped)"
 EXPOSURE_FIRST_ORDER = 0.2
 """The curvature exposure τ = Σ_t η_t λ_t (:func:`first_order_check`) up to which first order is enough: the top
 direction's response is (1 − e^{−τ})/τ of first order's, within 10 % there."""
+FACTORED = ("ekfac", "kfac")
 EXPOSURE_PER_SEGMENT = 1.0
 """The exposure per segment that :func:`first_order_check` asks the correction's segments to stay under."""
 
 
 @dataclass(frozen=True)
 class Correction:
-    """The curvature put back per segment: the ``directions`` largest eigenpairs (an int, or "dense" for every one)
-    of the stage objective's Hessian at the start of each of ``segments`` pieces."""
+    """The curvature put back per segment, at the start of each of ``segments`` pieces: the ``directions`` largest
+    eigenpairs of the stage's data Hessian (an int, or "dense" for every one), or its EK-FAC / K-FAC approximation
+    over the whole spectrum ("ekfac", "kfac": the sampled-Fisher Gauss-Newton matrix, block-diagonal per layer)."""
 
     directions: int | str
     segments: int
 
     def __post_init__(self) -> None:
-        if self.directions != "dense" and (isinstance(self.directions, bool) or not isinstance(self.directions, int)
-                                           or self.directions < 1):
-            raise InputError(f"correction must be 0 (first order), a number k ≥ 1 of eigenpairs or 'dense', got "
-                             f"{self.directions!r}.")
+        if self.directions not in FACTORED + ("dense",) and (isinstance(self.directions, bool) or not isinstance(
+                self.directions, int) or self.directions < 1):
+            raise InputError(f"correction must be 0 (first order), a number k ≥ 1 of eigenpairs, 'dense', 'ekfac' or "
+                             f"'kfac', got {self.directions!r}.")
         if isinstance(self.segments, bool) or not isinstance(self.segments, int) or self.segments < 1:
             raise InputError(f"segments must be a whole number ≥ 1, got {self.segments!r}.")
 
@@ -85,9 +89,10 @@ def first_order(record: Record, test, *, measure: Measure | None = None, per_tes
     docstring).
 
     ``test``, ``measure``, ``per_test`` and ``at`` as :func:`~.metagradient.metagradients` (same sign; removal =
-    −values). correction: 0 (first order alone), k (the k largest eigenpairs of each stage objective's Hessian at
-    the start of each of ``segments`` pieces put back, by Lanczos: ``pip install 'influkit[unrolled]'``) or
-    ``"dense"`` (the dense Hessian: models of up to a few thousand trained parameters). diagnostics: seconds (this
+    −values). correction: 0 (first order alone), k (the k largest eigenpairs of each stage's data Hessian at
+    the start of each of ``segments`` pieces put back, by Lanczos: ``pip install 'influkit[unrolled]'``),
+    ``"dense"`` (the dense Hessian: models of up to a few thousand trained parameters) or ``"ekfac"`` / ``"kfac"``
+    (the factored Gauss-Newton approximation over the whole spectrum, fitted at each piece's start). diagnostics: seconds (this
     pass and the recorded training), the replay check, the settings, and per stage the correction's eigenpairs.
     """
     began = time.perf_counter()
@@ -261,7 +266,15 @@ class _Curvature:
                 {n: torch.stack([c[1][n] for c in columns]) for n in self.run.anchors} if self.run.alpha else {})
 
     def eigenpairs(self, piece: int):
-        """(g, V) of the stage objective's Hessian at step ``piece`` (the segment's start), kept for its steps."""
+        """(g, V) of the stage's data Hessian at step ``piece`` (the segment's start), or its fitted factored
+        curvature, kept for the segment's steps."""
+        if self.piece != piece and self.fix.directions in FACTORED:
+            theta = checkpoint_at(self.run, piece)[0]
+            self.pairs = fit_curvature(_data_only(self.run).stage, self.names, kind=self.fix.directions, at=theta, seed=0)
+            if self.run.weights is not None:
+                self.pairs.scale_data(float(self.run.weights[0]))
+            self.piece = piece
+            self.last = {"piece_start": piece, "directions": self.fix.directions}
         if self.piece != piece:
             theta = checkpoint_at(self.run, piece)[0]
             p = sum(v.numel() for v in theta.values())
@@ -278,12 +291,17 @@ class _Curvature:
         penalties' exact product)."""
         if self.fix is None or piece is None:
             return self.penalty_products(t, theta, rows, g_bar) if self.penalized else ({}, {})
-        g, basis = self.eigenpairs(piece)
+        curvature = self.eigenpairs(piece)
         if not notes or notes[-1]["piece_start"] != piece:
             notes.append(self.last)
         q = next(iter(g_bar.values())).shape[0]
         flat = torch.cat([g_bar[n].reshape(q, -1) for n in self.names], dim=1)
-        added = ((flat @ basis) * g) @ basis.T
+        if self.fix.directions in FACTORED:
+            added = torch.empty_like(flat)
+            curvature.functions([flat.T], lambda lam: [[lam]], out=[added.T])
+        else:
+            g, basis = curvature
+            added = ((flat @ basis) * g) @ basis.T
         through = dict(zip(self.names, (v.reshape(g_bar[n].shape) for n, v in zip(
             self.names, added.split([g_bar[n][0].numel() for n in self.names], dim=1)))))
         if not self.penalized:
