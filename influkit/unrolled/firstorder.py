@@ -213,8 +213,9 @@ def example_terms(run: StageRun, t: int, theta: dict, x: torch.Tensor, y: torch.
                 if fixed:
                     through_w, through_block = grad(directional, argnums=(1, 0))(fixed, w[part])
                     mixed = {n: mixed[n] + through_block[n] for n in mixed}
-                else:
-                    through_w = grad(directional, argnums=1)(fixed, w[part])
+                else:  # the data term is linear in w: its w-derivative is the losses' jvp over the divisor
+                    losses = jvp(lambda th: run.stage.losses(th, x[part], y[part]), (theta,), (d,))[1]
+                    through_w = losses / ((losses.shape[0] if divisor is None else divisor) * run.accumulate)
             terms.append(through_w)
         return torch.cat(terms), mixed
 
