@@ -6,6 +6,8 @@ first order is enough."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -170,15 +172,18 @@ def test_the_correction_reports_its_eigenpairs_and_low_rank_lies_between():
 
 
 def test_first_order_check_reads_the_run_and_names_what_to_do():
-    """A short run at a small learning rate is first order; the same network at a large one needs the correction
-    (with enough segments to keep each under the per-segment exposure); a step past the edge asks for exact replay."""
-    verdicts = []
-    for lr in (0.01, 0.5, 8.0):
+    """A short run at a small learning rate is first order; at a larger one it needs the correction (with enough
+    segments to keep each under the per-segment exposure); larger still, exact replay — for its exposure, and for a
+    step past the edge of stability."""
+    rows = []
+    for lr in (0.01, 0.2, 2.0, 8.0):
         record = curved_record(SGD(lr=lr))
-        table = ik.unrolled.first_order_check(record, ik.unrolled.sharpness(record))
-        verdicts.append(table.loc[0, "verdict"])
-        assert table.loc[0, "exposure"] > 0
-    assert verdicts == ["first order", "add the correction", "exact replay"]
+        rows.append(ik.unrolled.first_order_check(record, ik.unrolled.sharpness(record)).loc[0])
+    assert [r["verdict"] for r in rows] == ["first order", "add the correction", "exact replay", "exact replay"]
+    exposures = [r["exposure"] for r in rows]
+    assert exposures == sorted(exposures) and exposures[0] > 0
+    assert rows[1]["segments"] == math.ceil(rows[1]["exposure"])
+    assert "exposure" in rows[2]["why"] and rows[2]["largest_share_of_edge"] < 1 < rows[3]["largest_share_of_edge"]
 
 
 def test_bad_settings_are_refused_with_the_fix():

@@ -62,6 +62,9 @@ direction's response is (1 − e^{−τ})/τ of first order's, within 10 % there
 FACTORED = ("ekfac", "kfac")
 EXPOSURE_PER_SEGMENT = 1.0
 """The exposure per segment that :func:`first_order_check` asks the correction's segments to stay under."""
+EXPOSURE_CORRECTABLE = 2.0
+"""The exposure above which :func:`first_order_check` sends the run to exact replay: first order is then off by more
+than τ/(1 − e^{−τ}) = 2.3× in the top direction and compounds over every direction the correction approximates."""
 
 
 @dataclass(frozen=True)
@@ -329,9 +332,10 @@ def first_order_check(record: Record, sharpness: pd.DataFrame) -> pd.DataFrame:
     checkpoints; μ the momentum, for Adam η_t λ_t of the preconditioned Hessian: its steady heavy-ball rate) — the
     top direction contracts by e^{−τ} over the run, and first order, which drops that contraction, gives it
     τ/(1 − e^{−τ}) times its response —, ``largest_share_of_edge`` (max_t η_t λ_t / edge), ``verdict``
-    (``"first order"``: τ ≤ EXPOSURE_FIRST_ORDER; ``"add the correction"`` with ``segments`` pieces of exposure
-    ≤ EXPOSURE_PER_SEGMENT each; ``"exact replay"`` past the edge of stability, where no linearization holds) and
-    ``why``. It bounds the top direction only: the others contract less."""
+    (``"first order"``: τ ≤ EXPOSURE_FIRST_ORDER; ``"add the correction"`` up to EXPOSURE_CORRECTABLE, with
+    ``segments`` pieces of exposure ≤ EXPOSURE_PER_SEGMENT each; ``"exact replay"`` above it, or past the edge of
+    stability, where no linearization holds) and ``why``. It bounds the top direction only: the others contract
+    less."""
     rows = []
     for k, run in enumerate(record.runs):
         table = sharpness[sharpness["stage"] == k].sort_values("step")
@@ -350,6 +354,10 @@ def first_order_check(record: Record, sharpness: pd.DataFrame) -> pd.DataFrame:
         elif exposure <= EXPOSURE_FIRST_ORDER:
             verdict, count = "first order", 1
             why = f"curvature exposure {exposure:.3g} ≤ {EXPOSURE_FIRST_ORDER}: the loss curvature barely moves the adjoint"
+        elif exposure > EXPOSURE_CORRECTABLE:
+            verdict, count = "exact replay", None
+            why = (f"curvature exposure {exposure:.3g} > {EXPOSURE_CORRECTABLE}: the loss curvature contracts the "
+                   f"adjoint by up to e^-{exposure:.3g} over the run, more than a correction repairs; exact replay")
         else:
             count = math.ceil(exposure / EXPOSURE_PER_SEGMENT)
             verdict = "add the correction"
