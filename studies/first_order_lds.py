@@ -14,8 +14,8 @@ LDS(t) = Spearman_j(Σ_{z kept} s_z(t), loss_t(replay without D_j)), mean ± sem
 
 Methods: the exact metagradient (``metagradients``), first order (``first_order``), first order with the
 correction (``CORRECTION``: 20 Hessian eigenpairs at the start of each of 10 segments on digits, 10 and 5
-on the transformer; the same segments with EK-FAC's whole-spectrum curvature instead), the approximate unrolling (``approximate``,
-EK-FAC, 10 segments), EK-FAC influence functions (``ik.influence``). Each method runs in its own process, which
+on the transformer; the same segments with EK-FAC's whole-spectrum curvature instead), the approximate
+unrolling (``approximate``, EK-FAC, 10 segments), EK-FAC influence functions (``ik.influence``). Each method runs in its own process, which
 first times one plain ``torch.optim.AdamW`` training run of the same model on the same batches (the ratio's
 denominator), then records the run and computes the method: its seconds and the process's peak resident memory
 (``ru_maxrss``) and the resident memory before it. ``first_order_check`` reads the record first
@@ -31,7 +31,6 @@ when present.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import resource
 import subprocess
@@ -269,7 +268,8 @@ def step_table(task: str) -> None:
     exact = frame[frame["method"] == "exact"]
     for fraction in FRACTIONS:
         if f"lds_{fraction:g}" in frame and not exact.empty:
-            frame[f"share_of_exact_{fraction:g}"] = frame[f"lds_{fraction:g}"] / float(exact[f"lds_{fraction:g}"].iloc[0])
+            column = f"lds_{fraction:g}"
+            frame[f"share_of_exact_{fraction:g}"] = frame[column] / float(exact[column].iloc[0])
     target = folder(task)
     frame.to_csv(target / "lds.csv", index=False)
     lines = [f"# First-order trajectory attribution, replay LDS: {task}", "",

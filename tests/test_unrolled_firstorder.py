@@ -1,8 +1,8 @@
 """First-order trajectory attribution (``ik.unrolled.first_order``): with per-example losses linear in the trained
 parameters (zero loss curvature) it equals the exact metagradient for SGD + momentum, Adam, AdamW with clipping and
-across Case 1, Case 2 and plain-finetuning links; where the loss curves, its correction's error against the exact metagradient falls
-as the segments shorten (and vanishes at one full-batch step per segment); and the record's diagnostic says when
-first order is enough."""
+across Case 1, Case 2 and plain-finetuning links; where the loss curves, its correction's error against the exact
+metagradient falls as the segments shorten (and vanishes at one full-batch step per segment); and the record's
+diagnostic says when first order is enough."""
 
 from __future__ import annotations
 

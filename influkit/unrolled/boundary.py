@@ -33,7 +33,8 @@ def reweighted_at(record: Record, measure, at, progress: bool) -> Record:
 
 
 def at_weights(record: Record, at) -> list[torch.Tensor | None]:
-    """``at`` of :func:`~.metagradient.metagradients` as per-stage weights (None: as recorded), checked: finite and ≥ 0."""
+    """``at`` of :func:`~.metagradient.metagradients` as per-stage weights (None: as recorded), checked: finite and
+    ≥ 0."""
     full = lambda run, value: torch.full((len(run.stage),), float(value), dtype=torch.float64)  # noqa: E731
     is_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
     if is_number(at):
@@ -65,7 +66,8 @@ class Adjoint:
     its optimum after the recorded run, whose implicit-function adjoint on the shared block (the Case 1 chain's
     df/dS̄ = b − H_{S,θ} H⁻¹ a) is computed outside. Names: final values of the last recorded stage (trained θ_T or
     fixed shared block); missing names count as 0. Shapes: the parameter's, or ``(q, *shape)`` for q measure
-    outputs with ``batched``. Pass it as the test set of :func:`~.metagradient.metagradients` or :func:`~.segments.approximate`.
+    outputs with ``batched``. Pass it as the test set of :func:`~.metagradient.metagradients` or
+    :func:`~.segments.approximate`.
     """
 
     tensors: Mapping[str, torch.Tensor]

@@ -2,7 +2,7 @@
 
 Reverse mode through a recorded step (θ_{t+1}, s_{t+1}) = U_t(θ_t, s_t, g_t) with g_t = ∇_θ L_t(θ_t; S̄, w) gives
 
-    (θ̄_t, s̄_t, ḡ_t) = (∂U_t/∂(θ_t, s_t, g_t))ᵀ (θ̄_{t+1}, s̄_{t+1}),     θ̄_t += H_t ḡ_t,     S̄̄ += ∂²L_t/∂S̄∂θ · ḡ_t,
+    (θ̄_t, s̄_t, ḡ_t) = (∂U_t/∂(θ_t, s_t, g_t))ᵀ (θ̄_{t+1}, s̄_{t+1}),   θ̄_t += H_t ḡ_t,   S̄̄ += ∂²L_t/∂S̄∂θ · ḡ_t,
 
 the first the optimizer's own Jacobian — momentum, Adam's moments with the second moment's response to g_t,
 coupled and decoupled decay, the recorded clipping's factor and its dependence on ‖g_t‖, the learning rates —
@@ -95,7 +95,8 @@ def first_order(record: Record, test, *, measure: Measure | None = None, per_tes
     −values). correction: 0 (first order alone), k (the k largest eigenpairs of each stage's data Hessian at
     the start of each of ``segments`` pieces put back, by Lanczos: ``pip install 'influkit[unrolled]'``),
     ``"dense"`` (the dense Hessian: models of up to a few thousand trained parameters) or ``"ekfac"`` / ``"kfac"``
-    (the factored Gauss-Newton approximation over the whole spectrum, fitted at each piece's start). diagnostics: seconds (this
+    (the factored Gauss-Newton approximation over the whole spectrum, fitted at each piece's start).
+    diagnostics: seconds (this
     pass and the recorded training), the replay check, the settings, and per stage the correction's eigenpairs.
     """
     began = time.perf_counter()
@@ -274,7 +275,8 @@ class _Curvature:
         curvature, kept for the segment's steps."""
         if self.piece != piece and self.fix.directions in FACTORED:
             theta = checkpoint_at(self.run, piece)[0]
-            self.pairs = fit_curvature(_data_only(self.run).stage, self.names, kind=self.fix.directions, at=theta, seed=0)
+            self.pairs = fit_curvature(_data_only(self.run).stage, self.names, kind=self.fix.directions, at=theta,
+                                       seed=0)
             if self.run.weights is not None:
                 self.pairs.scale_data(float(self.run.weights[0]))
             self.piece = piece
@@ -353,7 +355,8 @@ def first_order_check(record: Record, sharpness: pd.DataFrame) -> pd.DataFrame:
                    "exact replay, or a lower learning rate")
         elif exposure <= EXPOSURE_FIRST_ORDER:
             verdict, count = "first order", 1
-            why = f"curvature exposure {exposure:.3g} ≤ {EXPOSURE_FIRST_ORDER}: the loss curvature barely moves the adjoint"
+            why = (f"curvature exposure {exposure:.3g} ≤ {EXPOSURE_FIRST_ORDER}: the loss curvature barely moves the "
+                   "adjoint")
         elif exposure > EXPOSURE_CORRECTABLE:
             verdict, count = "exact replay", None
             why = (f"curvature exposure {exposure:.3g} > {EXPOSURE_CORRECTABLE}: the loss curvature contracts the "

@@ -53,8 +53,8 @@ steps are bound by memory traffic over its (tokens × vocabulary) logits one dou
 (``benchmarks/bench_unrolled.py``). So the first q > 1 pass through a stage times the three on one step, twice (from
 the segment's checkpoint, results discarded: about six steps' work) and pulls every step the fastest way
 (``diagnostics["pull"]``: the choice and the trial's seconds); ``pull=`` names one way instead, so that repeated
-computations repeat their bits (the ways differ in the summation order). Forward over reverse — ``torch.func.jvp`` of θ ↦
-∇_{(θ, S̄, w)} L_t in the direction ḡ_t, which gives H_t ḡ_t, the shared block's term and the example terms in one
+computations repeat their bits (the ways differ in the summation order). Forward over reverse — ``torch.func.jvp``
+of θ ↦ ∇_{(θ, S̄, w)} L_t in the direction ḡ_t, which gives H_t ḡ_t, the shared block's term and the example terms in one
 pass with no graph kept from the replay — runs through Llama's operations and peft's LoRA in torch 2.13 but was
 slower than the ways above wherever it was measured, so it is not used.
 

@@ -314,7 +314,8 @@ def _stage(run: StageRun, adjoint: dict, q: int, settings: Settings, held: Held,
         held.hold(u)
         out.append((theta_end, u))
         if anchor_names:
-            plans.append(_anchor_adjoint(run, theta_end, u, anchor_bar, held.left(memory, "the shared block's adjoint")))
+            plans.append(_anchor_adjoint(run, theta_end, u, anchor_bar,
+                                         held.left(memory, "the shared block's adjoint")))
             release_freed_memory()
     if kept is not None:
         held.drop([blk.tensors() for blk in kept.blocks])
