@@ -275,7 +275,9 @@ def step_table(task: str) -> None:
     lines = [f"# First-order trajectory attribution, replay LDS: {task}", "",
              "LDS mean ± sem over test points; seconds of the method beside one plain torch.optim.AdamW training run "
              "of the same model and batches in the same process; peak RSS of the method's process.", "",
-             "| method | " + " | ".join(f"LDS {f:.0%}" for f in FRACTIONS) + " | seconds | × plain training | "
+             "| method | " + " | ".join(f"LDS {f:.0%} (M = {int(frame[f'subsets_{f:g}'].max())})"
+                                        if f"subsets_{f:g}" in frame else f"LDS {f:.0%}" for f in FRACTIONS)
+             + " | seconds | × plain training | "
              "peak RSS (MiB) |", "|---" * (len(FRACTIONS) + 4) + "|"]
     for row in rows:
         cells = [f"{row.get(f'lds_{f:g}', float('nan')):.3f} ± {row.get(f'sem_{f:g}', float('nan')):.3f}"
