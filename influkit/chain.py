@@ -100,6 +100,17 @@ class Chain:
         bad = [type(link).__name__ for link in links if not isinstance(link, Link)]
         if bad:
             raise InputError(f"Chain links must be influkit.Link objects, got {bad}.")
+        plain = [k + 1 for k, link in enumerate(links) if link.plain]
+        if plain:
+            raise InputError(
+                f"the link into stage {plain[0]} is plain finetuning (Case 2 with alpha = 0). Influence functions take "
+                "each stage at its minimum, and the minimum of a finetuning without a proximal term does not depend on "
+                "the previous stage's shared block: only the run, which starts from it, does. Record the run "
+                "(ik.unrolled.Record().watch(..., link=ik.Link.finetune(shared)) or "
+                "influkit.hf.RecordCallback(record, link=...)) and take ik.unrolled.metagradients(record, test), "
+                "which differentiates through that start exactly; or approximate the finetuning by a proximal one, "
+                "Link(shared, case=2, alpha=α) with α the weight that explains the block's drift (the fit's "
+                "diagnostics report it as alpha_fit).")
         self.stages, self.links = stages, links
         self.solve_configs = _per_stage(solve, SolveConfig, "solve", len(stages))
         self.curvature_configs = _per_stage(curvature, CurvatureConfig, "curvature", len(stages), by_name=True)

@@ -6,6 +6,10 @@ A :class:`Link` joins stage k−1 to stage k; a :class:`StagePlan` is what stage
   θ_k = its own parameters minus S_k, and minimizes F_k(θ_k; S̄).
 - Case 2: S_k is trained with the rest, pulled towards S̄ by the proximal term α‖S_k − S̄‖² (which the library
   adds): stage k minimizes F_k(θ_k) + α‖S_k − S̄‖² over θ_k = its own parameters and S_k.
+- Plain finetuning (:meth:`Link.finetune`, Case 2 with α = 0): S_k starts at S̄ and is trained with the rest, no
+  proximal term. Its result depends on S̄ only through that start, which a recorded run differentiates exactly
+  (:mod:`influkit.unrolled`); an influence function at the finetuning's minimum has no such dependence, so
+  :class:`~influkit.chain.Chain` refuses it.
 
 LoRA is a Case 1 or Case 2 link whose shared block is the base model's weights (``influkit.hf.lora_link``).
 The influence computation (:class:`~influkit.chain.Chain`: trained names, the proximal term of each stage's
@@ -34,8 +38,10 @@ class Link:
     """How a stage inherits the shared block S from the previous stage.
 
     shared: a module prefix present in both models, or {this_stage_name: previous_stage_name} (names or prefixes).
-    case: 1 keeps S fixed at the previous stage's values; 2 finetunes S with the proximal term α‖S − S̄‖².
-    alpha: the proximal weight α > 0 of Case 2 (the multi-stage paper uses 0.01).
+    case: 1 keeps S fixed at the previous stage's values; 2 finetunes S, starting from them, with the proximal
+    term α‖S − S̄‖².
+    alpha: the proximal weight α ≥ 0 of Case 2 (the multi-stage paper uses 0.01); α = 0 is plain finetuning of the
+    whole model from the previous stage's values (:meth:`finetune`).
     """
 
     shared: str | Mapping[str, str]
@@ -45,13 +51,26 @@ class Link:
     def __post_init__(self) -> None:
         if self.case not in (1, 2):
             raise InputError(f"case must be 1 (shared block fixed) or 2 (finetuned), got {self.case!r}.")
-        if self.case == 2 and not self.alpha > 0:
+        if self.case == 2 and not (isinstance(self.alpha, (int, float)) and 0 <= self.alpha < float("inf")):
             raise InputError(
-                f"Case 2 needs a proximal weight alpha > 0 (the paper uses 0.01), got {self.alpha!r}; with alpha = 0 "
-                "the later stage does not depend on the earlier stage's shared block at all."
+                f"Case 2 needs a finite proximal weight alpha ≥ 0 (the paper uses 0.01; 0 is plain finetuning from "
+                f"the previous stage's values, Link.finetune(shared)), got {self.alpha!r}."
             )
         if not self.shared:
             raise ParameterError("shared is empty: name the shared block (a module prefix or a name mapping).")
+
+    @classmethod
+    def finetune(cls, shared: str | Mapping[str, str]) -> "Link":
+        """Plain finetuning: the stage starts from the previous stage's final values of ``shared`` and trains them
+        with everything else, no proximal term — ``Link(shared, case=2, alpha=0.0)``, what ``model.train()`` on
+        every weight of a pretrained model does. Recorded runs (:mod:`influkit.unrolled`) attribute through it
+        exactly."""
+        return cls(shared, case=2, alpha=0.0)
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is plain finetuning (Case 2 without a proximal term)."""
+        return self.case == 2 and self.alpha == 0
 
 
 class StagePlan:

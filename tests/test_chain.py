@@ -424,7 +424,7 @@ def test_chain_errors(two):
     with pytest.raises(ik.InputError, match="one per stage"):
         ik.Chain(stages, two.chain().links, solve=[ik.SolveConfig()] * 2)
     with pytest.raises(ik.InputError, match="alpha"):
-        ik.Link("enc", case=2, alpha=0.0)
+        ik.Link("enc", case=2, alpha=-0.1)
     with pytest.raises(ik.InputError, match="case"):
         ik.Link("enc", case=3)
     with pytest.raises(ik.InputError, match="unknown solver"):

@@ -73,7 +73,7 @@ def test_torchvision_imports_when_installed():
 BLOCKED = {"h5py": ("import influkit.elmo", "elmo"),
            "sklearn": ("from influkit.apps.datasets import load_digits_tensors; load_digits_tensors()", "apps"),
            "matplotlib": ("import influkit.apps.plotting", "plot"),
-           "scipy": ("from influkit.unrolled.segments import _top_directions; _top_directions(None, {}, 2, None)",
+           "scipy": ("from influkit.unrolled.top import top_directions; top_directions(None, {}, 2, None)",
                      "unrolled")}
 
 

@@ -120,6 +120,29 @@ def test_pretraining_then_case_1_finetuning_by_the_trainer_is_attributed_across_
         assert float(results[k].values[z]) == pytest.approx(fd, rel=1e-6, abs=rounding), (k, z)
 
 
+def test_pretraining_then_finetuning_every_weight_by_the_trainer_is_attributed_through_the_start(tokenizer):
+    record = ik.unrolled.Record()
+    mlm = pretrain(tokenizer, [hf.RecordCallback(record)], num_train_epochs=1)
+    torch.manual_seed(1)
+    clf = BertForSequenceClassification(config(tokenizer, num_labels=2)).double()  # every weight trained
+    shared = {f"bert.{n}": f"bert.{n}" for n, _ in mlm.bert.named_parameters()}
+    callback = hf.RecordCallback(record, link=ik.Link.finetune(shared))  # the callback starts it from mlm's values
+    Trainer(clf, arguments(num_train_epochs=3), train_dataset=examples(tokenizer, TEXTS, LABELS),
+            data_collator=DataCollatorWithPadding(tokenizer), callbacks=[callback]).train()
+    run = record.runs[1]
+    assert set(shared) <= set(run.trained) and not run.frozen and run.alpha == 0.0
+    assert ik.unrolled.verify(record) == 0.0
+    moved = max(float((dict(clf.named_parameters())[n] - dict(mlm.named_parameters())[m]).detach().abs().max())
+                for n, m in shared.items())
+    assert moved > 1e-4  # the encoder was finetuned
+    test = run.stage.data.take(torch.tensor([0, 1]))
+    results = ik.unrolled.metagradients(record, test)
+    assert float(results[0].values.abs().max()) > 0  # pretraining examples reach the test loss through the start
+    for k, z in ((0, 2), (0, 9), (1, 5)):
+        fd, rounding = central_difference(record, test, k, z)
+        assert float(results[k].values[z]) == pytest.approx(fd, rel=1e-6, abs=rounding), (k, z)
+
+
 def fed_padding(record, pad: int) -> list[int]:
     """The examples whose recorded batch fed the padding token at an attended position."""
     run = record.runs[0]

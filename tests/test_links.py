@@ -84,3 +84,23 @@ def test_receive_copies_case_1_and_moves_a_warm_case_2_block():
         assert torch.equal(after["head.weight"].detach(), own["head.weight"])  # only the block is inherited
         plan.receive(model, moved)  # no original: a fresh start at the previous values, either case
         assert all(torch.equal(after[n].detach(), moved[n]) for n in ("enc.weight", "enc.bias"))
+
+
+def test_plain_finetuning_is_case_2_without_a_proximal_term_and_bad_weights_are_refused():
+    link = ik.Link.finetune("enc")
+    assert link == ik.Link("enc", case=2, alpha=0.0) and link.plain and not ik.Link("enc", case=2).plain
+    pre, fin = stages(2)
+    plan = StagePlan(fin, link, StagePlan(pre), inherit=True)
+    assert plan.trained == ["enc.weight", "enc.bias", "head.weight", "head.bias"] and plan.fixed == []
+    assert float(plan.proximal(fin.state())) == 0.0  # the objective has no proximal term
+    assert torch.equal(fin.model.enc.weight, pre.model.enc.weight)  # it starts from the previous stage's block
+    for alpha in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ik.InputError, match="alpha ≥ 0"):
+            ik.Link("enc", case=2, alpha=alpha)
+
+
+def test_the_chain_refuses_plain_finetuning_naming_the_recorded_run():
+    pre, fin = stages(2)
+    with pytest.raises(ik.InputError, match=r"metagradients\(record, test\)") as refused:
+        ik.Chain([pre, fin], [ik.Link.finetune("enc")])
+    assert "does not depend on the previous stage's shared block" in str(refused.value)

@@ -1,6 +1,6 @@
 """Unrolled attribution (influkit.unrolled): the record replays exactly, and the exact metagradient equals central
 finite differences of the *re-run* training with w_z = 1 ± ε, for SGD + momentum and AdamW, one stage and
-pretrain → finetune (Case 1 fixed block, Case 2 proximal, LoRA adapters); full-batch descent run to convergence
+pretrain → finetune (Case 1 fixed block, Case 2 proximal, plain finetuning from the pretrained block, LoRA adapters); full-batch descent run to convergence
 gives the influence function's I(z, T)/m."""
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def finetune(record: Record, case: str, optimizer) -> ik.Stage:
             ik.Link({"embedding.0.base": "embedding.0"}, case=1)
     else:
         model, params = Net(2).eval(), ("head" if case == "case1" else None)
-        link = ik.Link("embedding", case=1 if case == "case1" else 2, alpha=0.05)
+        link = ik.Link.finetune("embedding") if case == "finetune" else \
+            ik.Link("embedding", case=1 if case == "case1" else 2, alpha=0.05)
     stage = ik.Stage(model, cross_entropy, data(10, 2, seed=2), params=params, regularizer=l2(1e-2))
     schedule = lambda t: 0.1 * (1 - t / 20)  # noqa: E731 (a decaying learning rate, recorded step by step)
     record.train(stage, optimizer, steps=9, batch_size=3, link=link, schedule=schedule, checkpoint_every=4)
@@ -91,6 +92,7 @@ SCENARIOS = {
     "one stage, AdamW": (AdamW(lr=0.05, weight_decay=0.1), None, None),
     "case 1: AdamW -> SGD + momentum": (AdamW(lr=0.05), "case1", SGD(lr=0.1, momentum=0.9)),
     "case 2: SGD + momentum -> AdamW": (SGD(lr=0.2, momentum=0.8, nesterov=True), "case2", AdamW(lr=0.1)),
+    "plain finetuning: SGD + momentum -> AdamW": (SGD(lr=0.2, momentum=0.8), "finetune", AdamW(lr=0.1)),
     "LoRA: AdamW -> Adam": (AdamW(lr=0.05), "lora", Adam(lr=0.1, weight_decay=1e-3)),
 }
 
@@ -158,9 +160,9 @@ def test_metagradient_at_other_weights_equals_central_differences_of_the_trainin
 @pytest.mark.parametrize("name", ["one stage, AdamW", "case 2: SGD + momentum -> AdamW"])
 def test_metagradient_at_one_is_the_recorded_runs_bit_for_bit(name):
     record = recorded(name)
-    plain = ik.unrolled.metagradients(record, TEST, per_test=True)
+    plain = ik.unrolled.metagradients(record, TEST, per_test=True, pull="batched")  # one way: the same sums
     for at in (None, 1.0, [torch.ones(12)]):
-        results = ik.unrolled.metagradients(record, TEST, per_test=True, at=at)
+        results = ik.unrolled.metagradients(record, TEST, per_test=True, at=at, pull="batched")
         assert all(torch.equal(a.values, b.values) for a, b in zip(results, plain)), at
     assert plain[0].diagnostics["settings"]["at"] is None
 
@@ -261,15 +263,13 @@ def test_per_test_columns_sum_to_the_summed_measure_and_the_result_saves(tmp_pat
 
 @pytest.mark.parametrize("pull", ["looped", "batched", "vmapped"])
 @pytest.mark.parametrize("name", ["case 2: SGD + momentum -> AdamW", "LoRA: AdamW -> Adam"])
-def test_each_way_of_pulling_several_measures_gives_each_measures_own_metagradient(name, pull, monkeypatch):
+def test_each_way_of_pulling_several_measures_gives_each_measures_own_metagradient(name, pull):
     """q > 1 outputs pulled one double backward per output (looped), one batched over them (batched) or by vmapped
     torch.func pullbacks: column j equals the one-measure metagradient of test point j alone (that path is checked
     against finite differences above)."""
     record = recorded(name)
     x, y = TEST
-    chosen = {metagradient._pull_key(run, len(x)): pull for run in record.runs}
-    monkeypatch.setattr(metagradient, "_PULLS", chosen)
-    per_test = ik.unrolled.metagradients(record, TEST, per_test=True)
+    per_test = ik.unrolled.metagradients(record, TEST, per_test=True, pull=pull)
     for j in range(len(x)):
         alone = ik.unrolled.metagradients(record, (x[j:j + 1], y[j:j + 1]))
         for a, b in zip(alone, per_test):
@@ -277,18 +277,20 @@ def test_each_way_of_pulling_several_measures_gives_each_measures_own_metagradie
     assert per_test[0].diagnostics["pull"]["stages"] == [{"pull": pull, "trial": None}] * len(record)
 
 
-def test_the_first_several_measure_pass_times_each_pull_and_keeps_the_fastest(monkeypatch):
-    monkeypatch.setattr(metagradient, "_PULLS", {})
+def test_an_auto_several_measure_pass_times_each_pull_and_takes_the_fastest():
     record = recorded("case 1: AdamW -> SGD + momentum")
     first = ik.unrolled.metagradients(record, TEST, per_test=True)
     chosen = first[0].diagnostics["pull"]["stages"]
     for run, stage in zip(record.runs, chosen):
         seconds = stage["trial"]["seconds"]
         assert set(seconds) == {"looped", "batched", "vmapped"} and min(seconds.values()) > 0
-        assert stage["pull"] == min(seconds, key=seconds.get) == metagradient._PULLS[metagradient._pull_key(run, 4)]
-    again = ik.unrolled.metagradients(recorded("case 1: AdamW -> SGD + momentum"), TEST, per_test=True)  # a new record
-    assert all(torch.equal(a.values, b.values) for a, b in zip(first, again))
-    assert [s["trial"] for s in again[0].diagnostics["pull"]["stages"]] == [None] * len(record)
+        assert stage["pull"] == min(seconds, key=seconds.get)
+    named = [ik.unrolled.metagradients(recorded("case 1: AdamW -> SGD + momentum"), TEST, per_test=True,
+                                       pull=chosen[-1]["pull"]) for _ in range(2)]  # a way named: no trial, same bits
+    assert all(torch.equal(a.values, b.values) for a, b in zip(*named))
+    assert [s["trial"] for s in named[0][0].diagnostics["pull"]["stages"]] == [None] * len(record)
+    with pytest.raises(ik.InputError, match="unknown pull"):
+        ik.unrolled.metagradients(record, TEST, pull="fastest")
 
 
 @pytest.mark.parametrize(
@@ -831,7 +833,7 @@ def test_top_auto_takes_what_half_the_budget_holds_and_says_why(monkeypatch):
     ARPACK's workspace (max(2k + 1, 20) float64 vectors of p) and the k kept vectors fit in half the budget, fewer
     where they do not, none where one does not; dense (p² float64) when k ≥ p − 1. Without scipy it takes none and warns with the extra that adds them. On the tiny chain it takes
     every eigenpair (dense), so it equals the dense Hessian's pieces."""
-    from influkit.unrolled.segments import TOP_AUTO, TOP_AUTO_PARAMETERS, top_count
+    from influkit.unrolled.top import TOP_AUTO, TOP_AUTO_PARAMETERS, top_count
 
     k, why = top_count("auto", TOP_AUTO_PARAMETERS + 1, 4, 2**50)
     assert k == 0 and "TOP_AUTO_PARAMETERS" in why and "top=k" in why

@@ -47,7 +47,8 @@ def results(out: Path | None = None) -> dict[str, torch.Tensor]:
     """name -> values of every unrolled result the sharded run must reproduce (streamed to ``out`` if given)."""
     values = {}
     for name, make in (("sgd", sgd_chain), ("adamw", adamw_chain)):
-        exact = ik.unrolled.metagradients(make(), TEST, per_test=True, out=out and out / f"exact-{name}")
+        exact = ik.unrolled.metagradients(make(), TEST, per_test=True, out=out and out / f"exact-{name}",
+                                          pull="batched")
         values |= {f"exact.{name}.{k}": r.values for k, r in enumerate(exact)}
     for curvature, basis in (("hessian", "each"), ("ekfac", "shared")):
         approx = ik.unrolled.approximate(sgd_chain(), TEST, segments=2, per_test=True, curvature=curvature,
@@ -59,8 +60,8 @@ def results(out: Path | None = None) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("method", ["exact", "approximate"])
 def test_streamed_equals_in_memory(tmp_path, method):
     if method == "exact":
-        whole = ik.unrolled.metagradients(sgd_chain(), TEST, per_test=True)
-        streamed = ik.unrolled.metagradients(sgd_chain(), TEST, per_test=True, out=tmp_path)
+        whole = ik.unrolled.metagradients(sgd_chain(), TEST, per_test=True, pull="batched")
+        streamed = ik.unrolled.metagradients(sgd_chain(), TEST, per_test=True, out=tmp_path, pull="batched")
         assert streamed[0].diagnostics["segments"] == {"computed": 6, "reused": 0, "ranks": 1}  # 3 + 3 segments
         assert len(list(tmp_path.glob("chunk-*.safetensors"))) == 6
     else:
@@ -92,22 +93,22 @@ def interrupted(stage: ik.Stage, after: int):
 
 
 def test_exact_resumed_after_interruption_equals_uninterrupted(tmp_path):
-    uninterrupted = ik.unrolled.metagradients(sgd_chain(), TEST, per_test=True)
+    uninterrupted = ik.unrolled.metagradients(sgd_chain(), TEST, per_test=True, pull="batched")
     record = sgd_chain()
     undo = interrupted(record.runs[0].stage, after=4)  # pretraining's segments: the pass dies inside stage 0
     with pytest.raises(Interrupt):
-        ik.unrolled.metagradients(record, TEST, per_test=True, out=tmp_path)
+        ik.unrolled.metagradients(record, TEST, per_test=True, out=tmp_path, pull="batched")
     undo()
     finished = len(list(tmp_path.glob("chunk-*.safetensors")))
     assert 3 <= finished < 6  # the finetuning stage's 3 segments and part of pretraining's
-    resumed = ik.unrolled.metagradients(record, TEST, per_test=True, out=tmp_path)
+    resumed = ik.unrolled.metagradients(record, TEST, per_test=True, out=tmp_path, pull="batched")
     assert resumed[0].diagnostics["segments"] == {"computed": 6 - finished, "reused": finished, "ranks": 1}
     for r, u in zip(resumed, uninterrupted):
         torch.testing.assert_close(r.values, u.values, rtol=1e-12, atol=1e-15)  # summation order only
-    again = ik.unrolled.metagradients(record, TEST, per_test=True, out=tmp_path)
+    again = ik.unrolled.metagradients(record, TEST, per_test=True, out=tmp_path, pull="batched")
     assert again[0].diagnostics["segments"]["computed"] == 0
     with pytest.raises(ik.InputError, match="refusing to resume"):  # another measure: another job
-        ik.unrolled.metagradients(record, (TEST[0][:2], TEST[1][:2]), per_test=True, out=tmp_path)
+        ik.unrolled.metagradients(record, (TEST[0][:2], TEST[1][:2]), per_test=True, out=tmp_path, pull="batched")
 
 
 def test_approximate_resumed_after_interruption_equals_uninterrupted(tmp_path):

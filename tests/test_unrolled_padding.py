@@ -66,14 +66,11 @@ def test_the_metagradient_through_a_fed_padding_row_equals_central_differences()
 
 
 @pytest.mark.parametrize("pull", ["looped", "batched", "vmapped"])
-def test_each_way_of_pulling_several_measures_carries_the_padding_row(pull, monkeypatch):
+def test_each_way_of_pulling_several_measures_carries_the_padding_row(pull):
     """q = 3 test points pulled each way: column j equals the one-measure metagradient of test point j alone (the
     path checked against finite differences above), with the fed padding row's cotangent in every way."""
-    from influkit.unrolled import metagradient
-
     record, (x, y) = recorded()
-    monkeypatch.setattr(metagradient, "_PULLS", {metagradient._pull_key(run, len(x)): pull for run in record.runs})
-    per_test = ik.unrolled.metagradients(record, (x, y), per_test=True)[0]
+    per_test = ik.unrolled.metagradients(record, (x, y), per_test=True, pull=pull)[0]
     assert per_test.diagnostics["pull"]["stages"] == [{"pull": pull, "trial": None}]
     for j in range(len(x)):
         alone = ik.unrolled.metagradients(record, (x[j:j + 1], y[j:j + 1]))[0]

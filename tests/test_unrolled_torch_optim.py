@@ -1,7 +1,7 @@
 """Recording the user's own torch.optim loop (``Record.watch``): the recorded run is the plain run bit for bit, replay
 repeats it bit for bit (dropout masks, schedules, clipping, accumulation, parameter groups), the exact metagradient
 equals central finite differences of the re-run training (SGD + momentum, Adam, AdamW with warmup; one stage,
-Case 1, Case 2, LoRA), the record and a Chain share one StagePlan and one measure, and whatever replay cannot
+Case 1, Case 2, plain finetuning of every weight, LoRA), the record and a Chain share one StagePlan and one measure, and whatever replay cannot
 repeat is refused before the first step."""
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ def finetune(record: Record, case: str, pretrained: nn.Module):
                                       *model.head.parameters()], lr=0.1, weight_decay=1e-3)
     elif case == "case1":
         link, optimizer = ik.Link("embedding", case=1), torch.optim.SGD(model.head.parameters(), lr=0.1, momentum=0.9)
+    elif case == "finetune":
+        link, optimizer = ik.Link.finetune("embedding"), torch.optim.AdamW(model.parameters(), lr=0.05)
     else:
         link, optimizer = ik.Link("embedding", case=2, alpha=0.05), torch.optim.AdamW(model.parameters(), lr=0.05)
     scheduler = warmup(optimizer)
@@ -112,6 +114,7 @@ SCENARIOS = {
     "AdamW (warmup, groups, clipping)": ("adamw", None),
     "case 1: AdamW -> SGD + momentum": ("adamw", "case1"),
     "case 2: SGD + momentum -> AdamW + proximal": ("sgd", "case2"),
+    "plain finetuning: Adam -> AdamW (accumulation, dropout, warmup)": ("adam", "finetune"),
     "LoRA: AdamW -> Adam": ("adamw", "lora"),
 }
 
@@ -368,15 +371,12 @@ def test_the_approximate_unrolling_refuses_a_watched_nesterov_run():
 
 
 @pytest.mark.parametrize("pull", ["looped", "batched", "vmapped"])
-def test_several_measures_of_a_dropout_run_are_each_measures_own_metagradient(pull, monkeypatch):
+def test_several_measures_of_a_dropout_run_are_each_measures_own_metagradient(pull):
     """q = 4 per-test losses pulled either way through steps with dropout: column j equals the one-measure
     metagradient of test point j alone (checked against finite differences above)."""
-    from influkit.unrolled import metagradient
-
     record, _ = recorded("case 1: AdamW -> SGD + momentum")
     x, y = TEST
-    monkeypatch.setattr(metagradient, "_PULLS", {metagradient._pull_key(run, len(x)): pull for run in record.runs})
-    per_test = ik.unrolled.metagradients(record, TEST, per_test=True)
+    per_test = ik.unrolled.metagradients(record, TEST, per_test=True, pull=pull)
     assert per_test[0].diagnostics["replay"]["max_error"] == 0.0
     for j in range(len(x)):
         alone = ik.unrolled.metagradients(record, (x[j:j + 1], y[j:j + 1]))

@@ -117,9 +117,11 @@ class _TrainerWatch(Watch):
                 "over every rank's batch, and replay repeats one process's steps. Record the training in one process "
                 "(python train.py, or torchrun --nproc_per_node=1); the metagradient itself then runs sharded under "
                 "torchrun (ik.unrolled.metagradients splits each recorded batch over the ranks).")
-        if link is not None and link.case == 2:
-            raise NotReplayable("a Case 2 link needs the proximal term α‖S − S̄‖² in the loss, which the Trainer does "
-                                "not add; use Case 1 (freeze the shared block) or record.watch with run.penalty().")
+        if link is not None and link.case == 2 and not link.plain:
+            raise NotReplayable("a Case 2 link with alpha > 0 needs the proximal term α‖S − S̄‖² in the loss, which the "
+                                "Trainer does not add; record plain finetuning (link=ik.Link.finetune(shared): the "
+                                "block trained from the pretrained values, no proximal term), Case 1 (freeze the "
+                                "shared block) or a torch.optim loop with record.watch and run.penalty().")
         attention = getattr(getattr(model, "config", None), "_attn_implementation", "eager")
         if attention != "eager":
             raise NotReplayable(f"the model computes attention with {attention!r}, whose CPU kernel's backward is not "

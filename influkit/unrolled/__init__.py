@@ -27,7 +27,9 @@ A two-stage record trained by influkit's own optimizers::
     pre_scores, fin_scores = ik.unrolled.metagradients(record, (x_test, y_test), per_test=True)
 """
 
-from .metagradient import Adjoint, metagradients
+from .boundary import Adjoint
+from .firstorder import first_order, first_order_check
+from .metagradient import metagradients
 from .optimizers import SGD, Adam, AdamW
 from .record import Record, StageRecorder
 from .run import StageRun
@@ -36,5 +38,6 @@ from .segments import approximate
 from .stability import diagnose, linearity, sharpness
 from .watch import Watch
 
-__all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "diagnose", "linearity", "StageRecorder",
+__all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "diagnose", "first_order", "first_order_check",
+           "linearity", "StageRecorder",
            "StageRun", "Watch", "metagradients", "outputs", "replay", "reweighted", "sharpness", "verify"]

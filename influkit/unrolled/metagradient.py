@@ -51,10 +51,10 @@ output, the graph retained until the last. **Batched**: the same graph pulled fo
 q > 1 none wins everywhere: batching amortizes per-operation overhead on small models, while on a decoder whose
 steps are bound by memory traffic over its (tokens × vocabulary) logits one double backward per output is faster
 (``benchmarks/bench_unrolled.py``). So the first q > 1 pass through a stage times the three on one step, twice (from
-the segment's checkpoint, results discarded: about six steps' work) and pulls every step the fastest way; the choice
-is kept for the same stage shape and q in the process, so a repeated computation repeats its bits
-(``diagnostics["pull"]``: the choice and the trial's seconds). Forward over reverse — ``torch.func.jvp`` of θ ↦
-∇_{(θ, S̄, w)} L_t in the direction ḡ_t, which gives H_t ḡ_t, the shared block's term and the example terms in one
+the segment's checkpoint, results discarded: about six steps' work) and pulls every step the fastest way
+(``diagnostics["pull"]``: the choice and the trial's seconds); ``pull=`` names one way instead, so that repeated
+computations repeat their bits (the ways differ in the summation order). Forward over reverse — ``torch.func.jvp``
+of θ ↦ ∇_{(θ, S̄, w)} L_t in the direction ḡ_t, which gives H_t ḡ_t, the shared block's term and the example terms in one
 pass with no graph kept from the replay — runs through Llama's operations and peft's LoRA in torch 2.13 but was
 slower than the ways above wherever it was measured, so it is not used.
 
@@ -73,13 +73,11 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.func import jacrev, vjp, vmap
+from torch.func import vjp, vmap
 from tqdm.auto import tqdm
 
 from .. import distributed
@@ -87,17 +85,19 @@ from ..chain import Measure
 from ..errors import InputError
 from ..per_token import TokenScores
 from ..results import InfluenceResult
+from .boundary import describe_at, hand_over, measure_adjoint, reweighted_at
 from .journal import Journal, fingerprint
 from .record import Record, stage_weights, token_weights
 from .run import StageRun, tensor_bytes
-from .replay import as_measure, deviation, reweighted, start, unit_weights
+from .replay import deviation, start, unit_weights
 
 METHOD = "unrolled exact (replay)"
 LOOPED, BATCHED, VMAPPED = "looped", "batched", "vmapped"  # how a step is pulled back for q outputs (module docstring)
+PULLS = ("auto", LOOPED, BATCHED, VMAPPED)
 
 
 def metagradients(record: Record, test, *, measure: Measure | None = None, per_test: bool = False,
-                  out: str | Path | None = None, at=None, per_token: bool = False,
+                  out: str | Path | None = None, at=None, per_token: bool = False, pull: str = "auto",
                   progress: bool = False) -> list[InfluenceResult | TokenScores]:
     """One :class:`InfluenceResult` per recorded stage: values[z] = d measure(final model) / d w_z at w = ``at``.
 
@@ -127,7 +127,11 @@ def metagradients(record: Record, test, *, measure: Measure | None = None, per_t
     include torch.func's warm-up), the replay check, the memory held (checkpoints, adjoints, one segment's step
     graphs), the segments computed and reused, and ``settings["at"]`` (None, the float, or per stage None or the
     weights' min / mean / max).
+    pull: how each step's gradient graph is pulled back for q > 1 measure outputs — ``"auto"`` (a timed trial on
+    one step per stage picks the fastest), ``"looped"``, ``"batched"`` or ``"vmapped"`` (module docstring).
     """
+    if pull not in PULLS:
+        raise InputError(f"unknown pull {pull!r}; choose one of {PULLS}.")
     start_time = time.perf_counter()
     if distributed.world_size() > 1 and any(run.rngs for run in record.runs):
         raise InputError("a watched run replays each micro-batch from its own generator state, which splitting its "
@@ -145,47 +149,11 @@ def metagradients(record: Record, test, *, measure: Measure | None = None, per_t
     adjoint, q, outputs = measure_adjoint(record, test, per_test, measure)
     journal = Journal(out, "" if out is None else fingerprint(record, adjoint), q)
     settings = {"measure_outputs": int(outputs), "per_test": per_test, "at": describe_at(at, record)}
-    return _backward(record, adjoint, q, per_test, settings, start_time, progress, journal)
-
-
-def reweighted_at(record: Record, measure, at, progress: bool) -> Record:
-    """The record re-run at the weights ``at`` (itself when None), for a measure that is not an :class:`Adjoint`."""
-    if at is None:
-        return record
-    if isinstance(measure, Adjoint):
-        raise InputError("an Adjoint is d measure / d the recorded final values, which at= moves; pass the "
-                         "measure itself, or compute the adjoint on ik.unrolled.reweighted(record, at) and "
-                         "pass that record without at.")
-    return reweighted(record, at_weights(record, at), progress=progress)
-
-
-def at_weights(record: Record, at) -> list[torch.Tensor | None]:
-    """``at`` of :func:`metagradients` as per-stage weights (None: as recorded), checked: finite and ≥ 0."""
-    full = lambda run, value: torch.full((len(run.stage),), float(value), dtype=torch.float64)  # noqa: E731
-    is_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-    if is_number(at):
-        weights = [full(run, at) for run in record.runs]
-    else:
-        entries = [at] if torch.is_tensor(at) else list(at)
-        weights = stage_weights(record, [full(run, v) if is_number(v) else v
-                                         for run, v in zip(record.runs, entries)] + entries[len(record):], name="at")
-    for k, w in enumerate(weights):
-        if w is not None and not (torch.isfinite(w).all() and (w >= 0).all()):
-            raise InputError(f"at[{k}] holds negative or non-finite weights; take the metagradient at data weights "
-                             "w ≥ 0 (1: the recorded run; 1 − f: the mean rule for dropping a fraction f).")
-    return weights
-
-
-def describe_at(at, record: Record):
-    """``at`` for the diagnostics: None, the float, or per stage None or the weights' min / mean / max."""
-    if at is None or isinstance(at, (int, float)):
-        return at
-    return [None if run.weights is None else {"min": float(run.weights.min()), "mean": float(run.weights.mean()),
-                                              "max": float(run.weights.max())} for run in record.runs]
+    return _backward(record, adjoint, q, per_test, settings, start_time, progress, journal, pull)
 
 
 def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: dict, start_time: float,
-              progress: bool, journal: Journal) -> list[InfluenceResult]:
+              progress: bool, journal: Journal, pull: str) -> list[InfluenceResult]:
     """Reverse mode through every stage, last to first, from θ̄_T = ``adjoint`` ((q, *shape) per name)."""
     checkpoint_bytes = sum(run.checkpoint_bytes() for run in record.runs)
     stats = {"replay_error": 0.0, "segment_growth": 0, "adjoint_bytes": 0, "segment": 0, "computed": 0, "reused": 0,
@@ -198,7 +166,7 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
         anchor_bar = {n: adjoint.get(n, torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device))
                       if n in run.frozen else torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device)
                       for n, v in run.anchors.items()}
-        theta_bar, anchor_bar, scores[k] = _reverse(k, run, theta_bar, anchor_bar, q, stats, progress, journal)
+        theta_bar, anchor_bar, scores[k] = _reverse(k, run, theta_bar, anchor_bar, q, stats, progress, journal, pull)
         if k:
             adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
     for k in range(len(record)):  # each rank holds the terms of its own share of every batch
@@ -222,9 +190,8 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
                  "measure outputs (looped: one autograd double backward per output; batched: one double backward "
                  "batched over the outputs; vmapped: torch.func pullbacks vmapped over the outputs): q = 1 looped; "
                  "q > 1 the fastest on a timed trial step (trial: its seconds, the looped way's stopped once past the "
-                 "fastest before it; inf: the model cannot be batched; None where an earlier pass in this process "
-                 "chose "
-                 "for the same stage shape and q); None: every segment reused"},
+                 "fastest before it; inf: the model cannot be batched; None where pull= named the way); None: "
+                 "every segment reused"},
         "ratio_to_recorded_training": seconds / training if training > 0 else None,
     }
     results = []
@@ -237,78 +204,6 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
         results.append(InfluenceResult(values=values, n_train=len(run.stage), method=f"{METHOD}, stage {k}",
                                        diagnostics=diagnostics | {"stage": k}, removal_eps=-1.0))
     return results
-
-
-@dataclass(frozen=True)
-class Adjoint:
-    """A measure given by its adjoint on the last stage's final values: {name: d measure / d that tensor}.
-
-    Use it when the measure is reached through something the record does not hold — e.g. a later stage refit to
-    its optimum after the recorded run, whose implicit-function adjoint on the shared block (the Case 1 chain's
-    df/dS̄ = b − H_{S,θ} H⁻¹ a) is computed outside. Names: final values of the last recorded stage (trained θ_T or
-    fixed shared block); missing names count as 0. Shapes: the parameter's, or ``(q, *shape)`` for q measure
-    outputs with ``batched``. Pass it as the ``measure`` of :func:`metagradients` or :func:`~.segments.approximate`.
-    """
-
-    tensors: Mapping[str, torch.Tensor]
-    batched: bool = False
-
-
-def measure_adjoint(record: Record, test, per_test: bool, measure: Measure | None = None) -> tuple[dict, int, int]:
-    """(θ̄_T = ∂f/∂(final values) with a leading dimension q, q, the measure's number of outputs)."""
-    if not len(record):
-        raise InputError("the record has no stage; train one with record.train(...) or record.recorder(...).")
-    if isinstance(test, Adjoint):
-        if measure is not None:
-            raise InputError("measure= applies to an (inputs, targets) test set, not to an Adjoint.")
-        return given_adjoint(record, test, per_test)
-    fn = as_measure(record, test, measure)
-    final = {n: v.detach() for n, v in record.runs[-1].final.items()}
-    with torch.no_grad():
-        outputs = fn(final).numel()
-    q = outputs if per_test else 1
-    padding = record.runs[-1].padding
-
-    def vector(params, rows):
-        with padding.feeding(rows) if rows else nullcontext():  # the fed padding rows: inputs of their own
-            value = fn(params)
-        return value.reshape(-1) if per_test else value.sum().reshape(1)
-
-    rows = {} if padding is None else padding.values(final)
-    through, row_terms = jacrev(vector, argnums=(0, 1))(final, rows)
-    adjoint = {n: j.reshape(q, *final[n].shape) for n, j in through.items()}
-    return (padding.add(adjoint, row_terms) if rows else adjoint), q, outputs
-
-
-def given_adjoint(record: Record, adjoint: Adjoint, per_test: bool) -> tuple[dict, int, int]:
-    """:func:`measure_adjoint` of an :class:`Adjoint`, checked against the record's final values."""
-    final, given, batched = record.runs[-1].final, dict(adjoint.tensors), adjoint.batched
-    unknown = [n for n in given if n not in final]
-    if unknown:
-        raise InputError(f"adjoint names {unknown} are not final values of the last recorded stage; use names among "
-                         f"{list(final)[:5]}{' ...' if len(final) > 5 else ''}.")
-    if not given:
-        raise InputError("the adjoint is empty; give d measure / d (final value) for at least one parameter.")
-    bad = [n for n, v in given.items() if tuple(v.shape[1 if batched else 0:]) != tuple(final[n].shape)]
-    lead = {v.shape[0] if batched else 1 for v in given.values()}
-    if bad or len(lead) > 1 or lead == {0}:
-        raise InputError(f"every adjoint tensor must have its parameter's shape"
-                         f"{' after one common leading size q' if batched else ''} (batched={batched}); "
-                         f"mismatched: {bad or list(given)}.")
-    outputs = lead.pop()
-    tensors = {n: (v if batched else v.unsqueeze(0)).to(final[n].device, final[n].dtype) for n, v in given.items()}
-    if not per_test:
-        tensors = {n: v.sum(0, keepdim=True) for n, v in tensors.items()}
-    return tensors, outputs if per_test else 1, outputs
-
-
-def hand_over(record: Record, k: int, theta_bar: dict, anchor_bar: dict, q: int) -> dict:
-    """Stage k − 1's final adjoint from stage k's: θ̄_0 of each inherited trained block + the inherited block's S̄."""
-    run = record.runs[k]
-    adjoint = {n: torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device) for n, v in record.runs[k - 1].final.items()}
-    for n, m in run.inherited.items():
-        adjoint[m] = adjoint[m] + anchor_bar[n] + (theta_bar[n] if n in theta_bar else 0)
-    return adjoint
 
 
 @dataclass
@@ -441,13 +336,14 @@ def _summed(tensor: torch.Tensor) -> torch.Tensor:
     return distributed.all_reduce_(tensor.clone(memory_format=torch.contiguous_format))
 
 
-def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress: bool, journal: Journal):
+def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, progress: bool, journal: Journal,
+             pull: str):
     """Reverse mode through one stage: (θ̄_0, S̄̄ accumulated, (n, q) scores of this rank's batch shares)."""
     anchors = run.anchors
     first = next(iter(theta_bar.values()))
     tokens = () if run.weights is None else tuple(run.weights.shape[1:])  # (L,) for per-token weights
     scores = torch.zeros(len(run.stage), *tokens, q, dtype=first.dtype, device=first.device)
-    state_bar, pull = None, (LOOPED if q == 1 else _PULLS.get(_pull_key(run, q)))
+    state_bar, pull = None, (LOOPED if q == 1 else None if pull == "auto" else pull)
     if pull is not None:
         stats["pulls"][k] = {"pull": pull, "trial": None}
     for a, b in tqdm(list(reversed(run.segments())), desc="metagradient", disable=not progress, leave=False):
@@ -471,7 +367,6 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
                          for slot, s in state.items()}
         if pull is None:
             pull, trial = _faster_pull(run, a, theta, state, anchors, theta_bar, state_bar)
-            _PULLS[_pull_key(run, q)] = pull
             stats["pulls"][k] = {"pull": pull, "trial": trial}
         held, before = [], _resident_bytes()
         for t in range(a, b):  # forward through the segment, keeping each step's autograd graphs
@@ -515,17 +410,6 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
                        torch.cat(terms) if terms else empty, theta_bar, state_bar, anchor_bar)
         stats["computed"] += 1
     return theta_bar, anchor_bar, scores
-
-
-_PULLS: dict[tuple, str] = {}  # the trial's choice per stage shape and q, so a computation repeats its bits
-
-
-def _pull_key(run: StageRun, q: int) -> tuple:
-    """What the trial's choice is kept under: the model's class, device, trained and fixed parameters' names, shapes
-    and dtypes, the largest batch, and q — within a process the same computation is pulled the same way."""
-    theta = run.checkpoints[0][0]
-    shapes = tuple((n, tuple(v.shape), str(v.dtype)) for n, v in (theta | run.anchors).items())
-    return type(run.stage.model).__qualname__, str(run.stage.device), shapes, max(map(len, run.batches)), q
 
 
 def _faster_pull(run: StageRun, a: int, theta, state, anchors, theta_bar, state_bar) -> tuple[str, dict]:

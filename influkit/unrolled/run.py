@@ -183,14 +183,8 @@ class StageRun:
         pure function, composable with torch.func transforms); True ``torch.autograd.grad(create_graph=True)`` from
         θ as autograd leaves (a graph to pull back through). rows: the embeddings' padding rows fed as inputs of
         their own (:class:`~.padding.PaddingRows`; the reverse pass adds their cotangents)."""
-        parts = self.parts[t] if t < len(self.parts) and self.parts[t] is not None else [x.shape[0]]
-        rngs = self.rngs[t] if t < len(self.rngs) and self.rngs[t] is not None else [None] * len(parts)
-        divisors = self.divisors[t] if t < len(self.divisors) and self.divisors[t] is not None else \
-            [size if len(parts) == 1 else count for count in parts]
-        total, begin = None, 0
-        for count, rng, divisor in zip(parts, rngs, divisors):
-            part = slice(begin, begin + count)
-            begin += count
+        total = None
+        for part, rng, divisor in self.micro_batches(t, x.shape[0], size):
             with replaying(rng, self.mode_list()), self._feeding(rows):
                 if graph:
                     loss = self.objective(theta, anchors, x[part], y[part], w[part], size=divisor, penalties=penalties)
@@ -200,6 +194,17 @@ class StageRun:
                                              penalties=penalties)
             total = g if total is None else {n: total[n] + g[n] for n in total}
         return total
+
+    def micro_batches(self, t: int, rows: int, size: int | None = None) -> list[tuple[slice, dict | None, int | None]]:
+        """[(rows of the batch, recorded generator state, divisor of its data term)] of step t's micro-batches, in
+        the order their gradients were accumulated (one part of all ``rows`` divided by ``size`` where none were
+        recorded)."""
+        parts = self.parts[t] if t < len(self.parts) and self.parts[t] is not None else [rows]
+        rngs = self.rngs[t] if t < len(self.rngs) and self.rngs[t] is not None else [None] * len(parts)
+        divisors = self.divisors[t] if t < len(self.divisors) and self.divisors[t] is not None else \
+            [size if len(parts) == 1 else count for count in parts]
+        starts = [sum(parts[:i]) for i in range(len(parts))]
+        return [(slice(b, b + count), rng, divisor) for b, count, rng, divisor in zip(starts, parts, rngs, divisors)]
 
     def _feeding(self, rows: Tensors | None):
         return self.padding.feeding(rows) if self.padding is not None else nullcontext()

@@ -166,8 +166,8 @@ class Watch:
         fixed = sorted(trained & set(run.frozen))
         if fixed:
             raise NotReplayable(f"the optimizer updates {fixed[:3]}, the shared block a Case 1 link keeps fixed; "
-                                "leave them out of the optimizer, or use Link(..., case=2) and add run.penalty() to "
-                                "the loss.")
+                                "leave them out of the optimizer, or finetune them: Link.finetune(shared) (no proximal "
+                                "term), or Link(..., case=2, alpha=α) with run.penalty() added to the loss.")
         missing = sorted(set(run.trained) - trained)
         if missing:
             raise NotReplayable(f"a Case 2 link finetunes the shared block {missing[:3]}, but the optimizer does not "
@@ -203,7 +203,8 @@ class Watch:
         """α Σ_{s∈S} ‖S_s − S̄_s‖² at the model's current parameters: add it to the loop's loss under a Case 2 link
         (the proximal term replay adds to every micro-batch's objective)."""
         if not self.run.alpha:
-            raise InputError("penalty() is the proximal term of a Case 2 link; this stage has none.")
+            raise InputError("penalty() is the proximal term of a Case 2 link with alpha > 0; this stage has none (a "
+                             "plain finetuning link, Link.finetune, adds nothing to the loss).")
         return self.run.plan.proximal_term(self._named, self.run.anchors)
 
     # ---------------------------------------------------------------------------------------------------- hooks

@@ -1,0 +1,52 @@
+"""Where a stage's pieces begin and end, and the parameters and optimizer state there (from the record's checkpoints
+or replayed from the last one before), with each step's recorded clipping factor."""
+
+from __future__ import annotations
+
+import torch
+
+from .replay import start, unit_weights
+from .run import StageRun
+
+
+def boundaries(run: StageRun, pieces: int) -> list[tuple[int, int]]:
+    """[(a, b)]: the run's steps cut into ``pieces`` contiguous pieces."""
+    cuts = sorted({round(run.steps * i / pieces) for i in range(pieces + 1)})
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def checkpoint_at(run: StageRun, b: int) -> tuple[dict, dict]:
+    """(θ_b, optimizer state_b): the recorded checkpoint when step b has one, else replayed from the last before b."""
+    if b in run.checkpoints:
+        return run.checkpoints[b]
+    a = max(t for t in run.checkpoints if t < b)
+    theta, state = run.checkpoints[a] if a else (start(run, run.anchors), run.checkpoints[0][1])
+    for t in range(a, b):
+        idx, x, y = run.batch(t)
+        theta, state = run.step(t, theta, state, run.anchors, unit_weights(run, idx, None, x), x, y)
+    return {n: v.detach() for n, v in theta.items()}, state
+
+
+def clipped_trajectory(run: StageRun, ends: list[int]) -> tuple[dict, list[float]]:
+    """({b: (θ_b, state_b)} at the pieces' ends, [c_t for every step]): one replay of the stage from its start, each
+    step's gradient giving the factor c_t its recorded clipping scaled it by (1.0 where it did not clip) — one
+    gradient per step in all; an end with a checkpoint keeps the record's own tensors."""
+    theta, state = start(run, run.anchors), run.checkpoints[0][1]
+    kept, gains = {}, []
+    for t in range(max(ends)):
+        idx, x, y = run.batch(t)
+        grads = run.gradient(t, theta, run.anchors, x, y, unit_weights(run, idx, None, x))
+        clip = run.clips[t] if t < len(run.clips) else None
+        gains.append(1.0 if clip is None else float(run.optimizer.clip_coefficient(grads, *clip, order=run.clip_order)))
+        theta, state = run.update(t, theta, state, grads)
+        if t + 1 in ends:
+            kept[t + 1] = run.checkpoints[t + 1] if t + 1 in run.checkpoints else \
+                ({n: v.detach() for n, v in theta.items()}, state)
+    return kept, gains
+
+
+def moved_frozen(run: StageRun) -> dict:
+    """The frozen inherited block's values where they differ from the model's own (a record re-run at other weights
+    ends its previous stage elsewhere): the curvature fits and the example terms read the block from the model."""
+    named = dict(run.stage.model.named_parameters())
+    return {n: run.anchors[n] for n in run.frozen if not torch.equal(named[n].detach(), run.anchors[n])}
