@@ -34,7 +34,9 @@ segment's steps backwards and drops them. It holds T/k checkpoints + k step grap
 k = √T — and costs one forward replay of the run (a step's forward and backward: a training step) plus one double
 backward per step (H_t v_t, the shared block's term and the batch's example terms in one pass;
 ``benchmarks/bench_unrolled.py`` measures the ratio to training). Each segment's recomputed end is compared with
-the next checkpoint, so the pass also checks that replay reproduces the whole record (``diagnostics["replay"]``).
+the next checkpoint, so the pass also checks that replay reproduces the whole record (``diagnostics["replay"]``) and
+refuses (:class:`~influkit.errors.NotReplayable`) a record it does not reproduce bit for bit (under ranks, within
+√ε of the state's size: their summation order differs): its scores would describe a run that never happened.
 
 The optimizer's update is not recorded as a graph: it runs forward without autograd (the very operations of the
 recorded step, so the same values) and is pulled back in closed form — each rule's ``pullback``
@@ -89,7 +91,7 @@ from ..results import InfluenceResult
 from .journal import Journal, fingerprint
 from .record import Record, stage_weights
 from .run import StageRun, tensor_bytes
-from .replay import as_measure, deviation, reweighted, start, unit_weights
+from .replay import as_measure, deviation, refuse_unreproduced, reweighted, start, unit_weights
 
 METHOD = "unrolled exact (replay)"
 LOOPED, BATCHED, VMAPPED = "looped", "batched", "vmapped"  # how a step is pulled back for q outputs (module docstring)
@@ -457,7 +459,9 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
             theta, state, graphs = _forward_step(run, t, theta, state, anchors, pull)
             held.append(graphs)
         replayed = (_detached(theta), {slot: _detached(s) for slot, s in state.items()})
-        stats["replay_error"] = max(stats["replay_error"], deviation(replayed, run.checkpoints[b]))
+        error = deviation(replayed, run.checkpoints[b])
+        refuse_unreproduced(k, b, error, _tolerance(replayed) if distributed.active() else 0.0)
+        stats["replay_error"] = max(stats["replay_error"], error)
         stats["segment_growth"] = max(stats["segment_growth"], _resident_bytes() - before)
         terms_ids, terms = [], []
         while held:
@@ -537,6 +541,15 @@ def _faster_pull(run: StageRun, a: int, theta, state, anchors, theta_bar, state_
                 continue
             seconds[pull] = min(seconds.get(pull, float("inf")), time.perf_counter() - begin)
     return distributed.broadcast_object(min(seconds, key=seconds.get)), {"seconds": seconds}
+
+
+def _tolerance(replayed) -> float:
+    """How far a replay split over ranks may end from its checkpoint: √ε of the dtype times the state's largest
+    magnitude (+1) — the ranks' summation order changes the last bits of every step's gradient; a loss that is not
+    replay's moves the run by far more."""
+    theta = replayed[0]
+    first = next(iter(theta.values()))
+    return torch.finfo(first.dtype).eps ** 0.5 * (1 + max(float(v.abs().max()) for v in theta.values() if v.numel()))
 
 
 def _resident_bytes() -> int:

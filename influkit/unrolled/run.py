@@ -5,6 +5,7 @@ module modes. :mod:`.record` builds runs (``Record.train``, ``Record.recorder``)
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -86,8 +87,11 @@ class StageRun:
     each one's forward started from (``rngs[t]``), the gradient clipping (``clips[t]``: (max_norm, norm_type) or
     None), and once the modules' train/eval flags (``modes``); the data term of a micro-batch is divided by
     ``accumulate`` as the loop divided it. A Trainer run (``influkit.hf.RecordCallback``) keeps each step's batch
-    as its collator made it (``inputs[t]``) and the divisor of each micro-batch's summed loss (``divisors[t]``:
-    its number of predicted tokens), and clips in the model's parameter order (``clip_order``). ``padding``: the
+    as its collator made it (``inputs[t]``, its micro-batches padded to the longest, ``widths[t]`` their own lengths
+    where they differ) and the divisor of each micro-batch's summed loss (``divisors[t]``: its number of predicted
+    tokens, or the count the Trainer passed as ``num_items_in_batch`` where the model divides by that; a pair
+    (divisor, accumulation) where the Trainer then divides by its accumulation steps), and clips in the model's
+    parameter order (``clip_order``). ``padding``: the
     model's embeddings with a padding row (:class:`~.padding.PaddingRows`), whose rows the reverse pass feeds as
     inputs of their own.
     """
@@ -125,7 +129,8 @@ class StageRun:
         self.clips: list[tuple[float, float] | None] = []
         self.modes: dict[str, bool] | None = None
         self.accumulate = 1
-        self.divisors: list[list[int] | None] = []
+        self.divisors: list[list[int | tuple[int, int]] | None] = []
+        self.widths: list[list[int] | None] = []
         self.clip_order: list[str] | None = None
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.padding: PaddingRows | None = None
@@ -140,11 +145,14 @@ class StageRun:
         """L_t(θ; w) on one batch (module docstring): the data-weighted mean loss + R(θ) + the proximal term, divided
         by ``accumulate`` (a micro-batch of an accumulated step).
 
-        size: the divisor of the data term (default the batch's length; a part of a batch passes the whole one's);
+        size: the divisor of the data term (default the batch's length; a part of a batch passes the whole one's),
+        or a tuple of divisors applied in turn (a Trainer's micro-batch: its loss's, then the accumulation's);
         penalties: False leaves out R and the proximal term (the data term of one part of a sum over parts)."""
         params = {n: anchors[n] for n in self.frozen} | theta
         losses = self.stage.losses(params, x, y)
-        value = (w * losses).sum() / (losses.shape[0] if size is None else size)
+        value = (w * losses).sum()
+        for divisor in (size if isinstance(size, tuple) else (losses.shape[0] if size is None else size,)):
+            value = value / divisor
         if penalties:
             reg = self.stage.regularization(theta)
             if reg is not None:
@@ -183,19 +191,31 @@ class StageRun:
         rngs = self.rngs[t] if t < len(self.rngs) and self.rngs[t] is not None else [None] * len(parts)
         divisors = self.divisors[t] if t < len(self.divisors) and self.divisors[t] is not None else \
             [size if len(parts) == 1 else count for count in parts]
+        widths = self.widths[t] if t < len(self.widths) and self.widths[t] is not None else [None] * len(parts)
         total, begin = None, 0
-        for count, rng, divisor in zip(parts, rngs, divisors):
+        for count, rng, divisor, width in zip(parts, rngs, divisors, widths):
             part = slice(begin, begin + count)
             begin += count
+            xp, yp = x[part], y[part]
+            if width is not None:  # a Trainer's micro-batch padded to its step's longest: its own length again
+                xp, yp = xp[..., :width], (yp[:, :width] if yp.dim() == 2 else yp)
             with replaying(rng, self.mode_list()), self._feeding(rows):
                 if graph:
-                    loss = self.objective(theta, anchors, x[part], y[part], w[part], size=divisor, penalties=penalties)
+                    loss = self.objective(theta, anchors, xp, yp, w[part], size=divisor, penalties=penalties)
                     g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
                 else:
-                    g = grad(self.objective)(theta, anchors, x[part], y[part], w[part], size=divisor,
-                                             penalties=penalties)
+                    g = grad(self.objective)(theta, anchors, xp, yp, w[part], size=divisor, penalties=penalties)
             total = g if total is None else {n: total[n] + g[n] for n in total}
         return total
+
+    def data_scale(self, t: int) -> float:
+        """Σ_j |B_j| / (d_j a_j) over step t's micro-batches: the examples per unit of divisor its data term takes
+        (1 for a plain mean over the batch; a masked-LM batch's examples per predicted token)."""
+        parts = self.parts[t] if t < len(self.parts) and self.parts[t] is not None else [len(self.batches[t])]
+        divisors = self.divisors[t] if t < len(self.divisors) and self.divisors[t] is not None else \
+            [len(self.batches[t]) if len(parts) == 1 else count for count in parts]
+        return sum(count / math.prod(d if isinstance(d, tuple) else (d,)) for count, d in zip(parts, divisors)) / \
+            self.accumulate
 
     def _feeding(self, rows: Tensors | None):
         return self.padding.feeding(rows) if self.padding is not None else nullcontext()
