@@ -222,8 +222,10 @@ def trainer_refusals(args, model: nn.Module, loader, link: Link | None) -> list[
     docstring); the model and optimizer are checked by :func:`~influkit.unrolled.watch.check_replayable`."""
     reasons = []
     if getattr(args, "fp16", False) or getattr(args, "bf16", False):
-        reasons.append("the Trainer trains in fp16 / bf16 (mixed precision), which is not replayed; set fp16=False "
-                       "and bf16=False.")
+        reasons.append("the Trainer trains in fp16 / bf16 (mixed precision), which its callback does not replay "
+                       "(accelerate's autocast wraps the model's forward, out of replay's reach); set fp16=False and "
+                       "bf16=False, or record a torch.optim loop under torch.autocast(dtype=torch.bfloat16) with "
+                       "record.watch.")
     if args.world_size > 1:
         reasons.append("the Trainer runs on several processes; record a single-process run.")
     if getattr(args, "label_smoothing_factor", 0.0):

@@ -60,6 +60,12 @@ is kept for the same stage shape and q in the process, so a repeated computation
 pass with no graph kept from the replay — runs through Llama's operations and peft's LoRA in torch 2.13 but was
 slower than the ways above wherever it was measured, so it is not used.
 
+Mixed precision (a run recorded under ``torch.autocast``, bf16): every step is replayed at the run's own precision,
+so the trajectory θ_t is the recorded one bit for bit, and each step's gradient graph — H_t ḡ_t, the shared block's
+and the examples' terms — is taken again in the parameters' dtype (float32) at that θ_t: the derivative of the
+float32 training map along the bf16 trajectory (one more gradient per step). The optimizer's pullback uses the
+step's own gradient.
+
 Ranks (``torch.distributed``, as :meth:`influkit.Query.scores`): a step is split into the gradient of the batch's
 loss, g_t = Σ_r g_t^r with rank r's contiguous share of B_t (:func:`influkit.distributed.shard`; R(θ) and the
 proximal term on the rank holding the batch's first example), summed by ``all_reduce``, and the optimizer's update
@@ -385,7 +391,7 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
                 leaf_anchors, w = _leaves(anchors), w.detach().requires_grad_()
                 rows = _leaves(_padding_rows(run, theta, anchors))  # inputs of their own (.padding)
                 g = run.gradient(t, theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead, graph=True,
-                                 rows=rows)
+                                 rows=rows, mixed=run.autocast is None)
                 gradient_graph = _Graph({("gradient", n): v for n, v in g.items()},
                                         {("theta", n): v for n, v in theta.items()}
                                         | {("anchor", n): v for n, v in leaf_anchors.items()} | {"w": w}
@@ -395,12 +401,15 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
                 def gradient(inputs):
                     th, an = {n: inputs["theta", n] for n in theta}, {n: inputs["anchor", n] for n in anchors}
                     g = run.gradient(t, th, an, xs, ys, inputs["w"], size=idx.numel(), penalties=lead,
-                                     rows=_padding_rows(run, th, an))  # functions of θ, S̄ outside the inner grad
+                                     rows=_padding_rows(run, th, an),  # functions of θ, S̄ outside the inner grad
+                                     mixed=run.autocast is None)
                     return {("gradient", n): v for n, v in g.items()}
 
                 gradient_graph = _Pullback(gradient, {("theta", n): v for n, v in theta.items()}
                                            | {("anchor", n): v for n, v in anchors.items()} | {"w": w})
                 g = {n: gradient_graph.outputs["gradient", n] for n in theta}
+            if run.autocast is not None:  # the step's values at the run's own precision; the graph's in float32
+                g = run.gradient(t, _detached(theta), anchors, xs, ys, w.detach(), size=idx.numel(), penalties=lead)
         else:
             g = {n: torch.zeros_like(v) for n, v in theta.items()}
     with torch.no_grad():

@@ -93,7 +93,8 @@ class StageRun:
     (divisor, accumulation) where the Trainer then divides by its accumulation steps), and clips in the model's
     parameter order (``clip_order``). ``padding``: the
     model's embeddings with a padding row (:class:`~.padding.PaddingRows`), whose rows the reverse pass feeds as
-    inputs of their own.
+    inputs of their own. ``autocast``: (device type, dtype) of a run trained under ``torch.autocast`` (bf16), whose
+    forwards replay repeats under it; None for a run in the parameters' own dtype.
     """
 
     def __init__(self, stage: Stage, optimizer: Optimizer, link: Link | None, previous: "StageRun | None",
@@ -131,6 +132,7 @@ class StageRun:
         self.accumulate = 1
         self.divisors: list[list[int | tuple[int, int]] | None] = []
         self.widths: list[list[int] | None] = []
+        self.autocast: tuple[str, torch.dtype] | None = None
         self.clip_order: list[str] | None = None
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.padding: PaddingRows | None = None
@@ -140,16 +142,27 @@ class StageRun:
         self.seconds = 0.0
 
     # ------------------------------------------------------------------------------------------ the pure step
+    def precision(self, mixed: bool = True):
+        """The recorded autocast around a forward (``mixed`` and a run recorded under autocast), else nothing."""
+        if not mixed or self.autocast is None:
+            return nullcontext()
+        device, dtype = self.autocast
+        return torch.autocast(device, dtype=dtype)
+
     def objective(self, theta: Tensors, anchors: Tensors, x: torch.Tensor, y: torch.Tensor,
-                  w: torch.Tensor, *, size: int | None = None, penalties: bool = True) -> torch.Tensor:
+                  w: torch.Tensor, *, size: int | tuple | None = None, penalties: bool = True,
+                  mixed: bool = True) -> torch.Tensor:
         """L_t(θ; w) on one batch (module docstring): the data-weighted mean loss + R(θ) + the proximal term, divided
         by ``accumulate`` (a micro-batch of an accumulated step).
 
         size: the divisor of the data term (default the batch's length; a part of a batch passes the whole one's),
         or a tuple of divisors applied in turn (a Trainer's micro-batch: its loss's, then the accumulation's);
-        penalties: False leaves out R and the proximal term (the data term of one part of a sum over parts)."""
+        penalties: False leaves out R and the proximal term (the data term of one part of a sum over parts);
+        mixed: the forward under the recorded autocast (a mixed-precision run's own arithmetic), else in the
+        parameters' dtype."""
         params = {n: anchors[n] for n in self.frozen} | theta
-        losses = self.stage.losses(params, x, y)
+        with self.precision(mixed):
+            losses = self.stage.losses(params, x, y)
         value = (w * losses).sum()
         for divisor in (size if isinstance(size, tuple) else (losses.shape[0] if size is None else size,)):
             value = value / divisor
@@ -181,12 +194,13 @@ class StageRun:
 
     def gradient(self, t: int, theta: Tensors, anchors: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
                  *, size: int | None = None, penalties: bool = True, graph: bool = False,
-                 rows: Tensors | None = None) -> Tensors:
+                 rows: Tensors | None = None, mixed: bool = True) -> Tensors:
         """∇_θ L_t(θ; w) of step t on (x, y, w): summed over its micro-batches in the recorded order, each from its
         recorded generator state and module modes (:func:`replaying`). graph: False takes ``torch.func.grad`` (a
         pure function, composable with torch.func transforms); True ``torch.autograd.grad(create_graph=True)`` from
         θ as autograd leaves (a graph to pull back through). rows: the embeddings' padding rows fed as inputs of
-        their own (:class:`~.padding.PaddingRows`; the reverse pass adds their cotangents)."""
+        their own (:class:`~.padding.PaddingRows`; the reverse pass adds their cotangents). mixed: as
+        :meth:`objective`."""
         parts = self.parts[t] if t < len(self.parts) and self.parts[t] is not None else [x.shape[0]]
         rngs = self.rngs[t] if t < len(self.rngs) and self.rngs[t] is not None else [None] * len(parts)
         divisors = self.divisors[t] if t < len(self.divisors) and self.divisors[t] is not None else \
@@ -201,10 +215,12 @@ class StageRun:
                 xp, yp = xp[..., :width], (yp[:, :width] if yp.dim() == 2 else yp)
             with replaying(rng, self.mode_list()), self._feeding(rows):
                 if graph:
-                    loss = self.objective(theta, anchors, xp, yp, w[part], size=divisor, penalties=penalties)
+                    loss = self.objective(theta, anchors, xp, yp, w[part], size=divisor, penalties=penalties,
+                                          mixed=mixed)
                     g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
                 else:
-                    g = grad(self.objective)(theta, anchors, xp, yp, w[part], size=divisor, penalties=penalties)
+                    g = grad(self.objective)(theta, anchors, xp, yp, w[part], size=divisor, penalties=penalties,
+                                             mixed=mixed)
             total = g if total is None else {n: total[n] + g[n] for n in total}
         return total
 

@@ -26,12 +26,17 @@ its gradient is recomputed the replay's way and compared bit for bit with the lo
 Case 2 link with α > 0 the second step's too: the proximal term's gradient is 0 at the first). The metagradient
 compares every replayed segment with its checkpoint and refuses a run that replay does not reproduce.
 
+Mixed precision: a loop under ``torch.autocast(..., dtype=torch.bfloat16)`` is recorded with its autocast, and
+replay runs every forward under it, so the trajectory repeats bit for bit; the metagradient takes each step's
+derivative in the parameters' dtype along it (:mod:`.metagradient`). float16 autocast is refused (its loss scaler
+skips and rescales steps outside the record).
+
 Refused before the first step (:class:`~influkit.errors.NotReplayable`, every reason in one message, each naming
 the fix): another optimizer than SGD / Adam / AdamW, amsgrad, capturable or differentiable kernels, a fused SGD
 (a fused Adam / AdamW is replayed by its own kernel), foreach kernels off the CPU,
 an optimizer with state, a loader without a batch sampler, with its own collate_fn or over an iterable dataset,
-batch-norm in train mode (its running statistics change outside the parameters), autocast (fp16 / bf16), CUDA
-without deterministic algorithms, a peft LoRA variant (DoRA detaches its weight norm in the forward, so the step's
+batch-norm in train mode (its running statistics change outside the parameters), CUDA without deterministic
+algorithms, a peft LoRA variant (DoRA detaches its weight norm in the forward, so the step's
 derivative is not autograd's), and a shared block that the optimizer trains under a Case 1 link. During the run:
 a forward pass on data that did not come from the loader, a parameter left without a gradient (torch.optim skips
 it), a scheduler that changes momentum or betas, and a module switching between train and eval.
@@ -77,9 +82,21 @@ class _Indices:
         return getattr(self.sampler, name)
 
 
-def autocast_on() -> bool:
-    """Whether autocast is enabled on the CPU or CUDA."""
-    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+def autocast_state() -> tuple[str, torch.dtype] | None:
+    """(device type, dtype) of the autocast enabled now (CPU or CUDA), or None."""
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            return device, torch.get_autocast_dtype(device)
+    return None
+
+
+def precision_refusal(state: tuple[str, torch.dtype] | None) -> str | None:
+    """Why a forward under autocast ``state`` is not replayed (float16: its loss scaler skips and rescales steps
+    outside the record), or None."""
+    if state is not None and state[1] != torch.bfloat16:
+        return (f"autocast to {state[1]} on {state[0]}: only bfloat16 autocast is replayed (float16 needs a loss "
+                "scaler, whose skipped and rescaled steps are not recorded); use dtype=torch.bfloat16 or no autocast.")
+    return None
 
 
 def check_replayable(model: nn.Module, optimizer: torch.optim.Optimizer, reasons: tuple[str, ...] = ()):
@@ -100,9 +117,6 @@ def model_refusals(model: nn.Module) -> list[str]:
         reasons.append(f"batch-norm layers {norms[:3]} are in train mode: their running statistics change outside "
                        "the parameters and the optimizer; put them in eval mode (module.eval()) or use LayerNorm / "
                        "GroupNorm.")
-    if autocast_on():
-        reasons.append("autocast (fp16 / bf16) is on: mixed precision is not replayed; train in the model's own "
-                       "dtype.")
     variants = lora_variants(model)
     if variants:
         name, kinds = next(iter(variants.items()))
@@ -223,15 +237,25 @@ class Watch:
     def _forward(self, module, args, kwargs) -> None:
         if self._checking or not torch.is_grad_enabled():
             return
-        if autocast_on():
-            raise NotReplayable("autocast (fp16 / bf16) is on in the loop: mixed precision is not replayed; train "
-                                "in the model's own dtype.")
+        self._precision(autocast_state())
         if not self._queue:
             raise NotReplayable("a forward pass that builds gradients ran on data that did not come from the "
                                 "watched loader (or before its iterator was created inside the `with` block); "
                                 "evaluate under torch.no_grad() and iterate the loader inside the block.")
         self._pending.append((self._queue.popleft(), {d: generator_state(d) for d in self.devices},
                               self._captured(args, kwargs)))
+
+    def _precision(self, state: tuple[str, torch.dtype] | None) -> None:
+        """Record the autocast of the run's forwards (the first one's; every later one must match)."""
+        run = self.run
+        reason = precision_refusal(state)
+        if reason is not None:
+            raise NotReplayable(reason)
+        if run.steps == 0 and not self._pending:
+            run.autocast = state
+        elif state != run.autocast:
+            raise NotReplayable(f"the loop's forwards ran under autocast {run.autocast} and then {state}: replay "
+                                "repeats one precision for the whole stage; keep the autocast the same throughout.")
 
     def _captured(self, args, kwargs):
         """What else a forward pass records (nothing here; a Trainer's batch as its collator made it)."""
