@@ -80,7 +80,7 @@ class Config:
 
 
 QUICK = Config(per_source=10, n_finetune=16, n_test=2, warmup=1, checkpoint_every=3, subsets=3)
-COST = Config(per_source=40, n_finetune=64, warmup=2, checkpoint_every=5)  # 20 + 8 steps: the cost ratios
+COST = Config(per_source=20, n_finetune=32, warmup=2, checkpoint_every=4)  # 10 + 4 steps: the cost ratios
 
 
 def arguments(cfg: Config, *, batch: int, accumulate: int, lr: float, seed: int) -> TrainingArguments:
