@@ -169,12 +169,16 @@ def test_a_padding_token_drawn_by_the_collator_keeps_the_metagradient_exact(toke
         assert float(scores.values[z]) == pytest.approx(fd, rel=1e-6, abs=rounding), z
 
 
-def at_defaults(tokenizer, callbacks=(), **kwargs):
+def at_defaults(tokenizer, callbacks=(), loss_kwargs: bool = True, **kwargs):
     """Masked-LM pretraining by a Trainer at transformers' defaults (fused AdamW, sdpa attention, clipping at 1,
-    linear decay) with gradient accumulation 2: only what a script sets besides is given."""
+    linear decay) with gradient accumulation 2: only what a script sets besides is given. loss_kwargs: False makes
+    the Trainer treat the model as one that takes no num_items_in_batch, so it divides each micro-batch's loss by
+    the accumulation steps itself."""
     torch.manual_seed(0)
     model = BertForMaskedLM(config(tokenizer, attn_implementation=None)).double()  # transformers' default
     assert model.config._attn_implementation == "sdpa"
+    if not loss_kwargs:
+        model.accepts_loss_kwargs = False
     args = TrainingArguments(tempfile.mkdtemp(), **(dict(per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                                          num_train_epochs=2, learning_rate=5e-3, report_to=[],
                                                          save_strategy="no", logging_strategy="no", use_cpu=True,
@@ -204,6 +208,15 @@ def test_a_trainer_at_its_defaults_with_accumulation_replays_its_own_final_weigh
     plain = at_defaults(tokenizer)
     gap = max(float((a - b).detach().abs().max()) for a, b in zip(recorded.parameters(), plain.parameters()))
     assert gap < 1e-10
+
+
+def test_a_trainer_that_divides_by_its_accumulation_steps_is_replayed_bit_for_bit(tokenizer):
+    record = ik.unrolled.Record()
+    recorded = at_defaults(tokenizer, [hf.RecordCallback(record)], loss_kwargs=False, num_train_epochs=1)
+    assert all(isinstance(d, tuple) and d[1] == 2 for step in record.runs[0].divisors for d in step)
+    assert ik.unrolled.verify(record) == 0.0
+    final = ik.unrolled.replay(record)[0]
+    assert all(torch.equal(final[n], p) for n, p in recorded.named_parameters())
 
 
 def test_the_metagradient_of_a_trainer_at_its_defaults_equals_central_differences(tokenizer):

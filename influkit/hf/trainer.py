@@ -119,8 +119,7 @@ class _TrainerWatch(Watch):
     def __init__(self, record, args, model: nn.Module, optimizer, loader, *, link: Link | None, checkpoint_every: int):
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
         loader = getattr(loader, "base_dataloader", loader)  # accelerate's DataLoaderShard iterates this one
-        refuse_early = trainer_refusals(args, model, loader, link)
-        groups = check_replayable(model, optimizer, tuple(refuse_early))
+        groups = check_replayable(model, optimizer, tuple(trainer_refusals(args, model, loader, link)))
         fields = tuple(f for f in FIELDS if f in loader.dataset[0] or f == "input_ids")
         data = dataset_tensors(loader.dataset, fields)
         trained = set(groups.order)
