@@ -22,7 +22,9 @@ each replayed with the dropped snippets weighted 0, one JSON line per replay in 
 (resumable). The drop sets are ``studies.fidelity_replay.drop_sets`` (seeded), so another method can score the same
 run: ``train(cfg)`` rebuilds the record bit for bit (``summary.json`` keeps the final weights' fingerprint).
 
-    python -m studies.minilm_full_finetune run [--quick]      # train, record, metagradient, groups, replays
+    MALLOC_MMAP_THRESHOLD_=131072 python -m studies.minilm_full_finetune run [--quick]   # train, record,
+                                                              # metagradient, groups, replays (freed step graphs
+                                                              # go back to the system between segments)
     python -m studies.minilm_full_finetune table              # lds.csv from what is on disk
     python -m studies.minilm_full_finetune cost               # the cost ratios on the shorter run, one process
 
