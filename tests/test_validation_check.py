@@ -185,3 +185,53 @@ def test_a_two_stage_chain_at_its_minima_predicts_its_retraining():
     # first order in the removal: the most harmful group's second-order part is about a fifth of it (−0.077 against
     # −0.098), well inside the factor 2 or more that a wrong 1/m, a sum for a mean or a per-test count would make
     np.testing.assert_allclose(table["actual"], table["predicted"], rtol=0.3)
+
+
+def recorded_descent():
+    """A recorded run of mini-batch SGD with momentum on a float64 softmax regression (24 examples, batches of 6)
+    and the retraining a user would write: the same loop on a loader reshuffled by the seed."""
+    from torch import nn
+
+    from influkit.unrolled import SGD, Record
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(24, 4, generator=gen), torch.randint(0, 3, (24,), generator=gen)
+    test = (torch.randn(6, 4, generator=gen), torch.randint(0, 3, (6,), generator=gen))
+
+    def trained(keep, seed, record=None):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3).double().eval()
+        stage = ik.Stage(model, cross_entropy, (x[keep], y[keep]), regularizer=l2(1e-2))
+        (record if record is not None else Record()).train(stage, SGD(lr=0.3, momentum=0.5), steps=20, batch_size=6, seed=seed)
+        return float(cross_entropy(model(test[0]), test[1]).sum())
+
+    record = Record()
+    trained(torch.arange(24), 0, record)
+    return record, test, trained
+
+
+def test_a_recorded_run_gets_its_replayed_counterfactual_beside_the_users_retraining():
+    record, test, retrain = recorded_descent()
+    result = ik.unrolled.metagradients(record, test)[0]
+    check = check_retraining(result, retrain, k=2, seeds=3, random=1, record=record, test=test, progress=False)
+    table = check.table.set_index("group")
+    for name, members in (("most harmful", torch.argsort(result.values, descending=True)[:2]),
+                          ("most helpful", torch.argsort(result.values)[:2])):
+        weights = torch.ones(24, dtype=torch.float64)
+        weights[members] = 0
+        replayed = float(ik.unrolled.outputs(record, test, [weights]).sum() - ik.unrolled.outputs(record, test).sum())
+        assert table.loc[name, "replayed"] == pytest.approx(replayed, rel=1e-12)
+        assert np.sign(table.loc[name, "replayed"]) == np.sign(table.loc[name, "predicted"])  # as predicted
+    assert check.noise_floor > 0  # the user's reshuffled reruns move the measure with nothing removed
+
+
+def test_one_seed_says_why_it_has_no_noise_floor_and_a_record_alone_needs_no_retrain():
+    record, test, retrain = recorded_descent()
+    result = ik.unrolled.metagradients(record, test)[0]
+    with pytest.warns(UserWarning, match="one seed .* gives no noise floor.*seeds=2 or more"):
+        check = check_retraining(result, retrain, k=2, seeds=[0], random=0, progress=False)
+    assert np.isnan(check.noise_floor)
+    alone = check_retraining(result, None, k=2, random=0, record=record, test=test, progress=False)
+    assert alone.table["replayed"].notna().all() and alone.table["actual"].isna().all() and alone.runs.empty
+    with pytest.raises(ik.InputError, match="retrain .* record"):
+        check_retraining(result, None, progress=False)

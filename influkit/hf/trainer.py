@@ -23,14 +23,20 @@ row as an input of its own (:mod:`influkit.unrolled.padding`), so the metagradie
 The stage's own data (``record.runs[k].stage``) holds the training examples as the dataset gives them, padded to one
 length (masked-LM: every token a target), for influkit's other tools; the replay uses the batches as they were fed.
 
-Refused before the first step (:class:`~influkit.errors.NotReplayable`): ``fp16`` / ``bf16``, gradient accumulation
-(``gradient_accumulation_steps`` > 1: the Trainer's loss scaling then depends on the model's loss signature), an
-attention implementation other than ``"eager"`` (sdpa's CPU kernel has no second derivative), more
-than one process, a fused or foreach-on-GPU optimizer (``optim="adamw_torch"`` is torch.optim's AdamW, replayed
-exactly; transformers' default ``adamw_torch_fused`` is not), and what :func:`~influkit.unrolled.watch.check_replayable`
-refuses. A Case 2 link is refused (the Trainer adds no proximal term); Case 1 — the shared block frozen
-(``requires_grad_(False)``) — and LoRA (peft adapters on a frozen base, ``link=hf.lora_link(pretrained, peft_model,
-shared=...)``; plain LoRA, a variant such as DoRA refused) are recorded.
+Transformers' defaults are recorded as they are: the fused AdamW (``optim="adamw_torch_fused"``, replayed by the
+same fused kernel), sdpa attention (its composite MATH backend forced around every forward of the recorded run and
+of replay, so the run repeats bit for bit and is differentiable twice; it rounds otherwise than the default kernel,
+so the recorded run agrees with an unrecorded one to rounding, not bit for bit), ``gradient_accumulation_steps`` > 1
+(each micro-batch's collated batch, generator state and loss divisors — its model's loss divisor, read from the
+model's loss, and the Trainer's accumulation divisor, read from the gradient its backward sends into that loss).
+Links: Case 1 (the shared block frozen, ``requires_grad_(False)``), plain finetuning of every weight
+(``link=ik.Link.finetune(shared)``: the stage starts from the previous stage's values) and LoRA (peft adapters on a
+frozen base, ``link=hf.lora_link(pretrained, peft_model, shared=...)``; plain LoRA, a variant such as DoRA refused).
+
+Refused before the first step, every reason in one :class:`~influkit.errors.NotReplayable`: ``fp16`` / ``bf16``,
+more than one process, label smoothing, a Case 2 link with α > 0 (the Trainer adds no proximal term), an attention
+implementation other than ``"eager"`` or ``"sdpa"``, an iterable train dataset, and what
+:func:`~influkit.unrolled.watch.check_replayable` refuses in the model and optimizer.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import TrainerCallback
 
 from ..errors import InputError, NotReplayable
@@ -70,10 +77,15 @@ def predicted(labels: torch.Tensor) -> int:
 
 class TrainerModel(HFModel):
     """The transformers model called on packed inputs exactly as the Trainer calls it (the token fields as keyword
-    arguments, the model's own attention implementation); returns its logits."""
+    arguments, the model's own attention implementation, sdpa on its composite MATH backend as the recording forced
+    it); returns its logits."""
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.hf_model(**{f: inputs[:, c] for c, f in enumerate(self.fields)}).logits
+        with sdpa_kernel([SDPBackend.MATH]):
+            return self.hf_model(**{f: inputs[:, c] for c, f in enumerate(self.fields)}).logits
+
+
+ATTENTION = ("eager", "sdpa")  # attention implementations a recorded run replays (sdpa on its MATH backend)
 
 
 def dataset_tensors(dataset, fields: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,42 +113,13 @@ def dataset_tensors(dataset, fields: tuple[str, ...]) -> tuple[torch.Tensor, tor
 
 class _TrainerWatch(Watch):
     """A :class:`~influkit.unrolled.watch.Watch` of one ``Trainer.train()``: the batches come from the model's
-    keyword arguments, the clipping from the Trainer's ``max_grad_norm``."""
+    keyword arguments, the clipping from the Trainer's ``max_grad_norm``, each micro-batch's loss divisors from the
+    model's loss and from the gradient the Trainer sends into it."""
 
     def __init__(self, record, args, model: nn.Module, optimizer, loader, *, link: Link | None, checkpoint_every: int):
-        if getattr(args, "fp16", False) or getattr(args, "bf16", False):
-            raise NotReplayable("the Trainer trains in fp16 / bf16 (mixed precision), which is not replayed; set "
-                                "fp16=False and bf16=False.")
-        if args.gradient_accumulation_steps != 1:
-            raise NotReplayable("gradient_accumulation_steps > 1: the Trainer's loss scaling then depends on the "
-                                "model's loss signature; record with gradient_accumulation_steps=1 (a larger "
-                                "per_device_train_batch_size instead).")
-        if args.world_size > 1:
-            raise NotReplayable(
-                f"the Trainer runs on {args.world_size} processes (torchrun / DDP): each step's gradient is averaged "
-                "over every rank's batch, and replay repeats one process's steps. Record the training in one process "
-                "(python train.py, or torchrun --nproc_per_node=1); the metagradient itself then runs sharded under "
-                "torchrun (ik.unrolled.metagradients splits each recorded batch over the ranks).")
-        if link is not None and link.case == 2 and not link.plain:
-            raise NotReplayable("a Case 2 link with alpha > 0 needs the proximal term α‖S − S̄‖² in the loss, which the "
-                                "Trainer does not add; record plain finetuning (link=ik.Link.finetune(shared): the "
-                                "block trained from the pretrained values, no proximal term), Case 1 (freeze the "
-                                "shared block) or a torch.optim loop with record.watch and run.penalty().")
-        attention = getattr(getattr(model, "config", None), "_attn_implementation", "eager")
-        if attention != "eager":
-            raise NotReplayable(f"the model computes attention with {attention!r}, whose CPU kernel's backward is not "
-                                "differentiable again (the exact metagradient needs it); build the model with "
-                                "attn_implementation='eager' (from_pretrained(..., attn_implementation='eager') or in "
-                                "its config).")
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
-        if any(group.get("fused") for group in optimizer.param_groups):
-            raise NotReplayable("the Trainer's optimizer is fused (transformers' default optim='adamw_torch_fused'), "
-                                "which replay does not repeat; set TrainingArguments(optim='adamw_torch').")
-        groups = check_replayable(model, optimizer)
         loader = getattr(loader, "base_dataloader", loader)  # accelerate's DataLoaderShard iterates this one
-        if loader.batch_sampler is None:
-            raise NotReplayable("the Trainer's train dataloader has no batch sampler (an iterable dataset?); replay "
-                                "takes the examples by index: give the Trainer a map-style train_dataset.")
+        groups = check_replayable(model, optimizer, tuple(trainer_refusals(args, model, loader, link)))
         fields = tuple(f for f in FIELDS if f in loader.dataset[0] or f == "input_ids")
         data = dataset_tensors(loader.dataset, fields)
         trained = set(groups.order)
@@ -145,8 +128,12 @@ class _TrainerWatch(Watch):
         self.fields, self.max_grad_norm = fields, args.max_grad_norm
         self._setup(record, model, optimizer, groups, stage, loader, link=link, checkpoint_every=checkpoint_every)
         self.run.inputs = []
+        self.run.widths = []
         self.run.clip_order = [n for n, p in model.named_parameters() if n in trained]
+        self._math = None  # the MATH backend forced around each forward of the Trainer (sdpa, module docstring)
         self.__enter__()
+        self._handles += [model.register_forward_pre_hook(self._enter_math),
+                          model.register_forward_hook(self._loss_of, with_kwargs=True, always_call=True)]
 
     def _forward(self, module, args, kwargs) -> None:
         with self._closing_on_error():
@@ -166,6 +153,33 @@ class _TrainerWatch(Watch):
             self.__exit__(type(exc), exc, exc.__traceback__)
             raise
 
+    def _enter_math(self, module, args) -> None:
+        if self._math is None:
+            self._math = sdpa_kernel([SDPBackend.MATH])
+            self._math.__enter__()
+
+    def _loss_of(self, module, args, kwargs, output) -> None:
+        """After a forward: leave the MATH backend; for a recorded micro-batch, the divisor of its summed loss that
+        the model's loss shows and a hook for the factor the Trainer's backward sends into that loss."""
+        if self._math is not None:
+            self._math.__exit__(None, None, None)
+            self._math = None
+        if output is None or self._checking or not self._pending or not torch.is_grad_enabled():
+            return
+        extra = self._pending[-1][2]
+        if "divisor" in extra:
+            return
+        loss, logits = getattr(output, "loss", None), getattr(output, "logits", None)
+        if loss is None or logits is None or not loss.requires_grad:
+            return
+        with torch.no_grad():
+            total = float(trainer_losses(logits.detach(), extra["y"]).sum())
+        candidates = [predicted(extra["y"])] + ([extra["items"]] if extra["items"] is not None else [])
+        value = float(loss.detach())
+        extra["divisor"] = min(candidates, key=lambda d: abs(total / d - value) if d else float("inf"))
+        extra["scale"] = None
+        loss.register_hook(lambda g: extra.__setitem__("scale", float(g)))
+
     def _captured(self, args, kwargs):
         missing = [f for f in ("input_ids", "labels") if f not in kwargs]
         if missing:
@@ -176,12 +190,25 @@ class _TrainerWatch(Watch):
             raise NotReplayable(f"the Trainer passed the model {unknown}, which replay does not feed; keep the "
                                 f"batch to {FIELDS} and labels.")
         batch = {f: kwargs[f].detach().clone() for f in self.fields if f in kwargs}
-        return pack(batch, self.fields, kwargs["labels"].detach().clone())
+        x, y = pack(batch, self.fields, kwargs["labels"].detach().clone())
+        items = kwargs.get("num_items_in_batch")
+        return {"x": x, "y": y, "items": None if items is None else int(items)}
 
     def _record_step(self, extras: list) -> None:
-        (x, y), = extras
-        self.run.inputs.append((x, y))
-        self.run.divisors.append([predicted(y)])
+        undivided = [i for i, extra in enumerate(extras) if extra.get("scale") is None]
+        if undivided:
+            raise NotReplayable("the Trainer did not backpropagate the loss its model returned (a compute_loss_func, "
+                                "label smoothing or an overridden compute_loss?); replay takes the model's own loss: "
+                                "leave them at their defaults.")
+        width = max(extra["x"].shape[-1] for extra in extras)
+        xs = [F.pad(extra["x"], (0, width - extra["x"].shape[-1])) for extra in extras]
+        ys = [F.pad(extra["y"], (0, width - extra["y"].shape[-1]), value=IGNORE) if extra["y"].dim() == 2 else
+              extra["y"] for extra in extras]
+        self.run.inputs.append((torch.cat(xs), torch.cat(ys)))
+        widths = [extra["x"].shape[-1] for extra in extras]
+        self.run.widths.append(widths if len(set(widths)) > 1 else None)
+        self.run.divisors.append([extra["divisor"] if round(1 / extra["scale"]) == 1 else
+                                  (extra["divisor"], round(1 / extra["scale"])) for extra in extras])
         if self.max_grad_norm is not None and self.max_grad_norm > 0:
             self._clip = (float(self.max_grad_norm), 2.0)
 
@@ -189,9 +216,44 @@ class _TrainerWatch(Watch):
         self.__exit__(None, None, None)
 
 
+def trainer_refusals(args, model: nn.Module, loader, link: Link | None) -> list[str]:
+    """Every reason the Trainer's settings keep its run from being replayed, each naming its fix (module
+    docstring); the model and optimizer are checked by :func:`~influkit.unrolled.watch.check_replayable`."""
+    reasons = []
+    if getattr(args, "fp16", False) or getattr(args, "bf16", False):
+        reasons.append("the Trainer trains in fp16 / bf16 (mixed precision), which its callback does not replay "
+                       "(accelerate's autocast wraps the model's forward, out of replay's reach); set fp16=False and "
+                       "bf16=False, or record a torch.optim loop under torch.autocast(dtype=torch.bfloat16) with "
+                       "record.watch.")
+    if args.world_size > 1:
+        reasons.append(
+            f"the Trainer runs on {args.world_size} processes (torchrun / DDP): each step's gradient is averaged over "
+            "every rank's batch, and replay repeats one process's steps. Record the training in one process (python "
+            "train.py, or torchrun --nproc_per_node=1); the metagradient itself then runs sharded under torchrun "
+            "(ik.unrolled.metagradients splits each recorded batch over the ranks).")
+    if getattr(args, "label_smoothing_factor", 0.0):
+        reasons.append("label smoothing changes the loss the Trainer backpropagates from the model's own; set "
+                       "label_smoothing_factor=0.")
+    if link is not None and link.case == 2 and not link.plain:
+        reasons.append("a Case 2 link with alpha > 0 needs the proximal term α‖S − S̄‖² in the loss, which the "
+                       "Trainer does not add; record plain finetuning (link=ik.Link.finetune(shared): the block "
+                       "trained from the pretrained values, no proximal term), Case 1 (freeze the shared block) or a "
+                       "torch.optim loop with record.watch and run.penalty().")
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", "eager")
+    if attention not in ATTENTION:
+        reasons.append(f"the model computes attention with {attention!r}, whose kernel's backward is not "
+                       "differentiable again (the exact metagradient needs it); build the model with "
+                       "attn_implementation='sdpa' (recorded on its MATH backend) or 'eager' "
+                       "(from_pretrained(..., attn_implementation=...) or in its config).")
+    if loader.batch_sampler is None:
+        reasons.append("the Trainer's train dataloader has no batch sampler (an iterable dataset?); replay takes the "
+                       "examples by index: give the Trainer a map-style train_dataset.")
+    return reasons
+
+
 class RecordCallback(TrainerCallback):
     """Records each ``Trainer.train()`` as the next stage of ``record`` (module docstring): pass it in the Trainer's
-    ``callbacks``. link: how this stage inherits from the record's previous one (Case 1 or LoRA), as in ``ik.Chain``.
+    ``callbacks``. link: how this stage inherits from the record's previous one (Case 1, plain finetuning or LoRA), as in ``ik.Chain``.
     After training, ``record.runs[-1]`` replays the Trainer's run bit for bit (``ik.unrolled.verify``)."""
 
     def __init__(self, record, *, link: Link | None = None, checkpoint_every: int = 16):

@@ -49,7 +49,7 @@ from .boundary import describe_at, hand_over, measure_adjoint, reweighted_at
 from .optimizers import SGD, Adam, Groups
 from .record import Record
 from .replay import deviation, start, unit_weights
-from .run import StageRun, replaying
+from .run import StageRun, cropped, replaying
 from .stability import edge_of_stability
 from .terms import holding
 from .top import top_directions
@@ -206,11 +206,12 @@ def example_terms(run: StageRun, t: int, theta: dict, x: torch.Tensor, y: torch.
 
     def column(d: dict) -> tuple[torch.Tensor, dict]:
         terms, mixed = [], {n: torch.zeros_like(v) for n, v in fixed.items()}
-        for part, rng, divisor in run.micro_batches(t, x.shape[0], size):
+        for part, rng, divisor, width in run.micro_batches(t, x.shape[0], size):
+            xp, yp = cropped(x[part], y[part], width)
+
             def directional(block, weights):
                 def data_term(th):
-                    return run.objective(th, run.anchors | block, x[part], y[part], weights, size=divisor,
-                                         penalties=False)
+                    return run.objective(th, run.anchors | block, xp, yp, weights, size=divisor, penalties=False)
                 return jvp(data_term, (theta,), (d,))[1]
 
             with replaying(rng, run.mode_list()):
@@ -218,8 +219,11 @@ def example_terms(run: StageRun, t: int, theta: dict, x: torch.Tensor, y: torch.
                     through_w, through_block = grad(directional, argnums=(1, 0))(fixed, w[part])
                     mixed = {n: mixed[n] + through_block[n] for n in mixed}
                 else:  # the data term is linear in w: its w-derivative is the losses' jvp over the divisor
-                    losses = jvp(lambda th: run.stage.losses(th, x[part], y[part]), (theta,), (d,))[1]
-                    through_w = losses / ((losses.shape[0] if divisor is None else divisor) * run.accumulate)
+                    with run.precision(True):
+                        losses = jvp(lambda th: run.stage.losses(th, xp, yp), (theta,), (d,))[1]
+                    divisors = divisor if isinstance(divisor, tuple) else \
+                        (losses.shape[0] if divisor is None else divisor,)
+                    through_w = losses / (math.prod(divisors) * run.accumulate)
             terms.append(through_w)
         return torch.cat(terms), mixed
 

@@ -34,7 +34,9 @@ segment's steps backwards and drops them. It holds T/k checkpoints + k step grap
 k = √T — and costs one forward replay of the run (a step's forward and backward: a training step) plus one double
 backward per step (H_t v_t, the shared block's term and the batch's example terms in one pass;
 ``benchmarks/bench_unrolled.py`` measures the ratio to training). Each segment's recomputed end is compared with
-the next checkpoint, so the pass also checks that replay reproduces the whole record (``diagnostics["replay"]``).
+the next checkpoint, so the pass also checks that replay reproduces the whole record (``diagnostics["replay"]``) and
+refuses (:class:`~influkit.errors.NotReplayable`) a record it does not reproduce bit for bit (under ranks, within
+√ε of the state's size: their summation order differs): its scores would describe a run that never happened.
 
 The optimizer's update is not recorded as a graph: it runs forward without autograd (the very operations of the
 recorded step, so the same values) and is pulled back in closed form — each rule's ``pullback``
@@ -57,6 +59,12 @@ computations repeat their bits (the ways differ in the summation order). Forward
 of θ ↦ ∇_{(θ, S̄, w)} L_t in the direction ḡ_t, which gives H_t ḡ_t, the shared block's term and the example terms in one
 pass with no graph kept from the replay — runs through Llama's operations and peft's LoRA in torch 2.13 but was
 slower than the ways above wherever it was measured, so it is not used.
+
+Mixed precision (a run recorded under ``torch.autocast``, bf16): every step is replayed at the run's own precision,
+so the trajectory θ_t is the recorded one bit for bit, and each step's gradient graph — H_t ḡ_t, the shared block's
+and the examples' terms — is taken again in the parameters' dtype (float32) at that θ_t: the derivative of the
+float32 training map along the bf16 trajectory (one more gradient per step). The optimizer's pullback uses the
+step's own gradient.
 
 Ranks (``torch.distributed``, as :meth:`influkit.Query.scores`): a step is split into the gradient of the batch's
 loss, g_t = Σ_r g_t^r with rank r's contiguous share of B_t (:func:`influkit.distributed.shard`; R(θ) and the
@@ -89,7 +97,7 @@ from .boundary import describe_at, hand_over, measure_adjoint, reweighted_at
 from .journal import Journal, fingerprint
 from .record import Record, stage_weights, token_weights
 from .run import StageRun, tensor_bytes
-from .replay import deviation, start, unit_weights
+from .replay import as_measure, deviation, refuse_unreproduced, reweighted, start, unit_weights
 
 METHOD = "unrolled exact (replay)"
 LOOPED, BATCHED, VMAPPED = "looped", "batched", "vmapped"  # how a step is pulled back for q outputs (module docstring)
@@ -298,7 +306,7 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
                 leaf_anchors, w = _leaves(anchors), w.detach().requires_grad_()
                 rows = _leaves(_padding_rows(run, theta, anchors))  # inputs of their own (.padding)
                 g = run.gradient(t, theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead, graph=True,
-                                 rows=rows)
+                                 rows=rows, mixed=run.autocast is None)
                 gradient_graph = _Graph({("gradient", n): v for n, v in g.items()},
                                         {("theta", n): v for n, v in theta.items()}
                                         | {("anchor", n): v for n, v in leaf_anchors.items()} | {"w": w}
@@ -308,12 +316,15 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
                 def gradient(inputs):
                     th, an = {n: inputs["theta", n] for n in theta}, {n: inputs["anchor", n] for n in anchors}
                     g = run.gradient(t, th, an, xs, ys, inputs["w"], size=idx.numel(), penalties=lead,
-                                     rows=_padding_rows(run, th, an))  # functions of θ, S̄ outside the inner grad
+                                     rows=_padding_rows(run, th, an),  # functions of θ, S̄ outside the inner grad
+                                     mixed=run.autocast is None)
                     return {("gradient", n): v for n, v in g.items()}
 
                 gradient_graph = _Pullback(gradient, {("theta", n): v for n, v in theta.items()}
                                            | {("anchor", n): v for n, v in anchors.items()} | {"w": w})
                 g = {n: gradient_graph.outputs["gradient", n] for n in theta}
+            if run.autocast is not None:  # the step's values at the run's own precision; the graph's in float32
+                g = run.gradient(t, _detached(theta), anchors, xs, ys, w.detach(), size=idx.numel(), penalties=lead)
         else:
             g = {n: torch.zeros_like(v) for n, v in theta.items()}
     with torch.no_grad():
@@ -373,7 +384,9 @@ def _reverse(k: int, run: StageRun, theta_bar, anchor_bar, q: int, stats: dict, 
             theta, state, graphs = _forward_step(run, t, theta, state, anchors, pull)
             held.append(graphs)
         replayed = (_detached(theta), {slot: _detached(s) for slot, s in state.items()})
-        stats["replay_error"] = max(stats["replay_error"], deviation(replayed, run.checkpoints[b]))
+        error = deviation(replayed, run.checkpoints[b])
+        refuse_unreproduced(k, b, error, _tolerance(replayed) if distributed.active() else 0.0)
+        stats["replay_error"] = max(stats["replay_error"], error)
         stats["segment_growth"] = max(stats["segment_growth"], _resident_bytes() - before)
         terms_ids, terms = [], []
         while held:
@@ -442,6 +455,15 @@ def _faster_pull(run: StageRun, a: int, theta, state, anchors, theta_bar, state_
                 continue
             seconds[pull] = min(seconds.get(pull, float("inf")), time.perf_counter() - begin)
     return distributed.broadcast_object(min(seconds, key=seconds.get)), {"seconds": seconds}
+
+
+def _tolerance(replayed) -> float:
+    """How far a replay split over ranks may end from its checkpoint: √ε of the dtype times the state's largest
+    magnitude (+1) — the ranks' summation order changes the last bits of every step's gradient; a loss that is not
+    replay's moves the run by far more."""
+    theta = replayed[0]
+    first = next(iter(theta.values()))
+    return torch.finfo(first.dtype).eps ** 0.5 * (1 + max(float(v.abs().max()) for v in theta.values() if v.numel()))
 
 
 def _resident_bytes() -> int:

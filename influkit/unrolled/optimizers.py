@@ -113,6 +113,10 @@ class Adam:
 
     d = ±g + λθ;  m ← m + (1−β₁)(d − m);  v ← β₂v + (1−β₂)d²;
     θ ← θ − (lr / (1−β₁ᵗ)) · m / (√v / √(1−β₂ᵗ) + ε).
+
+    fused: take the step with torch's fused kernel (``torch._fused_adam_`` / ``_fused_adamw_``, what
+    ``torch.optim.Adam(fused=True)`` and transformers' default ``optim="adamw_torch_fused"`` run), on copies, so a
+    fused run is repeated bit for bit; the same map, so :meth:`pullback` is the same closed form.
     """
 
     lr: float
@@ -120,6 +124,7 @@ class Adam:
     eps: float = 1e-8
     weight_decay: float = 0.0
     maximize: bool = False
+    fused: bool = False
 
     decoupled = False
 
@@ -136,6 +141,8 @@ class Adam:
 
     def update(self, params: Tensors, state: State, grads: Tensors, lr: float, step: int) -> tuple[Tensors, State]:
         """(θ', state') after one step (``step`` ≥ 1 enters the bias corrections)."""
+        if self.fused:
+            return self._fused_update(params, state, grads, lr, step)
         beta1, beta2 = self.betas
         step_size = lr / (1 - beta1**step)
         correction2 = (1 - beta2**step) ** 0.5
@@ -151,6 +158,20 @@ class Adam:
             new_params[n] = torch.addcdiv(p, m_new[n], _safe_sqrt(v_new[n]) / correction2 + self.eps,
                                           value=-step_size)
         return new_params, {"m": m_new, "v": v_new}
+
+    def _fused_update(self, params: Tensors, state: State, grads: Tensors, lr: float,
+                      step: int) -> tuple[Tensors, State]:
+        """:meth:`update` by torch's fused kernel on copies of θ, m and v (its step counters at ``step``, as
+        ``torch.optim`` increments them before the call)."""
+        names = list(params)
+        new_params = [params[n].clone() for n in names]
+        m_new, v_new = ([state[slot][n].clone() for n in names] for slot in ("m", "v"))
+        counters = [torch.tensor(float(step)) for _ in names]
+        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        kernel(new_params, [grads[n] for n in names], m_new, v_new, [], counters, amsgrad=False, lr=lr,
+               beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.weight_decay, eps=self.eps,
+               maximize=self.maximize, grad_scale=None, found_inf=None)
+        return dict(zip(names, new_params)), {"m": dict(zip(names, m_new)), "v": dict(zip(names, v_new))}
 
     def pullback(self, params: Tensors, state: State, grads: Tensors, lr: float, step: int, new: tuple[Tensors, State],
                  bar: tuple[Tensors, State]) -> tuple[Tensors, State, Tensors]:
@@ -310,42 +331,14 @@ class Groups:
 def from_torch(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> Groups:
     """The pure :class:`Groups` of a ``torch.optim`` SGD, Adam or AdamW (``names``: id(parameter) → model name).
 
-    Refuses (:class:`~influkit.errors.NotReplayable`) what replay cannot repeat bit for bit: another optimizer class,
-    amsgrad, fused / capturable / differentiable kernels, the foreach kernels off the CPU (on the CPU they give the
-    single-tensor bits, measured in the tests), tensor hyper-parameters, a parameter
-    outside the model, or state from earlier steps."""
+    Refuses (:class:`~influkit.errors.NotReplayable`, every reason of :func:`torch_refusals` in one message) what
+    replay cannot repeat bit for bit. A fused Adam / AdamW is replayed by the same fused kernel (:class:`Adam`
+    ``fused``)."""
+    refuse(torch_refusals(optimizer, names))
     kind = type(optimizer)
-    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
-        raise NotReplayable(
-            f"influkit replays torch.optim.SGD, Adam and AdamW exactly; {kind.__module__}.{kind.__qualname__} is not "
-            "one of them. Train with one of those three (any lr_scheduler, parameter groups, clipping).")
-    if optimizer.state:
-        raise NotReplayable("the optimizer has state from earlier steps; start watching with a fresh optimizer, "
-                            "before its first step().")
     rules, groups = [], []
-    for i, group in enumerate(optimizer.param_groups):
-        for flag in ("amsgrad", "fused", "capturable", "differentiable"):
-            if group.get(flag):
-                raise NotReplayable(f"param group {i} sets {flag}=True, which replay does not repeat; construct the "
-                                    f"optimizer with {flag}=False.")
-        if "max_momentum" in group:
-            raise NotReplayable(f"param group {i} has its momentum cycled by a scheduler (OneCycleLR / CyclicLR "
-                                "cycle_momentum=True), which replay does not record; construct the scheduler with "
-                                "cycle_momentum=False.")
-        on_cpu = all(p.device.type == "cpu" for p in group["params"])
-        if not on_cpu and group.get("foreach") is not False:
-            raise NotReplayable(f"param group {i} would take torch.optim's multi-tensor (foreach) kernels on "
-                                f"{group['params'][0].device.type}, which replay's single-tensor kernels are not "
-                                "checked to match bit for bit there; construct the optimizer with foreach=False.")
+    for group in optimizer.param_groups:
         values = {k: v for k, v in group.items() if k not in ("params", "initial_lr")}
-        bad = [k for k, v in values.items() if torch.is_tensor(v) or (isinstance(v, tuple) and
-                                                                      any(torch.is_tensor(b) for b in v))]
-        if bad:
-            raise NotReplayable(f"param group {i} has tensor hyper-parameters {bad}; give them as Python floats.")
-        unknown = [p for p in group["params"] if id(p) not in names]
-        if unknown:
-            raise NotReplayable(f"param group {i} holds {len(unknown)} tensors that are not parameters of the watched "
-                                "model; watch the model that owns every optimized parameter.")
         groups.append(tuple(names[id(p)] for p in group["params"]))
         if kind is torch.optim.SGD:
             rules.append(SGD(lr=float(values["lr"]), momentum=float(values["momentum"]),
@@ -355,8 +348,57 @@ def from_torch(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> Group
             decoupled = kind is torch.optim.AdamW or values.get("decoupled_weight_decay", False)
             rules.append((AdamW if decoupled else Adam)(
                 lr=float(values["lr"]), betas=tuple(float(b) for b in values["betas"]), eps=float(values["eps"]),
-                weight_decay=float(values["weight_decay"]), maximize=bool(values["maximize"])))
+                weight_decay=float(values["weight_decay"]), maximize=bool(values["maximize"]),
+                fused=bool(values.get("fused"))))
     return Groups(tuple(rules), tuple(groups))
+
+
+def torch_refusals(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str]:
+    """Every reason replay cannot repeat the ``torch.optim`` optimizer bit for bit, each naming its fix: another
+    optimizer class than SGD / Adam / AdamW, amsgrad, capturable / differentiable kernels, a fused SGD, the foreach
+    kernels off the CPU (on the CPU they give the single-tensor bits, measured in the tests), a momentum cycled by a
+    scheduler, tensor hyper-parameters, a parameter outside the model, or state from earlier steps."""
+    kind = type(optimizer)
+    if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        return [f"influkit replays torch.optim.SGD, Adam and AdamW exactly; {kind.__module__}.{kind.__qualname__} is "
+                "not one of them. Train with one of those three (any lr_scheduler, parameter groups, clipping)."]
+    reasons = []
+    if optimizer.state:
+        reasons.append("the optimizer has state from earlier steps; start watching with a fresh optimizer, before its "
+                       "first step().")
+    for i, group in enumerate(optimizer.param_groups):
+        for flag in ("amsgrad", "capturable", "differentiable") + (("fused",) if kind is torch.optim.SGD else ()):
+            if group.get(flag):
+                reasons.append(f"param group {i} sets {flag}=True, which replay does not repeat; construct the "
+                               f"optimizer with {flag}=False.")
+        if "max_momentum" in group:
+            reasons.append(f"param group {i} has its momentum cycled by a scheduler (OneCycleLR / CyclicLR "
+                           "cycle_momentum=True), which replay does not record; construct the scheduler with "
+                           "cycle_momentum=False.")
+        on_cpu = all(p.device.type == "cpu" for p in group["params"])
+        if not on_cpu and group.get("foreach") is not False and not group.get("fused"):
+            reasons.append(f"param group {i} would take torch.optim's multi-tensor (foreach) kernels on "
+                           f"{group['params'][0].device.type}, which replay's single-tensor kernels are not checked "
+                           "to match bit for bit there; construct the optimizer with foreach=False (or fused=True).")
+        bad = [k for k, v in group.items() if k not in ("params", "initial_lr") and (torch.is_tensor(v) or (
+            isinstance(v, tuple) and any(torch.is_tensor(b) for b in v)))]
+        if bad:
+            reasons.append(f"param group {i} has tensor hyper-parameters {bad}; give them as Python floats.")
+        unknown = [p for p in group["params"] if id(p) not in names]
+        if unknown:
+            reasons.append(f"param group {i} holds {len(unknown)} tensors that are not parameters of the watched "
+                           "model; watch the model that owns every optimized parameter.")
+    return reasons
+
+
+def refuse(reasons: list[str]) -> None:
+    """Raise one :class:`~influkit.errors.NotReplayable` listing every reason (nothing when there is none), so a
+    configuration learns all it must change from one run."""
+    if len(reasons) == 1:
+        raise NotReplayable(reasons[0])
+    if reasons:
+        raise NotReplayable(f"{len(reasons)} things keep this run from being replayed; change them all before "
+                            "training:\n" + "\n".join(f"  {i}. {r}" for i, r in enumerate(reasons, 1)))
 
 
 def torch_state(optimizer: torch.optim.Optimizer, groups: Groups, names: dict[int, str]) -> State:

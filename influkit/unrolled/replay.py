@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..chain import Measure
-from ..errors import InputError
+from ..errors import InputError, NotReplayable
 from .optimizers import Tensors
 from .record import Record, stage_weights
 from .run import StageRun, replaying
@@ -66,6 +66,21 @@ def verify(record: Record) -> float:
         error = max(error, err)
         previous = run.final
     return error
+
+
+def refuse_unreproduced(k: int, step: int, error: float, tolerance: float = 0.0) -> None:
+    """Refuse (:class:`~influkit.errors.NotReplayable`) a stage whose replay ends a segment ``error`` away from its
+    recorded checkpoint at ``step`` (more than ``tolerance``): the record does not hold the run that trained, so no
+    score of it describes that run."""
+    if error > tolerance:
+        raise NotReplayable(
+            f"replay does not reproduce the recorded run: stage {k}'s replay reaches step {step} up to {error:.3g} "
+            f"away from its checkpoint{f' (tolerance {tolerance:.3g})' if tolerance else ''}, so the scores would be "
+            "those of a run that never happened. Likely causes: the loop's loss is not the one replay computes (a "
+            "Case 2 link with alpha > 0 needs run.penalty() added to it; no other terms), parameters were changed "
+            "outside the optimizer (in-place edits, weight averaging), non-deterministic kernels, or the record "
+            "was replayed on another device or thread setting than it was recorded on. ik.unrolled.verify(record) "
+            "repeats the check.")
 
 
 def deviation(a, b) -> float:

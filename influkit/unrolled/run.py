@@ -5,6 +5,7 @@ module modes. :mod:`.record` builds runs (``Record.train``, ``Record.recorder``)
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -71,6 +72,13 @@ def set_generator_state(device: str, state: torch.Tensor) -> None:
         torch.cuda.set_rng_state(state, device)
 
 
+
+def cropped(x: torch.Tensor, y: torch.Tensor, width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) of a micro-batch cut back to its own ``width`` (a Trainer pads it to its step's longest), or as fed."""
+    if width is None:
+        return x, y
+    return x[..., :width], (y[:, :width] if y.dim() == 2 else y)
+
 class StageRun:
     """One recorded stage: its objective, optimizer, per-step batches and learning rates, and checkpoints.
 
@@ -87,10 +95,14 @@ class StageRun:
     each one's forward started from (``rngs[t]``), the gradient clipping (``clips[t]``: (max_norm, norm_type) or
     None), and once the modules' train/eval flags (``modes``); the data term of a micro-batch is divided by
     ``accumulate`` as the loop divided it. A Trainer run (``influkit.hf.RecordCallback``) keeps each step's batch
-    as its collator made it (``inputs[t]``) and the divisor of each micro-batch's summed loss (``divisors[t]``:
-    its number of predicted tokens), and clips in the model's parameter order (``clip_order``). ``padding``: the
+    as its collator made it (``inputs[t]``, its micro-batches padded to the longest, ``widths[t]`` their own lengths
+    where they differ) and the divisor of each micro-batch's summed loss (``divisors[t]``: its number of predicted
+    tokens, or the count the Trainer passed as ``num_items_in_batch`` where the model divides by that; a pair
+    (divisor, accumulation) where the Trainer then divides by its accumulation steps), and clips in the model's
+    parameter order (``clip_order``). ``padding``: the
     model's embeddings with a padding row (:class:`~.padding.PaddingRows`), whose rows the reverse pass feeds as
-    inputs of their own.
+    inputs of their own. ``autocast``: (device type, dtype) of a run trained under ``torch.autocast`` (bf16), whose
+    forwards replay repeats under it; None for a run in the parameters' own dtype.
     """
 
     def __init__(self, stage: Stage, optimizer: Optimizer, link: Link | None, previous: "StageRun | None",
@@ -126,7 +138,9 @@ class StageRun:
         self.clips: list[tuple[float, float] | None] = []
         self.modes: dict[str, bool] | None = None
         self.accumulate = 1
-        self.divisors: list[list[int] | None] = []
+        self.divisors: list[list[int | tuple[int, int]] | None] = []
+        self.widths: list[list[int] | None] = []
+        self.autocast: tuple[str, torch.dtype] | None = None
         self.clip_order: list[str] | None = None
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.padding: PaddingRows | None = None
@@ -136,19 +150,34 @@ class StageRun:
         self.seconds = 0.0
 
     # ------------------------------------------------------------------------------------------ the pure step
+    def precision(self, mixed: bool = True):
+        """The recorded autocast around a forward (``mixed`` and a run recorded under autocast), else nothing."""
+        if not mixed or self.autocast is None:
+            return nullcontext()
+        device, dtype = self.autocast
+        return torch.autocast(device, dtype=dtype)
+
     def objective(self, theta: Tensors, anchors: Tensors, x: torch.Tensor, y: torch.Tensor,
-                  w: torch.Tensor, *, size: int | None = None, penalties: bool = True) -> torch.Tensor:
+                  w: torch.Tensor, *, size: int | tuple | None = None, penalties: bool = True,
+                  mixed: bool = True) -> torch.Tensor:
         """L_t(θ; w) on one batch (module docstring): the data-weighted mean loss + R(θ) + the proximal term, divided
         by ``accumulate`` (a micro-batch of an accumulated step).
 
         w: (B,) per-example weights, or (B, L) per-token weights of the loss's declared token terms
         (:mod:`influkit.per_token`; the run's ``weights`` of :func:`~.record.token_weights`);
-        size: the divisor of the data term (default the batch's length; a part of a batch passes the whole one's);
-        penalties: False leaves out R and the proximal term (the data term of one part of a sum over parts)."""
+        size: the divisor of the data term (default the batch's length; a part of a batch passes the whole one's),
+        or a tuple of divisors applied in turn (a Trainer's micro-batch: its loss's, then the accumulation's);
+        penalties: False leaves out R and the proximal term (the data term of one part of a sum over parts);
+        mixed: the forward under the recorded autocast (a mixed-precision run's own arithmetic), else in the
+        parameters' dtype."""
         params = {n: anchors[n] for n in self.frozen} | theta
-        # per-token weights (B, L) weight the loss's declared token terms (influkit.per_token), whose rows sum to it
-        losses = token_losses(self.stage, params, x, y) if w.dim() == 2 else self.stage.losses(params, x, y)
-        value = (w * losses).sum() / (losses.shape[0] if size is None else size)
+        with self.precision(mixed):
+            # per-token weights (B, L) weight the loss's declared token terms (influkit.per_token), whose rows sum
+            # to it
+            losses = token_losses(self.stage, params, x, y) if w.dim() == 2 else self.stage.losses(params, x, y)
+        value = (w * losses).sum()
+        for divisor in (size if isinstance(size, tuple) else (losses.shape[0] if size is None else size,)):
+            value = value / divisor
         if penalties:
             reg = self.stage.regularization(theta)
             if reg is not None:
@@ -177,34 +206,50 @@ class StageRun:
 
     def gradient(self, t: int, theta: Tensors, anchors: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
                  *, size: int | None = None, penalties: bool = True, graph: bool = False,
-                 rows: Tensors | None = None) -> Tensors:
+                 rows: Tensors | None = None, mixed: bool = True) -> Tensors:
         """∇_θ L_t(θ; w) of step t on (x, y, w): summed over its micro-batches in the recorded order, each from its
         recorded generator state and module modes (:func:`replaying`). graph: False takes ``torch.func.grad`` (a
         pure function, composable with torch.func transforms); True ``torch.autograd.grad(create_graph=True)`` from
         θ as autograd leaves (a graph to pull back through). rows: the embeddings' padding rows fed as inputs of
-        their own (:class:`~.padding.PaddingRows`; the reverse pass adds their cotangents)."""
+        their own (:class:`~.padding.PaddingRows`; the reverse pass adds their cotangents). mixed: as
+        :meth:`objective`."""
         total = None
-        for part, rng, divisor in self.micro_batches(t, x.shape[0], size):
+        for part, rng, divisor, width in self.micro_batches(t, x.shape[0], size):
+            xp, yp = cropped(x[part], y[part], width)
             with replaying(rng, self.mode_list()), self._feeding(rows):
                 if graph:
-                    loss = self.objective(theta, anchors, x[part], y[part], w[part], size=divisor, penalties=penalties)
+                    loss = self.objective(theta, anchors, xp, yp, w[part], size=divisor, penalties=penalties,
+                                          mixed=mixed)
                     g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
                 else:
-                    g = grad(self.objective)(theta, anchors, x[part], y[part], w[part], size=divisor,
-                                             penalties=penalties)
+                    g = grad(self.objective)(theta, anchors, xp, yp, w[part], size=divisor, penalties=penalties,
+                                             mixed=mixed)
             total = g if total is None else {n: total[n] + g[n] for n in total}
         return total
 
-    def micro_batches(self, t: int, rows: int, size: int | None = None) -> list[tuple[slice, dict | None, int | None]]:
-        """[(rows of the batch, recorded generator state, divisor of its data term)] of step t's micro-batches, in
-        the order their gradients were accumulated (one part of all ``rows`` divided by ``size`` where none were
-        recorded)."""
+    def micro_batches(self, t: int, rows: int,
+                      size: int | None = None) -> list[tuple[slice, dict | None, object, int | None]]:
+        """[(rows of the batch, recorded generator state, divisor of its data term, width)] of step t's micro-batches,
+        in the order their gradients were accumulated (one part of all ``rows`` divided by ``size`` where none were
+        recorded); width: a Trainer's micro-batch padded to its step's longest is cut back to its own length (None:
+        as fed)."""
         parts = self.parts[t] if t < len(self.parts) and self.parts[t] is not None else [rows]
         rngs = self.rngs[t] if t < len(self.rngs) and self.rngs[t] is not None else [None] * len(parts)
         divisors = self.divisors[t] if t < len(self.divisors) and self.divisors[t] is not None else \
             [size if len(parts) == 1 else count for count in parts]
+        widths = self.widths[t] if t < len(self.widths) and self.widths[t] is not None else [None] * len(parts)
         starts = [sum(parts[:i]) for i in range(len(parts))]
-        return [(slice(b, b + count), rng, divisor) for b, count, rng, divisor in zip(starts, parts, rngs, divisors)]
+        return [(slice(b, b + count), rng, divisor, width)
+                for b, count, rng, divisor, width in zip(starts, parts, rngs, divisors, widths)]
+
+    def data_scale(self, t: int) -> float:
+        """Σ_j |B_j| / (d_j a_j) over step t's micro-batches: the examples per unit of divisor its data term takes
+        (1 for a plain mean over the batch; a masked-LM batch's examples per predicted token)."""
+        parts = self.parts[t] if t < len(self.parts) and self.parts[t] is not None else [len(self.batches[t])]
+        divisors = self.divisors[t] if t < len(self.divisors) and self.divisors[t] is not None else \
+            [len(self.batches[t]) if len(parts) == 1 else count for count in parts]
+        return sum(count / math.prod(d if isinstance(d, tuple) else (d,)) for count, d in zip(parts, divisors)) / \
+            self.accumulate
 
     def _feeding(self, rows: Tensors | None):
         return self.padding.feeding(rows) if self.padding is not None else nullcontext()

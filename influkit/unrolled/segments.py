@@ -378,7 +378,7 @@ def linearized(run: StageRun) -> tuple[StageRun, float, list[str], torch.Tensor 
             y[rows, :yb.shape[-1]] = yb
         else:
             y[rows] = yb
-    scale = sum(len(run.batches[t]) / run.divisors[t][0] for t in range(run.steps)) / run.steps
+    scale = sum(run.data_scale(t) for t in range(run.steps)) / run.steps
     collated = copy.copy(run)
     collated.stage = eval_stage(run.stage.model, lambda: run.stage.with_(data=(x, y)))
     notes.append(f"Trainer batches: the stage's rows are the {begin} examples as the collator fed them step by step "

@@ -22,13 +22,21 @@ run's own parameters and optimizer state. The step is the user's: torch.optim's 
 Replay computes step t's gradient as Σ_j ∇ [(1/|B_j|) Σ_{z∈B_j} w_z ℓ(z; θ_t) (+ α‖S − S̄‖², Case 2) ] / a over its
 micro-batches j (a = ``accumulate``), so the loop's loss must be that: ``loss_fn(model(x), y).mean()`` (divided by
 ``accumulate`` when accumulating gradients; plus ``run.penalty()`` under a Case 2 link). The first step checks it:
-its gradient is recomputed the replay's way and compared bit for bit with the loop's before the optimizer moves.
+its gradient is recomputed the replay's way and compared bit for bit with the loop's before the optimizer moves (under a
+Case 2 link with α > 0 the second step's too: the proximal term's gradient is 0 at the first). The metagradient
+compares every replayed segment with its checkpoint and refuses a run that replay does not reproduce.
 
-Refused before the first step (:class:`~influkit.errors.NotReplayable`, each message naming the fix): another
-optimizer than SGD / Adam / AdamW, amsgrad, fused, capturable or differentiable kernels, foreach kernels off the CPU,
+Mixed precision: a loop under ``torch.autocast(..., dtype=torch.bfloat16)`` is recorded with its autocast, and
+replay runs every forward under it, so the trajectory repeats bit for bit; the metagradient takes each step's
+derivative in the parameters' dtype along it (:mod:`.metagradient`). float16 autocast is refused (its loss scaler
+skips and rescales steps outside the record).
+
+Refused before the first step (:class:`~influkit.errors.NotReplayable`, every reason in one message, each naming
+the fix): another optimizer than SGD / Adam / AdamW, amsgrad, capturable or differentiable kernels, a fused SGD
+(a fused Adam / AdamW is replayed by its own kernel), foreach kernels off the CPU,
 an optimizer with state, a loader without a batch sampler, with its own collate_fn or over an iterable dataset,
-batch-norm in train mode (its running statistics change outside the parameters), autocast (fp16 / bf16), CUDA
-without deterministic algorithms, a peft LoRA variant (DoRA detaches its weight norm in the forward, so the step's
+batch-norm in train mode (its running statistics change outside the parameters), CUDA without deterministic
+algorithms, a peft LoRA variant (DoRA detaches its weight norm in the forward, so the step's
 derivative is not autograd's), and a shared block that the optimizer trains under a Case 1 link. During the run:
 a forward pass on data that did not come from the loader, a parameter left without a gradient (torch.optim skips
 it), a scheduler that changes momentum or betas, and a module switching between train and eval.
@@ -47,7 +55,7 @@ from torch.utils.data._utils.collate import default_collate
 from ..errors import InputError, NotReplayable
 from ..links import Link
 from ..stage import Stage
-from .optimizers import from_torch, torch_state
+from .optimizers import from_torch, refuse, torch_refusals, torch_state
 from .padding import PaddingRows
 from .run import StageRun, generator_state
 
@@ -74,36 +82,53 @@ class _Indices:
         return getattr(self.sampler, name)
 
 
-def autocast_on() -> bool:
-    """Whether autocast is enabled on the CPU or CUDA."""
-    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+def autocast_state() -> tuple[str, torch.dtype] | None:
+    """(device type, dtype) of the autocast enabled now (CPU or CUDA), or None."""
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            return device, torch.get_autocast_dtype(device)
+    return None
 
 
-def check_replayable(model: nn.Module, optimizer: torch.optim.Optimizer):
-    """The optimizer's pure :class:`~.optimizers.Groups`, after refusing what replay cannot repeat in the model and
-    the optimizer (module docstring)."""
+def precision_refusal(state: tuple[str, torch.dtype] | None) -> str | None:
+    """Why a forward under autocast ``state`` is not replayed (float16: its loss scaler skips and rescales steps
+    outside the record), or None."""
+    if state is not None and state[1] != torch.bfloat16:
+        return (f"autocast to {state[1]} on {state[0]}: only bfloat16 autocast is replayed (float16 needs a loss "
+                "scaler, whose skipped and rescaled steps are not recorded); use dtype=torch.bfloat16 or no autocast.")
+    return None
+
+
+def check_replayable(model: nn.Module, optimizer: torch.optim.Optimizer, reasons: tuple[str, ...] = ()):
+    """The optimizer's pure :class:`~.optimizers.Groups`, after refusing — every reason at once, the caller's
+    ``reasons`` first — what replay cannot repeat in the model and the optimizer (module docstring)."""
     if not isinstance(model, nn.Module):
         raise InputError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    names = {id(p): n for n, p in model.named_parameters()}
+    refuse([*reasons, *model_refusals(model), *torch_refusals(optimizer, names)])
+    return from_torch(optimizer, names)
+
+
+def model_refusals(model: nn.Module) -> list[str]:
+    """Every reason replay cannot repeat what ``model`` computes (module docstring), each naming its fix."""
+    reasons = []
     norms = [n for n, m in model.named_modules() if isinstance(m, _NORMS) and m.training]
     if norms:
-        raise NotReplayable(f"batch-norm layers {norms[:3]} are in train mode: their running statistics change "
-                            "outside the parameters and the optimizer; put them in eval mode (module.eval()) or "
-                            "use LayerNorm / GroupNorm.")
-    if autocast_on():
-        raise NotReplayable("autocast (fp16 / bf16) is on: mixed precision is not replayed; train in the "
-                            "model's own dtype.")
+        reasons.append(f"batch-norm layers {norms[:3]} are in train mode: their running statistics change outside "
+                       "the parameters and the optimizer; put them in eval mode (module.eval()) or use LayerNorm / "
+                       "GroupNorm.")
     variants = lora_variants(model)
     if variants:
         name, kinds = next(iter(variants.items()))
-        raise NotReplayable(f"{name} runs the peft LoRA variant {kinds} (e.g. DoRA, use_dora=True), whose "
-                            "forward detaches part of the weight (DoRA's column norm): replay repeats the steps, but "
-                            "autograd's second derivative misses the detached part, so the metagradient would differ "
-                            "from re-run training; use plain LoRA (LoraConfig(use_dora=False) and no other variant).")
+        reasons.append(f"{name} runs the peft LoRA variant {kinds} (e.g. DoRA, use_dora=True), whose forward detaches "
+                       "part of the weight (DoRA's column norm): replay repeats the steps, but autograd's second "
+                       "derivative misses the detached part, so the metagradient would differ from re-run training; "
+                       "use plain LoRA (LoraConfig(use_dora=False) and no other variant).")
     if any(p.device.type == "cuda" for p in model.parameters()) and not torch.are_deterministic_algorithms_enabled():
-        raise NotReplayable("CUDA kernels may be non-deterministic, so a replay would not repeat the run; call "
-                            "torch.use_deterministic_algorithms(True) (and set CUBLAS_WORKSPACE_CONFIG=:4096:8) "
-                            "before training.")
-    return from_torch(optimizer, {id(p): n for n, p in model.named_parameters()})
+        reasons.append("CUDA kernels may be non-deterministic, so a replay would not repeat the run; call "
+                       "torch.use_deterministic_algorithms(True) (and set CUBLAS_WORKSPACE_CONFIG=:4096:8) before "
+                       "training.")
+    return reasons
 
 
 def lora_variants(model: nn.Module) -> dict[str, list[str]]:
@@ -140,16 +165,17 @@ class Watch:
                  link: Link | None = None, accumulate: int = 1, checkpoint_every: int = 16):
         if not isinstance(loader, DataLoader):
             raise NotReplayable(f"loader must be the torch DataLoader the loop iterates, got {type(loader).__name__}.")
-        if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
-            raise NotReplayable("the loader must batch a map-style dataset through its batch sampler (batch_size set, "
-                                "not an IterableDataset): replay takes the examples by index.")
-        if loader.collate_fn is not default_collate:
-            raise NotReplayable("the loader has its own collate_fn, which replay cannot repeat from indices; use the "
-                                "default collate over a dataset of (input, target) pairs, or record a Hugging Face "
-                                "Trainer with influkit.hf.RecordCallback.")
         if int(accumulate) < 1:
             raise InputError(f"accumulate must be ≥ 1, got {accumulate!r}.")
-        groups = check_replayable(model, optimizer)
+        reasons = []
+        if isinstance(loader.dataset, IterableDataset) or loader.batch_sampler is None:
+            reasons.append("the loader must batch a map-style dataset through its batch sampler (batch_size set, not "
+                           "an IterableDataset): replay takes the examples by index.")
+        if loader.collate_fn is not default_collate:
+            reasons.append("the loader has its own collate_fn, which replay cannot repeat from indices; use the "
+                           "default collate over a dataset of (input, target) pairs, or record a Hugging Face "
+                           "Trainer with influkit.hf.RecordCallback.")
+        groups = check_replayable(model, optimizer, tuple(reasons))
         dataset = loader.dataset  # a TensorDataset's own tensors: the rows default_collate stacks, taken at once
         data = dataset.tensors if isinstance(dataset, TensorDataset) and len(dataset.tensors) == 2 else dataset
         stage = eval_stage(model, lambda: Stage(model, loss_fn, data, params=[
@@ -211,15 +237,25 @@ class Watch:
     def _forward(self, module, args, kwargs) -> None:
         if self._checking or not torch.is_grad_enabled():
             return
-        if autocast_on():
-            raise NotReplayable("autocast (fp16 / bf16) is on in the loop: mixed precision is not replayed; train "
-                                "in the model's own dtype.")
+        self._precision(autocast_state())
         if not self._queue:
             raise NotReplayable("a forward pass that builds gradients ran on data that did not come from the "
                                 "watched loader (or before its iterator was created inside the `with` block); "
                                 "evaluate under torch.no_grad() and iterate the loader inside the block.")
         self._pending.append((self._queue.popleft(), {d: generator_state(d) for d in self.devices},
                               self._captured(args, kwargs)))
+
+    def _precision(self, state: tuple[str, torch.dtype] | None) -> None:
+        """Record the autocast of the run's forwards (the first one's; every later one must match)."""
+        run = self.run
+        reason = precision_refusal(state)
+        if reason is not None:
+            raise NotReplayable(reason)
+        if run.steps == 0 and not self._pending:
+            run.autocast = state
+        elif state != run.autocast:
+            raise NotReplayable(f"the loop's forwards ran under autocast {run.autocast} and then {state}: replay "
+                                "repeats one precision for the whole stage; keep the autocast the same throughout.")
 
     def _captured(self, args, kwargs):
         """What else a forward pass records (nothing here; a Trainer's batch as its collator made it)."""
@@ -259,8 +295,8 @@ class Watch:
         run.clips.append(self._clip)
         run.lrs.append(tuple(float(group["lr"]) for group in optimizer.param_groups))
         self._pending, self._clip = [], None
-        if t == 0:
-            self._check_gradient()
+        if t == 0 or (t == 1 and run.alpha):  # a proximal term's gradient is 0 at step 1 (S = S̄): check step 2 too
+            self._check_gradient(t)
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         run = self.run
@@ -272,28 +308,33 @@ class Watch:
         state = torch_state(self.optimizer, self.groups, {id(p): n for n, p in self._named.items()})
         return theta, state
 
-    def _check_gradient(self) -> None:
-        """Step 1's gradient recomputed the replay's way must equal the loop's bit for bit."""
+    def _check_gradient(self, t: int) -> None:
+        """Step t's gradient (at the model's current θ_t) recomputed the replay's way must equal the loop's bit for
+        bit."""
         run = self.run
-        theta, _ = run.checkpoints[0]
-        _, x, y = run.batch(0)
+        theta = {n: self._named[n].detach().clone() for n in run.trained}
+        _, x, y = run.batch(t)
         w = torch.ones(x.shape[0], dtype=theta[run.trained[0]].dtype, device=run.stage.device)
         self._checking = True
         try:
             with torch.enable_grad():
-                grads = run.gradient(0, theta, run.anchors, x, y, w)
+                grads = run.gradient(t, theta, run.anchors, x, y, w)
         finally:
             self._checking = False
-        if run.clips[0] is not None:
-            grads = self.groups.clip(grads, *run.clips[0], order=run.clip_order)
+        if run.clips[t] is not None:
+            grads = self.groups.clip(grads, *run.clips[t], order=run.clip_order)
         gap = max(float((grads[n] - self._named[n].grad).abs().max()) for n in run.trained)
         if gap > 0 or not all(torch.equal(grads[n], self._named[n].grad) for n in run.trained):
+            proximal = (" Under this Case 2 link the loop must add run.penalty() to its loss: its gradient is 0 at "
+                        "step 1, where the block still equals the previous stage's values, so a loop without it "
+                        "first differs at step 2. For finetuning without a proximal term use "
+                        "Link.finetune(shared).") if run.alpha else ""
             raise NotReplayable(
-                f"the loop's gradient at step 1 differs from replay's by up to {gap:.3g}: replay computes "
-                "Σ_j ∇[loss_fn(model(x_j), y_j).mean()" + (f" + run.penalty()" if run.alpha else "") +
+                f"the loop's gradient at step {t + 1} differs from replay's by up to {gap:.3g}: replay computes "
+                "Σ_j ∇[loss_fn(model(x_j), y_j).mean()" + (" + run.penalty()" if run.alpha else "") +
                 "]" + (f" / {run.accumulate}" if run.accumulate != 1 else "") + " over the step's micro-batches. "
                 "Make the loop's loss exactly that (divide by `accumulate` when accumulating; clip only through "
-                "run.clip_grad_norm_; no other terms), or pass the loss_fn the loop uses per example.")
+                "run.clip_grad_norm_; no other terms), or pass the loss_fn the loop uses per example." + proximal)
 
     # ---------------------------------------------------------------------------------------------- the block
     def __enter__(self) -> "Watch":

@@ -16,6 +16,15 @@ For seeds s = 1..S, with b_s = retrain(all, s) the baseline and G a group of rem
 
 Groups: the k most harmful (largest score: removing them should lower the loss), the k most helpful (smallest
 score), ``random`` groups of k drawn with a seeded generator, and any the user names.
+
+For a recorded run (``record=``, :mod:`influkit.unrolled`) the table also gets the **replayed** change: the record
+replayed with the group's stage-1 examples weighted 0 — the same run (start, batches, masks, dropout, schedule),
+only the group removed — minus the record replayed as it ran. That is the counterfactual an unrolled metagradient
+predicts, with no retraining noise; the user's retraining beside it shows how far their own reruns (another batch
+order, another seed) move the measure besides.
+
+One seed gives no noise floor: the floor is a spread over seeds, so ``noise_floor`` and ``actual_sd`` are NaN and
+:func:`check_retraining` warns, naming the fix (two or more seeds), rather than leave a NaN unexplained.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import InputError
+from ..errors import InputError, warn
 from ..extras import require
 from ..results import InfluenceResult
 
@@ -40,6 +49,7 @@ if TYPE_CHECKING:
 Retrain = Callable[[torch.Tensor, int], float]  # retrain(keep, seed) -> the measure after re-running every stage
 
 COLUMNS = ("group", "size", "predicted", "actual", "actual_sd", "noise_floor", "seeds")  # the table's, in order
+REPLAYED = "replayed"  # the column of a recorded run replayed without the group (module docstring)
 
 
 @dataclass
@@ -47,7 +57,7 @@ class RetrainingCheck:
     """A result checked against the user's retraining (module docstring).
 
     table: one row per group: ``group``, ``size``, ``predicted``, ``actual`` (mean over seeds), ``actual_sd``,
-    ``noise_floor``, ``seeds``. runs: one row per retraining: ``group``, ``seed``, ``value``, ``change``
+    ``noise_floor``, ``seeds``, and ``replayed`` for a recorded run (the record replayed without the group). runs: one row per retraining: ``group``, ``seed``, ``value``, ``change``
     (the baseline's rows have group ``"none"`` and change 0). noise_floor: sd of the baseline over seeds.
     """
 
@@ -73,27 +83,41 @@ class RetrainingCheck:
 
 def check_retraining(
     result: InfluenceResult,
-    retrain: Retrain,
+    retrain: Retrain | None,
     *,
     k: int = 10,
     seeds: Sequence[int] | int = 3,
     random: int = 2,
     groups: Mapping[str, Sequence[int]] | None = None,
     seed: int = 0,
+    record=None,
+    test=None,
+    measure=None,
     progress: bool = True,
 ) -> RetrainingCheck:
     """The result's predicted removal effects beside the user's own retraining, with its noise floor.
 
     result: scores of stage-1 examples (its ``index`` the example ids, its ``n_train`` the stage-1 size m).
     retrain: ``retrain(keep, seed) -> float``, the user's whole pipeline re-run on stage-1 examples ``keep`` (a
-    sorted LongTensor) with ``seed``, returning the scored measure (the summed test loss for a default query).
+    sorted LongTensor) with ``seed``, returning the scored measure (the summed test loss for a default query);
+    None with a ``record`` (the replayed column alone).
+    record, test, measure: a recorded run (:class:`influkit.unrolled.Record`) and the test set and measure the
+    result scored (as ``ik.unrolled.metagradients`` takes them): adds the ``replayed`` column, the record replayed
+    with each group weighted 0 minus the record replayed as it ran (the measure summed over its outputs).
     k: size of the harmful, helpful and random groups. seeds: the seeds each group and the baseline are run with
     (an int S: 0..S−1); two or more give a noise floor and a spread. random: how many random groups of k (drawn
     from the scored examples by a generator seeded with ``seed``). groups: more groups, {name: example ids}.
     Returns a :class:`RetrainingCheck`; (len(groups) + 1)·S retrainings, a progress bar over them.
     """
+    if retrain is None and record is None:
+        raise InputError("give retrain (your pipeline re-run without a group), a record (the recorded run replayed "
+                         "without it), or both.")
+    if record is not None and test is None:
+        raise InputError("a record needs the test set the result scored (test=, with measure= if it took one).")
     seeds = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
-    if not seeds:
+    if retrain is None:
+        seeds = []
+    elif not seeds:
         raise InputError("seeds is empty: give at least one seed (two or more measure the noise floor).")
     if len(set(seeds)) != len(seeds):
         raise InputError(f"seeds {seeds} repeat a seed; give distinct seeds.")
@@ -126,6 +150,11 @@ def check_retraining(
             raise InputError(f"group {name!r} holds examples {missing[:5]} the result did not score; score them first.")
         predicted[name] = float(sum(removal[position[int(i)]] for i in members))
 
+    replayed = _replayed(record, test, measure, chosen, m, progress) if record is not None else None
+    if len(seeds) == 1:
+        warn(f"one seed ({seeds[0]}) gives no noise floor: the floor is the spread over seeds of your retraining with "
+             "nothing removed, so noise_floor and actual_sd are NaN; give seeds=2 or more to measure how far your "
+             "reruns move the measure by chance.")
     everything = torch.arange(m)
     bar = tqdm(total=(len(chosen) + 1) * len(seeds), desc="retraining", disable=not progress)
     rows = []
@@ -147,19 +176,38 @@ def check_retraining(
             value = run(name, keep, s)
             rows.append({"group": name, "seed": s, "value": value, "change": value - baseline[s]})
     bar.close()
-    runs = pd.DataFrame(rows)
+    runs = pd.DataFrame(rows, columns=["group", "seed", "value", "change"])
     floor = float(np.std(list(baseline.values()), ddof=1)) if len(seeds) > 1 else float("nan")
     changes = runs[runs["group"] != "none"].groupby("group", sort=False)["change"]
     table = pd.DataFrame({
         "group": list(chosen),
         "size": [len(members) for members in chosen.values()],
         "predicted": [predicted[name] for name in chosen],
-        "actual": changes.mean().reindex(list(chosen)).to_numpy(),
+        "actual": changes.mean().reindex(list(chosen)).to_numpy() if seeds else np.nan,
         "actual_sd": changes.std(ddof=1).reindex(list(chosen)).to_numpy() if len(seeds) > 1 else np.nan,
         "noise_floor": floor,
         "seeds": len(seeds),
     }, columns=list(COLUMNS))
+    if replayed is not None:
+        table[REPLAYED] = [replayed[name] for name in chosen]
     return RetrainingCheck(table=table, runs=runs, noise_floor=floor)
+
+
+def _replayed(record, test, measure, chosen: Mapping[str, torch.Tensor], m: int, progress: bool) -> dict[str, float]:
+    """{group: the record's summed measure replayed with the group's stage-1 examples weighted 0, minus as it ran}."""
+    from ..unrolled import outputs
+
+    if len(record.runs[0].stage) != m:
+        raise InputError(f"the record's first stage has {len(record.runs[0].stage)} examples but the result scored "
+                         f"{m}; pass the record the result was computed from.")
+    dtype = next(iter(record.runs[0].final.values())).dtype
+    base = float(outputs(record, test, measure=measure).sum())
+    out = {}
+    for name, members in tqdm(chosen.items(), desc="replaying", disable=not progress):
+        weights = torch.ones(m, dtype=dtype)
+        weights[members] = 0
+        out[name] = float(outputs(record, test, [weights], measure=measure).sum()) - base
+    return out
 
 
 def plot_check(table: pd.DataFrame, title: str | None = None, ax=None) -> Figure:

