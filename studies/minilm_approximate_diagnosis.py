@@ -117,7 +117,7 @@ def steps_row(record, adjoint: dict, choices: tuple[str, ...]) -> np.ndarray:
         thetas, pulls = [], []
         for t in range(run.steps):
             idx, x, y = run.batch(t)
-            grads = run.gradient(t, theta, run.anchors, x, y, unit_weights(run, idx, None, x))
+            grads = run.gradient(t, theta, run.anchors, (x, y, unit_weights(run, idx, None, x)))
             thetas.append(theta)
             theta, state, pull = run.update_vjp(t, theta, state, grads)
             pulls.append(pull)
@@ -137,7 +137,7 @@ def steps_row(record, adjoint: dict, choices: tuple[str, ...]) -> np.ndarray:
         idx, x, y = run.batch(t)
         w = unit_weights(run, idx, None, x).detach().clone().requires_grad_(True)
         at = {n: thetas[t][n].detach().requires_grad_(True) for n in names}
-        grads = run.gradient(t, at, run.anchors, x, y, w, graph=True)
+        grads = run.gradient(t, at, run.anchors, (x, y, w), graph=True)
         for j in range(q):
             dot = sum((grads[n] * g_bars[t][n][j]).sum() for n in names)
             scores[:, j].index_add_(0, idx, torch.autograd.grad(dot, w, retain_graph=j < q - 1)[0].double())

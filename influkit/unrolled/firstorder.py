@@ -173,7 +173,7 @@ def _reverse(run: StageRun, theta_bar: dict, anchor_bar: dict, q: int, fix: Corr
         for t in range(a, b):  # forward: each step's gradient (no graph) and its update's closed-form pullback
             idx, x, y = run.batch(t)
             w = unit_weights(run, idx, None, x)
-            g = run.gradient(t, theta, anchors, x, y, w, size=idx.numel())
+            g = run.gradient(t, theta, anchors, (x, y, w), size=idx.numel())
             with torch.no_grad():
                 new_theta, new_state, pullback = run.update_vjp(t, theta, state, g)
             steps.append((t, theta, idx, x, y, w, pullback))

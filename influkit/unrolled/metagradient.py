@@ -305,7 +305,7 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
             if pull != VMAPPED:
                 leaf_anchors, w = _leaves(anchors), w.detach().requires_grad_()
                 rows = _leaves(_padding_rows(run, theta, anchors))  # inputs of their own (.padding)
-                g = run.gradient(t, theta, leaf_anchors, xs, ys, w, size=idx.numel(), penalties=lead, graph=True,
+                g = run.gradient(t, theta, leaf_anchors, (xs, ys, w), size=idx.numel(), penalties=lead, graph=True,
                                  rows=rows, mixed=run.autocast is None)
                 gradient_graph = _Graph({("gradient", n): v for n, v in g.items()},
                                         {("theta", n): v for n, v in theta.items()}
@@ -315,7 +315,7 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
             else:
                 def gradient(inputs):
                     th, an = {n: inputs["theta", n] for n in theta}, {n: inputs["anchor", n] for n in anchors}
-                    g = run.gradient(t, th, an, xs, ys, inputs["w"], size=idx.numel(), penalties=lead,
+                    g = run.gradient(t, th, an, (xs, ys, inputs["w"]), size=idx.numel(), penalties=lead,
                                      rows=_padding_rows(run, th, an),  # functions of θ, S̄ outside the inner grad
                                      mixed=run.autocast is None)
                     return {("gradient", n): v for n, v in g.items()}
@@ -324,7 +324,7 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
                                            | {("anchor", n): v for n, v in anchors.items()} | {"w": w})
                 g = {n: gradient_graph.outputs["gradient", n] for n in theta}
             if run.autocast is not None:  # the step's values at the run's own precision; the graph's in float32
-                g = run.gradient(t, _detached(theta), anchors, xs, ys, w.detach(), size=idx.numel(), penalties=lead)
+                g = run.gradient(t, _detached(theta), anchors, (xs, ys, w.detach()), size=idx.numel(), penalties=lead)
         else:
             g = {n: torch.zeros_like(v) for n, v in theta.items()}
     with torch.no_grad():

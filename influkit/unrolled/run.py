@@ -204,15 +204,16 @@ class StageRun:
         x, y = self.stage.data.take(idx)
         return idx, x, y
 
-    def gradient(self, t: int, theta: Tensors, anchors: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor,
-                 *, size: int | None = None, penalties: bool = True, graph: bool = False,
+    def gradient(self, t: int, theta: Tensors, anchors: Tensors,
+                 batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, size: int | None = None, penalties: bool = True, graph: bool = False,
                  rows: Tensors | None = None, mixed: bool = True) -> Tensors:
-        """∇_θ L_t(θ; w) of step t on (x, y, w): summed over its micro-batches in the recorded order, each from its
+        """∇_θ L_t(θ; w) of step t on ``batch`` = (x, y, w): summed over its micro-batches in the recorded order, each from its
         recorded generator state and module modes (:func:`replaying`). graph: False takes ``torch.func.grad`` (a
         pure function, composable with torch.func transforms); True ``torch.autograd.grad(create_graph=True)`` from
         θ as autograd leaves (a graph to pull back through). rows: the embeddings' padding rows fed as inputs of
         their own (:class:`~.padding.PaddingRows`; the reverse pass adds their cotangents). mixed: as
         :meth:`objective`."""
+        x, y, w = batch
         total = None
         for part, rng, divisor, width in self.micro_batches(t, x.shape[0], size):
             xp, yp = cropped(x[part], y[part], width)
@@ -290,7 +291,7 @@ class StageRun:
     def step(self, t: int, theta: Tensors, state: State, anchors: Tensors, w: torch.Tensor,
              x: torch.Tensor, y: torch.Tensor) -> tuple[Tensors, State]:
         """(θ_{t+1}, state_{t+1}) = update(θ_t, state_t, ∇_θ L_t(θ_t; w), lr_t): a pure function of its inputs."""
-        return self.update(t, theta, state, self.gradient(t, theta, anchors, x, y, w))
+        return self.update(t, theta, state, self.gradient(t, theta, anchors, (x, y, w)))
 
     # ----------------------------------------------------------------------------------------------- access
     @property

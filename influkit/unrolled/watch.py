@@ -318,7 +318,7 @@ class Watch:
         self._checking = True
         try:
             with torch.enable_grad():
-                grads = run.gradient(t, theta, run.anchors, x, y, w)
+                grads = run.gradient(t, theta, run.anchors, (x, y, w))
         finally:
             self._checking = False
         if run.clips[t] is not None:
