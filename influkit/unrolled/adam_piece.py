@@ -13,7 +13,7 @@ import torch
 
 from ..errors import InputError
 from .optimizers import SGD, Adam, Groups
-from .pieces import Steps
+from .steps import Steps
 from .run import StageRun
 
 

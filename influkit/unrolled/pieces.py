@@ -18,31 +18,10 @@ from torch.func import hessian
 
 from .replay import unit_weights
 from .run import StageRun
+from .steps import Steps
 
 if TYPE_CHECKING:
     from .adam_piece import AdamPiece
-
-
-@dataclass(frozen=True)
-class Steps:
-    """A piece's steps in heavy-ball form: learning rates η_t, momentum μ, decays ρ_t (None: 1) and gains c_t (None:
-    1)."""
-
-    lrs: list[float]
-    momentum: float
-    rho: list[float] | None = None
-    gains: list[float] | None = None
-
-    def decays(self) -> list[float]:
-        return [1.0] * len(self.lrs) if self.rho is None else self.rho
-
-    def factors(self) -> list[float]:
-        return [1.0] * len(self.lrs) if self.gains is None else self.gains
-
-    def edge(self) -> float:
-        """The eigenvalue past which one step's linear map expands: 2(1 + μ) / max_t η_t c_t (inf for no step)."""
-        largest = max(lr * c for lr, c in zip(self.lrs, self.factors()))
-        return 2 * (1 + self.momentum) / largest if largest > 0 else float("inf")
 
 
 @dataclass(frozen=True)

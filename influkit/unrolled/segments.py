@@ -44,7 +44,8 @@ from ..scoring import release_freed_memory
 from .adam_piece import AdamPiece, rules
 from .boundary import hand_over, measure_adjoint, reweighted_at
 from .optimizers import Adam
-from .pieces import Edge, Steps, dense_piece, factored_piece
+from .pieces import Edge, dense_piece, factored_piece
+from .steps import Steps
 from .record import Record
 from .replay import unit_weights
 from .run import StageRun
