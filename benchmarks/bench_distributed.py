@@ -581,7 +581,7 @@ def per_example_seconds(fn, sizes: tuple[int, int], repeat: int) -> tuple[float,
 
 def run_cifar(args, log) -> dict:
     import influkit as ik
-    from influkit.curvature import HessianOperator, hvp
+    from influkit.curvature import HessianOperator, ProductSettings, hvp
     from influkit.gradients import project_per_example_grads
 
     single_thread()
@@ -618,7 +618,7 @@ def run_cifar(args, log) -> dict:
 
         def run(b):
             if b not in ops:  # build the graph once per size, outside the timing of later repeats
-                ops[b] = HessianOperator(stage, names, cache_graph=True, samples=b)
+                ops[b] = HessianOperator(stage, names, product=ProductSettings(cache_graph=True), samples=b)
                 ops[b].matvec(torch.randn(ops[b].dim))
             ops[b].matvec(torch.randn(ops[b].dim))
         return run

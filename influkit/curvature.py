@@ -18,6 +18,7 @@ term Σ_i Σ_c ∂ℓ/∂f_c · ∇²f_c that makes H indefinite away from a min
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -228,6 +229,16 @@ class _GaussNewtonBatch:
         return [b if b is not None else z for b, z in zip(back, zero)]
 
 
+@dataclass(frozen=True)
+class ProductSettings:
+    """How a :class:`HessianOperator` forms its products. cache_graph: keep the gradient graph over the data (None:
+    when it fits the memory budget); mode: the streamed products' order, reverse-over-reverse ``"rev-rev"`` or
+    forward-over-reverse ``"fwd-rev"``."""
+
+    cache_graph: bool | None = None
+    mode: str = "rev-rev"
+
+
 class HessianOperator:
     """The Hessian of a stage objective over a parameter block, as a linear operator on flat vectors.
 
@@ -235,12 +246,12 @@ class HessianOperator:
     examples (``hessian_samples``) and c = ``data_weight`` (default 1; another c: the objective of a run whose every
     example is weighted c, R and extra unscaled). ``matvec`` takes (p,) or (p, k); ``dense`` builds the p×p matrix.
 
-    With ``cache_graph`` (default: when the graph fits the memory budget ``memory``, bytes, :mod:`influkit.memory`:
+    With ``product.cache_graph`` (:class:`ProductSettings`; default: when the graph fits the memory budget ``memory``, bytes, :mod:`influkit.memory`:
     len(S) × the measured bytes of one example's double-backward graph, :func:`hvp_bytes_per_example`), the
     gradient graph ∇L(θ) over S is built once and every product is a single backward pass through it
     (H·v = ∂(∇Lᵀv)/∂θ); otherwise the data are streamed in batches sized from the same budget;
     under ``torch.distributed`` each rank holds the graph of its slice of S and the products are all-reduced;
-    larger data are streamed batch by batch with ``torch.func`` (``mode``: reverse-over-reverse
+    larger data are streamed batch by batch with ``torch.func`` (``product.mode``: reverse-over-reverse
     ``vjp(grad)``, measured fastest on CPU, or forward-over-reverse ``jvp(grad)``). Either way H is
     taken at the parameter values of the first product.
 
@@ -256,10 +267,9 @@ class HessianOperator:
         *,
         samples: int | None = None,
         seed: int = 0,
-        mode: str = "rev-rev",
         extra=None,
         at: Params | None = None,
-        cache_graph: bool | None = None,
+        product: ProductSettings = ProductSettings(),
         curvature: str = "hessian",
         memory: int | None = None,
         data_weight: float = 1.0,
@@ -272,7 +282,8 @@ class HessianOperator:
         self.at = at
         self.space = ParamSpace(point(stage.state(), self.names, at))
         self.indices = sample_indices(len(stage), samples, seed)
-        self.mode = mode
+        self.mode = product.mode
+        cache_graph = product.cache_graph
         self.extra = extra
         self.data_weight = float(data_weight)
         self.products = 0

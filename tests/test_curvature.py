@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from influkit.curvature import HessianOperator, gradient, hvp
+from influkit.curvature import HessianOperator, ProductSettings, gradient, hvp
 from influkit.params import ParamSpace
 from conftest import explicit_hessian
 
@@ -9,7 +9,7 @@ from conftest import explicit_hessian
 @pytest.mark.parametrize("mode,cache_graph", [("fwd-rev", False), ("rev-rev", False), ("rev-rev", True)])
 def test_hvp_matches_explicit_hessian(mlp_stage, mode, cache_graph):
     h = explicit_hessian(mlp_stage)
-    op = HessianOperator(mlp_stage, mode=mode, cache_graph=cache_graph)
+    op = HessianOperator(mlp_stage, product=ProductSettings(cache_graph, mode))
     assert op._use_graph == cache_graph
     v = torch.randn(op.dim, 5, generator=torch.Generator().manual_seed(0))
     assert torch.allclose(op.matvec(v), h @ v, rtol=0, atol=1e-10 * h.abs().max())
@@ -63,7 +63,8 @@ def test_gauss_newton_products_match_the_explicit_jacobian_form(mlp_stage, cache
 
     centre = {n: t + 0.1 for n, t in mlp_stage.trained().items()}
     extra = lambda p: 0.7 * sum(((p[n] - centre[n]) ** 2).sum() for n in p)  # noqa: E731
-    op = HessianOperator(mlp_stage, curvature="gauss-newton", cache_graph=cache_graph, extra=extra, samples=25, seed=1)
+    op = HessianOperator(mlp_stage, curvature="gauss-newton", product=ProductSettings(cache_graph), extra=extra,
+                         samples=25, seed=1)
     g = explicit_gauss_newton(mlp_stage, indices=op.indices, extra=extra)
     v = torch.randn(op.dim, 3, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(op.matvec(v), g @ v, rtol=0, atol=1e-12 * g.abs().max())
@@ -84,7 +85,7 @@ def test_data_weight_scales_the_data_part_only(mlp_stage, curvature, mode, cache
     full = explicit_hessian(mlp_stage, extra=extra) if curvature == "hessian" else \
         explicit_gauss_newton(mlp_stage, extra=extra)
     penalty = 1.401 * torch.eye(full.shape[0], dtype=full.dtype)
-    op = HessianOperator(mlp_stage, curvature=curvature, mode=mode, cache_graph=cache_graph, extra=extra,
+    op = HessianOperator(mlp_stage, curvature=curvature, product=ProductSettings(cache_graph, mode), extra=extra,
                          data_weight=0.3)
     v = torch.randn(op.dim, 3, generator=torch.Generator().manual_seed(0))
     expected = (0.3 * (full - penalty) + penalty) @ v
