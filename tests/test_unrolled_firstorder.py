@@ -212,3 +212,40 @@ def test_the_ekfac_correction_puts_back_the_bulk_of_the_curvature():
                                                                                    ("ekfac", corrected))}
     assert error["ekfac"] < 0.7 * error["plain"]
     assert [n["piece_start"] for n in corrected.diagnostics["correction"]] == [6, 4, 2, 0]
+
+
+def test_a_watched_torch_optim_run_has_a_sharpness_and_a_first_order_check():
+    """A watched ``torch.optim.AdamW`` (its one parameter group read as ``Groups``) is measured with the group's own
+    rule: λ_max of P⁻¹H at the final checkpoint equals the dense P^{-1/2} H P^{-1/2} built from the same P; groups that
+    differ in more than their learning rates are refused by name."""
+    from influkit.curvature import HessianOperator
+    from influkit.unrolled.optimizers import Groups
+    from influkit.unrolled.stability import preconditioner, stage_rule
+
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 4, dtype=torch.float64), torch.randint(0, 3, (32,))
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_fn = nn.CrossEntropyLoss(reduction="none")
+    record = Record()
+    with record.watch(model, optimizer, loader, loss_fn):
+        for xb, yb in loader:
+            optimizer.zero_grad()
+            loss_fn(model(xb), yb).mean().backward()
+            optimizer.step()
+    run = record.runs[0]
+    assert isinstance(run.optimizer, Groups) and isinstance(stage_rule(run.optimizer), AdamW)
+    table = ik.unrolled.sharpness(record, steps=40)
+    last = table[table["step"] == run.steps].iloc[0]
+    theta, state = run.checkpoints[run.steps]
+    p = preconditioner(run, run.steps, theta, state)
+    h = HessianOperator(run.stage, list(run.trained), at=theta).dense()
+    scale = torch.cat([p[n].reshape(-1) for n in run.trained]) ** -0.5
+    expected = torch.linalg.eigvalsh(scale[:, None] * h * scale[None, :]).max()
+    assert math.isclose(float(last["max_eigenvalue"]), float(expected), rel_tol=1e-6)
+    assert ik.unrolled.first_order_check(record, table)["verdict"].notna().all()
+
+    decayed = Groups((AdamW(lr=1e-2), AdamW(lr=1e-2, weight_decay=0.0)), (("0.weight",), ("0.bias",)))
+    with pytest.raises(ik.InputError, match="differ in more than their learning rates"):
+        stage_rule(decayed)

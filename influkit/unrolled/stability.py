@@ -29,6 +29,7 @@ both tables and names what to change.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pandas as pd
 import torch
@@ -39,7 +40,7 @@ from ..curvature import HessianOperator
 from ..errors import InputError
 from ..results import InfluenceResult
 from ..stationarity import STEPS, extreme_eigenvalues
-from .optimizers import SGD, Adam, Tensors
+from .optimizers import SGD, Adam, Groups, Tensors
 from .record import Record
 from .run import StageRun
 from .replay import outputs, unit_weights
@@ -70,19 +71,35 @@ def sharpness(record: Record, *, steps: int = STEPS, memory: int | None = None, 
     for k, t in tqdm(jobs, desc="sharpness", disable=not progress, leave=False):
         run = record.runs[k]
         theta, state = states[k][t]
-        adam = isinstance(run.optimizer, Adam)
+        rule = stage_rule(run.optimizer)
+        adam = isinstance(rule, Adam)
         with holding(run.stage.model, {n: run.anchors[n] for n in run.frozen}):
             operator = HessianOperator(run.stage, list(run.trained), at=theta, extra=run.proximal(), memory=memory)
             if adam:
-                decay = 0.0 if run.optimizer.decoupled else run.optimizer.weight_decay
+                decay = 0.0 if rule.decoupled else rule.weight_decay
                 operator = Preconditioned(operator, preconditioner(run, t, theta, state), decay)
             _, largest, m = extreme_eigenvalues(operator, steps)
         if not adam:
-            largest += run.optimizer.weight_decay
+            largest += rule.weight_decay
         lr = run.lrs[min(t, run.steps - 1)]
-        edge = edge_of_stability(run.optimizer)
+        lr = max(lr) if isinstance(lr, tuple) else lr  # parameter groups: the largest group's step
+        edge = edge_of_stability(rule)
         rows.append((k, t, lr, largest, lr * largest, edge, lr * largest > edge, adam, m))
     return pd.DataFrame(rows, columns=list(COLUMNS))
+
+
+def stage_rule(optimizer: SGD | Adam | Groups) -> SGD | Adam:
+    """The one update rule of a stage: its optimizer, or a watched ``torch.optim`` optimizer's when all its parameter
+    groups share one rule up to the learning rate; :class:`~influkit.errors.InputError` when they differ in more."""
+    if not isinstance(optimizer, Groups):
+        return optimizer
+    first = optimizer.rules[0]
+    if any(replace(rule, lr=first.lr) != first for rule in optimizer.rules[1:]):
+        raise InputError(
+            f"the stage's optimizer has {len(optimizer.rules)} parameter groups that differ in more than their "
+            "learning rates (e.g. weight decay on some parameters only), so one sharpness per step is not defined; "
+            "use exact replay (ik.unrolled.metagradients), which follows every group's own rule.")
+    return first
 
 
 def edge_of_stability(optimizer: SGD | Adam) -> float:
@@ -110,7 +127,7 @@ def preconditioner(run: StageRun, t: int, theta: Tensors, state: dict) -> Tensor
     """Adam's diagonal preconditioner P_t = √v̂ + ε of the step taken from (θ_t, state_t) (name → tensor over the
     trained parameters): v_{t+1} = β₂v_t + (1 − β₂)d_t² with d_t the recorded batch's gradient at θ_t (plus λθ_t under
     coupled decay), v̂ = v_{t+1}/(1 − β₂^{t+1}); at the final checkpoint T, the last step's: v̂ = v_T/(1 − β₂^T)."""
-    optimizer = run.optimizer
+    optimizer = stage_rule(run.optimizer)
     beta2, eps = optimizer.betas[1], optimizer.eps
     v = state["v"]
     if t < run.steps:
