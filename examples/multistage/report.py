@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from influkit.apps.digits import DEMO_REMOVALS, DigitsSetup, report_page, validate_digits
+from influkit.apps.demo_defaults import DEMO_REMOVALS
+from influkit.apps.digits import DigitsSetup, report_page, validate_digits
 from influkit.report import screenshot
 
 
