@@ -131,11 +131,12 @@ def test_sharded_over_ranks_equals_one_process(tmp_path):
     for p in procs:
         p.join(timeout=240)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    before = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
         single = run().matrix()
     finally:
-        torch.set_default_dtype(torch.float32)
+        torch.set_default_dtype(before)
     for r in range(2):
         sharded = torch.load(tmp_path / f"matrix.rank{r}")
         assert float((sharded - single).abs().max()) <= 1e-10 * float(single.abs().max())
