@@ -36,8 +36,9 @@ from .run import StageRun
 from .replay import outputs, replay, reweighted, verify
 from .segments import approximate
 from .stability import diagnose, linearity, sharpness
+from .trajectory_index import TrajectoryIndex
 from .watch import Watch
 
 __all__ = ["Adjoint", "SGD", "Adam", "AdamW", "Record", "approximate", "diagnose", "first_order", "first_order_check",
            "linearity", "StageRecorder",
-           "StageRun", "Watch", "metagradients", "outputs", "replay", "reweighted", "sharpness", "verify"]
+           "StageRun", "TrajectoryIndex", "Watch", "metagradients", "outputs", "replay", "reweighted", "sharpness", "verify"]

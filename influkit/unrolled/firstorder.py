@@ -104,23 +104,10 @@ def first_order(record: Record, test, *, measure: Measure | None = None, per_tes
     if correction == 0 and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
         raise InputError(f"segments must be a whole number ≥ 1, got {segments!r}.")
     for run in record.runs:
-        _check(run, fix)
+        refuse_uncovered(run, fix)
     record = reweighted_at(record, test, at, progress)
     adjoint, q, outputs = measure_adjoint(record, test, per_test, measure)
-    scores: list = [None] * len(record)
-    notes: list = [None] * len(record)
-    error = 0.0
-    for k in range(len(record) - 1, -1, -1):
-        run = record.runs[k]
-        theta_bar = {n: adjoint.get(n, _zeros(v, q)) for n, v in run.checkpoints[run.steps][0].items()}
-        anchor_bar = {n: adjoint[n].clone() if n in run.frozen and n in adjoint else _zeros(v, q)
-                      for n, v in run.anchors.items()}
-        with holding(run.stage.model, moved_frozen(run)):
-            theta_bar, anchor_bar, scores[k], replayed, notes[k] = _reverse(run, theta_bar, anchor_bar, q, fix,
-                                                                           progress)
-        error = max(error, replayed)
-        if k:
-            adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
+    scores, _, error, notes = carry(record, adjoint, q, fix=fix, progress=progress)
     seconds = time.perf_counter() - began
     training = sum(run.seconds for run in record.runs)
     diagnostics = {
@@ -137,7 +124,29 @@ def first_order(record: Record, test, *, measure: Measure | None = None, per_tes
             for k, run in enumerate(record.runs)]
 
 
-def _check(run: StageRun, fix: Correction | None) -> None:
+def carry(record: Record, adjoint: dict, q: int, *, fix: Correction | None = None, first: int = 0,
+          progress: bool = True) -> tuple[list, dict | None, float, list]:
+    """First order through stages len(record) − 1 … ``first``, last to first, from ``adjoint`` ({name: (q, *shape)}
+    on the last stage's final values): (per stage the (n_k, q) scores, None below ``first``; the adjoint handed to
+    stage first − 1 (None for first = 0); the replay's largest deviation from the checkpoints; per stage the
+    correction's notes). Linear in ``adjoint``."""
+    scores: list = [None] * len(record)
+    notes: list = [None] * len(record)
+    error = 0.0
+    for k in range(len(record) - 1, first - 1, -1):
+        run = record.runs[k]
+        theta_bar = {n: adjoint.get(n, _zeros(v, q)) for n, v in run.checkpoints[run.steps][0].items()}
+        anchor_bar = {n: adjoint[n].clone() if n in run.frozen and n in adjoint else _zeros(v, q)
+                      for n, v in run.anchors.items()}
+        with holding(run.stage.model, moved_frozen(run)):
+            theta_bar, anchor_bar, scores[k], replayed, notes[k] = _reverse(run, theta_bar, anchor_bar, q, fix,
+                                                                           progress)
+        error = max(error, replayed)
+        adjoint = hand_over(record, k, theta_bar, anchor_bar, q) if k else None
+    return scores, adjoint, error, notes
+
+
+def refuse_uncovered(run: StageRun, fix: Correction | None = None) -> None:
     """Refuse, with the fix, what the first-order pass does not cover."""
     if run.padding is not None:
         raise InputError("first_order does not yet carry an embedding's padding row (its gradient is zero by the "

@@ -29,23 +29,35 @@ def fingerprint(record: Record, adjoint: dict) -> str:
     """A digest of what the reverse pass computes: every stage's optimizer, learning rates, batches, trained names,
     start and final values, data weights (a reweighted record's), the measure's adjoint, and the number of ranks."""
     digest = hashlib.sha256(f"ranks {distributed.world_size()}".encode())
-
-    def add(tensors: dict) -> None:
-        for name in sorted(tensors):
-            t = tensors[name].detach().cpu().contiguous()
-            digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-
     for run in record.runs:
-        digest.update(f"{run.optimizer!r}|{run.lrs}|{run.trained}|{run.inherited}|{run.every}|{run.parts}|"
-                      f"{run.clips}|{run.accumulate}|{run.divisors}".encode())
-        add({f"batch{t}": idx for t, idx in enumerate(run.batches)})
-        add(run.checkpoints[0][0])
-        add(run.final)
-        if run.weights is not None:
-            add({"weights": run.weights})
-    add(adjoint)
+        _add_run(digest, run)
+    _add(digest, adjoint)
     return digest.hexdigest()
+
+
+def stage_fingerprint(run) -> str:
+    """A digest of one recorded stage run: its optimizer, learning rates, batches, trained and inherited names,
+    start and final values and data weights — the same run recorded twice (bit for bit) has the same one."""
+    digest = hashlib.sha256(b"stage")
+    _add_run(digest, run)
+    return digest.hexdigest()
+
+
+def _add_run(digest, run) -> None:
+    digest.update(f"{run.optimizer!r}|{run.lrs}|{run.trained}|{run.inherited}|{run.every}|{run.parts}|"
+                  f"{run.clips}|{run.accumulate}|{run.divisors}".encode())
+    _add(digest, {f"batch{t}": idx for t, idx in enumerate(run.batches)})
+    _add(digest, run.checkpoints[0][0])
+    _add(digest, run.final)
+    if run.weights is not None:
+        _add(digest, {"weights": run.weights})
+
+
+def _add(digest, tensors: dict) -> None:
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def _flatten(theta_bar: dict, state_bar: dict, anchor_bar: dict) -> tuple[dict, dict]:

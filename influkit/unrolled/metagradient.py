@@ -164,21 +164,8 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
               progress: bool, journal: Journal, pull: str) -> list[InfluenceResult]:
     """Reverse mode through every stage, last to first, from θ̄_T = ``adjoint`` ((q, *shape) per name)."""
     checkpoint_bytes = sum(run.checkpoint_bytes() for run in record.runs)
-    stats = {"replay_error": 0.0, "segment_growth": 0, "adjoint_bytes": 0, "segment": 0, "computed": 0, "reused": 0,
-             "pulls": [None] * len(record)}
-    scores: list[torch.Tensor] = [None] * len(record)  # type: ignore[list-item]
-    for k in range(len(record) - 1, -1, -1):
-        run = record.runs[k]
-        theta_bar = {n: adjoint.get(n, torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device))
-                     for n, v in run.checkpoints[run.steps][0].items()}
-        anchor_bar = {n: adjoint.get(n, torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device))
-                      if n in run.frozen else torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device)
-                      for n, v in run.anchors.items()}
-        theta_bar, anchor_bar, scores[k] = _reverse(k, run, theta_bar, anchor_bar, q, stats, progress, journal, pull)
-        if k:
-            adjoint = hand_over(record, k, theta_bar, anchor_bar, q)
-    for k in range(len(record)):  # each rank holds the terms of its own share of every batch
-        distributed.all_reduce_(scores[k])
+    stats = new_stats(record)
+    scores, _ = _stages(record, adjoint, q, stats, progress, journal, pull)
     seconds = time.perf_counter() - start_time
     training = sum(run.seconds for run in record.runs)
     diagnostics = {
@@ -212,6 +199,38 @@ def _backward(record: Record, adjoint: dict, q: int, per_test: bool, settings: d
         results.append(InfluenceResult(values=values, n_train=len(run.stage), method=f"{METHOD}, stage {k}",
                                        diagnostics=diagnostics | {"stage": k}, removal_eps=-1.0))
     return results
+
+
+def new_stats(record: Record) -> dict:
+    """The reverse pass's running statistics (replay error, memory, segments, pulls), all empty."""
+    return {"replay_error": 0.0, "segment_growth": 0, "adjoint_bytes": 0, "segment": 0, "computed": 0, "reused": 0,
+            "pulls": [None] * len(record)}
+
+
+def _stages(record: Record, adjoint: dict, q: int, stats: dict, progress: bool, journal: Journal, pull: str,
+            first: int = 0) -> tuple[list, dict | None]:
+    """Reverse mode through stages len(record) − 1 … ``first`` from ``adjoint`` on the last stage's final values:
+    (per stage the (n_k, q) scores summed over the ranks, None below ``first``; the adjoint handed to stage
+    first − 1, None for first = 0)."""
+    scores: list = [None] * len(record)
+    for k in range(len(record) - 1, first - 1, -1):
+        run = record.runs[k]
+        theta_bar = {n: adjoint.get(n, torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device))
+                     for n, v in run.checkpoints[run.steps][0].items()}
+        anchor_bar = {n: adjoint.get(n, torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device))
+                      if n in run.frozen else torch.zeros(q, *v.shape, dtype=v.dtype, device=v.device)
+                      for n, v in run.anchors.items()}
+        theta_bar, anchor_bar, scores[k] = _reverse(k, run, theta_bar, anchor_bar, q, stats, progress, journal, pull)
+        adjoint = hand_over(record, k, theta_bar, anchor_bar, q) if k else None
+    for k in range(first, len(record)):  # each rank holds the terms of its own share of every batch
+        distributed.all_reduce_(scores[k])
+    return scores, adjoint
+
+
+def exact_down_to(record: Record, adjoint: dict, q: int, first: int, progress: bool) -> tuple[list, dict | None]:
+    """The exact reverse pass (no journal, pulls chosen by trial) through stages len(record) − 1 … ``first`` only:
+    (per stage the (n_k, q) scores, None below ``first``; the adjoint handed to stage first − 1)."""
+    return _stages(record, adjoint, q, new_stats(record), progress, Journal(None, "", q), "auto", first)
 
 
 @dataclass

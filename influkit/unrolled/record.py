@@ -116,6 +116,16 @@ class Record:
     def __repr__(self) -> str:
         return f"Record({self.runs})"
 
+    def branch(self, stages: int | None = None) -> "Record":
+        """A new record holding this one's first ``stages`` recorded stages (default: all), the same runs: continue
+        it with another finetune of the same pretrained run (``branch().train(...)``), this record unchanged."""
+        count = len(self) if stages is None else stages
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= len(self):
+            raise InputError(f"stages must be a whole number in [0, {len(self)}], got {stages!r}.")
+        out = Record()
+        out.runs = list(self.runs[:count])
+        return out
+
     def recorder(self, stage: Stage, optimizer: Optimizer, *, link: Link | None = None,
                  checkpoint_every: int = 16) -> StageRecorder:
         """A :class:`StageRecorder` for the next stage (``link`` joins it to the previous one, as in ``ik.Chain``)."""

@@ -1,0 +1,224 @@
+"""The trajectory index (``ik.unrolled.TrajectoryIndex``): float64, tiny models.
+
+The exact index answers two different finetunes of one pretraining record (full and LoRA) with the first-order
+scores of the pretraining stage — the finetune carried by first order, or by its own exact replay (then equal to
+first order through the pretraining from the exact adjoint it hands back) — and a new test set on the pretrained
+model; an append equals a rebuild; a killed build resumes to the same index; the compressed index's error stays
+within the variance bound of its random projection; a record or directory of another run is refused; two ranks
+under torchrun build the single-process index, and a failing rank fails the other.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import influkit as ik
+from influkit.unrolled import SGD, Adam, AdamW, Record, TrajectoryIndex
+from influkit.unrolled import trajectory_index as module
+from influkit.unrolled.boundary import measure_adjoint
+from influkit.unrolled.metagradient import exact_down_to
+
+from conftest import assert_a_failing_rank_fails_the_others, cross_entropy, l2, run_a_rank_that_may_fail
+from test_unrolled import TEST, Net, data, finetune, pretrain
+
+TESTS = Path(__file__).parent
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def pretrained() -> Record:
+    record = Record()
+    pretrain(record, AdamW(lr=0.05, weight_decay=0.1))
+    return record
+
+
+def finetunes(pre: Record) -> dict[str, Record]:
+    """Two finetunes of the same pretraining record: the whole model (plain finetuning) and a LoRA adapter."""
+    full, lora = pre.branch(), pre.branch()
+    finetune(full, "finetune", SGD(lr=0.1, momentum=0.9))
+    finetune(lora, "lora", Adam(lr=0.1, weight_decay=1e-3))
+    return {"full": full, "lora": lora}
+
+
+def continued(pre: Record) -> Record:
+    """The pretraining continued on new examples: a second stage of the same model from the first one's weights."""
+    record = pre.branch()
+    torch.manual_seed(3)
+    stage = ik.Stage(Net(3).eval(), cross_entropy, data(9, 3, seed=4), regularizer=l2(1e-2))
+    record.train(stage, SGD(lr=0.1, momentum=0.8), steps=6, batch_size=4, checkpoint_every=3,
+                 link=ik.Link.finetune({"embedding": "embedding", "head": "head"}))
+    return record
+
+
+@pytest.fixture(scope="module")
+def pre() -> Record:
+    return pretrained()
+
+
+@pytest.fixture(scope="module")
+def exact(pre, tmp_path_factory) -> TrajectoryIndex:
+    return TrajectoryIndex.build(pre, tmp_path_factory.mktemp("exact"), progress=False)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    assert b.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_the_exact_index_gives_each_finetunes_first_order_scores(pre, exact, kind):
+    record = finetunes(pre)[kind]
+    first_order = ik.unrolled.first_order(record, TEST, per_test=True, progress=False)
+    carried = exact.scores(record, TEST, per_test=True, finetune="first-order", progress=False)
+    for got, want in zip(carried, first_order):
+        close(got.values, want.values)
+    adjoint, q, _ = measure_adjoint(record, TEST, True)
+    handed = exact_down_to(record, adjoint, q, 1, False)[1]  # the finetune's exact adjoint on the pretrained model
+    through = ik.unrolled.first_order(pre, ik.unrolled.Adjoint(handed, batched=True), per_test=True, progress=False)
+    replayed = exact.scores(record, TEST, per_test=True, progress=False)
+    close(replayed[0].values, through[0].values)
+    close(replayed[1].values, ik.unrolled.metagradients(record, TEST, per_test=True)[1].values)  # pulls may differ
+    assert torch.equal(replayed[0].removal, -replayed[0].values)
+
+
+def test_a_new_test_set_on_the_pretrained_model_needs_the_adjoint_alone(pre, exact):
+    other = data(5, 3, seed=11)
+    close(exact.scores(pre, other, progress=False)[0].values,
+          ik.unrolled.first_order(pre, other, progress=False)[0].values)
+
+
+def test_append_equals_rebuild(pre, tmp_path):
+    longer = continued(pre)
+    appended = TrajectoryIndex.build(pre, tmp_path / "appended", block=16, progress=False).append(longer,
+                                                                                                  progress=False)
+    rebuilt = TrajectoryIndex.build(longer, tmp_path / "rebuilt", block=16, progress=False)
+    assert appended.manifest == rebuilt.manifest | {"generation": 1}
+    for a, r in zip(appended.entries(), rebuilt.entries()):
+        close(a, r)
+    assert sorted(p.name[:3] for p in (tmp_path / "appended").glob("g*")) == ["g1-"] * 3  # the old blocks removed
+    record = longer.branch()
+    finetune(record, "lora", Adam(lr=0.1))
+    for got, want in zip(appended.scores(record, TEST, finetune="first-order", progress=False),
+                         ik.unrolled.first_order(record, TEST, progress=False)):
+        close(got.values, want.values)
+
+
+class Interrupt(RuntimeError):
+    pass
+
+
+def test_a_killed_build_resumes_to_the_same_index(pre, exact, tmp_path, monkeypatch):
+    calls, real = [], module.carry
+
+    def dies_on_the_third_block(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise Interrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "carry", dies_on_the_third_block)
+    with pytest.raises(Interrupt):
+        TrajectoryIndex.build(pre, tmp_path, block=8, progress=False)
+    with pytest.raises(ik.InputError, match="unfinished"):
+        TrajectoryIndex(tmp_path).entries()
+    monkeypatch.setattr(module, "carry", real)
+    resumed = TrajectoryIndex.build(pre, tmp_path, block=8, progress=False)
+    assert resumed.blocks == {"computed": 3, "reused": 2}  # 39 columns in blocks of 8
+    for a, b in zip(resumed.entries(), exact.entries()):
+        close(a, b)
+
+
+def variance_bound(index: TrajectoryIndex, exact_rows: torch.Tensor, adjoint: torch.Tensor) -> torch.Tensor:
+    """Per example, Σ_n (‖λ_n‖²‖v_{z,n}‖² + ⟨λ_n, v_{z,n}⟩²)/k_n over the compressed tensors n (the module's bound)."""
+    c = index.compression()
+    total, offset = torch.zeros(exact_rows.shape[0], dtype=exact_rows.dtype), 0
+    for n, p in c.projections.items():
+        size = math.prod(c.shapes[n])
+        v, lam = exact_rows[:, offset:offset + size], adjoint[offset:offset + size]
+        if p is not None:
+            total += ((lam @ lam) * (v * v).sum(1) + (v @ lam) ** 2) / p.shape[0]
+        offset += size
+    return total
+
+
+def test_the_compressed_index_errs_within_its_projections_variance_bound(pre, exact, tmp_path):
+    record = finetunes(pre)["full"]
+    truth = exact.scores(record, TEST, progress=False)[0].values
+    adjoint, q, _ = measure_adjoint(record, TEST, False)
+    handed = exact.compression().apply(exact_down_to(record, adjoint, q, 1, False)[1])[0]
+    ratios = []
+    for seed in range(4):
+        small = TrajectoryIndex.build(pre, tmp_path / f"seed{seed}", dim=32, seed=seed, progress=False)
+        assert small.width < exact.width and small.bytes_per_example == 8 * small.width
+        error = small.scores(record, TEST, progress=False)[0].values - truth
+        bound = variance_bound(small, exact.entries()[0], handed).sum()
+        ratios.append(float((error ** 2).sum() / bound))
+    # E[Σ err²] ≤ Σ bound: by Markov each ratio exceeds 10 with probability ≤ 0.1, their mean exceeds 3 with ≤ 1/3
+    assert max(ratios) <= 10 and sum(ratios) / len(ratios) <= 3, ratios
+    whole = TrajectoryIndex.build(pre, tmp_path / "whole", dim=80, progress=False)  # 20 a tensor: each kept whole
+    assert variance_bound(whole, exact.entries()[0], handed).sum() == 0
+    close(whole.scores(record, TEST, progress=False)[0].values, truth)
+
+
+def test_another_run_is_refused_by_name(pre, exact, tmp_path):
+    other = Record()
+    pretrain(other, AdamW(lr=0.04, weight_decay=0.1))
+    finetune(other, "finetune", SGD(lr=0.1))
+    with pytest.raises(ik.IndexMismatchError, match="stage 0 of the record is not the run"):
+        exact.scores(other, TEST, progress=False)
+    with pytest.raises(ik.IndexMismatchError, match="covers 2 recorded stages"):
+        TrajectoryIndex.build(continued(pre), tmp_path, progress=False).scores(pre, TEST, progress=False)
+    with pytest.raises(ik.IndexMismatchError, match="another record or other settings .*the recorded stages"):
+        TrajectoryIndex.build(other, tmp_path, stages=1, progress=False)
+    with pytest.raises(ik.InputError, match="no stage after the indexed ones"):
+        exact.append(pre)
+    with pytest.raises(ik.InputError, match="finetune must be one of"):
+        exact.scores(pre, TEST, finetune="approximate")
+
+
+BUILD_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    torch.set_default_dtype(torch.float64); torch.set_num_threads(1)
+    from influkit import distributed
+    assert distributed.initialize(timeout_seconds=60)
+    import test_unrolled_trajectory_index as t
+    index = t.TrajectoryIndex.build(t.pretrained(), {out!r}, block=8, progress=False)
+    assert index.complete and index.blocks["computed"] in (2, 3)
+    distributed.shutdown()
+    """
+)
+
+
+def test_two_ranks_under_torchrun_build_the_single_process_index(pre, exact, tmp_path):
+    script = tmp_path / "build.py"
+    script.write_text(BUILD_SCRIPT.format(tests=str(TESTS), out=str(tmp_path / "ranks")))
+    done = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(script)], capture_output=True,
+                          text=True, timeout=240, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = TrajectoryIndex(tmp_path / "ranks")
+    assert ranks.manifest == exact.manifest | {"block": 8}
+    for a, b in zip(ranks.entries(), exact.entries()):
+        close(a, b)
+
+
+def _build_in_a_group() -> None:
+    TrajectoryIndex.build(pretrained(), Path(os.environ["TRAJECTORY_INDEX_TEST_DIR"]), block=8, progress=False)
+
+
+def _failing_worker(rank: int, world: int, init_file: str, out: str) -> None:
+    os.environ["TRAJECTORY_INDEX_TEST_DIR"] = str(Path(out) / "index")
+    torch.set_default_dtype(torch.float64)
+    run_a_rank_that_may_fail(rank, world, init_file, out, _build_in_a_group)
+
+
+def test_a_failing_rank_fails_the_others(tmp_path):
+    assert_a_failing_rank_fails_the_others(_failing_worker, tmp_path)
