@@ -96,13 +96,13 @@ def test_a_new_test_set_on_the_pretrained_model_needs_the_adjoint_alone(pre, exa
 
 def test_append_equals_rebuild(pre, tmp_path):
     longer = continued(pre)
-    appended = TrajectoryIndex.build(pre, tmp_path / "appended", block=16, progress=False).append(longer,
+    appended = TrajectoryIndex.build(pre, tmp_path / "appended", progress=False).append(longer,
                                                                                                   progress=False)
-    rebuilt = TrajectoryIndex.build(longer, tmp_path / "rebuilt", block=16, progress=False)
+    rebuilt = TrajectoryIndex.build(longer, tmp_path / "rebuilt", progress=False)
     assert appended.manifest == rebuilt.manifest | {"generation": 1}
     for a, r in zip(appended.entries(), rebuilt.entries()):
         close(a, r)
-    assert sorted(p.name[:3] for p in (tmp_path / "appended").glob("g*")) == ["g1-"] * 3  # the old blocks removed
+    assert sorted(p.name[:3] for p in (tmp_path / "appended").glob("g*")) == ["g1-"]  # the old blocks removed
     record = longer.branch()
     finetune(record, "lora", Adam(lr=0.1))
     for got, want in zip(appended.scores(record, TEST, finetune="first-order", progress=False),

@@ -25,6 +25,13 @@ A two-stage record trained by influkit's own optimizers::
     record.train(fin_stage, ik.unrolled.SGD(lr=0.1, momentum=0.9), steps=200, batch_size=32,
                  link=ik.Link("embedding", case=1))
     pre_scores, fin_scores = ik.unrolled.metagradients(record, (x_test, y_test), per_test=True)
+
+``first_order`` carries the adjoint through each step's optimizer Jacobian alone (the loss curvature dropped), and
+``TrajectoryIndex`` stores its pretraining side once per example, so that every new finetune of a recorded
+pretraining (``record.branch()`` continued) is answered by that finetune's own replay plus one product::
+
+    index = ik.unrolled.TrajectoryIndex.build(pretraining, "index-dir")
+    pre_scores, fin_scores = index.scores(finetune, (x_test, y_test))
 """
 
 from .boundary import Adjoint
