@@ -277,11 +277,15 @@ class _Curvature:
         def directional(th, anchors, e):
             return jvp(lambda x: value(x, anchors), (th,), (e,))[1]
 
-        q = next(iter(d.values())).shape[0]
-        columns = [grad(directional, argnums=(0, 1))(theta, self.run.anchors, {n: v[j] for n, v in d.items()})
-                   for j in range(q)]
-        return ({n: torch.stack([c[0][n] for c in columns]) for n in theta},
-                {n: torch.stack([c[1][n] for c in columns]) for n in self.run.anchors} if self.run.alpha else {})
+        pulled = grad(directional, argnums=(0, 1))
+        try:  # every column at once
+            through, mixed = vmap(pulled, in_dims=(None, None, 0))(theta, self.run.anchors, d)
+        except RuntimeError:  # a regularizer operation without a batching rule: one column at a time
+            columns = [pulled(theta, self.run.anchors, {n: v[j] for n, v in d.items()})
+                       for j in range(next(iter(d.values())).shape[0])]
+            through = {n: torch.stack([c[0][n] for c in columns]) for n in theta}
+            mixed = {n: torch.stack([c[1][n] for c in columns]) for n in self.run.anchors}
+        return through, mixed if self.run.alpha else {}
 
     def eigenpairs(self, piece: int):
         """(g, V) of the stage's data Hessian at step ``piece`` (the segment's start), or its fitted factored
