@@ -11,7 +11,8 @@ other digits (ids 1,550 … 1,749) with a new two-class head:
 The test set is the 50 held-out digits (ids 1,500 … 1,549) with each finetune's labels; the measure is each test
 point's loss. Methods, each scoring the 1,500 pretraining examples: the exact two-stage metagradient
 (``metagradients``), first order from scratch over both stages (``first_order``), and the trajectory index — exact
-(D = 2,410, every parameter) and compressed (``DIM`` numbers per example) — queried with the finetune's exact replay.
+(D = 2,410, every parameter) and compressed (at most ``DIMS`` numbers per example) — queried with the finetune's
+exact replay.
 The index is built once (its seconds in ``build.csv``) and serves both finetunes.
 
 Replay LDS: for f ∈ {1 %, 5 %, 10 %}, M = 30 seeded drop sets of ⌊f · 1,500⌋ pretraining examples, the whole
@@ -44,9 +45,10 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / "results" / "trajectory_index_digits"
 FRACTIONS = (0.01, 0.05, 0.1)
 SUBSETS = 30
-DIM = 256
+DIMS = (256, 1024)
 FINETUNES = ("head", "full")
-METHODS = ("exact", "first-order from scratch", "index (exact)", f"index (compressed, D ≤ {DIM})")
+INDEXES = {"exact": None} | {f"compressed, D ≤ {dim}": dim for dim in DIMS}
+METHODS = ("exact", "first-order from scratch", *(f"index ({name})" for name in INDEXES))
 
 
 def cache() -> Path:
@@ -100,14 +102,18 @@ def finetuned(pre: Record, kind: str) -> tuple[Record, tuple]:
 
 
 def index_dir(name: str) -> Path:
-    return cache() / f"index_{name}"
+    return cache() / f"index_{slug(name)}"
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_")
 
 
 def step_build() -> None:
     out = cache() / "build.csv"
     rows = pd.read_csv(out).to_dict("records") if out.exists() else []
     pre, recorded = pretrained()
-    for name, dim in (("compressed", DIM), ("exact", None)):
+    for name, dim in INDEXES.items():
         if any(r["index"] == name for r in rows):
             continue
         began = time.perf_counter()
@@ -122,26 +128,26 @@ def step_build() -> None:
 
 
 def step_scores(kind: str) -> None:
-    out = cache() / f"scores_{kind}.npz"
-    if out.exists():
-        return
-    pre, _ = pretrained()
-    record, test = finetuned(pre, kind)
-    scores, seconds = {}, {}
+    pre = record = test = None
     for method in METHODS:
+        out = cache() / f"scores_{kind}_{slug(method)}.npz"
+        if out.exists():
+            continue
+        if record is None:
+            pre, _ = pretrained()
+            record, test = finetuned(pre, kind)
         began = time.perf_counter()
         if method == "exact":
             result = ik.unrolled.metagradients(record, test, per_test=True)[0]
         elif method == "first-order from scratch":
             result = ik.unrolled.first_order(record, test, per_test=True, progress=False)[0]
         else:
-            name = "exact" if method == "index (exact)" else "compressed"
-            result = TrajectoryIndex(index_dir(name)).scores(record, test, per_test=True, progress=False)[0]
-        seconds[method] = time.perf_counter() - began
-        scores[method] = (-result.removal).double().numpy()
-        print(f"{kind} {method}: {seconds[method]:.1f} s", flush=True)
-    np.savez(out, **{f"scores|{m}": s for m, s in scores.items()}, **{f"seconds|{m}": s for m, s in seconds.items()},
-             finetune_recorded_seconds=record.runs[1].seconds)
+            index = TrajectoryIndex(index_dir(method.removeprefix("index (").removesuffix(")")))
+            result = index.scores(record, test, per_test=True, progress=False)[0]
+        seconds = time.perf_counter() - began
+        np.savez(out, scores=(-result.removal).double().numpy(), seconds=seconds,
+                 finetune_recorded_seconds=record.runs[1].seconds)
+        print(f"{kind} {method}: {seconds:.1f} s", flush=True)
 
 
 def step_replays(kind: str, m: int) -> None:
@@ -172,18 +178,17 @@ def step_table() -> None:
     build = pd.read_csv(cache() / "build.csv")
     queries, lds_rows = [], []
     for kind in FINETUNES:
-        path = cache() / f"scores_{kind}.npz"
-        if not path.exists():
+        saved = {m: np.load(path) for m in METHODS if (path := cache() / f"scores_{kind}_{slug(m)}.npz").exists()}
+        if "exact" not in saved:
             continue
-        saved = np.load(path)
-        exact_seconds = float(saved["seconds|exact"])
-        for method in METHODS:
-            s = saved[f"scores|{method}"]
-            queries.append({"finetune": kind, "method": method, "seconds": float(saved[f"seconds|{method}"]),
-                            "speedup_vs_exact": exact_seconds / float(saved[f"seconds|{method}"]),
-                            "pearson_vs_first_order_from_scratch": pearson(s, saved["scores|first-order from scratch"]),
-                            "pearson_vs_exact": pearson(s, saved["scores|exact"]),
-                            "finetune_recorded_seconds": float(saved["finetune_recorded_seconds"])})
+        reference = {m: saved[m]["scores"] for m in ("exact", "first-order from scratch", "index (exact)")
+                     if m in saved}
+        for method, values in saved.items():
+            s = values["scores"]
+            queries.append({"finetune": kind, "method": method, "seconds": float(values["seconds"]),
+                            "speedup_vs_exact": float(saved["exact"]["seconds"]) / float(values["seconds"]),
+                            "finetune_recorded_seconds": float(values["finetune_recorded_seconds"])}
+                           | {f"pearson_vs_{slug(m)}": pearson(s, r) for m, r in reference.items()})
             row = {"finetune": kind, "method": method}
             for fraction in FRACTIONS:
                 replays = cache() / f"replays_{kind}_{fraction}.npz"
