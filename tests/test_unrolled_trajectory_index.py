@@ -135,6 +135,26 @@ def test_a_killed_build_resumes_to_the_same_index(pre, exact, tmp_path, monkeypa
         close(a, b)
 
 
+def test_a_killed_append_resumes_to_the_same_index(pre, tmp_path, monkeypatch):
+    longer = continued(pre)
+    index = TrajectoryIndex.build(pre, tmp_path / "index", block=16, progress=False)
+    real = module.carry
+
+    def dies_after_two_new_blocks(*args, **kwargs):
+        if len(list((tmp_path / "index").glob("g1-*"))) == 2:
+            raise Interrupt("killed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "carry", dies_after_two_new_blocks)
+    with pytest.raises(Interrupt):
+        index.append(longer, progress=False)
+    assert TrajectoryIndex(tmp_path / "index").manifest == index.manifest  # the old index stands until the end
+    monkeypatch.setattr(module, "carry", real)
+    assert index.append(longer, progress=False).blocks == {"computed": 1, "reused": 2}
+    for a, r in zip(index.entries(), TrajectoryIndex.build(longer, tmp_path / "rebuilt", progress=False).entries()):
+        close(a, r)
+
+
 def variance_bound(index: TrajectoryIndex, exact_rows: torch.Tensor, adjoint: torch.Tensor) -> torch.Tensor:
     """Per example, Σ_n (‖λ_n‖²‖v_{z,n}‖² + ⟨λ_n, v_{z,n}⟩²)/k_n over the compressed tensors n (the module's bound)."""
     c = index.compression()
