@@ -3,9 +3,9 @@
 The exact index answers two different finetunes of one pretraining record (full and LoRA) with the first-order
 scores of the pretraining stage — the finetune carried by first order, or by its own exact replay (then equal to
 first order through the pretraining from the exact adjoint it hands back) — and a new test set on the pretrained
-model; an append equals a rebuild; a killed build resumes to the same index; the compressed index's error stays
-within the variance bound of its random projection; a record or directory of another run is refused; two ranks
-under torchrun build the single-process index, and a failing rank fails the other.
+model; an append equals a rebuild; a killed build or append resumes to the same index; the compressed index's
+error stays within the variance bound of its random projection; a record or directory of another run is refused;
+two ranks under torchrun build the single-process index, and a failing rank fails the other.
 """
 
 from __future__ import annotations
