@@ -214,7 +214,9 @@ def step_table() -> None:
         lines += ["## Replay LDS (drops of pretraining examples, the two-stage run replayed)", "", markdown(lds), ""]
     (OUT / "results.md").write_text("\n".join(lines))
     manifest(OUT, ["build.csv", "queries.csv", "lds.csv", "results.md"],
-             command="python -m studies.trajectory_index_digits run")
+             command="python -m studies.trajectory_index_digits run",
+             note="build, scores and replays run as resumable steps on a 2-core machine shared with other jobs; each "
+                  "query method timed in one process, one after the other; the load is the table step's")
     print("\n".join(lines))
 
 
