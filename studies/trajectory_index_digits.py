@@ -145,8 +145,11 @@ def step_scores(kind: str) -> None:
             index = TrajectoryIndex(index_dir(method.removeprefix("index (").removesuffix(")")))
             result = index.scores(record, test, per_test=True, progress=False)[0]
         seconds = time.perf_counter() - began
+        parts = result.diagnostics["seconds"] if method.startswith("index") else {}
         np.savez(out, scores=(-result.removal).double().numpy(), seconds=seconds,
-                 finetune_recorded_seconds=record.runs[1].seconds)
+                 finetune_recorded_seconds=record.runs[1].seconds,
+                 finetune_replay_seconds=parts.get("exact pass (later stages)", np.nan),
+                 index_pass_seconds=parts.get("index pass", np.nan))
         print(f"{kind} {method}: {seconds:.1f} s", flush=True)
 
 
@@ -187,7 +190,9 @@ def step_table() -> None:
             s = values["scores"]
             queries.append({"finetune": kind, "method": method, "seconds": float(values["seconds"]),
                             "speedup_vs_exact": float(saved["exact"]["seconds"]) / float(values["seconds"]),
-                            "finetune_recorded_seconds": float(values["finetune_recorded_seconds"])}
+                            "finetune_recorded_seconds": float(values["finetune_recorded_seconds"]),
+                            "of_which_finetune_replay": float(values["finetune_replay_seconds"]),
+                            "of_which_index_pass": float(values["index_pass_seconds"])}
                            | {f"pearson_vs_{slug(m)}": pearson(s, r) for m, r in reference.items()})
             row = {"finetune": kind, "method": method}
             for fraction in FRACTIONS:
