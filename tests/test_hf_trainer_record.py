@@ -25,9 +25,15 @@ LABELS = [1, 0, 1, 0, 1, 0, 0, 1]
 EPS = 1e-6
 
 
+# A vocabulary hf.train_wordpiece(TEXTS * 2, vocab_size=60) learned, fixed: tokenizers breaks ties between equally
+# frequent merges arbitrarily on every call, and each other vocabulary is another recorded run.
+VOCAB = [*hf.SPECIAL_TOKENS, ",", *"abcdefghiklmnoprstuvwy", *(f"##{c}" for c in "acdefghiklmnoprstuvy"), "##in", "##nd",
+         "th", "##ov", "##or", "##ing", "the", "mov", "##oo", "##ed", "##er", "##ea"]
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
-    return hf.train_wordpiece(TEXTS * 2, vocab_size=60)
+    return hf.wordpiece_tokenizer(VOCAB)
 
 
 def examples(tokenizer, texts, labels=None):
@@ -219,9 +225,6 @@ def test_a_trainer_that_divides_by_its_accumulation_steps_is_replayed_bit_for_bi
     assert all(torch.equal(final[n], p) for n, p in recorded.named_parameters())
 
 
-@pytest.mark.xfail(strict=False, reason="order-dependent: after the LoRA Trainer and explain tests in one process the "
-                   "recorded run differs (the trained WordPiece tokenizer is the suspect) and example 6's metagradient "
-                   "is 3e-5 relative from central differences at eps = 1e-6; passes alone and with its own file")
 def test_the_metagradient_of_a_trainer_at_its_defaults_equals_central_differences(tokenizer):
     record = ik.unrolled.Record()
     at_defaults(tokenizer, [hf.RecordCallback(record)], num_train_epochs=1)
