@@ -18,8 +18,8 @@ of each difference against the metagradient, the suite's check passed or not) an
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -31,6 +31,16 @@ from benchmarks.manifest import record as manifest
 OUT = Path(__file__).resolve().parent / "results" / "trainer_fd_truncation"
 EXAMPLES = (1, 6, 12)
 EPS = 1e-6
+
+
+def suite_module():
+    """The test suite's Trainer module (tests/test_hf_trainer_record.py), loaded from its file: the study repeats its
+    run and its check."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "test_hf_trainer_record.py"
+    spec = importlib.util.spec_from_file_location("test_hf_trainer_record", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def trial(suite, tokenizer) -> list[dict]:
@@ -62,8 +72,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import test_hf_trainer_record as suite  # the suite's own run, so the study repeats its check
+    suite = suite_module()
 
     from influkit import hf
 
