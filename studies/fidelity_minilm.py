@@ -309,7 +309,7 @@ def kronfluence_scores(task: MiniLMTask) -> np.ndarray:
     return -scores.double().T.numpy()
 
 
-def trak_scores(task: MiniLMTask) -> np.ndarray:
+def trak_scores(task: MiniLMTask, batch: int = 40) -> np.ndarray:
     """TRAK (traker, CPU BasicProjector, proj_dim 128) on the cross-stage model: features = projected gradients of
     the masked-LM margin (mean over the masked tokens of log p/(1 − p) of the true token), Q = mean (1 − p);
     target = projected ∇_W of the finetuned classifier's margin. TRAK's score is positive for helpful
@@ -352,7 +352,7 @@ def trak_scores(task: MiniLMTask) -> np.ndarray:
         traker = TRAKer(model=model, task=CrossStageMargin(), train_set_size=task.n, save_dir=tmp, device="cpu",
                         proj_dim=TRAK_PROJ_DIM, use_half_precision=False, projector_seed=0)
         traker.load_checkpoint(model.state_dict(), model_id=0)
-        for b in torch.arange(task.n).split(40):
+        for b in torch.arange(task.n).split(batch):  # per-example gradients of `batch` snippets at a time
             traker.featurize(batch=(x_pre[b, 0], x_pre[b, 1], y_pre[b]), num_samples=len(b))
         traker.finalize_features()
         traker.start_scoring_checkpoint(exp_name="test", checkpoint=model.state_dict(), model_id=0,

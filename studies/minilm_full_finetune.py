@@ -25,8 +25,19 @@ run: ``train(cfg)`` rebuilds the record bit for bit (``summary.json`` keeps the 
     MALLOC_MMAP_THRESHOLD_=131072 python -m studies.minilm_full_finetune run [--quick]   # train, record,
                                                               # metagradient, groups, replays (freed step graphs
                                                               # go back to the system between segments)
+    python -m studies.minilm_full_finetune rows               # the cheaper methods' scores on the same run
+    .bench-venv/bin/python -m studies.minilm_full_finetune peers   # kronfluence and TRAK (after ``rows``)
     python -m studies.minilm_full_finetune table              # lds.csv from what is on disk
     python -m studies.minilm_full_finetune cost               # the cost ratios on the shorter run, one process
+
+The cheaper rows (``rows``, then ``peers``; ``rows.json``, one entry per method as it finishes, resumable), each
+scored on the same drop sets and replayed losses as the exact row, with its seconds and the peak RSS sampled while it
+ran (:class:`PeakRss`): ``ik.unrolled.first_order`` alone and with an EK-FAC correction, the approximate unrolling
+(EK-FAC, one shared eigenbasis), influence functions by ``ik.Chain`` at its defaults — plain finetuning has no
+influence-function meaning (the chain refuses ``Link.finetune``), so the row takes the documented fallback, a proximal
+link at the paper's α = 0.01 — and the single-stage peers kronfluence (EK-FAC) and TRAK on the final model: the
+corpus snippets' masked-LM loss through stage 1's masked-LM head on the finetuned encoder, the test snippets'
+sentiment loss through the finetuned classifier, over the encoder's layers.
 
 Results: ``studies/results/minilm_full_finetune/`` (``--quick``: ``minilm_full_finetune_quick/``).
 """
@@ -39,8 +50,10 @@ import json
 import os
 import resource
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -208,13 +221,16 @@ def step_run(cfg: Config, out: Path, progress: bool) -> None:
     start = time.perf_counter()
     run = train(cfg)
     checked(run)
-    summary = {"config": asdict(cfg), "corpus": len(run.data.corpus), "finetuning": len(run.data.train[0]),
+    previous = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    summary = previous | {"config": asdict(cfg), "corpus": len(run.data.corpus), "finetuning": len(run.data.train[0]),
                "test": int(run.test[0].shape[0]), "steps": [r.steps for r in run.record.runs],
                "micro-batches per masked-LM step": cfg.accumulate, "trained tensors": [len(r.trained)
                                                                                     for r in run.record.runs],
                "trained parameters": [sum(v.numel() for v in r.checkpoints[0][0].values()) for r in run.record.runs],
                "final weights fingerprint": fingerprint(run.models), "training seconds (recorded)": run.seconds,
                "recorded final weights == the Trainers'": True, "machine": "shared 2-core CPU, 1 torch thread"}
+    if previous.get("training seconds (recorded)"):  # the first run's, which the metagradient's seconds sit beside
+        summary["training seconds (recorded)"] = previous["training seconds (recorded)"]
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     scores_path = out / "scores.npz"
     if not scores_path.exists():
@@ -259,21 +275,53 @@ def step_run(cfg: Config, out: Path, progress: bool) -> None:
 
 
 def step_table(out: Path) -> pd.DataFrame:
-    """lds.csv: the exact metagradient's replay LDS of the summed test loss per fraction from the replays on disk:
-    Spearman over the drop sets j of (Σ_{z kept} score_z, the replayed summed test loss)."""
-    scores = np.load(out / "scores.npz")["corpus"]
+    """lds.csv: each method's replay LDS of the summed test loss per fraction from the replays on disk — Spearman
+    over the drop sets j of (Σ_{z kept} score_z, the replayed summed test loss) — beside its seconds and peak RSS;
+    lds.png: the same as bars."""
+    exact = np.load(out / "scores.npz")
+    rows_ = {"exact metagradient": {"scores": exact["corpus"], "seconds": float(exact["seconds"]),
+                                    "peak RSS (MiB)": float(exact["peak_rss_mib"]), "note": ""}}
+    if (out / ROWS).exists():
+        rows_ |= json.loads((out / ROWS).read_text())
     entries = [json.loads(line) for line in (out / "replays.jsonl").read_text().splitlines()]
     table = []
-    for f in sorted({e["fraction"] for e in entries}):
-        mine = sorted((e for e in entries if e["fraction"] == f), key=lambda e: e["subset"])
-        keeps = np.load(out / f"drop_sets_{int(f * 100)}.npy")[[e["subset"] for e in mine]]
-        actual = np.array([sum(e["losses"]) for e in mine])
-        table.append({"fraction": f, "M": len(mine), "replay LDS (summed test loss)":
-                      float(lds_per_query(scores, keeps, actual[:, None])[0]),
-                      "replay seconds (mean)": float(np.mean([e["seconds"] for e in mine]))})
+    for name, row in rows_.items():
+        scores = np.asarray(row["scores"], dtype=float)
+        entry = {"method": name, "seconds": round(row["seconds"], 1), "peak RSS (MiB)": round(row["peak RSS (MiB)"]),
+                 "Pearson r with exact": float(np.corrcoef(scores, rows_["exact metagradient"]["scores"])[0, 1])}
+        for f in sorted({e["fraction"] for e in entries}):
+            mine = sorted((e for e in entries if e["fraction"] == f), key=lambda e: e["subset"])
+            keeps = np.load(out / f"drop_sets_{int(f * 100)}.npy")[[e["subset"] for e in mine]]
+            actual = np.array([sum(e["losses"]) for e in mine])
+            entry[f"LDS {f:.0%} (M={len(mine)})"] = float(lds_per_query(scores, keeps, actual[:, None])[0])
+        entry["note"] = row["note"]
+        table.append(entry)
     frame = pd.DataFrame(table)
     frame.to_csv(out / "lds.csv", index=False)
+    plot_lds(frame, out / "lds.png")
     return frame
+
+
+def plot_lds(frame: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = [c for c in frame.columns if c.startswith("LDS")]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / max(len(columns), 1)
+    for i, column in enumerate(columns):
+        ax.barh(np.arange(len(frame)) + i * width, frame[column].fillna(0), height=width, label=column)
+    ax.set_yticks(np.arange(len(frame)) + width * (len(columns) - 1) / 2, frame["method"])
+    ax.invert_yaxis()
+    ax.axvline(0, color="black", linewidth=0.5)
+    ax.set_xlabel("replay LDS of the summed test loss (Spearman)")
+    ax.set_title("all-MiniLM-L6-v2: 100 masked-LM + 40 full-finetuning steps, 800 corpus snippets")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def step_cost(cfg: Config, out: Path) -> dict:
@@ -307,11 +355,163 @@ def step_cost(cfg: Config, out: Path) -> dict:
     return result
 
 
+def states_path(out: Path) -> Path:
+    """Where ``rows`` leaves the run's final models for the peers' process (outside the repository)."""
+    return Path(tempfile.gettempdir()) / f"{out.name}_final.pt"
+
+
+ROWS = "rows.json"
+FIRST_ORDER, CORRECTED, APPROXIMATE, CHAIN = ("first-order", "first-order + EK-FAC correction (4 segments)",
+                                              "approximate unrolling (EK-FAC, 4 segments)",
+                                              "influence functions (Chain defaults, Case 2 α = 0.01)")
+KRONFLUENCE, TRAK = "kronfluence 1.0.1 EK-FAC (final model)", "TRAK 0.3.2 (proj_dim 128, final model)"
+
+
+class PeakRss:
+    """The peak resident set size of this process while the block runs (MiB), sampled every 0.1 s from
+    /proc/self/status (``ru_maxrss`` only grows over the process's life, so it cannot tell rows of one process
+    apart)."""
+
+    def __enter__(self):
+        self.peak, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self):
+        while True:
+            self.peak = max(self.peak, current_rss_mib())
+            if self._stop.wait(0.1):
+                return
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, current_rss_mib())
+        return False
+
+
+def current_rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+def summed(results) -> np.ndarray:
+    """(n_corpus,) d(summed test loss) / d w_z from a per-stage result list (per-test columns summed)."""
+    values = results[0].values.detach().double().numpy()
+    return values.sum(axis=1) if values.ndim == 2 else values
+
+
+def chain_scores(run: Run, cfg: Config) -> np.ndarray:
+    """ik.Chain at its defaults on the two trained models: every weight of each stage, a proximal link at α = 0.01."""
+    mlm, clf = run.models
+    pre = hf.masked_lm_stage(mlm.eval(), run.data.corpus_batch, tokenizer=run.data.tokenizer, seed=cfg.seed)
+    fin = hf.classification_stage(clf.eval(), run.data.train[1])
+    shared = {n: n for n, _ in mlm.named_parameters() if n.startswith("bert.")}  # the encoder (no pooler in stage 1)
+    chain = ik.Chain([pre, fin], [ik.Link(shared, case=2, alpha=0.01)], progress=False).fit()
+    return summed([chain.query(hf.pack(run.data.test[1]), per_test=True).scores()])  # stage 1: the corpus
+
+
+def methods(cfg: Config) -> dict:
+    return {FIRST_ORDER: lambda run: summed(ik.unrolled.first_order(run.record, run.test, progress=False)),
+            CHAIN: lambda run: chain_scores(run, cfg),
+            APPROXIMATE: lambda run: summed(ik.unrolled.approximate(run.record, run.test, segments=4,
+                                                                    curvature="ekfac", basis="shared",
+                                                                    progress=False)),
+            CORRECTED: lambda run: summed(ik.unrolled.first_order(run.record, run.test, correction="ekfac",
+                                                                  segments=4, progress=False))}
+
+
+def scored_rows(out: Path) -> set[str]:
+    """The methods rows.json holds scores of (a failed one, its note its error, is tried again)."""
+    table = json.loads((out / ROWS).read_text()) if (out / ROWS).exists() else {}
+    return {name for name, row in table.items() if not row["note"]}
+
+
+def write_row(out: Path, name: str, scores: np.ndarray, seconds: float, peak: float, note: str = "") -> None:
+    path = out / ROWS
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table[name] = {"seconds": seconds, "peak RSS (MiB)": peak, "note": note, "scores": [float(v) for v in scores]}
+    path.write_text(json.dumps(table, indent=1))
+
+
+def step_rows(cfg: Config, out: Path, chosen: list[str] | None = None) -> None:
+    """Train and record again (the same run: its fingerprint checked), keep the final models for ``peers``, then
+    each cheaper method's (those whose names start with one of ``chosen``, all if None) summed-test-loss scores with its seconds and peak RSS, one entry of rows.json as each
+    finishes (a re-run skips what is there; a method that fails is recorded with its error)."""
+    torch.set_num_threads(1)
+    run = train(cfg)
+    checked(run)
+    summary = json.loads((out / "summary.json").read_text())
+    assert fingerprint(run.models) == summary["final weights fingerprint"], "not the run the exact row scored"
+    torch.save([m.state_dict() for m in run.models], states_path(out))
+    done = scored_rows(out)
+    for name, score in methods(cfg).items():
+        if name in done or (chosen and not any(name.startswith(c) for c in chosen)):
+            continue
+        with PeakRss() as rss:
+            begin = time.perf_counter()
+            try:
+                scores, note = score(run), ""
+            except Exception as exc:  # a method failing on this run is a result: recorded
+                scores, note = np.full(len(run.data.corpus), np.nan), f"{type(exc).__name__}: {exc}"
+            seconds = time.perf_counter() - begin
+        write_row(out, name, scores, seconds, rss.peak, note)
+        print(f"{name}: {seconds:.0f} s, {rss.peak:.0f} MiB {note}", flush=True)
+
+
+def peer_task(cfg: Config, out: Path):
+    """What studies.fidelity_minilm's peer adapters read, for the final model: the masked-LM stage over every
+    encoder layer of a masked LM whose encoder is the finetuned classifier's and whose head is stage 1's, and the
+    finetuned classifier."""
+    from types import SimpleNamespace
+
+    path, data = load(cfg)
+    mlm = hf.pretrained(BertForMaskedLM, path, seed=cfg.seed, attn_implementation="eager", **DROPOUT)
+    clf = hf.pretrained(BertForSequenceClassification, path, num_labels=2, seed=cfg.seed + 1,
+                        attn_implementation="eager", **DROPOUT)
+    mlm_state, clf_state = torch.load(states_path(out))
+    mlm.load_state_dict(mlm_state)
+    clf.load_state_dict(clf_state)
+    assert fingerprint((mlm, clf)) == json.loads((out / "summary.json").read_text())[
+        "final weights fingerprint"], "the saved models are not the run's"
+    mlm.bert.load_state_dict(clf.bert.state_dict(), strict=False)  # the finetuned encoder under stage 1's head
+    layers = [f"bert.encoder.layer.{i}" for i in range(mlm.config.num_hidden_layers)]
+    pre = hf.masked_lm_stage(mlm.eval(), data.corpus_batch, tokenizer=data.tokenizer, seed=cfg.seed, params=layers)
+    fin = hf.classification_stage(clf.eval(), data.train[1])
+    ex = SimpleNamespace(shared_names=lambda _: layers)
+    return SimpleNamespace(trained=SimpleNamespace(pre=pre, fin={"case1": fin}), ex=ex, cfg=cfg, data=data,
+                           n=len(data.corpus), q=len(data.test[0]))
+
+
+def step_peers(cfg: Config, out: Path) -> None:
+    """kronfluence and TRAK (the bench venv's python) on the final model, one rows.json entry each."""
+    from studies import fidelity_minilm
+
+    torch.set_num_threads(1)
+    task = peer_task(cfg, out)
+    done = scored_rows(out)
+    peers = ((KRONFLUENCE, fidelity_minilm.kronfluence_scores), (TRAK, partial(fidelity_minilm.trak_scores, batch=8)))
+    for name, score in peers:
+        if name in done:
+            continue
+        with PeakRss() as rss:
+            begin = time.perf_counter()
+            try:
+                scores, note = np.asarray(score(task)).sum(axis=1), ""
+            except Exception as exc:
+                scores, note = np.full(task.n, np.nan), f"{type(exc).__name__}: {exc}"
+            seconds = time.perf_counter() - begin
+        write_row(out, name, scores, seconds, rss.peak, note)
+        print(f"{name}: {seconds:.0f} s, {rss.peak:.0f} MiB {note}", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=("run", "table", "cost"))
+    parser.add_argument("step", choices=("run", "rows", "peers", "table", "cost"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--methods", nargs="*", help="rows: the methods to score (name prefixes; default all)")
     args = parser.parse_args(argv)
     from benchmarks.manifest import record
 
@@ -321,9 +521,12 @@ def main(argv=None) -> int:
         step_run(cfg, out, not args.no_progress)
         print(step_table(out).to_string(index=False))
         files = [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name != "MANIFEST.json"]
+    elif args.step in ("rows", "peers"):
+        step_rows(cfg, out, args.methods) if args.step == "rows" else step_peers(cfg, out)
+        files = [ROWS]
     elif args.step == "table":
-        print(step_table(out).to_string(index=False))
-        files = ["lds.csv"]
+        print(step_table(out).drop(columns="note").to_string(index=False))
+        files = ["lds.csv", "lds.png"]
     else:
         print(json.dumps(step_cost(replace(QUICK, checkpoint_every=2) if args.quick else COST, out), indent=2))
         files = ["cost.json"]

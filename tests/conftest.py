@@ -23,7 +23,7 @@ torch.set_default_dtype(torch.float64)
 # what an optional dependency is installed by: tests needing one skip, saying so, where it is missing
 INSTALLED_BY = {"sklearn": "influkit[apps]", "matplotlib": "influkit[plot]", "h5py": "influkit[elmo]",
                 "scipy": "influkit[dev] (the tests' reference statistics)", "nbformat": "influkit[dev]",
-                "nbclient": "influkit[dev]"}
+                "nbclient": "influkit[dev]", "datasets": "influkit[dev]"}
 
 
 def need(module: str):

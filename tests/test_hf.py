@@ -334,6 +334,17 @@ def test_per_example_gradients_vectorize():
     torch.testing.assert_close(fast, per_example_grads_serial(pre, x, y), rtol=1e-10, atol=1e-12)
 
 
+def test_a_tokenizer_built_from_a_trained_vocabulary_encodes_as_the_trained_one():
+    texts = ["the cat sat on the mat .", "a dog barked at the cat !", "cats and dogs are not friends ?"] * 5
+    trained = hf.train_wordpiece(texts, vocab_size=60, min_frequency=1)
+    vocabulary = trained.convert_ids_to_tokens(list(range(len(trained))))
+    rebuilt = hf.wordpiece_tokenizer(vocabulary)
+    assert rebuilt.convert_ids_to_tokens(list(range(len(rebuilt)))) == vocabulary
+    assert rebuilt(texts + ["an unseen zebra"])["input_ids"] == trained(texts + ["an unseen zebra"])["input_ids"]
+    with pytest.raises(ik.InputError, match=r"\[MASK\]"):
+        hf.wordpiece_tokenizer([t for t in vocabulary if t != "[MASK]"])
+
+
 def test_train_wordpiece_gives_a_bert_tokenizer():
     texts = ["the cat sat on the mat .", "a dog barked at the cat !", "cats and dogs are not friends ?"] * 5
     tok = hf.train_wordpiece(texts, vocab_size=80, min_frequency=1)

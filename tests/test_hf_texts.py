@@ -22,6 +22,7 @@ pytest.importorskip("pandas")
 import influkit as ik  # noqa: E402
 from influkit import hf  # noqa: E402
 from influkit.cli import main as cli_main  # noqa: E402
+from conftest import need  # noqa: E402
 
 CORPUS = ["the movie was great fun", "a dull and boring film", "great acting and a great story", "boring plot",
           "the food was great", "an awful boring meal", "fun for the whole family", "the story was dull"]
@@ -97,8 +98,7 @@ def test_corpus_and_queries_are_checked(model_dir, tmp_path):
 
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")
 def test_a_datasets_dataset_is_read_as_the_corpus(model_dir):
-    datasets = pytest.importorskip("datasets")
-    dataset = datasets.Dataset.from_dict({"body": CORPUS, "label": list(range(len(CORPUS)))})
+    dataset = need("datasets").Dataset.from_dict({"body": CORPUS, "label": list(range(len(CORPUS)))})
     assert hf.read_corpus(dataset, "body") == CORPUS
     with pytest.raises(ik.InputError, match="text_field"):
         hf.read_corpus(dataset)

@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-from test_hf_trainer_record import (LABELS, TEXTS, arguments, central_difference, config, examples,  # noqa: E402
-                                    pretrain)
+from test_hf_trainer_record import (LABELS, TEXTS, VOCAB, arguments, central_difference, config,  # noqa: E402
+                                    examples, pretrain)
 from transformers import (BertForMaskedLM, BertForSequenceClassification, DataCollatorForLanguageModeling,  # noqa: E402
                           DataCollatorWithPadding, Trainer)
 
@@ -22,7 +22,7 @@ from influkit import hf  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return hf.train_wordpiece(TEXTS * 2, vocab_size=60)
+    return hf.wordpiece_tokenizer(VOCAB)
 
 
 def lora_classifier(tokenizer, mlm, **lora):

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     from transformers import BertForMaskedLM, DataCollatorForLanguageModeling, Trainer
     import test_hf_trainer_record as t
 
-    tokenizer = hf.train_wordpiece(t.TEXTS * 2, vocab_size=60)  # as its fixture builds it
+    tokenizer = hf.wordpiece_tokenizer(t.VOCAB)  # as its fixture builds it
     torch.manual_seed(0)
     model = BertForMaskedLM(t.config(tokenizer)).double()
     before = {{n: p.detach().clone() for n, p in model.named_parameters()}}

@@ -75,3 +75,30 @@ def test_each_way_of_pulling_several_measures_carries_the_padding_row(pull):
     for j in range(len(x)):
         alone = ik.unrolled.metagradients(record, (x[j:j + 1], y[j:j + 1]))[0]
         torch.testing.assert_close(per_test.values[:, j], alone.values, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_first_order_through_a_fed_padding_row_equals_the_exact_metagradient_of_one_step(optimizer):
+    """One step from fixed initial weights has no curvature to drop: d f(θ_1) / d w_z is the step's pullback dotted
+    with example z's gradient, whose padding row gets nothing from the positions that feed it. The first-order
+    pass must follow the embedding's rule (it fails with a plain directional derivative of the loss)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 7, (12, 4), generator=gen)
+    targets = torch.randint(1, 7, (12,), generator=gen)
+    torch.manual_seed(0)
+    model = TiedBag().double()
+    with torch.no_grad():
+        model.embedding.weight[0] = torch.randn(3, generator=gen, dtype=torch.float64)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=0.05))
+    loader = DataLoader(TensorDataset(ids, targets), batch_size=12)
+    record = ik.unrolled.Record()
+    with record.watch(model, opt, loader, cross_entropy):
+        for x, y in loader:
+            cross_entropy(model(x), y).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    test = (ids[:3], targets[:3])
+    exact = ik.unrolled.metagradients(record, test)[0].values
+    first = ik.unrolled.first_order(record, test, progress=False)[0].values
+    torch.testing.assert_close(first, exact, rtol=1e-10, atol=1e-14)

@@ -335,7 +335,7 @@ def test_a_bf16_run_replays_bit_for_bit_and_its_float32_derivative_is_the_float3
     """bf16 autocast: the record repeats the run bit for bit (the watched run is the plain one); the metagradient,
     taken in float32 along the bf16 trajectory, equals the float32 run's exact metagradient to bf16's precision:
     the two trajectories differ by a few units of bf16's roundoff u = 2⁻⁸ per step, so their derivatives differ by
-    a few u relatively — measured 0.64 %, asserted below 3 % (≈ 8u). (Central differences of the bf16 re-run do not
+    a few u relatively — measured 0.58 %, asserted below 3 % (≈ 8u). (Central differences of the bf16 re-run do not
     resolve the derivative: each replayed step rounds its gradient to 8 bits, so a weight change of 10⁻² moves the
     measure by steps of that rounding — measured 60 % off the float32 run's metagradient as well.)"""
     record, plain = Record(), autocast_run(None, torch.bfloat16)

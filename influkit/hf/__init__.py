@@ -56,7 +56,7 @@ from .snippets import SOURCES, Snippet, rated_snippets
 from .stages import causal_lm_stage, classification_stage, masked_lm_batch, masked_lm_stage
 from .texts import TextAttribution, explain, read_corpus
 from .tokens import TokenQueries, token_queries
-from .tokenizer import BPE_SPECIAL_TOKENS, SPECIAL_TOKENS, train_bpe, train_wordpiece
+from .tokenizer import BPE_SPECIAL_TOKENS, SPECIAL_TOKENS, train_bpe, train_wordpiece, wordpiece_tokenizer
 from .trainer import RecordCallback
 
 __all__ = [
@@ -102,4 +102,5 @@ __all__ = [
     "train_bpe",
     "train_wordpiece",
     "unpack",
+    "wordpiece_tokenizer",
 ]

@@ -32,9 +32,12 @@ model's loss, and the Trainer's accumulation divisor, read from the gradient its
 Links: Case 1 (the shared block frozen, ``requires_grad_(False)``), plain finetuning of every weight
 (``link=ik.Link.finetune(shared)``: the stage starts from the previous stage's values) and LoRA (peft adapters on a
 frozen base, ``link=hf.lora_link(pretrained, peft_model, shared=...)``; plain LoRA, a variant such as DoRA refused).
+Mixed precision ``bf16=True`` (accelerate's autocast inside the model's forward): the run is recorded with its
+autocast and replayed under it bit for bit; the metagradient is the float32 derivative along that trajectory
+(:mod:`influkit.unrolled.metagradient`), replay calling the model's own forward where accelerate wrapped it.
 
-Refused before the first step, every reason in one :class:`~influkit.errors.NotReplayable`: ``fp16`` / ``bf16``,
-more than one process, label smoothing, a Case 2 link with α > 0 (the Trainer adds no proximal term), an attention
+Refused before the first step, every reason in one :class:`~influkit.errors.NotReplayable`: ``fp16`` (its
+GradScaler's loss scale and skipped steps are not recorded), more than one process, label smoothing, a Case 2 link with α > 0 (the Trainer adds no proximal term), an attention
 implementation other than ``"eager"`` or ``"sdpa"``, an iterable train dataset, and what
 :func:`~influkit.unrolled.watch.check_replayable` refuses in the model and optimizer.
 """
@@ -81,8 +84,25 @@ class TrainerModel(HFModel):
     it); returns its logits."""
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        with sdpa_kernel([SDPBackend.MATH]):
+        with sdpa_kernel([SDPBackend.MATH]), own_forward(self.hf_model):
             return self.hf_model(**{f: inputs[:, c] for c, f in enumerate(self.fields)}).logits
+
+
+@contextmanager
+def own_forward(model: nn.Module):
+    """The model's own forward for the block, where a mixed-precision Trainer left accelerate's autocast wrapper on
+    it (``model._original_forward``): replay sets the run's precision itself, and the float32 derivative along a
+    bf16 run needs the forward without autocast."""
+    original = model.__dict__.get("_original_forward")
+    wrapped = model.__dict__.get("forward")
+    if original is None or wrapped is None:
+        yield
+        return
+    model.forward = original
+    try:
+        yield
+    finally:
+        model.forward = wrapped
 
 
 ATTENTION = ("eager", "sdpa")  # attention implementations a recorded run replays (sdpa on its MATH backend)
@@ -126,6 +146,7 @@ class _TrainerWatch(Watch):
         stage = eval_stage(model, lambda: Stage(TrainerModel(model, fields), trainer_losses, data, params=[
             n for n, _ in model.named_parameters() if n in trained]))
         self.fields, self.max_grad_norm = fields, args.max_grad_norm
+        self.mixed = (args.device.type, torch.bfloat16) if args.bf16 else None  # accelerate's autocast
         self._setup(record, model, optimizer, groups, stage, loader, link=link, checkpoint_every=checkpoint_every)
         self.run.inputs = []
         self.run.widths = []
@@ -138,6 +159,10 @@ class _TrainerWatch(Watch):
     def _forward(self, module, args, kwargs) -> None:
         with self._closing_on_error():
             super()._forward(module, args, kwargs)
+
+    def _precision(self, state) -> None:
+        """The run's autocast: a bf16 Trainer's (accelerate enters it inside the model's forward, after this hook)."""
+        super()._precision(state or self.mixed)
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         with self._closing_on_error():
@@ -220,11 +245,11 @@ def trainer_refusals(args, model: nn.Module, loader, link: Link | None) -> list[
     """Every reason the Trainer's settings keep its run from being replayed, each naming its fix (module
     docstring); the model and optimizer are checked by :func:`~influkit.unrolled.watch.check_replayable`."""
     reasons = []
-    if getattr(args, "fp16", False) or getattr(args, "bf16", False):
-        reasons.append("the Trainer trains in fp16 / bf16 (mixed precision), which its callback does not replay "
-                       "(accelerate's autocast wraps the model's forward, out of replay's reach); set fp16=False and "
-                       "bf16=False, or record a torch.optim loop under torch.autocast(dtype=torch.bfloat16) with "
-                       "record.watch.")
+    if getattr(args, "fp16", False):
+        reasons.append("the Trainer trains in fp16: its GradScaler multiplies the loss by a scale that it halves and "
+                       "doubles as gradients overflow, and skips the steps whose gradients overflowed, none of which "
+                       "the record holds; train in bf16 (bf16=True, replayed at its own precision) or float32 "
+                       "(fp16=False).")
     if args.world_size > 1:
         reasons.append(
             f"the Trainer runs on {args.world_size} processes (torchrun / DDP): each step's gradient is averaged over "

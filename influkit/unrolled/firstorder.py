@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import pandas as pd
@@ -148,10 +149,6 @@ def carry(record: Record, adjoint: dict, q: int, *, fix: Correction | None = Non
 
 def refuse_uncovered(run: StageRun, fix: Correction | None = None) -> None:
     """Refuse, with the fix, what the first-order pass does not cover."""
-    if run.padding is not None:
-        raise InputError("first_order does not yet carry an embedding's padding row (its gradient is zero by the "
-                         "embedding's own rule, which a directional derivative does not follow); use "
-                         "ik.unrolled.metagradients (exact) for this model.")
     if fix is not None and (run.inputs is not None or (run.weights is not None and
                                                        not bool((run.weights == run.weights[0]).all()))):
         raise InputError("the curvature correction uses the stage's own data at one weight per example; a Trainer "
@@ -210,8 +207,16 @@ def example_terms(run: StageRun, t: int, theta: dict, x: torch.Tensor, y: torch.
     """((q, |B|) ∂(g_t · ḡ_j)/∂w_z for the batch, {fixed name: (q, *shape) ∂²L_t/∂S̄∂θ · ḡ_j}) for the q directions
     ḡ_j (``direction``: name → (q, *shape)): per micro-batch, the ``jvp`` of its data term along ḡ_j, differentiated
     in the data weights (and, for a Case 1 fixed block, in it) by reverse mode through that ``jvp`` — the losses
-    themselves are forward only."""
+    themselves are forward only. An embedding's padding row is fed at the positions that feed its token as a value
+    of its own (:mod:`.padding`): constant in θ, as the step's gradient holds it, and a function of the fixed block
+    for the mixed term."""
     fixed = {n: run.anchors[n] for n in run.frozen}
+
+    def feeding(block: dict):
+        if run.padding is None:
+            return nullcontext()
+        rows = run.padding.values({n: v.detach() for n, v in (run.anchors | theta).items()} | block)
+        return run.padding.feeding(rows)
 
     def column(d: dict) -> tuple[torch.Tensor, dict]:
         terms, mixed = [], {n: torch.zeros_like(v) for n, v in fixed.items()}
@@ -225,10 +230,13 @@ def example_terms(run: StageRun, t: int, theta: dict, x: torch.Tensor, y: torch.
 
             with replaying(rng, run.mode_list()):
                 if fixed:
-                    through_w, through_block = grad(directional, argnums=(1, 0))(fixed, w[part])
+                    def fed(block, weights):
+                        with feeding(block):
+                            return directional(block, weights)
+                    through_w, through_block = grad(fed, argnums=(1, 0))(fixed, w[part])
                     mixed = {n: mixed[n] + through_block[n] for n in mixed}
                 else:  # the data term is linear in w: its w-derivative is the losses' jvp over the divisor
-                    with run.precision(True):
+                    with run.precision(True), feeding({}):
                         losses = jvp(lambda th: run.stage.losses(th, xp, yp), (theta,), (d,))[1]
                     divisors = divisor if isinstance(divisor, tuple) else \
                         (losses.shape[0] if divisor is None else divisor,)

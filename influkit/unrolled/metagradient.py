@@ -63,8 +63,10 @@ slower than the ways above wherever it was measured, so it is not used.
 Mixed precision (a run recorded under ``torch.autocast``, bf16): every step is replayed at the run's own precision,
 so the trajectory θ_t is the recorded one bit for bit, and each step's gradient graph — H_t ḡ_t, the shared block's
 and the examples' terms — is taken again in the parameters' dtype (float32) at that θ_t: the derivative of the
-float32 training map along the bf16 trajectory (one more gradient per step). The optimizer's pullback uses the
-step's own gradient.
+float32 training map along the bf16 trajectory (one more gradient per step). The optimizer's update is linearized
+there too, at the float32 gradient: at the bf16 step's own gradient, a coordinate that bf16 rounding cancelled to
+(nearly) 0 would give Adam's pullback its largest factor 1/ε (10⁸) where the float32 map's is ε/g² — one such
+coordinate at a first step put a recorded bf16 Trainer's metagradient 10⁴ times off the float32 run's.
 
 Ranks (``torch.distributed``, as :meth:`influkit.Query.scores`): a step is split into the gradient of the batch's
 loss, g_t = Σ_r g_t^r with rank r's contiguous share of B_t (:func:`influkit.distributed.shard`; R(θ) and the
@@ -342,14 +344,18 @@ def _forward_step(run: StageRun, t: int, theta, state, anchors, pull: str):
                 gradient_graph = _Pullback(gradient, {("theta", n): v for n, v in theta.items()}
                                            | {("anchor", n): v for n, v in anchors.items()} | {"w": w})
                 g = {n: gradient_graph.outputs["gradient", n] for n in theta}
-            if run.autocast is not None:  # the step's values at the run's own precision; the graph's in float32
-                g = run.gradient(t, _detached(theta), anchors, (xs, ys, w.detach()), size=idx.numel(), penalties=lead)
+            # the step's values at the run's own precision; the graph's, and the update's linearization, in float32
+            recorded = None if run.autocast is None else \
+                run.gradient(t, _detached(theta), anchors, (xs, ys, w.detach()), size=idx.numel(), penalties=lead)
         else:
             g = {n: torch.zeros_like(v) for n, v in theta.items()}
+            recorded = None if run.autocast is None else g
     with torch.no_grad():
         g = {n: _summed(v.detach()) for n, v in g.items()}
-        new_theta, new_state, pullback = run.update_vjp(t, _detached(theta),
-                                                        {slot: _detached(s) for slot, s in state.items()}, g)
+        theta, state = _detached(theta), {slot: _detached(s) for slot, s in state.items()}
+        new_theta, new_state, pullback = run.update_vjp(t, theta, state, g)
+        if recorded is not None:
+            new_theta, new_state = run.update(t, theta, state, {n: _summed(v.detach()) for n, v in recorded.items()})
     return new_theta, new_state, (ids, _Update(pullback), gradient_graph)
 
 

@@ -212,16 +212,21 @@ class StageRun:
         pure function, composable with torch.func transforms); True ``torch.autograd.grad(create_graph=True)`` from
         θ as autograd leaves (a graph to pull back through). rows: the embeddings' padding rows fed as inputs of
         their own (:class:`~.padding.PaddingRows`; the reverse pass adds their cotangents). mixed: as
-        :meth:`objective`."""
+        :meth:`objective`; under the recorded autocast the gradient is a value only (``torch.autograd.grad`` from
+        detached copies of θ: torch.func.grad fails on scaled_dot_product_attention under autocast), the
+        metagradient's graphs are taken without it."""
         x, y, w = batch
+        values = mixed and self.autocast is not None and not graph
         total = None
         for part, rng, divisor, width in self.micro_batches(t, x.shape[0], size):
             xp, yp = cropped(x[part], y[part], width)
             with replaying(rng, self.mode_list()), self._feeding(rows):
-                if graph:
-                    loss = self.objective(theta, anchors, xp, yp, w[part], size=divisor, penalties=penalties,
-                                          mixed=mixed)
-                    g = dict(zip(theta, torch.autograd.grad(loss, list(theta.values()), create_graph=True)))
+                if graph or values:
+                    leaves = {n: v.detach().requires_grad_() for n, v in theta.items()} if values else theta
+                    with torch.enable_grad():
+                        loss = self.objective(leaves, anchors, xp, yp, w[part], size=divisor, penalties=penalties,
+                                              mixed=mixed)
+                        g = dict(zip(theta, torch.autograd.grad(loss, list(leaves.values()), create_graph=graph)))
                 else:
                     g = grad(self.objective)(theta, anchors, xp, yp, w[part], size=divisor, penalties=penalties,
                                              mixed=mixed)
