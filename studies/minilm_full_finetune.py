@@ -309,7 +309,7 @@ def plot_lds(frame: pd.DataFrame, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     columns = [c for c in frame.columns if c.startswith("LDS")]
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / max(len(columns), 1)
     for i, column in enumerate(columns):
         ax.barh(np.arange(len(frame)) + i * width, frame[column].fillna(0), height=width, label=column)
@@ -317,7 +317,7 @@ def plot_lds(frame: pd.DataFrame, path: Path) -> None:
     ax.invert_yaxis()
     ax.axvline(0, color="black", linewidth=0.5)
     ax.set_xlabel("replay LDS of the summed test loss (Spearman)")
-    ax.set_title("all-MiniLM-L6-v2: 100 masked-LM + 40 full-finetuning steps, 800 corpus snippets")
+    ax.set_title("all-MiniLM-L6-v2: 100 masked-LM + 40 full-finetuning steps, 800 corpus snippets", fontsize=9)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
