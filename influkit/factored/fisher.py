@@ -147,8 +147,10 @@ class PseudoGradients:
         if fisher not in FISHER:
             raise InputError(f"unknown fisher {fisher!r}; choose one of {FISHER}.")
         self.loss, self.fisher = loss, fisher
-        self.declared: Categorical | None = getattr(loss, "categorical", None) if fisher == "sampled" else None
-        if self.declared is not None:
+        self.declared: Categorical | None = getattr(loss, "categorical", None) if fisher != "exact" else None
+        if fisher == "empirical":
+            self.family, self.class_dim = "", 0
+        elif self.declared is not None:
             self.family, self.class_dim = "categorical", self.declared.class_dim
         else:
             self.family, self.class_dim = detect_family(loss, outputs, targets) if fisher == "sampled" else ("", 0)
@@ -186,7 +188,8 @@ class PseudoGradients:
         """
         f = outputs.detach()
         if self.fisher == "empirical":
-            return self._loss_gradient(f, targets)[None]
+            return (self._declared_gradient(f, targets) if self.declared is not None
+                    else self._loss_gradient(f, targets))[None]
         if self.fisher == "exact":
             return self._hessian_root(f, targets)
         with torch.no_grad():
@@ -229,6 +232,26 @@ class PseudoGradients:
         u[keep] = probs.to(f.dtype)
         u = u.reshape(logits.shape)
         return u if self.class_dim == -1 else u.movedim(-1, 1)
+
+    def _declared_gradient(self, f: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """∇_f ℓ of a declared categorical loss ℓ_i = c_i Σ_t CE(f_it, y_it): c_i (softmax(f_it) − onehot(y_it)) at the
+        labelled positions, 0 elsewhere — in float64 on those positions only (a masked-LM batch labels 15% of them;
+        autograd through the loss would take the log-softmax of every position's vocabulary-sized row)."""
+        declared = self.declared
+        logits = f if declared.class_dim == -1 else f.movedim(declared.class_dim, -1)
+        classes, batch = logits.shape[-1], f.shape[0]
+        rows = logits.reshape(-1, classes)
+        labels = (declared.targets(targets) if declared.targets is not None else targets).reshape(-1).to(rows.device)
+        scale = (declared.weights(targets).to(torch.float64) if declared.weights is not None
+                 else torch.ones(batch, dtype=torch.float64)).to(rows.device)
+        keep = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+        probs = torch.softmax(rows[keep].to(torch.float64), dim=-1)
+        probs[torch.arange(keep.numel(), device=rows.device), labels[keep]] -= 1.0
+        per_row = scale.repeat_interleave(rows.shape[0] // batch if batch else 0)
+        u = torch.zeros_like(rows)
+        u[keep] = (probs * per_row[keep, None]).to(f.dtype)
+        u = u.reshape(logits.shape)
+        return u if declared.class_dim == -1 else u.movedim(-1, declared.class_dim)
 
     def _loss_gradient(self, f: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
