@@ -338,7 +338,7 @@ class FactorFit:
         self.sizing = {"phase": "factor fitting", "budget": budget, "fixed_bytes": fixed, "diagonal_layers": sorted(self.wide)}
         self.statistics_bytes = 0  # per example, the layer statistics one batch keeps (set by the probe)
         self.sums = GradientSums() if gradient else None  # the true-label gradients, summed in the first pass
-        self.truth: PseudoGradients | None = None  # their output-gradients, when the pseudo-gradients are not them
+        self.pseudo: PseudoGradients | None = None  # the pass's pseudo-gradients' maker (made on its first batch)
         # a LayerNorm's per-example gradients from its hooks where the pass forms no rows of its own for the squares
         self.measured = self._measured_layers() if gradient and (fisher != "empirical" or not settings.statistics) else []
         if batch_size is None:
@@ -357,7 +357,6 @@ class FactorFit:
         self.diag_total: torch.Tensor | None = None  # Σ squared per-example gradients of the diagonal-block parameters
         self.cache: list | None = None  # the first pass's (a, g) per batch, for EK-FAC's correction
         self.dead: dict[str, str] = {}
-        self.pseudo: PseudoGradients | None = None
         self.objective: ObjectiveGradient | None = None
         self.passes = 0
         self.seconds: dict[str, float] = {}
@@ -411,10 +410,9 @@ class FactorFit:
         return measured_layers(self.stage.model, self.diag_names)
 
     def _true_labels(self, outputs, targets):
-        """The true-label output-gradients' maker (the empirical Fisher's), made once from the first batch."""
-        if self.truth is None:
-            self.truth = PseudoGradients(self.stage.loss, "empirical", outputs, targets)
-        return self.truth(outputs, targets)
+        """(1, *outputs.shape) the true-label output-gradients, from the pass's pseudo-gradients' maker
+        (:meth:`.fisher.PseudoGradients.true_gradient`: a categorical loss's in closed form)."""
+        return self._labels(outputs, targets).true_gradient(outputs, targets)[None]
 
     def stream(self, label: str, consume, *, diagonal: bool, keep: bool = False, sums: "GradientSums | None" = None) -> None:
         """One pass over this rank's examples: ``consume(layer, a, g)`` for each tracked layer and batch; with

@@ -57,7 +57,10 @@ class GradientSums:
     def add_summed(self, gradients: dict) -> None:
         """Add one batch's gradient Σ_i ∇ℓ_i of each parameter, without the per-example squared norms."""
         for name, summed in gradients.items():
-            self._sum(name, summed.reshape(-1).to(torch.float64))
+            if name in self.total:
+                self.total[name].add_(summed.reshape(-1))  # into the float64 sum in place: no float64 copy per batch
+            else:
+                self.total[name] = summed.reshape(-1).to(torch.float64)
             self.unmeasured.add(name)
 
     def add_layer(self, layer: Layer, a: torch.Tensor, g: torch.Tensor) -> None:
