@@ -209,6 +209,7 @@ def chain_summary(out: Path) -> None:
                            "fit_s": r["fit_s"], "query_s": r["query_s"], "check_s": r["check_s"],
                            "check_share": r["check_share"], "check_products": sum(r["check_products"]),
                            "verdicts": "/".join(s["verdict"] for s in r["stages"]),
+                           "gradients": "/".join(s.get("gradient_source", "data") for s in r["stages"]),
                            "eigenvalues": "/".join(s.get("eigenvalue_source", "lanczos") for s in r["stages"]),
                            "solvers": "/".join(r["solvers"]), "load_1min": r["load_at_start"][0]} for r in rows])
     frame = frame.sort_values(["model", "stage_1", "setting", "label"])
