@@ -529,7 +529,8 @@ def token_losses(logits, labels):
                                    ik.SolveConfig(solver="minres", damping=1e-2, max_iter=2)])
 def test_a_tied_decoder_gets_its_exact_gradient_from_the_pass_and_only_its_norms_from_a_sample(solve, monkeypatch):
     """A decoder tied to the word embeddings: the EK-FAC fit's data pass (sampled labels) or the check's hooked pass
-    gives ∇L exactly — the tied weight's and the decoder bias's batch gradient from the same backward — with no
+    gives ∇L exactly — the tied weight's and the decoder bias's batch gradient from the same backward, the decoder's
+    part on the labelled positions only (every batch's true-label backward starts below it) — with no
     gradient pass of the check's own and no per-example rows over every example (counted: one per-example pass,
     over light_sample(n) examples and the two unhooked parameters only); g² is the hooked parameters' mean over
     every example plus those two parameters' mean over that seeded sample; the verdict is the full check's."""
@@ -538,8 +539,11 @@ def test_a_tied_decoder_gets_its_exact_gradient_from_the_pass_and_only_its_norms
     from influkit.gradients import per_example_grad_rows
     from influkit.params import ParamSpace
 
+    import influkit.factored.fit as factored
+
     gen = torch.Generator().manual_seed(3)
     ids, labels = torch.randint(0, 11, (40, 5), generator=gen), torch.randint(0, 11, (40, 5), generator=gen)
+    labels[torch.rand(40, 5, generator=gen) < 0.6] = -100  # masked-LM-like: most positions carry no gradient
     torch.manual_seed(0)
     stage = ik.Stage(TiedLM().double().eval(), token_losses, (ids, labels), regularizer=l2(1e-2), batch_size=16)
     names = stage.param_names
@@ -556,8 +560,9 @@ def test_a_tied_decoder_gets_its_exact_gradient_from_the_pass_and_only_its_norms
     monkeypatch.setattr(stationarity, "per_example_grad_rows",
                         lambda st, x, y, nms, **kw: passes.append((x.shape[0], list(nms))) or original(st, x, y, nms, **kw))
     monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a gradient pass over all the data"))
+    heads = spy(monkeypatch, factored, "head_backward", "none")
     where = ik.Chain([stage], solve=solve, progress=False).fit().positions[0]
-    assert passes == [(8, unhooked)]
+    assert passes == [(8, unhooked)] and len(heads) == 3  # the true-label backward of each batch of 16, 16, 8
     expected = "fit+sample" if solve.solver == "ekfac" else "pass+sample"
     assert (where.gradient_source, where.sample, where.gradient_bound) == (expected, 8, 0.0)
     assert where.objective_gradient == pytest.approx(norm, rel=1e-12)

@@ -60,6 +60,8 @@ from .approximations import APPROXIMATIONS
 from .blocks import DiagonalBlock, KroneckerBlock, layer_index
 from .fisher import FISHER, PseudoGradients
 from .gradient import GradientSums, ObjectiveGradient
+from .head import HeadRecorder, find_head
+from .head import backward as head_backward
 from .layers import plan_layers
 from .operator import FactoredCurvature
 from .regularizer import regularizer_diagonal
@@ -100,14 +102,16 @@ def factor_bytes(layer: Layer) -> int:
     return 16 * ((a if layer.one_hot else a * a) + g * g)
 
 
-def _forward_pass(stage, layers, leaves, x, y, pseudo_factory, truth=None, summed=()):
+def _forward_pass(stage, layers, leaves, x, y, pseudo_factory, truth=None, summed=(), heads=()):
     """One hooked forward and the backward passes of the pseudo output-gradients: ({layer: (a, g)}, U, dead layers,
     the true-label backward). truth: the true-label output-gradients' maker (:class:`.fisher.PseudoGradients` on the
     empirical Fisher), back-propagated once more through the same graph when the pseudo-gradients are not them:
     then the last item is ({layer: g (B, T, out)}, its U (B, ...), its seconds, the batch gradients), else None.
     summed: names of ``leaves`` whose batch gradient Σ_i ∇ℓ_i (no per-example row) the true-label backward also gives
-    — the last item's (None, None, 0, {name: gradient}) on the empirical Fisher, whose column 0 is that backward."""
-    with Recorder(layers, x.shape[0]) as rec, torch.enable_grad():
+    — the last item's (None, None, 0, {name: gradient}) on the empirical Fisher, whose column 0 is that backward.
+    heads: dense layers that may produce the model's output; where one does, the true-label backward (the last one
+    of the pass) runs that layer's part on the output rows that carry a gradient only (:mod:`.head`)."""
+    with Recorder(layers, x.shape[0]) as rec, HeadRecorder(heads) as head_rec, torch.enable_grad():
         outputs = stage.outputs(leaves, x)
     pseudo = pseudo_factory(outputs, y)
     u = pseudo(outputs, y)
@@ -115,13 +119,15 @@ def _forward_pass(stage, layers, leaves, x, y, pseudo_factory, truth=None, summe
     live = [layer for layer in layers if layer.name not in dead]
     handles = [(layer, inp, out) for layer in live for inp, out in rec.calls[layer.name]]
     wanted = [leaves[name] for name in summed]
+    head = find_head(head_rec, outputs, leaves) if heads else None
     per_call = [[] for _ in handles]
     batch = {}
     if handles or (wanted and truth is None):
         for j in range(u.shape[0]):
-            extra = wanted if j == 0 and truth is None else []
-            grads = torch.autograd.grad(outputs, [h[2] for h in handles] + extra, grad_outputs=u[j],
-                                        retain_graph=j < u.shape[0] - 1 or truth is not None, allow_unused=True)
+            last = j == u.shape[0] - 1 and truth is None
+            extra = summed if j == 0 and truth is None else []
+            grads = _backward(outputs, u[j], [h[2] for h in handles], extra, leaves, head if last else None,
+                              retain=not last)
             for c, ((layer, _, out), g) in enumerate(zip(handles, grads)):
                 per_call[c].append(layer.grads(torch.zeros_like(out) if g is None else g))
             batch |= _leaf_grads(summed, wanted, grads[len(handles):])
@@ -129,12 +135,21 @@ def _forward_pass(stage, layers, leaves, x, y, pseudo_factory, truth=None, summe
     if truth is not None:
         start = time.perf_counter()
         true_u = truth(outputs, y)[0]
-        grads = torch.autograd.grad(outputs, [h[2] for h in handles] + wanted, grad_outputs=true_u,
-                                    allow_unused=True) if handles or wanted else ()
+        grads = _backward(outputs, true_u, [h[2] for h in handles], summed, leaves, head,
+                          retain=False) if handles or wanted else ()
         true_calls = [[layer.grads(torch.zeros_like(out) if g is None else g)] for (layer, _, out), g in zip(handles, grads)]
         true_grads = (_pool(live, handles, true_calls, 1), true_u, time.perf_counter() - start,
                       _leaf_grads(summed, wanted, grads[len(handles):]))
     return _pool(live, handles, per_call, 0), u, dead, true_grads
+
+
+def _backward(outputs, u, targets, names, leaves, head, *, retain: bool) -> list:
+    """The gradients of ⟨outputs, u⟩ with respect to ``targets`` and the ``leaves`` named ``names``: through the
+    output layer's nonzero rows only where ``head`` is found (:func:`.head.backward`), else plain autograd."""
+    if head is not None:
+        return head_backward(outputs, u, targets, head, names, leaves)
+    return list(torch.autograd.grad(outputs, list(targets) + [leaves[name] for name in names], grad_outputs=u,
+                                    retain_graph=retain, allow_unused=True))
 
 
 def _leaf_grads(names, leaves, grads) -> dict:
@@ -339,6 +354,7 @@ class FactorFit:
         self.statistics_bytes = 0  # per example, the layer statistics one batch keeps (set by the probe)
         self.sums = GradientSums() if gradient else None  # the true-label gradients, summed in the first pass
         self.pseudo: PseudoGradients | None = None  # the pass's pseudo-gradients' maker (made on its first batch)
+        self.heads = [layer for layer in plan(stage.model, self.names)[0]] if gradient else []  # :mod:`.head`
         # a LayerNorm's per-example gradients from its hooks where the pass forms no rows of its own for the squares
         self.measured = self._measured_layers() if gradient and (fisher != "empirical" or not settings.statistics) else []
         if batch_size is None:
@@ -431,7 +447,8 @@ class FactorFit:
             hooked = list(self.tracked) + (self.measured if sums is not None else [])
             rowless = sums is not None and not (empirical and diagonal)  # no per-example rows of the diagonal blocks
             summed = self.diag_names if rowless else []  # (a measured layer found unusable on this batch among them)
-            data, u, dead, true = _forward_pass(self.stage, hooked, self.leaves, x, y, labelled, truth, summed)
+            data, u, dead, true = _forward_pass(self.stage, hooked, self.leaves, x, y, labelled, truth, summed,
+                                                heads=self.heads if rowless else ())
             for name, why in dead.items():  # found on the first batch: these layers fall back to diagonal blocks
                 if any(layer.name == name for layer in self.measured):  # its gradients by per-example passes
                     self.measured = [layer for layer in self.measured if layer.name != name]
