@@ -106,7 +106,6 @@ from .curvature import HessianOperator, gradient, penalty_gradient
 from .errors import InputError, StationarityWarning, warn
 from .factored.fisher import FactoredCurvatureError
 from .factored.fit import objective_gradient
-from .factored.gradient import shared_example_squares
 from .gradients import chunk_for, per_example_grad_rows
 from .memory import DEFAULT_EXAMPLES
 from .operators import Operator
@@ -343,9 +342,7 @@ def _gradient_pass(stage: Stage, names, extra, memory, progress: bool):
 def _completed_typical(stage: Stage, measured, seed: int, memory, least: int, progress: bool) -> tuple[float, int]:
     """(g, s): g² = the measured parameters' (1/n) Σ_i ‖∇ℓ_i‖² over every example + the mean over a seeded sample of
     s = :func:`light_sample` (n) examples of the squared norms of the ``measured.unmeasured`` parameters' per-example
-    gradients (an unbiased estimate of their share; exact when s = n): from the hooks of the layers sharing them
-    (:func:`influkit.factored.gradient.shared_example_squares`, checked against autograd on each chunk), else from
-    per-example backward passes."""
+    gradients (an unbiased estimate of their share; exact when s = n)."""
     n, names = len(stage), list(measured.unmeasured)
     size = light_sample(n)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:size].sort().values
@@ -353,16 +350,9 @@ def _completed_typical(stage: Stage, measured, seed: int, memory, least: int, pr
     row = 2 * sum(t.numel() * t.element_size() for t in values.values())  # a gradient row and vmap's copy of it
     x, y = stage.data.take(order)
     chunk = chunk_for(stage, x, y, names, None, row, "where the stage stands", memory, least)
-    squares = []
-    for start in range(0, size, chunk):
-        part = shared_example_squares(stage, names, x[start : start + chunk], y[start : start + chunk])
-        if part is None:  # some use no registered layer records: per-example backward passes
-            part = torch.cat([rows.pow(2).sum(1, dtype=torch.float64) for rows in per_example_grad_rows(
-                stage, x[start:], y[start:], names, chunk_size=chunk, progress=progress)])
-            squares.append(part)
-            break
-        squares.append(part)
-    return math.sqrt(measured.typical ** 2 + float(torch.cat(squares).mean())), size
+    squares = torch.cat([rows.pow(2).sum(1, dtype=torch.float64)
+                         for rows in per_example_grad_rows(stage, x, y, names, chunk_size=chunk, progress=progress)])
+    return math.sqrt(measured.typical ** 2 + float(squares.mean())), size
 
 
 def _gradient_norms(stage: Stage, names, extra, seed: int, memory, least: int,

@@ -8,14 +8,11 @@ inputs and true-label output-gradients and the diagonal-block parameters' per-ex
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..layers import Layer, Recorder, plan
-from ..stage import Stage
-from .fisher import PseudoGradients
+from ..layers import Layer
 
 
 @dataclass(frozen=True)
@@ -77,37 +74,3 @@ class GradientSums:
 
     def _sum(self, name: str, summed: torch.Tensor) -> None:
         self.total[name] = self.total[name] + summed if name in self.total else summed
-
-
-def shared_example_squares(stage: Stage, names: Sequence[str], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-    """(B,) float64 Σ over ``names`` of ‖∇ℓ_i‖² for the examples (x, y), from the hooks of every registered layer
-    that uses those parameters — a weight tied between the word embeddings and the decoder is the sum of both
-    layers' per-example gradients (:meth:`~influkit.layers.Layer.example_gradients`: the embedding's rows scattered,
-    the decoder's Σ_t g_t a_tᵀ) — in one forward and one true-label backward, no per-example backward pass. Checked
-    on the batch: the rows must add up to autograd's gradient of each parameter (a use outside the registered layers
-    would be missing); None where they do not, or where some parameter is in no registered layer."""
-    layers, reasons = plan(stage.model, names)
-    if any(name in reasons for name in names) or not layers:
-        return None
-    leaves = {name: t.detach().requires_grad_(True) for name, t in stage.state().items() if name in set(names)}
-    with Recorder(layers, x.shape[0]) as recorder, torch.enable_grad():
-        outputs = stage.outputs(leaves, x)
-    if recorder.misfits():
-        return None
-    u = PseudoGradients(stage.loss, "empirical", outputs, y).true_gradient(outputs, y)
-    calls = [(layer, inp, out) for layer in layers for inp, out in recorder.calls[layer.name]]
-    grads = torch.autograd.grad(outputs, [out for _, _, out in calls] + [leaves[name] for name in names],
-                                grad_outputs=u, allow_unused=True)
-    rows: dict[str, torch.Tensor] = {}
-    for (layer, inp, out), g in zip(calls, grads):
-        if g is None:
-            continue
-        for name, part in zip(layer.params, layer.example_gradients(layer.inputs(inp), layer.grads(g))):
-            rows[name] = rows[name] + part if name in rows else part
-    tol = 1e3 * torch.finfo(u.dtype).eps
-    for name, total in zip(names, grads[len(calls):]):
-        exact = torch.zeros_like(leaves[name]) if total is None else total
-        summed = rows[name].sum(0) if name in rows else torch.zeros_like(exact.reshape(-1))
-        if float((summed - exact.reshape(-1)).norm()) > tol * max(float(exact.norm()), 1e-30):
-            return None
-    return sum(part.pow(2).sum(1, dtype=torch.float64) for part in rows.values())
