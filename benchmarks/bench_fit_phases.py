@@ -204,13 +204,15 @@ def chain_summary(out: Path) -> None:
     import pandas as pd
 
     rows = json.loads((out / "chains.json").read_text())
-    frame = pd.DataFrame([{"model": r["model"], "setting": r["setting"], "label": r["label"],
+    frame = pd.DataFrame([{"model": r["model"], "stage_1": f"{r['trained'][0] / 1e6:.1f}M", "setting": r["setting"],
+                           "label": r["label"],
                            "fit_s": r["fit_s"], "query_s": r["query_s"], "check_s": r["check_s"],
                            "check_share": r["check_share"], "check_products": sum(r["check_products"]),
                            "verdicts": "/".join(s["verdict"] for s in r["stages"]),
+                           "gradients": "/".join(s.get("gradient_source", "data") for s in r["stages"]),
                            "eigenvalues": "/".join(s.get("eigenvalue_source", "lanczos") for s in r["stages"]),
                            "solvers": "/".join(r["solvers"]), "load_1min": r["load_at_start"][0]} for r in rows])
-    frame = frame.sort_values(["model", "setting", "label"])
+    frame = frame.sort_values(["model", "stage_1", "setting", "label"])
     (out / "chains.md").write_text(frame.to_string(index=False, float_format=lambda v: f"{v:.3g}") + "\n")
 
 
@@ -299,7 +301,7 @@ def main(argv=None) -> None:
     if args.chain:
         row = chain_run(args)
         file = out / "chains.json"
-        key = lambda r: (r["label"], r["model"], r["setting"])  # noqa: E731
+        key = lambda r: (r["label"], r["model"], r["setting"], tuple(r["trained"]))  # noqa: E731
         rows = json.loads(file.read_text()) if file.exists() else []
         file.write_text(json.dumps([r for r in rows if key(r) != key(row)] + [row], indent=1, default=str))
         print(json.dumps({k: v for k, v in row.items() if k != "stages"}, default=str), flush=True)
