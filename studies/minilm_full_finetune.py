@@ -28,7 +28,8 @@ run: ``train(cfg)`` rebuilds the record bit for bit (``summary.json`` keeps the 
     python -m studies.minilm_full_finetune rows               # the cheaper methods' scores on the same run
     .bench-venv/bin/python -m studies.minilm_full_finetune peers   # kronfluence and TRAK (after ``rows``)
     python -m studies.minilm_full_finetune table              # lds.csv from what is on disk
-    python -m studies.minilm_full_finetune cost               # the cost ratios on the shorter run, one process
+    MALLOC_MMAP_THRESHOLD_=131072 python -m studies.minilm_full_finetune cost   # CPU-second ratios to the plain
+                                                              # Trainer run, one process (resumable)
 
 The cheaper rows (``rows``, then ``peers``; ``rows.json``, one entry per method as it finishes, resumable), each
 scored on the same drop sets and replayed losses as the exact row, with its seconds and the peak RSS sampled while it
@@ -95,7 +96,6 @@ class Config:
 
 
 QUICK = Config(per_source=10, n_finetune=16, n_test=2, warmup=1, checkpoint_every=3, subsets=3)
-COST = Config(per_source=20, n_finetune=32, warmup=2, checkpoint_every=4)  # 10 + 4 steps: the cost ratios
 
 
 def arguments(cfg: Config, *, batch: int, accumulate: int, lr: float, seed: int) -> TrainingArguments:
@@ -118,7 +118,8 @@ class Run:
     models: tuple
     data: object
     test: tuple[torch.Tensor, torch.Tensor]
-    seconds: dict
+    seconds: dict  # wall-clock seconds per stage
+    cpu_seconds: dict  # this process's CPU seconds per stage (one torch thread: what a loaded machine inflates least)
 
 
 def load(cfg: Config):
@@ -135,7 +136,7 @@ def train(cfg: Config, *, recorded: bool = True, math: bool = False, loaded=None
     path, data = loaded or load(cfg)
     tok = data.tokenizer
     record = ik.unrolled.Record() if recorded else None
-    seconds = {}
+    seconds, cpu_seconds = {}, {}
     torch.manual_seed(cfg.seed)
     mlm = hf.pretrained(BertForMaskedLM, path, seed=cfg.seed, attn_implementation="sdpa", **DROPOUT)
     pre = Trainer(mlm, arguments(cfg, batch=cfg.micro_batch, accumulate=cfg.accumulate, lr=cfg.pre_lr, seed=cfg.seed),
@@ -153,22 +154,24 @@ def train(cfg: Config, *, recorded: bool = True, math: bool = False, loaded=None
                   callbacks=[hf.RecordCallback(record, link=ik.Link.finetune(shared),
                                                checkpoint_every=cfg.checkpoint_every)] if recorded else [])
     with sdpa_kernel([SDPBackend.MATH]) if math else _nothing():
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         pre.train()
         seconds["masked-LM stage"] = time.perf_counter() - start
+        cpu_seconds["masked-LM stage"] = time.process_time() - cpu
         if not recorded:  # the callback copies the encoder in; a plain run does it by hand
             with torch.no_grad():
                 values = dict(mlm.named_parameters())
                 for n, p in clf.named_parameters():
                     if n in shared:
                         p.copy_(values[n])
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         fin.train()
         seconds["finetuning stage"] = time.perf_counter() - start
+        cpu_seconds["finetuning stage"] = time.process_time() - cpu
     test_items = data.test[0]
     test = hf.pack(tok([s.text for s in test_items], padding=True, truncation=True, max_length=cfg.max_len,
                        return_tensors="pt"), labels=torch.tensor([int(s.rating > 0) for s in test_items]))
-    return Run(record, (mlm, clf), data, test, seconds)
+    return Run(record, (mlm, clf), data, test, seconds, cpu_seconds)
 
 
 class _nothing:
@@ -325,34 +328,50 @@ def plot_lds(frame: pd.DataFrame, path: Path) -> None:
 
 
 def step_cost(cfg: Config, out: Path) -> dict:
-    """One process, the shorter run (``COST``): the plain Trainer run of both stages (sdpa's default kernel), the
-    same with sdpa's MATH backend forced, the recorded run, and the exact metagradient of the summed test loss;
-    their seconds and ratios to the plain run."""
+    """One process, the run itself: the plain Trainer run of both stages (sdpa's default kernel), the same with
+    sdpa's MATH backend forced, the recorded run, and the exact metagradient of the summed test loss; their CPU
+    seconds (``time.process_time``, one torch thread: a shared machine's load inflates them far less than wall-clock
+    seconds) and ratios to the plain run. The three runs alternate over ``COST_ROUNDS`` rounds and each keeps its
+    fastest. Resumable: cost.json is written after every round (``"partial": true`` until the metagradient's)."""
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
+    path = out / "cost.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    rounds = previous.get("rounds", []) if previous.get("config") == asdict(cfg) and previous.get("partial") else []
     loaded = load(cfg)
     train(replace(cfg, per_source=4, n_finetune=8), recorded=False)  # warm-up: first-call costs off the clock
-    rounds = []
-    for _ in range(2):  # alternating, the faster of two rounds each (the machine is shared)
+
+    def write(meta: float | None) -> dict:
+        best = {k: min(r[k] for r in rounds) for k in rounds[0]}
+        result = {"config": asdict(cfg), "clock": "process CPU seconds, one torch thread", "rounds": rounds,
+                  "seconds": best, "sdpa MATH backend / default kernel (plain runs)": best["math"] / best["plain"],
+                  "recording overhead (recorded / plain)": best["recorded"] / best["plain"],
+                  "machine": "shared 2-core CPU, 1 torch thread", "load": list(os.getloadavg()),
+                  "partial": meta is None}
+        if meta is not None:
+            result["seconds"] = best | {"exact metagradient (summed test loss)": meta}
+            result |= {"exact metagradient / plain Trainer run": meta / best["plain"],
+                       "recorded run + exact metagradient / plain Trainer run": (best["recorded"] + meta) / best["plain"]}
+        path.write_text(json.dumps(result, indent=2))
+        return result
+
+    recorded = None
+    while len(rounds) < COST_ROUNDS:
         plain = train(cfg, recorded=False, loaded=loaded)
         math = train(cfg, recorded=False, math=True, loaded=loaded)
         recorded = train(cfg, loaded=loaded)
-        rounds.append({"plain": sum(plain.seconds.values()), "math": sum(math.seconds.values()),
-                       "recorded": sum(recorded.seconds.values())})
+        rounds.append({"plain": sum(plain.cpu_seconds.values()), "math": sum(math.cpu_seconds.values()),
+                       "recorded": sum(recorded.cpu_seconds.values())})
+        del plain, math
+        write(None)
+    recorded = recorded or train(cfg, loaded=loaded)
     checked(recorded)
-    begin = time.perf_counter()
-    ik.unrolled.metagradients(recorded.record, recorded.test)
-    meta = time.perf_counter() - begin
-    best = {k: min(r[k] for r in rounds) for k in rounds[0]}
-    result = {"config": asdict(cfg), "steps": [r.steps for r in recorded.record.runs], "rounds": rounds,
-              "seconds": best | {"exact metagradient (summed test loss)": meta},
-              "sdpa MATH backend / default kernel (plain runs)": best["math"] / best["plain"],
-              "recording overhead (recorded / plain)": best["recorded"] / best["plain"],
-              "exact metagradient / plain Trainer run": meta / best["plain"],
-              "recorded run + exact metagradient / plain Trainer run": (best["recorded"] + meta) / best["plain"],
-              "machine": "shared 2-core CPU, 1 torch thread", "load": list(os.getloadavg())}
-    (out / "cost.json").write_text(json.dumps(result, indent=2))
-    return result
+    begin = time.process_time()
+    ik.unrolled.metagradients(recorded.record, recorded.test, progress=False)
+    return write(time.process_time() - begin)
+
+
+COST_ROUNDS = 2
 
 
 def states_path(out: Path) -> Path:
@@ -528,7 +547,7 @@ def main(argv=None) -> int:
         print(step_table(out).drop(columns="note").to_string(index=False))
         files = ["lds.csv", "lds.png"]
     else:
-        print(json.dumps(step_cost(replace(QUICK, checkpoint_every=2) if args.quick else COST, out), indent=2))
+        print(json.dumps(step_cost(cfg, out), indent=2))
         files = ["cost.json"]
     record(out, files, note="2-core CPU shared with other sessions; torch.set_num_threads(1)")
     return 0
