@@ -380,6 +380,7 @@ def states_path(out: Path) -> Path:
 
 
 ROWS = "rows.json"
+PROGRESS = True  # the rows' progress bars (to the log of a background run); --no-progress turns them off
 FIRST_ORDER, CORRECTED, APPROXIMATE, CHAIN = ("first-order", "first-order + EK-FAC correction (4 segments)",
                                               "approximate unrolling (EK-FAC, 4 segments)",
                                               "influence functions (Chain defaults, Case 2 α = 0.01)")
@@ -427,18 +428,18 @@ def chain_scores(run: Run, cfg: Config) -> np.ndarray:
     pre = hf.masked_lm_stage(mlm.eval(), run.data.corpus_batch, tokenizer=run.data.tokenizer, seed=cfg.seed)
     fin = hf.classification_stage(clf.eval(), run.data.train[1])
     shared = {n: n for n, _ in mlm.named_parameters() if n.startswith("bert.")}  # the encoder (no pooler in stage 1)
-    chain = ik.Chain([pre, fin], [ik.Link(shared, case=2, alpha=0.01)], progress=False).fit()
+    chain = ik.Chain([pre, fin], [ik.Link(shared, case=2, alpha=0.01)], progress=PROGRESS).fit()
     return summed([chain.query(hf.pack(run.data.test[1]), per_test=True).scores()])  # stage 1: the corpus
 
 
 def methods(cfg: Config) -> dict:
-    return {FIRST_ORDER: lambda run: summed(ik.unrolled.first_order(run.record, run.test, progress=False)),
+    return {FIRST_ORDER: lambda run: summed(ik.unrolled.first_order(run.record, run.test, progress=PROGRESS)),
             CHAIN: lambda run: chain_scores(run, cfg),
             APPROXIMATE: lambda run: summed(ik.unrolled.approximate(run.record, run.test, segments=4,
                                                                     curvature="ekfac", basis="shared",
-                                                                    progress=False)),
+                                                                    progress=PROGRESS)),
             CORRECTED: lambda run: summed(ik.unrolled.first_order(run.record, run.test, correction="ekfac",
-                                                                  segments=4, progress=False))}
+                                                                  segments=4, progress=PROGRESS))}
 
 
 def scored_rows(out: Path) -> set[str]:
@@ -541,6 +542,8 @@ def main(argv=None) -> int:
         print(step_table(out).to_string(index=False))
         files = [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name != "MANIFEST.json"]
     elif args.step in ("rows", "peers"):
+        global PROGRESS
+        PROGRESS = not args.no_progress
         step_rows(cfg, out, args.methods) if args.step == "rows" else step_peers(cfg, out)
         files = [ROWS]
     elif args.step == "table":
