@@ -357,12 +357,11 @@ def step_cost(cfg: Config, out: Path) -> dict:
 
     recorded = None
     while len(rounds) < COST_ROUNDS:
-        plain = train(cfg, recorded=False, loaded=loaded)
-        math = train(cfg, recorded=False, math=True, loaded=loaded)
+        recorded = None  # one record held at a time (5.5 GB)
+        plain = sum(train(cfg, recorded=False, loaded=loaded).cpu_seconds.values())
+        math = sum(train(cfg, recorded=False, math=True, loaded=loaded).cpu_seconds.values())
         recorded = train(cfg, loaded=loaded)
-        rounds.append({"plain": sum(plain.cpu_seconds.values()), "math": sum(math.cpu_seconds.values()),
-                       "recorded": sum(recorded.cpu_seconds.values())})
-        del plain, math
+        rounds.append({"plain": plain, "math": math, "recorded": sum(recorded.cpu_seconds.values())})
         write(None)
     recorded = recorded or train(cfg, loaded=loaded)
     checked(recorded)
