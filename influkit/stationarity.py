@@ -302,7 +302,7 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     if source in ("fit", "pass"):
         absolute, typical, count, bound = measured.norm, measured.typical, n, 0.0
         if measured.unmeasured:  # g's share of the parameters no hook reaches, from a sample's rows
-            typical, count = _completed_typical(stage, measured, seed, memory, least, progress)
+            typical, count = _completed_typical(stage, measured, seed)
             source += "+sample" if count < n else ""
     else:
         absolute, typical, count, bound, source = _gradient_norms(stage, names, extra, seed, memory, least, progress)
@@ -339,20 +339,30 @@ def _gradient_pass(stage: Stage, names, extra, memory, progress: bool):
         return None
 
 
-def _completed_typical(stage: Stage, measured, seed: int, memory, least: int, progress: bool) -> tuple[float, int]:
+def _completed_typical(stage: Stage, measured, seed: int) -> tuple[float, int]:
     """(g, s): g² = the measured parameters' (1/n) Σ_i ‖∇ℓ_i‖² over every example + the mean over a seeded sample of
     s = :func:`light_sample` (n) examples of the squared norms of the ``measured.unmeasured`` parameters' per-example
-    gradients (an unbiased estimate of their share; exact when s = n)."""
-    n, names = len(stage), list(measured.unmeasured)
+    gradients (an unbiased estimate of their share; exact when s = n), by :func:`_example_squares`."""
+    n = len(stage)
     size = light_sample(n)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:size].sort().values
-    values = point(stage.state(), names)
-    row = 2 * sum(t.numel() * t.element_size() for t in values.values())  # a gradient row and vmap's copy of it
-    x, y = stage.data.take(order)
-    chunk = chunk_for(stage, x, y, names, None, row, "where the stage stands", memory, least)
-    squares = torch.cat([rows.pow(2).sum(1, dtype=torch.float64)
-                         for rows in per_example_grad_rows(stage, x, y, names, chunk_size=chunk, progress=progress)])
+    squares = _example_squares(stage, order, list(measured.unmeasured))
     return math.sqrt(measured.typical ** 2 + float(squares.mean())), size
+
+
+def _example_squares(stage: Stage, order: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
+    """(s,) ‖∇ℓ_i‖² over ``names`` of the examples ``order``, one backward per example. These are the parameters no
+    layer hook reaches — few and large: a vocabulary-sized decoder tied to the word embeddings —, where vmap's
+    batched rows took about 1.6× the examples' own backward passes (``benchmarks/bench_check_profile.py``); one row
+    at a time, never a batch of them."""
+    params = {nm: t.detach().clone().requires_grad_(True) for nm, t in point(stage.state(), names).items()}
+    squares = []
+    for i in order.tolist():
+        x, y = stage.data.take([i])
+        with torch.enable_grad():
+            grads = torch.autograd.grad(stage.losses(params, x, y).sum(), list(params.values()), allow_unused=True)
+        squares.append(sum(float(g.pow(2).sum(dtype=torch.float64)) for g in grads if g is not None))
+    return torch.tensor(squares, dtype=torch.float64)
 
 
 def _gradient_norms(stage: Stage, names, extra, seed: int, memory, least: int,

@@ -531,8 +531,8 @@ def test_a_tied_decoder_gets_its_exact_gradient_from_the_pass_and_only_its_norms
     """A decoder tied to the word embeddings: the EK-FAC fit's data pass (sampled labels) or the check's hooked pass
     gives ∇L exactly — the tied weight's and the decoder bias's batch gradient from the same backward, the decoder's
     part on the labelled positions only (every batch's true-label backward starts below it) — with no
-    gradient pass of the check's own and no per-example rows over every example (counted: one per-example pass,
-    over light_sample(n) examples and the two unhooked parameters only); g² is the hooked parameters' mean over
+    gradient pass of the check's own and no per-example rows over every example (counted: one backward per example
+    of light_sample(n), over the two unhooked parameters only, no batched per-example pass); g² is the hooked parameters' mean over
     every example plus those two parameters' mean over that seeded sample; the verdict is the full check's."""
     from influkit import stationarity
     from influkit.curvature import gradient
@@ -556,9 +556,10 @@ def test_a_tied_decoder_gets_its_exact_gradient_from_the_pass_and_only_its_norms
     squares = squares + sum(rows[nm][sample].pow(2).sum(1).mean() for nm in unhooked)
     full = assess(stage, None, HessianOperator(stage))  # the whole check's verdict, for comparison
     passes = []
-    original = stationarity.per_example_grad_rows
-    monkeypatch.setattr(stationarity, "per_example_grad_rows",
-                        lambda st, x, y, nms, **kw: passes.append((x.shape[0], list(nms))) or original(st, x, y, nms, **kw))
+    original = stationarity._example_squares
+    monkeypatch.setattr(stationarity, "_example_squares",
+                        lambda st, order, nms: passes.append((len(order), list(nms))) or original(st, order, nms))
+    monkeypatch.setattr(stationarity, "per_example_grad_rows", lambda *a, **k: pytest.fail("a batched per-example pass"))
     monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a gradient pass over all the data"))
     heads = spy(monkeypatch, factored, "head_backward", "none")
     where = ik.Chain([stage], solve=solve, progress=False).fit().positions[0]
