@@ -286,6 +286,9 @@ def step_table(out: Path) -> pd.DataFrame:
                                     "peak RSS (MiB)": float(exact["peak_rss_mib"]), "note": ""}}
     if (out / ROWS).exists():
         rows_ |= json.loads((out / ROWS).read_text())
+    if (out / MAGIC).exists():  # studies.minilm_full_finetune_magic's row (the bench venv's Bergson)
+        magic = json.loads((out / MAGIC).read_text())
+        rows_[magic["method"]] = {k: magic[k] for k in ("scores", "seconds", "peak RSS (MiB)", "note")}
     entries = [json.loads(line) for line in (out / "replays.jsonl").read_text().splitlines()]
     table = []
     for name, row in rows_.items():
@@ -380,6 +383,7 @@ def states_path(out: Path) -> Path:
 
 ROWS = "rows.json"
 PROGRESS = True  # the rows' progress bars (to the log of a background run); --no-progress turns them off
+MAGIC = "magic.json"
 FIRST_ORDER, CORRECTED, APPROXIMATE, CHAIN = ("first-order", "first-order + EK-FAC correction (4 segments)",
                                               "approximate unrolling (EK-FAC, 4 segments)",
                                               "influence functions (Chain defaults, Case 2 α = 0.01)")
