@@ -352,9 +352,8 @@ def _completed_typical(stage: Stage, measured, seed: int) -> tuple[float, int]:
 
 def _example_squares(stage: Stage, order: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
     """(s,) ‖∇ℓ_i‖² over ``names`` of the examples ``order``, one backward per example. These are the parameters no
-    layer hook reaches — few and large: a vocabulary-sized decoder tied to the word embeddings —, where vmap's
-    batched rows took about 1.6× the examples' own backward passes (``benchmarks/bench_check_profile.py``); one row
-    at a time, never a batch of them."""
+    layer hook reaches — few and large, such as a vocabulary-sized decoder tied to the word embeddings —, so one
+    gradient row is held at a time, never a vmapped batch of them."""
     params = {nm: t.detach().clone().requires_grad_(True) for nm, t in point(stage.state(), names).items()}
     squares = []
     for i in order.tolist():
