@@ -293,13 +293,16 @@ def step_table(out: Path) -> pd.DataFrame:
     table = []
     for name, row in rows_.items():
         scores = np.asarray(row["scores"], dtype=float)
+        scored = bool(np.isfinite(scores).all())  # a method that failed on this run: its row says why, no numbers
         entry = {"method": name, "seconds": round(row["seconds"], 1), "peak RSS (MiB)": round(row["peak RSS (MiB)"]),
-                 "Pearson r with exact": float(np.corrcoef(scores, rows_["exact metagradient"]["scores"])[0, 1])}
+                 "Pearson r with exact": float(np.corrcoef(scores, rows_["exact metagradient"]["scores"])[0, 1])
+                 if scored else np.nan}
         for f in sorted({e["fraction"] for e in entries}):
             mine = sorted((e for e in entries if e["fraction"] == f), key=lambda e: e["subset"])
             keeps = np.load(out / f"drop_sets_{int(f * 100)}.npy")[[e["subset"] for e in mine]]
             actual = np.array([sum(e["losses"]) for e in mine])
-            entry[f"LDS {f:.0%} (M={len(mine)})"] = float(lds_per_query(scores, keeps, actual[:, None])[0])
+            entry[f"LDS {f:.0%} (M={len(mine)})"] = float(lds_per_query(scores, keeps, actual[:, None])[0]) \
+                if scored else np.nan
         entry["note"] = row["note"]
         table.append(entry)
     frame = pd.DataFrame(table)
