@@ -15,7 +15,10 @@ LDS(t) = Spearman_j(Σ_{z kept} s_z(t), loss_t(replay without D_j)), mean ± sem
 Methods: the exact metagradient (``metagradients``), first order (``first_order``), first order with the
 correction (``CORRECTION``: 20 Hessian eigenpairs at the start of each of 10 segments on digits, 10 and 5
 on the transformer; the same segments with EK-FAC's whole-spectrum curvature instead), the approximate
-unrolling (``approximate``, EK-FAC, 10 segments), EK-FAC influence functions (``ik.influence``). Each method runs in its own process, which
+unrolling (``approximate``, EK-FAC, 10 segments), EK-FAC influence functions (``ik.influence``), and the field's
+cheap trajectory methods as peers (``PEERS``, run in the bench venv: ``PYTHONPATH=$PWD .bench-venv/bin/python -m
+studies.first_order_lds method --method ...``): dattri's DVEmb (``benchmarks/dvemb_peer.py``) on the record's own
+batches, learning rates and replayed θ_t — its SGD-form approximation of the AdamW run. Each method runs in its own process, which
 first times one plain ``torch.optim.AdamW`` training run of the same model on the same batches (the ratio's
 denominator), then records the run and computes the method: its seconds and the process's peak resident memory
 (``ru_maxrss``) and the resident memory before it. ``first_order_check`` reads the record first
@@ -53,6 +56,10 @@ FRACTIONS = (0.01, 0.05, 0.1)
 SUBSETS = 30
 METHODS = ("exact", "first-order", "first-order + correction", "first-order + EK-FAC correction",
            "approximate (EK-FAC, 10 segments)", "EK-FAC influence")
+DVEMB = "DVEmb (dattri 0.3, SGD-form approximation of the AdamW run)"
+PEERS = (DVEMB,)
+"""The peer methods: they import their library, so they run only in the bench venv (``scripts/bench-env.sh``)."""
+METHODS += PEERS
 CORRECTION = {"digits": {"correction": 20, "segments": 10}, "gpt2": {"correction": 10, "segments": 5}}
 """The correction's eigenpairs and segments per task (the transformer's Lanczos products cost more)."""
 
@@ -178,6 +185,10 @@ def scores_of(task: str, method: str, run: Run) -> np.ndarray:
     elif method.startswith("approximate"):
         result = ik.unrolled.approximate(record, test, per_test=True, segments=10, curvature="ekfac",
                                          progress=False)[0]
+    elif method == DVEMB:
+        from benchmarks.dvemb_peer import dvemb_scores
+
+        return dvemb_scores(record, test).double().numpy()
     elif method == "EK-FAC influence":
         result = ik.influence(run.stage, None, test, solve=ik.SolveConfig(solver="ekfac"), per_test=True,
                               progress=False)
