@@ -18,7 +18,8 @@ on the transformer; the same segments with EK-FAC's whole-spectrum curvature ins
 unrolling (``approximate``, EK-FAC, 10 segments), EK-FAC influence functions (``ik.influence``), and the field's
 cheap trajectory methods as peers (``PEERS``, run in the bench venv: ``PYTHONPATH=$PWD .bench-venv/bin/python -m
 studies.first_order_lds method --method ...``): dattri's DVEmb (``benchmarks/dvemb_peer.py``) on the record's own
-batches, learning rates and replayed θ_t — its SGD-form approximation of the AdamW run. Each method runs in its own process, which
+batches, learning rates and replayed θ_t — its SGD-form approximation of the AdamW run; Bergson's TrackStar, whose
+pipeline takes only causal LMs and text (``CANNOT_RUN``: its row keeps the reason, no numbers). Each method runs in its own process, which
 first times one plain ``torch.optim.AdamW`` training run of the same model on the same batches (the ratio's
 denominator), then records the run and computes the method: its seconds and the process's peak resident memory
 (``ru_maxrss``) and the resident memory before it. ``first_order_check`` reads the record first
@@ -57,9 +58,18 @@ SUBSETS = 30
 METHODS = ("exact", "first-order", "first-order + correction", "first-order + EK-FAC correction",
            "approximate (EK-FAC, 10 segments)", "EK-FAC influence")
 DVEMB = "DVEmb (dattri 0.3, SGD-form approximation of the AdamW run)"
-PEERS = (DVEMB,)
+TRACKSTAR = "TrackStar (Bergson 2.5.1)"
+PEERS = (DVEMB, TRACKSTAR)
 """The peer methods: they import their library, so they run only in the bench venv (``scripts/bench-env.sh``)."""
 METHODS += PEERS
+CANNOT_RUN = {
+    ("digits", TRACKSTAR): "not run: Bergson 2.5.1's TrackStar (bergson.cli.trackstar: approximate_hessians, "
+    "build_query, score_dataset) loads its model only through AutoModelForCausalLM.from_pretrained(model path) and "
+    "its data only through AutoTokenizer and a Hugging Face dataset (bergson.utils.worker_utils.setup_model_and_peft, "
+    "setup_data_pipeline); the digits MLP is not a causal LM and its examples are not text. Its pipeline also scores "
+    "one model, with no sum over checkpoints.",
+}
+"""(task, method): why the peer cannot run on that task's model (its row keeps the note and no numbers)."""
 CORRECTION = {"digits": {"correction": 20, "segments": 10}, "gpt2": {"correction": 10, "segments": 5}}
 """The correction's eigenpairs and segments per task (the transformer's Lanczos products cost more)."""
 
@@ -198,6 +208,9 @@ def scores_of(task: str, method: str, run: Run) -> np.ndarray:
 
 
 def step_method(task: str, method: str) -> None:
+    if (task, method) in CANNOT_RUN:
+        print(f"{task} {method}: {CANNOT_RUN[task, method]}", flush=True)
+        return
     out = cache(task) / f"scores_{slug(method)}.npz"
     if out.exists():
         return
@@ -256,6 +269,9 @@ def step_diagnostic(task: str) -> None:
 def step_table(task: str) -> None:
     rows = []
     for method in METHODS:
+        if (task, method) in CANNOT_RUN:
+            rows.append({"method": method, "note": CANNOT_RUN[task, method]})
+            continue
         path = cache(task) / f"scores_{slug(method)}.npz"
         if not path.exists():
             continue
@@ -291,10 +307,16 @@ def step_table(task: str) -> None:
              + " | seconds | × plain training | "
              "peak RSS (MiB) |", "|---" * (len(FRACTIONS) + 4) + "|"]
     for row in rows:
+        if "note" in row:
+            lines.append(f"| {row['method']} | " + " | ".join(["—"] * (len(FRACTIONS) + 3)) + " |")
+            continue
         cells = [f"{row.get(f'lds_{f:g}', float('nan')):.3f} ± {row.get(f'sem_{f:g}', float('nan')):.3f}"
                  for f in FRACTIONS]
         lines.append(f"| {row['method']} | " + " | ".join(cells) +
                      f" | {row['seconds']:.1f} | {row['ratio_to_plain_training']:.2f} | {row['peak_rss_mib']:.0f} |")
+    notes = [f"- {row['method']}: {row['note']}" for row in rows if "note" in row]
+    if notes:
+        lines += ["", "## Peers that did not run", "", *notes]
     diagnostic = target / "diagnostic.csv"
     if diagnostic.exists():
         lines += ["", "## What the record says first (`first_order_check`)", "",
