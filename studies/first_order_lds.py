@@ -18,8 +18,9 @@ on the transformer; the same segments with EK-FAC's whole-spectrum curvature ins
 unrolling (``approximate``, EK-FAC, 10 segments), EK-FAC influence functions (``ik.influence``), and the field's
 cheap trajectory methods as peers (``PEERS``, run in the bench venv: ``PYTHONPATH=$PWD .bench-venv/bin/python -m
 studies.first_order_lds method --method ...``): dattri's DVEmb (``benchmarks/dvemb_peer.py``) on the record's own
-batches, learning rates and replayed θ_t — its SGD-form approximation of the AdamW run; Bergson's TrackStar, whose
-pipeline takes only causal LMs and text (``CANNOT_RUN``: its row keeps the reason, no numbers). Each method runs in its own process, which
+batches, learning rates and replayed θ_t — its SGD-form approximation of the AdamW run; Bergson's TrackStar and its
+SOURCE (approximate unrolling over segments of checkpoints), whose pipelines take only causal LMs and text
+(``CANNOT_RUN``: such a row keeps the reason, no numbers). Each method runs in its own process, which
 first times one plain ``torch.optim.AdamW`` training run of the same model on the same batches (the ratio's
 denominator), then records the run and computes the method: its seconds and the process's peak resident memory
 (``ru_maxrss``) and the resident memory before it. ``first_order_check`` reads the record first
@@ -59,7 +60,8 @@ METHODS = ("exact", "first-order", "first-order + correction", "first-order + EK
            "approximate (EK-FAC, 10 segments)", "EK-FAC influence")
 DVEMB = "DVEmb (dattri 0.3, SGD-form approximation of the AdamW run)"
 TRACKSTAR = "TrackStar (Bergson 2.5.1)"
-PEERS = (DVEMB, TRACKSTAR)
+SOURCE = "SOURCE (Bergson 2.5.1 approx-unrolling)"
+PEERS = (DVEMB, TRACKSTAR, SOURCE)
 """The peer methods: they import their library, so they run only in the bench venv (``scripts/bench-env.sh``)."""
 METHODS += PEERS
 CANNOT_RUN = {
@@ -68,6 +70,11 @@ CANNOT_RUN = {
     "its data only through AutoTokenizer and a Hugging Face dataset (bergson.utils.worker_utils.setup_model_and_peft, "
     "setup_data_pipeline); the digits MLP is not a causal LM and its examples are not text. Its pipeline also scores "
     "one model, with no sum over checkpoints.",
+    ("digits", SOURCE): "not run: Bergson 2.5.1's approximate unrolling (bergson.approx_unrolling.pipeline."
+    "approx_unrolling_pipeline) takes the trajectory as a list of checkpoint directories, each loaded through "
+    "AutoModelForCausalLM (setup_model_and_peft per checkpoint; AutoConfig / AutoModelForCausalLM.from_config for the "
+    "Adam preconditioner) with its data through AutoTokenizer and a Hugging Face dataset (setup_data_pipeline); the "
+    "digits MLP is not a causal LM and its examples are not text.",
 }
 """(task, method): why the peer cannot run on that task's model (its row keeps the note and no numbers)."""
 CORRECTION = {"digits": {"correction": 20, "segments": 10}, "gpt2": {"correction": 10, "segments": 5}}
