@@ -20,9 +20,9 @@ from influkit.unrolled.replay import start, unit_weights
 
 def dvemb_scores(record: Record, test: tuple[torch.Tensor, torch.Tensor], *, proj_dim: int | None = None,
                  seed: int = 0) -> torch.Tensor:
-    """(n, q) s_z(t) = −DVEmb(z, t) of a one-stage record whose stage is a classifier with per-example
-    cross-entropy (``model(x)`` logits, integer targets); ``proj_dim``: dattri's random projection of the
-    gradients (None: the full gradients)."""
+    """(n, q) s_z(t) = −DVEmb(z, t) of a one-stage record, ℓ the stage's own per-example loss (``stage.losses``,
+    on the training examples and on the test set alike); ``proj_dim``: dattri's random projection of the
+    gradients (None: the full gradients, whose d × d matrix M DVEmb then holds)."""
     from dattri.algorithm.dvemb import DVEmbAttributor
     from dattri.task import AttributionTask
     from torch.utils.data import DataLoader, TensorDataset
@@ -34,8 +34,7 @@ def dvemb_scores(record: Record, test: tuple[torch.Tensor, torch.Tensor], *, pro
 
     def loss(params, data):
         x, y = data
-        out = torch.func.functional_call(model, params, (x.unsqueeze(0),))
-        return torch.nn.functional.cross_entropy(out, y.unsqueeze(0))
+        return run.stage.losses(params, x.unsqueeze(0), y.unsqueeze(0)).squeeze(0)
 
     attributor = DVEmbAttributor(AttributionTask(loss_func=loss, model=model, checkpoints=model.state_dict()),
                                  proj_dim=proj_dim, proj_seed=seed)
@@ -52,5 +51,6 @@ def dvemb_scores(record: Record, test: tuple[torch.Tensor, torch.Tensor], *, pro
         for n, p in model.named_parameters():
             p.copy_(theta[n])
     x_test, y_test = test
+    model.eval()
     values = attributor.attribute(DataLoader(TensorDataset(x_test, y_test), batch_size=len(x_test)))
     return -values.detach()

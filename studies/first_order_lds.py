@@ -59,6 +59,9 @@ SUBSETS = 30
 METHODS = ("exact", "first-order", "first-order + correction", "first-order + EK-FAC correction",
            "approximate (EK-FAC, 10 segments)", "EK-FAC influence")
 DVEMB = "DVEmb (dattri 0.3, SGD-form approximation of the AdamW run)"
+DVEMB_PROJECTION = {"digits": None, "gpt2": 2048}
+"""DVEmb's gradient dimension per task: the full 2,410 on digits; dattri's random projection to 2,048 of the
+transformer's gradients (its d × d matrix would not fit in memory unprojected)."""
 TRACKSTAR = "TrackStar (Bergson 2.5.1)"
 SOURCE = "SOURCE (Bergson 2.5.1 approx-unrolling)"
 PEERS = (DVEMB, TRACKSTAR, SOURCE)
@@ -205,7 +208,7 @@ def scores_of(task: str, method: str, run: Run) -> np.ndarray:
     elif method == DVEMB:
         from benchmarks.dvemb_peer import dvemb_scores
 
-        return dvemb_scores(record, test).double().numpy()
+        return dvemb_scores(record, test, proj_dim=DVEMB_PROJECTION[task]).double().numpy()
     elif method == "EK-FAC influence":
         result = ik.influence(run.stage, None, test, solve=ik.SolveConfig(solver="ekfac"), per_test=True,
                               progress=False)
