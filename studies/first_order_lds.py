@@ -324,6 +324,10 @@ def step_table(task: str) -> None:
                  for f in FRACTIONS]
         lines.append(f"| {row['method']} | " + " | ".join(cells) +
                      f" | {row['seconds']:.1f} | {row['ratio_to_plain_training']:.2f} | {row['peak_rss_mib']:.0f} |")
+    if any(row["method"] == DVEMB and "note" not in row for row in rows):
+        dim = DVEMB_PROJECTION[task]
+        lines += ["", "DVEmb's gradients: " + ("the full ones." if dim is None else
+                                            f"dattri's random projection to {dim} dimensions.")]
     notes = [f"- {row['method']}: {row['note']}" for row in rows if "note" in row]
     if notes:
         lines += ["", "## Peers that did not run", "", *notes]
