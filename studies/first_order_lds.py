@@ -18,9 +18,10 @@ on the transformer; the same segments with EK-FAC's whole-spectrum curvature ins
 unrolling (``approximate``, EK-FAC, 10 segments), EK-FAC influence functions (``ik.influence``), and the field's
 cheap trajectory methods as peers (``PEERS``, run in the bench venv: ``PYTHONPATH=$PWD .bench-venv/bin/python -m
 studies.first_order_lds method --method ...``): dattri's DVEmb (``benchmarks/dvemb_peer.py``) on the record's own
-batches, learning rates and replayed θ_t — its SGD-form approximation of the AdamW run; Bergson's TrackStar and its
-SOURCE (approximate unrolling over segments of checkpoints), whose pipelines take only causal LMs and text
-(``CANNOT_RUN``: such a row keeps the reason, no numbers). Each method runs in its own process, which
+batches, learning rates and replayed θ_t — its SGD-form approximation of the AdamW run; Bergson's TrackStar
+(``benchmarks/trackstar_peer.py``) summed over the gpt2 record's checkpoints ``TRACKSTAR_STEPS``, and its SOURCE
+(approximate unrolling over segments of checkpoints), whose pipelines take only causal LMs and text (``CANNOT_RUN``:
+such a row keeps the reason, no numbers). Each method runs in its own process, which
 first times one plain ``torch.optim.AdamW`` training run of the same model on the same batches (the ratio's
 denominator), then records the run and computes the method: its seconds and the process's peak resident memory
 (``ru_maxrss``) and the resident memory before it. ``first_order_check`` reads the record first
@@ -80,6 +81,8 @@ CANNOT_RUN = {
     "digits MLP is not a causal LM and its examples are not text.",
 }
 """(task, method): why the peer cannot run on that task's model (its row keeps the note and no numbers)."""
+TRACKSTAR_STEPS = [100, 200, 300]
+"""The gpt2 record's checkpoints TrackStar sums over (every 100th step's weights, the last one the final model)."""
 CORRECTION = {"digits": {"correction": 20, "segments": 10}, "gpt2": {"correction": 10, "segments": 5}}
 """The correction's eigenpairs and segments per task (the transformer's Lanczos products cost more)."""
 
@@ -115,9 +118,8 @@ def digits_parts():
     return stage, (x[test], y[test]), {"steps": 1000, "batch_size": 32, "lr": 2e-3, "warmup": 50, "every": 32}
 
 
-def gpt2_parts():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+def gpt2_corpus():
+    """(tokenizer, training sentences, test sentences) of the gpt2 task (deterministic)."""
     from influkit import hf
     from influkit.elmo.corpora import vader_corpus
 
@@ -126,7 +128,15 @@ def gpt2_parts():
     lengths = [len(ids) for ids in tokenizer(sentences)["input_ids"]]
     ok = [s for s, n in zip(sentences, lengths) if 6 <= n <= 24]
     order = torch.randperm(len(ok), generator=torch.Generator().manual_seed(0))[:412].tolist()
-    train, test = [ok[i] for i in order[:400]], [ok[i] for i in order[400:412]]
+    return tokenizer, [ok[i] for i in order[:400]], [ok[i] for i in order[400:412]]
+
+
+def gpt2_parts():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from influkit import hf
+
+    tokenizer, train, test = gpt2_corpus()
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=32, n_layer=2, n_head=2,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -209,6 +219,11 @@ def scores_of(task: str, method: str, run: Run) -> np.ndarray:
         from benchmarks.dvemb_peer import dvemb_scores
 
         return dvemb_scores(record, test, proj_dim=DVEMB_PROJECTION[task]).double().numpy()
+    elif method == TRACKSTAR:
+        from benchmarks.trackstar_peer import trackstar_scores
+
+        tokenizer, train, test_texts = gpt2_corpus()
+        return trackstar_scores(record, tokenizer, train, test_texts, TRACKSTAR_STEPS).double().numpy()
     elif method == "EK-FAC influence":
         result = ik.influence(run.stage, None, test, solve=ik.SolveConfig(solver="ekfac"), per_test=True,
                               progress=False)
@@ -328,6 +343,11 @@ def step_table(task: str) -> None:
         dim = DVEMB_PROJECTION[task]
         lines += ["", "DVEmb's gradients: " + ("the full ones." if dim is None else
                                             f"dattri's random projection to {dim} dimensions.")]
+    if any(row["method"] == TRACKSTAR and "note" not in row for row in rows):
+        lines += ["", "TrackStar: Bergson's scores summed over the record's checkpoints at steps "
+                  + ", ".join(map(str, TRACKSTAR_STEPS)) + " (equal weights); each unit-normalized and preconditioned "
+                  "by the training gradients' autocorrelation Hessian, without Adam's second moments (Bergson reads "
+                  "them only from an optimizer.pt file)."]
     notes = [f"- {row['method']}: {row['note']}" for row in rows if "note" in row]
     if notes:
         lines += ["", "## Peers that did not run", "", *notes]
