@@ -35,7 +35,8 @@ def trackstar_scores(record: Record, tokenizer, train_texts: list[str], test_tex
     run = record.runs[0]
     missing = [c for c in steps if c not in run.checkpoints]
     if missing:
-        raise ValueError(f"the record has no checkpoint at steps {missing}; its checkpoints: {sorted(run.checkpoints)}.")
+        raise ValueError(f"the record has no checkpoint at steps {missing}; "
+                         f"its checkpoints: {sorted(run.checkpoints)}.")
     model = run.stage.model
     total = None
     with tempfile.TemporaryDirectory() as folder:

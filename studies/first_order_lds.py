@@ -20,8 +20,9 @@ cheap trajectory methods as peers (``PEERS``, run in the bench venv: ``PYTHONPAT
 studies.first_order_lds method --method ...``): dattri's DVEmb (``benchmarks/dvemb_peer.py``) on the record's own
 batches, learning rates and replayed θ_t — its SGD-form approximation of the AdamW run; Bergson's TrackStar
 (``benchmarks/trackstar_peer.py``) summed over the gpt2 record's checkpoints ``TRACKSTAR_STEPS``, and its SOURCE
-(approximate unrolling over segments of checkpoints), whose pipelines take only causal LMs and text (``CANNOT_RUN``:
-such a row keeps the reason, no numbers). Each method runs in its own process, which
+(``benchmarks/source_peer.py``: approximate unrolling over ``SOURCE_SEGMENTS`` segments of ``SOURCE_STEPS``); Bergson's
+pipelines take only causal LMs and text, so on digits those rows keep the reason (``CANNOT_RUN``) and no numbers.
+Each method runs in its own process, which
 first times one plain ``torch.optim.AdamW`` training run of the same model on the same batches (the ratio's
 denominator), then records the run and computes the method: its seconds and the process's peak resident memory
 (``ru_maxrss``) and the resident memory before it. ``first_order_check`` reads the record first
@@ -83,6 +84,9 @@ CANNOT_RUN = {
 """(task, method): why the peer cannot run on that task's model (its row keeps the note and no numbers)."""
 TRACKSTAR_STEPS = [100, 200, 300]
 """The gpt2 record's checkpoints TrackStar sums over (every 100th step's weights, the last one the final model)."""
+SOURCE_STEPS = list(range(20, 301, 20))
+SOURCE_SEGMENTS = 3
+"""The gpt2 record's checkpoints SOURCE takes (every one the record keeps after the start: 15) and its segments."""
 CORRECTION = {"digits": {"correction": 20, "segments": 10}, "gpt2": {"correction": 10, "segments": 5}}
 """The correction's eigenpairs and segments per task (the transformer's Lanczos products cost more)."""
 
@@ -224,6 +228,12 @@ def scores_of(task: str, method: str, run: Run) -> np.ndarray:
 
         tokenizer, train, test_texts = gpt2_corpus()
         return trackstar_scores(record, tokenizer, train, test_texts, TRACKSTAR_STEPS).double().numpy()
+    elif method == SOURCE:
+        from benchmarks.source_peer import source_scores
+
+        tokenizer, train, test_texts = gpt2_corpus()
+        result = source_scores(record, tokenizer, train, test_texts, SOURCE_STEPS, segments=SOURCE_SEGMENTS)
+        return result.double().numpy()
     elif method == "EK-FAC influence":
         result = ik.influence(run.stage, None, test, solve=ik.SolveConfig(solver="ekfac"), per_test=True,
                               progress=False)
@@ -348,6 +358,10 @@ def step_table(task: str) -> None:
                   + ", ".join(map(str, TRACKSTAR_STEPS)) + " (equal weights); each unit-normalized and preconditioned "
                   "by the training gradients' autocorrelation Hessian, without Adam's second moments (Bergson reads "
                   "them only from an optimizer.pt file)."]
+    if any(row["method"] == SOURCE and "note" not in row for row in rows):
+        lines += ["", f"SOURCE: Bergson's approximate unrolling over the record's {len(SOURCE_STEPS)} checkpoints at "
+                  f"steps {SOURCE_STEPS[0]}, {SOURCE_STEPS[1]}, …, {SOURCE_STEPS[-1]} in {SOURCE_SEGMENTS} segments, "
+                  "EK-FAC at each, its SGD form (each segment's mean recorded learning rate × its steps; the Adam form needs optimizer.pt files)."]
     notes = [f"- {row['method']}: {row['note']}" for row in rows if "note" in row]
     if notes:
         lines += ["", "## Peers that did not run", "", *notes]
