@@ -5,8 +5,8 @@ Runs in the bench venv (``bash scripts/bench-env.sh``). DVEmb is derived for SGD
 θ_{t+1} = θ_t − (η_t/B) Σ_{z∈B_t} ∇ℓ_z(θ_t): walking the steps backwards it builds each example's
 embedding e_z = Σ_{t: z∈B_t} (η_t/B) (I − M_{>t}) ∇ℓ_z(θ_t), M_{>t} = Σ_{s>t} Σ_{z'∈B_s} e_{z',s} ∇ℓ_{z'}(θ_s)ᵀ
 (its ``cache``), and scores e_z · ∇ℓ_test(θ_T) ≈ loss_test(without z) − loss_test(with z). Here it gets the
-record's own batches, learning rates and per-step parameters θ_t (the record replayed from its start, exactly as recorded):
-on an AdamW record that is DVEmb's SGD-form approximation of the run (Adam's preconditioning, momentum and
+record's own batches, learning rates and per-step parameters θ_t (the record replayed from its start, exactly as
+recorded): on an AdamW record that is DVEmb's SGD-form approximation of the run (Adam's preconditioning, momentum and
 weight decay are not in it). Returned as influkit's sign: s_z(t) = d loss_t / d w_z = −e_z · ∇ℓ_t(θ_T).
 """
 

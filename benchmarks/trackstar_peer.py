@@ -7,8 +7,9 @@ text datasets: each chosen checkpoint θ_c of the record is written with ``save_
 training and test texts as Hugging Face datasets on disk (rows in the stage's order), and ``trackstar`` runs on each
 (its autocorrelation Hessian of the training gradients as the preconditioner — no query Hessian mixed in, the test
 set being 12 documents — Rademacher projection to 16 × 16 per module of every ``Conv1D`` / ``nn.Linear`` of
-``model.base_model``, unit-normalized (``unit_normalize``: R^{-1/2} g / ‖R^{-1/2} g‖ on both sides); no Adam second-moment normalization: Bergson reads that only from an
-``optimizer.pt`` file, which a record does not write). Its pipeline scores one model; the row sums the scores over
+``model.base_model``, unit-normalized (``unit_normalize``: R^{-1/2} g / ‖R^{-1/2} g‖ on both sides); no Adam
+second-moment normalization: Bergson reads that only from an ``optimizer.pt`` file, which a record does not write).
+Its pipeline scores one model; the row sums the scores over
 the chosen checkpoints (equal weights). Bergson's loss-signed scores (negative: z lowers the query's loss) are
 influkit's sign, s_z(t) ≈ d loss_t / d w_z.
 """

@@ -361,7 +361,8 @@ def step_table(task: str) -> None:
     if any(row["method"] == SOURCE and "note" not in row for row in rows):
         lines += ["", f"SOURCE: Bergson's approximate unrolling over the record's {len(SOURCE_STEPS)} checkpoints at "
                   f"steps {SOURCE_STEPS[0]}, {SOURCE_STEPS[1]}, …, {SOURCE_STEPS[-1]} in {SOURCE_SEGMENTS} segments, "
-                  "EK-FAC at each, its SGD form (each segment's mean recorded learning rate × its steps; the Adam form needs optimizer.pt files)."]
+                  "EK-FAC at each, its SGD form (each segment's mean recorded learning rate × its steps; the Adam form "
+                  "needs optimizer.pt files)."]
     notes = [f"- {row['method']}: {row['note']}" for row in rows if "note" in row]
     if notes:
         lines += ["", "## Peers that did not run", "", *notes]
