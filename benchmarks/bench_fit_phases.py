@@ -27,7 +27,8 @@ settings (issue 49; rows in ``chains.json``, the table ``chains.md``):
 ``--setting defaults`` is ``ik.Chain([pre, fin], [link])`` with nothing set; ``--setting NAME`` names the solver of
 both stages with ``SolveConfig(solver=NAME, damping=1e-2, max_iter=3)`` (``lissa``/``neumann`` also ``step=1``,
 ``arnoldi`` ``CurvatureConfig(rank=4)``). The check's seconds are the positions' own (``Position.seconds``), fit
-and query timed whole. Run once per code version (``--label``; before: ``PYTHONPATH`` at an export of the commit
+and query timed whole; then one plain gradient pass per stage (``gradient_pass_s``), the check's seconds in those
+passes (``check_passes``). Run once per code version (``--label``; before: ``PYTHONPATH`` at an export of the commit
 before first).
 
 Each fit is timed whole (``chain.fit()``, which also prepares the solver); the check's own seconds are
@@ -187,6 +188,7 @@ def chain_run(args) -> dict:
         start = time.perf_counter()
         query = chain.query(test)
         queried = time.perf_counter() - start
+    passes = [reference_pass(plan) for plan in chain.plans]
     stages = query.stages
     check = sum(stage["seconds"] for stage in stages)
     checked = [position.summary() for position in chain.positions]  # the fit's, before a solve filled any in
@@ -196,7 +198,19 @@ def chain_run(args) -> dict:
             "setting": args.setting, "trained": chain.dims, "fit_s": fit, "query_s": queried, "check_s": check,
             "check_share": check / (fit + queried), "check_products": products,
             "solvers": [s["solver"] for s in query.solves], "iterations": [s["iterations"] for s in query.solves],
-            "stages": stages, "load_at_start": load, "load_at_end": os.getloadavg()}
+            "stages": stages, "gradient_pass_s": passes, "check_passes": check / sum(passes),
+            "load_at_start": load, "load_at_end": os.getloadavg()}
+
+
+def reference_pass(plan) -> float:
+    """Seconds of one plain gradient pass over a chain stage's data and trained parameters
+    (:func:`influkit.curvature.gradient`), after its query in the same process: the unit the check is read in where
+    a share of fit + query says little (an ``identity`` solve's fit is nothing but the check)."""
+    from influkit.curvature import gradient
+
+    start = time.perf_counter()
+    gradient(plan.stage, plan.trained, extra=plan.proximal)
+    return time.perf_counter() - start
 
 
 def chain_summary(out: Path) -> None:
@@ -204,13 +218,16 @@ def chain_summary(out: Path) -> None:
     import pandas as pd
 
     rows = json.loads((out / "chains.json").read_text())
-    frame = pd.DataFrame([{"model": r["model"], "setting": r["setting"], "label": r["label"],
+    frame = pd.DataFrame([{"model": r["model"], "stage_1": f"{r['trained'][0] / 1e6:.1f}M", "setting": r["setting"],
+                           "label": r["label"],
                            "fit_s": r["fit_s"], "query_s": r["query_s"], "check_s": r["check_s"],
-                           "check_share": r["check_share"], "check_products": sum(r["check_products"]),
+                           "check_share": r["check_share"], "check_passes": r.get("check_passes"),
+                           "check_products": sum(r["check_products"]),
                            "verdicts": "/".join(s["verdict"] for s in r["stages"]),
+                           "gradients": "/".join(s.get("gradient_source", "data") for s in r["stages"]),
                            "eigenvalues": "/".join(s.get("eigenvalue_source", "lanczos") for s in r["stages"]),
                            "solvers": "/".join(r["solvers"]), "load_1min": r["load_at_start"][0]} for r in rows])
-    frame = frame.sort_values(["model", "setting", "label"])
+    frame = frame.sort_values(["model", "stage_1", "setting", "label"])
     (out / "chains.md").write_text(frame.to_string(index=False, float_format=lambda v: f"{v:.3g}") + "\n")
 
 
@@ -299,7 +316,7 @@ def main(argv=None) -> None:
     if args.chain:
         row = chain_run(args)
         file = out / "chains.json"
-        key = lambda r: (r["label"], r["model"], r["setting"])  # noqa: E731
+        key = lambda r: (r["label"], r["model"], r["setting"], tuple(r["trained"]))  # noqa: E731
         rows = json.loads(file.read_text()) if file.exists() else []
         file.write_text(json.dumps([r for r in rows if key(r) != key(row)] + [row], indent=1, default=str))
         print(json.dumps({k: v for k, v in row.items() if k != "stages"}, default=str), flush=True)

@@ -9,6 +9,8 @@ CPU seconds (``time.process_time``), which a shared, loaded machine inflates far
 process, interleaved, the fastest of ``--repeats``:
 
 - plain: the two ``Trainer.train()`` calls, nothing else;
+- plain, sdpa on MATH: the same with attention forced to sdpa's composite MATH backend, as the recording forces it
+  (what the forcing alone costs against the default kernel);
 - recorded: the same with ``hf.RecordCallback`` (both stages);
 - metagradient: ``ik.unrolled.metagradients`` of the summed loss of 32 held-out tweets (q = 1) on the recorded
   run — one exact metagradient for every pretraining and finetuning example — timed alone, and its phases (each
@@ -119,6 +121,14 @@ def test_set(prepared, record):
     return dataset_tensors(prepared[3], record.runs[1].stage.model.fields)
 
 
+def train_on_math(prepared):
+    """The plain run with sdpa forced to its MATH backend for both stages, as ``hf.RecordCallback`` forces it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        train(prepared, None)
+
+
 def seconds(fn) -> float:
     """The CPU seconds of this process that ``fn()`` takes (one torch thread: its work, not its waits for a core
     that other jobs share)."""
@@ -206,11 +216,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     prepared = data()
-    times = {"plain": [], "recorded": [], "metagradient": []}
+    times = {"plain": [], "plain, sdpa on MATH": [], "recorded": [], "metagradient": []}
     record = None
     for r in range(args.repeats):  # the plain run first in even rounds, last in odd ones (after the large frees)
         if r % 2 == 0:
             times["plain"].append(seconds(lambda: train(prepared, None)))
+        times["plain, sdpa on MATH"].append(seconds(lambda: train_on_math(prepared)))
         fresh = ik.unrolled.Record()
         times["recorded"].append(seconds(lambda: train(prepared, fresh)))
         record = fresh

@@ -9,11 +9,14 @@ minimum (∇L = 0, H ≻ 0). Models trained with Adam for a few epochs are rarel
   every example (S all n, ``gradient_source="pass"``), in one streamed pass with the registered layers hooked
   (:func:`influkit.factored.fit.objective_gradient`: a layer's batch gradient is one product of its recorded inputs
   and true-label output-gradients, an example's squared norm a sum of Gram products, no per-example gradient row;
-  the registered layers owning the other parameters hooked too). Where some trained parameter is in no such layer (or
-  shared by two: a decoder tied to the word embeddings), whose rows over every example would cost more than the rest
-  of the pass, or the loss gives no per-example output-gradients to hook: the seeded sample of the light check
-  below (:func:`light_sample`), ∇L estimated from it with its bound where that settles the verdict
-  (``"sample"``), else drawn on, or one gradient pass (``"data"``).
+  the registered layers owning the other parameters hooked too). A trained parameter in no such layer, or shared by
+  two (a decoder tied to the word embeddings), adds its batch gradient from the pass's own backward, so ∇L stays
+  exact; its per-example squared norms, whose rows over every example would cost more than the rest of the pass,
+  come from the seeded sample of :func:`light_sample` (n) examples (``"pass+sample"``, ``sample`` = s): g² = the
+  hooked parameters' (1/n) Σ_i ‖∇ℓ_i‖² + the mean over the sample of the others' (unbiased; exact when s = n).
+  Where the loss gives no per-example output-gradients to hook: the seeded sample of the light check below, ∇L
+  estimated from it with its bound where that settles the verdict (``"sample"``), else drawn on, or one gradient
+  pass (``"data"``).
 - ``min_eigenvalue`` θ_min, ``max_eigenvalue`` θ_max: extreme Ritz values of H. They bound the spectrum from
   inside, λ_min ≤ θ_min ≤ θ_max ≤ λ_max: a negative θ_min *certifies* negative curvature, a small |θ_min|
   certifies a near-null direction, a positive θ_min does not certify H ≻ 0 (curvature the Krylov space did not
@@ -53,6 +56,8 @@ each, and its gradient pass would cost many times that fit):
   with diagonal blocks take their per-example rows. So ∇L = (1/n) Σ_i ∇ℓ_i + ∇(R + extra) and
   g = ((1/n) Σ_i ‖∇ℓ_i‖²)^½ are exact over every example (``sample`` = n, ``gradient_bound`` 0), and ``seconds``
   counts what measuring them added to the pass (and any Lanczos steps), not the factored fit, which is the solve's;
+  a parameter no hook reaches (a tied decoder) adds its batch gradient from the pass's true-label backward, its
+  per-example norms from the sample as in the hooked pass above (``"fit+sample"``) — no gradient pass of its own;
 - when the fit's pass does not give them — it covers a Hessian sample (``hessian_samples`` < n), or the fitted
   curvature was kept from a fit without them — the sample is s = min(n, max(``LIGHT_SAMPLE_MIN``, min(``SAMPLE``,
   ⌈n/``LIGHT_SAMPLE_SHARE``⌉))) examples; when it does not settle the verdict (below), it is drawn
@@ -100,7 +105,7 @@ import torch
 from .curvature import HessianOperator, gradient, penalty_gradient
 from .errors import InputError, StationarityWarning, warn
 from .factored.fisher import FactoredCurvatureError
-from .factored.fit import objective_gradient, unhooked_parameters
+from .factored.fit import objective_gradient
 from .gradients import chunk_for, per_example_grad_rows
 from .memory import DEFAULT_EXAMPLES
 from .operators import Operator
@@ -136,7 +141,10 @@ class Position:
     eigenvalue_tol: float  # ε
     seconds: float  # the check's own seconds
     gradient_bound: float = 0.0  # b: r's half-width at ≈95 % (0: ∇L from the whole data, exact)
-    gradient_source: str = "data"  # "data": ∇L from every example; "sample": estimated on the sample (light check)
+    # "pass" / "fit": ∇L and g from every example in the check's hooked pass / the factored fit's data pass ("+sample":
+    # g's share of the parameters no hook reaches from ``sample`` examples); "data": ∇L from a gradient pass, g from
+    # the sample; "sample": both estimated on the sample (light check)
+    gradient_source: str = "data"
     # "lanczos" on the exact H; "lanczos-sample" on the Hessian of ``eigenvalue_sample`` examples; the fitted factored
     # curvature ("ekfac", "kfac"); "none" (not measured); or the solver whose own iterations gave them (``solved``)
     eigenvalue_source: str = "lanczos"
@@ -171,8 +179,10 @@ class Position:
     def describe(self) -> str:
         """One line: the verdict with the numbers it rests on."""
         bound = f" ± {self.gradient_bound:.2g} (from {self.sample} examples)" if self.gradient_source == "sample" else ""
-        return (f"{self.verdict}: ‖∇L‖ = {self.gradient_norm:.2g}{bound} × the typical per-example gradient norm "
-                f"(stationary below {GRADIENT_TOL:g}), {self.spectrum()}")
+        typical = (f" (its share from the parameters no layer hook reaches estimated on {self.sample} examples)"
+                   if self.gradient_source.endswith("+sample") else "")
+        return (f"{self.verdict}: ‖∇L‖ = {self.gradient_norm:.2g}{bound} × the typical per-example gradient norm"
+                f"{typical} (stationary below {GRADIENT_TOL:g}), {self.spectrum()}")
 
     def spectrum(self) -> str:
         """What the eigenvalues are and where they came from, in words."""
@@ -278,7 +288,7 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     start = time.perf_counter()
     names = stage.param_names if names is None else list(names)
     n = len(stage)
-    curvature, fitting = None, 0.0  # fitting: seconds of the factored fit that are the solve's, not the check's
+    curvature, fitting, source = None, 0.0, None  # fitting: seconds of the factored fit that are the solve's, not the check's
     if factored is not None:
         fitting = time.perf_counter()
         curvature = factored()
@@ -286,9 +296,14 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     measured = None if curvature is None else curvature.gradient
     if measured is not None and measured.examples == n:  # ∇L and g from every example, in the fit's data pass
         fitting -= measured.seconds
-        absolute, typical, count, bound, source = measured.norm, measured.typical, n, 0.0, "fit"
-    elif factored is None and (passed := _gradient_pass(stage, names, extra, memory, progress)) is not None:
-        absolute, typical, count, bound, source = passed.norm, passed.typical, n, 0.0, "pass"
+        source = "fit"
+    elif factored is None and (measured := _gradient_pass(stage, names, extra, memory, progress)) is not None:
+        source = "pass"
+    if source in ("fit", "pass"):
+        absolute, typical, count, bound = measured.norm, measured.typical, n, 0.0
+        if measured.unmeasured:  # g's share of the parameters no hook reaches, from a sample's rows
+            typical, count = _completed_typical(stage, measured, seed)
+            source += "+sample" if count < n else ""
     else:
         absolute, typical, count, bound, source = _gradient_norms(stage, names, extra, seed, memory, least, progress)
     relative = absolute / typical if typical > 0 else (0.0 if absolute == 0 else math.inf)
@@ -315,15 +330,38 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
 
 
 def _gradient_pass(stage: Stage, names, extra, memory, progress: bool):
-    """‖∇L‖ and g over every example in one hooked pass (:func:`influkit.factored.fit.objective_gradient`), or None
-    where some parameter's per-example gradients no layer hook gives (their rows over every example would cost
-    more than the sample's), or the loss has no per-example output-gradients to hook."""
-    if unhooked_parameters(stage.model, names):
-        return None
+    """‖∇L‖ and g over every example in one hooked pass (:func:`influkit.factored.fit.objective_gradient`: g over the
+    hooked parameters, ``unmeasured`` the others), or None where the loss has no per-example output-gradients to
+    hook."""
     try:
         return objective_gradient(stage, names, extra=extra, memory=memory, progress=progress)
     except FactoredCurvatureError:
         return None
+
+
+def _completed_typical(stage: Stage, measured, seed: int) -> tuple[float, int]:
+    """(g, s): g² = the measured parameters' (1/n) Σ_i ‖∇ℓ_i‖² over every example + the mean over a seeded sample of
+    s = :func:`light_sample` (n) examples of the squared norms of the ``measured.unmeasured`` parameters' per-example
+    gradients (an unbiased estimate of their share; exact when s = n), by :func:`_example_squares`."""
+    n = len(stage)
+    size = light_sample(n)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:size].sort().values
+    squares = _example_squares(stage, order, list(measured.unmeasured))
+    return math.sqrt(measured.typical ** 2 + float(squares.mean())), size
+
+
+def _example_squares(stage: Stage, order: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
+    """(s,) ‖∇ℓ_i‖² over ``names`` of the examples ``order``, one backward per example. These are the parameters no
+    layer hook reaches — few and large, such as a vocabulary-sized decoder tied to the word embeddings —, so one
+    gradient row is held at a time, never a vmapped batch of them."""
+    params = {nm: t.detach().clone().requires_grad_(True) for nm, t in point(stage.state(), names).items()}
+    squares = []
+    for i in order.tolist():
+        x, y = stage.data.take([i])
+        with torch.enable_grad():
+            grads = torch.autograd.grad(stage.losses(params, x, y).sum(), list(params.values()), allow_unused=True)
+        squares.append(sum(float(g.pow(2).sum(dtype=torch.float64)) for g in grads if g is not None))
+    return torch.tensor(squares, dtype=torch.float64)
 
 
 def _gradient_norms(stage: Stage, names, extra, seed: int, memory, least: int,

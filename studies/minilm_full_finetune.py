@@ -28,7 +28,8 @@ run: ``train(cfg)`` rebuilds the record bit for bit (``summary.json`` keeps the 
     python -m studies.minilm_full_finetune rows               # the cheaper methods' scores on the same run
     .bench-venv/bin/python -m studies.minilm_full_finetune peers   # kronfluence and TRAK (after ``rows``)
     python -m studies.minilm_full_finetune table              # lds.csv from what is on disk
-    python -m studies.minilm_full_finetune cost               # the cost ratios on the shorter run, one process
+    MALLOC_MMAP_THRESHOLD_=131072 python -m studies.minilm_full_finetune cost   # CPU-second ratios to the plain
+                                                              # Trainer run, one process (resumable)
 
 The cheaper rows (``rows``, then ``peers``; ``rows.json``, one entry per method as it finishes, resumable), each
 scored on the same drop sets and replayed losses as the exact row, with its seconds and the peak RSS sampled while it
@@ -95,7 +96,6 @@ class Config:
 
 
 QUICK = Config(per_source=10, n_finetune=16, n_test=2, warmup=1, checkpoint_every=3, subsets=3)
-COST = Config(per_source=20, n_finetune=32, warmup=2, checkpoint_every=4)  # 10 + 4 steps: the cost ratios
 
 
 def arguments(cfg: Config, *, batch: int, accumulate: int, lr: float, seed: int) -> TrainingArguments:
@@ -118,7 +118,8 @@ class Run:
     models: tuple
     data: object
     test: tuple[torch.Tensor, torch.Tensor]
-    seconds: dict
+    seconds: dict  # wall-clock seconds per stage
+    cpu_seconds: dict  # this process's CPU seconds per stage (one torch thread: what a loaded machine inflates least)
 
 
 def load(cfg: Config):
@@ -135,7 +136,7 @@ def train(cfg: Config, *, recorded: bool = True, math: bool = False, loaded=None
     path, data = loaded or load(cfg)
     tok = data.tokenizer
     record = ik.unrolled.Record() if recorded else None
-    seconds = {}
+    seconds, cpu_seconds = {}, {}
     torch.manual_seed(cfg.seed)
     mlm = hf.pretrained(BertForMaskedLM, path, seed=cfg.seed, attn_implementation="sdpa", **DROPOUT)
     pre = Trainer(mlm, arguments(cfg, batch=cfg.micro_batch, accumulate=cfg.accumulate, lr=cfg.pre_lr, seed=cfg.seed),
@@ -153,22 +154,24 @@ def train(cfg: Config, *, recorded: bool = True, math: bool = False, loaded=None
                   callbacks=[hf.RecordCallback(record, link=ik.Link.finetune(shared),
                                                checkpoint_every=cfg.checkpoint_every)] if recorded else [])
     with sdpa_kernel([SDPBackend.MATH]) if math else _nothing():
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         pre.train()
         seconds["masked-LM stage"] = time.perf_counter() - start
+        cpu_seconds["masked-LM stage"] = time.process_time() - cpu
         if not recorded:  # the callback copies the encoder in; a plain run does it by hand
             with torch.no_grad():
                 values = dict(mlm.named_parameters())
                 for n, p in clf.named_parameters():
                     if n in shared:
                         p.copy_(values[n])
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         fin.train()
         seconds["finetuning stage"] = time.perf_counter() - start
+        cpu_seconds["finetuning stage"] = time.process_time() - cpu
     test_items = data.test[0]
     test = hf.pack(tok([s.text for s in test_items], padding=True, truncation=True, max_length=cfg.max_len,
                        return_tensors="pt"), labels=torch.tensor([int(s.rating > 0) for s in test_items]))
-    return Run(record, (mlm, clf), data, test, seconds)
+    return Run(record, (mlm, clf), data, test, seconds, cpu_seconds)
 
 
 class _nothing:
@@ -283,17 +286,23 @@ def step_table(out: Path) -> pd.DataFrame:
                                     "peak RSS (MiB)": float(exact["peak_rss_mib"]), "note": ""}}
     if (out / ROWS).exists():
         rows_ |= json.loads((out / ROWS).read_text())
+    if (out / MAGIC).exists():  # studies.minilm_full_finetune_magic's row (the bench venv's Bergson)
+        magic = json.loads((out / MAGIC).read_text())
+        rows_[magic["method"]] = {k: magic[k] for k in ("scores", "seconds", "peak RSS (MiB)", "note")}
     entries = [json.loads(line) for line in (out / "replays.jsonl").read_text().splitlines()]
     table = []
     for name, row in rows_.items():
         scores = np.asarray(row["scores"], dtype=float)
+        scored = bool(np.isfinite(scores).all())  # a method that failed on this run: its row says why, no numbers
         entry = {"method": name, "seconds": round(row["seconds"], 1), "peak RSS (MiB)": round(row["peak RSS (MiB)"]),
-                 "Pearson r with exact": float(np.corrcoef(scores, rows_["exact metagradient"]["scores"])[0, 1])}
+                 "Pearson r with exact": float(np.corrcoef(scores, rows_["exact metagradient"]["scores"])[0, 1])
+                 if scored else np.nan}
         for f in sorted({e["fraction"] for e in entries}):
             mine = sorted((e for e in entries if e["fraction"] == f), key=lambda e: e["subset"])
             keeps = np.load(out / f"drop_sets_{int(f * 100)}.npy")[[e["subset"] for e in mine]]
             actual = np.array([sum(e["losses"]) for e in mine])
-            entry[f"LDS {f:.0%} (M={len(mine)})"] = float(lds_per_query(scores, keeps, actual[:, None])[0])
+            entry[f"LDS {f:.0%} (M={len(mine)})"] = float(lds_per_query(scores, keeps, actual[:, None])[0]) \
+                if scored else np.nan
         entry["note"] = row["note"]
         table.append(entry)
     frame = pd.DataFrame(table)
@@ -309,7 +318,7 @@ def plot_lds(frame: pd.DataFrame, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     columns = [c for c in frame.columns if c.startswith("LDS")]
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / max(len(columns), 1)
     for i, column in enumerate(columns):
         ax.barh(np.arange(len(frame)) + i * width, frame[column].fillna(0), height=width, label=column)
@@ -317,7 +326,7 @@ def plot_lds(frame: pd.DataFrame, path: Path) -> None:
     ax.invert_yaxis()
     ax.axvline(0, color="black", linewidth=0.5)
     ax.set_xlabel("replay LDS of the summed test loss (Spearman)")
-    ax.set_title("all-MiniLM-L6-v2: 100 masked-LM + 40 full-finetuning steps, 800 corpus snippets")
+    ax.set_title("all-MiniLM-L6-v2: 100 masked-LM + 40 full-finetuning steps, 800 corpus snippets", fontsize=9)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -325,34 +334,49 @@ def plot_lds(frame: pd.DataFrame, path: Path) -> None:
 
 
 def step_cost(cfg: Config, out: Path) -> dict:
-    """One process, the shorter run (``COST``): the plain Trainer run of both stages (sdpa's default kernel), the
-    same with sdpa's MATH backend forced, the recorded run, and the exact metagradient of the summed test loss;
-    their seconds and ratios to the plain run."""
+    """One process, the run itself: the plain Trainer run of both stages (sdpa's default kernel), the same with
+    sdpa's MATH backend forced, the recorded run, and the exact metagradient of the summed test loss; their CPU
+    seconds (``time.process_time``, one torch thread: a shared machine's load inflates them far less than wall-clock
+    seconds) and ratios to the plain run. The three runs alternate over ``COST_ROUNDS`` rounds and each keeps its
+    fastest. Resumable: cost.json is written after every round (``"partial": true`` until the metagradient's)."""
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
+    path = out / "cost.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    rounds = previous.get("rounds", []) if previous.get("config") == asdict(cfg) and previous.get("partial") else []
     loaded = load(cfg)
     train(replace(cfg, per_source=4, n_finetune=8), recorded=False)  # warm-up: first-call costs off the clock
-    rounds = []
-    for _ in range(2):  # alternating, the faster of two rounds each (the machine is shared)
-        plain = train(cfg, recorded=False, loaded=loaded)
-        math = train(cfg, recorded=False, math=True, loaded=loaded)
+
+    def write(meta: float | None) -> dict:
+        best = {k: min(r[k] for r in rounds) for k in rounds[0]}
+        result = {"config": asdict(cfg), "clock": "process CPU seconds, one torch thread", "rounds": rounds,
+                  "seconds": best, "sdpa MATH backend / default kernel (plain runs)": best["math"] / best["plain"],
+                  "recording overhead (recorded / plain)": best["recorded"] / best["plain"],
+                  "machine": "shared 2-core CPU, 1 torch thread", "load": list(os.getloadavg()),
+                  "partial": meta is None}
+        if meta is not None:
+            result["seconds"] = best | {"exact metagradient (summed test loss)": meta}
+            result |= {"exact metagradient / plain Trainer run": meta / best["plain"],
+                       "recorded run + exact metagradient / plain Trainer run": (best["recorded"] + meta) / best["plain"]}
+        path.write_text(json.dumps(result, indent=2))
+        return result
+
+    recorded = None
+    while len(rounds) < COST_ROUNDS:
+        recorded = None  # one record held at a time (5.5 GB)
+        plain = sum(train(cfg, recorded=False, loaded=loaded).cpu_seconds.values())
+        math = sum(train(cfg, recorded=False, math=True, loaded=loaded).cpu_seconds.values())
         recorded = train(cfg, loaded=loaded)
-        rounds.append({"plain": sum(plain.seconds.values()), "math": sum(math.seconds.values()),
-                       "recorded": sum(recorded.seconds.values())})
+        rounds.append({"plain": plain, "math": math, "recorded": sum(recorded.cpu_seconds.values())})
+        write(None)
+    recorded = recorded or train(cfg, loaded=loaded)
     checked(recorded)
-    begin = time.perf_counter()
-    ik.unrolled.metagradients(recorded.record, recorded.test)
-    meta = time.perf_counter() - begin
-    best = {k: min(r[k] for r in rounds) for k in rounds[0]}
-    result = {"config": asdict(cfg), "steps": [r.steps for r in recorded.record.runs], "rounds": rounds,
-              "seconds": best | {"exact metagradient (summed test loss)": meta},
-              "sdpa MATH backend / default kernel (plain runs)": best["math"] / best["plain"],
-              "recording overhead (recorded / plain)": best["recorded"] / best["plain"],
-              "exact metagradient / plain Trainer run": meta / best["plain"],
-              "recorded run + exact metagradient / plain Trainer run": (best["recorded"] + meta) / best["plain"],
-              "machine": "shared 2-core CPU, 1 torch thread", "load": list(os.getloadavg())}
-    (out / "cost.json").write_text(json.dumps(result, indent=2))
-    return result
+    begin = time.process_time()
+    ik.unrolled.metagradients(recorded.record, recorded.test, progress=False)
+    return write(time.process_time() - begin)
+
+
+COST_ROUNDS = 2
 
 
 def states_path(out: Path) -> Path:
@@ -361,6 +385,8 @@ def states_path(out: Path) -> Path:
 
 
 ROWS = "rows.json"
+PROGRESS = True  # the rows' progress bars (to the log of a background run); --no-progress turns them off
+MAGIC = "magic.json"
 FIRST_ORDER, CORRECTED, APPROXIMATE, CHAIN = ("first-order", "first-order + EK-FAC correction (4 segments)",
                                               "approximate unrolling (EK-FAC, 4 segments)",
                                               "influence functions (Chain defaults, Case 2 α = 0.01)")
@@ -408,18 +434,18 @@ def chain_scores(run: Run, cfg: Config) -> np.ndarray:
     pre = hf.masked_lm_stage(mlm.eval(), run.data.corpus_batch, tokenizer=run.data.tokenizer, seed=cfg.seed)
     fin = hf.classification_stage(clf.eval(), run.data.train[1])
     shared = {n: n for n, _ in mlm.named_parameters() if n.startswith("bert.")}  # the encoder (no pooler in stage 1)
-    chain = ik.Chain([pre, fin], [ik.Link(shared, case=2, alpha=0.01)], progress=False).fit()
+    chain = ik.Chain([pre, fin], [ik.Link(shared, case=2, alpha=0.01)], progress=PROGRESS).fit()
     return summed([chain.query(hf.pack(run.data.test[1]), per_test=True).scores()])  # stage 1: the corpus
 
 
 def methods(cfg: Config) -> dict:
-    return {FIRST_ORDER: lambda run: summed(ik.unrolled.first_order(run.record, run.test, progress=False)),
+    return {FIRST_ORDER: lambda run: summed(ik.unrolled.first_order(run.record, run.test, progress=PROGRESS)),
             CHAIN: lambda run: chain_scores(run, cfg),
             APPROXIMATE: lambda run: summed(ik.unrolled.approximate(run.record, run.test, segments=4,
                                                                     curvature="ekfac", basis="shared",
-                                                                    progress=False)),
+                                                                    progress=PROGRESS)),
             CORRECTED: lambda run: summed(ik.unrolled.first_order(run.record, run.test, correction="ekfac",
-                                                                  segments=4, progress=False))}
+                                                                  segments=4, progress=PROGRESS))}
 
 
 def scored_rows(out: Path) -> set[str]:
@@ -440,15 +466,17 @@ def step_rows(cfg: Config, out: Path, chosen: list[str] | None = None) -> None:
     each cheaper method's (those whose names start with one of ``chosen``, all if None) summed-test-loss scores with its seconds and peak RSS, one entry of rows.json as each
     finishes (a re-run skips what is there; a method that fails is recorded with its error)."""
     torch.set_num_threads(1)
-    run = train(cfg)
-    checked(run)
+    done = scored_rows(out)
+    todo = {name: score for name, score in methods(cfg).items()
+            if name not in done and (not chosen or any(name.startswith(c) for c in chosen))}
+    recorded = any(name != CHAIN for name in todo)  # the chain reads the trained models only: no record held
+    run = train(cfg, recorded=recorded, math=not recorded)  # sdpa's MATH kernel either way: the recorded run's bits
+    if recorded:
+        checked(run)
     summary = json.loads((out / "summary.json").read_text())
     assert fingerprint(run.models) == summary["final weights fingerprint"], "not the run the exact row scored"
     torch.save([m.state_dict() for m in run.models], states_path(out))
-    done = scored_rows(out)
-    for name, score in methods(cfg).items():
-        if name in done or (chosen and not any(name.startswith(c) for c in chosen)):
-            continue
+    for name, score in todo.items():
         with PeakRss() as rss:
             begin = time.perf_counter()
             try:
@@ -522,13 +550,15 @@ def main(argv=None) -> int:
         print(step_table(out).to_string(index=False))
         files = [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name != "MANIFEST.json"]
     elif args.step in ("rows", "peers"):
+        global PROGRESS
+        PROGRESS = not args.no_progress
         step_rows(cfg, out, args.methods) if args.step == "rows" else step_peers(cfg, out)
         files = [ROWS]
     elif args.step == "table":
         print(step_table(out).drop(columns="note").to_string(index=False))
         files = ["lds.csv", "lds.png"]
     else:
-        print(json.dumps(step_cost(replace(QUICK, checkpoint_every=2) if args.quick else COST, out), indent=2))
+        print(json.dumps(step_cost(cfg, out), indent=2))
         files = ["cost.json"]
     record(out, files, note="2-core CPU shared with other sessions; torch.set_num_threads(1)")
     return 0

@@ -53,6 +53,23 @@ def test_masked_lm_sampled_fisher_is_the_plain_cross_entropy_s_scaled():
     assert (u[0][labels == -100] == 0).all()
 
 
+@pytest.mark.parametrize("fisher", ["empirical", "sampled"])
+@pytest.mark.parametrize("loss", [hf.masked_lm_losses, hf.causal_lm_losses, token_summed_ce,
+                                  lambda f, y: 0.5 * token_summed_ce(f, y)])
+def test_a_categorical_losss_true_label_gradient_is_autograds(loss, fisher):
+    """The true-label output-gradient (fisher="empirical"'s u, and the stationarity check's true-label backward) of a
+    categorical loss, declared or detected by the sampled Fisher: c_i (softmax − onehot) on its labelled positions,
+    equal to autograd's through the loss itself to float64 rounding (a sentence without a labelled position: zero)."""
+    logits, labels = logits_and_labels(2)
+    labels[1] = -100
+    pseudo = PseudoGradients(loss, fisher, logits, labels)
+    u = pseudo(logits, labels)[0] if fisher == "empirical" else pseudo.true_gradient(logits, labels)
+    leaf = logits.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(loss(leaf, labels).sum(), leaf)
+    torch.testing.assert_close(u, expected, rtol=1e-12, atol=1e-15)
+    assert (u[1] == 0).all()
+
+
 def test_causal_lm_sampled_fisher_predicts_the_next_token():
     logits, labels = logits_and_labels(1)
     index = torch.arange(5)

@@ -7,6 +7,7 @@ first step."""
 from __future__ import annotations
 
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassifica
 
 import influkit as ik  # noqa: E402
 from influkit import hf  # noqa: E402
+from influkit.gradients import per_example_grads, per_example_grads_serial  # noqa: E402
 
 TEXTS = ["the movie was good", "a bad film indeed", "great acting and story", "boring plot, weak ending",
          "i loved the music", "the worst movie ever", "fine but too long", "what a wonderful surprise"]
@@ -214,6 +216,21 @@ def test_a_trainer_at_its_defaults_with_accumulation_replays_its_own_final_weigh
     plain = at_defaults(tokenizer)
     gap = max(float((a - b).detach().abs().max()) for a, b in zip(recorded.parameters(), plain.parameters()))
     assert gap < 1e-10
+
+
+def test_the_stage_of_an_sdpa_trainer_run_vectorizes_its_per_example_gradients(tokenizer):
+    # transformers' own 2-D → 4-D sdpa mask branches on mask.all(), which vmap cannot trace; the recorded stage's
+    # model passes a ready 4-D mask under vmap instead, so per-example gradients (factored fits, first-order terms)
+    # are vectorized on padded batches and equal the one-example-at-a-time reference
+    record = ik.unrolled.Record()
+    at_defaults(tokenizer, [hf.RecordCallback(record)], num_train_epochs=1).eval()  # dropout off
+    stage = record.runs[0].stage
+    inputs, targets = stage.data.take(torch.arange(len(stage.data)))
+    assert (inputs[:, 1] == 0).any()  # padded examples
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ik.VectorizationWarning)
+        rows = per_example_grads(stage, inputs, targets)
+    assert torch.allclose(rows, per_example_grads_serial(stage, inputs, targets), rtol=0, atol=1e-12)
 
 
 def test_a_trainer_that_divides_by_its_accumulation_steps_is_replayed_bit_for_bit(tokenizer):

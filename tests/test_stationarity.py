@@ -70,23 +70,26 @@ def test_off_the_minimum_the_relative_gradient_norm_is_exact():
 
 @pytest.mark.parametrize("repeat", [1, 17])
 def test_the_objective_gradient_with_a_regularizer_is_exact(repeat, monkeypatch):
-    """∇L = Dθ + mean a_i + wθ (R = (w/2)‖θ‖²). The model's parameter is in no registered layer, so the light
-    sample gives g: with 4 examples it is all of them and their per-example gradients give ∇L exactly (no gradient
-    pass); with 68 its estimate of ∇L (mean pull ≠ 0 on a sample) does not settle the verdict, and one gradient pass
-    gives ∇L exactly."""
+    """∇L = Dθ + mean a_i + wθ (R = (w/2)‖θ‖²), exact from the hooked pass's backward (the batch gradient of a
+    parameter in no registered layer), no gradient pass of the check's own. That parameter's per-example norms no
+    hook gives: g² is their mean over a seeded sample of light_sample(n) examples — all 4 of them (g exact,
+    source "pass"), or 8 of 68 ("pass+sample", g² the mean over exactly those 8 examples)."""
     from influkit import stationarity
 
     theta, d, w = [0.1, -0.2, 0.3], [4.0, 1.0, 0.25], 0.5
     plain = quadratic_stage(d, theta, PULLS * repeat)
     stage = ik.Stage(plain.model, plain.loss, plain.data.take(torch.arange(len(plain))), regularizer=l2(w))
-    if repeat == 1:
-        monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a second gradient pass"))
+    monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a second gradient pass"))
     pos = position(stage)
     expected = float(((torch.tensor(d) + w) * torch.tensor(theta, dtype=torch.float64)).norm())
     assert pos.objective_gradient == pytest.approx(expected, rel=1e-12)
     assert pos.gradient_norm == pytest.approx(expected / pos.typical_gradient, rel=1e-12)
-    assert (pos.gradient_source, pos.gradient_bound) == ("data", 0.0)
-    assert pos.sample == 4 if repeat == 1 else stationarity.light_sample(68) <= pos.sample <= 68 // 4
+    n = 4 * repeat
+    sample = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: stationarity.light_sample(n)]
+    pulls = torch.tensor(PULLS * repeat, dtype=torch.float64)[sample]
+    own = torch.tensor(d, dtype=torch.float64) * torch.tensor(theta, dtype=torch.float64) + pulls  # ∇ℓ_i = Dθ + a_i
+    assert pos.typical_gradient == pytest.approx(float(own.pow(2).sum(1).mean().sqrt()), rel=1e-12)
+    assert (pos.gradient_source, pos.sample, pos.gradient_bound) == (("pass", 4) if repeat == 1 else ("pass+sample", 8)) + (0.0,)
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "sampled", "exact"])
@@ -502,3 +505,68 @@ def test_the_checks_gradient_pass_measures_the_exact_objective_gradient_over_eve
     assert (where.gradient_source, where.sample, where.gradient_bound) == ("pass", 37, 0.0)
     assert where.objective_gradient == pytest.approx(norm, rel=1e-12)
     assert where.gradient_norm == pytest.approx(norm / typical, rel=1e-12) and where.verdict == "non-stationary"
+
+
+class TiedLM(nn.Module):
+    """Token ids → logits (B, T, vocabulary) through a decoder tied to the word embeddings: the tied weight's
+    per-example gradient (embedding rows plus decoder outer products) is no single layer hook's."""
+
+    def __init__(self, vocab: int = 11, dim: int = 4):
+        super().__init__()
+        self.emb, self.mix, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, dim), nn.Linear(dim, vocab)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.mix(self.emb(ids))))
+
+
+def token_losses(logits, labels):
+    return nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").sum(1)
+
+
+@pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum
+@pytest.mark.parametrize("solve", [ik.SolveConfig(solver="ekfac", damping=1e-2),
+                                   ik.SolveConfig(solver="minres", damping=1e-2, max_iter=2)])
+def test_a_tied_decoder_gets_its_exact_gradient_from_the_pass_and_only_its_norms_from_a_sample(solve, monkeypatch):
+    """A decoder tied to the word embeddings: the EK-FAC fit's data pass (sampled labels) or the check's hooked pass
+    gives ∇L exactly — the tied weight's and the decoder bias's batch gradient from the same backward, the decoder's
+    part on the labelled positions only (every batch's true-label backward starts below it) — with no
+    gradient pass of the check's own and no per-example rows over every example (counted: one backward per example
+    of light_sample(n), over the two unhooked parameters only, no batched per-example pass); g² is the hooked parameters' mean over
+    every example plus those two parameters' mean over that seeded sample; the verdict is the full check's."""
+    from influkit import stationarity
+    from influkit.curvature import gradient
+    from influkit.gradients import per_example_grad_rows
+    from influkit.params import ParamSpace
+
+    import influkit.factored.fit as factored
+
+    gen = torch.Generator().manual_seed(3)
+    ids, labels = torch.randint(0, 11, (40, 5), generator=gen), torch.randint(0, 11, (40, 5), generator=gen)
+    labels[torch.rand(40, 5, generator=gen) < 0.6] = -100  # masked-LM-like: most positions carry no gradient
+    torch.manual_seed(0)
+    stage = ik.Stage(TiedLM().double().eval(), token_losses, (ids, labels), regularizer=l2(1e-2), batch_size=16)
+    names = stage.param_names
+    exact = gradient(stage, names)
+    norm = float(ParamSpace(exact).flatten(exact).norm())
+    rows = {nm: torch.cat(list(per_example_grad_rows(stage, ids, labels, [nm], chunk_size=40))) for nm in names}
+    unhooked = ["emb.weight", "out.bias"]
+    sample = torch.randperm(40, generator=torch.Generator().manual_seed(0))[: stationarity.light_sample(40)]
+    squares = sum(rows[nm].pow(2).sum(1).mean() for nm in names if nm not in unhooked)
+    squares = squares + sum(rows[nm][sample].pow(2).sum(1).mean() for nm in unhooked)
+    full = assess(stage, None, HessianOperator(stage))  # the whole check's verdict, for comparison
+    passes = []
+    original = stationarity._example_squares
+    monkeypatch.setattr(stationarity, "_example_squares",
+                        lambda st, order, nms: passes.append((len(order), list(nms))) or original(st, order, nms))
+    monkeypatch.setattr(stationarity, "per_example_grad_rows", lambda *a, **k: pytest.fail("a batched per-example pass"))
+    monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a gradient pass over all the data"))
+    heads = spy(monkeypatch, factored, "head_backward", "none")
+    where = ik.Chain([stage], solve=solve, progress=False).fit().positions[0]
+    assert passes == [(8, unhooked)] and len(heads) == 3  # the true-label backward of each batch of 16, 16, 8
+    expected = "fit+sample" if solve.solver == "ekfac" else "pass+sample"
+    assert (where.gradient_source, where.sample, where.gradient_bound) == (expected, 8, 0.0)
+    assert where.objective_gradient == pytest.approx(norm, rel=1e-12)
+    assert where.typical_gradient == pytest.approx(float(squares.sqrt()), rel=1e-12)
+    assert where.verdict == full.verdict == "non-stationary" and where.products == 0
+    assert "8 examples" in where.describe()

@@ -13,7 +13,8 @@ Modules: :mod:`.fisher` (pseudo output-gradients: sampled labels, empirical, exa
 parameters get Kronecker factors; the layer types are :mod:`influkit.layers`), :mod:`.blocks` (a layer's
 Kronecker block, the diagonal block), :mod:`.operator` (the fitted curvature as an operator, its inverse, its files),
 :mod:`.fit` (fitting in passes: statistics, all-reduce, memory probing), :mod:`.gradient` (what the fit's data pass
-measures of the objective's gradient for the stationarity check), :mod:`.regularizer` (R's diagonal),
+measures of the objective's gradient for the stationarity check), :mod:`.head` (that pass's true-label backward
+started below the output layer, on the output rows that carry a gradient), :mod:`.regularizer` (R's diagonal),
 :mod:`.kinds` (the registered ``diagonal``, ``kfac``, ``ekfac``), :mod:`.arnoldi` (Lanczos eigenpairs, the low-rank inverse, deflation),
 :mod:`.approximations` (the registry: one class per approximation, which :class:`influkit.FittedCurvature` fits by
 name), :mod:`.tokens` (a summed gradient whose Kronecker blocks are kept as token factors, solved from them).

@@ -147,8 +147,10 @@ class PseudoGradients:
         if fisher not in FISHER:
             raise InputError(f"unknown fisher {fisher!r}; choose one of {FISHER}.")
         self.loss, self.fisher = loss, fisher
-        self.declared: Categorical | None = getattr(loss, "categorical", None) if fisher == "sampled" else None
-        if self.declared is not None:
+        self.declared: Categorical | None = getattr(loss, "categorical", None) if fisher != "exact" else None
+        if fisher == "empirical":
+            self.family, self.class_dim = "", 0
+        elif self.declared is not None:
             self.family, self.class_dim = "categorical", self.declared.class_dim
         else:
             self.family, self.class_dim = detect_family(loss, outputs, targets) if fisher == "sampled" else ("", 0)
@@ -186,7 +188,7 @@ class PseudoGradients:
         """
         f = outputs.detach()
         if self.fisher == "empirical":
-            return self._loss_gradient(f, targets)[None]
+            return self.true_gradient(f, targets)[None]
         if self.fisher == "exact":
             return self._hessian_root(f, targets)
         with torch.no_grad():
@@ -229,6 +231,43 @@ class PseudoGradients:
         u[keep] = probs.to(f.dtype)
         u = u.reshape(logits.shape)
         return u if self.class_dim == -1 else u.movedim(-1, 1)
+
+    def true_gradient(self, f: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """∇_f ℓ(f, y) with the true labels (the empirical Fisher's u). For a categorical loss, declared or detected by
+        ``fisher="sampled"`` (ℓ_i = c_i Σ_t CE(f_it, y_it)): c_i (softmax(f_it) − onehot(y_it)) on the labelled
+        positions, 0 elsewhere, in float64 on those positions only — a masked-LM batch labels 15% of them, where
+        autograd through the loss would take the log-softmax of every position's vocabulary-sized row; c_i is the
+        declared weight, or read off the loss as the sampled labels' scale is. Else autograd through the loss."""
+        f = f.detach()
+        if self.declared is not None:
+            declared = self.declared
+            labels = declared.targets(targets) if declared.targets is not None else targets
+            scale = (declared.weights(targets).to(torch.float64) if declared.weights is not None
+                     else torch.ones(f.shape[0], dtype=torch.float64))
+            return self._categorical_gradient(f, labels, scale, declared.class_dim)
+        if self.family == "categorical":
+            with torch.no_grad():
+                ref = _reference(self.family, self.class_dim, f, targets).to(torch.float64)
+                value = self.loss(f, targets).reshape(-1).to(torch.float64)
+            scale = torch.where(ref > 1e-12, value / ref.clamp_min(1e-12), torch.zeros_like(ref)).clamp_min(0)
+            return self._categorical_gradient(f, targets, scale, self.class_dim)
+        return self._loss_gradient(f, targets)
+
+    @staticmethod
+    def _categorical_gradient(f: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, class_dim: int) -> torch.Tensor:
+        """c_i (softmax(f_it) − onehot(y_it)) where y_it ≠ −100, else 0 (classes on ``class_dim``, c = ``scale``)."""
+        logits = f if class_dim == -1 else f.movedim(class_dim, -1)
+        classes, batch = logits.shape[-1], f.shape[0]
+        rows = logits.reshape(-1, classes)
+        labels = labels.reshape(-1).to(rows.device)
+        keep = (labels != IGNORE_INDEX).nonzero().squeeze(1)
+        probs = torch.softmax(rows[keep].to(torch.float64), dim=-1)
+        probs[torch.arange(keep.numel(), device=rows.device), labels[keep]] -= 1.0
+        per_row = scale.to(rows.device).repeat_interleave(rows.shape[0] // batch if batch else 0)
+        u = torch.zeros_like(rows)
+        u[keep] = (probs * per_row[keep, None]).to(f.dtype)
+        u = u.reshape(logits.shape)
+        return u if class_dim == -1 else u.movedim(-1, class_dim)
 
     def _loss_gradient(self, f: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():

@@ -60,6 +60,8 @@ from .approximations import APPROXIMATIONS
 from .blocks import DiagonalBlock, KroneckerBlock, layer_index
 from .fisher import FISHER, PseudoGradients
 from .gradient import GradientSums, ObjectiveGradient
+from .head import HeadRecorder, find_head
+from .head import backward as head_backward
 from .layers import plan_layers
 from .operator import FactoredCurvature
 from .regularizer import regularizer_diagonal
@@ -100,34 +102,59 @@ def factor_bytes(layer: Layer) -> int:
     return 16 * ((a if layer.one_hot else a * a) + g * g)
 
 
-def _forward_pass(stage, layers, leaves, x, y, pseudo_factory, truth=None):
+def _forward_pass(stage, layers, leaves, x, y, pseudo_factory, truth=None, summed=(), heads=()):
     """One hooked forward and the backward passes of the pseudo output-gradients: ({layer: (a, g)}, U, dead layers,
     the true-label backward). truth: the true-label output-gradients' maker (:class:`.fisher.PseudoGradients` on the
     empirical Fisher), back-propagated once more through the same graph when the pseudo-gradients are not them:
-    then the last item is ({layer: g (B, T, out)}, its U (B, ...), its seconds), else None."""
-    with Recorder(layers, x.shape[0]) as rec, torch.enable_grad():
+    then the last item is ({layer: g (B, T, out)}, its U (B, ...), its seconds, the batch gradients), else None.
+    summed: names of ``leaves`` whose batch gradient Σ_i ∇ℓ_i (no per-example row) the true-label backward also gives
+    — the last item's (None, None, 0, {name: gradient}) on the empirical Fisher, whose column 0 is that backward.
+    heads: dense layers that may produce the model's output; where one does, the true-label backward (the last one
+    of the pass) runs that layer's part on the output rows that carry a gradient only (:mod:`.head`)."""
+    with Recorder(layers, x.shape[0]) as rec, HeadRecorder(heads) as head_rec, torch.enable_grad():
         outputs = stage.outputs(leaves, x)
     pseudo = pseudo_factory(outputs, y)
     u = pseudo(outputs, y)
     dead = rec.misfits()
     live = [layer for layer in layers if layer.name not in dead]
     handles = [(layer, inp, out) for layer in live for inp, out in rec.calls[layer.name]]
+    wanted = [leaves[name] for name in summed]
+    head = find_head(head_rec, outputs, leaves) if heads else None
     per_call = [[] for _ in handles]
-    if handles:
+    batch = {}
+    if handles or (wanted and truth is None):
         for j in range(u.shape[0]):
-            grads = torch.autograd.grad(outputs, [h[2] for h in handles], grad_outputs=u[j],
-                                        retain_graph=j < u.shape[0] - 1 or truth is not None, allow_unused=True)
+            last = j == u.shape[0] - 1 and truth is None
+            extra = summed if j == 0 and truth is None else []
+            grads = _backward(outputs, u[j], [h[2] for h in handles], extra, leaves, head if last else None,
+                              retain=not last)
             for c, ((layer, _, out), g) in enumerate(zip(handles, grads)):
                 per_call[c].append(layer.grads(torch.zeros_like(out) if g is None else g))
-    true_grads = None
+            batch |= _leaf_grads(summed, wanted, grads[len(handles):])
+    true_grads = (None, None, 0.0, batch) if summed and truth is None else None
     if truth is not None:
         start = time.perf_counter()
         true_u = truth(outputs, y)[0]
-        grads = torch.autograd.grad(outputs, [h[2] for h in handles], grad_outputs=true_u,
-                                    allow_unused=True) if handles else ()
+        grads = _backward(outputs, true_u, [h[2] for h in handles], summed, leaves, head,
+                          retain=False) if handles or wanted else ()
         true_calls = [[layer.grads(torch.zeros_like(out) if g is None else g)] for (layer, _, out), g in zip(handles, grads)]
-        true_grads = (_pool(live, handles, true_calls, 1), true_u, time.perf_counter() - start)
+        true_grads = (_pool(live, handles, true_calls, 1), true_u, time.perf_counter() - start,
+                      _leaf_grads(summed, wanted, grads[len(handles):]))
     return _pool(live, handles, per_call, 0), u, dead, true_grads
+
+
+def _backward(outputs, u, targets, names, leaves, head, *, retain: bool) -> list:
+    """The gradients of ⟨outputs, u⟩ with respect to ``targets`` and the ``leaves`` named ``names``: through the
+    output layer's nonzero rows only where ``head`` is found (:func:`.head.backward`), else plain autograd."""
+    if head is not None:
+        return head_backward(outputs, u, targets, head, names, leaves)
+    return list(torch.autograd.grad(outputs, list(targets) + [leaves[name] for name in names], grad_outputs=u,
+                                    retain_graph=retain, allow_unused=True))
+
+
+def _leaf_grads(names, leaves, grads) -> dict:
+    """{name: the leaf's gradient} (zeros where autograd found no path)."""
+    return {name: torch.zeros_like(leaf) if g is None else g for name, leaf, g in zip(names, leaves, grads)}
 
 
 def _pool(live, handles, per_call, true: int) -> dict:
@@ -195,7 +222,8 @@ def objective_gradient(stage: Stage, names: Sequence[str] | None = None, *, extr
     factored fit's statistics pass without its statistics (no covariance, no square, no eigendecomposition). Each
     registered layer's batch gradient and per-example squared norms come from its recorded inputs and true-label
     output-gradients (:meth:`influkit.layers.Layer.example_norms`: no per-example gradient row), the other
-    parameters' from their per-example rows; ∇L adds ∇(R + extra). Raises
+    parameters' batch gradient from the same backward (their per-example norms left out: ``unmeasured``); ∇L adds
+    ∇(R + extra). Raises
     :class:`~influkit.factored.fisher.FactoredCurvatureError` for a loss whose output-gradients it cannot form."""
     fit = FactorFit(stage, names, FitSettings(fisher="empirical", indices=indices, extra=extra, at=at, memory=memory,
                                               progress=progress, gradient=True, statistics=False))
@@ -246,10 +274,10 @@ def fit_curvature(
     streamed pass, no covariances and no eigendecompositions (SOURCE's segments sharing one eigenbasis).
     gradient: the first pass also measures the objective's gradient with the true labels, ``curvature.gradient``
     (:class:`ObjectiveGradient`: ‖∇L‖ and the RMS per-example gradient norm over the fit's examples) — what
-    :mod:`influkit.stationarity` needs of the data —, where that adds no per-example backward pass of its own: with
-    ``fisher="empirical"`` (the pass's own rows are the true labels'), or where every parameter's per-example
-    gradient comes from a layer hook (:func:`unhooked_parameters` none); else ``curvature.gradient`` is None (the
-    check then takes a sample's per-example gradients, a few examples' rows instead of every example's).
+    :mod:`influkit.stationarity` needs of the data —, adding no per-example backward pass of its own: a parameter
+    whose per-example gradient no layer hook gives (:func:`unhooked_parameters`) adds its batch gradient from the
+    true-label backward, and its per-example norms are left to the check (``ObjectiveGradient.unmeasured``) unless
+    the fit forms its rows anyway (``fisher="empirical"``).
     """
     if kind not in KINDS:
         raise InputError(f"unknown factored curvature {kind!r}; choose one of {KINDS}.")
@@ -324,10 +352,9 @@ class FactorFit:
         fixed = sum(t.numel() * t.element_size() for acc in self.accumulators.values() for t in (acc.inputs, acc.grads, acc.squares))
         self.sizing = {"phase": "factor fitting", "budget": budget, "fixed_bytes": fixed, "diagonal_layers": sorted(self.wide)}
         self.statistics_bytes = 0  # per example, the layer statistics one batch keeps (set by the probe)
-        gradient = gradient and (fisher == "empirical" or not settings.statistics
-                                 or not unhooked_parameters(stage.model, self.names))
         self.sums = GradientSums() if gradient else None  # the true-label gradients, summed in the first pass
-        self.truth: PseudoGradients | None = None  # their output-gradients, when the pseudo-gradients are not them
+        self.pseudo: PseudoGradients | None = None  # the pass's pseudo-gradients' maker (made on its first batch)
+        self.heads = [layer for layer in plan(stage.model, self.names)[0]] if gradient else []  # :mod:`.head`
         # a LayerNorm's per-example gradients from its hooks where the pass forms no rows of its own for the squares
         self.measured = self._measured_layers() if gradient and (fisher != "empirical" or not settings.statistics) else []
         if batch_size is None:
@@ -346,7 +373,6 @@ class FactorFit:
         self.diag_total: torch.Tensor | None = None  # Σ squared per-example gradients of the diagonal-block parameters
         self.cache: list | None = None  # the first pass's (a, g) per batch, for EK-FAC's correction
         self.dead: dict[str, str] = {}
-        self.pseudo: PseudoGradients | None = None
         self.objective: ObjectiveGradient | None = None
         self.passes = 0
         self.seconds: dict[str, float] = {}
@@ -400,10 +426,9 @@ class FactorFit:
         return measured_layers(self.stage.model, self.diag_names)
 
     def _true_labels(self, outputs, targets):
-        """The true-label output-gradients' maker (the empirical Fisher's), made once from the first batch."""
-        if self.truth is None:
-            self.truth = PseudoGradients(self.stage.loss, "empirical", outputs, targets)
-        return self.truth(outputs, targets)
+        """(1, *outputs.shape) the true-label output-gradients, from the pass's pseudo-gradients' maker
+        (:meth:`.fisher.PseudoGradients.true_gradient`: a categorical loss's in closed form)."""
+        return self._labels(outputs, targets).true_gradient(outputs, targets)[None]
 
     def stream(self, label: str, consume, *, diagonal: bool, keep: bool = False, sums: "GradientSums | None" = None) -> None:
         """One pass over this rank's examples: ``consume(layer, a, g)`` for each tracked layer and batch; with
@@ -420,7 +445,10 @@ class FactorFit:
             x, y = next(iter(self.stage.batches(index, self.batch_size)))
             labelled = lambda outputs, targets: partial(self._labels(outputs, targets), index=index)  # noqa: E731
             hooked = list(self.tracked) + (self.measured if sums is not None else [])
-            data, u, dead, true = _forward_pass(self.stage, hooked, self.leaves, x, y, labelled, truth)
+            rowless = sums is not None and not (empirical and diagonal)  # no per-example rows of the diagonal blocks
+            summed = self.diag_names if rowless else []  # (a measured layer found unusable on this batch among them)
+            data, u, dead, true = _forward_pass(self.stage, hooked, self.leaves, x, y, labelled, truth, summed,
+                                                heads=self.heads if rowless else ())
             for name, why in dead.items():  # found on the first batch: these layers fall back to diagonal blocks
                 if any(layer.name == name for layer in self.measured):  # its gradients by per-example passes
                     self.measured = [layer for layer in self.measured if layer.name != name]
@@ -435,15 +463,15 @@ class FactorFit:
                 if empirical and diagonal and self.diag_names:  # the fit's own work: not counted in the sums' seconds
                     first = _diagonal_rows(self.stage, self.diag_names, self.params, x, u[0].detach())
                 start_sums = time.perf_counter()
-                true_g, true_u, seconds = ({name: g[0] for name, (_, g) in data.items()}, u[0], 0.0) if empirical else true
+                true_g = {name: g[0] for name, (_, g) in data.items()} if empirical else true[0]
                 for layer in self.tracked + self.measured:
                     sums.add_layer(layer, data[layer.name][0], true_g[layer.name])
-                hooked_names = {name for layer in self.measured for name in layer.params}
-                rest = [nm for nm in self.diag_names if nm not in hooked_names]
-                if rest:
-                    rows = first if first is not None else _diagonal_rows(self.stage, rest, self.params, x, true_u.detach())
-                    sums.add(rest, rows.split([self.params[nm].numel() for nm in rest], dim=1))
-                sums.seconds += time.perf_counter() - start_sums + seconds
+                rest = [nm for nm in self.diag_names if nm not in self._hooked_names()]
+                if rest and first is not None:
+                    sums.add(rest, first.split([self.params[nm].numel() for nm in rest], dim=1))
+                elif rest:  # their batch gradient alone: their per-example norms are left to the check's sample
+                    sums.add_summed({nm: true[3][nm] for nm in rest})
+                sums.seconds += time.perf_counter() - start_sums + (0.0 if empirical else true[2])
             if diagonal and self.diag_names:
                 part = _diagonal_squares(self.stage, self.diag_names, self.params, x, u.detach(),
                                          first if empirical else None)
@@ -453,6 +481,10 @@ class FactorFit:
                 data = {name: pair for name, pair in data.items() if name in factored}
                 cached += sum(t.numel() * t.element_size() for pair in data.values() for t in pair)
                 self.cache = self.cache + [data] if cached <= self.cache_bytes else None
+
+    def _hooked_names(self) -> set[str]:
+        """The diagonal-block parameters whose per-example gradients the measured layers' hooks give."""
+        return {name for layer in self.measured for name in layer.params}
 
     def gradient_pass(self) -> ObjectiveGradient:
         """One streamed pass measuring the objective's gradient alone (:func:`objective_gradient`)."""
@@ -497,7 +529,8 @@ class FactorFit:
         if penalty is not None:
             objective += ParamSpace(penalty).flatten(penalty).to(torch.float64)
         return ObjectiveGradient(norm=float(objective.norm()), typical=float(squares.div(max(self.n, 1)).sqrt()),
-                                 examples=self.n, seconds=sums.seconds + time.perf_counter() - start)
+                                 examples=self.n, seconds=sums.seconds + time.perf_counter() - start,
+                                 unmeasured=tuple(nm for nm in self.space.names if nm in sums.unmeasured))
 
     def _all_reduce(self, squares: bool) -> None:
         """Every rank's sums over its shard, added up; the same layers on every rank first."""

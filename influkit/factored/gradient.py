@@ -26,12 +26,17 @@ class ObjectiveGradient:
     rows), the diagonal-block parameters' per-example gradients (hooked too where one registered layer owns them
     alone — a LayerNorm, a bias without its weight —, else by per-example backward passes), and, when the
     pseudo-gradients are not the true-label ones (``fisher`` "sampled" or "exact"), one more backward of the true-label
-    output-gradients through the pass's graph (no forward)."""
+    output-gradients through the pass's graph (no forward). A diagonal-block parameter whose per-example gradient no
+    hook gives (a decoder weight tied to the word embeddings, a module outside the layer registry) adds its batch
+    gradient Σ_i ∇ℓ_i to ``norm`` from that same backward (the empirical Fisher's fit forms its rows anyway: then
+    exact), and is named in ``unmeasured``: ``typical`` is then (1/n) Σ_i ‖∇ℓ_i‖² over the other parameters only,
+    and the check completes it from a sample's rows (:mod:`influkit.stationarity`)."""
 
     norm: float
     typical: float
     examples: int
     seconds: float
+    unmeasured: tuple[str, ...] = ()  # parameters in ``norm`` whose per-example squared norms ``typical`` leaves out
 
 
 class GradientSums:
@@ -41,12 +46,22 @@ class GradientSums:
         self.total: dict[str, torch.Tensor] = {}
         self.squares = 0.0
         self.seconds = 0.0
+        self.unmeasured: set[str] = set()  # parameters summed without their per-example squared norms
 
     def add(self, names, rows) -> None:
         """Add one batch: ``rows`` (B, numel) per parameter of ``names``, the examples' gradients of it."""
         for name, part in zip(names, rows):
             self._sum(name, part.sum(0, dtype=torch.float64))
             self.squares += float(part.pow(2).sum(dtype=torch.float64))
+
+    def add_summed(self, gradients: dict) -> None:
+        """Add one batch's gradient Σ_i ∇ℓ_i of each parameter, without the per-example squared norms."""
+        for name, summed in gradients.items():
+            if name in self.total:
+                self.total[name].add_(summed.reshape(-1))  # into the float64 sum in place: no float64 copy per batch
+            else:
+                self.total[name] = summed.reshape(-1).to(torch.float64)
+            self.unmeasured.add(name)
 
     def add_layer(self, layer: Layer, a: torch.Tensor, g: torch.Tensor) -> None:
         """Add one batch of a hooked layer from its inputs a and true-label output-gradients g: the batch's gradient

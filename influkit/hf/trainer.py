@@ -81,11 +81,32 @@ def predicted(labels: torch.Tensor) -> int:
 class TrainerModel(HFModel):
     """The transformers model called on packed inputs exactly as the Trainer calls it (the token fields as keyword
     arguments, the model's own attention implementation, sdpa on its composite MATH backend as the recording forced
-    it); returns its logits."""
+    it); returns its logits.
+
+    Inside ``torch.func.vmap`` (per-example gradients, factored fits) the model's own 2-D → 4-D mask conversion
+    cannot run (it branches on ``mask.all()``), so there the ready 4-D mask of :class:`HFModel` is passed instead,
+    causal when the model's attention modules are (``is_causal``): the same logits, not the recorded bits, which
+    only replay needs."""
+
+    def __init__(self, model: nn.Module, fields):
+        super().__init__(model, fields, causal=any(getattr(m, "is_causal", False) for m in model.modules()))
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        with sdpa_kernel([SDPBackend.MATH]), own_forward(self.hf_model):
-            return self.hf_model(**{f: inputs[:, c] for c, f in enumerate(self.fields)}).logits
+        with own_forward(self.hf_model):
+            if under_vmap(inputs):
+                return super().forward(inputs)
+            with sdpa_kernel([SDPBackend.MATH]):
+                return self.hf_model(**{f: inputs[:, c] for c, f in enumerate(self.fields)}).logits
+
+
+def under_vmap(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is batched by an enclosing ``torch.func.vmap`` (under any other transforms' wrappers)."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(tensor):
+        if functorch.is_batchedtensor(tensor):
+            return True
+        tensor = functorch.get_unwrapped(tensor)
+    return False
 
 
 @contextmanager
