@@ -372,7 +372,10 @@ def step_table(task: str) -> None:
                   markdown(pd.read_csv(diagnostic))]
     (target / "results.md").write_text("\n".join(lines) + "\n")
     files = ["lds.csv", "results.md"] + [p.name for p in (diagnostic, target / "sharpness.csv") if p.exists()]
-    manifest(target, files, command=f"python -m studies.first_order_lds run --task {task}")
+    manifest(target, files, command=f"python -m studies.first_order_lds run --task {task}",
+             note="the peer rows (" + ", ".join(PEERS) + ") ran in the bench venv (scripts/bench-env.sh): "
+             "PYTHONPATH=$PWD .bench-venv/bin/python -m studies.first_order_lds method --task " + task
+             + " --method NAME; the load is the table step's")
     print("\n".join(lines))
 
 
