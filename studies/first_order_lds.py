@@ -15,7 +15,14 @@ LDS(t) = Spearman_j(Σ_{z kept} s_z(t), loss_t(replay without D_j)), mean ± sem
 Methods: the exact metagradient (``metagradients``), first order (``first_order``), first order with the
 correction (``CORRECTION``: 20 Hessian eigenpairs at the start of each of 10 segments on digits, 10 and 5
 on the transformer; the same segments with EK-FAC's whole-spectrum curvature instead), the approximate
-unrolling (``approximate``, EK-FAC, 10 segments), EK-FAC influence functions (``ik.influence``). Each method runs in its own process, which
+unrolling (``approximate``, EK-FAC, 10 segments), EK-FAC influence functions (``ik.influence``), and the field's
+cheap trajectory methods as peers (``PEERS``, run in the bench venv: ``PYTHONPATH=$PWD .bench-venv/bin/python -m
+studies.first_order_lds method --method ...``): dattri's DVEmb (``benchmarks/dvemb_peer.py``) on the record's own
+batches, learning rates and replayed θ_t — its SGD-form approximation of the AdamW run; Bergson's TrackStar
+(``benchmarks/trackstar_peer.py``) summed over the gpt2 record's checkpoints ``TRACKSTAR_STEPS``, and its SOURCE
+(``benchmarks/source_peer.py``: approximate unrolling over ``SOURCE_SEGMENTS`` segments of ``SOURCE_STEPS``); Bergson's
+pipelines take only causal LMs and text, so on digits those rows keep the reason (``CANNOT_RUN``) and no numbers.
+Each method runs in its own process, which
 first times one plain ``torch.optim.AdamW`` training run of the same model on the same batches (the ratio's
 denominator), then records the run and computes the method: its seconds and the process's peak resident memory
 (``ru_maxrss``) and the resident memory before it. ``first_order_check`` reads the record first
@@ -53,6 +60,33 @@ FRACTIONS = (0.01, 0.05, 0.1)
 SUBSETS = 30
 METHODS = ("exact", "first-order", "first-order + correction", "first-order + EK-FAC correction",
            "approximate (EK-FAC, 10 segments)", "EK-FAC influence")
+DVEMB = "DVEmb (dattri 0.3, SGD-form approximation of the AdamW run)"
+DVEMB_PROJECTION = {"digits": None, "gpt2": 2048}
+"""DVEmb's gradient dimension per task: the full 2,410 on digits; dattri's random projection to 2,048 of the
+transformer's gradients (its d × d matrix would not fit in memory unprojected)."""
+TRACKSTAR = "TrackStar (Bergson 2.5.1)"
+SOURCE = "SOURCE (Bergson 2.5.1 approx-unrolling)"
+PEERS = (DVEMB, TRACKSTAR, SOURCE)
+"""The peer methods: they import their library, so they run only in the bench venv (``scripts/bench-env.sh``)."""
+METHODS += PEERS
+CANNOT_RUN = {
+    ("digits", TRACKSTAR): "not run: Bergson 2.5.1's TrackStar (bergson.cli.trackstar: approximate_hessians, "
+    "build_query, score_dataset) loads its model only through AutoModelForCausalLM.from_pretrained(model path) and "
+    "its data only through AutoTokenizer and a Hugging Face dataset (bergson.utils.worker_utils.setup_model_and_peft, "
+    "setup_data_pipeline); the digits MLP is not a causal LM and its examples are not text. Its pipeline also scores "
+    "one model, with no sum over checkpoints.",
+    ("digits", SOURCE): "not run: Bergson 2.5.1's approximate unrolling (bergson.approx_unrolling.pipeline."
+    "approx_unrolling_pipeline) takes the trajectory as a list of checkpoint directories, each loaded through "
+    "AutoModelForCausalLM (setup_model_and_peft per checkpoint; AutoConfig / AutoModelForCausalLM.from_config for the "
+    "Adam preconditioner) with its data through AutoTokenizer and a Hugging Face dataset (setup_data_pipeline); the "
+    "digits MLP is not a causal LM and its examples are not text.",
+}
+"""(task, method): why the peer cannot run on that task's model (its row keeps the note and no numbers)."""
+TRACKSTAR_STEPS = [100, 200, 300]
+"""The gpt2 record's checkpoints TrackStar sums over (every 100th step's weights, the last one the final model)."""
+SOURCE_STEPS = list(range(20, 301, 20))
+SOURCE_SEGMENTS = 3
+"""The gpt2 record's checkpoints SOURCE takes (every one the record keeps after the start: 15) and its segments."""
 CORRECTION = {"digits": {"correction": 20, "segments": 10}, "gpt2": {"correction": 10, "segments": 5}}
 """The correction's eigenpairs and segments per task (the transformer's Lanczos products cost more)."""
 
@@ -88,9 +122,8 @@ def digits_parts():
     return stage, (x[test], y[test]), {"steps": 1000, "batch_size": 32, "lr": 2e-3, "warmup": 50, "every": 32}
 
 
-def gpt2_parts():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+def gpt2_corpus():
+    """(tokenizer, training sentences, test sentences) of the gpt2 task (deterministic)."""
     from influkit import hf
     from influkit.elmo.corpora import vader_corpus
 
@@ -99,7 +132,15 @@ def gpt2_parts():
     lengths = [len(ids) for ids in tokenizer(sentences)["input_ids"]]
     ok = [s for s, n in zip(sentences, lengths) if 6 <= n <= 24]
     order = torch.randperm(len(ok), generator=torch.Generator().manual_seed(0))[:412].tolist()
-    train, test = [ok[i] for i in order[:400]], [ok[i] for i in order[400:412]]
+    return tokenizer, [ok[i] for i in order[:400]], [ok[i] for i in order[400:412]]
+
+
+def gpt2_parts():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from influkit import hf
+
+    tokenizer, train, test = gpt2_corpus()
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=32, n_layer=2, n_head=2,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -178,6 +219,21 @@ def scores_of(task: str, method: str, run: Run) -> np.ndarray:
     elif method.startswith("approximate"):
         result = ik.unrolled.approximate(record, test, per_test=True, segments=10, curvature="ekfac",
                                          progress=False)[0]
+    elif method == DVEMB:
+        from benchmarks.dvemb_peer import dvemb_scores
+
+        return dvemb_scores(record, test, proj_dim=DVEMB_PROJECTION[task]).double().numpy()
+    elif method == TRACKSTAR:
+        from benchmarks.trackstar_peer import trackstar_scores
+
+        tokenizer, train, test_texts = gpt2_corpus()
+        return trackstar_scores(record, tokenizer, train, test_texts, TRACKSTAR_STEPS).double().numpy()
+    elif method == SOURCE:
+        from benchmarks.source_peer import source_scores
+
+        tokenizer, train, test_texts = gpt2_corpus()
+        result = source_scores(record, tokenizer, train, test_texts, SOURCE_STEPS, segments=SOURCE_SEGMENTS)
+        return result.double().numpy()
     elif method == "EK-FAC influence":
         result = ik.influence(run.stage, None, test, solve=ik.SolveConfig(solver="ekfac"), per_test=True,
                               progress=False)
@@ -187,6 +243,9 @@ def scores_of(task: str, method: str, run: Run) -> np.ndarray:
 
 
 def step_method(task: str, method: str) -> None:
+    if (task, method) in CANNOT_RUN:
+        print(f"{task} {method}: {CANNOT_RUN[task, method]}", flush=True)
+        return
     out = cache(task) / f"scores_{slug(method)}.npz"
     if out.exists():
         return
@@ -245,6 +304,9 @@ def step_diagnostic(task: str) -> None:
 def step_table(task: str) -> None:
     rows = []
     for method in METHODS:
+        if (task, method) in CANNOT_RUN:
+            rows.append({"method": method, "note": CANNOT_RUN[task, method]})
+            continue
         path = cache(task) / f"scores_{slug(method)}.npz"
         if not path.exists():
             continue
@@ -280,17 +342,40 @@ def step_table(task: str) -> None:
              + " | seconds | × plain training | "
              "peak RSS (MiB) |", "|---" * (len(FRACTIONS) + 4) + "|"]
     for row in rows:
+        if "note" in row:
+            lines.append(f"| {row['method']} | " + " | ".join(["—"] * (len(FRACTIONS) + 3)) + " |")
+            continue
         cells = [f"{row.get(f'lds_{f:g}', float('nan')):.3f} ± {row.get(f'sem_{f:g}', float('nan')):.3f}"
                  for f in FRACTIONS]
         lines.append(f"| {row['method']} | " + " | ".join(cells) +
                      f" | {row['seconds']:.1f} | {row['ratio_to_plain_training']:.2f} | {row['peak_rss_mib']:.0f} |")
+    if any(row["method"] == DVEMB and "note" not in row for row in rows):
+        dim = DVEMB_PROJECTION[task]
+        lines += ["", "DVEmb's gradients: " + ("the full ones." if dim is None else
+                                            f"dattri's random projection to {dim} dimensions.")]
+    if any(row["method"] == TRACKSTAR and "note" not in row for row in rows):
+        lines += ["", "TrackStar: Bergson's scores summed over the record's checkpoints at steps "
+                  + ", ".join(map(str, TRACKSTAR_STEPS)) + " (equal weights); each unit-normalized and preconditioned "
+                  "by the training gradients' autocorrelation Hessian, without Adam's second moments (Bergson reads "
+                  "them only from an optimizer.pt file)."]
+    if any(row["method"] == SOURCE and "note" not in row for row in rows):
+        lines += ["", f"SOURCE: Bergson's approximate unrolling over the record's {len(SOURCE_STEPS)} checkpoints at "
+                  f"steps {SOURCE_STEPS[0]}, {SOURCE_STEPS[1]}, …, {SOURCE_STEPS[-1]} in {SOURCE_SEGMENTS} segments, "
+                  "EK-FAC at each, its SGD form (each segment's mean recorded learning rate × its steps; the Adam form "
+                  "needs optimizer.pt files)."]
+    notes = [f"- {row['method']}: {row['note']}" for row in rows if "note" in row]
+    if notes:
+        lines += ["", "## Peers that did not run", "", *notes]
     diagnostic = target / "diagnostic.csv"
     if diagnostic.exists():
         lines += ["", "## What the record says first (`first_order_check`)", "",
                   markdown(pd.read_csv(diagnostic))]
     (target / "results.md").write_text("\n".join(lines) + "\n")
     files = ["lds.csv", "results.md"] + [p.name for p in (diagnostic, target / "sharpness.csv") if p.exists()]
-    manifest(target, files, command=f"python -m studies.first_order_lds run --task {task}")
+    manifest(target, files, command=f"python -m studies.first_order_lds run --task {task}",
+             note="the peer rows (" + ", ".join(PEERS) + ") ran in the bench venv (scripts/bench-env.sh): "
+             "PYTHONPATH=$PWD .bench-venv/bin/python -m studies.first_order_lds method --task " + task
+             + " --method NAME; the load is the table step's")
     print("\n".join(lines))
 
 

@@ -1,0 +1,71 @@
+"""Bergson's SOURCE (EleutherAI, ``bergson==2.5.1``, ``bergson.approx_unrolling``: approximate unrolled
+differentiation, Bae et al. 2024) as a benchmark peer on the checkpoints of a recorded causal-LM run
+(``influkit.unrolled.Record``, one stage), through Bergson's own pipeline (nothing of it is copied).
+
+Runs in the bench venv (``bash scripts/bench-env.sh``). The chosen checkpoints θ_c of the record are written with
+``save_pretrained`` beside the tokenizer, the training and test texts as Hugging Face datasets on disk (rows in the
+stage's order); ``approx_unrolling_pipeline`` cuts them into ``segments`` equal groups, fits EK-FAC (K-FAC with the
+eigenvalue correction) at each checkpoint, averages it per segment, walks the test gradient at the final checkpoint
+back through the segments and scores every training example. Its SGD form: each segment's η·K is the record's mean
+learning rate over the segment's steps times their number (``lr_list``, ``step_size_list``); the Adam form reads the
+second moments only from an ``optimizer.pt`` per checkpoint, which a record does not write. Bergson's loss-signed
+scores (negative: z lowers the query's loss) are influkit's sign, s_z(t) ≈ d loss_t / d w_z.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from influkit.unrolled import Record
+
+
+def source_scores(record: Record, tokenizer, train_texts: list[str], test_texts: list[str], steps: list[int],
+                  segments: int) -> torch.Tensor:
+    """(n, q) Bergson's SOURCE scores over the record's checkpoints at ``steps`` (ascending, the last the final
+    step), cut into ``segments`` groups of equally many."""
+    from bergson.approx_unrolling.pipeline import approx_unrolling_pipeline
+    from bergson.config.config import (ApproxUnrollingConfig, DataConfig, HessianConfig, IndexConfig,
+                                       QuerySetConfig)
+    from bergson.data import load_scores_loss_signed
+    from datasets import Dataset
+
+    run = record.runs[0]
+    missing = [c for c in steps if c not in run.checkpoints]
+    if missing:
+        raise ValueError(f"the record has no checkpoint at steps {missing}; "
+                         f"its checkpoints: {sorted(run.checkpoints)}.")
+    if len(steps) % segments:
+        raise ValueError(f"{len(steps)} checkpoints do not cut into {segments} equal segments.")
+    per = len(steps) // segments
+    ends = [0] + [steps[(k + 1) * per - 1] for k in range(segments)]
+    lrs = [sum(float(run.lrs[t]) for t in range(a, b)) / (b - a) for a, b in zip(ends[:-1], ends[1:])]
+    sizes = [b - a for a, b in zip(ends[:-1], ends[1:])]
+    model = run.stage.model
+    hf_model = getattr(model, "hf_model", model)  # influkit.hf.HFModel wraps it
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        Dataset.from_dict({"text": list(train_texts)}).save_to_disk(str(root / "train"))
+        Dataset.from_dict({"text": list(test_texts)}).save_to_disk(str(root / "test"))
+        dirs = []
+        for c in steps:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(run.checkpoints[c][0][n])
+            hf_model.save_pretrained(root / f"checkpoint-{c}")
+            tokenizer.save_pretrained(root / f"checkpoint-{c}")
+            dirs.append(str(root / f"checkpoint-{c}"))
+        index = IndexConfig(run_path=str(root / "run"), model=dirs[-1],
+                            data=DataConfig(dataset=str(root / "train"), truncation=True), precision="fp32",
+                            token_batch_size=model.config.n_positions)
+        approx_unrolling_pipeline(index, HessianConfig(method="kfac", ev_correction=True),
+                                  ApproxUnrollingConfig(checkpoints=dirs, segments=segments, lr_list=lrs,
+                                                        step_size_list=sizes,
+                                                        query=QuerySetConfig(dataset=str(root / "test"))))
+        scores, _ = load_scores_loss_signed(str(root / "run" / "scores"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(run.final[n])
+    return scores
