@@ -14,11 +14,9 @@ scores (negative: z lowers the query's loss) are influkit's sign, s_z(t) ≈ d l
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import torch
 
+from benchmarks.bergson_checkpoints import bergson_inputs
 from influkit.unrolled import Record
 
 
@@ -30,42 +28,20 @@ def source_scores(record: Record, tokenizer, train_texts: list[str], test_texts:
     from bergson.config.config import (ApproxUnrollingConfig, DataConfig, HessianConfig, IndexConfig,
                                        QuerySetConfig)
     from bergson.data import load_scores_loss_signed
-    from datasets import Dataset
 
     run = record.runs[0]
-    missing = [c for c in steps if c not in run.checkpoints]
-    if missing:
-        raise ValueError(f"the record has no checkpoint at steps {missing}; "
-                         f"its checkpoints: {sorted(run.checkpoints)}.")
     if len(steps) % segments:
         raise ValueError(f"{len(steps)} checkpoints do not cut into {segments} equal segments.")
     per = len(steps) // segments
     ends = [0] + [steps[(k + 1) * per - 1] for k in range(segments)]
     lrs = [sum(float(run.lrs[t]) for t in range(a, b)) / (b - a) for a, b in zip(ends[:-1], ends[1:])]
     sizes = [b - a for a, b in zip(ends[:-1], ends[1:])]
-    model = run.stage.model
-    hf_model = getattr(model, "hf_model", model)  # influkit.hf.HFModel wraps it
-    with tempfile.TemporaryDirectory() as folder:
-        root = Path(folder)
-        Dataset.from_dict({"text": list(train_texts)}).save_to_disk(str(root / "train"))
-        Dataset.from_dict({"text": list(test_texts)}).save_to_disk(str(root / "test"))
-        dirs = []
-        for c in steps:
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    p.copy_(run.checkpoints[c][0][n])
-            hf_model.save_pretrained(root / f"checkpoint-{c}")
-            tokenizer.save_pretrained(root / f"checkpoint-{c}")
-            dirs.append(str(root / f"checkpoint-{c}"))
+    with bergson_inputs(record, tokenizer, train_texts, test_texts, steps) as (root, dirs):
         index = IndexConfig(run_path=str(root / "run"), model=dirs[-1],
                             data=DataConfig(dataset=str(root / "train"), truncation=True), precision="fp32",
-                            token_batch_size=model.config.n_positions)
+                            token_batch_size=run.stage.model.config.n_positions)
         approx_unrolling_pipeline(index, HessianConfig(method="kfac", ev_correction=True),
                                   ApproxUnrollingConfig(checkpoints=dirs, segments=segments, lr_list=lrs,
                                                         step_size_list=sizes,
                                                         query=QuerySetConfig(dataset=str(root / "test"))))
-        scores, _ = load_scores_loss_signed(str(root / "run" / "scores"))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(run.final[n])
-    return scores
+        return load_scores_loss_signed(str(root / "run" / "scores"))[0]

@@ -16,11 +16,9 @@ influkit's sign, s_z(t) ≈ d loss_t / d w_z.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import torch
 
+from benchmarks.bergson_checkpoints import bergson_inputs
 from influkit.unrolled import Record
 
 
@@ -31,26 +29,12 @@ def trackstar_scores(record: Record, tokenizer, train_texts: list[str], test_tex
     from bergson.config.config import (DataConfig, PreprocessConfig, QuerySetConfig, TrackstarConfig,
                                        TrackstarIndexConfig)
     from bergson.data import load_scores_loss_signed
-    from datasets import Dataset
 
-    run = record.runs[0]
-    missing = [c for c in steps if c not in run.checkpoints]
-    if missing:
-        raise ValueError(f"the record has no checkpoint at steps {missing}; "
-                         f"its checkpoints: {sorted(run.checkpoints)}.")
-    model = run.stage.model
+    model = record.runs[0].stage.model
     total = None
-    with tempfile.TemporaryDirectory() as folder:
-        root = Path(folder)
-        Dataset.from_dict({"text": list(train_texts)}).save_to_disk(str(root / "train"))
-        Dataset.from_dict({"text": list(test_texts)}).save_to_disk(str(root / "test"))
-        for c in steps:
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    p.copy_(run.checkpoints[c][0][n])
-            getattr(model, "hf_model", model).save_pretrained(root / f"model_{c}")  # influkit.hf.HFModel wraps it
-            tokenizer.save_pretrained(root / f"model_{c}")
-            index = TrackstarIndexConfig(run_path=str(root / f"run_{c}"), model=str(root / f"model_{c}"),
+    with bergson_inputs(record, tokenizer, train_texts, test_texts, steps) as (root, dirs):
+        for c, directory in zip(steps, dirs):
+            index = TrackstarIndexConfig(run_path=str(root / f"run_{c}"), model=directory,
                                          data=DataConfig(dataset=str(root / "train"), truncation=True),
                                          precision="fp32", token_batch_size=model.config.n_positions)
             trackstar(index, TrackstarConfig(query=QuerySetConfig(dataset=str(root / "test")), mix_hessians=False,
@@ -58,7 +42,4 @@ def trackstar_scores(record: Record, tokenizer, train_texts: list[str], test_tex
                                              preprocess_cfg=PreprocessConfig(unit_normalize=True)))
             scores, _ = load_scores_loss_signed(str(root / f"run_{c}" / "scores"))
             total = scores if total is None else total + scores
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(run.final[n])
     return total
