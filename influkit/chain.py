@@ -54,7 +54,7 @@ from .memory import DEFAULT_EXAMPLES
 from .memory import plan as memory_plan
 from .memory import resolve as memory_budget
 from .scoring import Rows, Scorer, score_rows, stream_rows
-from .solvers import Solution, SolveConfig, Solver
+from .solvers import REGISTRY, Solution, SolveConfig, Solver
 from .stationarity import Position
 from .stage import Stage, check_example_shape
 from .store import resumed_chunk_size
@@ -77,8 +77,10 @@ class Chain:
     every phase sizes its batches from, passed to each (default: a share of what is free).
 
     :meth:`fit` measures where each stage stands (:mod:`influkit.stationarity`, ``positions``; in every result's
-    ``diagnostics["stages"]``, with one warning naming the stages not at a minimum), then prepares each stage's
-    solver as :func:`influkit.auto.decide` chooses from it (``solver="auto"``) or as configured. One config for
+    ``diagnostics["stages"]``, with one warning naming the stages not at a minimum; a stage solved by a named
+    iterative solver with its damping is measured with the first query, from that solve's own products), then
+    prepares each stage's solver as :func:`influkit.auto.decide` chooses from it (``solver="auto"``) or as
+    configured. One config for
     every stage means exactly what a list of equal configs means. ``progress``: a bar on every phase that runs
     longer than :data:`influkit.progress.DELAY` seconds (the fit's passes and Lanczos steps, the solves, the
     scoring); ``False`` prints nothing. ``query`` and ``scores`` take it from the chain unless given.
@@ -127,10 +129,19 @@ class Chain:
         self._derived: dict[tuple[int, str], FittedCurvature] = {}  # (stage, matrix) auto chose besides the configured
         self._positions: dict[tuple, Position] = {}
         self._check_memory: dict[int, dict] = {}  # stage → the batch plan of its stationarity check's own products
-        self.positions: list[Position] | None = None
+        self._where: list[Position | None] | None = None  # each stage's position (None: waiting for its solve)
         self.drifts: list[proximal.Drift | None] | None = None  # each Case 2 stage's drift against its α
         self.fit_seconds: float | None = None
         self.memory = None if memory is None else memory_budget(memory)  # bytes; None: a share of what is free
+
+    @property
+    def positions(self) -> list[Position] | None:
+        """Where each stage stands (:mod:`influkit.stationarity`; None before :meth:`fit`). A stage whose check waits
+        for its solve (:meth:`_waits_for_solve`) is measured the first time this is read or a query runs: from the
+        solve's first product when one ran, else by the full check then."""
+        if self._where is not None and None in self._where:
+            self._complete_positions()
+        return self._where
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -172,7 +183,9 @@ class Chain:
         second gradient pass when the stage has more examples —, Lanczos steps on the exact Hessian only where the
         gradient leaves the verdict open, and on a sample's Hessian where ``auto``'s damping needs θ_max; for a stage
         whose solve fits a factored curvature, the light check: ∇L and the per-example gradient norms measured in that
-        fit's data pass; eigenvalues not measured come with a query from its solve's own iterations) and its prepared
+        fit's data pass; for a stage solved by a named iterative solver with its damping, nothing now: ∇L comes with
+        the first query from the solve's first product, :meth:`positions`; eigenvalues not measured come with a query
+        from its solve's own iterations) and its prepared
         :class:`~influkit.solvers.Solver`, chosen by :func:`influkit.auto.decide` from that position (``solver="auto"``) or as configured, which fits on
         its curvature what it needs (a dense factorization for ``direct``, the factored curvature or Lanczos
         eigenpairs). Cached; :meth:`query` calls it when needed. Returns self."""
@@ -257,12 +270,13 @@ class Chain:
     def _prepare_all(self, start: float) -> "Chain":
         """Where each stage stands, then each stage's solver prepared on the curvature its choice names (fitting there
         only what is missing); the fit's seconds counted from ``start``."""
-        self.positions = [self._position(k) for k in range(len(self))]
+        self._where = [self._positions.get(self._position_key(k)) if self._waits_for_solve(k) else self._position(k)
+                       for k in range(len(self))]
         if self.drifts is None:
             self.drifts = proximal.check(self.plans, memory=self.memory)
         self._solvers = [self._prepare(k, self._choice(k)) for k in range(len(self))]
         self.fit_seconds = time.perf_counter() - start
-        self._warn_positions()
+        self._warn_positions([k for k, where in enumerate(self._where) if where is not None])
         return self
 
     def _curvature_for(self, k: int, matrix: str) -> FittedCurvature:
@@ -288,6 +302,28 @@ class Chain:
                 least=1 if self._lean_check(k) else DEFAULT_EXAMPLES, factored=factored, spectrum=key[4],
                 progress=self.progress)
         return self._positions[key]
+
+    def _waits_for_solve(self, k: int) -> bool:
+        """Whether stage k's check waits for its solve (:func:`influkit.stationarity.from_solve`): a named iterative
+        solver with its damping (its choice reads no position), on the exact operator over every example, no
+        factored fit; the solve's first product then gives ∇L."""
+        config = self.solve_configs[k]
+        return (config.solver != "auto" and REGISTRY[config.solver].iterative and self._factored_fit(k) is None
+                and self.curvature_configs[k].hessian_samples is None)
+
+    def _complete_positions(self) -> None:
+        """Measure the positions that waited for their solve: from the first product of the operator it multiplies
+        by, else (no product ran yet, or the sample leaves the verdict open) by the full check now; then warn of
+        those not at a minimum."""
+        done = [k for k, where in enumerate(self._where) if where is None]
+        for k in done:
+            plan, key = self.plans[k], self._position_key(k)
+            found = stationarity.from_solve(plan.stage, plan.trained, self._solvers[k].curvature.operator, seed=key[2],
+                                            memory=self.memory, progress=self.progress)
+            if found is not None:
+                self._positions[key] = found
+            self._where[k] = found if found is not None else self._position(k)
+        self._warn_positions(done)
 
     def _position_key(self, k: int) -> tuple:
         config = self.curvature_configs[k]
@@ -336,7 +372,7 @@ class Chain:
         values = _values(self.plans[k].stage, self.plans[k].trained)
         dim = sum(t.numel() for t in values.values())
         itemsize = next(iter(values.values())).element_size()
-        return self.solve_configs[k].decide(self.positions[k], dim, matrix=self.curvature_configs[k].matrix,
+        return self.solve_configs[k].decide(self._where[k], dim, matrix=self.curvature_configs[k].matrix,
                                             n_rhs=n_rhs, memory=memory_budget(self.memory), itemsize=itemsize)
 
     def _prepare(self, k: int, choice: Choice) -> Solver:
@@ -364,7 +400,8 @@ class Chain:
             self._more_solvers[k, choice.solver] = self._prepare(k, choice)
         return self._more_solvers[k, choice.solver]
 
-    def _warn_positions(self) -> None:
+    def _warn_positions(self, stages: Sequence[int]) -> None:
+        """Warn of the ``stages`` not at a minimum."""
         remedies = []
         for solver in self._solvers:
             config, matrix = solver.config, solver.curvature.config.matrix
@@ -373,7 +410,8 @@ class Chain:
             remedies.append(f"solver='auto' solves it with {how}" if solver.automatic else
                             f"it is solved as configured ({how}); solver='auto' decides from where it stands")
         names = [type(plan.stage.model).__name__ for plan in self.plans]
-        stationarity.warn_not_at_minimum(self.positions, names, remedies)
+        stationarity.warn_not_at_minimum([where if k in stages else None for k, where in enumerate(self._where)], names,
+                                         remedies)
 
     def memory_plans(self) -> list[dict]:
         """The batch sizes each fitted stage chose from the memory budget (Hessian-vector products, factors, and the
@@ -405,7 +443,7 @@ class Chain:
             tensors.update(extra)
         return files.write(path, FIT_KIND, tensors, {"fingerprint": self.fingerprint(), "fit_seconds": self.fit_seconds,
                                                      "fitted": fitted,
-                                                     "positions": [p.summary() for p in self.positions]})
+                                                     "positions": [p and p.summary() for p in self._where]})
 
     def load(self, path: str | Path) -> "Chain":
         """Restore a fit written by :meth:`save` for this same chain (refused otherwise). Returns self."""
@@ -414,9 +452,10 @@ class Chain:
             raise FileFormatError(f"{path} was fitted for another chain (models, data sizes or settings differ).")
         self._digests = [parameters_digest(plan.stage) for plan in self.plans]
         self._curvatures = [self._new_curvature(plan, config) for plan, config in zip(self.plans, self.curvature_configs)]
-        self.positions = [Position.from_summary(p) for p in meta["positions"]]
-        for k, position in enumerate(self.positions):
-            self._positions[self._position_key(k)] = position
+        self._where = [p and Position.from_summary(p) for p in meta["positions"]]
+        for k, position in enumerate(self._where):
+            if position is not None:
+                self._positions[self._position_key(k)] = position
         for k in range(len(self)):
             self._curvature_for(k, self._choice(k).matrix).load(tensors, meta.get("fitted", {}).get(str(k), {}),
                                                                  f"stage{k}.")
@@ -476,7 +515,7 @@ class Chain:
         if measure is not None:
             test_digest += f"|measure={_qualname(measure)}"
         solved = [position.solved(solver.name, solver.curvature.config.matrix, solution.eigenvalues)
-                  for position, solver, solution in zip(self.positions, solvers, solutions)]
+                  for position, solver, solution in zip(self.positions, solvers, solutions)]  # completed by the solves
         stages = [position.summary() | ({"proximal": drift.summary()} if drift else {})
                   for position, drift in zip(solved, self.drifts)]
         query = Query(self, solutions[0].x, per_test, tx.shape[0], solutions, seconds, test_digest, stages)

@@ -18,6 +18,7 @@ term Σ_i Σ_c ∂ℓ/∂f_c · ∇²f_c that makes H indefinite away from a min
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
 
@@ -145,6 +146,7 @@ def hvp(
     extra=None,
     batch_size: int | None = None,
     data_weight: float = 1.0,
+    gradient: Params | None = None,
 ) -> Params:
     """H·v over the parameter block named by ``tangents``' keys, for the objective over ``indices``.
 
@@ -153,6 +155,9 @@ def hvp(
     extra: an additional term extra(params) -> scalar in the objective (e.g. a proximal penalty).
     batch_size: examples per streamed batch (default: the stage's).
     data_weight: c of the objective (c/n) Σ ℓ_i + R + extra (``HessianOperator``).
+    gradient: (not ``batched``) zeros shaped like ``tangents``, to which each batch's gradient of the objective is
+    added — the product's by-product (the primal of ``vjp(grad)`` / ``jvp(grad)``), so they end as ∇ of the objective
+    on this process's share of the data.
     """
     if mode not in HVP_MODES:
         raise InputError(f"unknown HVP mode {mode!r}; use one of {HVP_MODES}.")
@@ -161,16 +166,25 @@ def hvp(
     local, n, owns_regularizer = _share(stage, indices)
     term = _batch_objective(stage, extra)
 
-    def product(p, v, x, y, with_reg):
+    def with_gradient(p, v, x, y, with_reg):  # (the batch's gradient of the objective, H_batch·v)
         g = lambda q: grad(term)(q, x, y, data_weight / n, with_reg)  # noqa: E731
         if mode == "fwd-rev":
-            return jvp(g, (p,), (v,))[1]
-        return vjp(g, p)[1](v)[0]
+            return jvp(g, (p,), (v,))
+        value, pull = vjp(g, p)
+        return value, pull(v)[0]
+
+    def product(p, v, x, y, with_reg):
+        return with_gradient(p, v, x, y, with_reg)[1]
 
     total = {k: torch.zeros_like(v) for k, v in tangents.items()}
     for b, (x, y) in enumerate(stage.batches(local, batch_size)):
         args = (params, dict(tangents), x, y, owns_regularizer and b == 0)
-        out = vmap_or_loop(product, (None, 0, None, None, None), stage, *args) if batched else product(*args)
+        if batched:
+            out = vmap_or_loop(product, (None, 0, None, None, None), stage, *args)
+        else:
+            value, out = with_gradient(*args)
+            for k in gradient or ():
+                gradient[k] += value[k].detach()
         for k in total:
             total[k] += out[k]
     for k, v in total.items():
@@ -217,6 +231,14 @@ class _GaussNewtonBatch:
             self.at = self.out.detach().requires_grad_(True)
             self.loss_grad = torch.autograd.grad(stage.loss(self.at, targets).sum() * scale, self.at, create_graph=True)[0]
 
+    def gradient(self) -> list[torch.Tensor]:
+        """[the batch's gradient of scale·Σ ℓ] per leaf: Jᵀ ∂ℓ/∂f, one backward through the kept forward graph."""
+        if not self.out.requires_grad:  # outputs constant in θ
+            return [torch.zeros_like(t) for t in self.leaves.values()]
+        back = torch.autograd.grad(self.out, list(self.leaves.values()), grad_outputs=self.loss_grad.detach(),
+                                   retain_graph=True, allow_unused=True)
+        return [b if b is not None else torch.zeros_like(t) for b, t in zip(back, self.leaves.values())]
+
     def product(self, tangents: list[torch.Tensor]) -> list[torch.Tensor]:
         """[G_batch · v] per leaf, for v given per leaf (same order as ``leaves``)."""
         zero = [torch.zeros_like(t) for t in tangents]
@@ -258,6 +280,12 @@ class HessianOperator:
     curvature: ``"hessian"`` (default) or ``"gauss-newton"`` — the generalized Gauss-Newton matrix G of the same
     objective (module docstring), by three backward passes per product through batch graphs that are cached
     under the same rule (else rebuilt batch by batch); the regularizer and ``extra`` keep their exact Hessian.
+
+    ``objective_gradient``: the flat gradient ∇ of that objective over S at H's point, recorded by the first
+    single-vector product (None before): a by-product of the pass that product makes — the cached graph's ∇L, the
+    streamed batches' ``vjp(grad)`` / ``jvp(grad)`` primals, and on G one more backward per batch through the batch's
+    kept forward graph (Jᵀ ∂ℓ/∂f, no forward), its seconds in ``gradient_seconds``. The stationarity check of a stage
+    whose named solve multiplies by H reads it (:func:`influkit.stationarity.from_solve`) instead of a pass of its own.
     """
 
     def __init__(
@@ -304,6 +332,8 @@ class HessianOperator:
         self._graph: tuple[list[torch.Tensor], torch.Tensor] | None = None
         self._gauss_newton_graphs: list[_GaussNewtonBatch] | None = None
         self._dense: DenseOperator | None = None
+        self.objective_gradient: torch.Tensor | None = None
+        self.gradient_seconds = 0.0
 
     def streamed(self, plan: dict) -> "HessianOperator":
         """This operator with products streamed in batches of ``plan["batch"]`` examples (``plan``: its memory
@@ -311,6 +341,7 @@ class HessianOperator:
         out = copy.copy(self)
         out.batch_size, out.memory, out._use_graph, out.products = plan["batch"], plan, False, 0
         out._graph, out._gauss_newton_graphs, out._dense = None, None, None
+        out.objective_gradient, out.gradient_seconds = None, 0.0
         return out
 
     @property
@@ -373,19 +404,29 @@ class HessianOperator:
             yield from graphs
 
     def _gauss_newton_product(self, vec: torch.Tensor) -> torch.Tensor:
-        """G·vec, (p, k), before the sum over ranks: the data part of this rank plus, on rank 0, ∇²(R + extra)·vec."""
+        """G·vec, (p, k), before the sum over ranks: the data part of this rank plus, on rank 0, ∇²(R + extra)·vec.
+        The first product also records ``objective_gradient``."""
         cols = [self.space.unflatten(vec[:, j]) for j in range(vec.shape[1])]
         out = torch.zeros_like(vec)
+        record = torch.zeros(self.dim, dtype=self.dtype, device=self.device) if self.objective_gradient is None else None
         for batch in self._gauss_newton_batches():
             for j, tangent in enumerate(cols):
                 parts = batch.product([tangent[k] for k in self.names])
                 out[:, j] += torch.cat([t.reshape(-1) for t in parts])
+            if record is not None:
+                start = time.perf_counter()
+                record += torch.cat([g.reshape(-1) for g in batch.gradient()])
+                self.gradient_seconds += time.perf_counter() - start
         _, _, owns_regularizer = _share(self.stage, self.indices)
         penalty = _penalty(self.stage, self.extra)
         if owns_regularizer and penalty is not None:
             params = point(self.stage.state(), self.names, self.at)
             for j, tangent in enumerate(cols):
                 out[:, j] += self.space.flatten(vjp(grad(penalty), params)[1](tangent)[0])
+            if record is not None:
+                record += self.space.flatten(grad(penalty)(params))
+        if record is not None:
+            self.objective_gradient = distributed.all_reduce_(record)
         return out
 
     def matvec(self, vec: torch.Tensor) -> torch.Tensor:
@@ -401,12 +442,19 @@ class HessianOperator:
             # one column (every single-rhs Krylov step): the plain product, not a batch of one through vmap /
             # is_grads_batched, which measured 1.35x slower on the bench_scale CNN (p = 39,109, n = 5,000)
             return self.matvec(vec[:, 0]).unsqueeze(1)
+        if batched and self.objective_gradient is None and not self._use_graph:  # the first column records ∇L
+            first = self.matvec(vec[:, 0])
+            return torch.cat([first[:, None], self.matvec(vec[:, 1:])], dim=1)
         self.products += vec.shape[1] if batched else 1
         if self._use_graph:
             out = distributed.all_reduce_(self._graph_product(vec))
+            if self.objective_gradient is None:
+                self.objective_gradient = distributed.all_reduce_(self._gradient_graph()[1].detach().clone())
             if not torch.isfinite(out).all():
                 raise NumericalError("the Hessian-vector product is not finite; check the model for overflow.")
             return out
+        record = None if batched or self.objective_gradient is not None else \
+            {k: torch.zeros_like(v) for k, v in self.space.unflatten(vec).items()}
         out = hvp(
             self.stage,
             self.space.unflatten(vec),
@@ -417,7 +465,10 @@ class HessianOperator:
             extra=self.extra,
             batch_size=self.batch_size,
             data_weight=self.data_weight,
+            gradient=record,
         )
+        if record is not None:
+            self.objective_gradient = distributed.all_reduce_(self.space.flatten(record))
         return self.space.flatten(out, batched=batched)
 
     __call__ = matvec

@@ -76,6 +76,20 @@ each, and its gradient pass would cost many times that fit):
   no Hessian-vector product); a stationary one gets the m Lanczos steps on the exact H, since its verdict
   rests on θ_min (at a minimum ``auto`` solves H, preconditioned by the factored fit the check ran).
 
+**From the solve** (:func:`from_solve`: a :class:`~influkit.chain.Chain` stage whose solve the user named — an
+iterative one, ``minres``, ``cg_spd``, ``cg``, ``lissa``, ``neumann`` — with its damping, on H or G over every example,
+no factored fit): nothing of the check depends on the answer, and the solve's first product passes over every
+example anyway, its gradient of the objective a by-product (:class:`~influkit.curvature.HessianOperator`'s
+``objective_gradient``: the cached graph's ∇L, the streamed batches' ``vjp(grad)`` primals, on G one more backward
+per batch through the kept forward graph). So the check waits for that product (the chain's first query, or the
+first time ``positions`` is read, whichever comes first; read before any product, the full check runs then): ∇L is
+exact over every example, and g is estimated from the per-example gradients of the seeded sample of
+:func:`light_sample` (n) examples — g² by their mean squared norm, with the upper bound
+g_hi² = m + ``BOUND_Z``·SE, SE² = (1 − s/n)·var(‖∇ℓ_i‖²)/s (≈95 % by the central limit theorem). When
+‖∇L‖/g_hi > ``GRADIENT_TOL`` the stage is non-stationary (``gradient_source="solve"``, ``gradient_bound`` r − ‖∇L‖/g_hi,
+no data pass and no Hessian-vector product of the check's own); otherwise the full check decides, θ_min included. Its
+eigenvalues then come from the solve's iterations, as above.
+
 Verdict, with ε = √(machine epsilon of H's dtype) (1.5e-8 in float64, 3.5e-4 in float32: a float32
 Hessian-vector product carries a relative error well above float32's epsilon) and s = max(|θ_min|, |θ_max|):
 
@@ -86,7 +100,8 @@ Hessian-vector product carries a relative error well above float32's epsilon) an
 | ``singular``       | r ≤ ``GRADIENT_TOL`` and |θ_min| ≤ ε·s (or H = 0)        |
 | ``minimum``        | r ≤ ``GRADIENT_TOL`` and θ_min > ε·s                     |
 
-Cost of the check: one hooked pass over the data (or a light check's share of the factored fit's) and the
+Cost of the check: one hooked pass over the data (or a light check's share of the factored fit's, or, from the
+solve, a sample's per-example gradients) and the
 Hessian-vector products above (none off a stationary point unless ``auto``'s damping needs θ_max and no factored fit
 gives it). A sample's per-example gradients, where they are taken, run in the chunks they fit in the memory budget
 (:mod:`influkit.memory`: rows included, so the plain gradient pass holds no more than the per-example one); a :class:`~influkit.chain.Chain` without ``memory=`` runs a light check's passes and products in
@@ -140,10 +155,11 @@ class Position:
     lanczos_steps: int  # the Krylov steps the eigenvalues rest on (0: a fitted curvature's, or none)
     eigenvalue_tol: float  # ε
     seconds: float  # the check's own seconds
-    gradient_bound: float = 0.0  # b: r's half-width at ≈95 % (0: ∇L from the whole data, exact)
+    gradient_bound: float = 0.0  # b: r's half-width at ≈95 % (0: ∇L and g from the whole data, exact)
     # "pass" / "fit": ∇L and g from every example in the check's hooked pass / the factored fit's data pass ("+sample":
     # g's share of the parameters no hook reaches from ``sample`` examples); "data": ∇L from a gradient pass, g from
-    # the sample; "sample": both estimated on the sample (light check)
+    # the sample; "sample": both estimated on the sample (light check); "solve": ∇L exact from the solve's first
+    # product, g from the sample (b: how far below r its lower bound lies)
     gradient_source: str = "data"
     # "lanczos" on the exact H; "lanczos-sample" on the Hessian of ``eigenvalue_sample`` examples; the fitted factored
     # curvature ("ekfac", "kfac"); "none" (not measured); or the solver whose own iterations gave them (``solved``)
@@ -179,6 +195,9 @@ class Position:
     def describe(self) -> str:
         """One line: the verdict with the numbers it rests on."""
         bound = f" ± {self.gradient_bound:.2g} (from {self.sample} examples)" if self.gradient_source == "sample" else ""
+        if self.gradient_source == "solve":
+            bound = (f" (∇L from the solve's first product; the typical norm from {self.sample} examples, "
+                     f"r ≥ {self.gradient_norm - self.gradient_bound:.2g} at ≈95 %)")
         typical = (f" (its share from the parameters no layer hook reaches estimated on {self.sample} examples)"
                    if self.gradient_source.endswith("+sample") else "")
         return (f"{self.verdict}: ‖∇L‖ = {self.gradient_norm:.2g}{bound} × the typical per-example gradient norm"
@@ -329,6 +348,38 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
                     products=m if where.startswith("lanczos") else 0)
 
 
+def from_solve(stage: Stage, names: Sequence[str], operator: Operator, *, seed: int = 0, memory: int | None = None,
+               least: int = DEFAULT_EXAMPLES, progress: bool = False) -> Position | None:
+    """Where a non-stationary ``stage`` stands, measured from its solve (module docstring, "From the solve"): ∇L the
+    ``objective_gradient`` its operator recorded in its first product over every example, g from the per-example
+    gradients of a seeded sample of :func:`light_sample` (n) examples; None when the operator recorded none (no
+    product yet, or over a Hessian sample or another objective) or when r's lower bound ‖∇L‖/g_hi leaves the
+    verdict open (then the full check decides, with its θ_min)."""
+    recorded = getattr(operator, "objective_gradient", None)
+    if (recorded is None or operator.indices is not None or operator.data_weight != 1.0
+            or list(operator.names) != list(names)):
+        return None
+    start = time.perf_counter()
+    n = len(stage)
+    size = light_sample(n)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:size].sort().values
+    values = point(stage.state(), names)
+    row = 2 * sum(t.numel() * t.element_size() for t in values.values())  # a gradient row and vmap's copy of it
+    x, y = stage.data.take(order)
+    sums = _SampleSums()
+    sums.add(stage, x, y, names, chunk_for(stage, x, y, names, None, row, "where the stage stands", memory, least),
+             progress)
+    absolute, typical, high = float(recorded.double().norm()), sums.typical(), sums.typical_high(n)
+    if not (high > 0 and absolute / high > GRADIENT_TOL):
+        return None
+    relative = absolute / typical
+    return Position(gradient_norm=relative, min_eigenvalue=None, max_eigenvalue=None, verdict="non-stationary",
+                    objective_gradient=absolute, typical_gradient=typical, sample=size, lanczos_steps=0,
+                    eigenvalue_tol=eigenvalue_tol(operator.dtype),
+                    seconds=time.perf_counter() - start + operator.gradient_seconds,
+                    gradient_bound=relative - absolute / high, gradient_source="solve", eigenvalue_source="none")
+
+
 def _gradient_pass(stage: Stage, names, extra, memory, progress: bool):
     """‖∇L‖ and g over every example in one hooked pass (:func:`influkit.factored.fit.objective_gradient`: g over the
     hooked parameters, ``unmeasured`` the others), or None where the loss has no per-example output-gradients to
@@ -418,6 +469,13 @@ class _SampleSums:
         """g = (mean ‖∇ℓ_i‖²)^½ over the sample."""
         return float(torch.cat(self.squares).mean().sqrt())
 
+    def typical_high(self, n: int) -> float:
+        """g_hi = (m + BOUND_Z·SE)^½, m the sample's mean ‖∇ℓ_i‖², SE² = (1 − s/n)·var(‖∇ℓ_i‖²)/s: g's upper bound
+        at ≈95 % over the n examples (g itself when s = n)."""
+        squares, s = torch.cat(self.squares), self.count
+        spread = float(squares.var()) if s > 1 else 0.0
+        return math.sqrt(float(squares.mean()) + BOUND_Z * math.sqrt(max(1 - s / n, 0.0) * spread / s))
+
     def spread(self) -> float:
         """σ² = Σ‖∇ℓ_i − ĝ‖²/(s − 1) = (Σ‖∇ℓ_i‖² − s‖ĝ‖²)/(s − 1)."""
         s = self.count
@@ -442,11 +500,12 @@ def _settling_size(sums: _SampleSums, estimate: float, n: int) -> int | None:
     return math.ceil(1.2 * z2 / (margin ** 2 + z2 / n))
 
 
-def warn_not_at_minimum(positions: Sequence[Position], names: Sequence[str], remedy: Sequence[str]) -> None:
-    """One :class:`~influkit.errors.StationarityWarning` naming every stage not at a minimum, pointing at the first
-    line outside influkit (the user's call). ``remedy[k]``: what ``auto`` did about stage k (or how to change it)."""
+def warn_not_at_minimum(positions: Sequence[Position | None], names: Sequence[str], remedy: Sequence[str]) -> None:
+    """One :class:`~influkit.errors.StationarityWarning` naming every stage not at a minimum (None: a stage not to
+    warn of now), pointing at the first line outside influkit (the user's call). ``remedy[k]``: what ``auto`` did
+    about stage k (or how to change it)."""
     lines = [f"stage {k} ({names[k]}) is not at a minimum — {pos.describe()}; {remedy[k]}"
-             for k, pos in enumerate(positions) if not pos.at_minimum]
+             for k, pos in enumerate(positions) if pos is not None and not pos.at_minimum]
     if lines:
         warn("influence functions assume each stage is at a minimum of its objective (see diagnostics['stages']):"
              "\n  " + "\n  ".join(lines), StationarityWarning)

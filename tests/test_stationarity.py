@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -429,6 +430,48 @@ def test_a_non_stationary_stage_with_a_named_solve_and_damping_runs_no_product_f
         assert solved["eigenvalue_source"] == "none"
 
 
+@pytest.mark.filterwarnings("ignore::influkit.errors.ConvergenceWarning")
+@pytest.mark.parametrize("solver", ["minres", "cg_spd", "cg", "lissa", "neumann"])
+@pytest.mark.parametrize("matrix,memory", [("hessian", None), ("hessian", 20_000), ("gauss-newton", None)])
+def test_a_named_iterative_solve_gives_its_check_the_gradient_from_its_first_product(solver, matrix, memory,
+                                                                                     monkeypatch):
+    """A stage solved by a named iterative solver with its damping: the fit measures nothing, the query's solve
+    records ∇L in its first product (cached graph, streamed batches — memory of 20 kB —, or the Gauss-Newton
+    batches' kept graphs), and the check adds no data pass and no product: ∇L equals the full check's to 1e-10, g
+    comes from light_sample(n) examples, and the exact r is at least the reported lower bound. The warning comes
+    with the query; the position is kept for the next query and in a saved fit."""
+    from influkit import stationarity
+
+    stage = untrained_stage()
+    full = assess(stage, None, HessianOperator(stage), spectrum="verdict")
+    assert full.gradient_source == "pass"
+    solve = ik.SolveConfig(solver=solver, damping=0.05, max_iter=4, **({"step": 1.0} if solver in ("lissa", "neumann") else {}))
+    chain = ik.Chain([stage], solve=solve, curvature=ik.CurvatureConfig(matrix=matrix), memory=memory, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ik.StationarityWarning)
+        chain.fit()
+    assert chain._where == [None]
+    for name in ("objective_gradient", "gradient", "_gradient_pass", "_gradient_norms", "extreme_eigenvalues"):
+        monkeypatch.setattr(stationarity, name, lambda *a, name=name, **k: pytest.fail(f"the check ran {name}"))
+    with pytest.warns(ik.StationarityWarning, match="solve's first product"):
+        query = chain.query(stage.data.take(torch.arange(3)))
+    monkeypatch.undo()
+    operator = chain.curvature(0).operator
+    assert operator.memory["cache_graph"] == (memory is None)
+    assert operator.products == query.solves[0]["products"] > 0  # the solve's own, none of the check's
+    where = chain.positions[0]
+    assert (where.gradient_source, where.verdict, where.products) == ("solve", "non-stationary", 0)
+    assert where.sample == stationarity.light_sample(len(stage)) < len(stage)
+    assert where.objective_gradient == pytest.approx(full.objective_gradient, rel=1e-10)
+    assert where.gradient_norm - where.gradient_bound <= full.gradient_norm
+    assert where.typical_gradient == pytest.approx(full.typical_gradient, rel=0.5)
+    assert query.stages[0]["gradient_source"] == "solve"
+    if solver in ("minres", "cg_spd"):
+        assert query.stages[0]["eigenvalue_source"] == solver
+    again = chain.query(stage.data.take(torch.arange(5)))
+    assert again.stages[0]["objective_gradient"] == where.objective_gradient
+
+
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")
 def test_auto_reads_theta_max_only_where_its_damping_needs_it(monkeypatch):
     """solver='auto' off a minimum without a damping: θ_max from LARGEST_STEPS Lanczos steps on the Hessian of a
@@ -464,11 +507,14 @@ def test_a_stationary_stage_with_a_named_solve_still_gets_its_lanczos_verdict(so
     Lanczos steps on the exact H, counted, at a minimum and at a saddle."""
     from influkit import stationarity
 
-    stage, _ = logreg_digits
+    stage, test = logreg_digits
     at_minimum = ik.Chain([stage], solve=solve, progress=False).fit().positions[0]
     assert at_minimum.verdict == "minimum" and at_minimum.eigenvalue_source == "lanczos"
     assert at_minimum.products == at_minimum.lanczos_steps == stationarity.STEPS
     assert at_minimum.min_eigenvalue > 0
+    queried = ik.Chain([stage], solve=solve, progress=False)  # the solve's gradient leaves it open: the full check
+    queried.query(test)
+    assert replace(queried.positions[0], seconds=0.0) == replace(at_minimum, seconds=0.0)
     saddle = quadratic_stage([2.0, -0.5, 1.0], [0.0, 0.0, 0.0], PULLS)
     where = ik.Chain([saddle], solve=solve, progress=False).fit().positions[0]
     assert where.verdict == "saddle" and where.min_eigenvalue == pytest.approx(-0.5, rel=1e-12)
