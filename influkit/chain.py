@@ -318,8 +318,7 @@ class Chain:
         done = [k for k, where in enumerate(self._where) if where is None]
         for k in done:
             plan, key = self.plans[k], self._position_key(k)
-            found = stationarity.from_solve(plan.stage, plan.trained, self._solvers[k].curvature.operator, seed=key[2],
-                                            memory=self.memory, progress=self.progress)
+            found = stationarity.from_solve(plan.stage, plan.trained, self._solvers[k].curvature.operator, seed=key[2])
             if found is not None:
                 self._positions[key] = found
             self._where[k] = found if found is not None else self._position(k)

@@ -84,7 +84,7 @@ example anyway, its gradient of the objective a by-product (:class:`~influkit.cu
 per batch through the kept forward graph). So the check waits for that product (the chain's first query, or the
 first time ``positions`` is read, whichever comes first; read before any product, the full check runs then): ∇L is
 exact over every example, and g is estimated from the per-example gradients of the seeded sample of
-:func:`light_sample` (n) examples — g² by their mean squared norm, with the upper bound
+:func:`light_sample` (n) examples, one backward each — g² by their mean squared norm, with the upper bound
 g_hi² = m + ``BOUND_Z``·SE, SE² = (1 − s/n)·var(‖∇ℓ_i‖²)/s (≈95 % by the central limit theorem). When
 ‖∇L‖/g_hi > ``GRADIENT_TOL`` the stage is non-stationary (``gradient_source="solve"``, ``gradient_bound`` r − ‖∇L‖/g_hi,
 no data pass and no Hessian-vector product of the check's own); otherwise the full check decides, θ_min included. Its
@@ -348,8 +348,7 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
                     products=m if where.startswith("lanczos") else 0)
 
 
-def from_solve(stage: Stage, names: Sequence[str], operator: Operator, *, seed: int = 0, memory: int | None = None,
-               least: int = DEFAULT_EXAMPLES, progress: bool = False) -> Position | None:
+def from_solve(stage: Stage, names: Sequence[str], operator: Operator, *, seed: int = 0) -> Position | None:
     """Where a non-stationary ``stage`` stands, measured from its solve (module docstring, "From the solve"): ∇L the
     ``objective_gradient`` its operator recorded in its first product over every example, g from the per-example
     gradients of a seeded sample of :func:`light_sample` (n) examples; None when the operator recorded none (no
@@ -363,13 +362,8 @@ def from_solve(stage: Stage, names: Sequence[str], operator: Operator, *, seed: 
     n = len(stage)
     size = light_sample(n)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:size].sort().values
-    values = point(stage.state(), names)
-    row = 2 * sum(t.numel() * t.element_size() for t in values.values())  # a gradient row and vmap's copy of it
-    x, y = stage.data.take(order)
-    sums = _SampleSums()
-    sums.add(stage, x, y, names, chunk_for(stage, x, y, names, None, row, "where the stage stands", memory, least),
-             progress)
-    absolute, typical, high = float(recorded.double().norm()), sums.typical(), sums.typical_high(n)
+    squares = _example_squares(stage, order, names)
+    absolute, typical, high = float(recorded.double().norm()), float(squares.mean().sqrt()), _typical_high(squares, n)
     if not (high > 0 and absolute / high > GRADIENT_TOL):
         return None
     relative = absolute / typical
@@ -401,10 +395,19 @@ def _completed_typical(stage: Stage, measured, seed: int) -> tuple[float, int]:
     return math.sqrt(measured.typical ** 2 + float(squares.mean())), size
 
 
+def _typical_high(squares: torch.Tensor, n: int) -> float:
+    """g_hi = (m + BOUND_Z·SE)^½, m the mean of a sample's s squared norms ‖∇ℓ_i‖², SE² = (1 − s/n)·var(‖∇ℓ_i‖²)/s:
+    g's upper bound at ≈95 % over the n examples (g itself when s = n)."""
+    s = squares.numel()
+    spread = float(squares.var()) if s > 1 else 0.0
+    return math.sqrt(float(squares.mean()) + BOUND_Z * math.sqrt(max(1 - s / n, 0.0) * spread / s))
+
+
 def _example_squares(stage: Stage, order: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
-    """(s,) ‖∇ℓ_i‖² over ``names`` of the examples ``order``, one backward per example. These are the parameters no
-    layer hook reaches — few and large, such as a vocabulary-sized decoder tied to the word embeddings —, so one
-    gradient row is held at a time, never a vmapped batch of them."""
+    """(s,) ‖∇ℓ_i‖² over ``names`` of the examples ``order``, one backward per example, one gradient row held at a
+    time, never a vmapped batch of them: on a masked-LM BERT stage of 9.6 M parameters, most of them a vocabulary-sized
+    decoder tied to the word embeddings, vmap's rows of 8 examples took longer than a gradient pass over all 128
+    (24.8 s against 17.6 s, ``benchmarks/results/bench_check_profile``)."""
     params = {nm: t.detach().clone().requires_grad_(True) for nm, t in point(stage.state(), names).items()}
     squares = []
     for i in order.tolist():
@@ -469,12 +472,6 @@ class _SampleSums:
         """g = (mean ‖∇ℓ_i‖²)^½ over the sample."""
         return float(torch.cat(self.squares).mean().sqrt())
 
-    def typical_high(self, n: int) -> float:
-        """g_hi = (m + BOUND_Z·SE)^½, m the sample's mean ‖∇ℓ_i‖², SE² = (1 − s/n)·var(‖∇ℓ_i‖²)/s: g's upper bound
-        at ≈95 % over the n examples (g itself when s = n)."""
-        squares, s = torch.cat(self.squares), self.count
-        spread = float(squares.var()) if s > 1 else 0.0
-        return math.sqrt(float(squares.mean()) + BOUND_Z * math.sqrt(max(1 - s / n, 0.0) * spread / s))
 
     def spread(self) -> float:
         """σ² = Σ‖∇ℓ_i − ĝ‖²/(s − 1) = (Σ‖∇ℓ_i‖² − s‖ĝ‖²)/(s − 1)."""
