@@ -554,16 +554,18 @@ def test_the_checks_gradient_pass_measures_the_exact_objective_gradient_over_eve
 
 
 class TiedLM(nn.Module):
-    """Token ids → logits (B, T, vocabulary) through a decoder tied to the word embeddings: the tied weight's
-    per-example gradient (embedding rows plus decoder outer products) is no single layer hook's."""
+    """Token ids → logits (B, T, vocabulary) through a LayerNorm (BERT's head transform) and a decoder tied to the
+    word embeddings: the tied weight's per-example gradient (embedding rows plus decoder outer products) is no single
+    layer hook's."""
 
     def __init__(self, vocab: int = 11, dim: int = 4):
         super().__init__()
         self.emb, self.mix, self.out = nn.Embedding(vocab, dim), nn.Linear(dim, dim), nn.Linear(dim, vocab)
+        self.norm = nn.LayerNorm(dim)
         self.out.weight = self.emb.weight
 
     def forward(self, ids):
-        return self.out(torch.tanh(self.mix(self.emb(ids))))
+        return self.out(self.norm(torch.tanh(self.mix(self.emb(ids)))))
 
 
 def token_losses(logits, labels):
@@ -586,6 +588,7 @@ def test_a_tied_decoder_gets_its_exact_gradient_from_the_pass_and_only_its_norms
     from influkit.params import ParamSpace
 
     import influkit.factored.fit as factored
+    from influkit.layers import LayerNorm, Linear
 
     gen = torch.Generator().manual_seed(3)
     ids, labels = torch.randint(0, 11, (40, 5), generator=gen), torch.randint(0, 11, (40, 5), generator=gen)
@@ -608,8 +611,13 @@ def test_a_tied_decoder_gets_its_exact_gradient_from_the_pass_and_only_its_norms
     monkeypatch.setattr(stationarity, "per_example_grad_rows", lambda *a, **k: pytest.fail("a batched per-example pass"))
     monkeypatch.setattr(stationarity, "gradient", lambda *a, **k: pytest.fail("a gradient pass over all the data"))
     heads = spy(monkeypatch, factored, "head_backward", "none")
+    tracked = []  # whether a layer's norms were handed tensors autograd still tracks (a graph kept across batches)
+    for kind in (Linear, LayerNorm):  # the head's backward hands the LayerNorm below it a tracked g
+        monkeypatch.setattr(kind, "example_norms", lambda self, a, g, norms=kind.example_norms:
+                            tracked.append(a.requires_grad or g.requires_grad) or norms(self, a, g))
     where = ik.Chain([stage], solve=solve, progress=False).fit().positions[0]
     assert passes == [(8, unhooked)] and len(heads) == 3  # the true-label backward of each batch of 16, 16, 8
+    assert tracked and not any(tracked)
     expected = "fit+sample" if solve.solver == "ekfac" else "pass+sample"
     assert (where.gradient_source, where.sample, where.gradient_bound) == (expected, 8, 0.0)
     assert where.objective_gradient == pytest.approx(norm, rel=1e-12)

@@ -66,7 +66,9 @@ class GradientSums:
     def add_layer(self, layer: Layer, a: torch.Tensor, g: torch.Tensor) -> None:
         """Add one batch of a hooked layer from its inputs a and true-label output-gradients g: the batch's gradient
         Σ_i ∇ℓ_i is the per-example gradient of all its tokens as one example (one product, no per-example rows),
-        Σ_i ‖∇ℓ_i‖² is :meth:`~influkit.layers.Layer.example_norms`'."""
+        Σ_i ‖∇ℓ_i‖² is :meth:`~influkit.layers.Layer.example_norms`'. Both are values: a g that autograd still
+        tracks (the head's backward hands the layer below it one) is detached, so no batch's graph outlives it."""
+        a, g = a.detach(), g.detach()
         merged = layer.example_gradients(a.reshape(1, -1, *a.shape[2:]), g.reshape(1, -1, *g.shape[2:]))
         for name, part in zip(layer.params, merged):
             self._sum(name, part[0].to(torch.float64))
