@@ -304,11 +304,11 @@ class Chain:
         return self._positions[key]
 
     def _waits_for_solve(self, k: int) -> bool:
-        """Whether stage k's check waits for its solve (:func:`influkit.stationarity.from_solve`): a named iterative
-        solver with its damping (its choice reads no position), on the exact operator over every example, no
-        factored fit; the solve's first product then gives ∇L."""
+        """Whether stage k's check waits for its solve (:func:`influkit.stationarity.from_solve`): a named solver
+        that multiplies by the stage's operator (every one but ``identity`` and the factored ones), with its damping
+        (its choice reads no position), over every example, no factored fit; its first product gives ∇L."""
         config = self.solve_configs[k]
-        return (config.solver != "auto" and REGISTRY[config.solver].iterative and self._factored_fit(k) is None
+        return (config.solver != "auto" and REGISTRY[config.solver].multiplies and self._factored_fit(k) is None
                 and self.curvature_configs[k].hessian_samples is None)
 
     def _complete_positions(self) -> None:

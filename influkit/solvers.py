@@ -280,6 +280,8 @@ class Solver:
     default_max_iter: ClassVar[int | None] = None  # None: min(10·p, 2,000)
     takes_factors: ClassVar[bool] = False  # True: x is fitted from a factored curvature (kfac, ekfac), whose blocks
     # can take b as token factors (:attr:`uses_token_factors`)
+    multiplies: ClassVar[bool] = True  # its fit or its solve multiplies by the stage's operator (whose first product
+    # records ∇L for the stationarity check: influkit.stationarity.from_solve)
 
     def __init__(self, config: SolveConfig, curvature: FittedCurvature, *, choice: str = ""):
         self.config, self.curvature, self.choice = config, curvature, choice
@@ -376,6 +378,8 @@ class Solver:
 @register("identity")
 class Identity(Solver):
     """x = b: every H⁻¹ replaced by I (the multi-stage paper's ablation); no residual (converged None)."""
+
+    multiplies = False
 
     def _run(self, rhs, tol, max_iter, bar):
         return rhs.clone(), 0, math.nan, math.nan
@@ -569,6 +573,7 @@ class Factored(_Approximation):
     """K-FAC / EK-FAC: x = (C + λI)⁻¹ b with C the Kronecker-factored (eigenvalue-corrected) Gauss-Newton matrix."""
 
     takes_factors = True
+    multiplies = False
 
     def _prepare(self, progress: bool) -> None:
         if self.approximation is None:

@@ -195,11 +195,11 @@ class Position:
     def describe(self) -> str:
         """One line: the verdict with the numbers it rests on."""
         bound = f" ± {self.gradient_bound:.2g} (from {self.sample} examples)" if self.gradient_source == "sample" else ""
-        if self.gradient_source == "solve":
-            bound = (f" (∇L from the solve's first product; the typical norm from {self.sample} examples, "
-                     f"r ≥ {self.gradient_norm - self.gradient_bound:.2g} at ≈95 %)")
         typical = (f" (its share from the parameters no layer hook reaches estimated on {self.sample} examples)"
-                   if self.gradient_source.endswith("+sample") else "")
+                   if self.gradient_source.endswith("+sample") else
+                   f" (∇L from the solve's first product, the typical norm from {self.sample} examples: "
+                   f"r ≥ {self.gradient_norm - self.gradient_bound:.2g} at ≈95 %)" if self.gradient_source == "solve"
+                   else "")
         return (f"{self.verdict}: ‖∇L‖ = {self.gradient_norm:.2g}{bound} × the typical per-example gradient norm"
                 f"{typical} (stationary below {GRADIENT_TOL:g}), {self.spectrum()}")
 

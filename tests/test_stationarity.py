@@ -431,15 +431,16 @@ def test_a_non_stationary_stage_with_a_named_solve_and_damping_runs_no_product_f
 
 
 @pytest.mark.filterwarnings("ignore::influkit.errors.ConvergenceWarning")
-@pytest.mark.parametrize("solver", ["minres", "cg_spd", "cg", "lissa", "neumann"])
+@pytest.mark.parametrize("solver", ["minres", "cg_spd", "cg", "lissa", "neumann", "direct", "arnoldi"])
 @pytest.mark.parametrize("matrix,memory", [("hessian", None), ("hessian", 20_000), ("gauss-newton", None)])
-def test_a_named_iterative_solve_gives_its_check_the_gradient_from_its_first_product(solver, matrix, memory,
-                                                                                     monkeypatch):
-    """A stage solved by a named iterative solver with its damping: the fit measures nothing, the query's solve
-    records ∇L in its first product (cached graph, streamed batches — memory of 20 kB —, or the Gauss-Newton
-    batches' kept graphs), and the check adds no data pass and no product: ∇L equals the full check's to 1e-10, g
-    comes from light_sample(n) examples, and the exact r is at least the reported lower bound. The warning comes
-    with the query; the position is kept for the next query and in a saved fit."""
+def test_a_named_solve_gives_its_check_the_gradient_from_its_first_product(solver, matrix, memory, monkeypatch,
+                                                                           tmp_path):
+    """A stage solved by a named solver that multiplies by H or G, with its damping: the fit measures nothing, the
+    first product of its solve (or of its fit: direct's dense H, arnoldi's Lanczos) records ∇L (cached graph,
+    streamed batches — memory of 20 kB —, or the Gauss-Newton batches' kept graphs), and the check adds no data
+    pass and no product: ∇L equals the full check's to 1e-10, g comes from light_sample(n) examples, and the exact
+    r is at least the reported lower bound. The warning comes with the query; the position is kept for the next
+    query and in a saved fit."""
     from influkit import stationarity
 
     stage = untrained_stage()
@@ -458,7 +459,9 @@ def test_a_named_iterative_solve_gives_its_check_the_gradient_from_its_first_pro
     monkeypatch.undo()
     operator = chain.curvature(0).operator
     assert operator.memory["cache_graph"] == (memory is None)
-    assert operator.products == query.solves[0]["products"] > 0  # the solve's own, none of the check's
+    fitted = chain.dims[0] if solver == "direct" else \
+        chain.curvature(0).approximations["arnoldi"].info["products"] if solver == "arnoldi" else 0
+    assert operator.products == query.solves[0]["products"] + fitted > 0  # the solve's own, none of the check's
     where = chain.positions[0]
     assert (where.gradient_source, where.verdict, where.products) == ("solve", "non-stationary", 0)
     assert where.sample == stationarity.light_sample(len(stage)) < len(stage)
@@ -470,6 +473,10 @@ def test_a_named_iterative_solve_gives_its_check_the_gradient_from_its_first_pro
         assert query.stages[0]["eigenvalue_source"] == solver
     again = chain.query(stage.data.take(torch.arange(5)))
     assert again.stages[0]["objective_gradient"] == where.objective_gradient
+    with pytest.warns(ik.StationarityWarning):  # a loaded fit says where its stages stand, as a fitted one does
+        loaded = ik.Chain([stage], solve=solve, curvature=ik.CurvatureConfig(matrix=matrix), memory=memory,
+                          progress=False).load(chain.save(tmp_path / "fit"))
+    assert loaded.positions == chain.positions
 
 
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")
