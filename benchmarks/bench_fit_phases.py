@@ -229,6 +229,36 @@ def chain_summary(out: Path) -> None:
                            "solvers": "/".join(r["solvers"]), "load_1min": r["load_at_start"][0]} for r in rows])
     frame = frame.sort_values(["model", "stage_1", "setting", "label"])
     (out / "chains.md").write_text(frame.to_string(index=False, float_format=lambda v: f"{v:.3g}") + "\n")
+    chain_figure(frame, out / "chains.png")
+
+
+def chain_figure(frame, path: Path, labels=("issue49-2", "issue49-3"), goal: float = 0.10) -> None:
+    """chains.png: the check's share of fit + query per chain and setting, one bar per label in ``labels`` (the
+    code versions compared), with the goal as a line."""
+    import matplotlib.pyplot as plt
+
+    part = frame[frame.label.isin(labels)]
+    chains = list(dict.fromkeys(f"{r.model} {r.stage_1}" for r in part.itertuples()))
+    fig, axes = plt.subplots(1, len(chains), figsize=(4.2 * len(chains) + 1, 3.8), squeeze=False, sharey=True)
+    for ax, chain in zip(axes[0], chains):
+        rows = part[[f"{m} {s}" == chain for m, s in zip(part.model, part.stage_1)]]
+        settings = sorted(set(rows.setting))
+        width = 0.8 / len(labels)
+        for j, label in enumerate(labels):
+            shares = [rows[(rows.setting == s) & (rows.label == label)].check_share for s in settings]
+            ax.bar([i + j * width for i in range(len(settings))],
+                   [100 * float(v.iloc[0]) if len(v) else 0.0 for v in shares], width, label=label)
+        ax.axhline(100 * goal, color="k", lw=0.8, ls="--", label=f"goal ≤ {100 * goal:g} %")
+        ax.set_xticks([i + width * (len(labels) - 1) / 2 for i in range(len(settings))], settings, rotation=45,
+                      fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(f"{chain} → head", fontsize=9)
+    axes[0][0].set_ylabel("stationarity check, % of fit + query")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("2 shared CPU cores, 1 torch thread per run (load per row in chains.md)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def run(args) -> dict:
@@ -321,7 +351,7 @@ def main(argv=None) -> None:
         file.write_text(json.dumps([r for r in rows if key(r) != key(row)] + [row], indent=1, default=str))
         print(json.dumps({k: v for k, v in row.items() if k != "stages"}, default=str), flush=True)
         chain_summary(out)
-        record(out, ["chains.json", "chains.md"], note="2 shared CPU cores, six helpers at once, 1 torch thread "
+        record(out, ["chains.json", "chains.md", "chains.png"], note="2 shared CPU cores, six helpers at once, 1 torch thread "
                                                        "(load_1min per row); before rows: an export of the commit "
                                                        "before first on PYTHONPATH")
         return

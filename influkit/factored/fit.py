@@ -48,7 +48,7 @@ from torch.func import grad
 from .. import distributed
 from ..curvature import penalty_gradient
 from ..errors import InputError, warn
-from ..layers import Layer, Recorder, plan
+from ..layers import Dense, Embedding, Layer, Recorder, plan
 from ..memory import DEFAULT_WORKING, PROBE_EXAMPLES, fit_count, probe_bytes
 from ..memory import given as memory_given
 from ..memory import resolve as memory_budget
@@ -102,7 +102,7 @@ def factor_bytes(layer: Layer) -> int:
     return 16 * ((a if layer.one_hot else a * a) + g * g)
 
 
-def _forward_pass(stage, layers, leaves, x, y, pseudo_factory, truth=None, summed=(), heads=()):
+def _forward_pass(stage, layers, leaves, x, y, pseudo_factory, truth=None, summed=(), heads=(), true_only=()):
     """One hooked forward and the backward passes of the pseudo output-gradients: ({layer: (a, g)}, U, dead layers,
     the true-label backward). truth: the true-label output-gradients' maker (:class:`.fisher.PseudoGradients` on the
     empirical Fisher), back-propagated once more through the same graph when the pseudo-gradients are not them:
@@ -110,7 +110,9 @@ def _forward_pass(stage, layers, leaves, x, y, pseudo_factory, truth=None, summe
     summed: names of ``leaves`` whose batch gradient Σ_i ∇ℓ_i (no per-example row) the true-label backward also gives
     — the last item's (None, None, 0, {name: gradient}) on the empirical Fisher, whose column 0 is that backward.
     heads: dense layers that may produce the model's output; where one does, the true-label backward (the last one
-    of the pass) runs that layer's part on the output rows that carry a gradient only (:mod:`.head`)."""
+    of the pass) runs that layer's part on the output rows that carry a gradient only (:mod:`.head`).
+    true_only: names of hooked layers whose output-gradients only the true-label backward needs: with ``truth``
+    the pseudo backward passes skip them (their pooled g is None), so a vocabulary-wide decoder's is not copied."""
     with Recorder(layers, x.shape[0]) as rec, HeadRecorder(heads) as head_rec, torch.enable_grad():
         outputs = stage.outputs(leaves, x)
     pseudo = pseudo_factory(outputs, y)
@@ -121,16 +123,17 @@ def _forward_pass(stage, layers, leaves, x, y, pseudo_factory, truth=None, summe
     wanted = [leaves[name] for name in summed]
     head = find_head(head_rec, outputs, leaves) if heads else None
     per_call = [[] for _ in handles]
+    pseudo = [c for c, (layer, _, _) in enumerate(handles) if truth is None or layer.name not in true_only]
     batch = {}
-    if handles or (wanted and truth is None):
+    if pseudo or (wanted and truth is None):
         for j in range(u.shape[0]):
             last = j == u.shape[0] - 1 and truth is None
             extra = summed if j == 0 and truth is None else []
-            grads = _backward(outputs, u[j], [h[2] for h in handles], extra, leaves, head if last else None,
+            grads = _backward(outputs, u[j], [handles[c][2] for c in pseudo], extra, leaves, head if last else None,
                               retain=not last)
-            for c, ((layer, _, out), g) in enumerate(zip(handles, grads)):
-                per_call[c].append(layer.grads(torch.zeros_like(out) if g is None else g))
-            batch |= _leaf_grads(summed, wanted, grads[len(handles):])
+            for c, g in zip(pseudo, grads):
+                per_call[c].append(handles[c][0].grads(torch.zeros_like(handles[c][2]) if g is None else g))
+            batch |= _leaf_grads(summed, wanted, grads[len(pseudo):])
     true_grads = (None, None, 0.0, batch) if summed and truth is None else None
     if truth is not None:
         start = time.perf_counter()
@@ -166,9 +169,9 @@ def _pool(live, handles, per_call, true: int) -> dict:
         for c, (owner, inp, _) in enumerate(handles):
             if owner is layer:
                 a_parts.append(layer.inputs(inp))
-                g_parts.append(per_call[c][0] if true else torch.stack(per_call[c]))
+                g_parts.append(None if not per_call[c] else per_call[c][0] if true else torch.stack(per_call[c]))
         a = a_parts[0] if len(a_parts) == 1 else torch.cat(a_parts, dim=1)
-        g = g_parts[0] if len(g_parts) == 1 else torch.cat(g_parts, dim=2 - true)
+        g = g_parts[0] if len(g_parts) == 1 or None in g_parts else torch.cat(g_parts, dim=2 - true)
         data[layer.name] = g if true else (a, g)
     return data
 
@@ -357,6 +360,9 @@ class FactorFit:
         self.heads = [layer for layer in plan(stage.model, self.names)[0]] if gradient else []  # :mod:`.head`
         # a LayerNorm's per-example gradients from its hooks where the pass forms no rows of its own for the squares
         self.measured = self._measured_layers() if gradient and (fisher != "empirical" or not settings.statistics) else []
+        # a decoder tied to the word embeddings: its per-example norms from both layers' hooks (:func:`tied_pairs`)
+        self.tied = tied_pairs(stage.model, self.diag_names) if gradient and (
+            fisher != "empirical" or not settings.statistics) else []
         if batch_size is None:
             per = self._probe_bytes()
             share = (budget - fixed) // 2 if cache_bytes is None else budget - fixed
@@ -389,12 +395,13 @@ class FactorFit:
         truth = self._true_labels if self.sums is not None and self.fisher != "empirical" else None
 
         def run(_):
-            data, _, _, true = _forward_pass(stage, list(self.tracked) + self.measured, self.leaves, px, py,
-                                             lambda outputs, targets: partial(pseudo, index=probe), truth)
+            data, _, _, true = _forward_pass(stage, self._hooked_layers(self.sums is not None), self.leaves, px, py,
+                                             lambda outputs, targets: partial(pseudo, index=probe), truth,
+                                             true_only=self._tied_layer_names())
             tracked = {layer.name for layer in self.tracked}
             kept = [t for name, pair in data.items() if name in tracked for t in pair]  # what the cache keeps
             self.statistics_bytes = sum(t.numel() * t.element_size() for t in kept) // max(len(probe), 1)
-            measured = [t for name, pair in data.items() if name not in tracked for t in pair]
+            measured = [t for name, pair in data.items() if name not in tracked for t in pair if t is not None]
             return kept + measured + ([] if true is None else list(true[0].values()))
 
         rows = 2 * sum(params[nm].numel() * params[nm].element_size() for nm in self.diag_names)
@@ -444,14 +451,17 @@ class FactorFit:
             index = self.local[start : start + self.batch_size]
             x, y = next(iter(self.stage.batches(index, self.batch_size)))
             labelled = lambda outputs, targets: partial(self._labels(outputs, targets), index=index)  # noqa: E731
-            hooked = list(self.tracked) + (self.measured if sums is not None else [])
             rowless = sums is not None and not (empirical and diagonal)  # no per-example rows of the diagonal blocks
             summed = self.diag_names if rowless else []  # (a measured layer found unusable on this batch among them)
-            data, u, dead, true = _forward_pass(self.stage, hooked, self.leaves, x, y, labelled, truth, summed,
-                                                heads=self.heads if rowless else ())
+            data, u, dead, true = _forward_pass(self.stage, self._hooked_layers(sums is not None), self.leaves, x, y,
+                                                labelled, truth, summed, heads=self.heads if rowless else (),
+                                                true_only=self._tied_layer_names())
             for name, why in dead.items():  # found on the first batch: these layers fall back to diagonal blocks
                 if any(layer.name == name for layer in self.measured):  # its gradients by per-example passes
                     self.measured = [layer for layer in self.measured if layer.name != name]
+                    continue
+                if name in self._tied_layer_names():  # the pair's norms from the check's sample instead
+                    self.tied = [pair for pair in self.tied if name not in (pair[0].name, pair[1].name)]
                     continue
                 if self.diag_total is not None:
                     raise InputError(f"layer {name} stopped being usable after the first batch ({why}).")
@@ -466,11 +476,15 @@ class FactorFit:
                 true_g = {name: g[0] for name, (_, g) in data.items()} if empirical else true[0]
                 for layer in self.tracked + self.measured:
                     sums.add_layer(layer, data[layer.name][0], true_g[layer.name])
+                for embedding, decoder in self.tied:
+                    sums.add_tied(embedding, data[embedding.name][0], true_g[embedding.name], decoder,
+                                  data[decoder.name][0], true_g[decoder.name])
                 rest = [nm for nm in self.diag_names if nm not in self._hooked_names()]
                 if rest and first is not None:
                     sums.add(rest, first.split([self.params[nm].numel() for nm in rest], dim=1))
-                elif rest:  # their batch gradient alone: their per-example norms are left to the check's sample
-                    sums.add_summed({nm: true[3][nm] for nm in rest})
+                elif rest:  # their batch gradient alone; the per-example norms of any not tied are the check's sample's
+                    sums.add_summed({nm: true[3][nm] for nm in rest},
+                                    normed={nm for pair in self.tied for nm in pair[1].params})
                 sums.seconds += time.perf_counter() - start_sums + (0.0 if empirical else true[2])
             if diagonal and self.diag_names:
                 part = _diagonal_squares(self.stage, self.diag_names, self.params, x, u.detach(),
@@ -485,6 +499,15 @@ class FactorFit:
     def _hooked_names(self) -> set[str]:
         """The diagonal-block parameters whose per-example gradients the measured layers' hooks give."""
         return {name for layer in self.measured for name in layer.params}
+
+    def _hooked_layers(self, measuring: bool) -> list[Layer]:
+        """The layers a pass hooks: the tracked ones and, when it measures the gradient, the measured and tied ones."""
+        extra = self.measured + [layer for pair in self.tied for layer in pair] if measuring else []
+        names = {layer.name for layer in self.tracked}
+        return list(self.tracked) + [layer for layer in extra if layer.name not in names]
+
+    def _tied_layer_names(self) -> set[str]:
+        return {layer.name for pair in self.tied for layer in pair}
 
     def gradient_pass(self) -> ObjectiveGradient:
         """One streamed pass measuring the objective's gradient alone (:func:`objective_gradient`)."""
@@ -708,6 +731,26 @@ def measured_layers(model, names: Sequence[str]) -> list[Layer]:
     return [layer for layer in layers if all(owners[name] == 1 for name in layer.params)]
 
 
+def tied_pairs(model, names: Sequence[str]) -> list[tuple[Embedding, Dense]]:
+    """(embedding, decoder) pairs of registered layers over ``names`` that share their trained weight — a decoder
+    tied to the word embeddings, its weight stored (vocabulary, dim) — and own their other parameters alone (the
+    decoder's bias): their per-example squared norms come from both layers' hooks
+    (:meth:`influkit.layers.Embedding.tied_example_norms`)."""
+    layers, _ = plan(model, names)
+    owners: dict[str, list[Layer]] = {}
+    for layer in layers:
+        for name in layer.params:
+            owners.setdefault(name, []).append(layer)
+    pairs = []
+    for name, owning in owners.items():
+        embedding = next((layer for layer in owning if isinstance(layer, Embedding)), None)
+        decoder = next((layer for layer in owning if isinstance(layer, Dense) and not layer.inputs_first), None)
+        if (len(owning) == 2 and embedding is not None and decoder is not None and embedding.weight == name
+                and decoder.weight == name and (decoder.bias is None or len(owners[decoder.bias]) == 1)):
+            pairs.append((embedding, decoder))
+    return pairs
+
+
 def unhooked_parameters(model, names: Sequence[str]) -> list[str]:
     """The parameters of ``names`` whose per-example gradients no layer hook gives (:func:`objective_gradient` forms
     their rows by per-example backward passes): in no registered layer, or shared by two (a decoder tied to the
@@ -715,6 +758,7 @@ def unhooked_parameters(model, names: Sequence[str]) -> list[str]:
     _, reasons = plan_layers(model, names)
     diagonal = [name for name in names if name in reasons]
     hooked = {name for layer in measured_layers(model, diagonal) for name in layer.params}
+    hooked |= {name for pair in tied_pairs(model, diagonal) for layer in pair for name in layer.params}
     return [name for name in diagonal if name not in hooked]
 
 

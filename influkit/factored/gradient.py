@@ -54,14 +54,23 @@ class GradientSums:
             self._sum(name, part.sum(0, dtype=torch.float64))
             self.squares += float(part.pow(2).sum(dtype=torch.float64))
 
-    def add_summed(self, gradients: dict) -> None:
-        """Add one batch's gradient Σ_i ∇ℓ_i of each parameter, without the per-example squared norms."""
+    def add_tied(self, embedding: Layer, ids: torch.Tensor, g: torch.Tensor, decoder: Layer, a: torch.Tensor,
+                 u: torch.Tensor) -> None:
+        """Add one batch's Σ_i ‖∇ℓ_i‖² over a weight shared by an embedding and a decoder and the decoder's bias
+        (:meth:`influkit.layers.Embedding.tied_example_norms`); their batch gradient comes from :meth:`add_summed`."""
+        self.squares += float(embedding.tied_example_norms(ids.detach(), g.detach(), decoder, a.detach(),
+                                                           u.detach()).sum())
+
+    def add_summed(self, gradients: dict, normed=()) -> None:
+        """Add one batch's gradient Σ_i ∇ℓ_i of each parameter, without the per-example squared norms (``normed``:
+        those whose squares :meth:`add_tied` adds)."""
         for name, summed in gradients.items():
             if name in self.total:
                 self.total[name].add_(summed.reshape(-1))  # into the float64 sum in place: no float64 copy per batch
             else:
                 self.total[name] = summed.reshape(-1).to(torch.float64)
-            self.unmeasured.add(name)
+            if name not in normed:
+                self.unmeasured.add(name)
 
     def add_layer(self, layer: Layer, a: torch.Tensor, g: torch.Tensor) -> None:
         """Add one batch of a hooked layer from its inputs a and true-label output-gradients g: the batch's gradient

@@ -85,7 +85,7 @@ def backward(outputs: torch.Tensor, u: torch.Tensor, targets: Sequence[torch.Ten
     flat = head.inputs.reshape(-1, head.inputs.shape[-1])
     matrix = layer.matrix(head.weight)  # (out, in)
     below = torch.zeros_like(flat)
-    below[keep] = kept @ matrix.to(kept.dtype)
+    below[keep] = kept @ matrix.detach().to(kept.dtype)  # values: the backward below takes it from here
     inner = [t for t in targets if t is not outputs]
     wanted = [leaves[name] for name in leaf_names]
     grads = (torch.autograd.grad(head.inputs, inner + wanted, grad_outputs=below.reshape(head.inputs.shape),

@@ -63,6 +63,23 @@ class Embedding(Layer):
         rows.scatter_add_(1, ids.unsqueeze(-1).expand(-1, -1, g.shape[-1]), g)
         return [rows.reshape(ids.shape[0], -1)]
 
+    def tied_example_norms(self, ids, g, decoder: Layer, a, u) -> torch.Tensor:
+        """(B,) float64 ‖∇ℓ_i‖² over this embedding's weight W (vocabulary × dim), tied to ``decoder``'s — a dense
+        layer y_s = W a_s + b with W stored (vocabulary, dim) —, and the decoder's own trained bias, from both
+        layers' records: ids (B, T) and output-gradients g (B, T, dim) here, inputs a (B, S, dim) and
+        output-gradients u (B, S, vocabulary) there. ∇_W ℓ_i = Σ_t e_{x_t} g_tᵀ + Σ_s u_s a_sᵀ, so
+
+            ‖∇_W ℓ_i‖² = Σ_{t,t'} [x_t = x_t'] g_t·g_t' + Σ_{s,s'} (u_s·u_s')(a_s·a_s') + 2 Σ_{s,t} u_s[x_t] (a_s·g_t),
+
+        the middle term with the bias's ‖Σ_s u_s‖² the decoder's own :meth:`example_norms`: T × T and S × T
+        matrices, no vocabulary-sized row per example."""
+        g = g * self.token_mask(ids).unsqueeze(-1).to(g.dtype)
+        same = ids.unsqueeze(2) == ids.unsqueeze(1)
+        embedded = (g @ g.transpose(1, 2)).to(torch.float64).mul_(same).sum((1, 2))
+        picked = u.gather(2, ids.unsqueeze(1).expand(-1, u.shape[1], -1))  # (B, S, T): u_s[x_t]
+        cross = (picked * (a @ g.transpose(1, 2)).to(picked.dtype)).sum((1, 2), dtype=torch.float64)
+        return embedded + decoder.example_norms(a, u) + 2 * cross
+
     def contract_cost(self, tokens):
         """Per token: gather S[x_t], multiply by g_t and sum (3·dim)."""
         return 3 * tokens * self.shape[1]
