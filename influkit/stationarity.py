@@ -9,8 +9,9 @@ minimum (∇L = 0, H ≻ 0). Models trained with Adam for a few epochs are rarel
   every example (S all n, ``gradient_source="pass"``), in one streamed pass with the registered layers hooked
   (:func:`influkit.factored.fit.objective_gradient`: a layer's batch gradient is one product of its recorded inputs
   and true-label output-gradients, an example's squared norm a sum of Gram products, no per-example gradient row;
-  the registered layers owning the other parameters hooked too). A trained parameter in no such layer, or shared by
-  two (a decoder tied to the word embeddings), adds its batch gradient from the pass's own backward, so ∇L stays
+  the registered layers owning the other parameters hooked too; a decoder tied to the word embeddings from both
+  layers' hooks, :meth:`influkit.layers.Embedding.tied_example_norms`). A trained parameter in no such layer, or
+  shared otherwise, adds its batch gradient from the pass's own backward, so ∇L stays
   exact; its per-example squared norms, whose rows over every example would cost more than the rest of the pass,
   come from the seeded sample of :func:`light_sample` (n) examples (``"pass+sample"``, ``sample`` = s): g² = the
   hooked parameters' (1/n) Σ_i ‖∇ℓ_i‖² + the mean over the sample of the others' (unbiased; exact when s = n).
@@ -56,7 +57,7 @@ each, and its gradient pass would cost many times that fit):
   with diagonal blocks take their per-example rows. So ∇L = (1/n) Σ_i ∇ℓ_i + ∇(R + extra) and
   g = ((1/n) Σ_i ‖∇ℓ_i‖²)^½ are exact over every example (``sample`` = n, ``gradient_bound`` 0), and ``seconds``
   counts what measuring them added to the pass (and any Lanczos steps), not the factored fit, which is the solve's;
-  a parameter no hook reaches (a tied decoder) adds its batch gradient from the pass's true-label backward, its
+  a parameter no hook reaches (in no registered layer) adds its batch gradient from the pass's true-label backward, its
   per-example norms from the sample as in the hooked pass above (``"fit+sample"``) — no gradient pass of its own;
 - when the fit's pass does not give them — it covers a Hessian sample (``hessian_samples`` < n), or the fitted
   curvature was kept from a fit without them — the sample is s = min(n, max(``LIGHT_SAMPLE_MIN``, min(``SAMPLE``,

@@ -224,8 +224,9 @@ def objective_gradient(stage: Stage, names: Sequence[str] | None = None, *, extr
     """‖∇L‖ and g = ((1/n) Σ_i ‖∇ℓ_i‖²)^½ over every example (``indices``, default all) in one streamed pass: a
     factored fit's statistics pass without its statistics (no covariance, no square, no eigendecomposition). Each
     registered layer's batch gradient and per-example squared norms come from its recorded inputs and true-label
-    output-gradients (:meth:`influkit.layers.Layer.example_norms`: no per-example gradient row), the other
-    parameters' batch gradient from the same backward (their per-example norms left out: ``unmeasured``); ∇L adds
+    output-gradients (:meth:`influkit.layers.Layer.example_norms`: no per-example gradient row; a decoder tied to the
+    word embeddings from both layers', :func:`tied_pairs`), the other parameters' batch gradient from the same
+    backward (their per-example norms left out: ``unmeasured``); ∇L adds
     ∇(R + extra). Raises
     :class:`~influkit.factored.fisher.FactoredCurvatureError` for a loss whose output-gradients it cannot form."""
     fit = FactorFit(stage, names, FitSettings(fisher="empirical", indices=indices, extra=extra, at=at, memory=memory,

@@ -26,8 +26,9 @@ class ObjectiveGradient:
     rows), the diagonal-block parameters' per-example gradients (hooked too where one registered layer owns them
     alone — a LayerNorm, a bias without its weight —, else by per-example backward passes), and, when the
     pseudo-gradients are not the true-label ones (``fisher`` "sampled" or "exact"), one more backward of the true-label
-    output-gradients through the pass's graph (no forward). A diagonal-block parameter whose per-example gradient no
-    hook gives (a decoder weight tied to the word embeddings, a module outside the layer registry) adds its batch
+    output-gradients through the pass's graph (no forward). A decoder weight tied to the word embeddings gets its
+    per-example norms from both layers' hooks (:meth:`add_tied`). A diagonal-block parameter whose per-example
+    gradient no hook gives (a module outside the layer registry) adds its batch
     gradient Σ_i ∇ℓ_i to ``norm`` from that same backward (the empirical Fisher's fit forms its rows anyway: then
     exact), and is named in ``unmeasured``: ``typical`` is then (1/n) Σ_i ‖∇ℓ_i‖² over the other parameters only,
     and the check completes it from a sample's rows (:mod:`influkit.stationarity`)."""
