@@ -239,6 +239,8 @@ def chain_figure(frame, path: Path, labels=("issue49-2", "issue49-3"), goal: flo
 
     part = frame[frame.label.isin(labels)]
     chains = list(dict.fromkeys(f"{r.model} {r.stage_1}" for r in part.itertuples()))
+    if not chains:
+        return
     fig, axes = plt.subplots(1, len(chains), figsize=(4.2 * len(chains) + 1, 3.8), squeeze=False, sharey=True)
     for ax, chain in zip(axes[0], chains):
         rows = part[[f"{m} {s}" == chain for m, s in zip(part.model, part.stage_1)]]
