@@ -297,10 +297,11 @@ class Chain:
             plan, fitted = self.plans[k], key[3]
             hessian = self._check_operator(k, self._curvature_for(k, "hessian").operator)
             factored = None if fitted is None else (lambda: self._factored_curvature(k, fitted))
+            graphs = self._curvature_for(k, "gauss-newton").operator if key[4] == "largest" and fitted is None else None
             self._positions[key] = stationarity.assess(
                 plan.stage, plan.trained, hessian, extra=plan.proximal, seed=key[2], memory=self.memory,
                 least=1 if self._lean_check(k) else DEFAULT_EXAMPLES, factored=factored, spectrum=key[4],
-                progress=self.progress)
+                progress=self.progress, gauss_newton=graphs)
         return self._positions[key]
 
     def _waits_for_solve(self, k: int) -> bool:

@@ -403,6 +403,26 @@ class HessianOperator:
         else:
             yield from graphs
 
+    def kept_gradient(self) -> torch.Tensor | None:
+        """``objective_gradient`` from the graphs this operator keeps, built now if not yet (its products reuse them),
+        or None when it streams its products (there a gradient would be a pass of its own): on H the cached graph's
+        ∇L, on G one backward per batch through the kept forward graphs (Jᵀ ∂ℓ/∂f) and ∇(R + extra)."""
+        if self.objective_gradient is None and self._use_graph:
+            if self.curvature == "gauss-newton":
+                record = torch.zeros(self.dim, dtype=self.dtype, device=self.device)
+                for batch in self._gauss_newton_batches():
+                    start = time.perf_counter()
+                    record += torch.cat([g.reshape(-1) for g in batch.gradient()])
+                    self.gradient_seconds += time.perf_counter() - start
+                _, _, owns_regularizer = _share(self.stage, self.indices)
+                penalty = _penalty(self.stage, self.extra)
+                if owns_regularizer and penalty is not None:
+                    record += self.space.flatten(grad(penalty)(point(self.stage.state(), self.names, self.at)))
+                self.objective_gradient = distributed.all_reduce_(record)
+            else:
+                self.objective_gradient = distributed.all_reduce_(self._gradient_graph()[1].detach().clone())
+        return self.objective_gradient
+
     def _gauss_newton_product(self, vec: torch.Tensor) -> torch.Tensor:
         """G·vec, (p, k), before the sum over ranks: the data part of this rank plus, on rank 0, ∇²(R + extra)·vec.
         The first product also records ``objective_gradient``."""

@@ -91,6 +91,14 @@ g_hi² = m + ``BOUND_Z``·SE, SE² = (1 − s/n)·var(‖∇ℓ_i‖²)/s (≈95
 no data pass and no Hessian-vector product of the check's own); otherwise the full check decides, θ_min included. Its
 eigenvalues then come from the solve's iterations, as above.
 
+**From the kept graphs** (``assess(..., gauss_newton=G)``: ``auto``'s damping needs θ_max, no factored fit): off a
+minimum ``auto`` solves on G, and where G's operator keeps its batch graphs in memory (a head on a frozen encoder,
+whose every product would otherwise run the encoder again) the check builds them now — the solve's forward, moved
+from the query to the fit — and takes ∇L from them (one backward per batch through the kept graph, no forward),
+g from the sample as above (``gradient_source="graph"``); θ_max still comes from the sampled Hessian's Lanczos steps.
+When the bound leaves the verdict open, or G streams its products, the check runs as below, and the graphs' seconds
+count as its own.
+
 Verdict, with ε = √(machine epsilon of H's dtype) (1.5e-8 in float64, 3.5e-4 in float32: a float32
 Hessian-vector product carries a relative error well above float32's epsilon) and s = max(|θ_min|, |θ_max|):
 
@@ -198,8 +206,8 @@ class Position:
         bound = f" ± {self.gradient_bound:.2g} (from {self.sample} examples)" if self.gradient_source == "sample" else ""
         typical = (f" (its share from the parameters no layer hook reaches estimated on {self.sample} examples)"
                    if self.gradient_source.endswith("+sample") else
-                   f" (∇L from the solve's first product, the typical norm from {self.sample} examples: "
-                   f"r ≥ {self.gradient_norm - self.gradient_bound:.2g} at ≈95 %)" if self.gradient_source == "solve"
+                   f" (∇L from {_FROM[self.gradient_source]}, the typical norm from {self.sample} examples: "
+                   f"r ≥ {self.gradient_norm - self.gradient_bound:.2g} at ≈95 %)" if self.gradient_source in _FROM
                    else "")
         return (f"{self.verdict}: ‖∇L‖ = {self.gradient_norm:.2g}{bound} × the typical per-example gradient norm"
                 f"{typical} (stationary below {GRADIENT_TOL:g}), {self.spectrum()}")
@@ -218,6 +226,9 @@ class Position:
         if source in ("ekfac", "kfac"):
             return f"{source.upper()} eigenvalues within [{low}, {high}] (its fit)"
         return f"{of} eigenvalues within [{low}, {high}] (Ritz values of the {source} solve, {self.lanczos_steps} steps)"
+
+
+_FROM = {"solve": "the solve's first product", "graph": "the Gauss-Newton graphs its solve reuses"}
 
 
 def _number(value: float | None) -> str:
@@ -289,7 +300,8 @@ def light_sample(n: int) -> int:
 
 def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, extra: Callable | None = None,
            seed: int = 0, memory: int | None = None, least: int = DEFAULT_EXAMPLES,
-           factored: Callable[[], object] | None = None, spectrum: str = "all", progress: bool = False) -> Position:
+           factored: Callable[[], object] | None = None, spectrum: str = "all", progress: bool = False,
+           gauss_newton: Operator | None = None) -> Position:
     """Where ``stage`` stands at its current parameters ``names`` (module docstring).
 
     operator: H of the objective over ``names`` (e.g. the chain's :class:`~influkit.curvature.HessianOperator`,
@@ -302,12 +314,26 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     or fitted over a subset of the examples), r comes from the sample :func:`light_sample`.
     spectrum: what is measured of the eigenvalues off a stationary point (``SPECTRA``, module docstring): ``"all"``
     θ_min and θ_max whatever r; ``"verdict"`` nothing the verdict does not need; ``"largest"`` θ_max for auto's damping.
+    gauss_newton: with ``"largest"`` and no ``factored``, the G operator ``auto`` solves a non-stationary stage on:
+    where it keeps its graphs, they give ∇L (module docstring, "From the kept graphs").
     """
     if spectrum not in SPECTRA:
         raise InputError(f"unknown spectrum {spectrum!r}; choose one of {SPECTRA}.")
     start = time.perf_counter()
     names = stage.param_names if names is None else list(names)
     n = len(stage)
+    if spectrum == "largest" and factored is None and gauss_newton is not None:
+        building = time.perf_counter()
+        kept = getattr(gauss_newton, "kept_gradient", lambda: None)()
+        building = time.perf_counter() - building - getattr(gauss_newton, "gradient_seconds", 0.0)  # the solve's
+        found = None if kept is None else from_solve(stage, names, gauss_newton, seed=seed, source="graph")
+        if found is not None:
+            examples = min(n, SAMPLE)
+            sampled = HessianOperator(stage, names, samples=examples, seed=seed, extra=extra, memory=memory)
+            low, high, m = extreme_eigenvalues(sampled, LARGEST_STEPS, seed=seed, progress=progress)
+            return replace(found, min_eigenvalue=low, max_eigenvalue=high, lanczos_steps=m,
+                           eigenvalue_source="lanczos-sample", eigenvalue_sample=examples, products=m,
+                           seconds=time.perf_counter() - start - building)
     curvature, fitting, source = None, 0.0, None  # fitting: seconds of the factored fit that are the solve's, not the check's
     if factored is not None:
         fitting = time.perf_counter()
@@ -349,12 +375,14 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
                     products=m if where.startswith("lanczos") else 0)
 
 
-def from_solve(stage: Stage, names: Sequence[str], operator: Operator, *, seed: int = 0) -> Position | None:
+def from_solve(stage: Stage, names: Sequence[str], operator: Operator, *, seed: int = 0,
+               source: str = "solve") -> Position | None:
     """Where a non-stationary ``stage`` stands, measured from its solve (module docstring, "From the solve"): ∇L the
     ``objective_gradient`` its operator recorded in its first product over every example, g from the per-example
     gradients of a seeded sample of :func:`light_sample` (n) examples; None when the operator recorded none (no
     product yet, or over a Hessian sample or another objective) or when r's lower bound ‖∇L‖/g_hi leaves the
-    verdict open (then the full check decides, with its θ_min)."""
+    verdict open (then the full check decides, with its θ_min). source: ``gradient_source`` ("graph": the operator's
+    kept graphs, :meth:`~influkit.curvature.HessianOperator.kept_gradient`)."""
     recorded = getattr(operator, "objective_gradient", None)
     if (recorded is None or operator.indices is not None or operator.data_weight != 1.0
             or list(operator.names) != list(names)):
@@ -372,7 +400,7 @@ def from_solve(stage: Stage, names: Sequence[str], operator: Operator, *, seed: 
                     objective_gradient=absolute, typical_gradient=typical, sample=size, lanczos_steps=0,
                     eigenvalue_tol=eigenvalue_tol(operator.dtype),
                     seconds=time.perf_counter() - start + operator.gradient_seconds,
-                    gradient_bound=relative - absolute / high, gradient_source="solve", eigenvalue_source="none")
+                    gradient_bound=relative - absolute / high, gradient_source=source, eigenvalue_source="none")
 
 
 def _gradient_pass(stage: Stage, names, extra, memory, progress: bool):

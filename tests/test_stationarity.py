@@ -479,6 +479,40 @@ def test_a_named_solve_gives_its_check_the_gradient_from_its_first_product(solve
     assert loaded.positions == chain.positions
 
 
+@pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")  # an untrained model: not at a minimum
+@pytest.mark.parametrize("memory", [None, 20_000])
+def test_autos_check_takes_the_gradient_from_the_gauss_newton_graphs_its_solve_reuses(memory, monkeypatch):
+    """solver='auto' off a minimum solves on G: where G's operator keeps its batch graphs, the check builds them at
+    the fit and takes ∇L from them — exact to 1e-12, no data pass of its own —, g from light_sample(n) examples
+    with a bound that holds the exact r, θ_max from the sampled Hessian's LARGEST_STEPS products; the query's solve
+    reuses the same graphs (each batch's forward built once in fit + query). Where G streams its products (a 20 kB
+    budget), the check makes its own hooked pass as before."""
+    from influkit import curvature, stationarity
+
+    stage = untrained_stage()
+    full = assess(stage, None, HessianOperator(stage), spectrum="verdict")
+    built = []
+    original = curvature._GaussNewtonBatch.__init__
+    monkeypatch.setattr(curvature._GaussNewtonBatch, "__init__",
+                        lambda self, *a, **k: built.append(1) or original(self, *a, **k))
+    passes = spy(monkeypatch, stationarity, "_gradient_pass", "progress")
+    chain = ik.Chain([stage], memory=memory, progress=False).fit()
+    where, fitted = chain.positions[0], len(built)
+    query = chain.query(stage.data.take(torch.arange(3)))
+    assert query.solves[0]["solver"] == "minres" and chain.operator(0).curvature == "gauss-newton"
+    assert where.verdict == full.verdict == "non-stationary" and where.eigenvalue_source == "lanczos-sample"
+    assert where.products == where.lanczos_steps == stationarity.LARGEST_STEPS
+    if memory is None:
+        assert (where.gradient_source, where.sample) == ("graph", stationarity.light_sample(len(stage)))
+        assert passes == [] and fitted == len(built) == 1  # one batch's graph, built by the check, kept for the solve
+        assert where.objective_gradient == pytest.approx(full.objective_gradient, rel=1e-12)
+        assert where.gradient_norm - where.gradient_bound <= full.gradient_norm
+        assert "Gauss-Newton graphs" in where.describe()
+    else:
+        assert where.gradient_source == "pass" and len(passes) == 1 and fitted == 0
+        assert where.objective_gradient == pytest.approx(full.objective_gradient, rel=1e-12)
+
+
 @pytest.mark.filterwarnings("ignore::influkit.errors.StationarityWarning")
 def test_auto_reads_theta_max_only_where_its_damping_needs_it(monkeypatch):
     """solver='auto' off a minimum without a damping: θ_max from LARGEST_STEPS Lanczos steps on the Hessian of a
