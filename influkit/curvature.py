@@ -411,17 +411,26 @@ class HessianOperator:
             if self.curvature == "gauss-newton":
                 record = torch.zeros(self.dim, dtype=self.dtype, device=self.device)
                 for batch in self._gauss_newton_batches():
-                    start = time.perf_counter()
-                    record += torch.cat([g.reshape(-1) for g in batch.gradient()])
-                    self.gradient_seconds += time.perf_counter() - start
-                _, _, owns_regularizer = _share(self.stage, self.indices)
-                penalty = _penalty(self.stage, self.extra)
-                if owns_regularizer and penalty is not None:
-                    record += self.space.flatten(grad(penalty)(point(self.stage.state(), self.names, self.at)))
-                self.objective_gradient = distributed.all_reduce_(record)
+                    record += self._batch_gradient(batch)
+                self.objective_gradient = self._with_penalty(record)
             else:
                 self.objective_gradient = distributed.all_reduce_(self._gradient_graph()[1].detach().clone())
         return self.objective_gradient
+
+    def _batch_gradient(self, batch: _GaussNewtonBatch) -> torch.Tensor:
+        """One G batch's flat gradient of its share of the data term (timed into ``gradient_seconds``)."""
+        start = time.perf_counter()
+        flat = torch.cat([g.reshape(-1) for g in batch.gradient()])
+        self.gradient_seconds += time.perf_counter() - start
+        return flat
+
+    def _with_penalty(self, record: torch.Tensor) -> torch.Tensor:
+        """This rank's summed batch gradients + ∇(R + extra) (on the rank that adds R), summed over the ranks."""
+        _, _, owns_regularizer = _share(self.stage, self.indices)
+        penalty = _penalty(self.stage, self.extra)
+        if owns_regularizer and penalty is not None:
+            record += self.space.flatten(grad(penalty)(point(self.stage.state(), self.names, self.at)))
+        return distributed.all_reduce_(record)
 
     def _gauss_newton_product(self, vec: torch.Tensor) -> torch.Tensor:
         """G·vec, (p, k), before the sum over ranks: the data part of this rank plus, on rank 0, ∇²(R + extra)·vec.
@@ -434,19 +443,15 @@ class HessianOperator:
                 parts = batch.product([tangent[k] for k in self.names])
                 out[:, j] += torch.cat([t.reshape(-1) for t in parts])
             if record is not None:
-                start = time.perf_counter()
-                record += torch.cat([g.reshape(-1) for g in batch.gradient()])
-                self.gradient_seconds += time.perf_counter() - start
+                record += self._batch_gradient(batch)
         _, _, owns_regularizer = _share(self.stage, self.indices)
         penalty = _penalty(self.stage, self.extra)
         if owns_regularizer and penalty is not None:
             params = point(self.stage.state(), self.names, self.at)
             for j, tangent in enumerate(cols):
                 out[:, j] += self.space.flatten(vjp(grad(penalty), params)[1](tangent)[0])
-            if record is not None:
-                record += self.space.flatten(grad(penalty)(params))
         if record is not None:
-            self.objective_gradient = distributed.all_reduce_(record)
+            self.objective_gradient = self._with_penalty(record)
         return out
 
     def matvec(self, vec: torch.Tensor) -> torch.Tensor:
@@ -468,8 +473,7 @@ class HessianOperator:
         self.products += vec.shape[1] if batched else 1
         if self._use_graph:
             out = distributed.all_reduce_(self._graph_product(vec))
-            if self.objective_gradient is None:
-                self.objective_gradient = distributed.all_reduce_(self._gradient_graph()[1].detach().clone())
+            self.kept_gradient()
             if not torch.isfinite(out).all():
                 raise NumericalError("the Hessian-vector product is not finite; check the model for overflow.")
             return out
