@@ -45,6 +45,7 @@ def test_query_and_scores_pass_each_example_through_the_model_once():
 
     stage = ik.Stage(model, counted, (x[:100], y[:100]), regularizer=l2(1e-2))
     chain = ik.Chain([stage], solve=ik.SolveConfig(solver="direct", damping=1e-3)).fit()
+    chain.positions  # where the stage stands: ∇L from the dense H's products, g from a sample's forwards — not the query's
     seen.clear()
     query = chain.query((x[100:], y[100:]))
     assert sum(seen) == 20
