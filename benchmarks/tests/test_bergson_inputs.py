@@ -5,25 +5,6 @@ exit, an error inside included. Needs transformers and datasets, not Bergson, so
 import pytest
 import torch
 
-import influkit as ik
-from influkit import hf
-
-
-@pytest.fixture(scope="module")
-def recorded():
-    """A 2-layer GPT-2 on 12 rated snippets, 6 AdamW steps, a checkpoint every 2 steps."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    texts = [s.text for s in hf.rated_snippets()][:14]
-    tokenizer = hf.train_bpe(texts, vocab_size=120)
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
-    stage = hf.causal_lm_stage(GPT2LMHeadModel(config).eval(), hf.causal_lm_batch(tokenizer, texts[:12], max_length=24))
-    record = ik.unrolled.Record()
-    record.train(stage, ik.unrolled.AdamW(lr=1e-2), steps=6, batch_size=4, checkpoint_every=2)
-    return record, tokenizer, texts[:12], texts[12:]
-
 
 def weights(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
