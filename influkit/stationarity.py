@@ -77,10 +77,10 @@ each, and its gradient pass would cost many times that fit):
   no Hessian-vector product); a stationary one gets the m Lanczos steps on the exact H, since its verdict
   rests on θ_min (at a minimum ``auto`` solves H, preconditioned by the factored fit the check ran).
 
-**From the solve** (:func:`from_solve`: a :class:`~influkit.chain.Chain` stage whose solve the user named — an
-iterative one, ``minres``, ``cg_spd``, ``cg``, ``lissa``, ``neumann`` — with its damping, on H or G over every example,
-no factored fit): nothing of the check depends on the answer, and the solve's first product passes over every
-example anyway, its gradient of the objective a by-product (:class:`~influkit.curvature.HessianOperator`'s
+**From the solve** (:func:`from_solve`: a :class:`~influkit.chain.Chain` stage whose solve the user named with its
+damping — one that multiplies by H or G over every example: ``minres``, ``cg_spd``, ``cg``, ``lissa``, ``neumann``, and
+``direct``'s dense H or ``arnoldi``'s Lanczos at the fit —, no factored fit): nothing of the check depends on the
+answer, and the solve's first product passes over every example anyway, its gradient of the objective a by-product (:class:`~influkit.curvature.HessianOperator`'s
 ``objective_gradient``: the cached graph's ∇L, the streamed batches' ``vjp(grad)`` primals, on G one more backward
 per batch through the kept forward graph). So the check waits for that product (the chain's first query, or the
 first time ``positions`` is read, whichever comes first; read before any product, the full check runs then): ∇L is
@@ -167,8 +167,9 @@ class Position:
     gradient_bound: float = 0.0  # b: r's half-width at ≈95 % (0: ∇L and g from the whole data, exact)
     # "pass" / "fit": ∇L and g from every example in the check's hooked pass / the factored fit's data pass ("+sample":
     # g's share of the parameters no hook reaches from ``sample`` examples); "data": ∇L from a gradient pass, g from
-    # the sample; "sample": both estimated on the sample (light check); "solve": ∇L exact from the solve's first
-    # product, g from the sample (b: how far below r its lower bound lies)
+    # the sample; "sample": both estimated on the sample (light check); "solve" / "graph": ∇L exact from the solve's
+    # first product / from the Gauss-Newton graphs auto's solve reuses, g from the sample (b: how far below r its
+    # lower bound lies)
     gradient_source: str = "data"
     # "lanczos" on the exact H; "lanczos-sample" on the Hessian of ``eigenvalue_sample`` examples; the fitted factored
     # curvature ("ekfac", "kfac"); "none" (not measured); or the solver whose own iterations gave them (``solved``)
@@ -301,7 +302,7 @@ def light_sample(n: int) -> int:
 def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, extra: Callable | None = None,
            seed: int = 0, memory: int | None = None, least: int = DEFAULT_EXAMPLES,
            factored: Callable[[], object] | None = None, spectrum: str = "all", progress: bool = False,
-           gauss_newton: Operator | None = None) -> Position:
+           gauss_newton: HessianOperator | None = None) -> Position:
     """Where ``stage`` stands at its current parameters ``names`` (module docstring).
 
     operator: H of the objective over ``names`` (e.g. the chain's :class:`~influkit.curvature.HessianOperator`,
@@ -324,8 +325,8 @@ def assess(stage: Stage, names: Sequence[str] | None, operator: Operator, *, ext
     n = len(stage)
     if spectrum == "largest" and factored is None and gauss_newton is not None:
         building = time.perf_counter()
-        kept = getattr(gauss_newton, "kept_gradient", lambda: None)()
-        building = time.perf_counter() - building - getattr(gauss_newton, "gradient_seconds", 0.0)  # the solve's
+        kept = gauss_newton.kept_gradient()
+        building = time.perf_counter() - building - gauss_newton.gradient_seconds  # the graphs: the solve's
         found = None if kept is None else from_solve(stage, names, gauss_newton, seed=seed, source="graph")
         if found is not None:
             examples = min(n, SAMPLE)
