@@ -360,10 +360,10 @@ class FactorFit:
         self.pseudo: PseudoGradients | None = None  # the pass's pseudo-gradients' maker (made on its first batch)
         self.heads = [layer for layer in plan(stage.model, self.names)[0]] if gradient else []  # :mod:`.head`
         # a LayerNorm's per-example gradients from its hooks where the pass forms no rows of its own for the squares
-        self.measured = self._measured_layers() if gradient and (fisher != "empirical" or not settings.statistics) else []
+        hooks = gradient and (fisher != "empirical" or not settings.statistics)  # the pass forms no rows of its own
+        self.measured = self._measured_layers() if hooks else []
         # a decoder tied to the word embeddings: its per-example norms from both layers' hooks (:func:`tied_pairs`)
-        self.tied = tied_pairs(stage.model, self.diag_names) if gradient and (
-            fisher != "empirical" or not settings.statistics) else []
+        self.tied = tied_pairs(stage.model, self.diag_names) if hooks else []
         if batch_size is None:
             per = self._probe_bytes()
             share = (budget - fixed) // 2 if cache_bytes is None else budget - fixed
@@ -725,11 +725,17 @@ def measured_layers(model, names: Sequence[str]) -> list[Layer]:
     """The registered layers of ``model`` that own parameters of ``names`` alone (a LayerNorm, a bias without its
     weight: each parameter in one layer), whose per-example gradients their hooks give."""
     layers, _ = plan(model, names)
-    owners: dict[str, int] = {}
+    owners = _owners(layers)
+    return [layer for layer in layers if all(len(owners[name]) == 1 for name in layer.params)]
+
+
+def _owners(layers: Sequence[Layer]) -> dict[str, list[Layer]]:
+    """{parameter: the layers that use it}."""
+    owners: dict[str, list[Layer]] = {}
     for layer in layers:
         for name in layer.params:
-            owners[name] = owners.get(name, 0) + 1
-    return [layer for layer in layers if all(owners[name] == 1 for name in layer.params)]
+            owners.setdefault(name, []).append(layer)
+    return owners
 
 
 def tied_pairs(model, names: Sequence[str]) -> list[tuple[Embedding, Dense]]:
@@ -737,11 +743,7 @@ def tied_pairs(model, names: Sequence[str]) -> list[tuple[Embedding, Dense]]:
     tied to the word embeddings, its weight stored (vocabulary, dim) — and own their other parameters alone (the
     decoder's bias): their per-example squared norms come from both layers' hooks
     (:meth:`influkit.layers.Embedding.tied_example_norms`)."""
-    layers, _ = plan(model, names)
-    owners: dict[str, list[Layer]] = {}
-    for layer in layers:
-        for name in layer.params:
-            owners.setdefault(name, []).append(layer)
+    owners = _owners(plan(model, names)[0])
     pairs = []
     for name, owning in owners.items():
         embedding = next((layer for layer in owning if isinstance(layer, Embedding)), None)
@@ -754,8 +756,8 @@ def tied_pairs(model, names: Sequence[str]) -> list[tuple[Embedding, Dense]]:
 
 def unhooked_parameters(model, names: Sequence[str]) -> list[str]:
     """The parameters of ``names`` whose per-example gradients no layer hook gives (:func:`objective_gradient` forms
-    their rows by per-example backward passes): in no registered layer, or shared by two (a decoder tied to the
-    word embeddings)."""
+    their rows by per-example backward passes): in no registered layer, or shared by two layers other than a decoder
+    tied to the word embeddings (:func:`tied_pairs`, whose norms the hooks give)."""
     _, reasons = plan_layers(model, names)
     diagonal = [name for name in names if name in reasons]
     hooked = {name for layer in measured_layers(model, diagonal) for name in layer.params}

@@ -59,8 +59,7 @@ class GradientSums:
                  u: torch.Tensor) -> None:
         """Add one batch's Σ_i ‖∇ℓ_i‖² over a weight shared by an embedding and a decoder and the decoder's bias
         (:meth:`influkit.layers.Embedding.tied_example_norms`); their batch gradient comes from :meth:`add_summed`."""
-        self.squares += float(embedding.tied_example_norms(ids.detach(), g.detach(), decoder, a.detach(),
-                                                           u.detach()).sum())
+        self.squares += float(embedding.tied_example_norms(ids, g, decoder, a, u).sum())
 
     def add_summed(self, gradients: dict, normed=()) -> None:
         """Add one batch's gradient Σ_i ∇ℓ_i of each parameter, without the per-example squared norms (``normed``:
@@ -76,9 +75,7 @@ class GradientSums:
     def add_layer(self, layer: Layer, a: torch.Tensor, g: torch.Tensor) -> None:
         """Add one batch of a hooked layer from its inputs a and true-label output-gradients g: the batch's gradient
         Σ_i ∇ℓ_i is the per-example gradient of all its tokens as one example (one product, no per-example rows),
-        Σ_i ‖∇ℓ_i‖² is :meth:`~influkit.layers.Layer.example_norms`'. Both are values: a g that autograd still
-        tracks (the head's backward hands the layer below it one) is detached, so no batch's graph outlives it."""
-        a, g = a.detach(), g.detach()
+        Σ_i ‖∇ℓ_i‖² is :meth:`~influkit.layers.Layer.example_norms`'."""
         merged = layer.example_gradients(a.reshape(1, -1, *a.shape[2:]), g.reshape(1, -1, *g.shape[2:]))
         for name, part in zip(layer.params, merged):
             self._sum(name, part[0].to(torch.float64))
