@@ -249,3 +249,59 @@ def test_a_watched_torch_optim_run_has_a_sharpness_and_a_first_order_check():
     decayed = Groups((AdamW(lr=1e-2), AdamW(lr=1e-2, weight_decay=0.0)), (("0.weight",), ("0.bias",)))
     with pytest.raises(ik.InputError, match="differ in more than their learning rates"):
         stage_rule(decayed)
+
+
+def test_a_trainer_runs_correction_takes_its_batches_as_fed_and_is_exact_at_one_step_per_segment():
+    """A Trainer's masked-LM run (full batches, a collator that masks the same positions every step, no dropout:
+    every step's objective is the same mean over its predicted tokens): the correction's curvature is that of the
+    batches as fed, times the examples per predicted token, so at one step per segment the dense correction equals
+    the exact metagradient; first order alone does not. The sharpness is that objective's (its dense Hessian's
+    largest eigenvalue, preconditioned by Adam's P at the final checkpoint)."""
+    pytest.importorskip("transformers")
+    from transformers import BertConfig, BertForMaskedLM, Trainer
+
+    from influkit import hf
+    from influkit.curvature import HessianOperator
+    from influkit.unrolled.stability import preconditioner
+    from test_hf_trainer_record import TEXTS, VOCAB, arguments, examples
+
+    tokenizer = hf.wordpiece_tokenizer(VOCAB)
+
+    def collate(items):  # every third attended token predicted, shown as [MASK]: the same batch at every step
+        batch = tokenizer.pad(items, return_tensors="pt")
+        chosen = (torch.arange(batch["input_ids"].shape[1]) % 3 == 1) & (batch["attention_mask"] == 1)
+        batch["labels"] = batch["input_ids"].masked_fill(~chosen, -100)
+        batch["input_ids"] = batch["input_ids"].masked_fill(chosen, tokenizer.mask_token_id)
+        return batch
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(vocab_size=len(tokenizer), hidden_size=8, num_hidden_layers=1,
+                                       num_attention_heads=2, intermediate_size=16, max_position_embeddings=16,
+                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                       attn_implementation="eager")).double()
+    for name, p in model.named_parameters():  # a dense Hessian of a few hundred parameters
+        p.requires_grad_(".layer." in name)
+    record = ik.unrolled.Record()
+    Trainer(model, arguments(per_device_train_batch_size=8, num_train_epochs=4), train_dataset=examples(tokenizer, TEXTS),
+            data_collator=collate, callbacks=[hf.RecordCallback(record)]).train()
+    run = record.runs[0]
+    assert run.steps == 4 and run.data_scale(0) == pytest.approx(8 / int((run.inputs[0][1] != -100).sum()))
+    test = run.stage.data.take(torch.tensor([0, 3]))
+    exact = ik.unrolled.metagradients(record, test, progress=False)[0].values
+    p = sum(run.checkpoints[0][0][n].numel() for n in run.trained)
+
+    def error(**kw):
+        ours = ik.unrolled.first_order(record, test, progress=False, **kw)[0].values
+        return float((ours - exact).norm() / exact.norm())
+
+    assert error() > 1e-3
+    assert error(correction=p, segments=4) < 1e-8
+
+    theta, state = run.checkpoints[run.steps]
+    model.eval()
+    fed = run.stage.with_(data=tuple(torch.cat(v) for v in zip(*run.inputs)))
+    h = HessianOperator(fed, list(run.trained), at=theta, data_weight=run.data_scale(0)).dense()
+    scale = torch.cat([preconditioner(run, run.steps, theta, state)[n].reshape(-1) for n in run.trained]) ** -0.5
+    expected = float(torch.linalg.eigvalsh(scale[:, None] * h * scale[None, :]).max())
+    table = ik.unrolled.sharpness(record, steps=60)
+    assert float(table[table["step"] == run.steps]["max_eigenvalue"].iloc[0]) == pytest.approx(expected, rel=1e-6)

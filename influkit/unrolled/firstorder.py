@@ -21,7 +21,10 @@ Same sign: score = d measure / d w_z; removing z predicts −score.
 Where the loss curves over the run, ``correction=k`` adds V diag(g) Vᵀ ḡ_t with (g, V) the k largest eigenpairs of
 the stage's data Hessian at the start of each of ``segments`` pieces of the stage (``"dense"``: every eigenpair),
 so the dropped term is put back in the directions that contract fastest; ``"ekfac"`` adds C ḡ_t with C the EK-FAC
-approximation of the Gauss-Newton matrix fitted there (every direction, approximately). :func:`first_order_check`
+approximation of the Gauss-Newton matrix fitted there (every direction, approximately). Either is the curvature of
+the stage's mean loss, times the step's examples per unit of its loss divisor (:meth:`StageRun.data_scale`: 1 for a
+batch mean); a Trainer stage's is fitted on its batches as the collator fed them (:func:`~.trajectory.fed_rows`:
+the recorded masks, a masked-LM batch's loss over its predicted tokens), in eval mode. :func:`first_order_check`
 reads the record (run length, sharpness against the edge of stability) and says whether first order is enough.
 
 Cost: one forward replay of each checkpoint segment (a training step each: the gradient g_t and the update, no
@@ -54,7 +57,7 @@ from .run import StageRun, cropped, replaying
 from .stability import edge_of_stability
 from .terms import holding
 from .top import top_directions
-from .trajectory import boundaries, checkpoint_at, moved_frozen
+from .trajectory import boundaries, checkpoint_at, fed_rows, moved_frozen
 
 METHOD = "unrolled first-order (optimizer Jacobians, loss curvature dropped)"
 EXPOSURE_FIRST_ORDER = 0.2
@@ -149,10 +152,11 @@ def carry(record: Record, adjoint: dict, q: int, *, fix: Correction | None = Non
 
 def refuse_uncovered(run: StageRun, fix: Correction | None = None) -> None:
     """Refuse, with the fix, what the first-order pass does not cover."""
-    if fix is not None and (run.inputs is not None or (run.weights is not None and
-                                                       not bool((run.weights == run.weights[0]).all()))):
-        raise InputError("the curvature correction uses the stage's own data at one weight per example; a Trainer "
-                         "stage (its collated batches) or an uneven at= has neither: pass correction=0 or use "
+    if fix is None or run.weights is None:
+        return
+    if run.inputs is not None or not bool((run.weights == run.weights[0]).all()):
+        raise InputError("the curvature correction is fitted on the stage's data at one weight per example; a Trainer "
+                         "stage re-run at other weights, or an uneven at=, has none: pass correction=0 or use "
                          "ik.unrolled.metagradients (exact).")
 
 
@@ -263,6 +267,8 @@ class _Curvature:
     def __init__(self, run: StageRun, fix: Correction | None, dtype: torch.dtype):
         self.run, self.fix, self.dtype = run, fix, dtype
         self.names = list(run.trained)
+        # the data whose curvature is put back: the stage's own examples, or a Trainer's rows as it fed them
+        self.fitted = fed_rows(run)[0] if run.inputs is not None and fix is not None else run
         self.penalized = run.alpha > 0 or run.stage.regularizer is not None
         self.piece, self.pairs = None, None
 
@@ -300,8 +306,8 @@ class _Curvature:
         curvature, kept for the segment's steps."""
         if self.piece != piece and self.fix.directions in FACTORED:
             theta = checkpoint_at(self.run, piece)[0]
-            self.pairs = fit_curvature(_data_only(self.run).stage, self.names, kind=self.fix.directions, at=theta,
-                                       seed=0)
+            self.pairs = fit_curvature(_data_only(self.fitted).stage, self.names, kind=self.fix.directions,
+                                       at=theta, seed=0)
             if self.run.weights is not None:
                 self.pairs.scale_data(float(self.run.weights[0]))
             self.piece = piece
@@ -310,7 +316,7 @@ class _Curvature:
             theta = checkpoint_at(self.run, piece)[0]
             p = sum(v.numel() for v in theta.values())
             k = p if self.fix.directions == "dense" else min(int(self.fix.directions), p)
-            self.pairs, products = top_directions(_data_only(self.run), theta, k, self.dtype, "hessian")
+            self.pairs, products = top_directions(_data_only(self.fitted), theta, k, self.dtype, "hessian")
             self.piece = piece
             self.last = {"piece_start": piece, "directions": k, "largest": float(self.pairs[0].max()),
                          "products": products}
@@ -333,6 +339,7 @@ class _Curvature:
         else:
             g, basis = curvature
             added = ((flat @ basis) * g) @ basis.T
+        added = added * self.run.data_scale(t)  # the step's data term: its examples per unit of its divisor
         through = dict(zip(self.names, (v.reshape(g_bar[n].shape) for n, v in zip(
             self.names, added.split([g_bar[n][0].numel() for n in self.names], dim=1)))))
         if not self.penalized:

@@ -18,7 +18,6 @@ streamed to ``out`` and resumable).
 
 from __future__ import annotations
 
-import copy
 import numbers
 import time
 import warnings
@@ -51,8 +50,7 @@ from .replay import unit_weights
 from .run import StageRun
 from .terms import Terms, fingerprint, holding
 from .top import top_count, top_directions
-from .trajectory import boundaries, checkpoint_at, clipped_trajectory, moved_frozen
-from .watch import eval_stage
+from .trajectory import boundaries, checkpoint_at, clipped_trajectory, fed_rows, moved_frozen
 
 METHOD = "unrolled approximate (segments, dense Hessian)"
 PIECE_CURVATURES = ("hessian", "ekfac", "kfac")
@@ -368,24 +366,11 @@ def linearized(run: StageRun) -> tuple[StageRun, float, list[str], torch.Tensor 
     if run.weights is not None or distributed.world_size() > 1:
         raise InputError("the approximate unrolling of a Trainer stage (its collated batches) runs at the recorded "
                          "weights in one process; use ik.unrolled.metagradients (exact) for at= or several ranks.")
-    x, y = run.stage.data.take(torch.cat([run.batches[t] for t in range(run.steps)]))
-    begin = 0
-    for t in range(run.steps):
-        xb, yb = (v.to(x.device) for v in run.inputs[t])
-        rows = slice(begin, begin + xb.shape[0])
-        begin += xb.shape[0]
-        x[rows, ..., :xb.shape[-1]] = xb  # positions past the batch's length are padding in both
-        if y.dim() == 2:
-            y[rows, :yb.shape[-1]] = yb
-        else:
-            y[rows] = yb
-    scale = sum(run.data_scale(t) for t in range(run.steps)) / run.steps
-    collated = copy.copy(run)
-    collated.stage = eval_stage(run.stage.model, lambda: run.stage.with_(data=(x, y)))
-    notes.append(f"Trainer batches: the stage's rows are the {begin} examples as the collator fed them step by step "
-                 f"(their recorded masks; an example's score sums its rows'), the data term scaled by {scale:.4g} (the "
-                 "recorded batches' mean examples per predicted token)")
-    return collated, float(scale), notes, torch.cat([run.batches[t] for t in range(run.steps)])
+    collated, scale, owner = fed_rows(run)
+    notes.append(f"Trainer batches: the stage's rows are the {len(owner)} examples as the collator fed them step by "
+                 f"step (their recorded masks; an example's score sums its rows'), the data term scaled by {scale:.4g} "
+                 "(the recorded batches' mean examples per predicted token)")
+    return collated, scale, notes, owner
 
 
 def _anchor_adjoint(run: StageRun, theta_end: dict, u: torch.Tensor, anchor_bar: dict, memory: int | None) -> dict:

@@ -8,7 +8,9 @@ et al. 2021) answers a change of its data weights far from linearly: the exact m
 infinitesimal changes (it is the run's derivative) but predicts whole-example drops poorly. :func:`sharpness`
 measures λ_max of each stage's full-data objective (1/n) Σ ℓ(z; θ_t) + R(θ_t) (+ the Case 2 proximal term) over the
 trained parameters at the record's checkpoints by Lanczos (:func:`influkit.stationarity.extreme_eigenvalues`; a
-Ritz value, never above λ_max) and puts η_t·λ_max beside the edge.
+Ritz value, never above λ_max) and puts η_t·λ_max beside the edge. A Trainer stage's objective is that of its
+batches as the collator fed them (:func:`~.trajectory.fed_rows`: a masked-LM batch's recorded masks, its summed loss
+over its predicted tokens), not its examples' as the dataset gives them.
 
 Adam and AdamW step by η·P⁻¹m̂ with the diagonal preconditioner P = diag(√v̂ + ε) (v̂ = v/(1 − β₂ᵗ), the
 bias-corrected second moment). With P frozen — it moves slowly once v has averaged many steps — one step on a
@@ -45,6 +47,7 @@ from .record import Record
 from .run import StageRun
 from .replay import outputs, unit_weights
 from .terms import holding
+from .trajectory import fed_rows
 
 # the remedy keeps every step below this share of the edge: a run held just under the edge still carries a whole drop
 # beyond its linear response (benchmarks/results/bench_adamw_drops/remedies.md: margins 1 and 0.5 side by side)
@@ -67,14 +70,17 @@ def sharpness(record: Record, *, steps: int = STEPS, memory: int | None = None, 
     recorded objective's (w = 1), the Case 1 fixed block at the previous stage's final values."""
     rows = []
     states = [early_states(run, first) | run.checkpoints for run in record.runs]
+    fed = [(run, 1.0) if run.inputs is None else fed_rows(run)[:2] for run in record.runs]
     jobs = [(k, t) for k in range(len(record.runs)) for t in sorted(states[k])]
     for k, t in tqdm(jobs, desc="sharpness", disable=not progress, leave=False):
         run = record.runs[k]
         theta, state = states[k][t]
         rule = stage_rule(run.optimizer)
         adam = isinstance(rule, Adam)
+        stage, scale = fed[k][0].stage, fed[k][1]
         with holding(run.stage.model, {n: run.anchors[n] for n in run.frozen}):
-            operator = HessianOperator(run.stage, list(run.trained), at=theta, extra=run.proximal(), memory=memory)
+            operator = HessianOperator(stage, list(run.trained), at=theta, extra=run.proximal(), memory=memory,
+                                       data_weight=scale)
             if adam:
                 decay = 0.0 if rule.decoupled else rule.weight_decay
                 operator = Preconditioned(operator, preconditioner(run, t, theta, state), decay)

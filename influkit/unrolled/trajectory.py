@@ -3,16 +3,43 @@ or replayed from the last one before), with each step's recorded clipping factor
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .replay import start, unit_weights
 from .run import StageRun
+from .watch import eval_stage
 
 
 def boundaries(run: StageRun, pieces: int) -> list[tuple[int, int]]:
     """[(a, b)]: the run's steps cut into ``pieces`` contiguous pieces."""
     cuts = sorted({round(run.steps * i / pieces) for i in range(pieces + 1)})
     return list(zip(cuts[:-1], cuts[1:]))
+
+
+def fed_rows(run: StageRun) -> tuple[StageRun, float, torch.Tensor]:
+    """(a copy of a Trainer run (its batches as the collator made them, ``run.inputs``) whose stage has one row per fed
+    example per step, as the collator fed it — its recorded masks, padded to the stage's length with the stage's own
+    padding —, so that the stage's mean over rows is the mean of the recorded steps' objectives in eval mode; c, the
+    steps' mean examples per predicted token (the Trainer divides a masked-LM batch's summed loss by its number of
+    predicted tokens; 1 for classification), the factor of that mean in a step's data term; the example each row
+    belongs to). The curvature of the steps' data term is c times that of the copy's stage."""
+    x, y = run.stage.data.take(torch.cat([run.batches[t] for t in range(run.steps)]))
+    begin = 0
+    for t in range(run.steps):
+        xb, yb = (v.to(x.device) for v in run.inputs[t])
+        rows = slice(begin, begin + xb.shape[0])
+        begin += xb.shape[0]
+        x[rows, ..., :xb.shape[-1]] = xb  # positions past the batch's length are padding in both
+        if y.dim() == 2:
+            y[rows, :yb.shape[-1]] = yb
+        else:
+            y[rows] = yb
+    collated = copy.copy(run)
+    collated.stage = eval_stage(run.stage.model, lambda: run.stage.with_(data=(x, y)))
+    scale = sum(run.data_scale(t) for t in range(run.steps)) / run.steps
+    return collated, float(scale), torch.cat([run.batches[t] for t in range(run.steps)])
 
 
 def checkpoint_at(run: StageRun, b: int) -> tuple[dict, dict]:
