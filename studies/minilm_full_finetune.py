@@ -28,6 +28,8 @@ run: ``train(cfg)`` rebuilds the record bit for bit (``summary.json`` keeps the 
     python -m studies.minilm_full_finetune rows               # the cheaper methods' scores on the same run
     .bench-venv/bin/python -m studies.minilm_full_finetune peers   # kronfluence and TRAK (after ``rows``)
     python -m studies.minilm_full_finetune table              # lds.csv from what is on disk
+    python -m studies.minilm_full_finetune check [--samples 16 --steps 8]   # first_order_check.csv: what the
+                                                              # record says of first order, before the LDS
     MALLOC_MMAP_THRESHOLD_=131072 python -m studies.minilm_full_finetune cost   # CPU-second ratios to the plain
                                                               # Trainer run, one process (resumable)
 
@@ -488,6 +490,27 @@ def step_rows(cfg: Config, out: Path, chosen: list[str] | None = None) -> None:
         print(f"{name}: {seconds:.0f} s, {rss.peak:.0f} MiB {note}", flush=True)
 
 
+def step_check(cfg: Config, out: Path, samples: int, steps: int) -> pd.DataFrame:
+    """What the record says of first order before any LDS (``ik.unrolled.first_order_check``): the run trained and
+    recorded again (its fingerprint checked), each checkpoint's sharpness — Adam's preconditioned λ_max of the
+    recorded batches' objective — by ``steps`` Lanczos steps on the Hessian of a seeded sample of ``samples`` fed
+    rows (the whole 800-row objective's products cost minutes each here; the sample's λ_max tends to exceed the
+    whole objective's), and the verdict per stage. sharpness.csv, first_order_check.csv."""
+    torch.set_num_threads(1)
+    run = train(cfg)
+    checked(run)
+    summary = json.loads((out / "summary.json").read_text())
+    assert fingerprint(run.models) == summary["final weights fingerprint"], "not the run the exact row scored"
+    begin = time.perf_counter()
+    sharp = ik.unrolled.sharpness(run.record, steps=steps, samples=samples, progress=PROGRESS)
+    sharp["seconds (whole table)"] = time.perf_counter() - begin
+    sharp["hessian sample"] = samples
+    sharp.to_csv(out / "sharpness.csv", index=False)
+    table = ik.unrolled.first_order_check(run.record, sharp)
+    table.to_csv(out / "first_order_check.csv", index=False)
+    return table
+
+
 def peer_task(cfg: Config, out: Path):
     """What studies.fidelity_minilm's peer adapters read, for the final model: the masked-LM stage over every
     encoder layer of a masked LM whose encoder is the finetuned classifier's and whose head is stage 1's, and the
@@ -536,13 +559,17 @@ def step_peers(cfg: Config, out: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=("run", "rows", "peers", "table", "cost"))
+    parser.add_argument("step", choices=("run", "rows", "peers", "table", "cost", "check"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--methods", nargs="*", help="rows: the methods to score (name prefixes; default all)")
+    parser.add_argument("--samples", type=int, default=16, help="check: the fed rows of each sharpness Hessian")
+    parser.add_argument("--steps", type=int, default=8, help="check: Lanczos steps per checkpoint")
     args = parser.parse_args(argv)
     from benchmarks.manifest import record
 
+    global PROGRESS
+    PROGRESS = not args.no_progress
     out = RESULTS / ("minilm_full_finetune_quick" if args.quick else "minilm_full_finetune")
     cfg = QUICK if args.quick else Config()
     if args.step == "run":
@@ -550,10 +577,11 @@ def main(argv=None) -> int:
         print(step_table(out).to_string(index=False))
         files = [p.name for p in sorted(out.iterdir()) if p.is_file() and p.name != "MANIFEST.json"]
     elif args.step in ("rows", "peers"):
-        global PROGRESS
-        PROGRESS = not args.no_progress
         step_rows(cfg, out, args.methods) if args.step == "rows" else step_peers(cfg, out)
         files = [ROWS]
+    elif args.step == "check":
+        print(step_check(cfg, out, args.samples, args.steps).to_string(index=False))
+        files = ["sharpness.csv", "first_order_check.csv"]
     elif args.step == "table":
         print(step_table(out).drop(columns="note").to_string(index=False))
         files = ["lds.csv", "lds.png"]

@@ -217,7 +217,7 @@ def test_the_ekfac_correction_puts_back_the_bulk_of_the_curvature():
 def test_a_watched_torch_optim_run_has_a_sharpness_and_a_first_order_check():
     """A watched ``torch.optim.AdamW`` (its one parameter group read as ``Groups``) is measured with the group's own
     rule: λ_max of P⁻¹H at the final checkpoint equals the dense P^{-1/2} H P^{-1/2} built from the same P; groups that
-    differ in more than their learning rates are refused by name."""
+    differ in more than their learning rates (and AdamW's decoupled decay) are refused by name."""
     from influkit.curvature import HessianOperator
     from influkit.unrolled.optimizers import Groups
     from influkit.unrolled.stability import preconditioner, stage_rule
@@ -247,8 +247,10 @@ def test_a_watched_torch_optim_run_has_a_sharpness_and_a_first_order_check():
     assert ik.unrolled.first_order_check(record, table)["verdict"].notna().all()
 
     decayed = Groups((AdamW(lr=1e-2), AdamW(lr=1e-2, weight_decay=0.0)), (("0.weight",), ("0.bias",)))
+    assert stage_rule(decayed) == AdamW(lr=1e-2)  # a Trainer's groups: decoupled decay is no part of the sharpness
+    coupled = Groups((Adam(lr=1e-2, weight_decay=1e-2), Adam(lr=1e-2)), (("0.weight",), ("0.bias",)))
     with pytest.raises(ik.InputError, match="differ in more than their learning rates"):
-        stage_rule(decayed)
+        stage_rule(coupled)
 
 
 def test_a_trainer_runs_correction_takes_its_batches_as_fed_and_is_exact_at_one_step_per_segment():
@@ -256,8 +258,11 @@ def test_a_trainer_runs_correction_takes_its_batches_as_fed_and_is_exact_at_one_
     every step's objective is the same mean over its predicted tokens): the correction's curvature is that of the
     batches as fed, times the examples per predicted token, so at one step per segment the dense correction equals
     the exact metagradient; first order alone does not. The sharpness is that objective's (its dense Hessian's
-    largest eigenvalue, preconditioned by Adam's P at the final checkpoint)."""
+    largest eigenvalue, preconditioned by Adam's P at the final checkpoint), or a seeded sample of its rows'; Adam's P
+    between checkpoints is the one its step took (the clipped gradient of the batch as fed)."""
     pytest.importorskip("transformers")
+    import copy
+
     from transformers import BertConfig, BertForMaskedLM, Trainer
 
     from influkit import hf
@@ -283,7 +288,7 @@ def test_a_trainer_runs_correction_takes_its_batches_as_fed_and_is_exact_at_one_
         p.requires_grad_(".layer." in name)
     record = ik.unrolled.Record()
     Trainer(model, arguments(per_device_train_batch_size=8, num_train_epochs=4), train_dataset=examples(tokenizer, TEXTS),
-            data_collator=collate, callbacks=[hf.RecordCallback(record)]).train()
+            data_collator=collate, callbacks=[hf.RecordCallback(record, checkpoint_every=1)]).train()
     run = record.runs[0]
     assert run.steps == 4 and run.data_scale(0) == pytest.approx(8 / int((run.inputs[0][1] != -100).sum()))
     test = run.stage.data.take(torch.tensor([0, 3]))
@@ -300,8 +305,14 @@ def test_a_trainer_runs_correction_takes_its_batches_as_fed_and_is_exact_at_one_
     theta, state = run.checkpoints[run.steps]
     model.eval()
     fed = run.stage.with_(data=tuple(torch.cat(v) for v in zip(*run.inputs)))
-    h = HessianOperator(fed, list(run.trained), at=theta, data_weight=run.data_scale(0)).dense()
     scale = torch.cat([preconditioner(run, run.steps, theta, state)[n].reshape(-1) for n in run.trained]) ** -0.5
-    expected = float(torch.linalg.eigvalsh(scale[:, None] * h * scale[None, :]).max())
-    table = ik.unrolled.sharpness(record, steps=60)
-    assert float(table[table["step"] == run.steps]["max_eigenvalue"].iloc[0]) == pytest.approx(expected, rel=1e-6)
+    recorded = preconditioner(run, 1, *run.checkpoints[1])  # the step's v as the Trainer's AdamW kept it
+    between = copy.copy(run)
+    between.checkpoints = {t: v for t, v in run.checkpoints.items() if t != 2}
+    computed = preconditioner(between, 1, *run.checkpoints[1])  # from the step's clipped gradient, as fed
+    assert all(torch.allclose(computed[n], recorded[n], rtol=1e-10, atol=0) for n in run.trained)
+    for samples in (None, 12):  # every fed row, and a seeded sample of them
+        h = HessianOperator(fed, list(run.trained), at=theta, data_weight=run.data_scale(0), samples=samples).dense()
+        expected = float(torch.linalg.eigvalsh(scale[:, None] * h * scale[None, :]).max())
+        table = ik.unrolled.sharpness(record, steps=60, samples=samples)
+        assert float(table[table["step"] == run.steps]["max_eigenvalue"].iloc[0]) == pytest.approx(expected, rel=1e-6)

@@ -35,7 +35,6 @@ from dataclasses import replace
 
 import pandas as pd
 import torch
-from torch.func import grad
 from tqdm.auto import tqdm
 
 from ..curvature import HessianOperator
@@ -57,7 +56,7 @@ COLUMNS = ("stage", "step", "lr", "max_eigenvalue", "lr_times_eigenvalue", "edge
 
 
 def sharpness(record: Record, *, steps: int = STEPS, memory: int | None = None, first: int = 0,
-              progress: bool = False) -> pd.DataFrame:
+              samples: int | None = None, seed: int = 0, progress: bool = False) -> pd.DataFrame:
     """One row per checkpoint of every recorded stage (module docstring), and per step t < ``first`` of each stage
     (those states replayed from the stage's start; Adam is sharpest in its first steps, where v̂ rests on few
     batches): ``stage``, ``step`` t, ``lr`` η_t (the learning rate of the step taken from θ_t; the last step's at
@@ -66,8 +65,11 @@ def sharpness(record: Record, *, steps: int = STEPS, memory: int | None = None, 
     ``lr_times_eigenvalue`` η_t·max_eigenvalue, ``edge`` (:func:`edge_of_stability`: SGD 2(1 + μ), Nesterov
     2(1 + μ)/(1 + 2μ); Adam 2(1 + β₁)/(1 − β₁)), ``past_edge`` (η_t·max_eigenvalue > edge), ``preconditioned``
     (True for Adam rows), ``lanczos_steps``.
-    steps: Lanczos steps (Hessian-vector products) per row; memory: their budget (bytes). The Hessian is the
-    recorded objective's (w = 1), the Case 1 fixed block at the previous stage's final values."""
+    steps: Lanczos steps (Hessian-vector products) per row; memory: their budget (bytes); samples: the Hessian of a
+    seeded sample (``seed``) of that many examples (a Trainer stage's fed rows) instead of all of them — an estimate,
+    for runs whose full-data products cost too much (a sample's Hessian has the same mean and a spread that grows as
+    the sample shrinks, so its λ_max tends to exceed the full data's). The Hessian is the recorded objective's
+    (w = 1), the Case 1 fixed block at the previous stage's final values."""
     rows = []
     states = [early_states(run, first) | run.checkpoints for run in record.runs]
     fed = [(run, 1.0) if run.inputs is None else fed_rows(run)[:2] for run in record.runs]
@@ -80,7 +82,8 @@ def sharpness(record: Record, *, steps: int = STEPS, memory: int | None = None, 
         stage, scale = fed[k][0].stage, fed[k][1]
         with holding(run.stage.model, {n: run.anchors[n] for n in run.frozen}):
             operator = HessianOperator(stage, list(run.trained), at=theta, extra=run.proximal(), memory=memory,
-                                       data_weight=scale)
+                                       data_weight=scale, seed=seed,
+                                       samples=None if samples is None else min(samples, len(stage)))
             if adam:
                 decay = 0.0 if rule.decoupled else rule.weight_decay
                 operator = Preconditioned(operator, preconditioner(run, t, theta, state), decay)
@@ -96,11 +99,15 @@ def sharpness(record: Record, *, steps: int = STEPS, memory: int | None = None, 
 
 def stage_rule(optimizer: SGD | Adam | Groups) -> SGD | Adam:
     """The one update rule of a stage: its optimizer, or a watched ``torch.optim`` optimizer's when all its parameter
-    groups share one rule up to the learning rate; :class:`~influkit.errors.InputError` when they differ in more."""
+    groups share one rule up to the learning rate (and AdamW's decoupled weight decay, which takes no part in the
+    sharpness: a Trainer's groups with and without decay); :class:`~influkit.errors.InputError` when they differ in
+    more."""
     if not isinstance(optimizer, Groups):
         return optimizer
     first = optimizer.rules[0]
-    if any(replace(rule, lr=first.lr) != first for rule in optimizer.rules[1:]):
+    decoupled = isinstance(first, Adam) and first.decoupled  # AdamW's decay only contracts: no part of its sharpness
+    if any(replace(rule, lr=first.lr, **({"weight_decay": first.weight_decay} if decoupled and isinstance(
+            rule, Adam) and rule.decoupled else {})) != first for rule in optimizer.rules[1:]):
         raise InputError(
             f"the stage's optimizer has {len(optimizer.rules)} parameter groups that differ in more than their "
             "learning rates (e.g. weight decay on some parameters only), so one sharpness per step is not defined; "
@@ -131,14 +138,22 @@ def early_states(run: StageRun, first: int) -> dict[int, tuple[Tensors, dict]]:
 
 def preconditioner(run: StageRun, t: int, theta: Tensors, state: dict) -> Tensors:
     """Adam's diagonal preconditioner P_t = √v̂ + ε of the step taken from (θ_t, state_t) (name → tensor over the
-    trained parameters): v_{t+1} = β₂v_t + (1 − β₂)d_t² with d_t the recorded batch's gradient at θ_t (plus λθ_t under
-    coupled decay), v̂ = v_{t+1}/(1 − β₂^{t+1}); at the final checkpoint T, the last step's: v̂ = v_T/(1 − β₂^T)."""
+    trained parameters): v_{t+1} = β₂v_t + (1 − β₂)d_t² with d_t the recorded batch's gradient at θ_t as the step took
+    it (its micro-batches and loss divisors, times its recorded clipping factor, plus λθ_t under coupled decay) — the
+    recorded v_{t+1} where step t + 1 has a checkpoint —, v̂ = v_{t+1}/(1 − β₂^{t+1}); at the final checkpoint T, the
+    last step's: v̂ = v_T/(1 − β₂^T)."""
     optimizer = stage_rule(run.optimizer)
     beta2, eps = optimizer.betas[1], optimizer.eps
     v = state["v"]
-    if t < run.steps:
+    if t < run.steps and t + 1 in run.checkpoints:  # the step's own v_{t+1}, as recorded
+        v, t = run.checkpoints[t + 1][1]["v"], t + 1
+    elif t < run.steps:
         idx, x, y = run.batch(t)
-        d = grad(run.objective)(theta, run.anchors, x, y, unit_weights(run, idx, None, x))
+        d = run.gradient(t, theta, run.anchors, (x, y, unit_weights(run, idx, None, x)), size=idx.numel())
+        clip = run.clips[t] if t < len(run.clips) else None
+        if clip is not None:
+            gain = run.optimizer.clip_coefficient(d, *clip, order=run.clip_order)
+            d = {n: gain * d[n] for n in d}
         if optimizer.weight_decay and not optimizer.decoupled:
             d = {n: d[n] + optimizer.weight_decay * theta[n] for n in d}
         v, t = {n: beta2 * v[n] + (1 - beta2) * d[n] ** 2 for n in v}, t + 1
