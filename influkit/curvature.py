@@ -26,9 +26,9 @@ import torch
 from torch.func import grad, jvp, vjp
 
 from . import distributed
-from .errors import InputError, NumericalError
+from .errors import InputError, MemoryBudgetError, NumericalError
 from .gradients import backward_bytes
-from .memory import PROBE_EXAMPLES, Probe
+from .memory import PROBE_EXAMPLES, Probe, available_bytes
 from .memory import plan as memory_plan
 from .memory import given as memory_given
 from .memory import resolve as memory_budget
@@ -40,6 +40,8 @@ from .vectorize import vmap_or_loop
 
 HVP_MODES = ("fwd-rev", "rev-rev")
 CURVATURES = ("hessian", "gauss-newton")
+DENSE_COPIES = 4  # p×p matrices held at once while dense() builds H: the identity, the product columns, their
+# concatenation and its symmetrization
 
 
 def sample_indices(n: int, samples: int | None, seed: int = 0) -> torch.Tensor | None:
@@ -502,6 +504,14 @@ class HessianOperator:
         (``progress``: a bar over the blocks)."""
         if self._dense is None:
             p = self.dim
+            needed = DENSE_COPIES * p * p * torch.empty(0, dtype=self.dtype).element_size()
+            free = available_bytes(self.device)
+            if needed > free:
+                raise MemoryBudgetError(
+                    f"the dense Hessian of {p:,} parameters needs about {needed / 2**30:,.1f} GiB ({DENSE_COPIES} "
+                    f"p×p matrices while it is built) and {free / 2**30:,.1f} GiB are free: a dense H (solver='direct', "
+                    "dense()) is for up to some ten thousand parameters. Use solver='minres' or 'cg' (or 'auto'), "
+                    "which multiply by H without forming it, or train fewer parameters (Stage(params=...)).")
             eye = torch.eye(p, dtype=self.dtype, device=self.device)
             starts = progress_steps(range(0, p, chunk), "dense Hessian", progress, -(-p // chunk))
             cols = [self.matvec(eye[:, s : s + chunk]) for s in starts]

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import influkit as ik
 from influkit.curvature import HessianOperator, ProductSettings, gradient, hvp
 from influkit.params import ParamSpace
 from conftest import explicit_hessian
@@ -131,3 +132,18 @@ def test_more_hessian_samples_than_examples_is_refused(mlp_stage):
     with pytest.raises(ik.InputError, match=r"n = 40"):
         ik.influence(mlp_stage, torch.arange(3), torch.arange(2), solve=ik.SolveConfig(solver="direct"),
                      curvature=ik.CurvatureConfig(hessian_samples=1000), progress=False)
+
+
+def test_a_dense_hessian_larger_than_free_memory_is_refused_before_it_is_allocated(mlp_stage, monkeypatch):
+    """solver='direct' on a stage whose p×p Hessian cannot fit: a MemoryBudgetError naming the size and the fix, not
+    the allocator's failure (on the 9.6 M-parameter BERT stage it tried to allocate 370 TB)."""
+    from influkit import curvature
+
+    op = HessianOperator(mlp_stage)
+    needed = curvature.DENSE_COPIES * op.dim ** 2 * 8
+    monkeypatch.setattr(curvature, "available_bytes", lambda device: needed - 1)
+    chain = ik.Chain([mlp_stage], solve=ik.SolveConfig(solver="direct", damping=1e-3))
+    with pytest.raises(ik.MemoryBudgetError, match=f"dense Hessian of {op.dim:,} parameters.*solver='minres'"):
+        chain.fit()
+    monkeypatch.setattr(curvature, "available_bytes", lambda device: needed)
+    assert torch.allclose(HessianOperator(mlp_stage).dense(), op.matvec(torch.eye(op.dim, dtype=op.dtype)))
