@@ -232,7 +232,7 @@ def chain_summary(out: Path) -> None:
     chain_figure(frame, out / "chains.png")
 
 
-def chain_figure(frame, path: Path, labels=("issue49-2", "issue49-3", "issue49-4"), goal: float = 0.10) -> None:
+def chain_figure(frame, path: Path, labels=("issue49-2", "issue49-3", "issue49-4", "issue49-5"), goal: float = 0.10) -> None:
     """chains.png: the check's share of fit + query per chain and setting, one bar per label in ``labels`` (the
     code versions compared), with the goal as a line."""
     import matplotlib.pyplot as plt
