@@ -67,8 +67,9 @@ def sharpness(record: Record, *, steps: int = STEPS, memory: int | None = None, 
     (True for Adam rows), ``lanczos_steps``.
     steps: Lanczos steps (Hessian-vector products) per row; memory: their budget (bytes); samples: the Hessian of a
     seeded sample (``seed``) of that many examples (a Trainer stage's fed rows) instead of all of them — an estimate,
-    for runs whose full-data products cost too much (a sample's Hessian has the same mean and a spread that grows as
-    the sample shrinks, so its λ_max tends to exceed the full data's). The Hessian is the recorded objective's
+    for runs whose full-data products cost too much (a sample's Hessian H_S has the same mean and a spread that grows
+    as the sample shrinks, so its λ_max tends to exceed the full data's; where every example's Hessian is positive
+    semidefinite, H ⪰ (s/n)·H_S bounds the excess by n/s). The Hessian is the recorded objective's
     (w = 1), the Case 1 fixed block at the previous stage's final values."""
     rows = []
     states = [early_states(run, first) | run.checkpoints for run in record.runs]
