@@ -475,8 +475,7 @@ def step_rows(cfg: Config, out: Path, chosen: list[str] | None = None) -> None:
     run = train(cfg, recorded=recorded, math=not recorded)  # sdpa's MATH kernel either way: the recorded run's bits
     if recorded:
         checked(run)
-    summary = json.loads((out / "summary.json").read_text())
-    assert fingerprint(run.models) == summary["final weights fingerprint"], "not the run the exact row scored"
+    same_run(run, out)
     torch.save([m.state_dict() for m in run.models], states_path(out))
     for name, score in todo.items():
         with PeakRss() as rss:
@@ -490,6 +489,12 @@ def step_rows(cfg: Config, out: Path, chosen: list[str] | None = None) -> None:
         print(f"{name}: {seconds:.0f} s, {rss.peak:.0f} MiB {note}", flush=True)
 
 
+def same_run(run: Run, out: Path) -> None:
+    """Assert that ``run`` trained the final weights the exact row scored (``summary.json``'s fingerprint)."""
+    summary = json.loads((out / "summary.json").read_text())
+    assert fingerprint(run.models) == summary["final weights fingerprint"], "not the run the exact row scored"
+
+
 def step_check(cfg: Config, out: Path, samples: int, steps: int) -> pd.DataFrame:
     """What the record says of first order before any LDS (``ik.unrolled.first_order_check``): the run trained and
     recorded again (its fingerprint checked), each checkpoint's sharpness — Adam's preconditioned λ_max of the
@@ -499,8 +504,7 @@ def step_check(cfg: Config, out: Path, samples: int, steps: int) -> pd.DataFrame
     torch.set_num_threads(1)
     run = train(cfg)
     checked(run)
-    summary = json.loads((out / "summary.json").read_text())
-    assert fingerprint(run.models) == summary["final weights fingerprint"], "not the run the exact row scored"
+    same_run(run, out)
     begin = time.perf_counter()
     sharp = ik.unrolled.sharpness(run.record, steps=steps, samples=samples, progress=PROGRESS)
     sharp["seconds (whole table)"] = time.perf_counter() - begin

@@ -268,20 +268,25 @@ class StageRun:
             self._mode_list = (self.modes, module_modes(self.stage.model, self.modes))
         return self._mode_list[1]
 
+    def recorded_clip(self, t: int) -> tuple[float, float] | None:
+        """Step t's recorded gradient clipping (max_norm, norm_type), or None."""
+        return self.clips[t] if t < len(self.clips) else None
+
+    def clipped(self, t: int, grads: Tensors) -> Tensors:
+        """Step t's gradient as its recorded clipping scaled it (unchanged without one)."""
+        clip = self.recorded_clip(t)
+        return grads if clip is None else self.optimizer.clip(grads, *clip, order=self.clip_order)
+
     def update(self, t: int, theta: Tensors, state: State, grads: Tensors) -> tuple[Tensors, State]:
         """(θ_{t+1}, state_{t+1}): step t's gradient clipped as recorded, then the optimizer's update at step t's
         learning rate(s)."""
-        clip = self.clips[t] if t < len(self.clips) else None
-        if clip is not None:
-            grads = self.optimizer.clip(grads, *clip, order=self.clip_order)
-        return self.optimizer.update(theta, state, grads, self.lrs[t], t + 1)
+        return self.optimizer.update(theta, state, self.clipped(t, grads), self.lrs[t], t + 1)
 
     def update_vjp(self, t: int, theta: Tensors, state: State, grads: Tensors):
         """(θ_{t+1}, state_{t+1}, pullback) of :meth:`update` (the same operations, so the same values), with
         pullback(θ̄_{t+1}, s̄_{t+1}) = (θ̄_t, s̄_t, ḡ_t) its vector-Jacobian product in closed form (the rules'
         ``pullback``, then the clipping's ``clip_pullback``; cotangents may carry a leading dimension q)."""
-        clip = self.clips[t] if t < len(self.clips) else None
-        clipped = grads if clip is None else self.optimizer.clip(grads, *clip, order=self.clip_order)
+        clip, clipped = self.recorded_clip(t), self.clipped(t, grads)
         new = self.optimizer.update(theta, state, clipped, self.lrs[t], t + 1)
 
         def pullback(theta_bar: Tensors, state_bar: State) -> tuple[Tensors, State, Tensors]:

@@ -150,11 +150,8 @@ def preconditioner(run: StageRun, t: int, theta: Tensors, state: dict) -> Tensor
         v, t = run.checkpoints[t + 1][1]["v"], t + 1
     elif t < run.steps:
         idx, x, y = run.batch(t)
-        d = run.gradient(t, theta, run.anchors, (x, y, unit_weights(run, idx, None, x)), size=idx.numel())
-        clip = run.clips[t] if t < len(run.clips) else None
-        if clip is not None:
-            gain = run.optimizer.clip_coefficient(d, *clip, order=run.clip_order)
-            d = {n: gain * d[n] for n in d}
+        d = run.clipped(t, run.gradient(t, theta, run.anchors, (x, y, unit_weights(run, idx, None, x)),
+                                        size=idx.numel()))
         if optimizer.weight_decay and not optimizer.decoupled:
             d = {n: d[n] + optimizer.weight_decay * theta[n] for n in d}
         v, t = {n: beta2 * v[n] + (1 - beta2) * d[n] ** 2 for n in v}, t + 1

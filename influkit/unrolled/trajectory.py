@@ -63,7 +63,7 @@ def clipped_trajectory(run: StageRun, ends: list[int]) -> tuple[dict, list[float
     for t in range(max(ends)):
         idx, x, y = run.batch(t)
         grads = run.gradient(t, theta, run.anchors, (x, y, unit_weights(run, idx, None, x)))
-        clip = run.clips[t] if t < len(run.clips) else None
+        clip = run.recorded_clip(t)
         gains.append(1.0 if clip is None else float(run.optimizer.clip_coefficient(grads, *clip, order=run.clip_order)))
         theta, state = run.update(t, theta, state, grads)
         if t + 1 in ends:
