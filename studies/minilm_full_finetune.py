@@ -30,6 +30,8 @@ run: ``train(cfg)`` rebuilds the record bit for bit (``summary.json`` keeps the 
     python -m studies.minilm_full_finetune table              # lds.csv from what is on disk
     python -m studies.minilm_full_finetune check [--samples 16 --steps 8]   # first_order_check.csv: what the
                                                               # record says of first order, before the LDS
+    python -m studies.minilm_full_finetune index [--dims 1024 4096]   # the masked-LM stage's trajectory index,
+                                                              # the finetune's scores from it (then ``table``)
     MALLOC_MMAP_THRESHOLD_=131072 python -m studies.minilm_full_finetune cost   # CPU-second ratios to the plain
                                                               # Trainer run, one process (resumable)
 
@@ -515,6 +517,87 @@ def step_check(cfg: Config, out: Path, samples: int, steps: int) -> pd.DataFrame
     return table
 
 
+INDEX = "index.json"
+INDEX_DIMS = (1024, 4096)
+"""The trajectory index's numbers per example (``dim``): an exact index would hold every one of the 22.7 M
+parameters, 90.8 MB per snippet."""
+
+
+def index_row(dim: int, finetune: str) -> str:
+    return f"trajectory index (D ≤ {dim}), the finetune by {'exact replay' if finetune == 'exact' else 'first order'}"
+
+
+def step_index(cfg: Config, out: Path, dims: tuple[int, ...]) -> dict:
+    """The trajectory index of the masked-LM stage (``ik.unrolled.TrajectoryIndex``, compressed to at most each of
+    ``dims`` numbers per snippet; built once, in one pass over its examples), and the finetune's corpus scores from
+    it: the finetuning stage carried by its own exact replay, or by first order (then the index's answer is first
+    order from scratch, up to the compression). The run trained and recorded again (its fingerprint checked);
+    each query's scores a rows.json entry (``table`` gives their LDS on the shared drop sets and replays); build and
+    query seconds — wall-clock and this process's CPU seconds, one torch thread, as cost.json times the exact
+    metagradient — in index.json, resumable (the index directory under the temporary directory)."""
+    torch.set_num_threads(1)
+    path = out / INDEX
+    table = json.loads(path.read_text()) if path.exists() else {}
+    run = train(cfg)
+    checked(run)
+    same_run(run, out)
+    for dim in dims:
+        directory = Path(tempfile.gettempdir()) / f"{out.name}_index_{dim}"
+        key = f"D ≤ {dim}"
+        if key not in table:
+            with PeakRss() as rss:
+                began, cpu = time.perf_counter(), time.process_time()
+                index = ik.unrolled.TrajectoryIndex.build(run.record, directory, stages=1, dim=dim, progress=PROGRESS)
+                build = {"seconds": time.perf_counter() - began, "cpu_seconds": time.process_time() - cpu}
+            table[key] = {"build": build | {"peak RSS (MiB)": rss.peak}, "width": index.width,
+                          "bytes_per_example": index.bytes_per_example, "examples": len(run.data.corpus),
+                          "queries": {}}
+            path.write_text(json.dumps(table, indent=1))
+        index = ik.unrolled.TrajectoryIndex(directory)
+        for finetune in ("exact", "first-order"):
+            name = index_row(dim, finetune)
+            if finetune in table[key]["queries"]:
+                continue
+            with PeakRss() as rss:
+                began, cpu = time.perf_counter(), time.process_time()
+                results = index.scores(run.record, run.test, finetune=finetune, progress=PROGRESS)
+                seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
+            write_row(out, name, summed(results), seconds, rss.peak)
+            table[key]["queries"][finetune] = {"row": name, "seconds": seconds, "cpu_seconds": cpu,
+                                               "parts (seconds)": results[0].diagnostics["seconds"],
+                                               "peak RSS (MiB)": rss.peak}
+            path.write_text(json.dumps(table, indent=1))
+            print(f"{name}: {seconds:.0f} s ({cpu:.0f} CPU s)", flush=True)
+    return table
+
+
+def index_table(out: Path) -> pd.DataFrame:
+    """index.csv: per index and finetune, the build's and the query's seconds, the numbers and bytes per snippet,
+    the query against the exact two-stage metagradient (cost.json's CPU seconds, one thread) and its LDS beside
+    first order from scratch's (lds.csv)."""
+    table = json.loads((out / INDEX).read_text())
+    exact_cpu = json.loads((out / "cost.json").read_text())["seconds"]["exact metagradient (summed test loss)"]
+    lds = pd.read_csv(out / "lds.csv").set_index("method")
+    columns = [c for c in lds.columns if c.startswith("LDS")]
+    rows_ = []
+    for key, entry in table.items():
+        for finetune, query in entry["queries"].items():
+            row = {"index": key, "finetune": finetune, "width": entry["width"],
+                   "bytes per snippet": entry["bytes_per_example"], "build seconds": entry["build"]["seconds"],
+                   "build CPU seconds": entry["build"]["cpu_seconds"], "query seconds": query["seconds"],
+                   "query CPU seconds": query["cpu_seconds"],
+                   "exact metagradient CPU seconds / query's": exact_cpu / query["cpu_seconds"]}
+            row |= {f"{finetune} pass seconds" if k.startswith(finetune) else k: v
+                    for k, v in query["parts (seconds)"].items()}
+            for c in columns:
+                row[c] = lds.loc[query["row"], c]
+                row[f"{c} − first order's"] = lds.loc[query["row"], c] - lds.loc[FIRST_ORDER, c]
+            rows_.append(row)
+    frame = pd.DataFrame(rows_)
+    frame.to_csv(out / "index.csv", index=False)
+    return frame
+
+
 def peer_task(cfg: Config, out: Path):
     """What studies.fidelity_minilm's peer adapters read, for the final model: the masked-LM stage over every
     encoder layer of a masked LM whose encoder is the finetuned classifier's and whose head is stage 1's, and the
@@ -563,12 +646,13 @@ def step_peers(cfg: Config, out: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("step", choices=("run", "rows", "peers", "table", "cost", "check"))
+    parser.add_argument("step", choices=("run", "rows", "peers", "table", "cost", "check", "index"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--methods", nargs="*", help="rows: the methods to score (name prefixes; default all)")
     parser.add_argument("--samples", type=int, default=16, help="check: the fed rows of each sharpness Hessian")
     parser.add_argument("--steps", type=int, default=8, help="check: Lanczos steps per checkpoint")
+    parser.add_argument("--dims", type=int, nargs="*", default=INDEX_DIMS, help="index: numbers per snippet")
     args = parser.parse_args(argv)
     from benchmarks.manifest import record
 
@@ -586,9 +670,15 @@ def main(argv=None) -> int:
     elif args.step == "check":
         print(step_check(cfg, out, args.samples, args.steps).to_string(index=False))
         files = ["sharpness.csv", "first_order_check.csv"]
+    elif args.step == "index":
+        step_index(cfg, out, tuple(args.dims))
+        files = [ROWS, INDEX]
     elif args.step == "table":
         print(step_table(out).drop(columns="note").to_string(index=False))
         files = ["lds.csv", "lds.png"]
+        if (out / INDEX).exists():
+            print(index_table(out).to_string(index=False))
+            files.append("index.csv")
     else:
         print(json.dumps(step_cost(cfg, out), indent=2))
         files = ["cost.json"]

@@ -5,7 +5,9 @@ scores of the pretraining stage — the finetune carried by first order, or by i
 first order through the pretraining from the exact adjoint it hands back) — and a new test set on the pretrained
 model; an append equals a rebuild; a killed build or append resumes to the same index; the compressed index's
 error stays within the variance bound of its random projection; a record or directory of another run is refused;
-two ranks under torchrun build the single-process index, and a failing rank fails the other.
+a stage without a regularizer is indexed in one pass over its examples, equal to the column sweeps (SGD, Adam, AdamW,
+a clipped torch.optim loop); two ranks under torchrun build the single-process index, both ways, and a failing rank
+fails the other.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 import influkit as ik
 from influkit.unrolled import SGD, Adam, AdamW, Record, TrajectoryIndex
@@ -54,6 +57,27 @@ def continued(pre: Record) -> Record:
     stage = ik.Stage(Net(3).eval(), cross_entropy, data(9, 3, seed=4), regularizer=l2(1e-2))
     record.train(stage, SGD(lr=0.1, momentum=0.8), steps=6, batch_size=4, checkpoint_every=3,
                  link=ik.Link.finetune({"embedding": "embedding", "head": "head"}))
+    return record
+
+
+def unregularized(optimizer=None) -> Record:
+    """A pretraining stage without a regularizer (the first-order carry acts coordinate by coordinate): the recorded
+    rule, or (None) a watched torch.optim.AdamW loop that clips every step."""
+    torch.manual_seed(0)
+    record, x = Record(), data(12, 3, seed=1)
+    if optimizer is not None:
+        record.train(ik.Stage(Net(3).eval(), cross_entropy, x), optimizer, steps=9, batch_size=4, checkpoint_every=4)
+        return record
+    model = Net(3).eval()
+    loader = DataLoader(TensorDataset(*x), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    with record.watch(model, adamw, loader, cross_entropy, checkpoint_every=4) as run:
+        for _ in range(3):
+            for xb, yb in loader:
+                cross_entropy(model(xb), yb).mean().backward()
+                assert float(run.clip_grad_norm_(0.1)) > 0.1  # clips
+                adamw.step()
+                adamw.zero_grad()
     return record
 
 
@@ -187,6 +211,23 @@ def test_the_compressed_index_errs_within_its_projections_variance_bound(pre, ex
     close(whole.scores(record, TEST, progress=False)[0].values, truth)
 
 
+@pytest.mark.parametrize("optimizer", [SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+                                       Adam(lr=0.05, weight_decay=1e-2), AdamW(lr=0.05), None],
+                         ids=["SGD + nesterov", "Adam", "AdamW", "torch.optim.AdamW, clipped"])
+def test_a_stage_without_a_regularizer_is_indexed_in_one_pass_equal_to_the_column_sweeps(optimizer, tmp_path,
+                                                                                         monkeypatch):
+    record = unregularized(optimizer)
+    assert module.by_examples(record) and not module.by_examples(pretrained())
+    passes = {d: TrajectoryIndex.build(record, tmp_path / f"pass{d}", dim=d, progress=False) for d in (None, 20)}
+    monkeypatch.setattr(module, "by_examples", lambda indexed: False)
+    for d, index in passes.items():
+        swept = TrajectoryIndex.build(record, tmp_path / f"sweeps{d}", dim=d, block=8, progress=False)
+        assert index.manifest == swept.manifest | {"block": 64}
+        close(index.entries()[0], swept.entries()[0])
+    close(passes[None].scores(record, TEST, per_test=True, progress=False)[0].values,
+          ik.unrolled.first_order(record, TEST, per_test=True, progress=False)[0].values)
+
+
 def test_another_run_is_refused_by_name(pre, exact, tmp_path):
     other = Record()
     pretrain(other, AdamW(lr=0.04, weight_decay=0.1))
@@ -213,6 +254,8 @@ BUILD_SCRIPT = textwrap.dedent(
     import test_unrolled_trajectory_index as t
     index = t.TrajectoryIndex.build(t.pretrained(), {out!r}, block=8, progress=False)
     assert index.complete and index.blocks["computed"] in (2, 3)
+    index = t.TrajectoryIndex.build(t.unregularized(), {out!r} + "-examples", block=8, progress=False)
+    assert index.complete and index.blocks["computed"] in (2, 3)  # each rank's share of steps, summed
     distributed.shutdown()
     """
 )
@@ -228,6 +271,8 @@ def test_two_ranks_under_torchrun_build_the_single_process_index(pre, exact, tmp
     assert ranks.manifest == exact.manifest | {"block": 8}
     for a, b in zip(ranks.entries(), exact.entries()):
         close(a, b)
+    single = TrajectoryIndex.build(unregularized(), tmp_path / "single", block=8, progress=False)
+    close(TrajectoryIndex(tmp_path / "ranks-examples").entries()[0], single.entries()[0])
 
 
 def _build_in_a_group() -> None:

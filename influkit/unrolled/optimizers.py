@@ -293,31 +293,47 @@ class Groups:
     def clip_pullback(self, grads: Tensors, clipped_bar: Tensors, max_norm: float, norm_type: float,
                       order: list[str] | None = None) -> Tensors:
         """ḡ: the cotangents ``clipped_bar`` of :meth:`clip`'s outputs (a leading dimension q allowed) pulled back to
-        its inputs, ḡ_i = c ḡ'_i + (Σ_j ⟨ḡ'_j, g_j⟩) ∂c/∂g_i with c = :meth:`clip_coefficient`.
-
-        For the 2-norm ∂c/∂g_i = −[r ≤ 1] r g_i / ((T + 10⁻⁶) T) (T the total norm, r = max_norm / (T + 10⁻⁶); 0 where
-        T = 0, as autograd's subgradient); for another norm ∂c/∂g comes from autograd through the coefficient."""
+        its inputs, ḡ_i = c ḡ'_i + (Σ_j ⟨ḡ'_j, g_j⟩) ∂c/∂g_i with c = :meth:`clip_coefficient` (:meth:`clip_slopes`)."""
         names = list(grads)
         g, bar = [grads[n] for n in names], [clipped_bar[n] for n in names]
         lead = bar[0].shape[:bar[0].dim() - g[0].dim()]
-        if norm_type == 2.0:
-            ordered = [grads[n] for n in (self.order if order is None else order) if n in grads]  # clip()'s order
-            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ordered, 2.0)))
-            ratio = max_norm / (total + 1e-6)
-            coefficient = torch.clamp(ratio, max=1.0)
-            factor = torch.where((ratio <= 1) & (total > 0), -ratio / ((total + 1e-6) * total), 0.0)
-            slopes = torch._foreach_mul(g, factor)
-        else:
-            with torch.enable_grad():
-                leaves = {n: grads[n].detach().requires_grad_() for n in names}
-                coefficient = self.clip_coefficient(leaves, max_norm, norm_type, order)
-                slopes = list(torch.autograd.grad(coefficient, list(leaves.values()), allow_unused=True,
-                                                  materialize_grads=True))
-            coefficient = coefficient.detach()
+        coefficient, slopes = self.clip_slopes(grads, max_norm, norm_type, order)
         coefficient_bar = torch.cat([b.reshape(*lead, -1) for b in bar], -1) @ torch.cat([v.reshape(-1) for v in g])
         out = torch._foreach_mul(bar, coefficient)
         torch._foreach_addcmul_(out, [coefficient_bar.reshape(*lead, *[1] * v.dim()) for v in g], slopes)
         return dict(zip(names, out))
+
+    def clip_tangent(self, grads: Tensors, tangent: Tensors, max_norm: float, norm_type: float,
+                     order: list[str] | None = None) -> Tensors:
+        """J δ: the Jacobian of :meth:`clip` at ``grads`` applied to tangents δ (a leading dimension allowed),
+        (J δ)_i = c δ_i + (Σ_j ⟨∂c/∂g_j, δ_j⟩) g_i — the transpose of :meth:`clip_pullback`."""
+        names = list(grads)
+        g, d = [grads[n] for n in names], [tangent[n] for n in names]
+        lead = d[0].shape[:d[0].dim() - g[0].dim()]
+        coefficient, slopes = self.clip_slopes(grads, max_norm, norm_type, order)
+        along = torch.cat([v.reshape(*lead, -1) for v in d], -1) @ torch.cat([s.reshape(-1) for s in slopes])
+        out = torch._foreach_mul(d, coefficient)
+        torch._foreach_addcmul_(out, [along.reshape(*lead, *[1] * v.dim()) for v in g], g)
+        return dict(zip(names, out))
+
+    def clip_slopes(self, grads: Tensors, max_norm: float, norm_type: float,
+                    order: list[str] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(c, [∂c/∂g_i]) of :meth:`clip_coefficient` at ``grads``, in their order. For the 2-norm
+        ∂c/∂g_i = −[r ≤ 1] r g_i / ((T + 10⁻⁶) T) (T the total norm, r = max_norm / (T + 10⁻⁶); 0 where T = 0, as
+        autograd's subgradient); for another norm ∂c/∂g comes from autograd through the coefficient."""
+        names = list(grads)
+        if norm_type == 2.0:
+            ordered = [grads[n] for n in (self.order if order is None else order) if n in grads]  # clip()'s order
+            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ordered, 2.0)))
+            ratio = max_norm / (total + 1e-6)
+            factor = torch.where((ratio <= 1) & (total > 0), -ratio / ((total + 1e-6) * total), 0.0)
+            return torch.clamp(ratio, max=1.0), torch._foreach_mul([grads[n] for n in names], factor)
+        with torch.enable_grad():
+            leaves = {n: grads[n].detach().requires_grad_() for n in names}
+            coefficient = self.clip_coefficient(leaves, max_norm, norm_type, order)
+            slopes = list(torch.autograd.grad(coefficient, list(leaves.values()), allow_unused=True,
+                                              materialize_grads=True))
+        return coefficient.detach(), slopes
 
     def clip_coefficient(self, grads: Tensors, max_norm: float, norm_type: float,
                          order: list[str] | None = None) -> torch.Tensor:

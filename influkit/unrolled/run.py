@@ -277,6 +277,12 @@ class StageRun:
         clip = self.recorded_clip(t)
         return grads if clip is None else self.optimizer.clip(grads, *clip, order=self.clip_order)
 
+    def clip_tangent(self, t: int, grads: Tensors, tangent: Tensors) -> Tensors:
+        """Step t's recorded clipping's Jacobian at ``grads`` applied to ``tangent`` (a leading dimension allowed;
+        unchanged without one)."""
+        clip = self.recorded_clip(t)
+        return tangent if clip is None else self.optimizer.clip_tangent(grads, tangent, *clip, order=self.clip_order)
+
     def update(self, t: int, theta: Tensors, state: State, grads: Tensors) -> tuple[Tensors, State]:
         """(θ_{t+1}, state_{t+1}): step t's gradient clipped as recorded, then the optimizer's update at step t's
         learning rate(s)."""

@@ -38,6 +38,7 @@ import hashlib
 import json
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -55,6 +56,10 @@ from .journal import stage_fingerprint
 from .metagradient import METHOD as EXACT_METHOD
 from .metagradient import exact_down_to
 from .record import Record
+from .replay import start, unit_weights
+from .run import StageRun, cropped, replaying
+from .terms import holding
+from .trajectory import moved_frozen
 
 KIND, BLOCK_KIND = "trajectory-index", "trajectory-index-block"
 MANIFEST = "index.safetensors"
@@ -179,9 +184,15 @@ class TrajectoryIndex:
         distributed.barrier()
         device = next(iter(final.values())).device
 
-        def columns(start: int, stop: int) -> list[torch.Tensor]:
-            scores = carry(indexed, compression.rows(start, stop, device), stop - start, progress=False)[0]
-            return scores[:count]
+        if by_examples(indexed):  # every column in one pass over the examples (each rank: its share of steps)
+            rows = example_rows(indexed.runs[0], compression, progress)
+
+            def columns(first: int, stop: int) -> list[torch.Tensor]:
+                return [rows[:, first:stop]]
+        else:
+            def columns(first: int, stop: int) -> list[torch.Tensor]:
+                scores = carry(indexed, compression.rows(first, stop, device), stop - first, progress=False)[0]
+                return scores[:count]
 
         done = _compute(directory, manifest, columns, progress)
         _finish(directory, manifest)
@@ -296,6 +307,93 @@ class TrajectoryIndex:
                     f"batches, start or final values differ); a finetune must continue the indexed record itself "
                     f"(the same recorded stages, then its own), or build an index of this record.")
         return m
+
+
+def by_examples(indexed: Record) -> bool:
+    """Whether the index of ``indexed`` is built in one pass over its examples (:func:`example_rows`): one stage
+    whose first-order carry is elementwise — SGD / Adam / AdamW, no regularizer R(θ) and no proximal term, whose
+    Hessians first order keeps and which would mix the coordinates."""
+    run = indexed.runs[0]
+    return len(indexed) == 1 and run.stage.regularizer is None and not run.alpha
+
+
+def example_rows(run: StageRun, compression: Compression, progress: bool) -> torch.Tensor:
+    """(n, D) every example's e_z = C v_z of a stage that :func:`by_examples` takes, in one pass.
+
+    Without a regularizer the first-order pullback of each step (θ̄_{t+1}, s̄_{t+1}) ↦ (θ̄_t, s̄_t, ḡ'_t) (ḡ'_t the
+    cotangent of the clipped gradient) acts coordinate by coordinate, so from θ̄_T = c it is (a_t ⊙ c, b_t ⊙ c,
+    e_t ⊙ c), where (a_t, b_t, e_t) is the pullback of the all-ones θ̄_T: one reverse pass with one column. The
+    step's clipping (a global norm) is the one coupling, G ↦ J G with J its Jacobian at g_t, so the score
+    ⟨J^T(e_t ⊙ c), ∂g_t/∂w_z⟩ = ⟨c, e_t ⊙ J ∂g_t/∂w_z⟩ gives v_z = Σ_{t: z fed} e_t ⊙ J ∂g_t/∂w_z, with
+    ∂g_t/∂w_z = ∇ℓ(z; θ_t) / (the micro-batch's divisor × accumulation): the examples' gradients, one backward
+    pass each, compressed a micro-batch at a time. Cost: one forward replay (a training step per step), each
+    example's gradient once, D·p numbers per example for C; under ``torch.distributed`` rank r takes the examples
+    of steps t ≡ r (mod R) and the rows are summed over the ranks."""
+    anchors = run.anchors
+    final = run.checkpoints[run.steps][0]
+    rows = torch.zeros(len(run.stage), compression.width, dtype=compression.dtype)
+    theta_bar, state_bar = {n: torch.ones_like(v) for n, v in final.items()}, None
+    mine = lambda t: t % distributed.world_size() == distributed.rank()  # noqa: E731
+    with holding(run.stage.model, moved_frozen(run)):
+        for a, b in tqdm(list(reversed(run.segments())), desc="trajectory index", disable=not progress,
+                         leave=False):
+            theta, state = run.checkpoints[a]
+            if a == 0:
+                theta = start(run, anchors)
+            if state_bar is None:
+                state_bar = {slot: {n: torch.zeros_like(v) for n, v in s.items()} for slot, s in state.items()}
+            steps = []
+            for t in range(a, b):  # forward: each step's gradient (no graph) and update
+                idx, x, y = run.batch(t)
+                g = run.gradient(t, theta, anchors, (x, y, unit_weights(run, idx, None, x)), size=idx.numel())
+                with torch.no_grad():
+                    clipped = run.clipped(t, g)
+                    new = run.optimizer.update(theta, state, clipped, run.lrs[t], t + 1)
+                steps.append((t, theta, state, g, clipped, new))
+                theta, state = new
+            for t, theta_t, state_t, g, clipped, new in reversed(steps):
+                with torch.no_grad():
+                    theta_bar, state_bar, slope = run.optimizer.pullback(theta_t, state_t, clipped, run.lrs[t], t + 1,
+                                                                         new, (theta_bar, state_bar))
+                if not mine(t):
+                    continue
+                idx, x, y = run.batch(t)
+                for part, gradients in example_gradients(run, t, theta_t, x, y, idx.numel()):
+                    with torch.no_grad():
+                        moved = run.clip_tangent(t, g, gradients)
+                        values = {n: slope[n] * moved[n] for n in moved}
+                        rows.index_add_(0, idx[part].cpu(), compression.apply(values))
+            del steps
+    return distributed.all_reduce_(rows)
+
+
+def example_gradients(run: StageRun, t: int, theta: dict, x: torch.Tensor, y: torch.Tensor, size: int):
+    """[(rows of the batch, {name: (rows, *shape)} ∂g_t/∂w_z)] per micro-batch of step t: each example's loss
+    gradient at θ_t over the micro-batch's divisor and the accumulation, from one forward of the micro-batch as
+    it was fed (its recorded generator state and modes; an embedding's padding row as :mod:`.padding` feeds it),
+    the data term's derivative in its weights as :func:`~.firstorder.example_terms` takes it."""
+    out = []
+    for part, rng, divisor, width in run.micro_batches(t, x.shape[0], size):
+        xp, yp = cropped(x[part], y[part], width)
+        leaves = {n: v.detach().requires_grad_() for n, v in theta.items()}
+        feeding = run.padding.feeding(run.padding.values({n: v.detach() for n, v in (run.anchors | theta).items()})) \
+            if run.padding is not None else nullcontext()
+        with replaying(rng, run.mode_list()), torch.enable_grad(), run.precision(True), feeding:
+            losses = run.stage.losses(leaves, xp, yp)
+            count = losses.shape[0]
+            try:  # every example's backward at once
+                parts = torch.autograd.grad(losses, list(leaves.values()), torch.eye(count, dtype=losses.dtype,
+                                            device=losses.device), is_grads_batched=True, retain_graph=True,
+                                            allow_unused=True, materialize_grads=True)
+            except RuntimeError:  # an operation of the model without a batching rule: one example at a time
+                each = [torch.autograd.grad(losses[i], list(leaves.values()), retain_graph=True, allow_unused=True,
+                                            materialize_grads=True)
+                        for i in range(count)]
+                parts = [torch.stack(column) for column in zip(*each)]
+        divisors = divisor if isinstance(divisor, tuple) else (count if divisor is None else divisor,)
+        scale = 1.0 / (math.prod(divisors) * run.accumulate)
+        out.append((part, {n: v.detach() * scale for n, v in zip(leaves, parts)}))
+    return out
 
 
 def _dtype(name: str) -> torch.dtype:
