@@ -228,6 +228,25 @@ def test_a_stage_without_a_regularizer_is_indexed_in_one_pass_equal_to_the_colum
           ik.unrolled.first_order(record, TEST, per_test=True, progress=False)[0].values)
 
 
+def test_a_trainer_run_is_indexed_in_one_pass_as_first_order_scores_it(tmp_path):
+    """A Trainer's masked-LM run at its defaults but for the accumulation (2 micro-batches a step), with dropout, a
+    collator that masks every batch anew, clipping at 0.5 and two epochs: the one-pass index (each example's
+    gradient from its micro-batch as fed, twice) gives first order's scores."""
+    pytest.importorskip("transformers")
+    from influkit import hf
+    from test_hf_trainer_record import VOCAB
+    from test_hf_trainer_record import pretrain as trainer_pretrain
+
+    record = Record()
+    trainer_pretrain(hf.wordpiece_tokenizer(VOCAB), [hf.RecordCallback(record)], gradient_accumulation_steps=2)
+    run = record.runs[0]
+    assert len(run.parts[0]) == 2 and run.steps == 4 and run.clips[0] == (0.5, 2.0) and module.by_examples(record)
+    index = TrajectoryIndex.build(record, tmp_path, block=1024, progress=False)
+    test = run.stage.data.take(torch.tensor([0, 5]))
+    close(index.scores(record, test, per_test=True, progress=False)[0].values,
+          ik.unrolled.first_order(record, test, per_test=True, progress=False)[0].values)
+
+
 def test_another_run_is_refused_by_name(pre, exact, tmp_path):
     other = Record()
     pretrain(other, AdamW(lr=0.04, weight_decay=0.1))
