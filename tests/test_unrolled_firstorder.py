@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import influkit as ik
 from influkit.unrolled import SGD, Adam, AdamW, Record
+from influkit.unrolled import firstorder
 
 from conftest import cross_entropy, l2
 
@@ -98,11 +99,14 @@ ZERO_CURVATURE = {
 
 
 @pytest.mark.parametrize("name", list(ZERO_CURVATURE))
-def test_first_order_equals_the_exact_metagradient_where_the_loss_has_no_curvature(name):
+@pytest.mark.parametrize("budget", [firstorder.EXAMPLE_GRADIENT_BYTES, 0], ids=["example gradients", "jvps"])
+def test_first_order_equals_the_exact_metagradient_where_the_loss_has_no_curvature(name, budget, monkeypatch):
     """Losses linear in the trained block: H_t = 0, so dropping it is exact, and everything left — the optimizer's
     Jacobians (Adam's second moment's response, clipping's dependence on the norm, decay), the regularizer's and
     the proximal term's Hessians, the Case 1 mixed derivative — must reproduce the exact metagradient, per test point
-    (q = 3, one jvp per column batched by vmap) and summed (q = 1)."""
+    (q = 3: each example's gradient times the columns, or with no room for those one jvp per column batched by vmap)
+    and summed (q = 1)."""
+    monkeypatch.setattr(firstorder, "EXAMPLE_GRADIENT_BYTES", budget)
     record = ZERO_CURVATURE[name]()
     for per_test in (True, False):
         exact = ik.unrolled.metagradients(record, TEST, per_test=per_test, progress=False)

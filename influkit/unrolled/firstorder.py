@@ -13,7 +13,9 @@ term's Hessians, data-free, stay exact). The term of example z fed at step t is
     ∂/∂w_z (g_t · ḡ_t) = (1/|B_t|) ∇ℓ(z; θ_t) · ḡ_t,
 
 the directional derivative of its loss along ḡ_t, one forward-mode ``jvp`` over the batch: no double backward and
-no per-example gradient. A Case 1 stage's fixed block S̄ also takes the mixed term (reverse over that ``jvp``), so the
+no per-example gradient — or, for q > 1 directions (per-test scores) where no fixed block takes the mixed term, each
+example's gradient (one backward pass each, :data:`EXAMPLE_GRADIENT_BYTES` at most per micro-batch) times the q
+directions, which costs the same for any q. A Case 1 stage's fixed block S̄ also takes the mixed term (reverse over that ``jvp``), so the
 adjoint crosses every link kind as in :mod:`.metagradient` (:func:`~.boundary.hand_over`): a fixed block (Case 1),
 a proximal one (Case 2), plain finetuning (the later stage starts from the earlier one's final weights), LoRA.
 Same sign: score = d measure / d w_z; removing z predicts −score.
@@ -28,8 +30,8 @@ the recorded masks, a masked-LM batch's loss over its predicted tokens), in eval
 reads the record (run length, sharpness against the edge of stability) and says whether first order is enough.
 
 Cost: one forward replay of each checkpoint segment (a training step each: the gradient g_t and the update, no
-graph kept) and per step one closed-form pullback of the update and one ``jvp`` of the batch's losses; memory: a
-segment's steps (θ_t, the update's inputs and outputs) and the adjoints.
+graph kept) and per step one closed-form pullback of the update and one ``jvp`` of the batch's losses per direction
+(or one backward per example); memory: a segment's steps (θ_t, the update's inputs and outputs) and the adjoints.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ EXPOSURE_FIRST_ORDER = 0.2
 """The curvature exposure τ = Σ_t η_t λ_t (:func:`first_order_check`) up to which first order is enough: the top
 direction's response is (1 − e^{−τ})/τ of first order's, within 10 % there."""
 FACTORED = ("ekfac", "kfac")
+EXAMPLE_GRADIENT_BYTES = 2**30
+"""The largest micro-batch of per-example gradients (rows × parameters × bytes) :func:`example_terms` forms to score
+q > 1 directions by one backward pass per example instead of q ``jvp``\ s."""
 EXPOSURE_PER_SEGMENT = 1.0
 """The exposure per segment that :func:`first_order_check` asks the correction's segments to stay under."""
 EXPOSURE_CORRECTABLE = 2.0
@@ -211,9 +216,10 @@ def example_terms(run: StageRun, t: int, theta: dict, x: torch.Tensor, y: torch.
     """((q, |B|) ∂(g_t · ḡ_j)/∂w_z for the batch, {fixed name: (q, *shape) ∂²L_t/∂S̄∂θ · ḡ_j}) for the q directions
     ḡ_j (``direction``: name → (q, *shape)): per micro-batch, the ``jvp`` of its data term along ḡ_j, differentiated
     in the data weights (and, for a Case 1 fixed block, in it) by reverse mode through that ``jvp`` — the losses
-    themselves are forward only. An embedding's padding row is fed at the positions that feed its token as a value
-    of its own (:mod:`.padding`): constant in θ, as the step's gradient holds it, and a function of the fixed block
-    for the mixed term."""
+    themselves are forward only; without a fixed block, for q > 1 where the micro-batch's per-example gradients fit
+    :data:`EXAMPLE_GRADIENT_BYTES`, those gradients (:func:`example_gradients`) times the q directions instead. An
+    embedding's padding row is fed at the positions that feed its token as a value of its own (:mod:`.padding`):
+    constant in θ, as the step's gradient holds it, and a function of the fixed block for the mixed term."""
     fixed = {n: run.anchors[n] for n in run.frozen}
 
     def feeding(block: dict):
@@ -249,6 +255,14 @@ def example_terms(run: StageRun, t: int, theta: dict, x: torch.Tensor, y: torch.
         return torch.cat(terms), mixed
 
     q = next(iter(direction.values())).shape[0]
+    rows = max(part.stop - part.start for part, *_ in run.micro_batches(t, x.shape[0], size))
+    width = sum(v[0].numel() * v.element_size() for v in direction.values())
+    if not fixed and q > 1 and rows * width <= EXAMPLE_GRADIENT_BYTES:  # one backward per example, not q jvps
+        terms = torch.zeros(q, x.shape[0], dtype=next(iter(direction.values())).dtype, device=x.device)
+        for part, gradients in example_gradients(run, t, theta, x, y, size):
+            terms[:, part] = sum(direction[n].reshape(q, -1) @ gradients[n].reshape(gradients[n].shape[0], -1).T
+                                 .to(direction[n].dtype) for n in direction)
+        return terms, {}
     if q == 1:
         terms, mixed = column({n: v[0] for n, v in direction.items()})
         return terms.unsqueeze(0), {n: v.unsqueeze(0) for n, v in mixed.items()}
@@ -257,6 +271,36 @@ def example_terms(run: StageRun, t: int, theta: dict, x: torch.Tensor, y: torch.
     except RuntimeError:  # an operation of the model without a batching rule: one column at a time
         columns = [column({n: v[j] for n, v in direction.items()}) for j in range(q)]
         return torch.stack([c[0] for c in columns]), {n: torch.stack([c[1][n] for c in columns]) for n in fixed}
+
+
+def example_gradients(run: StageRun, t: int, theta: dict, x: torch.Tensor, y: torch.Tensor, size: int):
+    """[(rows of the batch, {name: (rows, *shape)} ∂g_t/∂w_z)] per micro-batch of step t: each example's loss
+    gradient at θ_t over the micro-batch's divisor and the accumulation, from one forward of the micro-batch as
+    it was fed (its recorded generator state and modes; an embedding's padding row as :mod:`.padding` feeds it),
+    the data term's derivative in its weights as :func:`example_terms` takes it."""
+    out = []
+    for part, rng, divisor, width in run.micro_batches(t, x.shape[0], size):
+        xp, yp = cropped(x[part], y[part], width)
+        leaves = {n: v.detach().requires_grad_() for n, v in theta.items()}
+        feeding = run.padding.feeding(run.padding.values({n: v.detach() for n, v in (run.anchors | theta).items()})) \
+            if run.padding is not None else nullcontext()
+        with replaying(rng, run.mode_list()), torch.enable_grad(), run.precision(True), feeding:
+            losses = run.stage.losses(leaves, xp, yp)
+            count = losses.shape[0]
+            try:  # every example's backward at once
+                parts = torch.autograd.grad(losses, list(leaves.values()), torch.eye(count, dtype=losses.dtype,
+                                            device=losses.device), is_grads_batched=True, retain_graph=True,
+                                            allow_unused=True, materialize_grads=True)
+            except RuntimeError:  # an operation of the model without a batching rule: one example at a time
+                each = [torch.autograd.grad(losses[i], list(leaves.values()), retain_graph=True, allow_unused=True,
+                                            materialize_grads=True)
+                        for i in range(count)]
+                parts = [torch.stack(column) for column in zip(*each)]
+        divisors = divisor if isinstance(divisor, tuple) else (count if divisor is None else divisor,)
+        scale = 1.0 / (math.prod(divisors) * run.accumulate)
+        out.append((part, {n: v.detach() * scale for n, v in zip(leaves, parts)}))
+    return out
+
 
 
 class _Curvature:

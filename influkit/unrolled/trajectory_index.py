@@ -16,16 +16,21 @@ the dimension rule of :mod:`influkit.index.projections`), orthonormal over a uni
 orthonormal rows only lower; 0 on a tensor kept whole). Same sign as :func:`~.firstorder.first_order`:
 score = d measure / d w_z, removing z predicts −score.
 
-Building never forms v_z: row c_j of C, taken as the adjoint on the final values, gives ⟨c_j, v_z⟩ for every
-example at once in one first-order pass (:func:`~.firstorder.carry`), so the D columns are D adjoint sweeps, run
-``block`` at a time (one pass carrying that many columns). A query of a record whose first b stages are the indexed
-run (checked by fingerprint) and whose later stages are a new finetune replays those stages exactly
+One stage without a regularizer or proximal term is built in one pass over its examples (:func:`example_rows`:
+the first-order carry then acts coordinate by coordinate, so v_z is a sum of each fed example's gradient times
+per-step weights from one reverse pass). Otherwise row c_j of C, taken as the adjoint on the final values, gives
+⟨c_j, v_z⟩ for every example at once in one first-order pass (:func:`~.firstorder.carry`), so the D columns are D
+adjoint sweeps, run ``block`` at a time (one pass carrying that many columns).
+
+A query of a record whose first b stages are the indexed run (checked by fingerprint) and whose later stages are a
+new finetune replays those stages exactly
 (:mod:`.metagradient`) down to the adjoint λ they hand to stage b − 1, compresses it (C λ) and takes one product
 with the stored rows; a record of the indexed stages alone (a new test set on the pretrained model) needs only λ.
 
 On disk (``directory``): ``index.safetensors`` (the settings, the indexed stages' fingerprints and sizes) and one
 file per block of columns holding each stage's rows of it. A build or an append killed part-way resumes from the
-finished block files; under ``torch.distributed`` rank r computes the blocks j ≡ r (mod R) and writes its own.
+finished block files; under ``torch.distributed`` rank r writes the blocks j ≡ r (mod R), computed by its sweeps
+or, in one pass, from the rows its share of the steps gives, summed over the ranks.
 :meth:`TrajectoryIndex.append` takes the record continued by later pretraining stages (new examples, new steps):
 the new columns come from passes through the new stages alone, each handing stage b − 1 an adjoint μ_j, and the
 old stages' rows are carried through them as ⟨C μ_j, e_z⟩ — for an exact index equal to a rebuild up to rounding,
@@ -38,7 +43,6 @@ import hashlib
 import json
 import math
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -51,13 +55,13 @@ from ..index.projections import allot, random_projection
 from ..results import InfluenceResult
 from .boundary import measure_adjoint
 from .firstorder import METHOD as FIRST_ORDER_METHOD
-from .firstorder import carry, refuse_uncovered
+from .firstorder import carry, example_gradients, refuse_uncovered
 from .journal import stage_fingerprint
 from .metagradient import METHOD as EXACT_METHOD
 from .metagradient import exact_down_to
 from .record import Record
 from .replay import start, unit_weights
-from .run import StageRun, cropped, replaying
+from .run import StageRun
 from .terms import holding
 from .trajectory import moved_frozen
 
@@ -148,7 +152,7 @@ class TrajectoryIndex:
         """The index of the first ``stages`` stages of ``record`` (default: all) in ``directory``: per example of
         each, e_z = C v_z (module docstring). dim: None (exact: D = the number of final values of the last indexed
         stage) or the numbers per example of a compressed index; seed: its random rows; block: columns per
-        first-order pass (memory: block × (parameters + optimizer state)). An unfinished build of the same record and
+        first-order sweep (memory: block × (parameters + optimizer state)) and per file. An unfinished build of the same record and
         settings in ``directory`` resumes; a directory holding another index is refused."""
         count = len(record) if stages is None else stages
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= len(record):
@@ -365,35 +369,6 @@ def example_rows(run: StageRun, compression: Compression, progress: bool) -> tor
                         rows.index_add_(0, idx[part].cpu(), compression.apply(values))
             del steps
     return distributed.all_reduce_(rows)
-
-
-def example_gradients(run: StageRun, t: int, theta: dict, x: torch.Tensor, y: torch.Tensor, size: int):
-    """[(rows of the batch, {name: (rows, *shape)} ∂g_t/∂w_z)] per micro-batch of step t: each example's loss
-    gradient at θ_t over the micro-batch's divisor and the accumulation, from one forward of the micro-batch as
-    it was fed (its recorded generator state and modes; an embedding's padding row as :mod:`.padding` feeds it),
-    the data term's derivative in its weights as :func:`~.firstorder.example_terms` takes it."""
-    out = []
-    for part, rng, divisor, width in run.micro_batches(t, x.shape[0], size):
-        xp, yp = cropped(x[part], y[part], width)
-        leaves = {n: v.detach().requires_grad_() for n, v in theta.items()}
-        feeding = run.padding.feeding(run.padding.values({n: v.detach() for n, v in (run.anchors | theta).items()})) \
-            if run.padding is not None else nullcontext()
-        with replaying(rng, run.mode_list()), torch.enable_grad(), run.precision(True), feeding:
-            losses = run.stage.losses(leaves, xp, yp)
-            count = losses.shape[0]
-            try:  # every example's backward at once
-                parts = torch.autograd.grad(losses, list(leaves.values()), torch.eye(count, dtype=losses.dtype,
-                                            device=losses.device), is_grads_batched=True, retain_graph=True,
-                                            allow_unused=True, materialize_grads=True)
-            except RuntimeError:  # an operation of the model without a batching rule: one example at a time
-                each = [torch.autograd.grad(losses[i], list(leaves.values()), retain_graph=True, allow_unused=True,
-                                            materialize_grads=True)
-                        for i in range(count)]
-                parts = [torch.stack(column) for column in zip(*each)]
-        divisors = divisor if isinstance(divisor, tuple) else (count if divisor is None else divisor,)
-        scale = 1.0 / (math.prod(divisors) * run.accumulate)
-        out.append((part, {n: v.detach() * scale for n, v in zip(leaves, parts)}))
-    return out
 
 
 def _dtype(name: str) -> torch.dtype:
