@@ -339,29 +339,32 @@ def plot_lds(frame: pd.DataFrame, path: Path) -> None:
 
 def step_cost(cfg: Config, out: Path) -> dict:
     """One process, the run itself: the plain Trainer run of both stages (sdpa's default kernel), the same with
-    sdpa's MATH backend forced, the recorded run, and the exact metagradient of the summed test loss; their CPU
-    seconds (``time.process_time``, one torch thread: a shared machine's load inflates them far less than wall-clock
-    seconds) and ratios to the plain run. The three runs alternate over ``COST_ROUNDS`` rounds and each keeps its
-    fastest. Resumable: cost.json is written after every round (``"partial": true`` until the metagradient's)."""
+    sdpa's MATH backend forced, the recorded run, the exact metagradient of the summed test loss and its first-order
+    estimate (``first_order``); their CPU seconds (``time.process_time``, one torch thread: a shared machine's load
+    inflates them far less than wall-clock seconds) and ratios to the plain run. The three runs alternate over
+    ``COST_ROUNDS`` rounds and each keeps its fastest. Resumable: cost.json is written after every round and each
+    attribution (``"partial": true`` until the metagradient's)."""
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     path = out / "cost.json"
     previous = json.loads(path.read_text()) if path.exists() else {}
-    rounds = previous.get("rounds", []) if previous.get("config") == asdict(cfg) and previous.get("partial") else []
+    same = previous.get("config") == asdict(cfg)
+    rounds = previous.get("rounds", []) if same else []
+    timed = {k: v for k, v in previous.get("seconds", {}).items() if k in ATTRIBUTIONS} if same else {}
     loaded = load(cfg)
-    train(replace(cfg, per_source=4, n_finetune=8), recorded=False)  # warm-up: first-call costs off the clock
+    if len(rounds) < COST_ROUNDS or len(timed) < len(ATTRIBUTIONS):
+        train(replace(cfg, per_source=4, n_finetune=8), recorded=False)  # warm-up: first-call costs off the clock
 
-    def write(meta: float | None) -> dict:
+    def write() -> dict:
         best = {k: min(r[k] for r in rounds) for k in rounds[0]}
         result = {"config": asdict(cfg), "clock": "process CPU seconds, one torch thread", "rounds": rounds,
-                  "seconds": best, "sdpa MATH backend / default kernel (plain runs)": best["math"] / best["plain"],
+                  "seconds": best | timed, "sdpa MATH backend / default kernel (plain runs)": best["math"] / best["plain"],
                   "recording overhead (recorded / plain)": best["recorded"] / best["plain"],
                   "machine": "shared 2-core CPU, 1 torch thread", "load": list(os.getloadavg()),
-                  "partial": meta is None}
-        if meta is not None:
-            result["seconds"] = best | {"exact metagradient (summed test loss)": meta}
-            result |= {"exact metagradient / plain Trainer run": meta / best["plain"],
-                       "recorded run + exact metagradient / plain Trainer run": (best["recorded"] + meta) / best["plain"]}
+                  "partial": EXACT not in timed}
+        for name, seconds in timed.items():
+            result[f"{name.split(' (')[0]} / plain Trainer run"] = seconds / best["plain"]
+            result[f"recorded run + {name.split(' (')[0]} / plain Trainer run"] = (best["recorded"] + seconds) / best["plain"]
         path.write_text(json.dumps(result, indent=2))
         return result
 
@@ -372,14 +375,21 @@ def step_cost(cfg: Config, out: Path) -> dict:
         math = sum(train(cfg, recorded=False, math=True, loaded=loaded).cpu_seconds.values())
         recorded = train(cfg, loaded=loaded)
         rounds.append({"plain": plain, "math": math, "recorded": sum(recorded.cpu_seconds.values())})
-        write(None)
-    recorded = recorded or train(cfg, loaded=loaded)
-    checked(recorded)
-    begin = time.process_time()
-    ik.unrolled.metagradients(recorded.record, recorded.test, progress=False)
-    return write(time.process_time() - begin)
+        write()
+    for name, attribute in ATTRIBUTIONS.items():
+        if name in timed:
+            continue
+        recorded = recorded or train(cfg, loaded=loaded)
+        checked(recorded)
+        begin = time.process_time()
+        attribute(recorded.record, recorded.test, progress=False)
+        timed[name] = time.process_time() - begin
+        write()
+    return write()
 
 
+EXACT = "exact metagradient (summed test loss)"
+ATTRIBUTIONS = {EXACT: ik.unrolled.metagradients, "first-order (summed test loss)": ik.unrolled.first_order}
 COST_ROUNDS = 2
 
 
