@@ -293,12 +293,15 @@ def step_table(out: Path) -> pd.DataFrame:
     if (out / MAGIC).exists():  # studies.minilm_full_finetune_magic's row (the bench venv's Bergson)
         magic = json.loads((out / MAGIC).read_text())
         rows_[magic["method"]] = {k: magic[k] for k in ("scores", "seconds", "peak RSS (MiB)", "note")}
+    rows_ |= {name: {"scores": [np.nan], "seconds": np.nan, "peak RSS (MiB)": np.nan, "note": why}
+              for name, why in CANNOT_RUN.items()}
     entries = [json.loads(line) for line in (out / "replays.jsonl").read_text().splitlines()]
     table = []
     for name, row in rows_.items():
         scores = np.asarray(row["scores"], dtype=float)
         scored = bool(np.isfinite(scores).all())  # a method that failed on this run: its row says why, no numbers
-        entry = {"method": name, "seconds": round(row["seconds"], 1), "peak RSS (MiB)": round(row["peak RSS (MiB)"]),
+        entry = {"method": name, "seconds": round(row["seconds"], 1),
+                 "peak RSS (MiB)": round(row["peak RSS (MiB)"]) if scored else np.nan,
                  "Pearson r with exact": float(np.corrcoef(scores, rows_["exact metagradient"]["scores"])[0, 1])
                  if scored else np.nan}
         for f in sorted({e["fraction"] for e in entries}):
@@ -315,6 +318,21 @@ def step_table(out: Path) -> pd.DataFrame:
     return frame
 
 
+CANNOT_RUN = {
+    "TrackStar (Bergson 2.5.1)": "not run: Bergson 2.5.1's pipelines (bergson.cli.trackstar, bergson.approx_unrolling) "
+    "load a model only through AutoModelForCausalLM and differentiate its next-token loss on raw text; this run's "
+    "corpus stage trained a masked-LM objective over the collator's recorded masks (all-MiniLM-L6-v2 would load as a "
+    "BertLMHeadModel decoder, another loss) and its finetune a sequence classifier.",
+    "SOURCE (Bergson 2.5.1 approx-unrolling)": "not run: as TrackStar, Bergson's approximate unrolling loads each "
+    "checkpoint through AutoModelForCausalLM and differentiates a causal LM's next-token loss, not this run's "
+    "masked-LM objective or its classifier.",
+    "DVEmb (dattri 0.3)": "not run: DVEmb scores the examples of one stage against a test loss on that stage's final "
+    "model (dattri's DVEmbAttributor caches one training loop); the corpus snippets are the first of two stages and "
+    "reach the test loss only through the finetune, which it cannot carry.",
+}
+"""The field's cheap trajectory methods that cannot score this run's corpus: the reason, in lds.csv's note."""
+
+
 def plot_lds(frame: pd.DataFrame, path: Path) -> None:
     import matplotlib
 
@@ -322,6 +340,7 @@ def plot_lds(frame: pd.DataFrame, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     columns = [c for c in frame.columns if c.startswith("LDS")]
+    frame = frame[frame[columns].notna().any(axis=1)]  # the methods that scored this run
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / max(len(columns), 1)
     for i, column in enumerate(columns):
