@@ -15,8 +15,8 @@ term's Hessians, data-free, stay exact). The term of example z fed at step t is
 the directional derivative of its loss along ḡ_t, one forward-mode ``jvp`` over the batch: no double backward and
 no per-example gradient — or, for q > 1 directions (per-test scores) where no fixed block takes the mixed term, each
 example's gradient (one backward pass each, :data:`EXAMPLE_GRADIENT_BYTES` at most per micro-batch) times the q
-directions, which costs the same for any q. A Case 1 stage's fixed block S̄ also takes the mixed term (reverse over that ``jvp``), so the
-adjoint crosses every link kind as in :mod:`.metagradient` (:func:`~.boundary.hand_over`): a fixed block (Case 1),
+directions, which costs the same for any q. A Case 1 stage's fixed block S̄ also takes the mixed term (reverse over
+that ``jvp``), so the adjoint crosses every link kind as in :mod:`.metagradient` (:func:`~.boundary.hand_over`): a fixed block (Case 1),
 a proximal one (Case 2), plain finetuning (the later stage starts from the earlier one's final weights), LoRA.
 Same sign: score = d measure / d w_z; removing z predicts −score.
 
@@ -300,7 +300,6 @@ def example_gradients(run: StageRun, t: int, theta: dict, x: torch.Tensor, y: to
         scale = 1.0 / (math.prod(divisors) * run.accumulate)
         out.append((part, {n: v.detach() * scale for n, v in zip(leaves, parts)}))
     return out
-
 
 
 class _Curvature:

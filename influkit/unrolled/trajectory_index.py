@@ -23,9 +23,8 @@ per-step weights from one reverse pass). Otherwise row c_j of C, taken as the ad
 adjoint sweeps, run ``block`` at a time (one pass carrying that many columns).
 
 A query of a record whose first b stages are the indexed run (checked by fingerprint) and whose later stages are a
-new finetune replays those stages exactly
-(:mod:`.metagradient`) down to the adjoint λ they hand to stage b − 1, compresses it (C λ) and takes one product
-with the stored rows; a record of the indexed stages alone (a new test set on the pretrained model) needs only λ.
+new finetune replays those stages exactly (:mod:`.metagradient`) down to the adjoint λ they hand to stage b − 1,
+compresses it (C λ) and takes one product with the stored rows; a record of the indexed stages alone (a new test set on the pretrained model) needs only λ.
 
 On disk (``directory``): ``index.safetensors`` (the settings, the indexed stages' fingerprints and sizes) and one
 file per block of columns holding each stage's rows of it. A build or an append killed part-way resumes from the
@@ -152,8 +151,8 @@ class TrajectoryIndex:
         """The index of the first ``stages`` stages of ``record`` (default: all) in ``directory``: per example of
         each, e_z = C v_z (module docstring). dim: None (exact: D = the number of final values of the last indexed
         stage) or the numbers per example of a compressed index; seed: its random rows; block: columns per
-        first-order sweep (memory: block × (parameters + optimizer state)) and per file. An unfinished build of the same record and
-        settings in ``directory`` resumes; a directory holding another index is refused."""
+        first-order sweep (memory: block × (parameters + optimizer state)) and per file. An unfinished build of the
+        same record and settings in ``directory`` resumes; a directory holding another index is refused."""
         count = len(record) if stages is None else stages
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= len(record):
             raise InputError(f"stages must be a whole number in [1, {len(record)}] (how many leading stages of the "
