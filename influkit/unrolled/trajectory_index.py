@@ -126,6 +126,7 @@ class TrajectoryIndex:
                              "ik.unrolled.TrajectoryIndex.build(record, directory).")
         self.manifest = files.read(self.directory / MANIFEST, KIND)[1]
         self.blocks = {"computed": 0, "reused": 0}  # of the last build or append in this process
+        self._compression: tuple[int, Compression] | None = None
 
     def __repr__(self) -> str:
         m = self.manifest
@@ -237,10 +238,13 @@ class TrajectoryIndex:
         return self
 
     def compression(self) -> Compression:
-        """The index's C over the last indexed stage's final values."""
+        """The index's C over the last indexed stage's final values (drawn once per generation of the index and
+        kept: a query reuses it)."""
         m = self.manifest
-        return Compression({n: tuple(s) for n, s in zip(m["names"], m["shapes"])}, m["dim"], m["seed"],
-                           _dtype(m["dtype"]))
+        if self._compression is None or self._compression[0] != m["generation"]:
+            self._compression = (m["generation"], Compression({n: tuple(s) for n, s in zip(m["names"], m["shapes"])},
+                                                              m["dim"], m["seed"], _dtype(m["dtype"])))
+        return self._compression[1]
 
     def entries(self) -> list[torch.Tensor]:
         """Per indexed stage, its (n_k, D) rows e_z."""
