@@ -298,7 +298,7 @@ class Groups:
         g, bar = [grads[n] for n in names], [clipped_bar[n] for n in names]
         lead = bar[0].shape[:bar[0].dim() - g[0].dim()]
         coefficient, slopes = self.clip_slopes(grads, max_norm, norm_type, order)
-        coefficient_bar = torch.cat([b.reshape(*lead, -1) for b in bar], -1) @ torch.cat([v.reshape(-1) for v in g])
+        coefficient_bar = _summed_dots(bar, g, lead)
         out = torch._foreach_mul(bar, coefficient)
         torch._foreach_addcmul_(out, [coefficient_bar.reshape(*lead, *[1] * v.dim()) for v in g], slopes)
         return dict(zip(names, out))
@@ -311,7 +311,7 @@ class Groups:
         g, d = [grads[n] for n in names], [tangent[n] for n in names]
         lead = d[0].shape[:d[0].dim() - g[0].dim()]
         coefficient, slopes = self.clip_slopes(grads, max_norm, norm_type, order)
-        along = torch.cat([v.reshape(*lead, -1) for v in d], -1) @ torch.cat([s.reshape(-1) for s in slopes])
+        along = _summed_dots(d, slopes, lead)
         out = torch._foreach_mul(d, coefficient)
         torch._foreach_addcmul_(out, [along.reshape(*lead, *[1] * v.dim()) for v in g], g)
         return dict(zip(names, out))
@@ -428,6 +428,12 @@ def torch_state(optimizer: torch.optim.Optimizer, groups: Groups, names: dict[in
                 if value is not None:
                     state.setdefault(slot, {})[names[id(p)]] = value.detach().clone()
     return state
+
+
+def _summed_dots(tensors: list[torch.Tensor], others: list[torch.Tensor], lead: torch.Size) -> torch.Tensor:
+    """Σ_i ⟨tensors_i, others_i⟩ over each tensor's own dimensions (``tensors`` may carry the leading ``lead``), one
+    product per tensor: no concatenated copy of either."""
+    return sum(t.reshape(*lead, -1) @ o.reshape(-1) for t, o in zip(tensors, others))
 
 
 Optimizer = SGD | Adam | Groups
