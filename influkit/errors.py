@@ -96,6 +96,11 @@ class VectorizationWarning(UserWarning):
     """A loss could not be vectorized with ``torch.func.vmap`` and runs in a (slower) per-example loop instead."""
 
 
+class ProjectionNoiseWarning(UserWarning):
+    """A compressed index's random projection adds noise of the order of the scores themselves; the message gives
+    the bound and the index that removes it."""
+
+
 class FileFormatError(InfluenceError, ValueError):
     """A file that is not an influkit file of the expected kind, or that was modified after it was written."""
 

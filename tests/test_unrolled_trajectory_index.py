@@ -228,6 +228,40 @@ def test_a_stage_without_a_regularizer_is_indexed_in_one_pass_equal_to_the_colum
           ik.unrolled.first_order(record, TEST, per_test=True, progress=False)[0].values)
 
 
+def test_a_one_pass_index_bounds_its_projection_noise_and_warns_where_it_swamps_the_scores(tmp_path, monkeypatch):
+    """The noise bound σ_z of a compressed one-pass index holds on average over seeds (E[err²] ≤ σ², Markov over 4
+    seeds), warns where the bound is the scores' size and names the exact index, which has none; a sweep-built one
+    says its noise is unchecked."""
+    record = unregularized(AdamW(lr=0.05))
+    exact = TrajectoryIndex.build(record, tmp_path / "exact", progress=False)
+    truth = exact.scores(record, TEST, per_test=True, progress=False)[0]
+    assert truth.diagnostics["index"]["noise"] == {"bound": "exact"}
+    ratios = []
+    for seed in range(4):
+        small = TrajectoryIndex.build(record, tmp_path / f"seed{seed}", dim=8, seed=seed, progress=False)
+        with pytest.warns(ik.ProjectionNoiseWarning, match="dim=None"):
+            got = small.scores(record, TEST, per_test=True, progress=False)[0]
+        noise = got.diagnostics["index"]["noise"]
+        assert noise["bound"] == "checked" and noise["share"] > module.NOISE_SHARE
+        adjoint, q, _ = measure_adjoint(record, TEST, True)
+        c = small.compression()
+        lam = {n: adjoint[n].reshape(q, -1).double().pow(2).sum(1) for n in adjoint}
+        rows, offset, bound = exact.entries()[0], 0, torch.zeros(rows_count := len(record.runs[0].stage), q)
+        for n, projection in c.projections.items():
+            size = math.prod(c.shapes[n])
+            if projection is not None:
+                bound += 2 * rows[:, offset:offset + size].pow(2).sum(1, keepdim=True) * lam[n][None] / projection.shape[0]
+            offset += size
+        assert rows_count == got.values.shape[0]
+        ratios.append(float(((got.values - truth.values) ** 2).sum() / bound.sum()))
+    assert sum(ratios) / len(ratios) <= 3, ratios
+    wide = TrajectoryIndex.build(record, tmp_path / "wide", dim=10**4, progress=False)  # every tensor kept whole
+    assert wide.scores(record, TEST, progress=False)[0].diagnostics["index"]["noise"]["share"] == 0.0
+    monkeypatch.setattr(module, "by_examples", lambda indexed: False)
+    swept = TrajectoryIndex.build(record, tmp_path / "swept", dim=8, progress=False)
+    assert swept.scores(record, TEST, progress=False)[0].diagnostics["index"]["noise"]["bound"] == "unchecked"
+
+
 def test_a_trainer_run_is_indexed_in_one_pass_as_first_order_scores_it(tmp_path):
     """A Trainer's masked-LM run at its defaults but for the accumulation (2 micro-batches a step), with dropout, a
     collator that masks every batch anew, clipping at 0.5 and two epochs: the one-pass index (each example's

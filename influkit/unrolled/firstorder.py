@@ -68,7 +68,7 @@ direction's response is (1 − e^{−τ})/τ of first order's, within 10 % there
 FACTORED = ("ekfac", "kfac")
 EXAMPLE_GRADIENT_BYTES = 2**30
 """The largest micro-batch of per-example gradients (rows × parameters × bytes) :func:`example_terms` forms to score
-q > 1 directions by one backward pass per example instead of q ``jvp``\ s."""
+q > 1 directions by one backward pass per example instead of one ``jvp`` per direction."""
 EXPOSURE_PER_SEGMENT = 1.0
 """The exposure per segment that :func:`first_order_check` asks the correction's segments to stay under."""
 EXPOSURE_CORRECTABLE = 2.0

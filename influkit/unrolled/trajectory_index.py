@@ -42,6 +42,7 @@ import hashlib
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -49,7 +50,7 @@ from tqdm.auto import tqdm
 
 from .. import distributed, files
 from ..chain import Measure
-from ..errors import IndexMismatchError, InputError
+from ..errors import IndexMismatchError, InputError, ProjectionNoiseWarning
 from ..index.projections import allot, random_projection
 from ..results import InfluenceResult
 from .boundary import measure_adjoint
@@ -64,8 +65,11 @@ from .run import StageRun
 from .terms import holding
 from .trajectory import moved_frozen
 
-KIND, BLOCK_KIND = "trajectory-index", "trajectory-index-block"
-MANIFEST = "index.safetensors"
+KIND, BLOCK_KIND, NORMS_KIND = "trajectory-index", "trajectory-index-block", "trajectory-index-norms"
+MANIFEST, NORMS = "index.safetensors", "norms.safetensors"
+NOISE_SHARE = 0.5
+"""A compressed index warns (:class:`~influkit.errors.ProjectionNoiseWarning`) where the median of its scores' noise
+bound exceeds this share of their median magnitude."""
 FORMAT_VERSION = 1
 METHOD = "unrolled first-order (trajectory index)"
 FINETUNES = ("exact", "first-order")
@@ -189,7 +193,9 @@ class TrajectoryIndex:
         device = next(iter(final.values())).device
 
         if by_examples(indexed):  # every column in one pass over the examples (each rank: its share of steps)
-            rows = example_rows(indexed.runs[0], compression, progress)
+            rows, norms = example_rows(indexed.runs[0], compression, progress)
+            if distributed.rank() == 0:
+                files.write(directory / NORMS, NORMS_KIND, {"norms": norms}, {"job": _job(manifest)})
 
             def columns(first: int, stop: int) -> list[torch.Tensor]:
                 return [rows[:, first:stop]]
@@ -233,6 +239,8 @@ class TrajectoryIndex:
             return [r @ carried.to(r.dtype) for r in rows] + scores[b:]
 
         done = _compute(self.directory, manifest, columns, progress)
+        if distributed.rank() == 0:  # the carried rows' norms are not known: the noise goes unchecked
+            (self.directory / NORMS).unlink(missing_ok=True)
         _finish(self.directory, manifest, drop=old)
         self.manifest, self.blocks = files.read(self.directory / MANIFEST, KIND)[1], done
         return self
@@ -288,7 +296,8 @@ class TrajectoryIndex:
         seconds = {f"{finetune} pass (later stages)": replayed - began, "index pass": time.perf_counter() - replayed}
         diagnostics = {"seconds": seconds, "settings": {"measure_outputs": int(outputs), "per_test": per_test},
                        "index": {"directory": str(self.directory), "width": self.width, "exact": m["dim"] is None,
-                                 "bytes_per_example": self.bytes_per_example, "indexed_stages": b}}
+                                 "bytes_per_example": self.bytes_per_example, "indexed_stages": b,
+                                 "noise": self.noise(adjoint, values)}}
         results = []
         for k, run in enumerate(record.runs):
             v = values[k] if k < b else later[k]
@@ -297,6 +306,36 @@ class TrajectoryIndex:
                                            method=f"{method}, stage {k}",
                                            removal_eps=-1.0, diagnostics=diagnostics | {"stage": k}))
         return results
+
+    def noise(self, adjoint: dict, values: list[torch.Tensor]) -> dict:
+        """The projection's noise on the scores ``values`` (per indexed stage, (n_k, q)) of the adjoint λ ({name:
+        (q, *shape)}), from the build's per-example norms: the standard deviation of ⟨C λ, e_z⟩ around ⟨λ, v_z⟩ is at
+        most σ_z = (2 Σ_n ‖λ_n‖² ‖v_{z,n}‖² / k_n)^½ over the compressed tensors n (the variance bound of the module
+        docstring, ⟨λ_n, v_{z,n}⟩² ≤ ‖λ_n‖² ‖v_{z,n}‖²), with ‖v_{z,n}‖ bounded by the sum of its steps' norms (equal for
+        an example fed once). {"bound": "exact" | "unchecked" (a build by sweeps or an append keeps no norms) |
+        "checked", "median_sd_bound", "median_abs_score", "share"}; a share above :data:`NOISE_SHARE` warns."""
+        m = self.manifest
+        if m["dim"] is None:
+            return {"bound": "exact"}
+        if not (self.directory / NORMS).is_file():
+            return {"bound": "unchecked", "why": "built by column sweeps or appended: no per-example norms kept"}
+        norms = files.read(self.directory / NORMS, NORMS_KIND)[0]["norms"]  # (n, T) Σ_t ‖u_{z,t,n}‖
+        c = self.compression()
+        variance = torch.zeros(norms.shape[0], next(iter(adjoint.values())).shape[0], dtype=torch.float64)
+        for j, (name, projection) in enumerate(c.projections.items()):
+            if projection is not None and name in adjoint:
+                lam = adjoint[name].reshape(adjoint[name].shape[0], -1).double().pow(2).sum(1).cpu()
+                variance += 2 * norms[:, j:j + 1].double().pow(2) * lam[None, :] / projection.shape[0]
+        sd, scores = variance.sqrt(), values[0].detach().double().abs().cpu()
+        share = float(sd.median() / scores.median()) if float(scores.median()) > 0 else math.inf
+        if share > NOISE_SHARE:
+            warnings.warn(f"the trajectory index's random projection (D = {self.width}) adds noise whose bound "
+                          f"(median sd {float(sd.median()):.3g}) is {share:.3g}× the median |score| "
+                          f"({float(scores.median()):.3g}): its scores are mostly noise. Build with dim=None (exact: "
+                          f"{sum(math.prod(v) for v in c.shapes.values())} numbers per example) or a larger dim "
+                          f"(the noise falls as 1/√dim).", ProjectionNoiseWarning, stacklevel=3)
+        return {"bound": "checked", "median_sd_bound": float(sd.median()),
+                "median_abs_score": float(scores.median()), "share": share}
 
     def _require(self, record: Record) -> dict:
         """The manifest, once the index is complete and ``record``'s leading stages are the indexed run."""
@@ -324,8 +363,9 @@ def by_examples(indexed: Record) -> bool:
     return len(indexed) == 1 and run.stage.regularizer is None and not run.alpha
 
 
-def example_rows(run: StageRun, compression: Compression, progress: bool) -> torch.Tensor:
-    """(n, D) every example's e_z = C v_z of a stage that :func:`by_examples` takes, in one pass.
+def example_rows(run: StageRun, compression: Compression, progress: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """((n, D) every example's e_z = C v_z of a stage that :func:`by_examples` takes, in one pass; (n, T) per tensor
+    Σ_t ‖u_{z,t}‖ ≥ ‖v_z‖ of its steps' terms u_{z,t}, for :meth:`TrajectoryIndex.noise`).
 
     Without a regularizer the first-order pullback of each step (θ̄_{t+1}, s̄_{t+1}) ↦ (θ̄_t, s̄_t, ḡ'_t) (ḡ'_t the
     cotangent of the clipped gradient) acts coordinate by coordinate, so from θ̄_T = c it is (a_t ⊙ c, b_t ⊙ c,
@@ -339,6 +379,7 @@ def example_rows(run: StageRun, compression: Compression, progress: bool) -> tor
     anchors = run.anchors
     final = run.checkpoints[run.steps][0]
     rows = torch.zeros(len(run.stage), compression.width, dtype=compression.dtype)
+    norms = torch.zeros(len(run.stage), len(compression.shapes), dtype=torch.float64)  # Σ_t ‖u_{z,t,n}‖
     theta_bar, state_bar = {n: torch.ones_like(v) for n, v in final.items()}, None
     mine = lambda t: t % distributed.world_size() == distributed.rank()  # noqa: E731
     with holding(run.stage.model, moved_frozen(run)):
@@ -370,8 +411,12 @@ def example_rows(run: StageRun, compression: Compression, progress: bool) -> tor
                         moved = run.clip_tangent(t, g, gradients)
                         values = {n: slope[n] * moved[n] for n in moved}
                         rows.index_add_(0, idx[part].cpu(), compression.apply(values))
+                        norms.index_add_(0, idx[part].cpu(), torch.stack(
+                            [values[n].reshape(values[n].shape[0], -1).double().norm(dim=1).cpu()
+                             if n in values else torch.zeros(values[next(iter(values))].shape[0], dtype=torch.float64)
+                             for n in compression.shapes], dim=1))
             del steps
-    return distributed.all_reduce_(rows)
+    return distributed.all_reduce_(rows), distributed.all_reduce_(norms)
 
 
 def _dtype(name: str) -> torch.dtype:
