@@ -594,6 +594,7 @@ def step_index(cfg: Config, out: Path, dims: tuple[int, ...]) -> dict:
             write_row(out, name, summed(results), seconds, rss.peak)
             table[key]["queries"][finetune] = {"row": name, "seconds": seconds, "cpu_seconds": cpu,
                                                "parts (seconds)": results[0].diagnostics["seconds"],
+                                               "noise": results[0].diagnostics["index"]["noise"],
                                                "peak RSS (MiB)": rss.peak}
             path.write_text(json.dumps(table, indent=1))
             print(f"{name}: {seconds:.0f} s ({cpu:.0f} CPU s)", flush=True)
@@ -618,6 +619,8 @@ def index_table(out: Path) -> pd.DataFrame:
                    "exact metagradient CPU seconds / query's": exact_cpu / query["cpu_seconds"]}
             row |= {f"{finetune} pass seconds" if k.startswith(finetune) else k: v
                     for k, v in query["parts (seconds)"].items()}
+            noise = query.get("noise", {"bound": "not recorded"})
+            row |= {"noise bound": noise["bound"], "median noise sd bound / median |score|": noise.get("share")}
             for c in columns:
                 row[c] = lds.loc[query["row"], c]
                 row[f"{c} − first order's"] = lds.loc[query["row"], c] - lds.loc[FIRST_ORDER, c]
