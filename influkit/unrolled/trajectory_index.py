@@ -308,12 +308,13 @@ class TrajectoryIndex:
         return results
 
     def noise(self, adjoint: dict, values: list[torch.Tensor]) -> dict:
-        """The projection's noise on the scores ``values`` (per indexed stage, (n_k, q)) of the adjoint λ ({name:
-        (q, *shape)}), from the build's per-example norms: the standard deviation of ⟨C λ, e_z⟩ around ⟨λ, v_z⟩ is at
-        most σ_z = (2 Σ_n ‖λ_n‖² ‖v_{z,n}‖² / k_n)^½ over the compressed tensors n (the variance bound of the module
-        docstring, ⟨λ_n, v_{z,n}⟩² ≤ ‖λ_n‖² ‖v_{z,n}‖²), with ‖v_{z,n}‖ bounded by the sum of its steps' norms (equal for
-        an example fed once). {"bound": "exact" | "unchecked" (a build by sweeps or an append keeps no norms) |
-        "checked", "median_sd_bound", "median_abs_score", "share"}; a share above :data:`NOISE_SHARE` warns."""
+        """The projection's noise on the scores ``values`` (per indexed stage, (n_k, q)) of the adjoint λ
+        (``{name: (q, *shape)}``), from the build's per-example norms: the standard deviation of ⟨C λ, e_z⟩ around
+        ⟨λ, v_z⟩ is at most σ_z = (2 Σ_n ‖λ_n‖² ‖v_{z,n}‖² / k_n)^½ over the compressed tensors n (the variance bound
+        of the module docstring, with ⟨λ_n, v_{z,n}⟩² ≤ ‖λ_n‖² ‖v_{z,n}‖²), ‖v_{z,n}‖ bounded by the sum of its steps'
+        norms (equal for an example fed once). Returns ``{"bound": "exact" | "unchecked" | "checked", ...}``
+        ("unchecked": a build by sweeps or an append keeps no norms; "checked" adds ``median_sd_bound``,
+        ``median_abs_score`` and their ratio ``share``); a share above :data:`NOISE_SHARE` warns."""
         m = self.manifest
         if m["dim"] is None:
             return {"bound": "exact"}
