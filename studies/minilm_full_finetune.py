@@ -341,7 +341,7 @@ def plot_lds(frame: pd.DataFrame, path: Path) -> None:
 
     columns = [c for c in frame.columns if c.startswith("LDS")]
     frame = frame[frame[columns].notna().any(axis=1)]  # the methods that scored this run
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 1.6 + 0.42 * len(frame)))
     width = 0.8 / max(len(columns), 1)
     for i, column in enumerate(columns):
         ax.barh(np.arange(len(frame)) + i * width, frame[column].fillna(0), height=width, label=column)
@@ -349,8 +349,8 @@ def plot_lds(frame: pd.DataFrame, path: Path) -> None:
     ax.invert_yaxis()
     ax.axvline(0, color="black", linewidth=0.5)
     ax.set_xlabel("replay LDS of the summed test loss (Spearman)")
-    ax.set_title("all-MiniLM-L6-v2: 100 masked-LM + 40 full-finetuning steps, 800 corpus snippets", fontsize=9)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("all-MiniLM-L6-v2: 100 masked-LM + 40 full-finetuning steps,\n800 corpus snippets", fontsize=9)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(columns), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
