@@ -402,20 +402,18 @@ def example_rows(run: StageRun, compression: Compression, progress: bool) -> tup
                 theta, state = new
             for t, theta_t, state_t, g, clipped, new in reversed(steps):
                 with torch.no_grad():
-                    theta_bar, state_bar, slope = run.optimizer.pullback(theta_t, state_t, clipped, run.lrs[t], t + 1,
-                                                                         new, (theta_bar, state_bar))
+                    theta_bar, state_bar, weights = run.optimizer.pullback(theta_t, state_t, clipped, run.lrs[t],
+                                                                           t + 1, new, (theta_bar, state_bar))
                 if not mine(t):
                     continue
                 idx, x, y = run.batch(t)
                 for part, gradients in example_gradients(run, t, theta_t, x, y, idx.numel()):
                     with torch.no_grad():
                         moved = run.clip_tangent(t, g, gradients)
-                        values = {n: slope[n] * moved[n] for n in moved}
+                        values = {n: weights[n] * moved[n] for n in moved}  # e_t ⊙ J ∂g_t/∂w_z
                         rows.index_add_(0, idx[part].cpu(), compression.apply(values))
                         norms.index_add_(0, idx[part].cpu(), torch.stack(
-                            [values[n].reshape(values[n].shape[0], -1).double().norm(dim=1).cpu()
-                             if n in values else torch.zeros(values[next(iter(values))].shape[0], dtype=torch.float64)
-                             for n in compression.shapes], dim=1))
+                            [values[n].flatten(1).double().norm(dim=1).cpu() for n in compression.shapes], dim=1))
             del steps
     return distributed.all_reduce_(rows), distributed.all_reduce_(norms)
 
