@@ -236,6 +236,7 @@ def test_a_one_pass_index_bounds_its_projection_noise_and_warns_where_it_swamps_
     exact = TrajectoryIndex.build(record, tmp_path / "exact", progress=False)
     truth = exact.scores(record, TEST, per_test=True, progress=False)[0]
     assert truth.diagnostics["index"]["noise"] == {"bound": "exact"}
+    assert truth.diagnostics["index"]["replay"]["max_error"] == 0.0
     ratios = []
     for seed in range(4):
         small = TrajectoryIndex.build(record, tmp_path / f"seed{seed}", dim=8, seed=seed, progress=False)
@@ -260,6 +261,20 @@ def test_a_one_pass_index_bounds_its_projection_noise_and_warns_where_it_swamps_
     monkeypatch.setattr(module, "by_examples", lambda indexed: False)
     swept = TrajectoryIndex.build(record, tmp_path / "swept", dim=8, progress=False)
     assert swept.scores(record, TEST, progress=False)[0].diagnostics["index"]["noise"]["bound"] == "unchecked"
+
+
+def test_a_record_that_does_not_replay_says_so_in_every_query(tmp_path):
+    """A checkpoint that the recorded steps do not reach (here: moved by 1e-3 after recording) shows in the one-pass
+    build's replay check, reported by each query; a sweep-built index says it kept none."""
+    record = unregularized(AdamW(lr=0.05))
+    run = record.runs[0]
+    name = next(iter(run.checkpoints[4][0]))
+    run.checkpoints[4][0][name] = run.checkpoints[4][0][name] + 1e-3
+    index = TrajectoryIndex.build(record, tmp_path / "moved", progress=False)
+    replay = index.scores(record, TEST, progress=False)[0].diagnostics["index"]["replay"]
+    assert replay["max_error"] >= 1e-3 * (1 - 1e-9)  # the segment that ends there, and the one that starts there
+    swept = TrajectoryIndex.build(pretrained(), tmp_path / "swept", progress=False)
+    assert swept.replay()["max_error"] is None
 
 
 def test_a_trainer_run_is_indexed_in_one_pass_as_first_order_scores_it(tmp_path):

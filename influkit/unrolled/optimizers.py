@@ -295,26 +295,18 @@ class Groups:
         """ḡ: the cotangents ``clipped_bar`` of :meth:`clip`'s outputs (a leading dimension q allowed) pulled back to
         its inputs, ḡ_i = c ḡ'_i + (Σ_j ⟨ḡ'_j, g_j⟩) ∂c/∂g_i with c = :meth:`clip_coefficient` (:meth:`clip_slopes`)."""
         names = list(grads)
-        g, bar = [grads[n] for n in names], [clipped_bar[n] for n in names]
-        lead = bar[0].shape[:bar[0].dim() - g[0].dim()]
         coefficient, slopes = self.clip_slopes(grads, max_norm, norm_type, order)
-        coefficient_bar = _summed_dots(bar, g, lead)
-        out = torch._foreach_mul(bar, coefficient)
-        torch._foreach_addcmul_(out, [coefficient_bar.reshape(*lead, *[1] * v.dim()) for v in g], slopes)
-        return dict(zip(names, out))
+        return dict(zip(names, _scaled_plus_rank_one([clipped_bar[n] for n in names], coefficient,
+                                                     [grads[n] for n in names], slopes)))
 
     def clip_tangent(self, grads: Tensors, tangent: Tensors, max_norm: float, norm_type: float,
                      order: list[str] | None = None) -> Tensors:
         """J δ: the Jacobian of :meth:`clip` at ``grads`` applied to tangents δ (a leading dimension allowed),
         (J δ)_i = c δ_i + (Σ_j ⟨∂c/∂g_j, δ_j⟩) g_i — the transpose of :meth:`clip_pullback`."""
         names = list(grads)
-        g, d = [grads[n] for n in names], [tangent[n] for n in names]
-        lead = d[0].shape[:d[0].dim() - g[0].dim()]
         coefficient, slopes = self.clip_slopes(grads, max_norm, norm_type, order)
-        along = _summed_dots(d, slopes, lead)
-        out = torch._foreach_mul(d, coefficient)
-        torch._foreach_addcmul_(out, [along.reshape(*lead, *[1] * v.dim()) for v in g], g)
-        return dict(zip(names, out))
+        return dict(zip(names, _scaled_plus_rank_one([tangent[n] for n in names], coefficient, slopes,
+                                                     [grads[n] for n in names])))
 
     def clip_slopes(self, grads: Tensors, max_norm: float, norm_type: float,
                     order: list[str] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -430,10 +422,16 @@ def torch_state(optimizer: torch.optim.Optimizer, groups: Groups, names: dict[in
     return state
 
 
-def _summed_dots(tensors: list[torch.Tensor], others: list[torch.Tensor], lead: torch.Size) -> torch.Tensor:
-    """Σ_i ⟨tensors_i, others_i⟩ over each tensor's own dimensions (``tensors`` may carry the leading ``lead``), one
-    product per tensor: no concatenated copy of either."""
-    return sum(t.reshape(*lead, -1) @ o.reshape(-1) for t, o in zip(tensors, others))
+def _scaled_plus_rank_one(x: list[torch.Tensor], c: torch.Tensor, u: list[torch.Tensor],
+                          w: list[torch.Tensor]) -> list[torch.Tensor]:
+    """c x_i + (Σ_j ⟨x_j, u_j⟩) w_i for tensors x_i that may carry a leading dimension (u, w without it): the
+    clipping's Jacobian (u = ∂c/∂g, w = g) and its transpose (u = g, w = ∂c/∂g). Dot products per tensor, summed: no
+    concatenated copy."""
+    lead = x[0].shape[:x[0].dim() - u[0].dim()]
+    along = sum(t.reshape(*lead, -1) @ o.reshape(-1) for t, o in zip(x, u))
+    out = torch._foreach_mul(x, c)
+    torch._foreach_addcmul_(out, [along.reshape(*lead, *[1] * v.dim()) for v in w], w)
+    return out
 
 
 Optimizer = SGD | Adam | Groups

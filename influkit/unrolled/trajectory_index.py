@@ -60,7 +60,7 @@ from .journal import stage_fingerprint
 from .metagradient import METHOD as EXACT_METHOD
 from .metagradient import exact_down_to
 from .record import Record
-from .replay import start, unit_weights
+from .replay import deviation, start, unit_weights
 from .run import StageRun
 from .terms import holding
 from .trajectory import moved_frozen
@@ -193,9 +193,10 @@ class TrajectoryIndex:
         device = next(iter(final.values())).device
 
         if by_examples(indexed):  # every column in one pass over the examples (each rank: its share of steps)
-            rows, norms = example_rows(indexed.runs[0], compression, progress)
+            rows, norms, error = example_rows(indexed.runs[0], compression, progress)
             if distributed.rank() == 0:
-                files.write(directory / NORMS, NORMS_KIND, {"norms": norms}, {"job": _job(manifest)})
+                files.write(directory / NORMS, NORMS_KIND, {"norms": norms},
+                            {"job": _job(manifest), "replay_max_error": error})
 
             def columns(first: int, stop: int) -> list[torch.Tensor]:
                 return [rows[:, first:stop]]
@@ -297,7 +298,7 @@ class TrajectoryIndex:
         diagnostics = {"seconds": seconds, "settings": {"measure_outputs": int(outputs), "per_test": per_test},
                        "index": {"directory": str(self.directory), "width": self.width, "exact": m["dim"] is None,
                                  "bytes_per_example": self.bytes_per_example, "indexed_stages": b,
-                                 "noise": self.noise(adjoint, values)}}
+                                 "noise": self.noise(adjoint, values), "replay": self.replay()}}
         results = []
         for k, run in enumerate(record.runs):
             v = values[k] if k < b else later[k]
@@ -306,6 +307,15 @@ class TrajectoryIndex:
                                            method=f"{method}, stage {k}",
                                            removal_eps=-1.0, diagnostics=diagnostics | {"stage": k}))
         return results
+
+    def replay(self) -> dict:
+        """What the build checked of the record's replay: {"max_error": the largest deviation of the replayed steps
+        from the recorded checkpoints (0.0: the run reproduced bit for bit), "checked": what} — or, for an index
+        built by sweeps or appended, that it was not kept."""
+        if not (self.directory / NORMS).is_file():
+            return {"max_error": None, "checked": "not kept (built by column sweeps or appended)"}
+        meta = files.read(self.directory / NORMS, NORMS_KIND)[1]
+        return {"max_error": meta["replay_max_error"], "checked": "every segment's replayed end vs its checkpoint"}
 
     def noise(self, adjoint: dict, values: list[torch.Tensor]) -> dict:
         """The projection's noise on the scores ``values`` (per indexed stage, (n_k, q)) of the adjoint λ
@@ -364,9 +374,11 @@ def by_examples(indexed: Record) -> bool:
     return len(indexed) == 1 and run.stage.regularizer is None and not run.alpha
 
 
-def example_rows(run: StageRun, compression: Compression, progress: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def example_rows(run: StageRun, compression: Compression,
+                 progress: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
     """((n, D) every example's e_z = C v_z of a stage that :func:`by_examples` takes, in one pass; (n, T) per tensor
-    Σ_t ‖u_{z,t}‖ ≥ ‖v_z‖ of its steps' terms u_{z,t}, for :meth:`TrajectoryIndex.noise`).
+    Σ_t ‖u_{z,t}‖ ≥ ‖v_z‖ of its steps' terms u_{z,t}, for :meth:`TrajectoryIndex.noise`; the replay's largest
+    deviation from the recorded checkpoints, 0.0 where it reproduced the run).
 
     Without a regularizer the first-order pullback of each step (θ̄_{t+1}, s̄_{t+1}) ↦ (θ̄_t, s̄_t, ḡ'_t) (ḡ'_t the
     cotangent of the clipped gradient) acts coordinate by coordinate, so from θ̄_T = c it is (a_t ⊙ c, b_t ⊙ c,
@@ -381,7 +393,7 @@ def example_rows(run: StageRun, compression: Compression, progress: bool) -> tup
     final = run.checkpoints[run.steps][0]
     rows = torch.zeros(len(run.stage), compression.width, dtype=compression.dtype)
     norms = torch.zeros(len(run.stage), len(compression.shapes), dtype=torch.float64)  # Σ_t ‖u_{z,t,n}‖
-    theta_bar, state_bar = {n: torch.ones_like(v) for n, v in final.items()}, None
+    theta_bar, state_bar, error = {n: torch.ones_like(v) for n, v in final.items()}, None, 0.0
     mine = lambda t: t % distributed.world_size() == distributed.rank()  # noqa: E731
     with holding(run.stage.model, moved_frozen(run)):
         for a, b in tqdm(list(reversed(run.segments())), desc="trajectory index", disable=not progress,
@@ -400,6 +412,7 @@ def example_rows(run: StageRun, compression: Compression, progress: bool) -> tup
                     new = run.optimizer.update(theta, state, clipped, run.lrs[t], t + 1)
                 steps.append((t, theta, state, g, clipped, new))
                 theta, state = new
+            error = max(error, deviation((theta, state), run.checkpoints[b]))
             for t, theta_t, state_t, g, clipped, new in reversed(steps):
                 with torch.no_grad():
                     theta_bar, state_bar, weights = run.optimizer.pullback(theta_t, state_t, clipped, run.lrs[t],
@@ -415,7 +428,7 @@ def example_rows(run: StageRun, compression: Compression, progress: bool) -> tup
                         norms.index_add_(0, idx[part].cpu(), torch.stack(
                             [values[n].flatten(1).double().norm(dim=1).cpu() for n in compression.shapes], dim=1))
             del steps
-    return distributed.all_reduce_(rows), distributed.all_reduce_(norms)
+    return distributed.all_reduce_(rows), distributed.all_reduce_(norms), error
 
 
 def _dtype(name: str) -> torch.dtype:
